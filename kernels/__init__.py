@@ -1,0 +1,1 @@
+"""Triton kernels (pure data movement, no policy). Installed as ``kvtriton.kernels``."""

@@ -1,0 +1,29 @@
+"""kvtriton: hetero-TP KV-cache transfer between prefill and decode engines over NIXL."""
+
+from .errors import (
+    IncompatibleRemoteError,
+    KVTritonError,
+    LaunchError,
+    PeerDisconnectedError,
+    PlanError,
+    ProtocolError,
+    RegionError,
+    RequestRejectedError,
+    StagingError,
+    TopologyError,
+    TransferTimeoutError,
+    TransportError,
+)
+from .plan import CostModel, Mode, Segment, StagedRead, TransferPlan, build_plan, compact_request, direct_runs
+from .regions import Kind, Layout, Region, RegionSpec, classify_layer
+from .topology import head_range, replicate_sources, split_sources
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CostModel", "IncompatibleRemoteError", "KVTritonError", "Kind", "LaunchError", "Layout", "Mode",
+    "PeerDisconnectedError", "PlanError", "ProtocolError", "Region", "RegionError", "RegionSpec",
+    "RequestRejectedError", "Segment", "StagedRead", "StagingError", "TopologyError",
+    "TransferPlan", "TransferTimeoutError", "TransportError", "build_plan", "classify_layer",
+    "compact_request", "direct_runs", "head_range", "replicate_sources", "split_sources",
+]

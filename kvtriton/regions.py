@@ -1,0 +1,294 @@
+"""KV regions: what a paged KV tensor looks like, and how it moves (SPLIT or REPLICATE).
+
+A *region* is one paged KV tensor (or K/V pair) with uniform geometry: one layer's cache, or a
+group of layers sharing storage. It has one or more *streams* (K and V, or a single MLA latent),
+each viewed as a 4-D tensor in the region's layout:
+
+* ``NHD``: ``[num_blocks, block_size, num_heads, head_dim]`` (token-major inside a block)
+* ``HND``: ``[num_blocks, num_heads, block_size, head_dim]`` (head-major inside a block)
+
+Streams may be separate tensors or views into one joint tensor (``[num_blocks, 2, ...]`` or
+``[2, num_blocks, ...]``); the block stride is whatever the tensor has (never assumed dense).
+The innermost (``head_dim``) stride must be 1.
+
+:class:`RegionSpec` is the pure, serialisable geometry (it travels in handshake metadata);
+:class:`Region` binds a spec to the rank's tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .errors import RegionError
+
+__all__ = ["Kind", "Layout", "RegionSpec", "Region", "classify_layer", "dtype_from_name"]
+
+
+class Kind(str, enum.Enum):
+    """How a region is distributed over the TP ranks of an engine."""
+
+    SPLIT = "split"  # KV heads sharded across ranks (GQA/MHA, sliding window)
+    REPLICATE = "replicate"  # identical on every rank (MLA latent, indexer caches)
+
+
+class Layout(str, enum.Enum):
+    """Order of tokens and heads inside one block."""
+
+    NHD = "NHD"  # [block, token, head, dim]
+    HND = "HND"  # [block, head, token, dim]
+
+
+# Layer types as serving frameworks name them; anything else must be classified explicitly.
+_LAYER_KINDS = {
+    "attention": Kind.SPLIT,
+    "mha": Kind.SPLIT,
+    "gqa": Kind.SPLIT,
+    "mqa": Kind.SPLIT,
+    "sliding_window": Kind.SPLIT,
+    "mla": Kind.REPLICATE,
+    "indexer": Kind.REPLICATE,
+    "replicated": Kind.REPLICATE,
+}
+
+
+def classify_layer(layer_type: str) -> Kind:
+    """Map a layer's attention type (``"gqa"``, ``"mla"``, ...) to its transfer kind."""
+    try:
+        return _LAYER_KINDS[layer_type.lower()]
+    except KeyError:
+        raise RegionError(
+            f"unknown layer type {layer_type!r}: expected one of {sorted(_LAYER_KINDS)}"
+        ) from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; raises :class:`RegionError` for unknown names."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise RegionError(f"unknown dtype name {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """Geometry of one region on one rank: pure data, no tensors.
+
+    Attributes
+    ----------
+    name:        region name; both engines must list regions in the same order with equal names.
+    kind:        :class:`Kind`.
+    layout:      :class:`Layout` of every stream of this region on this rank.
+    num_blocks:  blocks in this rank's cache (may differ between engines).
+    block_size:  tokens per block.
+    total_heads: KV heads of the whole model for this region (global; 1 for an MLA latent).
+    local_heads: heads held by this rank (``total_heads`` for REPLICATE).
+    head_dims:   elements per head row, one entry per stream (K and V may differ).
+    dtype:       torch dtype name, e.g. ``"bfloat16"``; kernels move bits, so any width works.
+    itemsize:    bytes per element.
+    strides:     per stream, element strides ``(block, token, head)`` of the logical
+                 ``[block, token, head, dim]`` indexing (the dim stride is 1).
+    """
+
+    name: str
+    kind: Kind
+    layout: Layout
+    num_blocks: int
+    block_size: int
+    total_heads: int
+    local_heads: int
+    head_dims: tuple[int, ...]
+    dtype: str
+    itemsize: int
+    strides: tuple[tuple[int, int, int], ...]
+
+    @property
+    def num_streams(self) -> int:
+        return len(self.head_dims)
+
+    def row_bytes(self, stream: int) -> int:
+        """Bytes of one (token, head) row of ``stream``."""
+        return self.head_dims[stream] * self.itemsize
+
+    def tile_bytes(self, stream: int, num_heads: int) -> int:
+        """Bytes of one block's ``block_size x num_heads x head_dim`` tile of ``stream``."""
+        return self.block_size * num_heads * self.row_bytes(stream)
+
+    def block_is_dense(self, stream: int) -> bool:
+        """True when one block of ``stream`` is a single contiguous byte range."""
+        _, s_tok, s_head = self.strides[stream]
+        d = self.head_dims[stream]
+        if self.layout is Layout.NHD:
+            return (self.local_heads == 1 or s_head == d) and (
+                self.block_size == 1 or s_tok == self.local_heads * d
+            )
+        return (self.block_size == 1 or s_tok == d) and (
+            self.local_heads == 1 or s_head == self.block_size * d
+        )
+
+    def block_stride_bytes(self, stream: int) -> int:
+        return self.strides[stream][0] * self.itemsize
+
+
+@dataclass(frozen=True, eq=False)
+class Region:
+    """A :class:`RegionSpec` bound to this rank's tensors.
+
+    ``streams[i]`` is a view (never a copy) of stream ``i`` in the region's layout:
+    ``[num_blocks, block_size, local_heads, head_dim]`` for NHD,
+    ``[num_blocks, local_heads, block_size, head_dim]`` for HND.
+    """
+
+    spec: RegionSpec
+    streams: tuple[torch.Tensor, ...]
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def attention(
+        cls,
+        name: str,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        *,
+        kv: torch.Tensor | None = None,
+        kv_dim: int = 1,
+        layout: Layout | str = Layout.NHD,
+        block_size: int,
+        total_heads: int,
+        kind: Kind | str = Kind.SPLIT,
+    ) -> "Region":
+        """A GQA/MHA region: K and V as separate tensors, or one joint tensor.
+
+        Parameters
+        ----------
+        k, v:        separate streams, each ``[num_blocks, block_size, heads, head_dim]`` (NHD)
+                     or ``[num_blocks, heads, block_size, head_dim]`` (HND); V may have its own
+                     head_dim.
+        kv:          joint storage instead of ``k``/``v``: the NHD/HND shape with an extra
+                     dimension of size 2 at ``kv_dim`` (0: ``[2, num_blocks, ...]``,
+                     1: ``[num_blocks, 2, ...]``).
+        block_size:  tokens per block (disambiguates NHD from HND shapes).
+        total_heads: the model's KV heads for this layer (global, before TP sharding).
+
+        Example
+        -------
+        >>> k = torch.zeros(64, 16, 2, 128, dtype=torch.bfloat16)  # 64 blocks, NHD, 2 local heads
+        >>> r = Region.attention("layer.0", k, k.clone(), block_size=16, total_heads=8)
+        >>> r.spec.local_heads, r.spec.num_streams
+        (2, 2)
+        """
+        layout = _layout(name, layout)
+        if kv is not None:
+            if k is not None or v is not None:
+                raise RegionError(f"region {name!r}: pass either kv= or k/v, not both")
+            if kv_dim not in (0, 1) or kv.dim() != 5 or kv.shape[kv_dim] != 2:
+                raise RegionError(
+                    f"region {name!r}: joint kv must be 5-D with size 2 at kv_dim={kv_dim} "
+                    f"(e.g. [num_blocks, 2, block_size, heads, head_dim]); got {tuple(kv.shape)}"
+                )
+            streams = (kv.select(kv_dim, 0), kv.select(kv_dim, 1))
+        else:
+            if k is None:
+                raise RegionError(f"region {name!r}: no tensors given (k/v or kv=)")
+            streams = (k,) if v is None else (k, v)
+        return cls._build(name, Kind(kind), layout, streams, block_size, total_heads)
+
+    @classmethod
+    def mla(cls, name: str, latent: torch.Tensor, *, block_size: int,
+            kind: Kind | str = Kind.REPLICATE) -> "Region":
+        """An MLA latent (or indexer) cache ``[num_blocks, block_size, head_dim]``, identical on
+        every rank: one stream, one "head"."""
+        if latent.dim() != 3:
+            raise RegionError(
+                f"region {name!r}: MLA cache must be [num_blocks, block_size, head_dim]; "
+                f"got {tuple(latent.shape)}"
+            )
+        return cls._build(name, Kind(kind), Layout.NHD, (latent.unsqueeze(2),), block_size, 1)
+
+    @classmethod
+    def _build(cls, name, kind, layout, streams: Sequence[torch.Tensor], block_size: int,
+               total_heads: int) -> "Region":
+        first = streams[0]
+        for i, t in enumerate(streams):
+            if not isinstance(t, torch.Tensor):
+                raise RegionError(f"region {name!r}: stream {i} is not a tensor")
+            if t.dim() != 4:
+                raise RegionError(
+                    f"region {name!r}: stream {i} must be 4-D in layout {layout.value} "
+                    f"({_shape_doc(layout)}); got {tuple(t.shape)}"
+                )
+            if t.dtype != first.dtype or t.device != first.device:
+                raise RegionError(
+                    f"region {name!r}: stream {i} is {t.dtype} on {t.device}, stream 0 is "
+                    f"{first.dtype} on {first.device}; all streams must match"
+                )
+            if t.stride(-1) != 1:
+                raise RegionError(
+                    f"region {name!r}: stream {i} head_dim stride is {t.stride(-1)}, expected 1 "
+                    "(kvtriton never makes a hidden contiguous copy of a cache)"
+                )
+        tok_dim, head_dim_ix = (1, 2) if layout is Layout.NHD else (2, 1)
+        nb, heads = first.shape[0], first.shape[head_dim_ix]
+        for i, t in enumerate(streams):
+            expected = [nb, None, None, t.shape[3]]
+            expected[tok_dim], expected[head_dim_ix] = block_size, heads
+            if list(t.shape) != expected:
+                raise RegionError(
+                    f"region {name!r}: stream {i} has shape {tuple(t.shape)}, expected "
+                    f"{tuple(expected)} for layout {layout.value} ({_shape_doc(layout)}) with "
+                    f"block_size={block_size}"
+                )
+        if total_heads < 1 or heads < 1 or block_size < 1:
+            raise RegionError(
+                f"region {name!r}: block_size, heads and total_heads must be >= 1 "
+                f"(got {block_size}, {heads}, {total_heads})"
+            )
+        if kind is Kind.REPLICATE and heads != total_heads:
+            raise RegionError(
+                f"region {name!r}: a REPLICATE region holds every head on every rank; "
+                f"tensor has {heads} heads, total_heads={total_heads}"
+            )
+        if kind is Kind.SPLIT and heads > total_heads:
+            raise RegionError(
+                f"region {name!r}: tensor has {heads} local heads, more than total_heads="
+                f"{total_heads}"
+            )
+        strides = tuple(
+            (t.stride(0), t.stride(tok_dim), t.stride(head_dim_ix)) for t in streams
+        )
+        spec = RegionSpec(
+            name=name, kind=kind, layout=layout, num_blocks=int(nb), block_size=int(block_size),
+            total_heads=int(total_heads), local_heads=int(heads),
+            head_dims=tuple(int(t.shape[3]) for t in streams),
+            dtype=str(first.dtype).removeprefix("torch."), itemsize=first.element_size(),
+            strides=strides,
+        )
+        return cls(spec=spec, streams=tuple(streams))
+
+    # ------------------------------------------------------------------ views
+    def nhd(self, stream: int) -> torch.Tensor:
+        """Stream ``stream`` as a ``[num_blocks, block_size, heads, head_dim]`` view."""
+        t = self.streams[stream]
+        return t if self.spec.layout is Layout.NHD else t.transpose(1, 2)
+
+    @property
+    def device(self) -> torch.device:
+        return self.streams[0].device
+
+    def data_ptrs(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in self.streams)
+
+
+def _layout(name: str, layout: Layout | str) -> Layout:
+    try:
+        return Layout(layout.value if isinstance(layout, Layout) else str(layout).upper())
+    except ValueError:
+        raise RegionError(f"region {name!r}: unknown layout {layout!r}, expected NHD or HND") from None
+
+
+def _shape_doc(layout: Layout) -> str:
+    return ("[num_blocks, block_size, heads, head_dim]" if layout is Layout.NHD
+            else "[num_blocks, heads, block_size, head_dim]")

@@ -1,0 +1,226 @@
+"""The global-head oracle: build sharded caches from one global KV, move them, check every byte.
+
+Used by the tests, the benchmark and the multi-process cluster harness. A request's KV is a
+*global* tensor per (region, stream): ``[n_blocks, block_size, total_heads, head_dim]`` of random
+bits. Every source rank holds its heads of it at its own block ids; after a transfer every
+destination block must equal the global heads its rank owns, and every byte outside the
+destination blocks must be what it was before (canary check).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..plan import build_plan, compact_request, direct_runs
+from ..reference import pack_reference, unpack_reference
+from ..regions import Kind, Layout, Region
+from ..topology import head_range
+
+__all__ = [
+    "RegionModel",
+    "make_rank_regions",
+    "random_bits",
+    "make_global_kv",
+    "load_source",
+    "snapshot",
+    "check_destination",
+    "local_transfer",
+    "stream_bytes",
+]
+
+
+@dataclass(frozen=True)
+class RegionModel:
+    """A region of a model, independent of TP: what every engine's rank shards."""
+
+    name: str
+    kind: Kind
+    total_heads: int
+    head_dims: tuple[int, ...]
+    dtype: torch.dtype
+
+    @staticmethod
+    def gqa(name: str, heads: int, head_dim: int, dtype=torch.bfloat16, v_head_dim: int | None = None):
+        return RegionModel(name, Kind.SPLIT, heads, (head_dim, v_head_dim or head_dim), dtype)
+
+    @staticmethod
+    def mla(name: str, latent_dim: int, dtype=torch.bfloat16):
+        return RegionModel(name, Kind.REPLICATE, 1, (latent_dim,), dtype)
+
+
+def random_bits(shape, dtype: torch.dtype, gen: torch.Generator, device="cpu") -> torch.Tensor:
+    """Fresh random bytes reinterpreted as ``dtype`` (NaN patterns included: compare bytes)."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    n = int(np.prod(shape)) * item
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).view(*shape).to(device)
+
+
+def make_rank_regions(
+    models: Sequence[RegionModel],
+    rank: int,
+    tp: int,
+    num_blocks: int,
+    block_size: int,
+    *,
+    layout: Layout | str = Layout.NHD,
+    storage: str = "separate",
+    gen: torch.Generator,
+    device="cpu",
+    pad_blocks: int = 0,
+) -> list[Region]:
+    """Allocate (random-filled) cache tensors for ``rank`` of a ``tp``-rank engine.
+
+    ``storage``: ``"separate"`` (K and V tensors), ``"joint"`` (``[num_blocks, 2, ...]``) or
+    ``"joint0"`` (``[2, num_blocks, ...]``). ``pad_blocks`` > 0 makes block strides larger than a
+    block (a non-contiguous cache: every stream is a slice of a wider allocation).
+    """
+    layout = Layout(layout)
+    regions = []
+    for m in models:
+        if m.kind is Kind.REPLICATE:
+            d = m.head_dims[0]
+            base = random_bits((num_blocks, block_size, d + pad_blocks), m.dtype, gen, device)
+            regions.append(Region.mla(m.name, base[..., :d], block_size=block_size))
+            continue
+        h0, h1 = head_range(rank, tp, m.total_heads)
+        heads = h1 - h0
+
+        def shape(d):
+            inner = (block_size, heads, d) if layout is Layout.NHD else (heads, block_size, d)
+            return inner
+
+        if storage == "separate" or m.head_dims[0] != m.head_dims[1]:
+            streams = []
+            for d in m.head_dims:
+                t = random_bits((num_blocks, *shape(d + pad_blocks)), m.dtype, gen, device)
+                streams.append(t[..., :d])
+            regions.append(Region.attention(m.name, *streams, layout=layout, block_size=block_size,
+                                            total_heads=m.total_heads))
+        else:
+            d = m.head_dims[0]
+            kv_dim = 0 if storage == "joint0" else 1
+            full = [num_blocks, *shape(d + pad_blocks)]
+            full.insert(kv_dim, 2)
+            t = random_bits(tuple(full), m.dtype, gen, device)[..., :d]
+            regions.append(Region.attention(m.name, kv=t, kv_dim=kv_dim, layout=layout,
+                                            block_size=block_size, total_heads=m.total_heads))
+    return regions
+
+
+def make_global_kv(models: Sequence[RegionModel], n_blocks: int, block_size: int,
+                   gen: torch.Generator) -> list[list[torch.Tensor]]:
+    """Per region, per stream: ``[n_blocks, block_size, total_heads, head_dim]`` random bits."""
+    return [
+        [random_bits((n_blocks, block_size, m.total_heads, d), m.dtype, gen) for d in m.head_dims]
+        for m in models
+    ]
+
+
+def _heads(region: Region, rank: int, tp: int) -> tuple[int, int]:
+    if region.spec.kind is Kind.REPLICATE:
+        return 0, region.spec.local_heads
+    return head_range(rank, tp, region.spec.total_heads)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def load_source(regions: Sequence[Region], rank: int, tp: int, global_kv, block_ids) -> None:
+    """Write this rank's heads of the global KV into blocks ``block_ids`` (position j <- block j)."""
+    ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
+    for region, streams in zip(regions, global_kv):
+        h0, h1 = _heads(region, rank, tp)
+        for j, g in enumerate(streams):
+            view = _bytes(region.nhd(j))
+            view[ids] = _bytes(g[:, :, h0:h1].to(view.device))
+
+
+def snapshot(regions: Sequence[Region]) -> list[list[torch.Tensor]]:
+    """A byte copy of every stream (the canary reference for untouched blocks)."""
+    return [[_bytes(region.nhd(j)).clone() for j in range(region.spec.num_streams)] for region in regions]
+
+
+def check_destination(regions: Sequence[Region], rank: int, tp: int, global_kv, block_ids,
+                      before) -> None:
+    """Raise AssertionError (with coordinates) unless blocks ``block_ids`` hold exactly the global
+    heads ``rank`` owns and every other byte equals ``before``."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    keep = ids >= 0
+    pos = torch.as_tensor(np.flatnonzero(keep))
+    ids_t = torch.as_tensor(ids[keep])
+    for region, streams, snap in zip(regions, global_kv, before):
+        h0, h1 = _heads(region, rank, tp)
+        for j, g in enumerate(streams):
+            got = _bytes(region.nhd(j)).cpu()
+            expected = snap[j].cpu().clone()
+            expected[ids_t] = _bytes(g[pos][:, :, h0:h1])
+            if not torch.equal(got, expected):
+                bad = torch.nonzero(got != expected)
+                raise AssertionError(
+                    f"rank {rank} region {region.spec.name!r} stream {j}: {bad.shape[0]} bytes "
+                    f"differ; first (block, token, head, byte): {bad[:5].tolist()}"
+                )
+
+
+def stream_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of the storage under ``t``, starting at ``t``'s first element (what a
+    NIXL registration of the stream would cover; byte offsets of :class:`DirectRuns` index it)."""
+    storage = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    return storage[t.storage_offset() * t.element_size():]
+
+
+PackFn = Callable[..., torch.Tensor]
+
+
+def local_transfer(
+    src_ranks: Sequence[Sequence[Region]],
+    dst_ranks: Sequence[Sequence[Region]],
+    src_ids,
+    dst_ids,
+    *,
+    modes=None,
+    pack: PackFn = pack_reference,
+    unpack: Callable[..., None] = unpack_reference,
+    chunk_bytes: int | None = None,
+) -> dict[str, int]:
+    """Move one request from every source rank to every destination rank in this process,
+    exactly as the NIXL path routes it (staged payloads per plan, direct runs as byte copies).
+
+    Returns counters: staged descriptors, direct descriptors, staged bytes, direct bytes.
+    """
+    src_tp, dst_tp = len(src_ranks), len(dst_ranks)
+    src_specs = {r: [x.spec for x in regs] for r, regs in enumerate(src_ranks)}
+    stats = {"staged_descs": 0, "direct_descs": 0, "staged_bytes": 0, "direct_bytes": 0}
+    for d, dst_regions in enumerate(dst_ranks):
+        dst_specs = [x.spec for x in dst_regions]
+        plan = build_plan(d, dst_tp, dst_specs, src_tp, src_specs[0], modes=modes)
+        s_ids, d_ids = compact_request(src_ids, dst_ids, src_specs[0][0].num_blocks,
+                                       dst_specs[0].num_blocks)
+        n = s_ids.size
+        for read in plan.staged:
+            per_chunk = n if chunk_bytes is None else max(1, chunk_bytes // read.bytes_per_block)
+            for c0 in range(0, n, per_chunk):
+                c1 = min(n, c0 + per_chunk)
+                staging = torch.empty(read.payload_bytes(c1 - c0), dtype=torch.uint8)
+                offs = read.segment_offsets(c1 - c0)
+                pack(src_ranks[read.src_rank], read.segments, offs, torch.as_tensor(s_ids[c0:c1]), staging)
+                unpack(dst_regions, read.segments, offs, torch.as_tensor(d_ids[c0:c1]), staging)
+                stats["staged_descs"] += 1
+                stats["staged_bytes"] += staging.numel()
+        if plan.direct:
+            runs = direct_runs(plan, src_specs, dst_specs, s_ids, d_ids)
+            for k in range(len(runs)):
+                src = stream_bytes(src_ranks[int(runs.src_rank[k])][int(runs.region[k])].streams[int(runs.stream[k])])
+                dst = stream_bytes(dst_regions[int(runs.region[k])].streams[int(runs.stream[k])])
+                so, do, nb = int(runs.src_offset[k]), int(runs.dst_offset[k]), int(runs.nbytes[k])
+                dst[do:do + nb].copy_(src[so:so + nb])
+            stats["direct_descs"] += len(runs)
+            stats["direct_bytes"] += runs.total_bytes
+    return stats
+
