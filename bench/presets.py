@@ -1,0 +1,80 @@
+"""Model presets and TP pairs of the sweep (KV geometry only; numbers from the public configs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtriton.regions import Kind, Layout, Region, RegionSpec
+from kvtriton.testing.oracle import RegionModel
+from kvtriton.topology import head_range
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    regions: tuple[RegionModel, ...]
+
+    @property
+    def split_layers(self) -> int:
+        return sum(1 for r in self.regions if r.kind is Kind.SPLIT)
+
+    @property
+    def replicate_layers(self) -> int:
+        return len(self.regions) - self.split_layers
+
+    def truncated(self, layers: int) -> "Preset":
+        """The first ``layers`` regions plus the first region of any kind they lack, so a mixed
+        cache stays mixed (timing runs must fit a small machine)."""
+        head = list(self.regions[:layers])
+        kinds = {r.kind for r in head}
+        extra = []
+        for r in self.regions[layers:]:
+            if r.kind not in kinds:
+                kinds.add(r.kind)
+                extra.append(r)
+        return Preset(self.name, tuple(head + extra))
+
+
+def specs_for(preset: Preset, rank: int, tp: int, num_blocks: int, block_size: int,
+              layout: Layout = Layout.HND) -> list[RegionSpec]:
+    """Region specs of one rank, built on the meta device (geometry only, no memory)."""
+    out = []
+    for m in preset.regions:
+        if m.kind is Kind.REPLICATE:
+            t = torch.empty(num_blocks, block_size, m.head_dims[0], dtype=m.dtype, device="meta")
+            out.append(Region.mla(m.name, t, block_size=block_size).spec)
+            continue
+        h0, h1 = head_range(rank, tp, m.total_heads)
+        shape = ((num_blocks, block_size, h1 - h0, m.head_dims[0]) if layout is Layout.NHD
+                 else (num_blocks, h1 - h0, block_size, m.head_dims[0]))
+        t = torch.empty(shape, dtype=m.dtype, device="meta")
+        out.append(Region.attention(m.name, t, t, layout=layout, block_size=block_size,
+                                    total_heads=m.total_heads).spec)
+    return out
+
+
+def _gqa(prefix, layers, heads, head_dim, dtype=torch.bfloat16):
+    return tuple(RegionModel.gqa(f"{prefix}.{i}", heads, head_dim, dtype) for i in range(layers))
+
+
+def _mla(prefix, layers, dim=576, dtype=torch.bfloat16):
+    return tuple(RegionModel.mla(f"{prefix}.{i}", dim, dtype) for i in range(layers))
+
+
+PRESETS = {
+    "llama3-8b": Preset("llama3-8b", _gqa("layers", 32, 8, 128)),
+    "llama3-70b": Preset("llama3-70b", _gqa("layers", 80, 8, 128)),
+    # Qwen2.5-7B: 28 layers, 4 KV heads -> TP8 replicates every head twice
+    "qwen2.5-7b": Preset("qwen2.5-7b", _gqa("layers", 28, 4, 128)),
+    # DeepSeek-V3: 61 MLA layers, latent 512 + rope 64 = 576, identical on every rank
+    "deepseek-v3": Preset("deepseek-v3", _mla("layers", 61)),
+    # a GQA target (Llama-3-8B geometry) with a one-layer MLA draft in the same cache
+    "llama3-8b+mla-draft": Preset("llama3-8b+mla-draft", _gqa("layers", 32, 8, 128) + _mla("draft", 1)),
+}
+
+# (prefill TP, decode TP)
+TP_PAIRS = [(1, 2), (2, 1), (4, 8), (8, 4), (2, 3), (8, 16)]
+BLOCK_SIZES = [16, 64]
+TOKENS = 8192

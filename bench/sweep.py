@@ -1,0 +1,311 @@
+"""kvtriton's main job: how many descriptors a hetero-TP transfer needs, and how fast we move it.
+
+Sections (all by default; ``--sections`` picks some):
+
+* ``descriptors``: descriptors per decode rank for one request, kvtriton (staged + direct) against
+  vLLM-style direct head-slice reads (K/V packed per block, and K/V as separate streams) and
+  per-token slices, for every preset x TP pair x block size (pure planning, no data).
+* ``repack``: the torch reference pack/unpack throughput against a plain copy of the same bytes
+  on the same device (bytes read + written / time).
+* ``kernels``: Triton pack/unpack against the reference, a naive element-per-lane gather and the
+  copy roofline (bench/kernels.py; on CPU only the torch rows are speed measurements).
+* ``e2e``: one request end to end between processes over NIXL (bench/e2e.py), when NIXL is
+  installed.
+
+Writes ``bench/results/sweep.csv`` (tidy rows), ``summary.md`` and ``descriptors.png``.
+Reproduce: ``make sweep`` (or ``.venv/bin/python bench/sweep.py [--quick]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as _dt
+import importlib.util
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from presets import BLOCK_SIZES, PRESETS, TOKENS, TP_PAIRS, Preset, specs_for  # noqa: E402
+
+from kvtriton.errors import KVTritonError  # noqa: E402
+from kvtriton.plan import (  # noqa: E402
+    build_plan,
+    compact_request,
+    direct_runs,
+    per_token_descriptor_count,
+    staged_descriptor_count,
+    vllm_direct_descriptor_count,
+)
+from kvtriton.reference import pack_reference, unpack_reference  # noqa: E402
+from kvtriton.regions import Layout  # noqa: E402
+from kvtriton.testing.oracle import make_rank_regions  # noqa: E402
+
+try:
+    from tqdm import tqdm
+except ImportError:  # pragma: no cover - bench extra not installed
+    def tqdm(it, **_):
+        return it
+
+CHUNK_BYTES = 64 << 20  # the default staging chunk the "chunked" column assumes
+
+
+def fragmented_block_ids(n: int, num_blocks: int, run: int, seed: int) -> np.ndarray:
+    """Block ids as a paged allocator hands them out after some churn: runs of ``run``
+    consecutive blocks at shuffled places."""
+    rng = np.random.default_rng(seed)
+    starts = rng.permutation(num_blocks // run)[: -(-n // run)] * run
+    return (starts[:, None] + np.arange(run)[None, :]).reshape(-1)[:n]
+
+
+# --------------------------------------------------------------------------- descriptors
+def descriptor_rows(presets, pairs, block_sizes, tokens) -> list[dict]:
+    rows = []
+    for preset in presets:
+        for bs in block_sizes:
+            n = tokens // bs
+            num_blocks = 4 * n
+            src_ids = fragmented_block_ids(n, num_blocks, 8, seed=1)
+            dst_ids = fragmented_block_ids(n, num_blocks, 8, seed=2)
+            for p_tp, d_tp in pairs:
+                row = dict(section="descriptors", preset=preset.name, p_tp=p_tp, d_tp=d_tp,
+                           block_size=bs, tokens=tokens)
+                try:
+                    src = specs_for(preset, 0, p_tp, num_blocks, bs)
+                    worst = None
+                    for d in range(d_tp):
+                        dst = specs_for(preset, d, d_tp, num_blocks, bs)
+                        plan = build_plan(d, d_tp, dst, p_tp, src)
+                        s, t = compact_request(src_ids, dst_ids, num_blocks, num_blocks)
+                        runs = direct_runs(plan, src, dst, s, t)
+                        k = max(1, len({x.src_rank for x in plan.staged}))
+                        counts = dict(
+                            kvtriton_staged=staged_descriptor_count(plan, n),
+                            kvtriton_direct=len(runs),
+                            kvtriton_staged_chunked=staged_descriptor_count(plan, n, CHUNK_BYTES),
+                            vllm_kv_packed=vllm_direct_descriptor_count(k, preset.split_layers, n)
+                            + vllm_direct_descriptor_count(1, preset.replicate_layers, n),
+                            vllm_kv_separate=vllm_direct_descriptor_count(k, preset.split_layers, n, 2)
+                            + vllm_direct_descriptor_count(1, preset.replicate_layers, n),
+                            per_token=per_token_descriptor_count(k, preset.split_layers, tokens)
+                            + vllm_direct_descriptor_count(1, preset.replicate_layers, n),
+                        )
+                        counts["kvtriton"] = counts["kvtriton_staged"] + counts["kvtriton_direct"]
+                        if worst is None or counts["kvtriton"] > worst["kvtriton"]:
+                            worst = counts
+                    row.update(worst)
+                    row["reduction_vs_vllm"] = round(worst["vllm_kv_separate"] / max(1, worst["kvtriton"]), 1)
+                except KVTritonError as e:
+                    row["note"] = f"skipped: {e}"
+                rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- repack throughput
+def _median_ms(fn, reps: int) -> float:
+    fn()  # warm up (first touch of pages, allocator)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def repack_rows(presets, device: str, target_bytes: int, reps: int) -> list[dict]:
+    """Reference pack + unpack of one decode rank's staged payload against a copy of as many
+    bytes. Layers are truncated so the payload is about ``target_bytes``."""
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for preset in presets:
+        p_tp, d_tp, bs = (4, 8, 16) if preset.split_layers else (1, 2, 16)
+        n = TOKENS // bs
+        per_layer = _payload_per_layer(preset, p_tp, d_tp, bs, n)
+        layers = int(max(1, min(len(preset.regions), target_bytes // max(1, per_layer))))
+        small = preset.truncated(layers)
+        dst = make_rank_regions(small.regions, 0, d_tp, n + 8, bs, layout="HND", gen=gen, device=device)
+        plan = build_plan(0, d_tp, [r.spec for r in dst], p_tp,
+                          specs_for(small, 0, p_tp, n + 8, bs, layout=Layout.NHD), modes="staged")
+        read = plan.staged[0]
+        src = make_rank_regions(small.regions, read.src_rank, p_tp, n + 8, bs, layout="NHD", gen=gen,
+                                device=device)
+        ids = torch.as_tensor(fragmented_block_ids(n, n + 8, 8, seed=3), device=device)
+        payload = read.payload_bytes(n)
+        staging = torch.empty(payload, dtype=torch.uint8, device=device)
+        offs = read.segment_offsets(n)
+        a = torch.randint(0, 256, (payload,), dtype=torch.uint8, device=device)
+        b = torch.empty_like(a)
+        copy_ms = _median_ms(lambda: b.copy_(a), reps)
+        pack_ms = _median_ms(lambda: pack_reference(src, read.segments, offs, ids, staging), reps)
+        unpack_ms = _median_ms(lambda: unpack_reference(dst, read.segments, offs, ids, staging), reps)
+        for op, ms in (("copy", copy_ms), ("pack", pack_ms), ("unpack", unpack_ms)):
+            rows.append(dict(
+                section="repack", preset=preset.name, p_tp=p_tp, d_tp=d_tp, block_size=bs,
+                layers=len(small.regions), op=op, provider="torch-copy" if op == "copy" else "torch-ref",
+                device=device, bytes=payload, ms=round(ms, 3), gbps=round(2 * payload / ms / 1e6, 2),
+                pct_of_copy=round(100 * copy_ms / ms, 1),
+                note="NHD source -> HND destination, fragmented block ids",
+            ))
+    return rows
+
+
+def _payload_per_layer(preset: Preset, p_tp, d_tp, bs, n) -> int:
+    one = Preset(preset.name, preset.regions[:1])
+    src = specs_for(one, 0, p_tp, n, bs)
+    dst = specs_for(one, 0, d_tp, n, bs)
+    plan = build_plan(0, d_tp, dst, p_tp, src, modes="staged")
+    return plan.staged[0].payload_bytes(n)
+
+
+# --------------------------------------------------------------------------- output
+def write_outputs(rows: list[dict], out_dir: Path, meta: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with open(out_dir / "sweep.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys + list(meta))
+        w.writeheader()
+        for r in rows:
+            w.writerow({**r, **meta})
+    lines = [f"# kvtriton sweep ({meta['device']}, {meta['timestamp']})", "",
+             f"Reproduce: `{meta['command']}`. torch {meta['torch']}, git {meta['git_sha']}.", ""]
+    desc = [r for r in rows if r["section"] == "descriptors"]
+    if desc:
+        lines += ["## Descriptors per decode rank (one request of "
+                  f"{desc[0]['tokens']} tokens; worst decode rank)", "",
+                  "kvtriton = staged (one per source->destination pair, unchunked) + direct "
+                  "(coalesced block runs of REPLICATE regions); `chunked` = staged with 64 MiB "
+                  "chunks. vLLM columns: direct head-slice reads, one per (source, layer, block), "
+                  "K/V packed or separate. Block ids come in runs of 8 consecutive blocks.", "",
+                  "| preset | P->D | block | kvtriton | staged | direct | staged, chunked | vLLM K/V packed | vLLM K/V separate | per-token | vLLM sep. / kvtriton |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in desc:
+            if "note" in r:
+                lines.append(f"| {r['preset']} | {r['p_tp']}->{r['d_tp']} | {r['block_size']} | "
+                             f"{r['note']} |||||||| ")
+                continue
+            lines.append(
+                f"| {r['preset']} | {r['p_tp']}->{r['d_tp']} | {r['block_size']} | {r['kvtriton']:,} | "
+                f"{r['kvtriton_staged']:,} | {r['kvtriton_direct']:,} | {r['kvtriton_staged_chunked']:,} | "
+                f"{r['vllm_kv_packed']:,} | {r['vllm_kv_separate']:,} | {r['per_token']:,} | "
+                f"{r['reduction_vs_vllm']:,}x |")
+        lines.append("")
+    for section, title in (("repack", "Reference repack throughput (GB/s = bytes read + written / time)"),
+                           ("kernels", "Pack/unpack kernels"), ("e2e", "End to end over NIXL")):
+        sec = [r for r in rows if r["section"] == section]
+        if not sec:
+            continue
+        cols = [k for k in sec[0] if k not in ("section",)]
+        for r in sec:
+            cols += [k for k in r if k not in cols and k != "section"]
+        lines += [f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in sec]
+        lines.append("")
+    (out_dir / "summary.md").write_text("\n".join(lines))
+    _plot(desc, out_dir / "descriptors.png")
+
+
+def _plot(desc: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return
+    rows = [r for r in desc if "note" not in r and r["block_size"] == 16]
+    if not rows:
+        return
+    labels = [f"{r['preset']}\n{r['p_tp']}->{r['d_tp']}" for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.55), 4.5))
+    for i, (key, name) in enumerate([("kvtriton", "kvtriton"), ("vllm_kv_separate", "vLLM direct (K/V separate)"),
+                                     ("per_token", "per-token slices")]):
+        ax.bar(x + (i - 1) * 0.27, [r[key] for r in rows], 0.27, label=name)
+    ax.set_yscale("log")
+    ax.set_ylabel("descriptors per decode rank")
+    ax.set_title(f"One {rows[0]['tokens']}-token request, block size 16")
+    ax.set_xticks(x, labels, rotation=90, fontsize=7)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(rows: list[dict]) -> None:
+    desc = [r for r in rows if r["section"] == "descriptors" and "note" not in r]
+    print(f"{'preset':<22}{'P->D':>7}{'blk':>5}{'kvtriton':>10}{'vLLM packed':>13}{'vLLM sep':>11}{'per-token':>12}")
+    for r in desc:
+        print(f"{r['preset']:<22}{str(r['p_tp']) + '->' + str(r['d_tp']):>7}{r['block_size']:>5}"
+              f"{r['kvtriton']:>10,}{r['vllm_kv_packed']:>13,}{r['vllm_kv_separate']:>11,}{r['per_token']:>12,}")
+    for r in rows:
+        if r["section"] != "descriptors":
+            fields = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("section", "note"))
+            print(f"[{r['section']}] {fields}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller payloads and fewer repetitions")
+    ap.add_argument("--sections", default="descriptors,repack,kernels,e2e")
+    ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args(argv)
+    sections = set(args.sections.split(","))
+    presets = [PRESETS[p] for p in args.presets.split(",")]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.time()
+    rows: list[dict] = []
+    if "descriptors" in sections:
+        rows += descriptor_rows(tqdm(presets, desc="descriptors"), TP_PAIRS, BLOCK_SIZES, TOKENS)
+    if "repack" in sections:
+        target = (8 << 20) if args.quick else (64 << 20 if device == "cuda" else 32 << 20)
+        rows += repack_rows(tqdm(presets, desc="repack"), device, target, reps=3 if args.quick else 5)
+    if "kernels" in sections and (HERE / "kernels.py").exists():
+        from kernels import run_kernel_bench  # bench/kernels.py
+
+        cases = [(p.name, list(p.truncated(4 if args.quick else 8).regions), *_pair(p), 16, TOKENS // 16)
+                 for p in presets]
+        rows += [{"section": "kernels", **r} for r in run_kernel_bench(cases, device, args.quick)]
+    if "e2e" in sections and (HERE / "e2e.py").exists() and importlib.util.find_spec("nixl"):
+        from e2e import run_e2e_bench  # bench/e2e.py
+
+        rows += [{"section": "e2e", **r} for r in run_e2e_bench(quick=args.quick)]
+    meta = dict(
+        device=torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores, {platform.machine()})",
+        torch=torch.__version__, git_sha=_git_sha(),
+        timestamp=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        command="python bench/sweep.py" + (" --quick" if args.quick else ""),
+    )
+    write_outputs(rows, Path(args.out), meta)
+    print_table(rows)
+    print(f"\nwrote {args.out}/sweep.csv, summary.md, descriptors.png in {time.time() - t0:.1f} s")
+    return 0
+
+
+def _pair(preset: Preset) -> tuple[int, int]:
+    return (4, 8) if preset.split_layers else (1, 2)
+
+
+def _git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+                              text=True, timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Test configuration.
+
+TRITON_INTERPRET must be set before any ``@triton.jit`` decorator runs (Triton picks the
+interpreter at decoration time), so it is set here, before kvtriton is imported anywhere.
+"""
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Spinning OpenMP workers steal the second core from the peer process in multi-process tests.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def gen():
+    """A seeded generator: every test gets fresh random data, reproducibly."""
+    return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def device():
+    return "cuda" if HAS_CUDA else "cpu"

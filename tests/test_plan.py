@@ -1,0 +1,158 @@
+import numpy as np
+import pytest
+import torch
+
+from kvtriton.errors import IncompatibleRemoteError, PlanError
+from kvtriton.plan import (
+    Mode,
+    build_plan,
+    compact_request,
+    direct_runs,
+    per_token_descriptor_count,
+    staged_descriptor_count,
+    vllm_direct_descriptor_count,
+)
+from kvtriton.regions import Layout, Region
+from kvtriton.topology import head_range
+
+
+def gqa_specs(layers, heads, head_dim, rank, tp, block_size, num_blocks=1024, layout=Layout.NHD,
+              dtype=torch.bfloat16):
+    h = head_range(rank, tp, heads)
+    local = h[1] - h[0]
+    shape = (num_blocks, block_size, local, head_dim) if layout is Layout.NHD else (
+        num_blocks, local, block_size, head_dim)
+    t = torch.empty(shape, dtype=dtype, device="meta")  # geometry only, no memory
+    return [Region.attention(f"layer.{i}", t, t, layout=layout, block_size=block_size,
+                             total_heads=heads).spec for i in range(layers)]
+
+
+def test_llama70b_p4_d8_descriptor_counts():
+    # DESIGN.md: 80 layers, 8 KV heads, head_dim 128, bf16, 8k tokens in 16-token blocks.
+    layers, heads, n = 80, 8, 8192 // 16
+    dst = gqa_specs(layers, heads, 128, 5, 8, 16)
+    src = gqa_specs(layers, heads, 128, 0, 4, 16)
+    plan = build_plan(5, 8, dst, 4, src)
+    assert plan.source_ranks == (2,)  # D5 owns head 5, held by P2
+    assert staged_descriptor_count(plan, n) == 1
+    assert vllm_direct_descriptor_count(len(plan.source_ranks), layers, n) == 40_960
+    assert vllm_direct_descriptor_count(len(plan.source_ranks), layers, n, kv_streams=2) == 81_920
+    assert per_token_descriptor_count(1, layers, 8192) == 1_310_720
+    # one block: 80 layers x K,V x 16 tokens x 1 head x 128 x 2 B = 655,360 B; 64 MiB chunks hold
+    # 102 blocks, so 512 blocks need ceil(512/102) = 6 descriptors
+    assert plan.staged[0].bytes_per_block == 655_360
+    assert staged_descriptor_count(plan, n, chunk_bytes=64 << 20) == 6
+
+
+def test_llama8b_p2_d1_descriptor_counts():
+    layers, n = 32, 8192 // 64
+    plan = build_plan(0, 1, gqa_specs(layers, 8, 128, 0, 1, 64), 2, gqa_specs(layers, 8, 128, 0, 2, 64))
+    assert plan.source_ranks == (0, 1)
+    assert staged_descriptor_count(plan, n) == 2
+    assert vllm_direct_descriptor_count(2, layers, n) == 8_192
+    seg = plan.staged[1].segments[0]
+    assert (seg.src_head, seg.dst_head, seg.num_heads) == (0, 4, 4)  # P1's 4 heads land at 4..7
+
+
+def test_p2_d3_six_heads_plan():
+    plan = build_plan(1, 3, gqa_specs(2, 6, 64, 1, 3, 16), 2, gqa_specs(2, 6, 64, 0, 2, 16))
+    assert plan.source_ranks == (0, 1)
+    assert [(s.src_rank, s.segments[0].src_head, s.segments[0].dst_head) for s in plan.staged] == [
+        (0, 2, 0), (1, 0, 1)]
+    # regions in plan order, streams in order
+    assert [(g.region, g.stream) for g in plan.staged[0].segments] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert staged_descriptor_count(plan, 100) == 2
+
+
+def test_segment_offsets_follow_wire_format():
+    plan = build_plan(0, 2, gqa_specs(2, 4, 8, 0, 2, 4), 1, gqa_specs(2, 4, 8, 0, 1, 4))
+    read = plan.staged[0]
+    tile = 4 * 2 * 8 * 2  # block_size x heads x head_dim x bf16
+    assert read.bytes_per_block == 4 * tile
+    assert read.segment_offsets(3).tolist() == [0, 3 * tile, 6 * tile, 9 * tile]
+    assert read.segment_offsets(3, base=64).tolist()[1] == 64 + 3 * tile
+
+
+def test_equal_tp_whole_blocks_follow_cost_model():
+    big = gqa_specs(1, 8, 128, 0, 2, 64)  # 64 x 4 x 128 x 2 B = 64 KiB per block: direct
+    assert build_plan(0, 2, big, 2, big).modes == (Mode.DIRECT,)
+    small = gqa_specs(1, 8, 16, 0, 2, 4)  # 512 B per block: staged beats 2.3 us per descriptor
+    assert build_plan(0, 2, small, 2, small).modes == (Mode.STAGED,)
+    assert build_plan(0, 2, small, 2, small, modes="direct").modes == (Mode.DIRECT,)
+    other = gqa_specs(1, 8, 16, 0, 2, 4, layout=Layout.HND)
+    with pytest.raises(PlanError, match="DIRECT needs whole blocks"):
+        build_plan(0, 2, small, 2, other, modes={"layer.0": "direct"})
+    with pytest.raises(PlanError, match="unknown regions"):
+        build_plan(0, 2, small, 2, small, modes={"nope": "direct"})
+    with pytest.raises(PlanError, match="unknown transfer mode"):
+        build_plan(0, 2, small, 2, small, modes="teleport")
+
+
+def test_direct_runs_coalesce_on_both_sides():
+    lat = torch.empty(64, 16, 576, dtype=torch.bfloat16, device="meta")
+    spec = [Region.mla("mla", lat, block_size=16).spec]
+    plan = build_plan(0, 1, spec, 1, spec)
+    assert plan.modes == (Mode.DIRECT,)
+    src = np.array([10, 11, 12, 20, 21, 5])
+    dst = np.array([0, 1, 2, 3, 4, 9])  # runs: (10-12 -> 0-2), (20-21 -> 3-4), (5 -> 9)
+    runs = direct_runs(plan, spec, spec, src, dst)
+    block = 16 * 576 * 2
+    assert len(runs) == 3
+    assert runs.src_offset.tolist() == [10 * block, 20 * block, 5 * block]
+    assert runs.dst_offset.tolist() == [0, 3 * block, 9 * block]
+    assert runs.nbytes.tolist() == [3 * block, 2 * block, block]
+
+
+def test_direct_runs_stripe_over_replicas_and_respect_gaps():
+    lat = torch.empty(64, 16, 576, dtype=torch.bfloat16, device="meta")
+    spec = [Region.mla("mla", lat, block_size=16).spec]
+    plan = build_plan(0, 1, spec, 4, spec)  # D1 <- P4: stripe over all four replicas
+    assert plan.direct[0].src_ranks == (0, 1, 2, 3)
+    runs = direct_runs(plan, spec, spec, np.arange(8), np.arange(8))
+    assert runs.src_rank.tolist() == [0, 1, 2, 3] and runs.nbytes.tolist() == [2 * 16 * 576 * 2] * 4
+    # joint [nb, 2, ...] storage: blocks are not back to back, one descriptor per block
+    kv = torch.empty(64, 2, 16, 8, 128, dtype=torch.bfloat16, device="meta")
+    jspec = [Region.attention("l", kv=kv, block_size=16, total_heads=8).spec]
+    jplan = build_plan(0, 1, jspec, 1, jspec, modes="direct")
+    assert len(direct_runs(jplan, jspec, jspec, np.arange(4), np.arange(4))) == 2 * 4
+
+
+def test_compact_request_drops_padding_and_validates():
+    s, d = compact_request([3, -1, 5, 7], [0, 1, -1, 2], 8, 4)
+    assert s.tolist() == [3, 7] and d.tolist() == [0, 2]
+    with pytest.raises(PlanError, match="source block id 8 at position 1 is out of range"):
+        compact_request([0, 8], [0, 1], 8, 4)
+    with pytest.raises(PlanError, match="destination block id -2"):
+        compact_request([0, 1], [0, -2], 8, 4)
+    with pytest.raises(PlanError, match="3 source block ids but 2"):
+        compact_request([0, 1, 2], [0, 1], 8, 4)
+    with pytest.raises(PlanError, match="repeat"):
+        compact_request([0, 1], [2, 2], 8, 4)
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda d: d[:1], "region count differs"),
+        (lambda d: gqa_specs(2, 8, 64, 0, 2, 16, dtype=torch.float16), "dtype differs"),
+        (lambda d: gqa_specs(2, 8, 128, 0, 2, 16), "head_dim per stream differs"),
+        (lambda d: gqa_specs(2, 8, 64, 0, 2, 32), "block_size differs"),
+        (lambda d: gqa_specs(2, 16, 64, 0, 4, 16), "total KV heads differs"),
+        (lambda d: gqa_specs(2, 8, 64, 0, 4, 16), "holds 2 heads, but tp=2"),
+        (lambda d: list(reversed([s.__class__(**{**s.__dict__, "name": f"x{i}"}) for i, s in enumerate(d)])),
+         "name"),
+    ],
+)
+def test_incompatible_remotes_are_rejected_with_the_region_named(mutate, match):
+    local = gqa_specs(2, 8, 64, 0, 2, 16)
+    remote = mutate(gqa_specs(2, 8, 64, 0, 2, 16))
+    with pytest.raises(IncompatibleRemoteError, match=match):
+        build_plan(0, 2, local, 2, remote)
+
+
+def test_unshardable_tp_is_rejected():
+    local = gqa_specs(1, 6, 64, 0, 2, 16)
+    with pytest.raises(IncompatibleRemoteError, match="cannot shard 6 KV heads"):
+        build_plan(0, 2, local, 4, local)
+    with pytest.raises(PlanError, match="out of range"):
+        build_plan(2, 2, local, 2, local)
