@@ -1,0 +1,620 @@
+"""pack()/unpack(): validate, choose an implementation, launch.
+
+The launchers sit between the planner (which decides *what* moves: :class:`~kvtriton.plan.Segment`
+lists and their staging offsets) and the kernels (which only move words). They hold no topology
+math: they check that the arguments describe memory that exists, turn them into one int64 table
+per launch (``kernels/_addressing.py`` documents its columns), pick a word width and a tile shape
+from the geometry, and launch once for the whole request.
+
+Dispatch (``impl=`` keyword, overridden by the environment variable ``KVTRITON_IMPL`` when it
+is set to ``torch``, ``triton`` or ``auto``):
+
+* ``"auto"``: CUDA tensors run the Triton kernels; CPU tensors run the torch reference, or the
+  Triton kernels when the interpreter is on (``TRITON_INTERPRET=1`` before ``kvtriton.kernels``
+  is imported).
+* ``"triton"``: the kernels (CUDA, or CPU under the interpreter).
+* ``"torch"``: :mod:`kvtriton.reference`, on any device.
+
+Every check runs before anything is launched or written, and no check synchronises a device:
+block-id range (and, for unpack, uniqueness) is checked when the ids are given on the CPU
+(tensor, numpy array or list); ids already on a CUDA device are trusted, because the planner
+(:func:`kvtriton.plan.compact_request`) validated them when it produced them.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from .errors import LaunchError
+from .plan import Segment
+from .reference import pack_reference, unpack_reference
+from .regions import Layout, Region
+
+__all__ = ["pack", "unpack"]
+
+_IMPLS = ("auto", "torch", "triton")
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# Tile heuristics (no autotuning: deterministic, and the interpreter cannot autotune).
+_MAX_ACCESS_BYTES = 16  # widest per-thread access (LDG.128 / STG.128)
+_TILE_BYTES = 8192  # bytes one program moves per inner iteration: 4 warps x 32 lanes x 4 x 16 B
+_MAX_BLOCK_W_BYTES = 1024  # widest inner row chunk; longer rows loop (576-dim bf16 MLA rows: 1152 B)
+_ITER_OVERHEAD_WORDS = 16  # cost of one more inner-loop trip, in lanes (address math, loop, mask)
+_BYTES_PER_WARP = 2048  # tile bytes per warp: 32 lanes x 4 accesses of 16 B in flight
+_MAX_GRID_Y = 65535  # CUDA limit of grid dimension 1 (segments)
+
+
+class LaunchConfig(NamedTuple):
+    """Constexpr geometry of one launch (see :func:`_launch_config`)."""
+
+    word_bytes: int  # every dtype is moved as integers of this width
+    vec: int  # row starts/lengths are multiples of this many words (vec * word_bytes <= 16)
+    align: int  # cache base addresses are multiples of this many bytes
+    block_r: int  # rows per inner tile
+    block_w: int  # words per inner tile row
+    num_warps: int
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _word_config(align: int) -> tuple[int, int]:
+    """Word width and vector length (in words) for a common byte alignment ``align``.
+
+    8-byte words whenever everything is 8-byte aligned (fewest lanes, fewest address
+    computations); otherwise the widest integer the alignment allows. Two words per access when
+    the alignment reaches 16 bytes.
+    """
+    align = max(1, min(int(align), _MAX_ACCESS_BYTES))
+    word = min(align, 8)
+    return word, align // word
+
+
+def _launch_config(max_rows: int, max_row_words: int, word_bytes: int, vec: int) -> tuple[int, int, int]:
+    """``(BLOCK_R, BLOCK_W, num_warps)`` for tiles of up to ``max_rows`` rows of up to
+    ``max_row_words`` words (``word_bytes`` each; rows are multiples of ``vec`` words).
+
+    ``BLOCK_W`` (a power of two, at least ``vec``, at most 1 KiB of words) minimises the cost of
+    one row, counted as ``iterations * (BLOCK_W + _ITER_OVERHEAD_WORDS)``: a masked lane is
+    cheaper than another trip through the loop, but not free. head_dim 128 bf16 rows
+    (32 int64 words) take 32; 80-dim bf16 rows (20 words) take 32 with 12 masked lanes rather
+    than 5 trips of 4; 576-dim bf16 MLA rows (144 words) take 3 trips of 64. ``BLOCK_R`` fills
+    ~8 KiB per inner iteration without exceeding the tile's rows; one warp per 2 KiB of tile
+    (each lane keeps four 16-byte accesses in flight), 1 to 8 warps.
+    """
+    if max_rows < 1 or max_row_words < 1 or word_bytes not in _INT_OF_WIDTH or vec < 1:
+        raise ValueError(
+            f"_launch_config: need max_rows, max_row_words, vec >= 1 and word_bytes in 1/2/4/8; "
+            f"got {max_rows}, {max_row_words}, {vec}, {word_bytes}"
+        )
+    rw = int(max_row_words)
+    widest = max(vec, min(_next_pow2(rw), _MAX_BLOCK_W_BYTES // word_bytes))
+    best = None
+    bw = widest
+    while bw >= vec:
+        cost = -(-rw // bw) * (bw + _ITER_OVERHEAD_WORDS)
+        if best is None or cost < best[0]:
+            best = (cost, bw)
+        bw //= 2
+    block_w = best[1]
+    block_r = max(1, min(_next_pow2(max_rows), _TILE_BYTES // (block_w * word_bytes)))
+    num_warps = max(1, min(8, block_r * block_w * word_bytes // _BYTES_PER_WARP))
+    return block_r, block_w, num_warps
+
+
+# --------------------------------------------------------------------------- dispatch
+def _kernels():
+    from .kernels.pack import _pack_kernel
+    from .kernels.unpack import _unpack_kernel
+
+    return _pack_kernel, _unpack_kernel
+
+
+def _interpreting() -> bool:
+    """True when the kernels were decorated under ``TRITON_INTERPRET=1`` (Triton decides at
+    decoration time, so the environment variable alone is not enough)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_kernels()[0], InterpretedFunction)
+
+
+def _resolve_impl(impl: str, device: torch.device) -> str:
+    env = os.environ.get("KVTRITON_IMPL", "").strip().lower()
+    if env and env not in _IMPLS:
+        raise LaunchError(f"KVTRITON_IMPL={env!r} is not a known implementation: expected one of {_IMPLS}")
+    if not isinstance(impl, str) or impl not in _IMPLS:
+        raise LaunchError(f"impl={impl!r} is not a known implementation: expected one of {_IMPLS}")
+    choice = env or impl
+    on_cuda = device.type == "cuda"
+    if choice == "auto":
+        if on_cuda:
+            return "torch" if _interpreting() else "triton"
+        return "triton" if _interpreting() else "torch"
+    if choice == "triton":
+        if on_cuda and _interpreting():
+            raise LaunchError(
+                "impl='triton' on CUDA tensors, but the kernels were decorated under "
+                "TRITON_INTERPRET=1 (interpreter, host memory only): unset it, or use impl='torch'"
+            )
+        if not on_cuda and not _interpreting():
+            raise LaunchError(
+                f"impl='triton' on {device.type} tensors needs the Triton interpreter: set "
+                "TRITON_INTERPRET=1 before kvtriton.kernels is imported, or use impl='torch'"
+            )
+    return choice
+
+
+# --------------------------------------------------------------------------- validation
+@dataclass(frozen=True)
+class _Static:
+    """What one (op, regions, segments) triple implies, independent of the request: checked
+    once, then reused while the caller passes the same segment tuple and region objects."""
+
+    regions: tuple  # weak references (a cache must not keep KV caches alive); hits compare identities
+    segments: tuple  # the caller's tuple itself, so that its id is not reused while cached
+    data_ptrs: tuple[int, ...]  # every stream's address (a tensor re-pointed by set_() misses)
+    device: torch.device | None  # the streams' device, None when they are not on one device
+    rows: np.ndarray  # int64 [n_segments, NUM_SEGMENT_FIELDS] in bytes; stg_off column is 0
+    tile_bytes: np.ndarray  # int64 [n_segments]
+    lowbits: int  # OR of every static address, stride and row length (alignment)
+    num_blocks: int | None  # fewest blocks among the regions the segments touch
+
+
+@dataclass(frozen=True)
+class _Checked:
+    static: _Static
+    offsets: np.ndarray  # int64 [n_segments]
+    ids: torch.Tensor  # int32/int64 [n], contiguous, on the staging device
+    n: int
+
+
+_STATIC_CACHE: dict[tuple, _Static] = {}
+_STATIC_CACHE_SIZE = 64
+
+
+def _validate(op: str, regions, segments, offsets, block_ids, staging) -> _Checked:
+    if not isinstance(staging, torch.Tensor):
+        raise LaunchError(f"{op}: staging must be a torch.Tensor (1-D uint8); got {type(staging).__name__}")
+    if staging.dtype != torch.uint8 or staging.dim() != 1 or (staging.numel() > 1 and staging.stride(0) != 1):
+        raise LaunchError(
+            f"{op}: staging must be a contiguous 1-D uint8 tensor; got dtype {staging.dtype}, "
+            f"shape {tuple(staging.shape)}, strides {tuple(staging.stride())}"
+        )
+    device = staging.device
+    if isinstance(regions, Region) or not isinstance(regions, Sequence):
+        raise LaunchError(f"{op}: regions must be a sequence of Region; got {type(regions).__name__}")
+    if isinstance(segments, Segment) or not isinstance(segments, Sequence):
+        raise LaunchError(f"{op}: segments must be a sequence of Segment; got {type(segments).__name__}")
+    n_seg = len(segments)
+    offs = _offsets(op, offsets, n_seg)
+    if n_seg > _MAX_GRID_Y:
+        raise LaunchError(f"{op}: {n_seg} segments in one launch; expected at most {_MAX_GRID_Y}")
+    static = _static(op, regions, segments)
+    if static.device != device:
+        for i, r in enumerate(regions):
+            for k, t in enumerate(r.streams):
+                if t.device != device:
+                    raise LaunchError(
+                        f"{op}: region {i} ({r.spec.name!r}) stream {k} is on {t.device}, staging is "
+                        f"on {device}: expected every tensor on one device"
+                    )
+    ids = _block_ids(op, block_ids, device, static.num_blocks)
+    n = int(ids.numel())
+    if n and n_seg:
+        ends = offs + n * static.tile_bytes
+        too_big = ends > staging.numel()
+        if too_big.any():
+            s = int(np.argmax(too_big))
+            raise LaunchError(
+                f"{op}: staging holds {staging.numel()} bytes, but segment {s} needs bytes "
+                f"[{int(offs[s])}, {int(ends[s])}) for {n} blocks of {int(static.tile_bytes[s])}-byte tiles"
+            )
+        if op == "pack":
+            _check_disjoint_tiles(offs, ends)
+    return _Checked(static, offs, ids, n)
+
+
+def _static(op: str, regions, segments) -> _Static:
+    """Per-segment checks and addressing, cached for tuples of segments (immutable, like the
+    planner's ``StagedRead.segments``): a launch serving 8 destinations of an 80-layer model
+    has 1280 segments, and checking them costs milliseconds of Python."""
+    for i, r in enumerate(regions):
+        if not isinstance(r, Region):
+            raise LaunchError(f"{op}: regions[{i}] must be a Region; got {type(r).__name__}")
+    cacheable = isinstance(segments, tuple)
+    if cacheable:
+        key = (op, id(segments), tuple(map(id, regions)))
+        hit = _STATIC_CACHE.get(key)
+        if (hit is not None and hit.segments is segments
+                and all(ref() is r for ref, r in zip(hit.regions, regions))
+                and hit.data_ptrs == tuple(t.data_ptr() for r in regions for t in r.streams)):
+            return hit
+    static = _build_static(op, regions, segments)
+    if cacheable:
+        if len(_STATIC_CACHE) >= _STATIC_CACHE_SIZE:
+            _STATIC_CACHE.pop(next(iter(_STATIC_CACHE)))
+        _STATIC_CACHE[key] = static
+    return static
+
+
+def _build_static(op: str, regions, segments) -> _Static:
+    from .kernels._addressing import NUM_SEGMENT_FIELDS
+
+    side = "src" if op == "pack" else "dst"
+    n_seg = len(segments)
+    rows = np.zeros((n_seg, NUM_SEGMENT_FIELDS), dtype=np.int64)
+    tile_bytes = np.zeros(n_seg, dtype=np.int64)
+    min_blocks = None
+    for s, seg in enumerate(segments):
+        if not isinstance(seg, Segment):
+            raise LaunchError(f"{op}: segments[{s}] must be a Segment; got {type(seg).__name__}")
+        where = f"{op}: segment {s} (region {seg.region}, stream {seg.stream})"
+        if not 0 <= seg.region < len(regions):
+            raise LaunchError(f"{where}: region index out of range: expected 0..{len(regions) - 1}")
+        region = regions[seg.region]
+        if not 0 <= seg.stream < len(region.streams):
+            raise LaunchError(
+                f"{where}: stream index out of range: region {region.spec.name!r} has "
+                f"{len(region.streams)} stream(s)"
+            )
+        t = region.nhd(seg.stream)  # [num_blocks, block_size, heads, head_dim]
+        if t.dim() != 4 or t.stride(-1) != 1:
+            raise LaunchError(
+                f"{where}: stream must be a 4-D view with head_dim stride 1; got shape "
+                f"{tuple(t.shape)}, strides {tuple(t.stride())}"
+            )
+        nb, bs, heads, hd = t.shape
+        item = t.element_size()
+        if seg.itemsize != item:
+            raise LaunchError(
+                f"{where}: segment itemsize {seg.itemsize} B does not match the region's dtype "
+                f"{t.dtype} ({item} B)"
+            )
+        if seg.head_dim != hd:
+            raise LaunchError(f"{where}: segment head_dim {seg.head_dim} does not match the region's {hd}")
+        if seg.block_size != bs:
+            raise LaunchError(f"{where}: segment block_size {seg.block_size} does not match the region's {bs}")
+        h0 = seg.src_head if op == "pack" else seg.dst_head
+        nh = seg.num_heads
+        if nh < 1 or h0 < 0 or h0 + nh > heads:
+            raise LaunchError(
+                f"{where}: {side} heads [{h0}, {h0 + nh}) are not inside the region's "
+                f"{heads} local heads: expected 0 <= {side}_head and {side}_head + num_heads <= {heads}, "
+                "num_heads >= 1"
+            )
+        if not isinstance(seg.dst_layout, Layout):
+            raise LaunchError(f"{where}: dst_layout must be a Layout; got {seg.dst_layout!r}")
+        if op == "unpack" and seg.dst_layout is not region.spec.layout:
+            raise LaunchError(
+                f"{where}: staged tiles are {seg.dst_layout.value} but the local region is "
+                f"{region.spec.layout.value}: unpack expects tiles in the local layout"
+            )
+        # Addressing (bytes; converted to words once the word width is known).
+        rb = seg.row_bytes
+        s_blk, s_tok, s_head = t.stride(0) * item, t.stride(1) * item, t.stride(2) * item
+        t_tok, t_head = (nh * rb, rb) if seg.dst_layout is Layout.NHD else (rb, bs * rb)
+        # Strides of extent-1 dimensions never move an address: zero them so that an odd stride
+        # there (e.g. of an unsqueezed MLA head) does not narrow the word width.
+        if bs == 1:
+            s_tok = t_tok = 0
+        if nh == 1:
+            s_head = t_head = 0
+        if nb == 1:
+            s_blk = 0
+        rows[s] = (t.data_ptr() + h0 * t.stride(2) * item, s_blk, s_tok, s_head, 0,
+                   seg.tile_bytes, t_tok, t_head, nh, bs, rb)
+        tile_bytes[s] = seg.tile_bytes
+        min_blocks = nb if min_blocks is None else min(min_blocks, nb)
+    if op == "unpack":
+        _check_disjoint_heads(segments)
+    lowbits = int(np.bitwise_or.reduce(np.concatenate([rows[:, 0:8].reshape(-1), rows[:, 10], [0]])))
+    devices = {t.device for r in regions for t in r.streams}
+    return _Static(
+        regions=tuple(weakref.ref(r) for r in regions), segments=tuple(segments),
+        data_ptrs=tuple(t.data_ptr() for r in regions for t in r.streams),
+        device=devices.pop() if len(devices) == 1 else None,
+        rows=rows, tile_bytes=tile_bytes, lowbits=lowbits, num_blocks=min_blocks,
+    )
+
+
+def _offsets(op: str, offsets, n_seg: int) -> np.ndarray:
+    if isinstance(offsets, torch.Tensor):
+        offsets = offsets.detach().cpu().numpy()
+    arr = np.asarray(offsets)
+    if arr.size == 0:
+        arr = arr.astype(np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise LaunchError(
+            f"{op}: offsets must be a 1-D sequence of integers (bytes); got {arr.dtype} with shape {arr.shape}"
+        )
+    if arr.size != n_seg:
+        raise LaunchError(f"{op}: {arr.size} offsets for {n_seg} segments: expected one byte offset per segment")
+    arr = arr.astype(np.int64)
+    if (arr < 0).any():
+        s = int(np.argmax(arr < 0))
+        raise LaunchError(f"{op}: offset of segment {s} is {int(arr[s])}: expected a byte offset >= 0")
+    return arr
+
+
+def _block_ids(op: str, block_ids, device: torch.device, num_blocks: int | None) -> torch.Tensor:
+    if isinstance(block_ids, torch.Tensor):
+        ids = block_ids
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise LaunchError(f"{op}: block ids must be int32 or int64; got {ids.dtype}")
+    else:
+        arr = np.asarray(block_ids)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.dtype.kind not in "iu":
+            raise LaunchError(f"{op}: block ids must be integers; got {arr.dtype}")
+        ids = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
+    if ids.dim() != 1:
+        raise LaunchError(f"{op}: block ids must be 1-D (one id per request position); got shape {tuple(ids.shape)}")
+    if ids.device.type == "cpu":
+        if ids.numel() and num_blocks is not None:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < -1 or hi >= num_blocks:
+                bad = (ids < -1) | (ids >= num_blocks)
+                j = int(torch.nonzero(bad)[0, 0])
+                raise LaunchError(
+                    f"{op}: block id {int(ids[j])} at position {j} is out of range: expected -1 "
+                    f"(skip) or 0..{num_blocks - 1}"
+                )
+        if op == "unpack" and ids.numel() > 1:
+            valid = ids[ids >= 0]
+            uniq, counts = torch.unique(valid, return_counts=True)
+            if uniq.numel() != valid.numel():
+                raise LaunchError(
+                    f"{op}: block ids repeat {uniq[counts > 1][:8].tolist()}: two tiles would race "
+                    "for one block; expected distinct ids (or -1)"
+                )
+        if device.type != "cpu":
+            ids = ids.contiguous().pin_memory().to(device, non_blocking=True)
+    elif ids.device != device:
+        raise LaunchError(f"{op}: block ids are on {ids.device}, staging is on {device}: expected the same device or CPU")
+    return ids.contiguous()
+
+
+def _check_disjoint_tiles(starts: np.ndarray, ends: np.ndarray) -> None:
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    clash = s[1:] < e[:-1]
+    if clash.any():
+        k = int(np.argmax(clash))
+        a, b = int(order[k]), int(order[k + 1])
+        raise LaunchError(
+            f"pack: staging ranges of segments {a} [{int(starts[a])}, {int(ends[a])}) and {b} "
+            f"[{int(starts[b])}, {int(ends[b])}) overlap: expected disjoint tiles"
+        )
+
+
+def _check_disjoint_heads(segments: Sequence[Segment]) -> None:
+    by_stream: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for s, seg in enumerate(segments):
+        by_stream.setdefault((seg.region, seg.stream), []).append((seg.dst_head, seg.dst_head + seg.num_heads, s))
+    for (region, stream), spans in by_stream.items():
+        spans.sort()
+        for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
+            if b0 < a1:
+                raise LaunchError(
+                    f"unpack: segments {a} and {b} both write heads [{b0}, {min(a1, b1)}) of region "
+                    f"{region} stream {stream}: expected disjoint head slices"
+                )
+
+
+# --------------------------------------------------------------------------- launch
+def _segment_table(chk: _Checked, staging: torch.Tensor) -> tuple[np.ndarray, LaunchConfig]:
+    """The launch's segment table in words (``kernels/_addressing.SEGMENT_FIELDS``) and its
+    constexpr geometry: the word width is the widest the addresses, strides, row lengths,
+    staging base and offsets all allow."""
+    rows = chk.static.rows.copy()
+    rows[:, 4] = chk.offsets
+    lowbits = chk.static.lowbits | int(np.bitwise_or.reduce(chk.offsets)) | staging.data_ptr()
+    align = _MAX_ACCESS_BYTES if lowbits == 0 else min(_MAX_ACCESS_BYTES, lowbits & -lowbits)
+    word, vec = _word_config(align)
+    rows[:, 1:8] //= word
+    rows[:, 10] //= word
+    block_r, block_w, num_warps = _launch_config(int((rows[:, 8] * rows[:, 9]).max()),
+                                                 int(rows[:, 10].max()), word, vec)
+    return rows, LaunchConfig(word, vec, align, block_r, block_w, num_warps)
+
+
+def _launch(op: str, kernel, chk: _Checked, staging: torch.Tensor) -> None:
+    from .kernels._addressing import NUM_SEGMENT_FIELDS
+
+    rows, cfg = _segment_table(chk, staging)
+    usable = staging.numel() - staging.numel() % cfg.word_bytes
+    words = staging[:usable].view(_INT_OF_WIDTH[cfg.word_bytes])
+    table = torch.from_numpy(rows)
+    device = staging.device
+    if device.type == "cuda":
+        # Pinned + non_blocking: the copy is ordered on the caller's stream, the host never waits.
+        table = table.pin_memory().to(device, non_blocking=True)
+    grid = (chk.n, rows.shape[0])
+    ctx = torch.cuda.device(device) if device.type == "cuda" else _nullcontext()
+    with ctx:
+        kernel[grid](
+            staging_ptr=words, seg_ptr=table, block_ids_ptr=chk.ids,
+            NUM_FIELDS=NUM_SEGMENT_FIELDS, BLOCK_R=cfg.block_r, BLOCK_W=cfg.block_w,
+            VEC=cfg.vec, ALIGN=cfg.align, num_warps=cfg.num_warps,
+        )
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# --------------------------------------------------------------------------- public API
+def pack(
+    regions: Sequence[Region],
+    segments: Sequence[Segment],
+    offsets: Sequence[int] | np.ndarray,
+    block_ids: torch.Tensor | np.ndarray | Sequence[int],
+    staging: torch.Tensor,
+    *,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Gather head slices of blocks ``block_ids`` from this rank's caches into ``staging``.
+
+    One launch covers every segment (every staged region and stream, for every destination
+    rank being served: concatenate the destinations' segment lists and offsets) and every
+    block. Tile ``j`` of segment ``s`` is written at byte ``offsets[s] + j * tile_bytes`` in
+    ``segments[s].dst_layout``; see :mod:`kvtriton.plan` for the wire format.
+
+    Parameters
+    ----------
+    regions : Sequence[Region]
+        This rank's regions, indexed by ``Segment.region``. Stream ``k`` of a region is
+        ``[num_blocks, block_size, local_heads, head_dim]`` (NHD) or
+        ``[num_blocks, local_heads, block_size, head_dim]`` (HND), any strides with head_dim
+        stride 1 (separate K/V tensors, joint ``[num_blocks, 2, ...]``/``[2, num_blocks, ...]``
+        views, and padded, non-contiguous blocks all work). Any dtype (fp8, bf16, fp16, fp32...):
+        the bits are copied.
+    segments : Sequence[Segment]
+        What to gather: heads ``[src_head, src_head + num_heads)`` of ``regions[region]``'s
+        stream ``stream``; tiles written in ``dst_layout``. Typically ``read.segments`` of one
+        :class:`~kvtriton.plan.StagedRead` per destination, concatenated.
+    offsets : Sequence[int] | np.ndarray
+        ``[n_segments]`` byte offset of each segment's first tile in ``staging``
+        (``read.segment_offsets(n, base)``).
+    block_ids : torch.Tensor | np.ndarray | Sequence[int]
+        ``[n]`` int32/int64 source block of each request position; ``-1`` skips the position
+        (its staging bytes are left as they were). Repeats are allowed.
+    staging : torch.Tensor
+        ``[staging_bytes]`` uint8, contiguous, on the regions' device, caller-owned (e.g. a
+        registered staging slot). Tile ``j`` of segment ``s`` is ``[block_size, num_heads,
+        head_dim]`` (NHD) or ``[num_heads, block_size, head_dim]`` (HND) at
+        ``staging[offsets[s] + j * tile_bytes:][:tile_bytes]``.
+    impl : str
+        ``"auto"``, ``"triton"`` or ``"torch"``; the ``KVTRITON_IMPL`` environment variable, if
+        set, overrides it (see the module docstring).
+
+    Returns
+    -------
+    torch.Tensor
+        ``staging``. On CUDA the kernel is queued on the current stream and nothing waits for it.
+
+    Raises
+    ------
+    LaunchError
+        On any inconsistent argument (devices, dtypes, strides, indices, head ranges, geometry,
+        block ids, staging too small or tiles overlapping); nothing is launched or written.
+
+    Note
+    ----
+    ``staging`` must hold ``offsets[s] + n * segments[s].tile_bytes`` bytes for every ``s``, and
+    the segments' staging ranges must not overlap. Block ids given on the CPU are range-checked
+    here; ids already on a CUDA device are not (that would synchronise): the planner
+    (:func:`~kvtriton.plan.compact_request`) checked them.
+
+    Example
+    -------
+    >>> import torch
+    >>> from kvtriton import Region, build_plan, ops
+    >>> k = torch.randn(8, 16, 4, 64)                    # P rank 1 of TP2: heads 4-7 of 8, NHD
+    >>> src = [Region.attention("l0", k, k.clone(), block_size=16, total_heads=8)]
+    >>> kd = torch.zeros(8, 2, 16, 64)                   # D rank 3 of TP4: heads 6-7, HND
+    >>> dst = [Region.attention("l0", kd, kd.clone(), layout="HND", block_size=16, total_heads=8)]
+    >>> read = build_plan(3, 4, [d.spec for d in dst], 2, [s.spec for s in src]).staged[0]
+    >>> ids = torch.tensor([5, 2])                       # 2 blocks x 2 streams x (16*2*64*4 B)
+    >>> staging = torch.empty(read.payload_bytes(2), dtype=torch.uint8)
+    >>> _ = ops.pack(src, read.segments, read.segment_offsets(2), ids, staging)
+    >>> staging.numel()                                  # 2 blocks * 2 streams * 8 KiB
+    32768
+    """
+    kernel = _kernels()[0]
+    chk = _validate("pack", regions, segments, offsets, block_ids, staging)
+    which = _resolve_impl(impl, staging.device)
+    if chk.n == 0 or len(segments) == 0:
+        return staging
+    if which == "torch":
+        return pack_reference(regions, segments, chk.offsets, chk.ids, staging)
+    _launch("pack", kernel, chk, staging)
+    return staging
+
+
+def unpack(
+    regions: Sequence[Region],
+    segments: Sequence[Segment],
+    offsets: Sequence[int] | np.ndarray,
+    block_ids: torch.Tensor | np.ndarray | Sequence[int],
+    staging: torch.Tensor,
+    *,
+    impl: str = "auto",
+) -> None:
+    """Scatter staged tiles into blocks ``block_ids`` of this rank's caches.
+
+    The inverse of :func:`pack`: tile ``j`` of segment ``s`` (at byte ``offsets[s] + j *
+    tile_bytes`` of ``staging``) lands in local block ``block_ids[j]``, heads ``[dst_head,
+    dst_head + num_heads)`` of ``regions[region]``'s stream ``stream``. Segments from several
+    source ranks (each a :class:`~kvtriton.plan.StagedRead` at its own staging offset) may be
+    given together: with D < P one launch assembles each local block from all its sources.
+
+    Parameters
+    ----------
+    regions : Sequence[Region]
+        This rank's regions (shapes as in :func:`pack`), written in place.
+    segments : Sequence[Segment]
+        Segments to scatter; ``dst_layout`` must equal the local region's layout (tiles are
+        staged in the destination's layout).
+    offsets : Sequence[int] | np.ndarray
+        ``[n_segments]`` byte offset of each segment's first tile in ``staging``.
+    block_ids : torch.Tensor | np.ndarray | Sequence[int]
+        ``[n]`` int32/int64 local block of each request position; ``-1`` skips the position.
+        Non-negative ids must be distinct (two tiles would race for one block).
+    staging : torch.Tensor
+        ``[staging_bytes]`` uint8, contiguous, on the regions' device: the received payloads.
+        Tile ``j`` of segment ``s`` is ``[block_size, num_heads, head_dim]`` (NHD) or
+        ``[num_heads, block_size, head_dim]`` (HND).
+    impl : str
+        ``"auto"``, ``"triton"`` or ``"torch"`` (``KVTRITON_IMPL`` overrides).
+
+    Raises
+    ------
+    LaunchError
+        As :func:`pack`, plus: a tile layout other than the local one, repeated block ids (ids
+        given on the CPU), or two segments writing the same heads of one stream.
+
+    Note
+    ----
+    Only the listed heads of the listed blocks are written; every other cache byte keeps its
+    value. On CUDA the kernel is queued on the current stream and nothing waits for it; ids
+    already on the device are neither range- nor uniqueness-checked (see :func:`pack`).
+
+    Example
+    -------
+    >>> import torch
+    >>> from kvtriton import Region, build_plan, ops
+    >>> kd = torch.zeros(8, 16, 2, 64)                   # D rank 0 of TP4 (heads 0-1 of 8), NHD
+    >>> dst = [Region.attention("l0", kd, kd.clone(), block_size=16, total_heads=8)]
+    >>> k = torch.randn(8, 16, 4, 64)                    # P TP2 rank 0 holds heads 0-3
+    >>> src = [Region.attention("l0", k, k.clone(), block_size=16, total_heads=8)]
+    >>> read = build_plan(0, 4, [d.spec for d in dst], 2, [s.spec for s in src]).staged[0]
+    >>> staging = torch.empty(read.payload_bytes(1), dtype=torch.uint8)
+    >>> offs = read.segment_offsets(1)
+    >>> _ = ops.pack(src, read.segments, offs, [3], staging)     # P block 3 ...
+    >>> ops.unpack(dst, read.segments, offs, [6], staging)       # ... -> D block 6
+    >>> bool(torch.equal(kd[6], k[3, :, 0:2]))
+    True
+    """
+    kernel = _kernels()[1]
+    chk = _validate("unpack", regions, segments, offsets, block_ids, staging)
+    which = _resolve_impl(impl, staging.device)
+    if chk.n == 0 or len(segments) == 0:
+        return None
+    if which == "torch":
+        unpack_reference(regions, segments, chk.offsets, chk.ids, staging)
+        return None
+    _launch("unpack", kernel, chk, staging)
+    return None

@@ -1,0 +1,374 @@
+"""A multi-process prefill/decode cluster on this machine: real NIXL (UCX on 127.0.0.1), CPU caches.
+
+The parent starts ``p_tp`` prefill and ``d_tp`` decode processes (``spawn``), routes their
+metadata all-to-all, and drives them with short commands over pipes. Every process rebuilds the
+same global KV of each request from the seed, so the decode processes check every block they
+receive byte for byte against the global heads their rank owns, and at the end check that no
+byte outside the received blocks changed. Everything is bounded in time, and every child is
+killed when the cluster exits, whatever happened.
+
+Example::
+
+    cfg = ClusterConfig(models=[RegionModel.gqa("l0", 4, 16)], p_tp=2, d_tp=4)
+    with Cluster(cfg) as c:
+        reqs = c.requests(8, n_blocks=6)
+        c.hold(reqs); c.fetch(reqs)
+        report = c.wait(timeout_s=60)      # {decode rank: {req_id: outcome}}
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .oracle import RegionModel
+
+__all__ = ["ClusterConfig", "Request", "Cluster"]
+
+
+@dataclass(frozen=True)
+class Request:
+    req_id: str
+    index: int
+    src_ids: tuple[int, ...]
+    dst_ids: tuple[int, ...]
+
+
+@dataclass
+class ClusterConfig:
+    models: list[RegionModel]
+    p_tp: int = 1
+    d_tp: int = 1
+    block_size: int = 4
+    p_blocks: int = 256
+    d_blocks: int = 256
+    p_layout: str = "NHD"
+    d_layout: str = "NHD"
+    p_storage: str = "separate"
+    d_storage: str = "separate"
+    mode: str = "pull"
+    staging_bytes: int = 1 << 20
+    slot_bytes: int = 4096
+    timeout_s: float = 10.0
+    lease_s: float = 60.0
+    seed: int = 0
+    modes: object = None
+    max_inflight: int = 64
+    impl: str = "torch"  # pack/unpack path of the agents ("auto" would use the Triton interpreter on CPU)
+    extra: dict = field(default_factory=dict)
+
+
+def _request_kv(cfg: ClusterConfig, req: Request):
+    import torch
+
+    from .oracle import make_global_kv
+
+    gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + zlib.crc32(req.req_id.encode())) & 0x7FFFFFFF)
+    return make_global_kv(cfg.models, len(req.src_ids), cfg.block_size, gen)
+
+
+# --------------------------------------------------------------------------- child process
+def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    torch.set_num_threads(1)
+    from ..agent import TransferAgent
+    from ..errors import KVTritonError
+    from .oracle import check_destination, load_source, make_rank_regions, snapshot
+
+    tp = cfg.p_tp if role == "P" else cfg.d_tp
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + (0 if role == "P" else 104729) + rank)
+    regions = make_rank_regions(
+        cfg.models, rank, tp, cfg.p_blocks if role == "P" else cfg.d_blocks, cfg.block_size,
+        layout=cfg.p_layout if role == "P" else cfg.d_layout,
+        storage=cfg.p_storage if role == "P" else cfg.d_storage, gen=gen)
+    before = snapshot(regions)
+    agent = TransferAgent(role, rank, tp, regions, staging_bytes=cfg.staging_bytes, slot_bytes=cfg.slot_bytes,
+                          mode=cfg.mode, timeout_s=cfg.timeout_s, modes=cfg.modes, impl=cfg.impl)
+    conn.send(("md", agent.metadata()))
+    outcomes: dict[str, dict] = {}
+    pending: list[Request] = []
+    requests: dict[str, Request] = {}
+    inflight = 0
+    freed: list[tuple[str, str]] = []
+    sent_ready = [0]
+    kill_after = [None]
+
+    real_send = agent.transport.send_notif
+
+    def counting_send(name, msg):  # the fault hook: die after N chunk announcements
+        real_send(name, msg)
+        if b"ready" in msg or b"data" in msg:
+            sent_ready[0] += 1
+            if kill_after[0] is not None and sent_ready[0] >= kill_after[0]:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    agent.transport.send_notif = counting_send
+
+    try:
+        while True:
+            busy = not agent.idle() or pending
+            if conn.poll(0 if busy else 0.002):
+                try:
+                    cmd, *args = conn.recv()
+                except EOFError:
+                    break
+                if cmd == "add_remote":
+                    try:
+                        agent.add_remote(args[0])
+                        conn.send(("ok", None))
+                    except KVTritonError as e:
+                        conn.send(("err", f"{type(e).__name__}: {e}"))
+                elif cmd == "hold":
+                    for req in args[0]:
+                        load_source(regions, rank, tp, _request_kv(cfg, req), list(req.src_ids))
+                        agent.hold(req.req_id, list(req.src_ids), lease_s=args[1])
+                    conn.send(("ok", None))
+                elif cmd == "fetch":
+                    for req in args[0]:
+                        requests[req.req_id] = req
+                        pending.append(req)
+                    conn.send(("ok", None))
+                elif cmd == "kill_after":
+                    kill_after[0] = args[0]
+                    conn.send(("ok", None))
+                elif cmd == "status":
+                    conn.send(("ok", dict(outcomes=dict(outcomes), freed=list(freed), idle=agent.idle(),
+                                          free_slots=agent.pool.free_slots, num_slots=agent.pool.num_slots,
+                                          stats=dict(agent.stats), pending=len(pending))))
+                elif cmd == "canary":
+                    ok_reqs = [requests[r] for r, o in outcomes.items() if o["ok"]]
+                    msg = None
+                    try:
+                        _check_all(regions, rank, tp, cfg, ok_reqs, before, check_destination)
+                    except AssertionError as e:
+                        msg = str(e)
+                    conn.send(("ok", msg))
+                elif cmd == "exit":
+                    conn.send(("ok", None))
+                    break
+            while pending and inflight < cfg.max_inflight:
+                req = pending.pop(0)
+                try:
+                    agent.fetch(req.req_id, "P", list(req.src_ids), list(req.dst_ids))
+                    inflight += 1
+                except KVTritonError as e:
+                    outcomes[req.req_id] = dict(ok=False, error=type(e).__name__, msg=str(e), seconds=0.0)
+            agent.progress()
+            for res in agent.results():
+                inflight -= 1
+                out = dict(ok=res.ok, error=type(res.error).__name__ if res.error else None,
+                           msg=str(res.error) if res.error else None, seconds=res.seconds,
+                           descriptors=res.descriptors, bytes=res.bytes)
+                if res.ok:
+                    out["mismatch"] = _check_one(regions, rank, tp, cfg, requests[res.req_id])
+                outcomes[res.req_id] = out
+            freed.extend((f.req_id, f.reason) for f in agent.freed())
+            if busy:
+                time.sleep(0.0001)
+    finally:
+        agent.close()
+        conn.close()
+
+
+def _check_one(regions, rank, tp, cfg, req) -> str | None:
+    """Byte-compare one request's destination blocks (other blocks are checked at the end)."""
+    from ..regions import Kind
+    from ..topology import head_range
+    from .oracle import _bytes
+
+    kv = _request_kv(cfg, req)
+    ids = np.asarray(req.dst_ids)
+    try:
+        for region, streams in zip(regions, kv):
+            h0, h1 = (0, region.spec.local_heads) if region.spec.kind is Kind.REPLICATE else \
+                head_range(rank, tp, region.spec.total_heads)
+            for j, g in enumerate(streams):
+                got = _bytes(region.nhd(j))[ids]
+                exp = _bytes(g[:, :, h0:h1])
+                if not bool((got == exp).all()):
+                    bad = (got != exp).nonzero()
+                    raise AssertionError(f"{req.req_id}: region {region.spec.name} stream {j}: "
+                                         f"{bad.shape[0]} bytes differ, first {bad[:3].tolist()}")
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+def _check_all(regions, rank, tp, cfg, reqs, before, check_destination) -> None:
+    import torch
+
+    if not reqs:
+        kv = [[s[:0] for s in streams] for streams in _request_kv(cfg, Request("none", 0, (0,), (0,)))]
+        check_destination(regions, rank, tp, kv, [], before)
+        return
+    kvs = [_request_kv(cfg, r) for r in reqs]
+    merged = [[torch.cat([kv[i][j] for kv in kvs]) for j in range(len(kvs[0][i]))] for i in range(len(kvs[0]))]
+    ids = [b for r in reqs for b in r.dst_ids]
+    check_destination(regions, rank, tp, merged, ids, before)
+
+
+# --------------------------------------------------------------------------- parent
+class Cluster:
+    """Parent side; see the module docstring. Use as a context manager."""
+
+    def __init__(self, cfg: ClusterConfig, start_timeout_s: float = 60.0):
+        self.cfg = cfg
+        self._ctx = mp.get_context("spawn")
+        self._procs: dict[tuple[str, int], tuple] = {}
+        self._md: dict[tuple[str, int], bytes] = {}
+        self._start_timeout = start_timeout_s
+        self._next_req = 0
+
+    def __enter__(self) -> "Cluster":
+        try:
+            for r in range(self.cfg.p_tp):
+                self._spawn("P", r)
+            for r in range(self.cfg.d_tp):
+                self._spawn("D", r)
+            for key in self._procs:
+                self._md[key] = self._recv(key, self._start_timeout, expect="md")
+            for key in self._procs:
+                for other, md in self._md.items():
+                    if other[0] != key[0]:
+                        self._call(key, "add_remote", md)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _spawn(self, role: str, rank: int) -> None:
+        parent, child = self._ctx.Pipe()
+        p = self._ctx.Process(target=_child, args=(role, rank, self.cfg, child), daemon=True,
+                              name=f"kvtriton-{role}{rank}")
+        p.start()
+        child.close()
+        self._procs[(role, rank)] = (p, parent)
+
+    def _recv(self, key, timeout_s: float, expect: str = "ok"):
+        p, conn = self._procs[key]
+        deadline = time.monotonic() + timeout_s
+        while not conn.poll(0.05):
+            if not p.is_alive():
+                raise RuntimeError(f"{key[0]}{key[1]} died (exit code {p.exitcode})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{key[0]}{key[1]} did not answer within {timeout_s} s")
+        tag, value = conn.recv()
+        if tag == "err":
+            raise RuntimeError(f"{key[0]}{key[1]}: {value}")
+        if tag != expect:
+            raise RuntimeError(f"{key[0]}{key[1]}: expected {expect!r}, got {tag!r}")
+        return value
+
+    def _call(self, key, cmd: str, *args, timeout_s: float = 30.0):
+        self._procs[key][1].send((cmd, *args))
+        return self._recv(key, timeout_s)
+
+    # ------------------------------------------------------------------ scenario helpers
+    def requests(self, count: int, n_blocks: int) -> list[Request]:
+        """``count`` requests of ``n_blocks`` blocks on disjoint, shuffled block ids."""
+        rng = np.random.default_rng(self.cfg.seed + self._next_req)
+        need = count * n_blocks
+        if need > min(self.cfg.p_blocks, self.cfg.d_blocks):
+            raise ValueError(f"{need} blocks do not fit caches of {self.cfg.p_blocks}/{self.cfg.d_blocks} blocks")
+        src = rng.permutation(self.cfg.p_blocks)[:need].reshape(count, n_blocks)
+        dst = rng.permutation(self.cfg.d_blocks)[:need].reshape(count, n_blocks)
+        out = [Request(f"req{self._next_req + i}", self._next_req + i, tuple(map(int, s)), tuple(map(int, d)))
+               for i, (s, d) in enumerate(zip(src, dst))]
+        self._next_req += count
+        return out
+
+    def prefill_ranks(self):
+        return [k for k in self._procs if k[0] == "P"]
+
+    def decode_ranks(self):
+        return [k for k in self._procs if k[0] == "D"]
+
+    def hold(self, reqs: list[Request], lease_s: float | None = None, ranks=None) -> None:
+        for key in ranks or self.prefill_ranks():
+            self._call(key, "hold", reqs, lease_s or self.cfg.lease_s)
+
+    def fetch(self, reqs: list[Request], ranks=None) -> None:
+        for key in ranks or self.decode_ranks():
+            self._call(key, "fetch", reqs)
+
+    def status(self, key) -> dict:
+        return self._call(key, "status")
+
+    def wait(self, reqs: list[Request] | None = None, timeout_s: float = 60.0, ranks=None) -> dict[int, dict]:
+        """Wait until every decode rank reports an outcome for every request (or raise)."""
+        keys = ranks or self.decode_ranks()
+        want = {r.req_id for r in reqs} if reqs is not None else None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            report = {k[1]: self.status(k)["outcomes"] for k in keys}
+            if all((want or set()) <= set(o) and (want is not None or o) for o in report.values()):
+                return report
+            if time.monotonic() > deadline:
+                missing = {k: sorted((want or set()) - set(o))[:5] for k, o in report.items()}
+                raise TimeoutError(f"decode ranks still waiting after {timeout_s} s: {missing}")
+            time.sleep(0.05)
+
+    def wait_freed(self, count: int, timeout_s: float = 30.0) -> dict[int, list]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = {k[1]: self.status(k)["freed"] for k in self.prefill_ranks()}
+            if all(len(v) >= count for v in out.values()):
+                return out
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"prefill ranks freed {out} after {timeout_s} s, expected {count} each")
+            time.sleep(0.05)
+
+    def canary(self) -> dict[int, str | None]:
+        """Per decode rank: None if no byte outside successfully received blocks changed."""
+        return {k[1]: self._call(k, "canary", timeout_s=60) for k in self.decode_ranks()}
+
+    def kill_after(self, key, announcements: int) -> None:
+        """Make a prefill process SIGKILL itself after it has announced ``announcements`` chunks."""
+        self._call(key, "kill_after", announcements)
+
+    def is_alive(self, key) -> bool:
+        return self._procs[key][0].is_alive()
+
+    def restart(self, key) -> None:
+        """Start a fresh process for ``key`` (new NIXL agent) and re-run the handshake both ways."""
+        p, conn = self._procs.pop(key)
+        _kill(p)
+        conn.close()
+        self._spawn(*key)
+        self._md[key] = self._recv(key, self._start_timeout, expect="md")
+        for other, md in self._md.items():
+            if other[0] != key[0]:
+                self._call(key, "add_remote", md)
+                self._call(other, "add_remote", self._md[key])
+
+    def close(self) -> None:
+        for key, (p, conn) in list(self._procs.items()):
+            try:
+                if p.is_alive():
+                    conn.send(("exit",))
+            except (OSError, BrokenPipeError):
+                pass
+        deadline = time.monotonic() + 5
+        for p, conn in self._procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+            _kill(p)
+            conn.close()
+        self._procs.clear()
+
+
+def _kill(p) -> None:
+    if p.is_alive():
+        p.kill()
+        p.join(5)
+

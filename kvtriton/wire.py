@@ -1,0 +1,255 @@
+"""Handshake metadata and control messages: msgpack, versioned, schema-validated.
+
+Everything a peer sends is untrusted. Decoding checks types, ranges and internal consistency
+(a stream's declared span must hold ``num_blocks`` blocks at its strides; staging must hold its
+slots) and raises :class:`~kvtriton.errors.ProtocolError` naming the field. No pickle anywhere.
+
+Metadata (one per rank)::
+
+    {v, fmt, engine, rank, tp, agent, agent_md, mem, dev,
+     regions: [{name, kind, layout, num_blocks, block_size, total_heads, local_heads,
+                head_dims, dtype, itemsize, strides, addrs, spans}],
+     staging: {addr, slot_bytes, num_slots}}
+
+Control messages ride on NIXL notifications: ``{v, t, ...}`` with ``t`` one of
+:data:`MESSAGE_FIELDS`' keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .errors import ProtocolError
+from .plan import WIRE_FORMAT_VERSION
+from .regions import Kind, Layout, RegionSpec
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "RankMetadata",
+    "StagingInfo",
+    "encode_metadata",
+    "decode_metadata",
+    "encode_message",
+    "decode_message",
+    "stream_span",
+]
+
+PROTOCOL_VERSION = 1
+_MAX_U64 = (1 << 64) - 1
+_MAX_IDS = 1 << 22  # block ids per message: 4M blocks is far beyond any request
+
+
+@dataclass(frozen=True)
+class StagingInfo:
+    addr: int
+    slot_bytes: int
+    num_slots: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * self.num_slots
+
+
+@dataclass(frozen=True)
+class RankMetadata:
+    """What one rank tells its peers about itself."""
+
+    engine: str
+    rank: int
+    tp: int
+    agent: str
+    agent_md: bytes
+    mem: str  # "DRAM" or "VRAM"
+    dev: int
+    regions: tuple[RegionSpec, ...]
+    addrs: tuple[tuple[int, ...], ...]  # per region, per stream: address of element 0
+    spans: tuple[tuple[int, ...], ...]  # per region, per stream: bytes from addr the peer may touch
+    staging: StagingInfo
+
+
+def stream_span(spec: RegionSpec, stream: int) -> int:
+    """Bytes from a stream's first element to the end of its last one."""
+    s_blk, s_tok, s_head = spec.strides[stream]
+    last = (spec.num_blocks - 1) * s_blk + (spec.block_size - 1) * s_tok + (spec.local_heads - 1) * s_head
+    return (last + spec.head_dims[stream]) * spec.itemsize
+
+
+def encode_metadata(md: RankMetadata) -> bytes:
+    regions = []
+    for spec, addrs, spans in zip(md.regions, md.addrs, md.spans):
+        regions.append(dict(
+            name=spec.name, kind=spec.kind.value, layout=spec.layout.value,
+            num_blocks=spec.num_blocks, block_size=spec.block_size, total_heads=spec.total_heads,
+            local_heads=spec.local_heads, head_dims=list(spec.head_dims), dtype=spec.dtype,
+            itemsize=spec.itemsize, strides=[list(s) for s in spec.strides],
+            addrs=list(addrs), spans=list(spans),
+        ))
+    return msgpack.packb(dict(
+        v=PROTOCOL_VERSION, fmt=WIRE_FORMAT_VERSION, engine=md.engine, rank=md.rank, tp=md.tp,
+        agent=md.agent, agent_md=md.agent_md, mem=md.mem, dev=md.dev, regions=regions,
+        staging=dict(addr=md.staging.addr, slot_bytes=md.staging.slot_bytes,
+                     num_slots=md.staging.num_slots),
+    ), use_bin_type=True)
+
+
+def decode_metadata(data: bytes) -> RankMetadata:
+    """Parse and validate a peer's metadata; raises :class:`ProtocolError`."""
+    d = _unpack(data, "metadata")
+    _version(d, "metadata")
+    if _get(d, "fmt", int, "metadata") != WIRE_FORMAT_VERSION:
+        raise ProtocolError(
+            f"metadata: staged wire format {d['fmt']} is not supported (this side speaks "
+            f"{WIRE_FORMAT_VERSION})"
+        )
+    engine = _get(d, "engine", str, "metadata")
+    tp = _int(d, "tp", "metadata", 1, 1 << 16)
+    rank = _int(d, "rank", "metadata", 0, tp - 1)
+    agent = _get(d, "agent", str, "metadata")
+    agent_md = _get(d, "agent_md", bytes, "metadata")
+    mem = _get(d, "mem", str, "metadata")
+    if mem not in ("DRAM", "VRAM"):
+        raise ProtocolError(f"metadata: mem must be DRAM or VRAM, got {mem!r}")
+    dev = _int(d, "dev", "metadata", 0, 1 << 16)
+    st = _get(d, "staging", dict, "metadata")
+    staging = StagingInfo(_int(st, "addr", "staging", 0, _MAX_U64),
+                          _int(st, "slot_bytes", "staging", 1, 1 << 40),
+                          _int(st, "num_slots", "staging", 1, 1 << 24))
+    if staging.addr + staging.nbytes > _MAX_U64:
+        raise ProtocolError("staging: addr + size overflows the address space")
+    specs, addrs, spans = [], [], []
+    for i, r in enumerate(_get(d, "regions", list, "metadata")):
+        where = f"region {i}"
+        if not isinstance(r, dict):
+            raise ProtocolError(f"{where}: expected a map, got {type(r).__name__}")
+        try:
+            kind, layout = Kind(_get(r, "kind", str, where)), Layout(_get(r, "layout", str, where))
+        except ValueError as e:
+            raise ProtocolError(f"{where}: {e}") from None
+        head_dims = tuple(_int_list(r, "head_dims", where, 1, 1 << 20, max_len=8))
+        n_streams = len(head_dims)
+        if n_streams == 0:
+            raise ProtocolError(f"{where}: no streams")
+        strides_raw = _get(r, "strides", list, where)
+        if len(strides_raw) != n_streams or not all(isinstance(s, list) and len(s) == 3 for s in strides_raw):
+            raise ProtocolError(f"{where}: strides must be {n_streams} triples (block, token, head)")
+        strides = []
+        for s in strides_raw:
+            if not all(isinstance(x, int) and 0 <= x < (1 << 48) for x in s):
+                raise ProtocolError(f"{where}: strides must be non-negative integers, got {s}")
+            strides.append(tuple(s))
+        spec = RegionSpec(
+            name=_get(r, "name", str, where), kind=kind, layout=layout,
+            num_blocks=_int(r, "num_blocks", where, 1, 1 << 40),
+            block_size=_int(r, "block_size", where, 1, 1 << 20),
+            total_heads=_int(r, "total_heads", where, 1, 1 << 16),
+            local_heads=_int(r, "local_heads", where, 1, 1 << 16),
+            head_dims=head_dims, dtype=_get(r, "dtype", str, where),
+            itemsize=_int(r, "itemsize", where, 1, 16), strides=tuple(strides),
+        )
+        a = tuple(_int_list(r, "addrs", where, 0, _MAX_U64, max_len=n_streams))
+        sp = tuple(_int_list(r, "spans", where, 1, 1 << 48, max_len=n_streams))
+        if len(a) != n_streams or len(sp) != n_streams:
+            raise ProtocolError(f"{where}: need one address and one span per stream ({n_streams})")
+        for j in range(n_streams):
+            need = stream_span(spec, j)
+            if sp[j] < need:
+                raise ProtocolError(
+                    f"{where} ({spec.name!r}) stream {j}: declared span {sp[j]} bytes cannot hold "
+                    f"{spec.num_blocks} blocks at strides {spec.strides[j]} (needs {need})"
+                )
+            if a[j] + sp[j] > _MAX_U64:
+                raise ProtocolError(f"{where} stream {j}: address + span overflows")
+        specs.append(spec)
+        addrs.append(a)
+        spans.append(sp)
+    return RankMetadata(engine, rank, tp, agent, agent_md, mem, dev, tuple(specs), tuple(addrs),
+                        tuple(spans), staging)
+
+
+# --------------------------------------------------------------------------- control messages
+# type -> required fields and their types (ints are range-checked by the receiver, which knows
+# the bounds: slot counts, block counts, chunk counts).
+MESSAGE_FIELDS: dict[str, dict[str, type]] = {
+    # decode -> prefill: pack this request for me (pull) / here is where to write it (push)
+    "pull": {"xid": str, "req": str, "dst_rank": int, "ids": list, "chunk_blocks": int},
+    "push": {"xid": str, "req": str, "dst_rank": int, "ids": list, "dst_ids": list,
+             "chunk_blocks": int},
+    "grant": {"xid": str, "chunk": int, "slot": int, "nslots": int},
+    "ack": {"xid": str, "chunk": int},  # decode has consumed a chunk (pull): free its slots
+    # prefill -> decode
+    "ready": {"xid": str, "chunk": int, "slot": int, "nslots": int, "nbytes": int},
+    "data": {"xid": str, "chunk": int, "nbytes": int},  # rides on the WRITE (push)
+    "direct": {"xid": str},  # push: the direct regions were written
+    "reject": {"xid": str, "reason": str},
+    # decode -> every prefill rank of the engine: this consumer is finished with the request
+    "done": {"req": str, "dst_rank": int, "dst_tp": int},
+    "abort": {"xid": str},  # drop a transfer's staging (the request failed on the decode side)
+}
+
+
+def encode_message(t: str, **fields: Any) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": t, **fields}, use_bin_type=True)
+
+
+def decode_message(data: bytes) -> dict[str, Any]:
+    """Parse a control message; checks version, type and field types."""
+    d = _unpack(data, "message")
+    _version(d, "message")
+    t = d.get("t")
+    if t not in MESSAGE_FIELDS:
+        raise ProtocolError(f"message: unknown type {t!r}")
+    for name, typ in MESSAGE_FIELDS[t].items():
+        v = d.get(name)
+        if not isinstance(v, typ) or isinstance(v, bool):
+            raise ProtocolError(f"message {t!r}: field {name!r} must be {typ.__name__}, got {v!r:.80}")
+        if typ is list:
+            if len(v) > _MAX_IDS or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise ProtocolError(f"message {t!r}: field {name!r} must be a list of ints")
+        if typ is str and len(v) > 1024:
+            raise ProtocolError(f"message {t!r}: field {name!r} is too long")
+    return d
+
+
+# --------------------------------------------------------------------------- helpers
+def _unpack(data: bytes, what: str) -> dict:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"{what}: expected bytes, got {type(data).__name__}")
+    try:
+        d = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several types on truncated/garbage input
+        raise ProtocolError(f"{what}: not valid msgpack ({type(e).__name__}: {e})") from None
+    if not isinstance(d, dict):
+        raise ProtocolError(f"{what}: expected a map at the top level, got {type(d).__name__}")
+    return d
+
+
+def _version(d: dict, what: str) -> None:
+    v = d.get("v")
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(f"{what}: protocol version {v!r} is not supported (expected {PROTOCOL_VERSION})")
+
+
+def _get(d: dict, key: str, typ: type, where: str):
+    if key not in d:
+        raise ProtocolError(f"{where}: missing field {key!r}")
+    v = d[key]
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise ProtocolError(f"{where}: field {key!r} must be {typ.__name__}, got {type(v).__name__}")
+    return v
+
+
+def _int(d: dict, key: str, where: str, lo: int, hi: int) -> int:
+    v = _get(d, key, int, where)
+    if not lo <= v <= hi:
+        raise ProtocolError(f"{where}: field {key!r} = {v} is outside [{lo}, {hi}]")
+    return v
+
+
+def _int_list(d: dict, key: str, where: str, lo: int, hi: int, max_len: int) -> list[int]:
+    v = _get(d, key, list, where)
+    if len(v) > max_len or not all(isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi for x in v):
+        raise ProtocolError(f"{where}: field {key!r} must be at most {max_len} integers in [{lo}, {hi}]")
+    return v

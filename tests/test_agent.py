@@ -1,0 +1,269 @@
+"""TransferAgent in one process: several agents over real NIXL (UCX), driven by hand.
+
+The multi-process cluster tests (test_cluster.py) cover separate processes and faults; these
+cover the protocol's paths quickly: pull/push, mixed regions, chunking and queueing, leases,
+rejections and every bad-input path of the handshake."""
+
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from kvtriton import wire
+from kvtriton.agent import TransferAgent
+from kvtriton.errors import (
+    IncompatibleRemoteError,
+    PlanError,
+    ProtocolError,
+    RequestRejectedError,
+    TransferTimeoutError,
+)
+from kvtriton.testing.oracle import (
+    RegionModel,
+    check_destination,
+    load_source,
+    make_global_kv,
+    make_rank_regions,
+    snapshot,
+)
+
+pytest.importorskip("nixl")
+pytestmark = pytest.mark.nixl
+
+MODELS = [RegionModel.gqa("l0", 4, 16), RegionModel.mla("mla", 24, torch.float16),
+          RegionModel.gqa("l1", 4, 8, torch.float32)]
+
+
+class Engines:
+    def __init__(self, p_tp, d_tp, *, models=MODELS, mode="pull", staging_bytes=64 << 10, slot_bytes=1024,
+                 p_blocks=64, d_blocks=48, block_size=4, d_layout="HND", p_storage="joint", timeout_s=5.0,
+                 seed=0, connect=True, impl="torch", **agent_kw):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.models, self.p_tp, self.d_tp, self.block_size = models, p_tp, d_tp, block_size
+        self.P = [make_rank_regions(models, r, p_tp, p_blocks, block_size, storage=p_storage, gen=self.gen)
+                  for r in range(p_tp)]
+        self.D = [make_rank_regions(models, r, d_tp, d_blocks, block_size, layout=d_layout, gen=self.gen)
+                  for r in range(d_tp)]
+        # torch repack: under TRITON_INTERPRET the "auto" kernels would crawl (one test uses them)
+        kw = dict(staging_bytes=staging_bytes, slot_bytes=slot_bytes, mode=mode, timeout_s=timeout_s, impl=impl,
+                  **agent_kw)
+        self.pa = [TransferAgent("P", r, p_tp, self.P[r], **kw) for r in range(p_tp)]
+        self.da = [TransferAgent("D", r, d_tp, self.D[r], **kw) for r in range(d_tp)]
+        if connect:
+            for d in self.da:
+                for p in self.pa:
+                    d.add_remote(p.metadata())
+                    p.add_remote(d.metadata())
+        self.before = [snapshot(x) for x in self.D]
+
+    @property
+    def agents(self):
+        return self.pa + self.da
+
+    def request(self, src_ids, lease_s=30.0):
+        kv = make_global_kv(self.models, len(src_ids), self.block_size, self.gen)
+        for r, regs in enumerate(self.P):
+            load_source(regs, r, self.p_tp, kv, src_ids)
+        return kv
+
+    def drive(self, want: int, timeout_s: float = 20.0):
+        """Progress every agent until each decode rank has ``want`` results."""
+        got = {i: [] for i in range(self.d_tp)}
+        deadline = time.monotonic() + timeout_s
+        while any(len(v) < want for v in got.values()):
+            assert time.monotonic() < deadline, f"no results after {timeout_s} s: {got}"
+            for a in self.agents:
+                a.progress()
+            for i, d in enumerate(self.da):
+                got[i] += d.results()
+        return got
+
+    def settle(self, seconds=0.3):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for a in self.agents:
+                a.progress()
+
+    def close(self):
+        for a in self.agents:
+            a.close()
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(*args, **kw):
+        e = Engines(*args, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1)])
+def test_mixed_regions_byte_exact_and_blocks_freed(engines, mode, p_tp, d_tp):
+    e = engines(p_tp, d_tp, mode=mode)
+    src, dst = np.array([9, 3, 4, 5, 40, 41]), np.array([0, 7, 8, 2, 30, 31])
+    kv = e.request(src)
+    for p in e.pa:
+        p.hold("r", src)
+    for d in e.da:
+        d.fetch("r", "P", src, dst)
+    got = e.drive(1)
+    assert all(v[0].ok for v in got.values()), got
+    for r in range(d_tp):
+        check_destination(e.D[r], r, d_tp, kv, dst, e.before[r])
+    e.settle()
+    assert all([(f.req_id, f.reason) for f in p.freed()] == [("r", "done")] for p in e.pa)
+    assert all(a.idle() and a.pool.free_slots == a.pool.num_slots for a in e.agents)
+
+
+def test_triton_kernels_in_the_agent_path(engines):
+    e = engines(2, 1, impl="triton", block_size=2, models=MODELS[:1])
+    src, dst = np.array([5, 1]), np.array([3, 0])
+    kv = e.request(src)
+    for p in e.pa:
+        p.hold("r", src)
+    e.da[0].fetch("r", "P", src, dst)
+    assert e.drive(1)[0][0].ok
+    check_destination(e.D[0], 0, 1, kv, dst, e.before[0])
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_request_larger_than_staging_is_chunked(engines, mode):
+    # one block of payload: l0 2 heads x 4 tok x 16 x 2B x 2 + l1 2 x 4 x 8 x 4B x 2 = 1 KiB; the
+    # pool is 8 KiB, so 40 blocks (40 KiB) go in chunks of at most 2 KiB, two in flight.
+    e = engines(1, 2, mode=mode, staging_bytes=8 << 10, p_blocks=64, d_blocks=64)
+    src = np.arange(10, 50)
+    dst = np.random.default_rng(1).permutation(64)[:40]
+    kv = e.request(src)
+    e.pa[0].hold("big", src)
+    for d in e.da:
+        d.fetch("big", "P", src, dst)
+    got = e.drive(1)
+    assert all(v[0].ok for v in got.values()), got
+    assert all(v[0].descriptors > 10 for v in got.values())  # many chunks, one descriptor each
+    for r in range(2):
+        check_destination(e.D[r], r, 2, kv, dst, e.before[r])
+
+
+def test_many_requests_queue_on_a_small_pool(engines):
+    e = engines(2, 2, staging_bytes=8 << 10, p_blocks=200, d_blocks=200, models=MODELS[:1])
+    rng = np.random.default_rng(2)
+    src_all, dst_all = rng.permutation(200)[:192].reshape(32, 6), rng.permutation(200)[:192].reshape(32, 6)
+    kvs = []
+    for i in range(32):
+        kvs.append(e.request(src_all[i]))
+        for p in e.pa:
+            p.hold(f"q{i}", src_all[i])
+    for i in range(32):
+        for d in e.da:
+            d.fetch(f"q{i}", "P", src_all[i], dst_all[i])
+    got = e.drive(32, timeout_s=60)
+    assert all(r.ok for v in got.values() for r in v), [r for v in got.values() for r in v if not r.ok][:3]
+    for r in range(2):
+        merged = [[torch.cat([kv[i][j] for kv in kvs]) for j in range(len(kvs[0][i]))] for i in range(len(kvs[0]))]
+        check_destination(e.D[r], r, 2, merged, dst_all.reshape(-1), e.before[r])
+
+
+def test_lease_expiry_frees_blocks_and_late_fetch_is_rejected(engines):
+    e = engines(1, 1)
+    e.request(np.arange(4))
+    e.pa[0].hold("old", np.arange(4), lease_s=0.05)
+    time.sleep(0.1)
+    e.settle(0.05)
+    assert [(f.req_id, f.reason) for f in e.pa[0].freed()] == [("old", "lease_expired")]
+    e.da[0].fetch("old", "P", np.arange(4), np.arange(4))
+    res = e.drive(1)[0][0]
+    assert not res.ok and isinstance(res.error, RequestRejectedError) and "not held" in str(res.error)
+    assert e.da[0].pool.free_slots == e.da[0].pool.num_slots
+
+
+def test_fetch_times_out_when_the_source_never_answers(engines):
+    e = engines(1, 1, timeout_s=0.3, models=MODELS[:1])
+    e.pa[0].hold("r", [1, 2])
+    e.da[0].fetch("r", "P", [1, 2], [3, 4])
+    deadline = time.monotonic() + 5
+    res = []
+    while not res and time.monotonic() < deadline:
+        e.da[0].progress()  # the prefill agent is never driven: it looks dead
+        res = e.da[0].results()
+    assert res and isinstance(res[0].error, TransferTimeoutError) and "source ranks [0]" in str(res[0].error)
+    assert e.da[0].pool.free_slots == e.da[0].pool.num_slots
+
+
+def test_bad_ids_raise_before_anything_moves(engines):
+    e = engines(1, 1)
+    with pytest.raises(PlanError, match="out of range"):
+        e.da[0].fetch("r", "P", [0, 64], [0, 1])
+    with pytest.raises(PlanError, match="repeat"):
+        e.da[0].fetch("r", "P", [0, 1], [5, 5])
+    with pytest.raises(KeyError, match="unknown engine"):
+        e.da[0].fetch("r", "Q", [0], [0])
+    with pytest.raises(RequestRejectedError, match="block ids must be in"):
+        e.pa[0].hold("r", [70])
+    assert e.da[0].idle()
+
+
+def test_ids_outside_the_held_blocks_are_rejected(engines):
+    e = engines(1, 1)
+    e.pa[0].hold("r", [1, 2, 3])
+    e.da[0].fetch("r", "P", [1, 2, 9], [0, 1, 2])
+    res = e.drive(1)[0][0]
+    assert isinstance(res.error, RequestRejectedError) and "not a subset" in str(res.error)
+
+
+def test_forged_ready_outside_staging_fails_the_request(engines):
+    e = engines(1, 1, models=MODELS[:1])
+    e.pa[0].hold("r", [1, 2])
+    e.da[0].fetch("r", "P", [1, 2], [3, 4])
+    xid = next(iter(e.da[0]._parts))
+    forged = wire.encode_message("ready", xid=xid, chunk=0, slot=10_000, nslots=1, nbytes=512)
+    e.pa[0].transport.send_notif(e.da[0].transport.name, forged)
+    deadline, res = time.monotonic() + 5, []
+    while not res and time.monotonic() < deadline:
+        e.pa[0].transport.poll_notifs()  # UCX needs the sender driven to deliver (P never serves)
+        e.da[0].progress()
+        res = e.da[0].results()
+    assert res and isinstance(res[0].error, ProtocolError) and "does not match" in str(res[0].error)
+    assert e.da[0].stats["bad_messages"] == 1
+
+
+def test_handshake_gate(engines):
+    e = engines(1, 1, connect=False)
+    d = e.da[0]
+    good = e.pa[0].metadata()
+    raw = msgpack.unpackb(good, raw=False)
+
+    def variant(**kw):
+        x = msgpack.unpackb(good, raw=False)
+        x.update(kw)
+        return msgpack.packb(x, use_bin_type=True)
+
+    with pytest.raises(ProtocolError, match="not valid msgpack"):
+        d.add_remote(good[: len(good) // 2])
+    with pytest.raises(ProtocolError, match="protocol version"):
+        d.add_remote(variant(v=2))
+    regions = [dict(r) for r in raw["regions"]]
+    regions[0]["spans"] = [1, 1]
+    with pytest.raises(ProtocolError, match="cannot hold"):
+        d.add_remote(variant(regions=regions))
+    regions = [dict(r) for r in raw["regions"]]
+    regions[2].update(dtype="float16", itemsize=2)
+    with pytest.raises(IncompatibleRemoteError, match=r"region 2 \('l1'\): dtype differs"):
+        d.add_remote(variant(regions=regions))
+    with pytest.raises(IncompatibleRemoteError, match="region count"):
+        d.add_remote(variant(regions=raw["regions"][:2]))
+    with pytest.raises(IncompatibleRemoteError, match="slot_bytes"):
+        d.add_remote(variant(staging={**raw["staging"], "slot_bytes": 2048}))
+    with pytest.raises(IncompatibleRemoteError, match="this engine"):
+        d.add_remote(e.da[0].metadata())
+    assert not d._peers and d.transport.remotes == frozenset()  # nothing was connected
+    d.add_remote(good)
+    assert d.plan_for("P").source_ranks == (0,)
