@@ -23,7 +23,9 @@ block-id range (and, for unpack, uniqueness) is checked when the ids are given o
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -176,7 +178,8 @@ class _Checked:
 
 
 _STATIC_CACHE: dict[tuple, _Static] = {}
-_STATIC_CACHE_SIZE = 64
+_STATIC_CACHE_SIZE = 64  # plans (x pack/unpack) a process keeps checked; oldest evicted first
+_STATIC_LOCK = threading.Lock()
 
 
 def _validate(op: str, regions, segments, offsets, block_ids, staging) -> _Checked:
@@ -231,16 +234,18 @@ def _static(op: str, regions, segments) -> _Static:
     cacheable = isinstance(segments, tuple)
     if cacheable:
         key = (op, id(segments), tuple(map(id, regions)))
-        hit = _STATIC_CACHE.get(key)
+        with _STATIC_LOCK:
+            hit = _STATIC_CACHE.get(key)
         if (hit is not None and hit.segments is segments
                 and all(ref() is r for ref, r in zip(hit.regions, regions))
                 and hit.data_ptrs == tuple(t.data_ptr() for r in regions for t in r.streams)):
             return hit
     static = _build_static(op, regions, segments)
     if cacheable:
-        if len(_STATIC_CACHE) >= _STATIC_CACHE_SIZE:
-            _STATIC_CACHE.pop(next(iter(_STATIC_CACHE)))
-        _STATIC_CACHE[key] = static
+        with _STATIC_LOCK:
+            if len(_STATIC_CACHE) >= _STATIC_CACHE_SIZE:
+                _STATIC_CACHE.pop(next(iter(_STATIC_CACHE)))
+            _STATIC_CACHE[key] = static
     return static
 
 
@@ -326,7 +331,12 @@ def _build_static(op: str, regions, segments) -> _Static:
 
 def _offsets(op: str, offsets, n_seg: int) -> np.ndarray:
     if isinstance(offsets, torch.Tensor):
-        offsets = offsets.detach().cpu().numpy()
+        if offsets.device.type != "cpu":
+            raise LaunchError(
+                f"{op}: offsets are a tensor on {offsets.device}: expected host integers (numpy, "
+                "list or CPU tensor); reading device memory here would synchronise"
+            )
+        offsets = offsets.detach().numpy()
     arr = np.asarray(offsets)
     if arr.size == 0:
         arr = arr.astype(np.int64)
@@ -434,25 +444,17 @@ def _launch(op: str, kernel, chk: _Checked, staging: torch.Tensor) -> None:
     words = staging[:usable].view(_INT_OF_WIDTH[cfg.word_bytes])
     table = torch.from_numpy(rows)
     device = staging.device
-    if device.type == "cuda":
-        # Pinned + non_blocking: the copy is ordered on the caller's stream, the host never waits.
-        table = table.pin_memory().to(device, non_blocking=True)
     grid = (chk.n, rows.shape[0])
-    ctx = torch.cuda.device(device) if device.type == "cuda" else _nullcontext()
-    with ctx:
+    on_cuda = device.type == "cuda"
+    with torch.cuda.device(device) if on_cuda else contextlib.nullcontext():
+        if on_cuda:
+            # Pinned + non_blocking: ordered on the caller's current stream, the host never waits.
+            table = table.pin_memory().to(device, non_blocking=True)
         kernel[grid](
             staging_ptr=words, seg_ptr=table, block_ids_ptr=chk.ids,
             NUM_FIELDS=NUM_SEGMENT_FIELDS, BLOCK_R=cfg.block_r, BLOCK_W=cfg.block_w,
             VEC=cfg.vec, ALIGN=cfg.align, num_warps=cfg.num_warps,
         )
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # --------------------------------------------------------------------------- public API

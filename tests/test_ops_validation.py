@@ -190,8 +190,9 @@ def test_segment_not_a_segment(case, calls, op):
         (lambda o: o.astype(np.float64), "offsets must be a 1-D sequence of integers"),
         (lambda o: o.reshape(2, 2), "offsets must be a 1-D sequence of integers"),
         (lambda o: o - 16, "offset of segment 0 is -16"),
+        (lambda o: torch.zeros(len(o), dtype=torch.int64, device="meta"), "offsets are a tensor on meta"),
     ],
-    ids=["count", "float", "2-D", "negative"],
+    ids=["count", "float", "2-D", "negative", "device-tensor"],
 )
 def test_bad_offsets(case, calls, op, offsets, match):
     expect_error(case, calls, op, match, offsets=offsets(case.offsets))

@@ -87,6 +87,7 @@ def test_six_heads_p2_to_d3():
 
 
 def test_padding_ids_chunking_and_forced_direct():
+    run_case([gqa(), RegionModel.mla("m", 16)], 1, 2, n=2, pad_ids=True)  # every position padded away
     run_case([gqa()], 2, 4, pad_ids=True)
     run_case([gqa(), RegionModel.mla("m", 16)], 4, 2, n=7, chunk_bytes=3 * 4 * 4 * 16 * 2 * 2)
     run_case([gqa(heads=4)], 2, 2, modes="direct", src_storage="joint0", dst_storage="joint")

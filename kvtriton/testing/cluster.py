@@ -23,7 +23,7 @@ import os
 import signal
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -38,6 +38,7 @@ class Request:
     index: int
     src_ids: tuple[int, ...]
     dst_ids: tuple[int, ...]
+    mode: str = "pull"
 
 
 @dataclass
@@ -52,7 +53,7 @@ class ClusterConfig:
     d_layout: str = "NHD"
     p_storage: str = "separate"
     d_storage: str = "separate"
-    mode: str = "pull"
+    mode: str = "pull"  # "pull", "push" or "both" (one agent per mode in every process)
     staging_bytes: int = 1 << 20
     slot_bytes: int = 4096
     timeout_s: float = 10.0
@@ -61,7 +62,10 @@ class ClusterConfig:
     modes: object = None
     max_inflight: int = 64
     impl: str = "torch"  # pack/unpack path of the agents ("auto" would use the Triton interpreter on CPU)
-    extra: dict = field(default_factory=dict)
+
+    @property
+    def transfer_modes(self) -> tuple[str, ...]:
+        return ("pull", "push") if self.mode == "both" else (self.mode,)
 
 
 def _request_kv(cfg: ClusterConfig, req: Request):
@@ -74,6 +78,10 @@ def _request_kv(cfg: ClusterConfig, req: Request):
 
 
 # --------------------------------------------------------------------------- child process
+def _engine(role: str, mode: str) -> str:
+    return f"{role}-{mode}"
+
+
 def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
@@ -90,31 +98,38 @@ def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
         layout=cfg.p_layout if role == "P" else cfg.d_layout,
         storage=cfg.p_storage if role == "P" else cfg.d_storage, gen=gen)
     before = snapshot(regions)
-    agent = TransferAgent(role, rank, tp, regions, staging_bytes=cfg.staging_bytes, slot_bytes=cfg.slot_bytes,
-                          mode=cfg.mode, timeout_s=cfg.timeout_s, modes=cfg.modes, impl=cfg.impl)
-    conn.send(("md", agent.metadata()))
+    # one agent per transfer mode, over the same cache (one process start covers pull and push)
+    agents = {m: TransferAgent(_engine(role, m), rank, tp, regions, staging_bytes=cfg.staging_bytes,
+                               slot_bytes=cfg.slot_bytes, mode=m, timeout_s=cfg.timeout_s, modes=cfg.modes,
+                               impl=cfg.impl)
+              for m in cfg.transfer_modes}
+    conn.send(("md", {m: a.metadata() for m, a in agents.items()}))
     outcomes: dict[str, dict] = {}
     pending: list[Request] = []
     requests: dict[str, Request] = {}
     inflight = 0
     freed: list[tuple[str, str]] = []
-    sent_ready = [0]
-    kill_after = [None]
+    announced = [0]
+    kill_after: list[int | None] = [None]
 
-    real_send = agent.transport.send_notif
+    def hooked(send):
+        def counting_send(name, msg):  # the fault hook: die after N chunk announcements
+            send(name, msg)
+            if b"ready" in msg or b"data" in msg:
+                announced[0] += 1
+                if kill_after[0] is not None and announced[0] >= kill_after[0]:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        return counting_send
 
-    def counting_send(name, msg):  # the fault hook: die after N chunk announcements
-        real_send(name, msg)
-        if b"ready" in msg or b"data" in msg:
-            sent_ready[0] += 1
-            if kill_after[0] is not None and sent_ready[0] >= kill_after[0]:
-                os.kill(os.getpid(), signal.SIGKILL)
+    for a in agents.values():
+        a.transport.send_notif = hooked(a.transport.send_notif)
 
-    agent.transport.send_notif = counting_send
+    def idle() -> bool:
+        return all(a.idle() for a in agents.values()) and not pending
 
     try:
         while True:
-            busy = not agent.idle() or pending
+            busy = not idle()
             if conn.poll(0 if busy else 0.002):
                 try:
                     cmd, *args = conn.recv()
@@ -122,27 +137,30 @@ def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
                     break
                 if cmd == "add_remote":
                     try:
-                        agent.add_remote(args[0])
+                        agents[args[0]].add_remote(args[1])
                         conn.send(("ok", None))
                     except KVTritonError as e:
                         conn.send(("err", f"{type(e).__name__}: {e}"))
                 elif cmd == "hold":
                     for req in args[0]:
                         load_source(regions, rank, tp, _request_kv(cfg, req), list(req.src_ids))
-                        agent.hold(req.req_id, list(req.src_ids), lease_s=args[1])
+                        agents[req.mode].hold(req.req_id, list(req.src_ids), lease_s=args[1])
                     conn.send(("ok", None))
                 elif cmd == "fetch":
                     for req in args[0]:
                         requests[req.req_id] = req
+                        outcomes.pop(req.req_id, None)  # a retry replaces the earlier outcome
                         pending.append(req)
                     conn.send(("ok", None))
                 elif cmd == "kill_after":
                     kill_after[0] = args[0]
                     conn.send(("ok", None))
                 elif cmd == "status":
-                    conn.send(("ok", dict(outcomes=dict(outcomes), freed=list(freed), idle=agent.idle(),
-                                          free_slots=agent.pool.free_slots, num_slots=agent.pool.num_slots,
-                                          stats=dict(agent.stats), pending=len(pending))))
+                    conn.send(("ok", dict(
+                        outcomes=dict(outcomes), freed=list(freed), idle=idle(),
+                        free_slots=sum(a.pool.free_slots for a in agents.values()),
+                        num_slots=sum(a.pool.num_slots for a in agents.values()),
+                        stats={m: dict(a.stats) for m, a in agents.items()})))
                 elif cmd == "canary":
                     ok_reqs = [requests[r] for r, o in outcomes.items() if o["ok"]]
                     msg = None
@@ -157,24 +175,26 @@ def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
             while pending and inflight < cfg.max_inflight:
                 req = pending.pop(0)
                 try:
-                    agent.fetch(req.req_id, "P", list(req.src_ids), list(req.dst_ids))
+                    agents[req.mode].fetch(req.req_id, _engine("P", req.mode), list(req.src_ids), list(req.dst_ids))
                     inflight += 1
                 except KVTritonError as e:
                     outcomes[req.req_id] = dict(ok=False, error=type(e).__name__, msg=str(e), seconds=0.0)
-            agent.progress()
-            for res in agent.results():
-                inflight -= 1
-                out = dict(ok=res.ok, error=type(res.error).__name__ if res.error else None,
-                           msg=str(res.error) if res.error else None, seconds=res.seconds,
-                           descriptors=res.descriptors, bytes=res.bytes)
-                if res.ok:
-                    out["mismatch"] = _check_one(regions, rank, tp, cfg, requests[res.req_id])
-                outcomes[res.req_id] = out
-            freed.extend((f.req_id, f.reason) for f in agent.freed())
+            for a in agents.values():
+                a.progress()
+                for res in a.results():
+                    inflight -= 1
+                    out = dict(ok=res.ok, error=type(res.error).__name__ if res.error else None,
+                               msg=str(res.error) if res.error else None, seconds=res.seconds,
+                               descriptors=res.descriptors, bytes=res.bytes)
+                    if res.ok:
+                        out["mismatch"] = _check_one(regions, rank, tp, cfg, requests[res.req_id])
+                    outcomes[res.req_id] = out
+                freed.extend((f.req_id, f.reason) for f in a.freed())
             if busy:
                 time.sleep(0.0001)
     finally:
-        agent.close()
+        for a in agents.values():
+            a.close()
         conn.close()
 
 
@@ -226,6 +246,10 @@ class Cluster:
         self._md: dict[tuple[str, int], bytes] = {}
         self._start_timeout = start_timeout_s
         self._next_req = 0
+        rng = np.random.default_rng(cfg.seed)
+        # every request gets blocks no other request of this cluster uses, in shuffled order
+        self._free_src = rng.permutation(cfg.p_blocks)
+        self._free_dst = rng.permutation(cfg.d_blocks)
 
     def __enter__(self) -> "Cluster":
         try:
@@ -236,9 +260,10 @@ class Cluster:
             for key in self._procs:
                 self._md[key] = self._recv(key, self._start_timeout, expect="md")
             for key in self._procs:
-                for other, md in self._md.items():
+                for other, mds in self._md.items():
                     if other[0] != key[0]:
-                        self._call(key, "add_remote", md)
+                        for mode, md in mds.items():
+                            self._call(key, "add_remote", mode, md)
         except BaseException:
             self.close()
             raise
@@ -275,15 +300,18 @@ class Cluster:
         return self._recv(key, timeout_s)
 
     # ------------------------------------------------------------------ scenario helpers
-    def requests(self, count: int, n_blocks: int) -> list[Request]:
-        """``count`` requests of ``n_blocks`` blocks on disjoint, shuffled block ids."""
-        rng = np.random.default_rng(self.cfg.seed + self._next_req)
+    def requests(self, count: int, n_blocks: int, mode: str | None = None) -> list[Request]:
+        """``count`` requests of ``n_blocks`` blocks on disjoint, shuffled block ids; with
+        ``mode=None`` they alternate over the cluster's transfer modes."""
         need = count * n_blocks
-        if need > min(self.cfg.p_blocks, self.cfg.d_blocks):
-            raise ValueError(f"{need} blocks do not fit caches of {self.cfg.p_blocks}/{self.cfg.d_blocks} blocks")
-        src = rng.permutation(self.cfg.p_blocks)[:need].reshape(count, n_blocks)
-        dst = rng.permutation(self.cfg.d_blocks)[:need].reshape(count, n_blocks)
-        out = [Request(f"req{self._next_req + i}", self._next_req + i, tuple(map(int, s)), tuple(map(int, d)))
+        if need > min(self._free_src.size, self._free_dst.size):
+            raise ValueError(f"{need} more blocks do not fit the caches ({self._free_src.size} source and "
+                             f"{self._free_dst.size} destination blocks left)")
+        src, self._free_src = self._free_src[:need].reshape(count, n_blocks), self._free_src[need:]
+        dst, self._free_dst = self._free_dst[:need].reshape(count, n_blocks), self._free_dst[need:]
+        modes = self.cfg.transfer_modes
+        out = [Request(f"req{self._next_req + i}", self._next_req + i, tuple(map(int, s)), tuple(map(int, d)),
+                       mode or modes[i % len(modes)])
                for i, (s, d) in enumerate(zip(src, dst))]
         self._next_req += count
         return out
@@ -347,10 +375,11 @@ class Cluster:
         conn.close()
         self._spawn(*key)
         self._md[key] = self._recv(key, self._start_timeout, expect="md")
-        for other, md in self._md.items():
+        for other, mds in self._md.items():
             if other[0] != key[0]:
-                self._call(key, "add_remote", md)
-                self._call(other, "add_remote", self._md[key])
+                for mode, md in mds.items():
+                    self._call(key, "add_remote", mode, md)
+                    self._call(other, "add_remote", mode, self._md[key][mode])
 
     def close(self) -> None:
         for key, (p, conn) in list(self._procs.items()):

@@ -204,7 +204,7 @@ def local_transfer(
                                        dst_specs[0].num_blocks)
         n = s_ids.size
         for read in plan.staged:
-            per_chunk = n if chunk_bytes is None else max(1, chunk_bytes // read.bytes_per_block)
+            per_chunk = max(1, n if chunk_bytes is None else chunk_bytes // read.bytes_per_block)
             for c0 in range(0, n, per_chunk):
                 c1 = min(n, c0 + per_chunk)
                 staging = torch.empty(read.payload_bytes(c1 - c0), dtype=torch.uint8)
