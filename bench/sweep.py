@@ -5,10 +5,10 @@ Sections (all by default; ``--sections`` picks some):
 * ``descriptors``: descriptors per decode rank for one request, kvtriton (staged + direct) against
   vLLM-style direct head-slice reads (K/V packed per block, and K/V as separate streams) and
   per-token slices, for every preset x TP pair x block size (pure planning, no data).
-* ``repack``: the torch reference pack/unpack throughput against a plain copy of the same bytes
-  on the same device (bytes read + written / time).
-* ``kernels``: Triton pack/unpack against the reference, a naive element-per-lane gather and the
-  copy roofline (bench/kernels.py; on CPU only the torch rows are speed measurements).
+* ``kernels``: pack/unpack throughput (bytes read + written / time) of the Triton kernels, the
+  torch reference, a naive element-per-lane Triton gather, against a plain copy of as many bytes
+  on the same device (bench/kernels.py; on CPU only the torch and copy rows are speed
+  measurements, Triton runs only under the interpreter).
 * ``e2e``: one request end to end between processes over NIXL (bench/e2e.py), when NIXL is
   installed.
 
@@ -46,9 +46,6 @@ from kvtriton.plan import (  # noqa: E402
     staged_descriptor_count,
     vllm_direct_descriptor_count,
 )
-from kvtriton.reference import pack_reference, unpack_reference  # noqa: E402
-from kvtriton.regions import Layout  # noqa: E402
-from kvtriton.testing.oracle import make_rank_regions  # noqa: E402
 
 try:
     from tqdm import tqdm
@@ -110,64 +107,6 @@ def descriptor_rows(presets, pairs, block_sizes, tokens) -> list[dict]:
     return rows
 
 
-# --------------------------------------------------------------------------- repack throughput
-def _median_ms(fn, reps: int) -> float:
-    fn()  # warm up (first touch of pages, allocator)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(times))
-
-
-def repack_rows(presets, device: str, target_bytes: int, reps: int) -> list[dict]:
-    """Reference pack + unpack of one decode rank's staged payload against a copy of as many
-    bytes. Layers are truncated so the payload is about ``target_bytes``."""
-    rows = []
-    gen = torch.Generator().manual_seed(0)
-    for preset in presets:
-        p_tp, d_tp, bs = (4, 8, 16) if preset.split_layers else (1, 2, 16)
-        n = TOKENS // bs
-        per_layer = _payload_per_layer(preset, p_tp, d_tp, bs, n)
-        layers = int(max(1, min(len(preset.regions), target_bytes // max(1, per_layer))))
-        small = preset.truncated(layers)
-        dst = make_rank_regions(small.regions, 0, d_tp, n + 8, bs, layout="HND", gen=gen, device=device)
-        plan = build_plan(0, d_tp, [r.spec for r in dst], p_tp,
-                          specs_for(small, 0, p_tp, n + 8, bs, layout=Layout.NHD), modes="staged")
-        read = plan.staged[0]
-        src = make_rank_regions(small.regions, read.src_rank, p_tp, n + 8, bs, layout="NHD", gen=gen,
-                                device=device)
-        ids = torch.as_tensor(fragmented_block_ids(n, n + 8, 8, seed=3), device=device)
-        payload = read.payload_bytes(n)
-        staging = torch.empty(payload, dtype=torch.uint8, device=device)
-        offs = read.segment_offsets(n)
-        a = torch.randint(0, 256, (payload,), dtype=torch.uint8, device=device)
-        b = torch.empty_like(a)
-        copy_ms = _median_ms(lambda: b.copy_(a), reps)
-        pack_ms = _median_ms(lambda: pack_reference(src, read.segments, offs, ids, staging), reps)
-        unpack_ms = _median_ms(lambda: unpack_reference(dst, read.segments, offs, ids, staging), reps)
-        for op, ms in (("copy", copy_ms), ("pack", pack_ms), ("unpack", unpack_ms)):
-            rows.append(dict(
-                section="repack", preset=preset.name, p_tp=p_tp, d_tp=d_tp, block_size=bs,
-                layers=len(small.regions), op=op, provider="torch-copy" if op == "copy" else "torch-ref",
-                device=device, bytes=payload, ms=round(ms, 3), gbps=round(2 * payload / ms / 1e6, 2),
-                pct_of_copy=round(100 * copy_ms / ms, 1),
-                note="NHD source -> HND destination, fragmented block ids",
-            ))
-    return rows
-
-
-def _payload_per_layer(preset: Preset, p_tp, d_tp, bs, n) -> int:
-    one = Preset(preset.name, preset.regions[:1])
-    src = specs_for(one, 0, p_tp, n, bs)
-    dst = specs_for(one, 0, d_tp, n, bs)
-    plan = build_plan(0, d_tp, dst, p_tp, src, modes="staged")
-    return plan.staged[0].payload_bytes(n)
-
-
 # --------------------------------------------------------------------------- output
 def write_outputs(rows: list[dict], out_dir: Path, meta: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -202,8 +141,8 @@ def write_outputs(rows: list[dict], out_dir: Path, meta: dict) -> None:
                 f"{r['vllm_kv_packed']:,} | {r['vllm_kv_separate']:,} | {r['per_token']:,} | "
                 f"{r['reduction_vs_vllm']:,}x |")
         lines.append("")
-    for section, title in (("repack", "Reference repack throughput (GB/s = bytes read + written / time)"),
-                           ("kernels", "Pack/unpack kernels"), ("e2e", "End to end over NIXL")):
+    for section, title in (("kernels", "Pack/unpack throughput (GB/s = bytes read + written / time)"),
+                           ("e2e", "One request end to end over NIXL (2 processes, UCX on 127.0.0.1)")):
         sec = [r for r in rows if r["section"] == section]
         if not sec:
             continue
@@ -259,7 +198,7 @@ def print_table(rows: list[dict]) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller payloads and fewer repetitions")
-    ap.add_argument("--sections", default="descriptors,repack,kernels,e2e")
+    ap.add_argument("--sections", default="descriptors,kernels,e2e")
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
@@ -270,9 +209,6 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     if "descriptors" in sections:
         rows += descriptor_rows(tqdm(presets, desc="descriptors"), TP_PAIRS, BLOCK_SIZES, TOKENS)
-    if "repack" in sections:
-        target = (8 << 20) if args.quick else (64 << 20 if device == "cuda" else 32 << 20)
-        rows += repack_rows(tqdm(presets, desc="repack"), device, target, reps=3 if args.quick else 5)
     if "kernels" in sections and (HERE / "kernels.py").exists():
         from kernels import run_kernel_bench  # bench/kernels.py
 

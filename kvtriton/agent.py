@@ -86,7 +86,6 @@ __all__ = ["TransferAgent", "RequestResult", "FreedRequest"]
 
 logger = logging.getLogger(__name__)
 
-_INFLIGHT_CHUNKS = 2  # per transfer: one on the wire while the next is packed
 
 
 @dataclass(frozen=True)
@@ -204,6 +203,9 @@ class TransferAgent:
                    chunked and pipelined, and work waits when it is full.
     slot_bytes:    staging slot size (a multiple of 256; equal on both engines). A chunk is a run
                    of slots moved as one descriptor.
+    chunk_bytes:   largest chunk (default: a quarter of the pool); a transfer uses the smaller of
+                   both sides' values.
+    inflight_chunks: chunks of one transfer in flight at once (pack i+1 while i is on the wire).
     mode:          ``"pull"`` (decode READs) or ``"push"`` (prefill WRITEs); both sides must agree.
     timeout_s:     a fetch fails after this long without progress; a source reclaims
                    staging from a peer silent this long.
@@ -223,6 +225,8 @@ class TransferAgent:
         staging_bytes: int = 64 << 20,
         slot_bytes: int = 256 << 10,
         mode: str = "pull",
+        chunk_bytes: int | None = None,
+        inflight_chunks: int = 2,
         timeout_s: float = 30.0,
         modes: Mode | str | Mapping[str, Mode | str] | None = None,
         cost: CostModel = CostModel(),
@@ -250,7 +254,14 @@ class TransferAgent:
 
         slot_bytes = int(slot_bytes)
         self.pool = StagingPool(max(1, staging_bytes // slot_bytes), slot_bytes, self.device)
-        self._max_chunk_slots = max(1, self.pool.num_slots // (2 * _INFLIGHT_CHUNKS))
+        if inflight_chunks < 1:
+            raise ValueError(f"inflight_chunks must be >= 1, got {inflight_chunks}")
+        self._inflight = int(inflight_chunks)
+        # default: a quarter of the pool, so two transfers can each keep two chunks in flight
+        default_chunk = max(1, self.pool.num_slots // 4) * slot_bytes
+        self.chunk_bytes = min(self.pool.nbytes, int(chunk_bytes or default_chunk))
+        if self.chunk_bytes < slot_bytes:
+            raise ValueError(f"chunk_bytes {self.chunk_bytes} is smaller than one slot ({slot_bytes})")
         if transport is None:
             from .transport.nixl import NixlTransport
 
@@ -278,7 +289,8 @@ class TransferAgent:
         self._holds: dict[str, _Hold] = {}
         self._results: list[RequestResult] = []
         self._freed: list[FreedRequest] = []
-        self._zombies: list[tuple[object, Callable[[], None]]] = []
+        # transfers to finish before their memory is reused: (xfer, cleanup, abort?, not_before)
+        self._zombies: list[tuple[object, Callable[[], None], bool, float]] = []
         self._xid = itertools.count()
         self.stats = {"bad_messages": 0, "staged_descriptors": 0, "direct_descriptors": 0}
 
@@ -313,7 +325,7 @@ class TransferAgent:
             engine=self.engine_id, rank=self.rank, tp=self.tp, agent=self.transport.name,
             agent_md=self.transport.metadata(), mem=self._mem, dev=self._dev,
             regions=tuple(self.specs), addrs=self._addrs, spans=self._spans,
-            staging=wire.StagingInfo(self.pool.addr, self.pool.slot_bytes, self.pool.num_slots),
+            staging=wire.StagingInfo(self.pool.addr, self.pool.slot_bytes, self.pool.num_slots, self.chunk_bytes),
         ))
 
     def add_remote(self, metadata: bytes) -> str:
@@ -413,7 +425,6 @@ class TransferAgent:
             plan = self._plans.get(remote_engine_id)
             if plan is None:
                 raise KeyError(f"unknown engine {remote_engine_id!r}: add_remote() its ranks first")
-            src_tp = self._engine_tp[remote_engine_id]
             missing = [r for r in plan.source_ranks if (remote_engine_id, r) not in self._peers]
             if missing:
                 raise KeyError(f"engine {remote_engine_id!r}: no metadata yet for ranks {missing}")
@@ -435,8 +446,7 @@ class TransferAgent:
                 read = plan.staged_read(src_rank)
                 peer = self._peers[(remote_engine_id, src_rank)]
                 if read is not None:
-                    cap = self._max_chunk_slots * self.pool.slot_bytes
-                    remote_cap = max(1, peer.md.staging.num_slots // (2 * _INFLIGHT_CHUNKS)) * peer.md.staging.slot_bytes
+                    cap, remote_cap = self.chunk_bytes, peer.md.staging.chunk_bytes
                     chunk_blocks = min(s_ids.size, min(cap, remote_cap) // read.bytes_per_block)
                     if chunk_blocks < 1:
                         self._fail(f, StagingError(
@@ -572,7 +582,7 @@ class TransferAgent:
         read = plan.staged_read(self.rank)
         chunk_blocks = m["chunk_blocks"]
         if read is not None:
-            cap = self._max_chunk_slots * self.pool.slot_bytes
+            cap = self.chunk_bytes
             if not 1 <= chunk_blocks or chunk_blocks * read.bytes_per_block > cap:
                 return reject(f"chunk of {chunk_blocks} blocks does not fit staging chunks of {cap} bytes")
             n_chunks = -(-ids.size // chunk_blocks)
@@ -708,7 +718,7 @@ class TransferAgent:
                 ch.event = None
                 self._send(serve.peer, wire.encode_message(
                     "ready", xid=serve.xid, chunk=ch.index, slot=ch.slot, nslots=ch.nslots, nbytes=ch.nbytes))
-        while serve.next_chunk < serve.n_chunks and len(serve.inflight) < _INFLIGHT_CHUNKS:
+        while serve.next_chunk < serve.n_chunks and len(serve.inflight) < self._inflight:
             nbytes = self._chunk_bytes(serve.read, serve.ids.size, serve.chunk_blocks, serve.next_chunk)
             slot = self.pool.alloc_bytes(nbytes)
             if slot is None:
@@ -739,7 +749,7 @@ class TransferAgent:
             elif ch.xfer is None and ch.event is not None and _event_done(ch.event):
                 ch.event = None
                 self._post_write(serve, ch)
-        while serve.grants and len(serve.inflight) < _INFLIGHT_CHUNKS:
+        while serve.grants and len(serve.inflight) < self._inflight:
             chunk, rslot, rnslots = serve.grants[0]
             nbytes = self._chunk_bytes(serve.read, serve.ids.size, serve.chunk_blocks, chunk)
             slot = self.pool.alloc_bytes(nbytes)
@@ -827,7 +837,7 @@ class TransferAgent:
         for ch in list(part.inflight.values()):
             if ch.event is not None and _event_done(ch.event):
                 self._chunk_consumed(part, ch, peer)
-        while part.read is not None and part.next_grant < part.n_chunks and len(part.inflight) < _INFLIGHT_CHUNKS:
+        while part.read is not None and part.next_grant < part.n_chunks and len(part.inflight) < self._inflight:
             nbytes = self._chunk_bytes(part.read, part.fetch.src_ids.size, part.chunk_blocks, part.next_grant)
             slot = self.pool.alloc_bytes(nbytes)
             if slot is None:
@@ -863,11 +873,15 @@ class TransferAgent:
         ``reading``: we are the destination (pull); else we are the source writing to ``peer``.
         Every remote range is bounds-checked against what the peer declared.
         """
+        # runs for every replica of the stripe; only this pair's are kept. All ranks of one engine
+        # share geometry (each rank's was checked at add_remote), so one spec list serves them all.
+        src_specs = peer.md.regions if reading else self.specs
+        by_rank = {r: src_specs for d in plan.direct for r in d.src_ranks}
         if reading:
-            runs = direct_runs(plan, _SameSpecs(peer.md.regions), self.specs, src_ids, dst_ids)
+            runs = direct_runs(plan, by_rank, self.specs, src_ids, dst_ids)
             keep = runs.src_rank == peer.md.rank
         else:
-            runs = direct_runs(plan, _SameSpecs(self.specs), peer.md.regions, src_ids, dst_ids)
+            runs = direct_runs(plan, by_rank, peer.md.regions, src_ids, dst_ids)
             keep = runs.src_rank == self.rank
         if not keep.any():
             return None
@@ -1058,21 +1072,6 @@ class TransferAgent:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class _SameSpecs(dict):
-    """A rank -> specs mapping that answers every rank with the same specs (one engine's ranks
-    share geometry; strides were validated per rank at add_remote)."""
-
-    def __init__(self, specs):
-        super().__init__()
-        self._specs = specs
-
-    def __getitem__(self, rank):
-        return self._specs
-
-    def __contains__(self, rank):
-        return True
 
 
 def _gather(table: tuple[tuple[int, ...], ...], region: np.ndarray, stream: np.ndarray) -> np.ndarray:

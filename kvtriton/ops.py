@@ -388,7 +388,9 @@ def _block_ids(op: str, block_ids, device: torch.device, num_blocks: int | None)
         if device.type != "cpu":
             ids = ids.contiguous().pin_memory().to(device, non_blocking=True)
     elif ids.device != device:
-        raise LaunchError(f"{op}: block ids are on {ids.device}, staging is on {device}: expected the same device or CPU")
+        raise LaunchError(
+            f"{op}: block ids are on {ids.device}, staging is on {device}: expected the same device or CPU"
+        )
     return ids.contiguous()
 
 

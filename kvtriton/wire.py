@@ -9,7 +9,7 @@ Metadata (one per rank)::
     {v, fmt, engine, rank, tp, agent, agent_md, mem, dev,
      regions: [{name, kind, layout, num_blocks, block_size, total_heads, local_heads,
                 head_dims, dtype, itemsize, strides, addrs, spans}],
-     staging: {addr, slot_bytes, num_slots}}
+     staging: {addr, slot_bytes, num_slots, chunk_bytes}}
 
 Control messages ride on NIXL notifications: ``{v, t, ...}`` with ``t`` one of
 :data:`MESSAGE_FIELDS`' keys.
@@ -47,6 +47,7 @@ class StagingInfo:
     addr: int
     slot_bytes: int
     num_slots: int
+    chunk_bytes: int  # the largest chunk this rank packs or receives
 
     @property
     def nbytes(self) -> int:
@@ -91,7 +92,7 @@ def encode_metadata(md: RankMetadata) -> bytes:
         v=PROTOCOL_VERSION, fmt=WIRE_FORMAT_VERSION, engine=md.engine, rank=md.rank, tp=md.tp,
         agent=md.agent, agent_md=md.agent_md, mem=md.mem, dev=md.dev, regions=regions,
         staging=dict(addr=md.staging.addr, slot_bytes=md.staging.slot_bytes,
-                     num_slots=md.staging.num_slots),
+                     num_slots=md.staging.num_slots, chunk_bytes=md.staging.chunk_bytes),
     ), use_bin_type=True)
 
 
@@ -116,7 +117,10 @@ def decode_metadata(data: bytes) -> RankMetadata:
     st = _get(d, "staging", dict, "metadata")
     staging = StagingInfo(_int(st, "addr", "staging", 0, _MAX_U64),
                           _int(st, "slot_bytes", "staging", 1, 1 << 40),
-                          _int(st, "num_slots", "staging", 1, 1 << 24))
+                          _int(st, "num_slots", "staging", 1, 1 << 24),
+                          _int(st, "chunk_bytes", "staging", 1, 1 << 48))
+    if staging.chunk_bytes > staging.nbytes:
+        raise ProtocolError(f"staging: chunk_bytes {staging.chunk_bytes} exceeds the pool ({staging.nbytes})")
     if staging.addr + staging.nbytes > _MAX_U64:
         raise ProtocolError("staging: addr + size overflows the address space")
     specs, addrs, spans = [], [], []

@@ -32,7 +32,6 @@ from kvtriton.testing.oracle import (
     local_transfer,
     make_global_kv,
     make_rank_regions,
-    random_bits,
     snapshot,
 )
 

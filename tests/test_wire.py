@@ -14,7 +14,7 @@ def sample_md(**over) -> wire.RankMetadata:
     spans = tuple(wire.stream_span(r.spec, j) for j in range(2))
     md = dict(engine="P", rank=1, tp=2, agent="P:1:x", agent_md=b"\x00nixl", mem="DRAM", dev=0,
               regions=(r.spec,), addrs=((4096, 1 << 20),), spans=(spans,),
-              staging=wire.StagingInfo(1 << 30, 4096, 16))
+              staging=wire.StagingInfo(1 << 30, 4096, 16, 8192))
     md.update(over)
     return wire.RankMetadata(**md)
 
@@ -47,6 +47,7 @@ def patched(**changes):
         (patched(tp="2"), "'tp' must be int"),
         (patched(mem="HBM"), "mem must be DRAM or VRAM"),
         (patched(**{"staging.num_slots": 0}), "num_slots"),
+        (patched(**{"staging.chunk_bytes": 1 << 20}), "exceeds the pool"),
         (patched(**{"regions.0.kind": "teleport"}), "region 0"),
         (patched(**{"regions.0.strides": [[1, 2, 3]]}), "2 triples"),
         (patched(**{"regions.0.spans": [64, 64]}), "declared span 64 bytes cannot hold 8 blocks"),

@@ -1,0 +1,265 @@
+"""Pack/unpack kernel throughput: kvtriton's Triton kernels against three baselines.
+
+For every case (a model's regions, a TP pair, a block size, a number of blocks) it measures one
+source rank's pack (every destination it serves, in one launch) and one destination rank's
+unpack (every source it assembles from, in one launch), reporting GB/s = (bytes read + bytes
+written) / time for:
+
+* ``kvtriton``: :func:`kvtriton.ops.pack` / :func:`~kvtriton.ops.unpack` with ``impl="triton"``
+  (validation, table upload and launch included: what a caller pays);
+* ``torch-ref``: :mod:`kvtriton.reference` (vectorised ``index_select`` / ``index_put_``);
+* ``naive-triton``: an element-per-lane Triton gather/scatter that looks the block table up for
+  every element, one launch per (region, stream, peer) segment: the approach of SGLang's
+  staging kernel, written here from its description;
+* ``copy``: a plain device copy of as many bytes (the roofline; ``pct_of_copy`` is relative to it).
+
+On CUDA every row is ``triton.testing.do_bench`` (median). On CPU the torch rows are
+``time.perf_counter`` medians; Triton only runs under the interpreter, so its rows come from one
+tiny case (2 blocks) and are labelled "interpreter: not a speed measurement" (without
+``TRITON_INTERPRET=1`` they are skipped and one row says so).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from kvtriton import ops
+from kvtriton.plan import build_plan
+from kvtriton.reference import pack_reference, unpack_reference
+from kvtriton.regions import Layout
+from kvtriton.testing.oracle import RegionModel, make_rank_regions
+
+__all__ = ["run_kernel_bench"]
+
+Case = tuple  # (name, list[RegionModel], src_tp, dst_tp, block_size, n_blocks)
+
+_NAIVE_BLOCK = 1024  # elements per program of the naive kernels (one element per lane)
+
+
+# --------------------------------------------------------------------------- naive baseline
+@triton.jit
+def _naive_gather_kernel(
+    out_ptr,  # [n * BS * NH * HD] elements: the segment's tiles, destination layout
+    cache_ptr,  # [num_blocks, ...] elements with strides (s_blk, s_tok, s_head, 1)
+    block_ids_ptr,  # [n] int64, -1 = skip
+    total, s_blk, s_tok, s_head, head0,
+    BS: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, DST_HND: tl.constexpr, BLOCK: tl.constexpr,
+):
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = e < total
+    j = e // (BS * NH * HD)
+    r = e % (BS * NH * HD)
+    if DST_HND:
+        h = r // (BS * HD)
+        t = (r // HD) % BS
+    else:
+        t = r // (NH * HD)
+        h = (r // HD) % NH
+    d = r % HD
+    blk = tl.load(block_ids_ptr + j, mask=m, other=-1).to(tl.int64)  # a table lookup per element
+    ok = m & (blk >= 0)
+    v = tl.load(cache_ptr + blk * s_blk + t * s_tok + (head0 + h) * s_head + d, mask=ok)
+    tl.store(out_ptr + e, v, mask=ok)
+
+
+@triton.jit
+def _naive_scatter_kernel(
+    in_ptr,  # [n * BS * NH * HD] elements: the segment's tiles, local layout
+    cache_ptr,  # [num_blocks, ...] elements with strides (s_blk, s_tok, s_head, 1)
+    block_ids_ptr,  # [n] int64, -1 = skip
+    total, s_blk, s_tok, s_head, head0,
+    BS: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, DST_HND: tl.constexpr, BLOCK: tl.constexpr,
+):
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = e < total
+    j = e // (BS * NH * HD)
+    r = e % (BS * NH * HD)
+    if DST_HND:
+        h = r // (BS * HD)
+        t = (r // HD) % BS
+    else:
+        t = r // (NH * HD)
+        h = (r // HD) % NH
+    d = r % HD
+    blk = tl.load(block_ids_ptr + j, mask=m, other=-1).to(tl.int64)
+    ok = m & (blk >= 0)
+    v = tl.load(in_ptr + e, mask=ok)
+    tl.store(cache_ptr + blk * s_blk + t * s_tok + (head0 + h) * s_head + d, v, mask=ok)
+
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _naive(op: str, regions, segments, offsets, ids: torch.Tensor, staging: torch.Tensor) -> None:
+    """One element-per-lane launch per segment, elements as same-width integers."""
+    kernel = _naive_gather_kernel if op == "pack" else _naive_scatter_kernel
+    n = ids.numel()
+    for seg, off in zip(segments, offsets):
+        t = regions[seg.region].nhd(seg.stream)
+        t = t.view(_INT[t.element_size()])
+        flat = staging[int(off):int(off) + n * seg.tile_bytes].view(t.dtype)
+        total = flat.numel()
+        head0 = seg.src_head if op == "pack" else seg.dst_head
+        kernel[(triton.cdiv(total, _NAIVE_BLOCK),)](
+            flat, t, ids, total, t.stride(0), t.stride(1), t.stride(2), head0,
+            BS=seg.block_size, NH=seg.num_heads, HD=seg.head_dim,
+            DST_HND=seg.dst_layout is Layout.HND, BLOCK=_NAIVE_BLOCK,
+        )
+
+
+# --------------------------------------------------------------------------- one case
+class _Setup:
+    """Source rank 0's pack request (all its destinations) and destination rank 0's unpack
+    request (all its sources), NHD source caches, HND destination caches."""
+
+    def __init__(self, models: Sequence[RegionModel], src_tp: int, dst_tp: int, block_size: int,
+                 n_blocks: int, device: str, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        num_blocks = n_blocks + max(8, n_blocks // 8)
+        self.n = n_blocks
+        self.src = make_rank_regions(models, 0, src_tp, num_blocks, block_size, layout="NHD", gen=gen,
+                                     device=device)
+        self.dst = make_rank_regions(models, 0, dst_tp, num_blocks, block_size, layout="HND", gen=gen,
+                                     device=device)
+        src_specs = [r.spec for r in self.src]
+        dst_rank_specs = [
+            [r.spec for r in make_rank_regions(models, d, dst_tp, 1, block_size, layout="HND", gen=gen,
+                                               device="meta")]
+            for d in range(dst_tp)
+        ]
+        self.note = ""
+        modes = None
+        if not self._pack_segments(src_specs, dst_rank_specs, src_tp, dst_tp, None)[0]:
+            modes, self.note = "staged", "forced STAGED (the default plan moves every region DIRECT); "
+        segs, offs, nbytes = self._pack_segments(src_specs, dst_rank_specs, src_tp, dst_tp, modes)
+        self.pack_args = (tuple(segs), np.asarray(offs, np.int64), nbytes)
+        plan = build_plan(0, dst_tp, dst_rank_specs[0], src_tp, src_specs, modes=modes)
+        segs, offs, base = [], [], 0
+        for read in plan.staged:
+            segs += read.segments
+            offs += read.segment_offsets(self.n, base).tolist()
+            base += read.payload_bytes(self.n)
+        self.unpack_args = (tuple(segs), np.asarray(offs, np.int64), base)
+        rng = np.random.default_rng(seed)
+        self.src_ids = torch.as_tensor(rng.permutation(num_blocks)[:n_blocks], device=device)
+        self.dst_ids = torch.as_tensor(rng.permutation(num_blocks)[:n_blocks], device=device)
+        self.note += (f"{len(self.pack_args[0])} pack / {len(self.unpack_args[0])} unpack segments, "
+                      f"{n_blocks} blocks, NHD->HND")
+
+    def _pack_segments(self, src_specs, dst_rank_specs, src_tp, dst_tp, modes):
+        segs, offs, base = [], [], 0
+        for d in range(dst_tp):
+            read = build_plan(d, dst_tp, dst_rank_specs[d], src_tp, src_specs, modes=modes).staged_read(0)
+            if read is not None:
+                segs += read.segments
+                offs += read.segment_offsets(self.n, base).tolist()
+                base += read.payload_bytes(self.n)
+        return segs, offs, base
+
+
+def _time_ms(fn, device: str, quick: bool) -> float:
+    if device == "cuda":
+        return float(triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100,
+                                             return_mode="median"))
+    fn()  # warm-up: first touch of pages
+    times = []
+    for _ in range(3 if quick else 5):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def _row(case, op, provider, nbytes, ms, copy_ms, note):
+    traffic = 2 * nbytes  # every payload byte is read once and written once
+    return dict(case=case, op=op, provider=provider, bytes=traffic, ms=round(ms, 4),
+                gbps=round(traffic / ms / 1e6, 2) if ms > 0 else None,
+                pct_of_copy=round(100 * copy_ms / ms, 1) if (ms > 0 and copy_ms) else None, note=note)
+
+
+def _bench_case(name, setup: _Setup, device: str, quick: bool, providers: Sequence[str], note: str = "",
+                check: bool = True) -> list[dict]:
+    rows = []
+    for op in ("pack", "unpack"):
+        segs, offs, nbytes = setup.pack_args if op == "pack" else setup.unpack_args
+        regions = setup.src if op == "pack" else setup.dst
+        ids = setup.src_ids if op == "pack" else setup.dst_ids
+        if not segs:
+            rows.append(_row(name, op, "kvtriton", 0, 0.0, None, "skipped: nothing staged"))
+            continue
+        staging = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+        a = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+        b = torch.empty_like(a)
+        copy_ms = _time_ms(lambda: b.copy_(a), device, quick)
+        rows.append(_row(name, op, "copy", nbytes, copy_ms, copy_ms, "roofline: device copy of the same bytes"))
+        ref = pack_reference if op == "pack" else unpack_reference
+        fns = {
+            "torch-ref": lambda: ref(regions, segs, offs, ids, staging),
+            "kvtriton": lambda: getattr(ops, op)(regions, segs, offs, ids, staging, impl="triton"),
+            "naive-triton": lambda: _naive(op, regions, segs, offs, ids, staging),
+        }
+        if check and op == "pack" and "kvtriton" in providers:
+            _check_pack_providers(regions, segs, offs, ids, nbytes, device, providers)
+        for provider in providers:
+            ms = _time_ms(fns[provider], device, quick) if provider == "torch-ref" or device == "cuda" \
+                else _once_ms(fns[provider])
+            extra = note if provider != "torch-ref" else ""
+            rows.append(_row(name, op, provider, nbytes, ms, copy_ms, (extra + setup.note).strip("; ")))
+    return rows
+
+
+def _once_ms(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _check_pack_providers(regions, segs, offs, ids, nbytes, device, providers) -> None:
+    """Every provider must produce the reference's bytes before it is timed."""
+    want = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    pack_reference(regions, segs, offs, ids, want)
+    for provider in providers:
+        if provider == "torch-ref":
+            continue
+        got = torch.zeros_like(want)
+        if provider == "kvtriton":
+            ops.pack(regions, segs, offs, ids, got, impl="triton")
+        else:
+            _naive("pack", regions, segs, offs, ids, got)
+        if not torch.equal(got, want):
+            raise AssertionError(f"bench: {provider} pack differs from the reference")
+
+
+# --------------------------------------------------------------------------- entry point
+def run_kernel_bench(cases: Sequence[Case], device: str, quick: bool) -> list[dict]:
+    """Rows ``{case, op, provider, bytes, ms, gbps, pct_of_copy, note}`` for every case.
+
+    ``bytes`` is read + written (twice the staged payload). On CPU the kernel section stays
+    well under 30 s: the torch rows run on every case, Triton rows (interpreter) only on the
+    first case cut to 2 blocks.
+    """
+    device = str(torch.device(device).type)
+    rows: list[dict] = []
+    on_cuda = device == "cuda"
+    interp = ops._interpreting()
+    for k, (name, models, src_tp, dst_tp, block_size, n_blocks) in enumerate(cases):
+        setup = _Setup(models, src_tp, dst_tp, block_size, n_blocks, device)
+        providers = ["torch-ref", "kvtriton", "naive-triton"] if on_cuda else ["torch-ref"]
+        rows += _bench_case(name, setup, device, quick, providers, check=on_cuda)
+        if on_cuda or k:
+            continue
+        if not interp:
+            rows.append(_row(name, "pack", "kvtriton", 0, 0.0, None,
+                             "skipped: Triton on CPU needs TRITON_INTERPRET=1 (interpreter, not a speed measurement)"))
+            continue
+        tiny = _Setup(models, src_tp, dst_tp, block_size, 2, device)
+        rows += _bench_case(f"{name}@2blk", tiny, device, quick=True,
+                            providers=["torch-ref", "kvtriton", "naive-triton"],
+                            note="interpreter: not a speed measurement; ", check=True)
+    return rows
