@@ -8,7 +8,9 @@ Pull (default): the decode rank sends ``pull`` to each source rank of its plan; 
 a chunk of its staged payload into a staging slot run and answers ``ready``; the decode rank READs
 it (one descriptor), unpacks it into its cache and answers ``ack`` so the source reuses the slots
 for the next chunk (two chunks in flight per transfer: pack i+1 while i is on the wire). DIRECT
-regions are READ straight from the source's cache in coalesced block runs. When everything has
+regions are READ straight from the source's cache in coalesced block runs, once the source has
+confirmed (``direct``) that it holds those blocks; a held request cannot expire while a transfer
+is reading it (the transfer has its own silence deadline). When everything has
 landed the decode rank sends ``done`` to *every* rank of the source engine (replicas it skipped
 included), and each source rank frees the request once all decode ranks are done or its lease
 expires.
@@ -180,6 +182,12 @@ class _Serve:  # source side: one (request, destination rank) transfer
     inflight: dict = field(default_factory=dict)  # chunk -> _Chunk
     grants: deque = field(default_factory=deque)  # push: (chunk, slot, nslots) granted by the peer
     direct: tuple | None = None  # push: (local list, remote list, count, nbytes) to WRITE
+    direct_reading: bool = False  # pull: the peer reads our cache directly until it acks chunk -1
+
+    @property
+    def complete(self) -> bool:
+        return (self.acked == self.n_chunks and self.direct is None and not self.inflight
+                and not self.direct_reading)
 
 
 @dataclass(eq=False)
@@ -439,9 +447,7 @@ class TransferAgent:
             if s_ids.size == 0:
                 self._finish(f)
                 return
-            direct_ranks = set()
-            for dr in plan.direct:
-                direct_ranks.update(dr.src_ranks[: max(1, min(len(dr.src_ranks), s_ids.size))])
+            direct_ranks = plan.direct_ranks(s_ids.size)
             for src_rank in sorted({s.src_rank for s in plan.staged} | direct_ranks):
                 read = plan.staged_read(src_rank)
                 peer = self._peers[(remote_engine_id, src_rank)]
@@ -480,12 +486,10 @@ class TransferAgent:
                     dst_ids=f.dst_ids.tolist(), chunk_blocks=part.chunk_blocks)
                 self._send(peer, msg)
                 continue
-            if part.read is not None:
-                msg = wire.encode_message("pull", xid=part.xid, req=f.req_id, dst_rank=self.rank,
-                                          ids=f.src_ids.tolist(), chunk_blocks=part.chunk_blocks)
-                self._send(peer, msg)
-            if part.direct_pending:
-                self._post_direct_read(f, plan, part, peer)
+            # direct regions are read only after the source confirms it holds the blocks
+            msg = wire.encode_message("pull", xid=part.xid, req=f.req_id, dst_rank=self.rank,
+                                      ids=f.src_ids.tolist(), chunk_blocks=part.chunk_blocks)
+            self._send(peer, msg)
 
     # ------------------------------------------------------------------ progress
     def progress(self) -> None:
@@ -580,6 +584,9 @@ class TransferAgent:
                 return reject(f"cannot plan for {eng}:{dst_rank}: {e}")
             self._serve_plans[(eng, dst_rank)] = plan
         read = plan.staged_read(self.rank)
+        has_direct = self.rank in plan.direct_ranks(ids.size)
+        if read is None and not has_direct:
+            return reject(f"{self.engine_id}:{self.rank} has nothing to send to {eng}:{dst_rank}")
         chunk_blocks = m["chunk_blocks"]
         if read is not None:
             cap = self.chunk_bytes
@@ -599,6 +606,10 @@ class TransferAgent:
             except KVTritonError as e:
                 return reject(f"push: {e}")
         self._serves[xid] = serve
+        if mode == "pull" and has_direct:
+            # the blocks stay held (no lease expiry) until the reader acks chunk -1
+            serve.direct_reading = True
+            self._send(peer, wire.encode_message("direct", xid=xid))
 
     def _on_grant(self, peer: _Peer, m: dict) -> None:
         serve = self._serves.get(m["xid"])
@@ -618,6 +629,10 @@ class TransferAgent:
         serve = self._serves.get(m["xid"])
         if serve is None or serve.peer is not peer:
             raise ProtocolError(f"ack for unknown transfer {m['xid']!r}")
+        serve.deadline = time.monotonic() + self.timeout_s
+        if m["chunk"] == -1:  # the peer finished reading our cache directly
+            serve.direct_reading = False
+            return
         ch = serve.inflight.pop(m["chunk"], None)
         if ch is None:
             raise ProtocolError(f"ack for chunk {m['chunk']} that is not in flight")
@@ -671,8 +686,13 @@ class TransferAgent:
 
     def _on_direct(self, peer: _Peer, m: dict) -> None:
         part = self._part_from(peer, m["xid"])
-        part.direct_pending = False
-        self._maybe_finish(part.fetch)
+        if not part.direct_pending or part.direct_xfer is not None:
+            raise ProtocolError(f"unexpected 'direct' for {m['xid']!r}")
+        if self.mode == "pull":  # go-ahead: the source holds the blocks while we read them
+            self._post_direct_read(part.fetch, self._plans[part.fetch.engine], part, peer)
+        else:  # push: the source has written our cache
+            part.direct_pending = False
+            self._maybe_finish(part.fetch)
 
     def _on_reject(self, peer: _Peer, m: dict) -> None:
         part = self._parts.get(m["xid"])
@@ -705,7 +725,7 @@ class TransferAgent:
                 logger.warning("transfer %s to %s failed: %s", serve.xid, serve.peer.agent, e)
                 self._drop_serve(serve, notify=f"source failed: {e}")
                 continue
-            if serve.acked == serve.n_chunks and serve.direct is None and not serve.inflight:
+            if serve.complete:
                 del self._serves[serve.xid]
             elif not serve.inflight:
                 # waiting for our own staging (or for a grant): not the peer's silence
@@ -804,6 +824,8 @@ class TransferAgent:
                     if part.direct_xfer is not None and self._done(part.direct_xfer):
                         self._retire(part.direct_xfer, self._release_lists_cb(*part.direct_lists))
                         part.direct_xfer, part.direct_pending = None, False
+                        peer = self._peers[(f.engine, part.src_rank)]
+                        self._send(peer, wire.encode_message("ack", xid=part.xid, chunk=-1), quiet=True)
                 self._maybe_finish(f)
             except KVTritonError as e:
                 self._fail(f, e)
@@ -1011,8 +1033,10 @@ class TransferAgent:
             if now > serve.deadline:
                 logger.warning("transfer %s: peer %s went silent; staging reclaimed", serve.xid, serve.peer.agent)
                 self._drop_serve(serve, notify="no progress from the destination before the deadline")
+        serving = {s.req_id for s in self._serves.values()}
         for hold in list(self._holds.values()):
-            if now > hold.deadline:
+            # a transfer in progress keeps its blocks (it has its own silence deadline)
+            if now > hold.deadline and hold.req_id not in serving:
                 self._release_hold(hold, "lease_expired")
 
     def _send(self, peer: _Peer, msg: bytes, quiet: bool = False) -> None:

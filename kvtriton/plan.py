@@ -160,6 +160,15 @@ class TransferPlan:
             ranks.update(d.src_ranks)
         return tuple(sorted(ranks))
 
+    def direct_ranks(self, num_blocks: int) -> set[int]:
+        """Source ranks that send DIRECT runs for a request of ``num_blocks`` blocks (a stripe
+        wider than the request leaves the last replicas without blocks)."""
+        ranks: set[int] = set()
+        if num_blocks > 0:
+            for d in self.direct:
+                ranks.update(d.src_ranks[:num_blocks])
+        return ranks
+
     def staged_read(self, src_rank: int) -> StagedRead | None:
         for s in self.staged:
             if s.src_rank == src_rank:

@@ -182,11 +182,11 @@ MESSAGE_FIELDS: dict[str, dict[str, type]] = {
     "push": {"xid": str, "req": str, "dst_rank": int, "ids": list, "dst_ids": list,
              "chunk_blocks": int},
     "grant": {"xid": str, "chunk": int, "slot": int, "nslots": int},
-    "ack": {"xid": str, "chunk": int},  # decode has consumed a chunk (pull): free its slots
+    "ack": {"xid": str, "chunk": int},  # decode consumed a chunk (pull); chunk -1: direct reads done
     # prefill -> decode
     "ready": {"xid": str, "chunk": int, "slot": int, "nslots": int, "nbytes": int},
     "data": {"xid": str, "chunk": int, "nbytes": int},  # rides on the WRITE (push)
-    "direct": {"xid": str},  # push: the direct regions were written
+    "direct": {"xid": str},  # pull: blocks held, read them directly; push: direct regions written
     "reject": {"xid": str, "reason": str},
     # decode -> every prefill rank of the engine: this consumer is finished with the request
     "done": {"req": str, "dst_rank": int, "dst_tp": int},

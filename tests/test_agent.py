@@ -211,6 +211,22 @@ def test_bad_ids_raise_before_anything_moves(engines):
     assert e.da[0].idle()
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_zero_copy_regions_are_never_read_without_a_hold(engines, mode):
+    # an MLA-only cache moves zero-copy; an unheld request must fail, not read stale blocks
+    e = engines(1, 2, mode=mode, models=[RegionModel.mla("mla", 24)])
+    before = snapshot(e.D[0])
+    e.da[0].fetch("never-held", "P", [1, 2], [3, 4])
+    res, deadline = None, time.monotonic() + 5
+    while res is None and time.monotonic() < deadline:
+        for a in e.agents:
+            a.progress()
+        got = e.da[0].results()
+        res = got[0] if got else None
+    assert res is not None and isinstance(res.error, RequestRejectedError), res
+    assert all(torch.equal(x, y) for x, y in zip(snapshot(e.D[0])[0], before[0]))
+
+
 def test_ids_outside_the_held_blocks_are_rejected(engines):
     e = engines(1, 1)
     e.pa[0].hold("r", [1, 2, 3])
