@@ -127,7 +127,10 @@ def write_outputs(rows: list[dict], out_dir: Path, meta: dict) -> None:
                   "kvtriton = staged (one per source->destination pair, unchunked) + direct "
                   "(coalesced block runs of REPLICATE regions); `chunked` = staged with 64 MiB "
                   "chunks. vLLM columns: direct head-slice reads, one per (source, layer, block), "
-                  "K/V packed or separate. Block ids come in runs of 8 consecutive blocks.", "",
+                  "K/V packed or separate. Block ids come in runs of 8 consecutive blocks. Modes "
+                  "come from the default CostModel (CPU-calibrated: 2.3 us per descriptor, 10 GB/s "
+                  "repack), which sends whole-block SPLIT slices of >= ~11.5 KB direct (e.g. "
+                  "8->16 with 8 heads at block 64).", "",
                   "| preset | P->D | block | kvtriton | staged | direct | staged, chunked | vLLM K/V packed | vLLM K/V separate | per-token | vLLM sep. / kvtriton |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in desc:

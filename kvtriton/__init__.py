@@ -14,6 +14,8 @@ from .errors import (
     TransferTimeoutError,
     TransportError,
 )
+from .agent import FreedRequest, RequestResult, TransferAgent
+from .ops import pack, unpack
 from .plan import CostModel, Mode, Segment, StagedRead, TransferPlan, build_plan, compact_request, direct_runs
 from .regions import Kind, Layout, Region, RegionSpec, classify_layer
 from .topology import head_range, replicate_sources, split_sources
@@ -21,6 +23,7 @@ from .topology import head_range, replicate_sources, split_sources
 __version__ = "0.1.0"
 
 __all__ = [
+    "FreedRequest", "RequestResult", "TransferAgent", "pack", "unpack",
     "CostModel", "IncompatibleRemoteError", "KVTritonError", "Kind", "LaunchError", "Layout", "Mode",
     "PeerDisconnectedError", "PlanError", "ProtocolError", "Region", "RegionError", "RegionSpec",
     "RequestRejectedError", "Segment", "StagedRead", "StagingError", "TopologyError",
