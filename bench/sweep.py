@@ -100,7 +100,7 @@ def descriptor_rows(presets, pairs, block_sizes, tokens) -> list[dict]:
                         if worst is None or counts["kvtriton"] > worst["kvtriton"]:
                             worst = counts
                     row.update(worst)
-                    row["reduction_vs_vllm"] = round(worst["vllm_kv_separate"] / max(1, worst["kvtriton"]), 1)
+                    row["reduction_vs_vllm"] = round(worst["vllm_kv_separate"] / max(1, worst["kvtriton"]))
                 except KVTritonError as e:
                     row["note"] = f"skipped: {e}"
                 rows.append(row)
@@ -178,9 +178,9 @@ def _plot(desc: list[dict], path: Path) -> None:
         ax.bar(x + (i - 1) * 0.27, [r[key] for r in rows], 0.27, label=name)
     ax.set_yscale("log")
     ax.set_ylabel("descriptors per decode rank")
-    ax.set_title(f"One {rows[0]['tokens']}-token request, block size 16")
+    ax.set_title(f"One {rows[0]['tokens']}-token request, block size 16", pad=28)
     ax.set_xticks(x, labels, rotation=90, fontsize=7)
-    ax.legend()
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1.02), ncol=3, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
