@@ -160,6 +160,7 @@ class _Part:  # decode side: what one source rank sends for one request
     inflight: dict = field(default_factory=dict)  # chunk -> _Chunk (READ or unpack in flight / granted)
     direct_xfer: object = None
     direct_lists: tuple = ()
+    announced: set = field(default_factory=set)  # pull: chunks a 'ready' arrived for
 
     @property
     def complete(self) -> bool:
@@ -183,6 +184,9 @@ class _Serve:  # source side: one (request, destination rank) transfer
     grants: deque = field(default_factory=deque)  # push: (chunk, slot, nslots) granted by the peer
     direct: tuple | None = None  # push: (local list, remote list, count, nbytes) to WRITE
     direct_reading: bool = False  # pull: the peer reads our cache directly until it acks chunk -1
+    direct_xfer: object = None  # push: the WRITE of the direct runs, until it completes
+    granted: set = field(default_factory=set)  # push: chunks the peer granted slots for
+    waiting_local: bool = False  # blocked on our own staging: not the peer's silence
 
     @property
     def complete(self) -> bool:
@@ -299,6 +303,7 @@ class TransferAgent:
         self._freed: list[FreedRequest] = []
         # transfers to finish before their memory is reused: (xfer, cleanup, abort?, not_before)
         self._zombies: list[tuple[object, Callable[[], None], bool, float]] = []
+        self._dead_peers: list[_Peer] = []
         self._xid = itertools.count()
         self.stats = {"bad_messages": 0, "staged_descriptors": 0, "direct_descriptors": 0}
 
@@ -425,8 +430,12 @@ class TransferAgent:
         Position ``j`` of ``remote_block_ids`` lands in ``local_block_ids[j]``; -1 on either side
         skips the position (e.g. a prefix already cached). Raises at once on bad ids or an
         unknown engine (:class:`~kvtriton.errors.PlanError`, ``KeyError``); everything later is
-        reported by :meth:`results`.
+        reported by :meth:`results`. After a failed fetch the local blocks hold undefined bytes;
+        in push mode a WRITE the source had already posted may still land in them for up to
+        ``timeout_s`` (kvtriton's own staging slots are quarantined for that long).
         """
+        if not isinstance(req_id, str) or not 0 < len(req_id) <= 512:
+            raise ValueError(f"req_id must be a non-empty string of at most 512 characters, got {req_id!r:.80}")
         with self._lock:
             if req_id in self._fetches:
                 raise RequestRejectedError(f"fetch {req_id!r} is already in flight")
@@ -483,12 +492,12 @@ class TransferAgent:
             if self.mode == "push":
                 msg = wire.encode_message(
                     "push", xid=part.xid, req=f.req_id, dst_rank=self.rank, ids=f.src_ids.tolist(),
-                    dst_ids=f.dst_ids.tolist(), chunk_blocks=part.chunk_blocks)
+                    dst_ids=f.dst_ids.tolist(), chunk_blocks=part.chunk_blocks, plan=plan.digest())
                 self._send(peer, msg)
                 continue
             # direct regions are read only after the source confirms it holds the blocks
             msg = wire.encode_message("pull", xid=part.xid, req=f.req_id, dst_rank=self.rank,
-                                      ids=f.src_ids.tolist(), chunk_blocks=part.chunk_blocks)
+                                      ids=f.src_ids.tolist(), chunk_blocks=part.chunk_blocks, plan=plan.digest())
             self._send(peer, msg)
 
     # ------------------------------------------------------------------ progress
@@ -539,13 +548,19 @@ class TransferAgent:
         try:
             m = wire.decode_message(raw)
             getattr(self, f"_on_{m['t']}")(peer, m)
-        except KVTritonError as e:
+        except Exception as e:  # noqa: BLE001 - a peer must never be able to stop progress()
+            if not isinstance(e, KVTritonError):
+                e = ProtocolError(f"message from {sender} could not be handled: {type(e).__name__}: {e}")
             if isinstance(e, ProtocolError):
                 self.stats["bad_messages"] += 1
             logger.warning("message from %s failed: %s", sender, e)
-            part = self._parts.get(m.get("xid", "")) if isinstance(m, dict) else None
+            xid = m.get("xid") if isinstance(m, dict) else None
+            part = self._parts.get(xid) if isinstance(xid, str) else None
             if part is not None and (part.fetch.engine, part.src_rank) == (peer.md.engine, peer.md.rank):
                 self._fail(part.fetch, e)
+            serve = self._serves.get(xid) if isinstance(xid, str) else None
+            if serve is not None and serve.peer is peer:
+                self._drop_serve(serve, notify=f"bad message: {e}")
 
     # source side ------------------------------------------------------
     def _on_pull(self, peer: _Peer, m: dict) -> None:
@@ -583,6 +598,9 @@ class TransferAgent:
             except KVTritonError as e:
                 return reject(f"cannot plan for {eng}:{dst_rank}: {e}")
             self._serve_plans[(eng, dst_rank)] = plan
+        if m["plan"] != plan.digest():
+            return reject(f"{eng}:{dst_rank} planned this transfer differently from {self.engine_id}:{self.rank} "
+                          "(modes, cost model or replicate stripe differ between the engines)")
         read = plan.staged_read(self.rank)
         has_direct = self.rank in plan.direct_ranks(ids.size)
         if read is None and not has_direct:
@@ -599,8 +617,10 @@ class TransferAgent:
                        time.monotonic() + self.timeout_s)
         if mode == "push":
             dst_ids = np.asarray(m["dst_ids"], dtype=np.int64)
-            if dst_ids.size != ids.size:
-                return reject("push: ids and dst_ids differ in length")
+            nb = min(r.num_blocks for r in peer.md.regions)
+            if dst_ids.size != ids.size or (dst_ids.size and (dst_ids.min() < 0 or dst_ids.max() >= nb)) \
+                    or np.unique(dst_ids).size != dst_ids.size:
+                return reject(f"push: dst_ids must be {ids.size} distinct ids in [0, {nb})")
             try:
                 serve.direct = self._prep_direct(plan, peer, ids, dst_ids, reading=False)
             except KVTritonError as e:
@@ -609,28 +629,37 @@ class TransferAgent:
         if mode == "pull" and has_direct:
             # the blocks stay held (no lease expiry) until the reader acks chunk -1
             serve.direct_reading = True
-            self._send(peer, wire.encode_message("direct", xid=xid))
+            try:
+                self._send(peer, wire.encode_message("direct", xid=xid))
+            except KVTritonError:
+                del self._serves[xid]
+                raise
 
     def _on_grant(self, peer: _Peer, m: dict) -> None:
         serve = self._serves.get(m["xid"])
-        if serve is None or serve.peer is not peer or serve.read is None:
+        if serve is None or serve.peer is not peer or serve.read is None or serve.mode != "push":
             raise ProtocolError(f"grant for unknown transfer {m['xid']!r}")
         chunk, slot, nslots = m["chunk"], m["slot"], m["nslots"]
+        if chunk in serve.granted:
+            raise ProtocolError(f"second grant for chunk {chunk} of {m['xid']!r}")
         st = peer.md.staging
         if not (0 <= chunk < serve.n_chunks and 0 <= slot and nslots >= 1 and slot + nslots <= st.num_slots):
             raise ProtocolError(f"grant {chunk}/{slot}+{nslots} is outside the peer's staging "
                                 f"({st.num_slots} slots) or the transfer ({serve.n_chunks} chunks)")
         if nslots * st.slot_bytes < self._chunk_bytes(serve.read, serve.ids.size, serve.chunk_blocks, chunk):
             raise ProtocolError(f"grant of {nslots} slots is too small for chunk {chunk}")
+        serve.granted.add(chunk)
         serve.grants.append((chunk, slot, nslots))
         serve.deadline = time.monotonic() + self.timeout_s
 
     def _on_ack(self, peer: _Peer, m: dict) -> None:
         serve = self._serves.get(m["xid"])
-        if serve is None or serve.peer is not peer:
+        if serve is None or serve.peer is not peer or serve.mode != "pull":
             raise ProtocolError(f"ack for unknown transfer {m['xid']!r}")
         serve.deadline = time.monotonic() + self.timeout_s
         if m["chunk"] == -1:  # the peer finished reading our cache directly
+            if not serve.direct_reading:
+                raise ProtocolError(f"direct ack for {m['xid']!r}, which has no direct reads")
             serve.direct_reading = False
             return
         ch = serve.inflight.pop(m["chunk"], None)
@@ -647,8 +676,8 @@ class TransferAgent:
         if m["dst_rank"] != peer.md.rank or m["dst_tp"] != peer.md.tp:
             raise ProtocolError(f"done from {peer.agent} names rank {m['dst_rank']}/{m['dst_tp']}")
         hold.done_from.add((peer.md.engine, peer.md.rank))
-        if len(hold.done_from) >= peer.md.tp:
-            self._release_hold(hold, "done")
+        if sum(1 for e, _ in hold.done_from if e == peer.md.engine) >= peer.md.tp:
+            self._release_hold(hold, "done", finished_engine=peer.md.engine)
 
     def _on_abort(self, peer: _Peer, m: dict) -> None:
         serve = self._serves.get(m["xid"])
@@ -666,18 +695,21 @@ class TransferAgent:
         part = self._part_from(peer, m["xid"])
         chunk, slot, nslots, nbytes = m["chunk"], m["slot"], m["nslots"], m["nbytes"]
         st = peer.md.staging
+        if self.mode != "pull" or chunk in part.announced:
+            raise ProtocolError(f"ready for chunk {chunk} of {m['xid']!r} is unexpected (duplicate or push mode)")
         expect = self._chunk_bytes(part.read, part.fetch.src_ids.size, part.chunk_blocks, chunk) \
             if part.read is not None and 0 <= chunk < part.n_chunks else -1
         if nbytes != expect or not (0 <= slot and slot + nslots <= st.num_slots) or \
                 nslots != -(-nbytes // st.slot_bytes):
             raise ProtocolError(f"ready {chunk}: {nbytes} bytes in slots [{slot}, {slot + nslots}) does not "
                                 f"match the plan ({expect} bytes) or the peer's {st.num_slots} slots")
+        part.announced.add(chunk)
         part.readies.append((chunk, slot, nslots, nbytes))
         part.fetch.deadline = time.monotonic() + part.fetch.timeout_s
 
     def _on_data(self, peer: _Peer, m: dict) -> None:
         part = self._part_from(peer, m["xid"])
-        ch = part.inflight.get(m["chunk"])
+        ch = part.inflight.get(m["chunk"]) if self.mode == "push" else None
         if ch is None or ch.xfer is not None or ch.event is not None:
             raise ProtocolError(f"data for chunk {m['chunk']} that was not granted")
         if m["nbytes"] != ch.nbytes:
@@ -727,8 +759,7 @@ class TransferAgent:
                 continue
             if serve.complete:
                 del self._serves[serve.xid]
-            elif not serve.inflight:
-                # waiting for our own staging (or for a grant): not the peer's silence
+            elif serve.waiting_local:
                 serve.deadline = time.monotonic() + self.timeout_s
 
     def _advance_pull_serve(self, serve: _Serve) -> None:
@@ -738,10 +769,12 @@ class TransferAgent:
                 ch.event = None
                 self._send(serve.peer, wire.encode_message(
                     "ready", xid=serve.xid, chunk=ch.index, slot=ch.slot, nslots=ch.nslots, nbytes=ch.nbytes))
+        serve.waiting_local = False
         while serve.next_chunk < serve.n_chunks and len(serve.inflight) < self._inflight:
             nbytes = self._chunk_bytes(serve.read, serve.ids.size, serve.chunk_blocks, serve.next_chunk)
             slot = self.pool.alloc_bytes(nbytes)
             if slot is None:
+                serve.waiting_local = True
                 return  # staging full: wait for acks (here or of other transfers)
             ch = self._pack_chunk(serve, serve.next_chunk, slot, self.pool.slots_for(nbytes))
             serve.inflight[ch.index] = ch
@@ -751,14 +784,16 @@ class TransferAgent:
                     "ready", xid=serve.xid, chunk=ch.index, slot=ch.slot, nslots=ch.nslots, nbytes=ch.nbytes))
 
     def _advance_push_serve(self, serve: _Serve) -> None:
-        if serve.direct is not None:
+        if serve.direct is not None and serve.direct_xfer is None:
             local, remote, count, _ = serve.direct
             idx = np.arange(count)
-            x = self.transport.post("WRITE", local, idx, remote, idx,
-                                    wire.encode_message("direct", xid=serve.xid))
-            self._zombies.append((x, self._release_lists_cb(local, remote), False, 0.0))
-            serve.direct = None
+            serve.direct_xfer = self.transport.post("WRITE", local, idx, remote, idx,
+                                                    wire.encode_message("direct", xid=serve.xid))
             self.stats["direct_descriptors"] += count
+        if serve.direct_xfer is not None and self._done(serve.direct_xfer):  # ERR raises: reject
+            self.transport.release(serve.direct_xfer)
+            self._release_lists_cb(*serve.direct[:2])()
+            serve.direct, serve.direct_xfer = None, None
         # writes in flight: free local slots once done
         for chunk, ch in list(serve.inflight.items()):
             if ch.xfer is not None and self._done(ch.xfer):
@@ -769,11 +804,13 @@ class TransferAgent:
             elif ch.xfer is None and ch.event is not None and _event_done(ch.event):
                 ch.event = None
                 self._post_write(serve, ch)
+        serve.waiting_local = False
         while serve.grants and len(serve.inflight) < self._inflight:
             chunk, rslot, rnslots = serve.grants[0]
             nbytes = self._chunk_bytes(serve.read, serve.ids.size, serve.chunk_blocks, chunk)
             slot = self.pool.alloc_bytes(nbytes)
             if slot is None:
+                serve.waiting_local = True
                 return
             serve.grants.popleft()
             ch = self._pack_chunk(serve, chunk, slot, self.pool.slots_for(nbytes))
@@ -801,13 +838,24 @@ class TransferAgent:
             self._retire(ch.xfer, lambda ch=ch: self.pool.free(ch.slot, ch.nslots), not_before=until)
         serve.inflight.clear()
         if serve.direct is not None:
-            self._release_lists_cb(serve.direct[0], serve.direct[1])()
-            serve.direct = None
+            self._retire(serve.direct_xfer, self._release_lists_cb(*serve.direct[:2]))
+            serve.direct, serve.direct_xfer = None, None
+        if serve.direct_reading and notify is not None:
+            # the peer may still be reading our cache: keep the blocks a while longer
+            hold = self._holds.get(serve.req_id)
+            if hold is not None:
+                hold.deadline = max(hold.deadline, until)
 
-    def _release_hold(self, hold: _Hold, reason: str) -> None:
+    def _release_hold(self, hold: _Hold, reason: str, finished_engine: str | None = None) -> None:
+        """Free a held request. Transfers to the engine that reported it done only have local
+        completions left (e.g. a WRITE whose data already landed): they are retired quietly.
+        Any other transfer of the request is told and its slots quarantined."""
         self._holds.pop(hold.req_id, None)
         for serve in [s for s in self._serves.values() if s.req_id == hold.req_id]:
-            self._drop_serve(serve, notify=f"lease of {hold.req_id!r} expired" if reason != "done" else None)
+            if serve.peer.md.engine == finished_engine:
+                self._drop_serve(serve)
+            else:
+                self._drop_serve(serve, notify=f"{hold.req_id!r} was released ({reason})")
         self._freed.append(FreedRequest(hold.req_id, reason))
 
     # ------------------------------------------------------------------ decode work
@@ -844,6 +892,7 @@ class TransferAgent:
             chunk, rslot, nslots, nbytes = part.readies[0]
             slot = self.pool.alloc(nslots)
             if slot is None:
+                part.fetch.deadline = time.monotonic() + part.fetch.timeout_s  # our staging is full
                 return
             part.readies.popleft()
             ch = _Chunk(chunk, slot, nslots, nbytes, remote_slot=rslot)
@@ -975,8 +1024,10 @@ class TransferAgent:
             peer = self._peers.get((f.engine, part.src_rank))
             if peer is not None:
                 self._send(peer, wire.encode_message("abort", xid=part.xid), quiet=True)
+            # a granted slot (push) may still receive the peer's WRITE: keep it out of use for a while
+            until = time.monotonic() + (self.timeout_s if self.mode == "push" else 0.0)
             for ch in part.inflight.values():
-                self._retire(ch.xfer, lambda ch=ch: self.pool.free(ch.slot, ch.nslots))
+                self._retire(ch.xfer, lambda ch=ch: self.pool.free(ch.slot, ch.nslots), not_before=until)
             part.inflight.clear()
             part.readies.clear()
             if part.direct_xfer is not None:
@@ -1020,6 +1071,15 @@ class TransferAgent:
                 continue
             cleanup()
         self._zombies = keep
+        busy_with = {getattr(z[0], "remote", None) for z in keep if z[0] is not None}
+        for peer in [p for p in self._dead_peers if p.agent not in busy_with]:
+            self._dead_peers.remove(peer)
+            for release in (lambda: self.transport.release_list(peer.staging),
+                            lambda: self.transport.remove_remote(peer.agent)):
+                try:
+                    release()
+                except TransportError:
+                    pass
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -1056,14 +1116,8 @@ class TransferAgent:
             self._drop_serve(serve)
         self._peers.pop((peer.md.engine, peer.md.rank), None)
         self._by_agent.pop(peer.agent, None)
-        try:
-            self.transport.release_list(peer.staging)
-        except TransportError:
-            pass
-        try:
-            self.transport.remove_remote(peer.agent)
-        except TransportError:
-            pass
+        self._dead_peers.append(peer)  # released by _reap_zombies once no transfer uses it
+        self._reap_zombies()
 
     def _done(self, xfer) -> bool:
         st = self.transport.poll(xfer)
@@ -1088,6 +1142,11 @@ class TransferAgent:
         with self._lock:
             if self._closed:
                 return
+            for f in list(self._fetches.values()):
+                self._fail(f, TransportError(f"{self.engine_id}:{self.rank} was closed"))
+            for serve in list(self._serves.values()):
+                self._send(serve.peer, wire.encode_message("reject", xid=serve.xid, reason="source closed"),
+                           quiet=True)
             self._closed = True
             self.transport.close()
 

@@ -18,6 +18,7 @@ segment in plan order, and inside a segment every block in request order; each b
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -159,6 +160,12 @@ class TransferPlan:
         for d in self.direct:
             ranks.update(d.src_ranks)
         return tuple(sorted(ranks))
+
+    def digest(self) -> str:
+        """A short fingerprint of the plan; both engines must compute the same one (equal
+        modes, cost model and stripe settings), which the protocol checks per transfer."""
+        return hashlib.sha1(repr((self.dst_rank, self.dst_tp, self.src_tp, self.modes, self.staged,
+                                  self.direct)).encode()).hexdigest()[:16]
 
     def direct_ranks(self, num_blocks: int) -> set[int]:
         """Source ranks that send DIRECT runs for a request of ``num_blocks`` blocks (a stripe

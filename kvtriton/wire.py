@@ -40,6 +40,7 @@ __all__ = [
 PROTOCOL_VERSION = 1
 _MAX_U64 = (1 << 64) - 1
 _MAX_IDS = 1 << 22  # block ids per message: 4M blocks is far beyond any request
+_MAX_MSG_INT = 1 << 48
 
 
 @dataclass(frozen=True)
@@ -178,9 +179,9 @@ def decode_metadata(data: bytes) -> RankMetadata:
 # the bounds: slot counts, block counts, chunk counts).
 MESSAGE_FIELDS: dict[str, dict[str, type]] = {
     # decode -> prefill: pack this request for me (pull) / here is where to write it (push)
-    "pull": {"xid": str, "req": str, "dst_rank": int, "ids": list, "chunk_blocks": int},
+    "pull": {"xid": str, "req": str, "dst_rank": int, "ids": list, "chunk_blocks": int, "plan": str},
     "push": {"xid": str, "req": str, "dst_rank": int, "ids": list, "dst_ids": list,
-             "chunk_blocks": int},
+             "chunk_blocks": int, "plan": str},
     "grant": {"xid": str, "chunk": int, "slot": int, "nslots": int},
     "ack": {"xid": str, "chunk": int},  # decode consumed a chunk (pull); chunk -1: direct reads done
     # prefill -> decode
@@ -203,15 +204,19 @@ def decode_message(data: bytes) -> dict[str, Any]:
     d = _unpack(data, "message")
     _version(d, "message")
     t = d.get("t")
-    if t not in MESSAGE_FIELDS:
-        raise ProtocolError(f"message: unknown type {t!r}")
+    if not isinstance(t, str) or t not in MESSAGE_FIELDS:
+        raise ProtocolError(f"message: unknown type {t!r:.80}")
     for name, typ in MESSAGE_FIELDS[t].items():
         v = d.get(name)
         if not isinstance(v, typ) or isinstance(v, bool):
             raise ProtocolError(f"message {t!r}: field {name!r} must be {typ.__name__}, got {v!r:.80}")
+        # every int a peer sends is -1 (a marker) or a count, index or size far below 2**48
+        if typ is int and not -1 <= v < _MAX_MSG_INT:
+            raise ProtocolError(f"message {t!r}: field {name!r} = {v} is out of range")
         if typ is list:
-            if len(v) > _MAX_IDS or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-                raise ProtocolError(f"message {t!r}: field {name!r} must be a list of ints")
+            if len(v) > _MAX_IDS or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _MAX_MSG_INT for x in v):
+                raise ProtocolError(f"message {t!r}: field {name!r} must be a list of ints in [0, 2**48)")
         if typ is str and len(v) > 1024:
             raise ProtocolError(f"message {t!r}: field {name!r} is too long")
     return d

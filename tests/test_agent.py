@@ -283,3 +283,76 @@ def test_handshake_gate(engines):
     assert not d._peers and d.transport.remotes == frozenset()  # nothing was connected
     d.add_remote(good)
     assert d.plan_for("P").source_ranks == (0,)
+
+
+def _deliver(e, src_agent, dst_agent, raw):
+    """Send raw bytes as a notification from one agent's transport to another's."""
+    src_agent.transport.send_notif(dst_agent.transport.name, raw)
+
+
+def test_garbage_messages_never_stop_progress(engines):
+    e = engines(1, 1, models=MODELS[:1])
+    src, dst = np.array([1, 2, 3]), np.array([4, 5, 6])
+    kv = e.request(src)
+    e.pa[0].hold("r", src)
+    for raw in [
+        msgpack.packb({"v": 1, "t": ["pull"]}),  # unhashable type
+        msgpack.packb({"v": 1, "t": "pull", "xid": "x", "req": "r", "dst_rank": 0, "ids": [2**63],
+                       "chunk_blocks": 1, "plan": "p"}),  # overflows int64
+        msgpack.packb({"v": 1, "t": "ack", "xid": "x", "chunk": 2**60}),
+        b"\x00\x01garbage",
+    ]:
+        _deliver(e, e.da[0], e.pa[0], raw)
+    e.da[0].fetch("r", "P", src, dst)  # a real request right behind the garbage
+    res = e.drive(1)[0][0]
+    assert res.ok, res
+    check_destination(e.D[0], 0, 1, kv, dst, e.before[0])
+    assert e.pa[0].stats["bad_messages"] == 4
+
+
+def test_duplicate_ready_fails_the_request(engines):
+    # the pool allows 2 chunks of 1 KiB: chunk 0 announced twice must not count as chunk 1
+    e = engines(1, 1, models=MODELS[:1], staging_bytes=4 << 10)
+    e.pa[0].hold("r", np.arange(8))
+    e.da[0].fetch("r", "P", np.arange(8), np.arange(8, 16))
+    part = next(iter(e.da[0]._parts.values()))
+    assert part.n_chunks > 1
+    dup = wire.encode_message("ready", xid=part.xid, chunk=0, slot=0, nslots=1, nbytes=1024)
+    _deliver(e, e.pa[0], e.da[0], dup)
+    _deliver(e, e.pa[0], e.da[0], dup)
+    res = e.drive(1)[0][0]
+    assert not res.ok and isinstance(res.error, ProtocolError) and "duplicate" in str(res.error)
+
+
+def test_engines_with_different_plans_refuse_to_transfer():
+    # decode stripes its MLA reads over one replica, prefill expects two: bytes would be missing
+    gen = torch.Generator().manual_seed(0)
+    models = [RegionModel.mla("mla", 24)]
+    kw = dict(staging_bytes=64 << 10, slot_bytes=1024, timeout_s=5, impl="torch")
+    pa = [TransferAgent("P", r, 2, make_rank_regions(models, r, 2, 8, 4, gen=gen), **kw) for r in range(2)]
+    d = TransferAgent("D", 0, 1, make_rank_regions(models, 0, 1, 8, 4, gen=gen), replicate_stripe=1, **kw)
+    try:
+        for p in pa:
+            d.add_remote(p.metadata())
+            p.add_remote(d.metadata())
+            p.hold("r", [1, 2])
+        d.fetch("r", "P", [1, 2], [3, 4])
+        deadline, res = time.monotonic() + 5, []
+        while not res and time.monotonic() < deadline:
+            for a in pa + [d]:
+                a.progress()
+            res = d.results()
+        assert res and isinstance(res[0].error, RequestRejectedError), res
+        assert "planned this transfer differently" in str(res[0].error)
+    finally:
+        for a in pa + [d]:
+            a.close()
+
+
+def test_close_reports_pending_fetches(engines):
+    e = engines(1, 1, models=MODELS[:1])
+    e.pa[0].hold("r", [1])
+    e.da[0].fetch("r", "P", [1], [2])
+    e.da[0].close()
+    res = e.da[0].results()
+    assert len(res) == 1 and not res[0].ok and "closed" in str(res[0].error)
