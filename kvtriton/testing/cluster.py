@@ -89,7 +89,7 @@ def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
     torch.set_num_threads(1)
     from ..agent import TransferAgent
     from ..errors import KVTritonError
-    from .oracle import check_destination, load_source, make_rank_regions, snapshot
+    from .oracle import load_source, make_rank_regions, snapshot
 
     tp = cfg.p_tp if role == "P" else cfg.d_tp
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + (0 if role == "P" else 104729) + rank)
@@ -165,7 +165,7 @@ def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
                     ok_reqs = [requests[r] for r, o in outcomes.items() if o["ok"]]
                     msg = None
                     try:
-                        _check_all(regions, rank, tp, cfg, ok_reqs, before, check_destination)
+                        _check_all(regions, rank, tp, cfg, ok_reqs, before)
                     except AssertionError as e:
                         msg = str(e)
                     conn.send(("ok", msg))
@@ -200,39 +200,22 @@ def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
 
 def _check_one(regions, rank, tp, cfg, req) -> str | None:
     """Byte-compare one request's destination blocks (other blocks are checked at the end)."""
-    from ..regions import Kind
-    from ..topology import head_range
-    from .oracle import _bytes
+    from .oracle import check_destination
 
-    kv = _request_kv(cfg, req)
-    ids = np.asarray(req.dst_ids)
     try:
-        for region, streams in zip(regions, kv):
-            h0, h1 = (0, region.spec.local_heads) if region.spec.kind is Kind.REPLICATE else \
-                head_range(rank, tp, region.spec.total_heads)
-            for j, g in enumerate(streams):
-                got = _bytes(region.nhd(j))[ids]
-                exp = _bytes(g[:, :, h0:h1])
-                if not bool((got == exp).all()):
-                    bad = (got != exp).nonzero()
-                    raise AssertionError(f"{req.req_id}: region {region.spec.name} stream {j}: "
-                                         f"{bad.shape[0]} bytes differ, first {bad[:3].tolist()}")
+        check_destination(regions, rank, tp, _request_kv(cfg, req), list(req.dst_ids))
     except AssertionError as e:
-        return str(e)
+        return f"{req.req_id}: {e}"
     return None
 
 
-def _check_all(regions, rank, tp, cfg, reqs, before, check_destination) -> None:
-    import torch
+def _check_all(regions, rank, tp, cfg, reqs, before) -> None:
+    """Every received block right, every other byte as it was before the first transfer."""
+    from .oracle import check_destination, concat_global_kv
 
-    if not reqs:
-        kv = [[s[:0] for s in streams] for streams in _request_kv(cfg, Request("none", 0, (0,), (0,)))]
-        check_destination(regions, rank, tp, kv, [], before)
-        return
-    kvs = [_request_kv(cfg, r) for r in reqs]
-    merged = [[torch.cat([kv[i][j] for kv in kvs]) for j in range(len(kvs[0][i]))] for i in range(len(kvs[0]))]
-    ids = [b for r in reqs for b in r.dst_ids]
-    check_destination(regions, rank, tp, merged, ids, before)
+    probe = Request("none", 0, (0,), (0,))
+    kvs = [_request_kv(cfg, r) for r in reqs] or [[[s[:0] for s in streams] for streams in _request_kv(cfg, probe)]]
+    check_destination(regions, rank, tp, concat_global_kv(kvs), [b for r in reqs for b in r.dst_ids], before)
 
 
 # --------------------------------------------------------------------------- parent

@@ -28,6 +28,7 @@ __all__ = [
     "load_source",
     "snapshot",
     "check_destination",
+    "concat_global_kv",
     "local_transfer",
     "stream_bytes",
 ]
@@ -147,25 +148,36 @@ def snapshot(regions: Sequence[Region]) -> list[list[torch.Tensor]]:
 
 
 def check_destination(regions: Sequence[Region], rank: int, tp: int, global_kv, block_ids,
-                      before) -> None:
+                      before=None) -> None:
     """Raise AssertionError (with coordinates) unless blocks ``block_ids`` hold exactly the global
-    heads ``rank`` owns and every other byte equals ``before``."""
+    heads ``rank`` owns and, when ``before`` (a :func:`snapshot`) is given, every other byte
+    equals ``before``. Position ``j`` of ``global_kv`` belongs in ``block_ids[j]`` (-1: none)."""
     ids = np.asarray(block_ids, dtype=np.int64)
     keep = ids >= 0
     pos = torch.as_tensor(np.flatnonzero(keep))
     ids_t = torch.as_tensor(ids[keep])
-    for region, streams, snap in zip(regions, global_kv, before):
+    for i, (region, streams) in enumerate(zip(regions, global_kv)):
         h0, h1 = _heads(region, rank, tp)
         for j, g in enumerate(streams):
             got = _bytes(region.nhd(j)).cpu()
-            expected = snap[j].cpu().clone()
-            expected[ids_t] = _bytes(g[pos][:, :, h0:h1])
+            want = _bytes(g[pos][:, :, h0:h1])
+            if before is None:
+                got, expected = got[ids_t], want
+            else:
+                expected = before[i][j].cpu().clone()
+                expected[ids_t] = want
             if not torch.equal(got, expected):
                 bad = torch.nonzero(got != expected)
+                where = "(block, token, head, byte)" if before is not None else "(position, token, head, byte)"
                 raise AssertionError(
                     f"rank {rank} region {region.spec.name!r} stream {j}: {bad.shape[0]} bytes "
-                    f"differ; first (block, token, head, byte): {bad[:5].tolist()}"
+                    f"differ; first {where}: {bad[:5].tolist()}"
                 )
+
+
+def concat_global_kv(kvs: Sequence) -> list[list[torch.Tensor]]:
+    """Several requests' global KV as one, in order (to check them against their joined ids)."""
+    return [[torch.cat([kv[i][j] for kv in kvs]) for j in range(len(kvs[0][i]))] for i in range(len(kvs[0]))]
 
 
 def stream_bytes(t: torch.Tensor) -> torch.Tensor:
