@@ -42,26 +42,13 @@ def pack_reference(
     synchronises; the Triton path does not.)
     """
     ids, pos = _ids(block_ids, staging.device)
-    n = ids.numel()
     for seg, off in zip(segments, offsets):
-        src = regions[seg.region].nhd(seg.stream)[:, :, seg.src_head:seg.src_head + seg.num_heads]
-        # an HND tile of one head is token-major too: same bytes as NHD
-        token_major = seg.dst_layout is Layout.NHD or seg.num_heads == 1
-        if not token_major:
-            src = src.transpose(1, 2)
-        dst = staging[int(off):int(off) + n * seg.tile_bytes]
-        src_w, dst_w = _bit_views(src, dst, seg.row_bytes)
-        rows = _token_rows(src_w) if token_major else None
-        if rows is not None:  # (block, token) rows of contiguous heads: one memcpy per row
-            src_w, index, dst_w = rows, _row_ids(ids, seg.block_size), dst_w.view(n * seg.block_size, -1)
-            sel = None if pos is None else _row_ids(pos, seg.block_size)
-        else:
-            index, dst_w = ids, dst_w.view(n, *src_w.shape[1:])
-            sel = pos
+        cache, index, staged, sel = _segment_views(regions[seg.region], seg, seg.src_head, seg.dst_layout,
+                                                   ids, pos, staging, int(off))
         if sel is None:
-            torch.index_select(src_w, 0, index, out=dst_w)
+            torch.index_select(cache, 0, index, out=staged)
         else:
-            dst_w[sel] = src_w.index_select(0, index[sel])
+            staged[sel] = cache.index_select(0, index[sel])
     return staging
 
 
@@ -75,26 +62,34 @@ def unpack_reference(
     """Scatter tiles from ``staging`` into blocks ``block_ids`` of the local cache, at local head
     offset ``segments[s].dst_head``. Tiles are in the local layout. -1 positions are skipped."""
     ids, pos = _ids(block_ids, staging.device)
-    n = ids.numel()
     for seg, off in zip(segments, offsets):
         region = regions[seg.region]
-        dst = region.nhd(seg.stream)[:, :, seg.dst_head:seg.dst_head + seg.num_heads]
-        token_major = region.spec.layout is Layout.NHD or seg.num_heads == 1
-        if not token_major:
-            dst = dst.transpose(1, 2)
-        src = staging[int(off):int(off) + n * seg.tile_bytes]
-        dst_w, src_w = _bit_views(dst, src, seg.row_bytes)
-        rows = _token_rows(dst_w) if token_major else None
-        if rows is not None:
-            dst_w, index, src_w = rows, _row_ids(ids, seg.block_size), src_w.view(n * seg.block_size, -1)
-            sel = None if pos is None else _row_ids(pos, seg.block_size)
-        else:
-            index, src_w = ids, src_w.view(n, *dst_w.shape[1:])
-            sel = pos
+        cache, index, staged, sel = _segment_views(region, seg, seg.dst_head, region.spec.layout,
+                                                   ids, pos, staging, int(off))
         if sel is None:
-            dst_w.index_copy_(0, index, src_w)
+            cache.index_copy_(0, index, staged)
         else:
-            dst_w.index_copy_(0, index[sel], src_w[sel])
+            cache.index_copy_(0, index[sel], staged[sel])
+
+
+def _segment_views(region: Region, seg: Segment, head: int, tile_layout: Layout, ids: torch.Tensor,
+                   pos: torch.Tensor | None, staging: torch.Tensor, off: int):
+    """The bit views one segment moves between: ``(cache, index, staged, sel)`` such that
+    ``staged`` row ``i`` is ``cache`` row ``index[i]`` (``sel``: the rows to move, ``None`` =
+    all). Rows are (block, token) rows when the tile is token-major and that is contiguous per
+    row (see :func:`_token_rows`), else whole tiles per block."""
+    n = ids.numel()
+    cache = region.nhd(seg.stream)[:, :, head:head + seg.num_heads]
+    # an HND tile of one head is token-major too: same bytes as NHD
+    token_major = tile_layout is Layout.NHD or seg.num_heads == 1
+    if not token_major:
+        cache = cache.transpose(1, 2)
+    cache_w, staged_w = _bit_views(cache, staging[off:off + n * seg.tile_bytes], seg.row_bytes)
+    rows = _token_rows(cache_w) if token_major else None
+    if rows is not None:  # (block, token) rows of contiguous heads: one memcpy per row
+        sel = None if pos is None else _row_ids(pos, seg.block_size)
+        return rows, _row_ids(ids, seg.block_size), staged_w.view(n * seg.block_size, -1), sel
+    return cache_w, ids, staged_w.view(n, *cache_w.shape[1:]), pos
 
 
 def _token_rows(view: torch.Tensor) -> torch.Tensor | None:
