@@ -8,6 +8,7 @@ from .errors import (
     PlanError,
     ProtocolError,
     RegionError,
+    RequestAbortedError,
     RequestRejectedError,
     StagingError,
     TopologyError,
@@ -26,7 +27,7 @@ __all__ = [
     "FreedRequest", "RequestResult", "TransferAgent", "pack", "unpack",
     "CostModel", "IncompatibleRemoteError", "KVTritonError", "Kind", "LaunchError", "Layout", "Mode",
     "PeerDisconnectedError", "PlanError", "ProtocolError", "Region", "RegionError", "RegionSpec",
-    "RequestRejectedError", "Segment", "StagedRead", "StagingError", "TopologyError",
+    "RequestAbortedError", "RequestRejectedError", "Segment", "StagedRead", "StagingError", "TopologyError",
     "TransferPlan", "TransferTimeoutError", "TransportError", "build_plan", "classify_layer",
     "compact_request", "direct_runs", "head_range", "replicate_sources", "split_sources",
 ]

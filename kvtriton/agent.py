@@ -64,6 +64,7 @@ from .errors import (
     KVTritonError,
     PeerDisconnectedError,
     ProtocolError,
+    RequestAbortedError,
     RequestRejectedError,
     StagingError,
     TransferTimeoutError,
@@ -105,7 +106,7 @@ class RequestResult:
 @dataclass(frozen=True)
 class FreedRequest:
     """A held request whose blocks the prefill side may reuse: ``reason`` is ``"done"`` (every
-    consumer finished) or ``"lease_expired"``."""
+    consumer finished), ``"lease_expired"`` or ``"released"`` (:meth:`TransferAgent.release`)."""
 
     req_id: str
     reason: str
@@ -410,6 +411,19 @@ class TransferAgent:
         with self._lock:
             self._holds[req_id] = _Hold(req_id, ids, time.monotonic() + lease_s)
 
+    def release(self, req_id: str) -> bool:
+        """Drop a hold before its consumers are done (the engine aborted the request, or needs
+        the blocks back). Transfers reading it are told (their fetch fails with
+        :class:`~kvtriton.errors.RequestRejectedError` at once, not at a timeout) and the staging
+        slots they may still read are quarantined; :meth:`freed` reports it as ``"released"``.
+        Returns False when ``req_id`` is not held (never held, or already freed)."""
+        with self._lock:
+            hold = self._holds.get(req_id)
+            if hold is None:
+                return False
+            self._release_hold(hold, "released")
+            return True
+
     def freed(self) -> list[FreedRequest]:
         """Held requests whose blocks may be reused now (drained on each call)."""
         with self._lock:
@@ -479,6 +493,18 @@ class TransferAgent:
                 self._start_parts(f, plan)
             except KVTritonError as e:
                 self._fail(f, e)
+
+    def abort(self, req_id: str) -> bool:
+        """Cancel a fetch in flight: its source ranks are told, staging it holds is reclaimed
+        (a slot a peer may still WRITE into is quarantined first), and :meth:`results` reports it
+        with :class:`~kvtriton.errors.RequestAbortedError`. Its local blocks hold undefined
+        bytes afterwards. Returns False when no fetch of ``req_id`` is in flight."""
+        with self._lock:
+            f = self._fetches.get(req_id)
+            if f is None:
+                return False
+            self._fail(f, RequestAbortedError(f"fetch {req_id!r} from {f.engine!r} was aborted"))
+            return True
 
     def results(self) -> list[RequestResult]:
         """Finished fetches since the last call: ``ok`` or a typed ``error``."""

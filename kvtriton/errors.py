@@ -20,6 +20,7 @@ __all__ = [
     "PeerDisconnectedError",
     "TransferTimeoutError",
     "RequestRejectedError",
+    "RequestAbortedError",
 ]
 
 
@@ -70,3 +71,8 @@ class TransferTimeoutError(KVTritonError, TimeoutError):
 
 class RequestRejectedError(KVTritonError):
     """The peer refused a request (unknown request id, expired lease, bad block ids)."""
+
+
+class RequestAbortedError(KVTritonError):
+    """The request was cancelled locally (:meth:`~kvtriton.agent.TransferAgent.abort`) or its
+    hold was released by the source engine before the transfer finished."""

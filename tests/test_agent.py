@@ -17,6 +17,7 @@ from kvtriton.errors import (
     IncompatibleRemoteError,
     PlanError,
     ProtocolError,
+    RequestAbortedError,
     RequestRejectedError,
     TransferTimeoutError,
 )
@@ -356,3 +357,37 @@ def test_close_reports_pending_fetches(engines):
     e.da[0].close()
     res = e.da[0].results()
     assert len(res) == 1 and not res[0].ok and "closed" in str(res[0].error)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_abort_cancels_a_fetch_and_frees_staging_on_both_sides(engines, mode):
+    e = engines(1, 1, mode=mode, models=MODELS[:1], timeout_s=0.5)
+    src = np.arange(8)
+    e.request(src)
+    e.pa[0].hold("r", src)
+    e.da[0].fetch("r", "P", src, np.arange(8))
+    e.da[0].progress()  # the request is on the wire; the source has not answered yet
+    assert e.da[0].abort("r") and not e.da[0].abort("r")
+    res = e.da[0].results()
+    assert len(res) == 1 and not res[0].ok and isinstance(res[0].error, RequestAbortedError)
+    e.settle(0.2)
+    assert not e.pa[0]._serves  # the source was told (well before its 0.5 s silence deadline)
+    e.settle(1.0)  # push quarantines granted slots for timeout_s
+    assert e.da[0].results() == []  # nothing more is reported for an aborted fetch
+    assert all(a.pool.free_slots == a.pool.num_slots and not a._serves for a in e.agents)
+    # the hold survives the abort: a retry still works
+    e.da[0].fetch("r", "P", src, np.arange(8))
+    assert e.drive(1)[0][0].ok
+
+
+def test_release_drops_a_hold_and_a_fetch_fails_at_once(engines):
+    e = engines(1, 1, models=MODELS[:1], timeout_s=30.0)
+    src = np.arange(4)
+    e.request(src)
+    e.pa[0].hold("r", src)
+    assert e.pa[0].release("r") and not e.pa[0].release("r")
+    assert [(f.req_id, f.reason) for f in e.pa[0].freed()] == [("r", "released")]
+    e.da[0].fetch("r", "P", src, np.arange(4))
+    t0 = time.monotonic()
+    res = e.drive(1)[0][0]
+    assert not res.ok and isinstance(res.error, RequestRejectedError) and time.monotonic() - t0 < 5
