@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kvtriton import ops
+from kvtriton.launch import INT_OF_WIDTH
 from kvtriton.plan import build_plan
 from kvtriton.reference import pack_reference, unpack_reference
 from kvtriton.regions import Layout
@@ -93,16 +94,13 @@ def _naive_scatter_kernel(
     tl.store(cache_ptr + blk * s_blk + t * s_tok + (head0 + h) * s_head + d, v, mask=ok)
 
 
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _naive(op: str, regions, segments, offsets, ids: torch.Tensor, staging: torch.Tensor) -> None:
     """One element-per-lane launch per segment, elements as same-width integers."""
     kernel = _naive_gather_kernel if op == "pack" else _naive_scatter_kernel
     n = ids.numel()
     for seg, off in zip(segments, offsets):
         t = regions[seg.region].nhd(seg.stream)
-        t = t.view(_INT[t.element_size()])
+        t = t.view(INT_OF_WIDTH[t.element_size()])
         flat = staging[int(off):int(off) + n * seg.tile_bytes].view(t.dtype)
         total = flat.numel()
         head0 = seg.src_head if op == "pack" else seg.dst_head

@@ -2,59 +2,26 @@
 
 One launch covers every staged segment of a request on one destination rank, including
 segments from several source ranks (D < P: each source's head slice lands at its own head
-offset inside the same local block, each read from its own staging offset).
-
-Grid ``(n_blocks, n_segments)``; program ``(j, s)`` writes one tile::
-
-    blk = block_ids[j]                        # -1: padding, the program returns
-    for every row r < block_size * num_heads of segment s, every word w < row_words:
-        cache_s[blk * c_blk + tok(r) * c_tok + head(r) * c_head + w]
-            = staging[stg_off + j * stg_s_tile + tok(r) * stg_s_tok + head(r) * stg_s_head + w]
-
-``cache_addr`` in the segment table already points at head ``dst_head`` of the local block
-layout; tiles are in the local layout, expressed (like the cache's) as strides only. Two
-programs never write the same cache word as long as block ids do not repeat and head slices of
-one (region, stream) do not overlap (the launcher checks both).
+offset inside the same local block, each read from its own staging offset). Grid
+``(n_blocks, n_segments)``; the copy itself is ``_copy._copy_tile`` in the staging -> cache
+direction. Two programs never write the same cache word as long as block ids do not repeat and
+head slices of one (region, stream) do not overlap (the launcher checks both).
 """
 
 import triton
 import triton.language as tl
 
-from ._addressing import _load_segment, _row_offsets
+from ._copy import _copy_tile
 
 
 @triton.jit
 def _unpack_kernel(
-    staging_ptr,  # [staging_words] int8/16/32/64 words: the payloads, tiles in the local layout
-    seg_ptr,  # [n_segments, NUM_FIELDS] int64: per-segment addresses and strides (_addressing)
+    staging_ptr,  # [staging_words] int8/16/32/64 words: read, tiles in the local layout
+    seg_ptr,  # [n_segments, segment_table.NUM_FIELDS] int64: per-segment addresses and strides
     block_ids_ptr,  # [n_blocks] int32/int64: local block of request position j, -1 = skip
-    NUM_FIELDS: tl.constexpr,  # columns of the segment table
     BLOCK_R: tl.constexpr,  # rows per inner tile (power of two)
     BLOCK_W: tl.constexpr,  # words per inner tile row (power of two)
     VEC: tl.constexpr,  # every row start and row length is a multiple of VEC words
     ALIGN: tl.constexpr,  # every cache base address is a multiple of ALIGN bytes
 ):
-    j = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1).to(tl.int64)
-    blk = tl.load(block_ids_ptr + j).to(tl.int64)
-    if blk < 0:  # padding position: the local cache is not touched
-        return
-    (cache_addr, c_blk, c_tok, c_head, stg_off, t_tile, t_tok, t_head, num_heads, block_size,
-     row_words) = _load_segment(seg_ptr, s, NUM_FIELDS)
-    # Hint the pointer, not the integer: a hint on the int64 does not survive the cast (checked
-    # in the sm_90 PTX: 8-byte instead of 16-byte cache accesses).
-    cache_ptr = tl.multiple_of(cache_addr.to(staging_ptr.dtype), ALIGN)
-    row_words = tl.multiple_of(row_words, VEC)  # without it the column mask blocks vectorisation
-    n_rows = (block_size * num_heads).to(tl.int32)
-    cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_W), BLOCK_W), BLOCK_W)
-    for r0 in range(0, n_rows, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        row_ok = rows < n_rows
-        src = stg_off + _row_offsets(j, rows, num_heads, t_tile, t_tok, t_head)
-        src = tl.multiple_of(src, VEC)
-        dst = tl.multiple_of(_row_offsets(blk, rows, num_heads, c_blk, c_tok, c_head), VEC)
-        for w0 in range(0, row_words, BLOCK_W):
-            w = w0 + cols
-            mask = row_ok[:, None] & (w < row_words)[None, :]
-            words = tl.load(staging_ptr + src[:, None] + w[None, :], mask=mask)
-            tl.store(cache_ptr + dst[:, None] + w[None, :], words, mask=mask)
+    _copy_tile(staging_ptr, seg_ptr, block_ids_ptr, False, BLOCK_R, BLOCK_W, VEC, ALIGN)

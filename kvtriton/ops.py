@@ -3,8 +3,9 @@
 The launchers sit between the planner (which decides *what* moves: :class:`~kvtriton.plan.Segment`
 lists and their staging offsets) and the kernels (which only move words). They hold no topology
 math: they check that the arguments describe memory that exists, turn them into one int64 table
-per launch (``kernels/_addressing.py`` documents its columns), pick a word width and a tile shape
-from the geometry, and launch once for the whole request.
+per launch (its columns are named once, in ``kernels/segment_table.py``), pick a word width and a
+tile shape from the geometry (:mod:`kvtriton.launch`), and launch once for the whole request.
+:func:`pack` and :func:`unpack` share that path; only the kernel's direction differs.
 
 Dispatch (``impl=`` keyword, overridden by the environment variable ``KVTRITON_IMPL`` when it
 is set to ``torch``, ``triton`` or ``auto``):
@@ -28,95 +29,36 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from .errors import LaunchError
+from .kernels import segment_table as col
+from .launch import INT_OF_WIDTH, LaunchConfig, launch_config
 from .plan import Segment
 from .reference import pack_reference, unpack_reference
 from .regions import Layout, Region
 
-__all__ = ["pack", "unpack"]
+__all__ = ["launch_config_for", "pack", "unpack"]
 
 _IMPLS = ("auto", "torch", "triton")
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-# Tile heuristics (no autotuning: deterministic, and the interpreter cannot autotune).
-_MAX_ACCESS_BYTES = 16  # widest per-thread access (LDG.128 / STG.128)
-_TILE_BYTES = 8192  # bytes one program moves per inner iteration: 4 warps x 32 lanes x 4 x 16 B
-_MAX_BLOCK_W_BYTES = 1024  # widest inner row chunk; longer rows loop (576-dim bf16 MLA rows: 1152 B)
-_ITER_OVERHEAD_WORDS = 16  # cost of one more inner-loop trip, in lanes (address math, loop, mask)
-_BYTES_PER_WARP = 2048  # tile bytes per warp: 32 lanes x 4 accesses of 16 B in flight
+_OPS = ("pack", "unpack")
 _MAX_GRID_Y = 65535  # CUDA limit of grid dimension 1 (segments)
-
-
-class LaunchConfig(NamedTuple):
-    """Constexpr geometry of one launch (see :func:`_launch_config`)."""
-
-    word_bytes: int  # every dtype is moved as integers of this width
-    vec: int  # row starts/lengths are multiples of this many words (vec * word_bytes <= 16)
-    align: int  # cache base addresses are multiples of this many bytes
-    block_r: int  # rows per inner tile
-    block_w: int  # words per inner tile row
-    num_warps: int
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
-def _word_config(align: int) -> tuple[int, int]:
-    """Word width and vector length (in words) for a common byte alignment ``align``.
-
-    8-byte words whenever everything is 8-byte aligned (fewest lanes, fewest address
-    computations); otherwise the widest integer the alignment allows. Two words per access when
-    the alignment reaches 16 bytes.
-    """
-    align = max(1, min(int(align), _MAX_ACCESS_BYTES))
-    word = min(align, 8)
-    return word, align // word
-
-
-def _launch_config(max_rows: int, max_row_words: int, word_bytes: int, vec: int) -> tuple[int, int, int]:
-    """``(BLOCK_R, BLOCK_W, num_warps)`` for tiles of up to ``max_rows`` rows of up to
-    ``max_row_words`` words (``word_bytes`` each; rows are multiples of ``vec`` words).
-
-    ``BLOCK_W`` (a power of two, at least ``vec``, at most 1 KiB of words) minimises the cost of
-    one row, counted as ``iterations * (BLOCK_W + _ITER_OVERHEAD_WORDS)``: a masked lane is
-    cheaper than another trip through the loop, but not free. head_dim 128 bf16 rows
-    (32 int64 words) take 32; 80-dim bf16 rows (20 words) take 32 with 12 masked lanes rather
-    than 5 trips of 4; 576-dim bf16 MLA rows (144 words) take 3 trips of 64. ``BLOCK_R`` fills
-    ~8 KiB per inner iteration without exceeding the tile's rows; one warp per 2 KiB of tile
-    (each lane keeps four 16-byte accesses in flight), 1 to 8 warps.
-    """
-    if max_rows < 1 or max_row_words < 1 or word_bytes not in _INT_OF_WIDTH or vec < 1:
-        raise ValueError(
-            f"_launch_config: need max_rows, max_row_words, vec >= 1 and word_bytes in 1/2/4/8; "
-            f"got {max_rows}, {max_row_words}, {vec}, {word_bytes}"
-        )
-    rw = int(max_row_words)
-    widest = max(vec, min(_next_pow2(rw), _MAX_BLOCK_W_BYTES // word_bytes))
-    best = None
-    bw = widest
-    while bw >= vec:
-        cost = -(-rw // bw) * (bw + _ITER_OVERHEAD_WORDS)
-        if best is None or cost < best[0]:
-            best = (cost, bw)
-        bw //= 2
-    block_w = best[1]
-    block_r = max(1, min(_next_pow2(max_rows), _TILE_BYTES // (block_w * word_bytes)))
-    num_warps = max(1, min(8, block_r * block_w * word_bytes // _BYTES_PER_WARP))
-    return block_r, block_w, num_warps
+# Columns whose alignment bounds the word width: the cache address and everything in words.
+_ALIGN_COLUMNS = (col.CACHE_ADDR, *col.WORD_COLUMNS)
 
 
 # --------------------------------------------------------------------------- dispatch
-def _kernels():
-    from .kernels.pack import _pack_kernel
-    from .kernels.unpack import _unpack_kernel
-
-    return _pack_kernel, _unpack_kernel
+def _kernel(op: str):
+    """The Triton kernel of ``op``, imported on first use: Triton picks the interpreter when the
+    kernels are decorated, so importing them with kvtriton would fix the choice too early."""
+    if op == "pack":
+        from .kernels.pack import _pack_kernel as kernel
+    else:
+        from .kernels.unpack import _unpack_kernel as kernel
+    return kernel
 
 
 def _interpreting() -> bool:
@@ -124,7 +66,7 @@ def _interpreting() -> bool:
     decoration time, so the environment variable alone is not enough)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(_kernels()[0], InterpretedFunction)
+    return isinstance(_kernel("pack"), InterpretedFunction)
 
 
 def _resolve_impl(impl: str, device: torch.device) -> str:
@@ -163,7 +105,7 @@ class _Static:
     segments: tuple  # the caller's tuple itself, so that its id is not reused while cached
     data_ptrs: tuple[int, ...]  # every stream's address (a tensor re-pointed by set_() misses)
     device: torch.device | None  # the streams' device, None when they are not on one device
-    rows: np.ndarray  # int64 [n_segments, NUM_SEGMENT_FIELDS] in bytes; stg_off column is 0
+    rows: np.ndarray  # int64 [n_segments, segment_table.NUM_FIELDS] in bytes; STG_OFF column is 0
     tile_bytes: np.ndarray  # int64 [n_segments]
     lowbits: int  # OR of every static address, stride and row length (alignment)
     num_blocks: int | None  # fewest blocks among the regions the segments touch
@@ -250,11 +192,9 @@ def _static(op: str, regions, segments) -> _Static:
 
 
 def _build_static(op: str, regions, segments) -> _Static:
-    from .kernels._addressing import NUM_SEGMENT_FIELDS
-
     side = "src" if op == "pack" else "dst"
     n_seg = len(segments)
-    rows = np.zeros((n_seg, NUM_SEGMENT_FIELDS), dtype=np.int64)
+    rows = np.zeros((n_seg, col.NUM_FIELDS), dtype=np.int64)
     tile_bytes = np.zeros(n_seg, dtype=np.int64)
     min_blocks = None
     for s, seg in enumerate(segments):
@@ -313,13 +253,16 @@ def _build_static(op: str, regions, segments) -> _Static:
             s_head = t_head = 0
         if nb == 1:
             s_blk = 0
-        rows[s] = (t.data_ptr() + h0 * t.stride(2) * item, s_blk, s_tok, s_head, 0,
-                   seg.tile_bytes, t_tok, t_head, nh, bs, rb)
+        row = rows[s]
+        row[col.CACHE_ADDR] = t.data_ptr() + h0 * t.stride(2) * item
+        row[col.CACHE_S_BLK], row[col.CACHE_S_TOK], row[col.CACHE_S_HEAD] = s_blk, s_tok, s_head
+        row[col.STG_S_TILE], row[col.STG_S_TOK], row[col.STG_S_HEAD] = seg.tile_bytes, t_tok, t_head
+        row[col.NUM_HEADS], row[col.BLOCK_SIZE], row[col.ROW_WORDS] = nh, bs, rb
         tile_bytes[s] = seg.tile_bytes
         min_blocks = nb if min_blocks is None else min(min_blocks, nb)
     if op == "unpack":
         _check_disjoint_heads(segments)
-    lowbits = int(np.bitwise_or.reduce(np.concatenate([rows[:, 0:8].reshape(-1), rows[:, 10], [0]])))
+    lowbits = int(np.bitwise_or.reduce(rows[:, _ALIGN_COLUMNS], axis=None, initial=0))
     devices = {t.device for r in regions for t in r.streams}
     return _Static(
         regions=tuple(weakref.ref(r) for r in regions), segments=tuple(segments),
@@ -423,27 +366,22 @@ def _check_disjoint_heads(segments: Sequence[Segment]) -> None:
 
 # --------------------------------------------------------------------------- launch
 def _segment_table(chk: _Checked, staging: torch.Tensor) -> tuple[np.ndarray, LaunchConfig]:
-    """The launch's segment table in words (``kernels/_addressing.SEGMENT_FIELDS``) and its
+    """The launch's segment table in words (columns: ``kernels/segment_table.py``) and its
     constexpr geometry: the word width is the widest the addresses, strides, row lengths,
     staging base and offsets all allow."""
     rows = chk.static.rows.copy()
-    rows[:, 4] = chk.offsets
-    lowbits = chk.static.lowbits | int(np.bitwise_or.reduce(chk.offsets)) | staging.data_ptr()
-    align = _MAX_ACCESS_BYTES if lowbits == 0 else min(_MAX_ACCESS_BYTES, lowbits & -lowbits)
-    word, vec = _word_config(align)
-    rows[:, 1:8] //= word
-    rows[:, 10] //= word
-    block_r, block_w, num_warps = _launch_config(int((rows[:, 8] * rows[:, 9]).max()),
-                                                 int(rows[:, 10].max()), word, vec)
-    return rows, LaunchConfig(word, vec, align, block_r, block_w, num_warps)
+    rows[:, col.STG_OFF] = chk.offsets
+    lowbits = chk.static.lowbits | int(np.bitwise_or.reduce(chk.offsets, initial=0)) | staging.data_ptr()
+    cfg = launch_config(lowbits, int((rows[:, col.NUM_HEADS] * rows[:, col.BLOCK_SIZE]).max()),
+                        int(rows[:, col.ROW_WORDS].max()))
+    rows[:, col.WORD_COLUMNS] //= cfg.word_bytes
+    return rows, cfg
 
 
-def _launch(op: str, kernel, chk: _Checked, staging: torch.Tensor) -> None:
-    from .kernels._addressing import NUM_SEGMENT_FIELDS
-
+def _launch(op: str, chk: _Checked, staging: torch.Tensor) -> None:
     rows, cfg = _segment_table(chk, staging)
     usable = staging.numel() - staging.numel() % cfg.word_bytes
-    words = staging[:usable].view(_INT_OF_WIDTH[cfg.word_bytes])
+    words = staging[:usable].view(INT_OF_WIDTH[cfg.word_bytes])
     table = torch.from_numpy(rows)
     device = staging.device
     grid = (chk.n, rows.shape[0])
@@ -452,11 +390,49 @@ def _launch(op: str, kernel, chk: _Checked, staging: torch.Tensor) -> None:
         if on_cuda:
             # Pinned + non_blocking: ordered on the caller's current stream, the host never waits.
             table = table.pin_memory().to(device, non_blocking=True)
-        kernel[grid](
+        _kernel(op)[grid](
             staging_ptr=words, seg_ptr=table, block_ids_ptr=chk.ids,
-            NUM_FIELDS=NUM_SEGMENT_FIELDS, BLOCK_R=cfg.block_r, BLOCK_W=cfg.block_w,
-            VEC=cfg.vec, ALIGN=cfg.align, num_warps=cfg.num_warps,
+            BLOCK_R=cfg.block_r, BLOCK_W=cfg.block_w, VEC=cfg.vec, ALIGN=cfg.align, num_warps=cfg.num_warps,
         )
+
+
+def _run(op: str, regions, segments, offsets, block_ids, staging, impl: str) -> None:
+    """The one path of :func:`pack` and :func:`unpack`: validate, choose, launch or run the
+    reference. Nothing is written unless every check passed."""
+    chk = _validate(op, regions, segments, offsets, block_ids, staging)
+    which = _resolve_impl(impl, staging.device)
+    if chk.n == 0 or len(segments) == 0:
+        return
+    if which == "torch":
+        reference = pack_reference if op == "pack" else unpack_reference
+        reference(regions, segments, chk.offsets, chk.ids, staging)
+    else:
+        _launch(op, chk, staging)
+
+
+def launch_config_for(
+    op: str,
+    regions: Sequence[Region],
+    segments: Sequence[Segment],
+    offsets: Sequence[int] | np.ndarray,
+    block_ids: torch.Tensor | np.ndarray | Sequence[int],
+    staging: torch.Tensor,
+) -> LaunchConfig:
+    """The word width, vector length and tile shape ``ops.<op>`` would launch its kernel with
+    for these arguments (validated as :func:`pack`/:func:`unpack` do; nothing is launched).
+
+    Raises
+    ------
+    LaunchError
+        On an unknown ``op``, an empty request, or any argument :func:`pack`/:func:`unpack`
+        would reject.
+    """
+    if op not in _OPS:
+        raise LaunchError(f"launch_config_for: op {op!r} is not one of {_OPS}")
+    chk = _validate(op, regions, segments, offsets, block_ids, staging)
+    if chk.n == 0 or len(segments) == 0:
+        raise LaunchError(f"launch_config_for: an empty {op} request launches nothing")
+    return _segment_table(chk, staging)[1]
 
 
 # --------------------------------------------------------------------------- public API
@@ -537,14 +513,7 @@ def pack(
     >>> staging.numel()                                  # 2 blocks * 2 streams * 8 KiB
     32768
     """
-    kernel = _kernels()[0]
-    chk = _validate("pack", regions, segments, offsets, block_ids, staging)
-    which = _resolve_impl(impl, staging.device)
-    if chk.n == 0 or len(segments) == 0:
-        return staging
-    if which == "torch":
-        return pack_reference(regions, segments, chk.offsets, chk.ids, staging)
-    _launch("pack", kernel, chk, staging)
+    _run("pack", regions, segments, offsets, block_ids, staging, impl)
     return staging
 
 
@@ -612,13 +581,4 @@ def unpack(
     >>> bool(torch.equal(kd[6], k[3, :, 0:2]))
     True
     """
-    kernel = _kernels()[1]
-    chk = _validate("unpack", regions, segments, offsets, block_ids, staging)
-    which = _resolve_impl(impl, staging.device)
-    if chk.n == 0 or len(segments) == 0:
-        return None
-    if which == "torch":
-        unpack_reference(regions, segments, chk.offsets, chk.ids, staging)
-        return None
-    _launch("unpack", kernel, chk, staging)
-    return None
+    _run("unpack", regions, segments, offsets, block_ids, staging, impl)

@@ -19,13 +19,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .launch import INT_OF_WIDTH
 from .plan import Segment
 from .regions import Layout, Region
 
 __all__ = ["pack_reference", "unpack_reference"]
-
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
 
 def pack_reference(
     regions: Sequence[Region],
@@ -143,9 +141,9 @@ def _bit_views(cache: torch.Tensor, flat: torch.Tensor, row_bytes: int):
         if row_bytes % width:
             continue
         try:
-            return cache.view(_INT_OF_WIDTH[item]).view(_INT_OF_WIDTH[width]), flat.view(
-                _INT_OF_WIDTH[width]
+            return cache.view(INT_OF_WIDTH[item]).view(INT_OF_WIDTH[width]), flat.view(
+                INT_OF_WIDTH[width]
             )
         except RuntimeError:  # strides or offsets not divisible by the width
             continue
-    return cache.view(_INT_OF_WIDTH[item]).view(torch.uint8), flat
+    return cache.view(INT_OF_WIDTH[item]).view(torch.uint8), flat

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtriton import Layout, Region, Segment, build_plan, ops
+from kvtriton import LaunchError, Layout, Region, Segment, build_plan, launch, ops
+from kvtriton.kernels import segment_table
 from kvtriton.kernels._addressing import _row_offsets
 from kvtriton.plan import Mode
 from kvtriton.reference import pack_reference, unpack_reference
@@ -360,7 +361,7 @@ def test_word_width_follows_alignment(dtype, pad, lead, word, device, gen):
     offs, nbytes = read.segment_offsets(n), read.payload_bytes(n)
     buf, st = guarded(nbytes, device, gen, lead)
     ids = random_ids(n, NB, gen, unique=False)
-    _, cfg = ops._segment_table(ops._validate("pack", src, read.segments, offs, ids, st), st)
+    cfg = ops.launch_config_for("pack", src, read.segments, offs, ids, st)
     assert cfg.word_bytes == word
     assert cfg.word_bytes * cfg.vec == min(16, cfg.align)
     check_pack(src, read.segments, offs, ids, nbytes, device, gen, lead=lead)
@@ -441,7 +442,7 @@ def _row_offsets_probe(
     i = tl.arange(0, BLOCK)
     tiles = tl.load(tiles_ptr + i)
     rows = tl.load(rows_ptr + i)
-    tl.store(out_ptr + i, _row_offsets(tiles, rows, num_heads, s_tile, s_tok, s_head))
+    tl.store(out_ptr + i, _row_offsets(tiles, rows, num_heads, s_tile, s_tok, s_head, 1))
 
 
 @pytest.mark.parametrize(
@@ -476,7 +477,7 @@ def test_row_offsets_are_int64(num_heads, s_tile, s_tok, s_head, device):
 def test_launch_config_invariants(max_rows, row_words, word, vec):
     if row_words % vec:
         pytest.skip("rows are a multiple of vec words by construction")
-    block_r, block_w, warps = ops._launch_config(max_rows, row_words, word, vec)
+    block_r, block_w, warps = launch.tile_config(max_rows, row_words, word, vec)
     for v in (block_r, block_w, warps):
         assert v >= 1 and v & (v - 1) == 0, (block_r, block_w, warps)
     assert vec <= block_w <= max(vec, 1024 // word)
@@ -490,17 +491,17 @@ def test_launch_config_invariants(max_rows, row_words, word, vec):
 
 def test_launch_config_typical_geometries():
     # Llama-style head_dim 128 bf16 (256 B rows = 32 int64 words), 16 tokens x 1 head.
-    assert ops._launch_config(16, 32, 8, 2) == (16, 32, 2)
+    assert launch.tile_config(16, 32, 8, 2) == (16, 32, 2)
     # 8 heads x 16 tokens: 8 KiB inner tiles, 4 warps.
-    assert ops._launch_config(128, 32, 8, 2) == (32, 32, 4)
+    assert launch.tile_config(128, 32, 8, 2) == (32, 32, 4)
     # 576-dim bf16 MLA rows (144 words) loop over 64-word chunks rather than masking 256.
-    assert ops._launch_config(16, 144, 8, 2)[1] == 64
-    assert ops._word_config(16) == (8, 2)
-    assert ops._word_config(8) == (8, 1)
-    assert ops._word_config(4) == (4, 1)
-    assert ops._word_config(1) == (1, 1)
-    with pytest.raises(ValueError):
-        ops._launch_config(0, 32, 8, 2)
+    assert launch.tile_config(16, 144, 8, 2)[1] == 64
+    assert launch.word_config(16) == (8, 2)
+    assert launch.word_config(8) == (8, 1)
+    assert launch.word_config(4) == (4, 1)
+    assert launch.word_config(1) == (1, 1)
+    with pytest.raises(LaunchError):
+        launch.tile_config(0, 32, 8, 2)
 
 
 # --------------------------------------------------------------------------- GPU only
@@ -566,45 +567,10 @@ def test_large_cache_over_2_31_elements():
     assert_bytes_equal(kv[neighbours], before, "neighbouring blocks")
 
 
-# --------------------------------------------------------------------------- compiled code
-_COMPILE_PROBE = r"""
-import re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kvtriton.kernels.pack import _pack_kernel
-from kvtriton.kernels.unpack import _unpack_kernel
-from kvtriton.kernels._addressing import NUM_SEGMENT_FIELDS
-word, block_r, block_w, vec, align, warps = 8, 32, 32, 2, 16, 4   # _launch_config for 256-B rows
-for kernel in (_pack_kernel, _unpack_kernel):
-    sig = {"staging_ptr": "*i64", "seg_ptr": "*i64", "block_ids_ptr": "*i64", "NUM_FIELDS": "constexpr",
-           "BLOCK_R": "constexpr", "BLOCK_W": "constexpr", "VEC": "constexpr", "ALIGN": "constexpr"}
-    consts = {"NUM_FIELDS": NUM_SEGMENT_FIELDS, "BLOCK_R": block_r, "BLOCK_W": block_w, "VEC": vec,
-              "ALIGN": align}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
-    print(kernel.__name__, sorted(set(re.findall(r"(?:ld|st)\.global[\w.]*", ptx))))
-"""
-
-
-def test_kernels_compile_to_16_byte_accesses():
-    """Compile both kernels for sm_90 (no GPU needed: Triton's bundled LLVM/ptxas) and check that
-    the alignment hints give 16-byte accesses on both the cache and the staging side. A dropped
-    or misplaced hint compiles fine and runs correctly, just at a fraction of the bandwidth."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",)}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run([sys.executable, "-c", _COMPILE_PROBE], env=env, capture_output=True, text=True,
-                         timeout=300)
-    if res.returncode != 0 and ("ptxas" in res.stderr or "nvidia" in res.stderr.lower()):
-        pytest.skip(f"Triton's CUDA backend cannot compile here: {res.stderr.strip().splitlines()[-1]}")
-    assert res.returncode == 0, res.stderr
-    lines = dict(line.split(" ", 1) for line in res.stdout.strip().splitlines())
-    assert set(lines) == {"_pack_kernel", "_unpack_kernel"}
-    for name, ops_seen in lines.items():
-        assert "ld.global.v2.b64" in ops_seen and "st.global.v2.b64" in ops_seen, (name, ops_seen)
+def test_segment_table_columns_are_named_once():
+    """Every column of the kernels' segment table has one index, the indices are 0..NUM_FIELDS-1,
+    and everything but the cache address and the two counts is converted to words."""
+    cols = {k: v for k, v in vars(segment_table).items() if k.isupper() and isinstance(v, int) and k != "NUM_FIELDS"}
+    assert sorted(cols.values()) == list(range(segment_table.NUM_FIELDS))
+    counts_and_address = {segment_table.CACHE_ADDR, segment_table.NUM_HEADS, segment_table.BLOCK_SIZE}
+    assert set(segment_table.WORD_COLUMNS) == set(cols.values()) - counts_and_address

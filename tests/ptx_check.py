@@ -1,0 +1,90 @@
+"""Compile the pack and unpack kernels for sm_90 and check their global accesses are 16 bytes wide.
+
+Needs Triton only (no GPU, no torch, no installed kvtriton: the kernels are imported from this
+checkout), so it runs in the small Triton-only venv ``make test`` builds for the oldest Triton we
+check, in the main venv, and on a GPU machine before anything is installed (bench/gpu_check.sh).
+
+A dropped or misplaced alignment hint compiles fine and runs correctly, just at a fraction of the
+bandwidth, which is why it is checked in the PTX. The geometry is ``ops.launch_config``'s for
+256-byte rows (head_dim 128 bf16) on 16-byte aligned memory: int64 words, two per access.
+
+Prints one line per kernel (``name: N x op, ...``) and exits 0 when every store is 16 bytes wide
+and the only narrower loads are the per-program scalars (the table row and the block id), 1 when
+not, 2 when this Triton has no CUDA backend able to compile.
+usage: python tests/ptx_check.py
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK_R, BLOCK_W, VEC, ALIGN, NUM_WARPS = 32, 32, 2, 16, 4
+WIDE = ("ld.global.v2.b64", "st.global.v2.b64")  # 16-byte accesses of int64 words
+
+
+def accesses() -> dict[str, collections.Counter]:
+    """``{kernel name: Counter of global load/store forms}`` in each kernel's sm_90 PTX."""
+    sys.path.insert(0, str(ROOT))  # the checkout's kernels/, as a top-level package
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.segment_table import NUM_FIELDS
+    from kernels.pack import _pack_kernel
+    from kernels.unpack import _unpack_kernel
+
+    out = {}
+    for kernel in (_pack_kernel, _unpack_kernel):
+        sig = {"staging_ptr": "*i64", "seg_ptr": "*i64", "block_ids_ptr": "*i64", "BLOCK_R": "constexpr",
+               "BLOCK_W": "constexpr", "VEC": "constexpr", "ALIGN": "constexpr"}
+        consts = {"BLOCK_R": BLOCK_R, "BLOCK_W": BLOCK_W, "VEC": VEC, "ALIGN": ALIGN}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}  # what a launch on torch tensors passes
+        src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS}).asm["ptx"]
+        out[kernel.__name__] = collections.Counter(re.findall(r"(?:ld|st)\.global[\w.]*", ptx))
+    out["_scalar_loads_allowed"] = collections.Counter({"": NUM_FIELDS + 1})
+    return out
+
+
+def narrow(seen: collections.Counter, scalar_loads: int) -> list[str]:
+    """Why ``seen`` is not a 16-byte copy (empty when it is)."""
+    why = []
+    if not all(seen[op] for op in WIDE):
+        why.append(f"no {' / '.join(op for op in WIDE if not seen[op])}")
+    stores = [op for op in seen if op.startswith("st.") and op != WIDE[1]]
+    if stores:
+        why.append(f"narrower stores {stores}")
+    loads = sum(n for op, n in seen.items() if op.startswith("ld.") and op != WIDE[0])
+    if loads > scalar_loads:
+        why.append(f"{loads} narrower loads, more than the {scalar_loads} per-program scalars")
+    return why
+
+
+def main() -> int:
+    import triton
+
+    try:
+        found = accesses()
+    except Exception as e:  # noqa: BLE001 - a Triton without a usable CUDA backend raises anything
+        text = f"{type(e).__name__}: {e}"
+        if "ptxas" in text or "nvidia" in text.lower() or "cuda" in text.lower():
+            print(f"ptx_check: Triton {triton.__version__} cannot compile for sm_90 here: {text.splitlines()[0]}")
+            return 2
+        raise
+    scalar_loads = found.pop("_scalar_loads_allowed")[""]
+    failed = False
+    for name, seen in found.items():
+        why = narrow(seen, scalar_loads)
+        failed |= bool(why)
+        forms = ", ".join(f"{n} x {op}" for op, n in sorted(seen.items()))
+        print(f"{name}: {forms}" + (f"  NOT 16-byte: {'; '.join(why)}" if why else "  (16-byte)"))
+    print(f"ptx_check: Triton {triton.__version__}, sm_90: {'FAILED' if failed else 'ok'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
