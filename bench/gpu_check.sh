@@ -1,34 +1,132 @@
 #!/usr/bin/env bash
-# GPU lane, one prepared script (< 5 minutes on one GPU): the `gpu`-marked tests, then a short
-# sweep. Everything lands in bench/results/gpu/ (CSV + summary from the sweep, pytest log and
-# JUnit XML, nvidia-smi). Exit status: non-zero if the tests or the sweep failed.
-#   usage: bash bench/gpu_check.sh          (or: make gpu-check)
+# GPU lane: one prepared script for a CUDA machine, run with the python that is there as it is
+# (the lent H200: torch + CUDA, Triton, pytest, hypothesis, msgpack, einops; no NIXL, no network).
+# Steps, each under a timeout (and all together under GPU_CHECK_BUDGET seconds, default 480),
+# each one's result printed as it ends:
+#   1 versions   python, torch/CUDA, Triton and the test dependencies, nvidia-smi
+#   2 install    this checkout, editable, with no index and no dependencies (kvtriton.kernels exists
+#                only once installed: pyproject maps kernels/ onto it)
+#   3 ptx        both kernels compiled for sm_90 by this Triton: 16-byte global accesses
+#   4 tests      the `gpu`-marked tests: kernels and launcher validation on CUDA, the >2^31-element
+#                cache, the no-host-sync check
+#   5 sweep      bench/sweep.py --quick --sections kernels; GB/s and pct_of_copy of pack and unpack
+#   6 nixl       the `nixl and gpu` tests (the agent over VRAM), only when NIXL is importable or a
+#                bundle of its wheels is in $NIXL_BUNDLE (default .nixl/), installed with no index
+# Without a CUDA device (a dry run, e.g. on CPU) it stops after step 3 with "no CUDA device" and
+# exit status 2; otherwise it exits 0 when every step that ran passed, 1 when one did not.
+# Output: $OUT when set (the device tool brings back what is written there), else
+# bench/results/gpu/: gpu_check.log (everything), status.txt (one line per step), pytest-gpu.xml,
+# sweep.csv and summary.md, pytest-nixl.xml.
+#   usage: bash bench/gpu_check.sh     (or: make gpu-check; PY=/path/to/python to choose one)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
-OUT=${OUT:-bench/results/gpu}
-
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    echo "gpu_check: no CUDA device visible to torch; nothing to do" >&2
-    exit 2
+if [ -z "${PY:-}" ]; then
+    PY=python3
+    [ -x .venv/bin/python ] && PY=.venv/bin/python
 fi
-# The interpreter must be off on a GPU machine (kernels would be decorated for host memory).
-unset TRITON_INTERPRET KVTRITON_IMPL
+OUT=${OUT:-bench/results/gpu}
+NIXL_BUNDLE=${NIXL_BUNDLE:-.nixl}
 mkdir -p "$OUT"
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
-start=$(date +%s)
+LOG="$OUT/gpu_check.log"
+STATUS="$OUT/status.txt"
+: > "$LOG"
+: > "$STATUS"
+# The kernels must be compiled, not interpreted, here (conftest still turns the interpreter on for
+# pytest when torch sees no GPU); KVTRITON_IMPL would silently swap in the torch reference.
+unset TRITON_INTERPRET KVTRITON_IMPL
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+START=$(date +%s)
+DEADLINE=$(( START + ${GPU_CHECK_BUDGET:-480} ))
+FAILED=0
 
-# 1. Tests: the whole kernel suite on CUDA (its device fixture carries the gpu marker), the
-#    >2^31-element cache and the no-host-sync check. ~3 minutes at most, compile included.
-timeout 200 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml="$OUT/pytest-gpu.xml" \
-    2>&1 | tee "$OUT/pytest-gpu.txt"
-tests=${PIPESTATUS[0]}
+say() { echo "gpu_check: $*" | tee -a "$LOG"; }  # to the terminal and the log
+report() { echo "gpu_check: $*" | tee -a "$LOG" "$STATUS"; }  # the same, and status.txt
 
-# 2. Short sweep (descriptor counts, repack, kernel GB/s; e2e when NIXL is installed).
-timeout 90 "$PY" bench/sweep.py --quick --out "$OUT" 2>&1 | tee "$OUT/sweep.txt"
-sweep=${PIPESTATUS[0]}
+# step NAME MAX_SECONDS CMD...: run CMD under a timeout (capped by the time left), output to the
+# terminal and the log, result to status.txt. Returns CMD's status (124: timed out).
+step() {
+    local name=$1 limit=$2 left t0 rc
+    shift 2
+    left=$(( DEADLINE - $(date +%s) ))
+    (( limit > left )) && limit=$left
+    if (( limit < 10 )); then
+        report "[$name] not run: the ${GPU_CHECK_BUDGET:-480} s budget is spent"
+        FAILED=1
+        return 124
+    fi
+    echo "== [$name] $* (timeout ${limit} s)" | tee -a "$LOG"
+    t0=$(date +%s)
+    timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    rc=${PIPESTATUS[0]}
+    local verdict=ok
+    (( rc == 124 || rc == 137 )) && verdict="TIMED OUT after ${limit} s"
+    (( rc != 0 && rc != 124 && rc != 137 )) && verdict="FAILED (exit $rc)"
+    report "[$name] $verdict, $(( $(date +%s) - t0 )) s"
+    (( rc != 0 )) && FAILED=1
+    return "$rc"
+}
 
-echo "gpu_check: tests exit $tests, sweep exit $sweep, $(( $(date +%s) - start )) s; results in $OUT" \
-    | tee "$OUT/status.txt"
-[ "$tests" -eq 0 ] && [ "$sweep" -eq 0 ]
+finish() {  # finish EXIT_STATUS MESSAGE
+    report "$2 ($(( $(date +%s) - START )) s; results in $OUT)"
+    exit "$1"
+}
+
+# 1. Versions (and whether torch sees a GPU).
+step versions 60 "$PY" - <<'EOF'
+import importlib, platform, sys
+print(f"python {platform.python_version()} ({sys.executable}), {platform.machine()}")
+for name in ("torch", "triton", "numpy", "msgpack", "einops", "pytest", "hypothesis", "setuptools", "nixl"):
+    try:
+        print(f"{name} {getattr(importlib.import_module(name), '__version__', '(no version)')}")
+    except Exception as e:  # a missing optional package is information, not a failure
+        print(f"{name} missing ({type(e).__name__})")
+import torch
+print(f"torch CUDA {torch.version.cuda}, device: "
+      + (torch.cuda.get_device_name() if torch.cuda.is_available() else "none visible"))
+EOF
+command -v nvidia-smi > /dev/null && nvidia-smi >> "$LOG" 2>&1
+
+# 2. Install the checkout: editable, nothing fetched (the machine has no network).
+if ! step install 180 bash -c '"$0" -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+        && "$0" -c "import kvtriton, kvtriton.kernels.pack; print(\"kvtriton from\", kvtriton.__file__)"' "$PY"; then
+    finish 1 "the install failed: nothing else can run"
+fi
+
+# 3. 16-byte accesses in the sm_90 PTX this Triton produces (no GPU needed).
+step ptx 180 "$PY" tests/ptx_check.py
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>> "$LOG"; then
+    (( FAILED )) && finish 1 "no CUDA device, and a step above FAILED"
+    finish 2 "no CUDA device visible to torch: versions, install and the PTX check done, GPU steps not run"
+fi
+
+# 4. The gpu-marked tests.
+step tests 300 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml="$OUT/pytest-gpu.xml"
+
+# 5. Kernel throughput against a device copy of the same bytes.
+if step sweep 180 "$PY" bench/sweep.py --quick --sections kernels --out "$OUT"; then
+    "$PY" - "$OUT/sweep.csv" <<'EOF' 2>&1 | tee -a "$LOG"
+import csv, sys
+rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["section"] == "kernels" and r["provider"] == "kvtriton"]
+for r in rows:
+    print(f"  {r['case']:<28} {r['op']:<7} {r['gbps']:>9} GB/s  {r['pct_of_copy']:>6} % of copy  {r['note']}")
+EOF
+fi
+
+# 6. The agent over VRAM, when NIXL is there or can be installed from a bundle of wheels. Exit
+#    status 5 (nothing selected) is not a failure: no test may be marked `nixl and gpu` yet.
+NIXL_TESTS='"$0" -m pytest -m "nixl and gpu" -q -rs -p no:cacheprovider --junitxml="$1/pytest-nixl.xml"
+rc=$?; if [ $rc -eq 5 ]; then echo "no test is marked both nixl and gpu"; rc=0; fi; exit $rc'
+if "$PY" -c 'import nixl' 2> /dev/null; then
+    step nixl 180 bash -c "$NIXL_TESTS" "$PY" "$OUT"
+elif compgen -G "$NIXL_BUNDLE/*.whl" > /dev/null; then
+    SITE=$(mktemp -d)
+    step nixl 240 bash -c '"$0" -m pip install -q --no-index --no-deps --target "$2" "$3"/*.whl || exit
+export PYTHONPATH="$2${PYTHONPATH:+:$PYTHONPATH}"
+'"$NIXL_TESTS" "$PY" "$OUT" "$SITE" "$NIXL_BUNDLE"
+else
+    report "[nixl] skipped: NIXL is not importable and there is no bundle of wheels in $NIXL_BUNDLE/"
+fi
+
+(( FAILED )) && finish 1 "a step FAILED (see status.txt)"
+finish 0 "every step passed"

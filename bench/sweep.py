@@ -226,7 +226,8 @@ def main(argv=None) -> int:
         device=torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores, {platform.machine()})",
         torch=torch.__version__, git_sha=_git_sha(),
         timestamp=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        command="python bench/sweep.py" + (" --quick" if args.quick else ""),
+        command="python bench/sweep.py" + (" --quick" if args.quick else "")
+        + (f" --sections {args.sections}" if args.sections != ap.get_default("sections") else ""),
     )
     write_outputs(rows, Path(args.out), meta)
     print_table(rows)

@@ -1,5 +1,9 @@
 """What can be checked of the GPU lane without a GPU: the width of the kernels' compiled global
-accesses (Triton compiles for sm_90 on any machine)."""
+accesses (Triton compiles for sm_90 on any machine), and bench/gpu_check.sh's dry run.
+
+The same PTX check runs in ``make test`` under the oldest Triton we check (.venv-triton36), and on
+the GPU machine as step 3 of gpu_check.sh.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,3 +35,20 @@ def test_kernels_compile_to_16_byte_accesses():
         pytest.skip(res.stdout.strip().splitlines()[-1])
     assert res.returncode == 0, res.stdout + res.stderr
     assert "_pack_kernel" in res.stdout and "_unpack_kernel" in res.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a dry run needs a machine without CUDA")
+def test_gpu_check_dry_run(tmp_path):
+    """gpu_check.sh without a GPU: versions, the no-index install and the PTX check run and pass,
+    then it stops with 'no CUDA device' and exit status 2, its logs under $OUT."""
+    res = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT, capture_output=True, text=True,
+                         env=_env(OUT=str(tmp_path), PY=sys.executable, PIP_NO_INDEX="1"), timeout=400)
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out
+    assert "no CUDA device" in out.strip().splitlines()[-1], out
+    status = (tmp_path / "status.txt").read_text()
+    for step in ("versions", "install", "ptx"):
+        assert f"[{step}] ok" in status, status
+    assert "[tests]" not in status and "[sweep]" not in status
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert f"torch {torch.__version__}" in log and "kvtriton from" in log and "ptx_check: Triton" in log

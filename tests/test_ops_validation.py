@@ -18,6 +18,9 @@ from kvtriton.testing.oracle import RegionModel, make_rank_regions
 
 NB, BS, HD = 6, 2, 8
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# On a CUDA machine every check runs against device tensors, and `pytest -m gpu` (the GPU lane,
+# bench/gpu_check.sh) selects this file; elsewhere it runs unmarked on the CPU.
+pytestmark = [pytest.mark.gpu] if DEV == "cuda" else []
 
 
 @pytest.fixture(autouse=True)
