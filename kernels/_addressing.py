@@ -19,9 +19,10 @@ a layout is nothing but a pair of strides:
 Per-segment table (``int64 [n_segments, segment_table.NUM_FIELDS]``, built by ``kvtriton.ops``): one
 row per (region, stream, head slice[, destination]), its columns named in ``segment_table``.
 
-Every product is formed in int64: block ids and table entries are cast with ``.to(tl.int64)``
-before they meet a stride (the interpreter ignores ``tl.int64`` annotations, and a block id of
-2^20 times a block stride of 2^16 words already wraps in int32).
+Every product is formed in int64: block ids (int32 or int64) and row indices are cast with
+``.to(tl.int64)`` before they meet a stride, and table entries are int64 (the interpreter ignores
+``tl.int64`` annotations, and a block id of 2^20 times a block stride of 2^16 words already wraps
+in int32).
 """
 
 import triton

@@ -26,18 +26,19 @@ BLOCK_R, BLOCK_W, VEC, ALIGN, NUM_WARPS = 32, 32, 2, 16, 4
 WIDE = ("ld.global.v2.b64", "st.global.v2.b64")  # 16-byte accesses of int64 words
 
 
-def accesses() -> dict[str, collections.Counter]:
-    """``{kernel name: Counter of global load/store forms}`` in each kernel's sm_90 PTX."""
+def accesses() -> tuple[dict[str, collections.Counter], int]:
+    """``{kernel name: Counter of global load/store forms}`` in each kernel's sm_90 PTX, and how
+    many scalar loads a program makes before its copy loop (the table row and the block id)."""
     sys.path.insert(0, str(ROOT))  # the checkout's kernels/, as a top-level package
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.segment_table import NUM_FIELDS
     from kernels.pack import _pack_kernel
+    from kernels.segment_table import NUM_FIELDS
     from kernels.unpack import _unpack_kernel
 
-    out = {}
+    found = {}
     for kernel in (_pack_kernel, _unpack_kernel):
         sig = {"staging_ptr": "*i64", "seg_ptr": "*i64", "block_ids_ptr": "*i64", "BLOCK_R": "constexpr",
                "BLOCK_W": "constexpr", "VEC": "constexpr", "ALIGN": "constexpr"}
@@ -45,9 +46,8 @@ def accesses() -> dict[str, collections.Counter]:
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}  # what a launch on torch tensors passes
         src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS}).asm["ptx"]
-        out[kernel.__name__] = collections.Counter(re.findall(r"(?:ld|st)\.global[\w.]*", ptx))
-    out["_scalar_loads_allowed"] = collections.Counter({"": NUM_FIELDS + 1})
-    return out
+        found[kernel.__name__] = collections.Counter(re.findall(r"(?:ld|st)\.global[\w.]*", ptx))
+    return found, NUM_FIELDS + 1
 
 
 def narrow(seen: collections.Counter, scalar_loads: int) -> list[str]:
@@ -68,14 +68,17 @@ def main() -> int:
     import triton
 
     try:
-        found = accesses()
-    except Exception as e:  # noqa: BLE001 - a Triton without a usable CUDA backend raises anything
-        text = f"{type(e).__name__}: {e}"
-        if "ptxas" in text or "nvidia" in text.lower() or "cuda" in text.lower():
-            print(f"ptx_check: Triton {triton.__version__} cannot compile for sm_90 here: {text.splitlines()[0]}")
-            return 2
-        raise
-    scalar_loads = found.pop("_scalar_loads_allowed")[""]
+        import triton.backends.nvidia.compiler  # noqa: F401 - the CUDA backend, bundled with Triton's wheels
+    except ImportError as e:
+        print(f"ptx_check: Triton {triton.__version__} has no CUDA backend here: {e}")
+        return 2
+    try:
+        found, scalar_loads = accesses()
+    except (RuntimeError, OSError) as e:  # compiling the PTX to a cubin needs the bundled ptxas
+        if "ptxas" not in str(e):
+            raise
+        print(f"ptx_check: Triton {triton.__version__} cannot run ptxas here: {str(e).splitlines()[0]}")
+        return 2
     failed = False
     for name, seen in found.items():
         why = narrow(seen, scalar_loads)
