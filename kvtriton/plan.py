@@ -4,10 +4,12 @@ Pure: numpy and dataclasses only (no torch devices, no NIXL). A :class:`Transfer
 once per (destination rank, source engine) at handshake by :func:`build_plan`; both sides compute
 it from the same metadata, so the source knows what to pack for each destination. A request then
 only adds block ids: :func:`compact_request` checks and aligns them, staged payload offsets are
-closed-form (:meth:`StagedRead.segment_offsets`), and :func:`direct_runs` turns them into
+closed-form (:meth:`StagedRead.segment_offsets`), a :class:`ChunkGeometry` cuts a payload into
+staging chunks, and :func:`direct_runs` turns them into
 coalesced zero-copy descriptors with vectorised numpy.
 
-Staged (wire) format, version :data:`WIRE_FORMAT_VERSION`: the payload one source rank sends one
+Staged payload layout, version :data:`STAGED_LAYOUT_VERSION` (the bytes a READ or WRITE moves;
+the control messages have their own version, :data:`kvtriton.wire.PROTOCOL_VERSION`): the payload one source rank sends one
 destination rank for one request (or a chunk of it) is, in order, every staged (region, stream)
 segment in plan order, and inside a segment every block in request order; each block is a
 ``block_size x num_heads x head_dim`` tile in the *destination's* layout. The tile of segment
@@ -19,22 +21,23 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from .errors import IncompatibleRemoteError, PlanError
+from .errors import IncompatibleRemoteError, PlanError, StagingError
 from .regions import Kind, Layout, RegionSpec
 from .topology import HeadSlice, check_tp, head_range, replicate_sources, split_sources
 
 __all__ = [
-    "WIRE_FORMAT_VERSION",
+    "STAGED_LAYOUT_VERSION",
+    "ceil_div",
     "Mode",
     "CostModel",
     "Segment",
     "StagedRead",
+    "ChunkGeometry",
     "DirectRead",
     "TransferPlan",
     "DirectRuns",
@@ -42,14 +45,21 @@ __all__ = [
     "build_plan",
     "compact_request",
     "direct_runs",
-    "blocks_per_chunk",
     "staged_descriptor_count",
-    "direct_descriptor_count",
     "vllm_direct_descriptor_count",
     "per_token_descriptor_count",
 ]
 
-WIRE_FORMAT_VERSION = 1
+STAGED_LAYOUT_VERSION = 1
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative integers, exact at any size (no float rounding).
+
+    >>> ceil_div(10_000, 4096), ceil_div(0, 7)
+    (3, 0)
+    """
+    return -(-a // b)
 
 
 class Mode(str, enum.Enum):
@@ -130,6 +140,52 @@ class StagedRead:
 
 
 @dataclass(frozen=True)
+class ChunkGeometry:
+    """How a staged payload of ``num_blocks`` blocks is cut into staging chunks.
+
+    Chunk ``i`` holds request positions ``bounds(i)`` (``blocks_per_chunk`` of them, fewer in
+    the last chunk) and is ``nbytes(i)`` bytes of staging; both sides of a transfer derive
+    the same geometry from the ``blocks_per_chunk`` the destination sends.
+
+    >>> g = ChunkGeometry(bytes_per_block=1000, num_blocks=10, blocks_per_chunk=4)
+    >>> g.count, g.bounds(2), g.nbytes(2)
+    (3, (8, 10), 2000)
+    >>> ChunkGeometry.fit(bytes_per_block=1000, num_blocks=10, chunk_bytes=4096).blocks_per_chunk
+    4
+    """
+
+    bytes_per_block: int
+    num_blocks: int
+    blocks_per_chunk: int
+
+    @classmethod
+    def fit(cls, bytes_per_block: int, num_blocks: int, chunk_bytes: int) -> "ChunkGeometry":
+        """The widest chunks that fit ``chunk_bytes``; :class:`StagingError` when one block
+        does not fit (staging is too small for this payload, whatever the request)."""
+        if bytes_per_block > chunk_bytes:
+            raise StagingError(f"one block of the payload needs {bytes_per_block} staging bytes, more "
+                               f"than a chunk ({chunk_bytes} bytes)")
+        return cls(bytes_per_block, num_blocks, min(num_blocks, chunk_bytes // bytes_per_block))
+
+    def fits(self, chunk_bytes: int) -> bool:
+        """Whether every chunk is at least one block and at most ``chunk_bytes`` bytes."""
+        return self.blocks_per_chunk >= 1 and self.blocks_per_chunk * self.bytes_per_block <= chunk_bytes
+
+    @property
+    def count(self) -> int:
+        return ceil_div(self.num_blocks, self.blocks_per_chunk) if self.num_blocks else 0
+
+    def bounds(self, chunk: int) -> tuple[int, int]:
+        """Request positions ``[lo, hi)`` that chunk ``chunk`` carries."""
+        lo = chunk * self.blocks_per_chunk
+        return lo, min(self.num_blocks, lo + self.blocks_per_chunk)
+
+    def nbytes(self, chunk: int) -> int:
+        lo, hi = self.bounds(chunk)
+        return (hi - lo) * self.bytes_per_block
+
+
+@dataclass(frozen=True)
 class DirectRead:
     """A region moved zero-copy; blocks are striped over ``src_ranks`` in request order."""
 
@@ -151,7 +207,6 @@ class TransferPlan:
     modes: tuple[Mode, ...]
     staged: tuple[StagedRead, ...]
     direct: tuple[DirectRead, ...]
-    block_size: int
 
     @property
     def source_ranks(self) -> tuple[int, ...]:
@@ -304,8 +359,7 @@ def build_plan(
                 for j in range(d.num_streams)
             )
     staged = tuple(StagedRead(r, tuple(segs)) for r, segs in sorted(per_source.items()))
-    return TransferPlan(dst_rank, dst_tp, src_tp, tuple(region_modes), staged, tuple(direct),
-                        dst_specs[0].block_size if dst_specs else 0)
+    return TransferPlan(dst_rank, dst_tp, src_tp, tuple(region_modes), staged, tuple(direct))
 
 
 def _forced_modes(modes, specs: Sequence[RegionSpec]) -> dict[str, Mode]:
@@ -436,17 +490,6 @@ def direct_runs(
     return DirectRuns(*arrays)
 
 
-def blocks_per_chunk(read: StagedRead, chunk_bytes: int) -> int:
-    """Blocks per staged chunk so that one chunk fits ``chunk_bytes``."""
-    per = read.bytes_per_block
-    if per > chunk_bytes:
-        raise PlanError(
-            f"one block of the payload from source rank {read.src_rank} needs {per} bytes, more "
-            f"than a staging chunk of {chunk_bytes} bytes"
-        )
-    return chunk_bytes // per
-
-
 # --------------------------------------------------------------------------- descriptor counts
 def staged_descriptor_count(plan: TransferPlan, num_blocks: int, chunk_bytes: int | None = None) -> int:
     """Descriptors one destination rank posts for the staged part of a request: one per
@@ -455,11 +498,7 @@ def staged_descriptor_count(plan: TransferPlan, num_blocks: int, chunk_bytes: in
         return 0
     if chunk_bytes is None:
         return len(plan.staged)
-    return sum(math.ceil(num_blocks / blocks_per_chunk(r, chunk_bytes)) for r in plan.staged)
-
-
-def direct_descriptor_count(runs: DirectRuns) -> int:
-    return len(runs)
+    return sum(ChunkGeometry.fit(r.bytes_per_block, num_blocks, chunk_bytes).count for r in plan.staged)
 
 
 def vllm_direct_descriptor_count(num_sources: int, num_layers: int, num_blocks: int, kv_streams: int = 1) -> int:

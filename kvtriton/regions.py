@@ -278,9 +278,6 @@ class Region:
     def device(self) -> torch.device:
         return self.streams[0].device
 
-    def data_ptrs(self) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for t in self.streams)
-
 
 def _layout(name: str, layout: Layout | str) -> Layout:
     try:

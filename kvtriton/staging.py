@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .errors import StagingError
+from .plan import ceil_div
 
 __all__ = ["StagingPool"]
 
@@ -54,7 +55,7 @@ class StagingPool:
         return int(self.num_slots - self._used.sum())
 
     def slots_for(self, nbytes: int) -> int:
-        return max(1, -(-nbytes // self.slot_bytes))
+        return max(1, ceil_div(nbytes, self.slot_bytes))
 
     def alloc(self, nslots: int) -> int | None:
         """First slot of a free run of ``nslots`` consecutive slots, or ``None`` when none is free."""

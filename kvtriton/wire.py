@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 
 from .errors import ProtocolError
-from .plan import WIRE_FORMAT_VERSION
+from .plan import STAGED_LAYOUT_VERSION
 from .regions import Kind, Layout, RegionSpec
 
 __all__ = [
@@ -90,7 +90,7 @@ def encode_metadata(md: RankMetadata) -> bytes:
             addrs=list(addrs), spans=list(spans),
         ))
     return msgpack.packb(dict(
-        v=PROTOCOL_VERSION, fmt=WIRE_FORMAT_VERSION, engine=md.engine, rank=md.rank, tp=md.tp,
+        v=PROTOCOL_VERSION, fmt=STAGED_LAYOUT_VERSION, engine=md.engine, rank=md.rank, tp=md.tp,
         agent=md.agent, agent_md=md.agent_md, mem=md.mem, dev=md.dev, regions=regions,
         staging=dict(addr=md.staging.addr, slot_bytes=md.staging.slot_bytes,
                      num_slots=md.staging.num_slots, chunk_bytes=md.staging.chunk_bytes),
@@ -101,10 +101,10 @@ def decode_metadata(data: bytes) -> RankMetadata:
     """Parse and validate a peer's metadata; raises :class:`ProtocolError`."""
     d = _unpack(data, "metadata")
     _version(d, "metadata")
-    if _get(d, "fmt", int, "metadata") != WIRE_FORMAT_VERSION:
+    if _get(d, "fmt", int, "metadata") != STAGED_LAYOUT_VERSION:
         raise ProtocolError(
             f"metadata: staged wire format {d['fmt']} is not supported (this side speaks "
-            f"{WIRE_FORMAT_VERSION})"
+            f"{STAGED_LAYOUT_VERSION})"
         )
     engine = _get(d, "engine", str, "metadata")
     tp = _int(d, "tp", "metadata", 1, 1 << 16)
