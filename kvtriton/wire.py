@@ -11,14 +11,14 @@ Metadata (one per rank)::
                 head_dims, dtype, itemsize, strides, addrs, spans}],
      staging: {addr, slot_bytes, num_slots, chunk_bytes}}
 
-Control messages ride on NIXL notifications: ``{v, t, ...}`` with ``t`` one of
-:data:`MESSAGE_FIELDS`' keys.
+Control messages ride on NIXL notifications: ``{v, t, ...}``; :func:`decode_message` turns
+each into its own frozen dataclass (:data:`MESSAGE_TYPES`), whose fields are its schema.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -32,6 +32,19 @@ __all__ = [
     "StagingInfo",
     "encode_metadata",
     "decode_metadata",
+    "Message",
+    "Pull",
+    "Push",
+    "Grant",
+    "Ack",
+    "RunsDone",
+    "Done",
+    "Abort",
+    "Ready",
+    "Data",
+    "RunsReady",
+    "Reject",
+    "MESSAGE_TYPES",
     "encode_message",
     "decode_message",
     "stream_span",
@@ -175,38 +188,165 @@ def decode_metadata(data: bytes) -> RankMetadata:
 
 
 # --------------------------------------------------------------------------- control messages
-# type -> required fields and their types (ints are range-checked by the receiver, which knows
-# the bounds: slot counts, block counts, chunk counts).
-MESSAGE_FIELDS: dict[str, dict[str, type]] = {
-    # decode -> prefill: pack this request for me (pull) / here is where to write it (push)
-    "pull": {"xid": str, "req": str, "dst_rank": int, "ids": list, "chunk_blocks": int, "plan": str},
-    "push": {"xid": str, "req": str, "dst_rank": int, "ids": list, "dst_ids": list,
-             "chunk_blocks": int, "plan": str},
-    "grant": {"xid": str, "chunk": int, "slot": int, "nslots": int},
-    "ack": {"xid": str, "chunk": int},  # decode consumed a chunk (pull); chunk -1: direct reads done
-    # prefill -> decode
-    "ready": {"xid": str, "chunk": int, "slot": int, "nslots": int, "nbytes": int},
-    "data": {"xid": str, "chunk": int, "nbytes": int},  # rides on the WRITE (push)
-    "direct": {"xid": str},  # pull: blocks held, read them directly; push: direct regions written
-    "reject": {"xid": str, "reason": str},
-    # decode -> every prefill rank of the engine: this consumer is finished with the request
-    "done": {"req": str, "dst_rank": int, "dst_tp": int},
-    "abort": {"xid": str},  # drop a transfer's staging (the request failed on the decode side)
+# Each message type is a frozen dataclass; its annotations are the schema decode_message checks
+# (ints are range-checked again by the receiver, which knows the bounds: slot counts, block
+# counts, chunk counts). ``TYPE`` is the ``t`` it travels under.
+class Message:
+    """Base of every control message: ``encode()`` gives the bytes a notification carries."""
+
+    TYPE: ClassVar[str]
+
+    def encode(self) -> bytes:
+        return encode_message(self.TYPE, **{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+# decode -> prefill ------------------------------------------------------------
+@dataclass(frozen=True)
+class Pull(Message):
+    """Pack this request for me; I READ each chunk you announce."""
+
+    TYPE: ClassVar[str] = "pull"
+    xid: str
+    req: str
+    dst_rank: int
+    ids: tuple[int, ...]
+    chunk_blocks: int
+    plan: str
+
+
+@dataclass(frozen=True)
+class Push(Message):
+    """Pack this request and WRITE it into the slots I grant, DIRECT runs into ``dst_ids``."""
+
+    TYPE: ClassVar[str] = "push"
+    xid: str
+    req: str
+    dst_rank: int
+    ids: tuple[int, ...]
+    dst_ids: tuple[int, ...]
+    chunk_blocks: int
+    plan: str
+
+
+@dataclass(frozen=True)
+class Grant(Message):
+    """Push: chunk ``chunk`` may be written into my slots ``[slot, slot + nslots)``."""
+
+    TYPE: ClassVar[str] = "grant"
+    xid: str
+    chunk: int
+    slot: int
+    nslots: int
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    """Pull: chunk ``chunk`` is consumed; its slots may be reused."""
+
+    TYPE: ClassVar[str] = "ack"
+    xid: str
+    chunk: int
+
+
+@dataclass(frozen=True)
+class RunsDone(Message):
+    """Pull: I finished READing the DIRECT runs straight from your cache. Travels as an
+    ``ack`` of chunk -1 (a chunk index no staged chunk has)."""
+
+    TYPE: ClassVar[str] = "ack"
+    xid: str
+
+    def encode(self) -> bytes:
+        return encode_message(self.TYPE, xid=self.xid, chunk=_RUNS_CHUNK)
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    """To every prefill rank of the engine: this consumer is finished with the request."""
+
+    TYPE: ClassVar[str] = "done"
+    req: str
+    dst_rank: int
+    dst_tp: int
+
+
+@dataclass(frozen=True)
+class Abort(Message):
+    """Drop a transfer's staging (the request failed on the decode side)."""
+
+    TYPE: ClassVar[str] = "abort"
+    xid: str
+
+
+# prefill -> decode ------------------------------------------------------------
+@dataclass(frozen=True)
+class Ready(Message):
+    """Pull: chunk ``chunk`` is packed in my slots ``[slot, slot + nslots)``: READ it."""
+
+    TYPE: ClassVar[str] = "ready"
+    xid: str
+    chunk: int
+    slot: int
+    nslots: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Data(Message):
+    """Push: chunk ``chunk`` has landed in the granted slots (rides on the WRITE)."""
+
+    TYPE: ClassVar[str] = "data"
+    xid: str
+    chunk: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RunsReady(Message):
+    """The DIRECT runs: pull: I hold the blocks, READ them from my cache; push: I have written
+    them into yours."""
+
+    TYPE: ClassVar[str] = "direct"
+    xid: str
+
+
+@dataclass(frozen=True)
+class Reject(Message):
+    """The transfer failed on my side: fail the request."""
+
+    TYPE: ClassVar[str] = "reject"
+    xid: str
+    reason: str
+
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (Pull, Push, Grant, Ack, RunsDone, Done, Abort, Ready, Data, RunsReady,
+                                             Reject)
+_RUNS_CHUNK = -1
+# t -> (class, [(field, wire type)]): tuples of ids travel as msgpack arrays; RunsDone is an Ack
+# of chunk _RUNS_CHUNK on the wire, told apart after decoding
+_SCHEMA: dict[str, tuple[type[Message], list[tuple[str, type]]]] = {
+    cls.TYPE: (cls, [(f.name, list if name.startswith("tuple") else {"str": str, "int": int}[name])
+                     for f in fields(cls) for name in [str(f.type)]])
+    for cls in MESSAGE_TYPES if cls is not RunsDone
 }
 
 
 def encode_message(t: str, **fields: Any) -> bytes:
+    """Bytes of a message of type ``t`` (no checks: the receiver validates). Use
+    :meth:`Message.encode`; this spelling lets tests forge what a broken peer would send."""
     return msgpack.packb({"v": PROTOCOL_VERSION, "t": t, **fields}, use_bin_type=True)
 
 
-def decode_message(data: bytes) -> dict[str, Any]:
-    """Parse a control message; checks version, type and field types."""
+def decode_message(data: bytes) -> Message:
+    """Parse a control message into its dataclass; checks version, type and field types."""
     d = _unpack(data, "message")
     _version(d, "message")
     t = d.get("t")
-    if not isinstance(t, str) or t not in MESSAGE_FIELDS:
+    if not isinstance(t, str) or t not in _SCHEMA:
         raise ProtocolError(f"message: unknown type {t!r:.80}")
-    for name, typ in MESSAGE_FIELDS[t].items():
+    cls, schema = _SCHEMA[t]
+    values = {}
+    for name, typ in schema:
         v = d.get(name)
         if not isinstance(v, typ) or isinstance(v, bool):
             raise ProtocolError(f"message {t!r}: field {name!r} must be {typ.__name__}, got {v!r:.80}")
@@ -217,9 +357,13 @@ def decode_message(data: bytes) -> dict[str, Any]:
             if len(v) > _MAX_IDS or not all(
                     isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _MAX_MSG_INT for x in v):
                 raise ProtocolError(f"message {t!r}: field {name!r} must be a list of ints in [0, 2**48)")
+            v = tuple(v)
         if typ is str and len(v) > 1024:
             raise ProtocolError(f"message {t!r}: field {name!r} is too long")
-    return d
+        values[name] = v
+    if cls is Ack and values["chunk"] == _RUNS_CHUNK:
+        return RunsDone(values["xid"])
+    return cls(**values)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -240,7 +240,7 @@ def test_forged_ready_outside_staging_fails_the_request(engines):
     e = engines(1, 1, models=MODELS[:1])
     e.pa[0].hold("r", [1, 2])
     e.da[0].fetch("r", "P", [1, 2], [3, 4])
-    xid = next(iter(e.da[0]._parts))
+    xid = next(iter(e.da[0]._destination.parts))
     forged = wire.encode_message("ready", xid=xid, chunk=0, slot=10_000, nslots=1, nbytes=512)
     e.pa[0].transport.send_notif(e.da[0].transport.name, forged)
     deadline, res = time.monotonic() + 5, []
@@ -281,7 +281,7 @@ def test_handshake_gate(engines):
         d.add_remote(variant(staging={**raw["staging"], "slot_bytes": 2048}))
     with pytest.raises(IncompatibleRemoteError, match="this engine"):
         d.add_remote(e.da[0].metadata())
-    assert not d._peers and d.transport.remotes == frozenset()  # nothing was connected
+    assert not d._links.peers and d.transport.remotes == frozenset()  # nothing was connected
     d.add_remote(good)
     assert d.plan_for("P").source_ranks == (0,)
 
@@ -316,7 +316,7 @@ def test_duplicate_ready_fails_the_request(engines):
     e = engines(1, 1, models=MODELS[:1], staging_bytes=4 << 10)
     e.pa[0].hold("r", np.arange(8))
     e.da[0].fetch("r", "P", np.arange(8), np.arange(8, 16))
-    part = next(iter(e.da[0]._parts.values()))
+    part = next(iter(e.da[0]._destination.parts.values()))
     assert part.n_chunks > 1
     dup = wire.encode_message("ready", xid=part.xid, chunk=0, slot=0, nslots=1, nbytes=1024)
     _deliver(e, e.pa[0], e.da[0], dup)
@@ -371,10 +371,10 @@ def test_abort_cancels_a_fetch_and_frees_staging_on_both_sides(engines, mode):
     res = e.da[0].results()
     assert len(res) == 1 and not res[0].ok and isinstance(res[0].error, RequestAbortedError)
     e.settle(0.2)
-    assert not e.pa[0]._serves  # the source was told (well before its 0.5 s silence deadline)
+    assert not e.pa[0]._source.serves  # the source was told (well before its 0.5 s silence deadline)
     e.settle(1.0)  # push quarantines granted slots for timeout_s
     assert e.da[0].results() == []  # nothing more is reported for an aborted fetch
-    assert all(a.pool.free_slots == a.pool.num_slots and not a._serves for a in e.agents)
+    assert all(a.pool.free_slots == a.pool.num_slots and not a._source.serves for a in e.agents)
     # the hold survives the abort: a retry still works
     e.da[0].fetch("r", "P", src, np.arange(8))
     assert e.drive(1)[0][0].ok

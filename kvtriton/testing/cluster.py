@@ -87,6 +87,7 @@ def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
     import torch
 
     torch.set_num_threads(1)
+    from .. import wire
     from ..agent import TransferAgent
     from ..errors import KVTritonError
     from .oracle import load_source, make_rank_regions, snapshot
@@ -115,7 +116,7 @@ def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
     def hooked(send):
         def counting_send(name, msg):  # the fault hook: die after N chunk announcements
             send(name, msg)
-            if b"ready" in msg or b"data" in msg:
+            if isinstance(wire.decode_message(msg), (wire.Ready, wire.Data)):
                 announced[0] += 1
                 if kill_after[0] is not None and announced[0] >= kill_after[0]:
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,349 @@
+"""The destination side of a rank: fetches and their parts, READ (pull) or grants (push),
+unpack, acks, and each fetch's finish or failure."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .. import wire
+from ..errors import KVTritonError, ProtocolError, RequestRejectedError, StagingError, TransferTimeoutError
+from ..ops import unpack
+from ..plan import ChunkGeometry, StagedRead, TransferPlan, ceil_div, compact_request
+from .links import Chunk, Completion, Flow, Links, Peer, Settings
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """Outcome of a :meth:`TransferAgent.fetch`: ``ok``, or ``error`` (a KVTritonError)."""
+
+    req_id: str
+    ok: bool
+    error: KVTritonError | None = None
+    seconds: float = 0.0
+    descriptors: int = 0
+    bytes: int = 0
+
+
+@dataclass(eq=False)
+class Fetch:
+    """One request this rank reads from one source engine."""
+
+    req_id: str
+    engine: str
+    started: float
+    timeout_s: float  # without progress for this long the fetch fails
+    deadline: float
+    src_ids: np.ndarray
+    dst_ids: np.ndarray
+    parts: dict = field(default_factory=dict)  # src_rank -> Part
+    error: KVTritonError | None = None
+    descriptors: int = 0
+    nbytes: int = 0
+
+    def touch(self) -> None:
+        """Progress was made: the silence deadline starts over."""
+        self.deadline = time.monotonic() + self.timeout_s
+
+
+@dataclass(eq=False)
+class Part:
+    """What one source rank sends for one fetch: staged chunks and/or DIRECT runs."""
+
+    xid: str
+    fetch: Fetch
+    src_rank: int
+    read: StagedRead | None
+    chunks: ChunkGeometry | None  # None when this source sends no staged payload
+    runs_pending: bool  # DIRECT runs from this source have not landed yet
+    chunks_done: int = 0
+    next_grant: int = 0
+    readies: deque = field(default_factory=deque)  # pull: Ready messages waiting for a local slot
+    inflight: dict = field(default_factory=dict)  # chunk -> Chunk (READ or unpack in flight / granted)
+    runs_xfer: object = None  # pull: the READ of the DIRECT runs
+    runs_lists: tuple = ()
+    announced: set = field(default_factory=set)  # pull: chunks a Ready arrived for
+
+    @property
+    def n_chunks(self) -> int:
+        return self.chunks.count if self.chunks is not None else 0
+
+    @property
+    def complete(self) -> bool:
+        return self.chunks_done == self.n_chunks and not self.runs_pending
+
+
+class Destination:
+    """Fetches in flight on this rank and the plans they read by (one per source engine)."""
+
+    def __init__(self, settings: Settings, links: Links):
+        self.s, self.links = settings, links
+        self.plans: dict[str, TransferPlan] = {}  # per source engine
+        self.fetches: dict[str, Fetch] = {}
+        self.parts: dict[str, Part] = {}  # by transfer id
+        self.results: list[RequestResult] = []
+        self._xid = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def fetch(self, req_id: str, engine: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
+              timeout_s: float | None) -> None:
+        if req_id in self.fetches:
+            raise RequestRejectedError(f"fetch {req_id!r} is already in flight")
+        plan = self.plans.get(engine)
+        if plan is None:
+            raise KeyError(f"unknown engine {engine!r}: add_remote() its ranks first")
+        missing = [r for r in plan.source_ranks if (engine, r) not in self.links.peers]
+        if missing:
+            raise KeyError(f"engine {engine!r}: no metadata yet for ranks {missing}")
+        src_specs = self.links.engine_peers(engine)[0].md.regions
+        s_ids, d_ids = compact_request(remote_block_ids, local_block_ids,
+                                       min(s.num_blocks for s in src_specs),
+                                       min(s.num_blocks for s in self.s.specs))
+        now = time.monotonic()
+        timeout = timeout_s or self.s.timeout_s
+        f = Fetch(req_id, engine, now, timeout, now + timeout, s_ids, d_ids)
+        self.fetches[req_id] = f
+        if s_ids.size == 0:
+            self._finish(f)
+            return
+        runs_ranks = plan.direct_ranks(s_ids.size)
+        for src_rank in sorted({s.src_rank for s in plan.staged} | runs_ranks):
+            read = plan.staged_read(src_rank)
+            peer = self.links.peers[(engine, src_rank)]
+            chunks = None
+            if read is not None:
+                try:
+                    chunks = ChunkGeometry.fit(read.bytes_per_block, s_ids.size,
+                                               min(self.s.chunk_bytes, peer.md.staging.chunk_bytes))
+                except StagingError as e:
+                    self.fail(f, StagingError(f"payload from {engine}:{src_rank}: {e}"))
+                    return
+            xid = f"{req_id}|{self.s.name}<{src_rank}#{next(self._xid)}"
+            part = Part(xid, f, src_rank, read, chunks, src_rank in runs_ranks)
+            f.parts[src_rank] = part
+            self.parts[xid] = part
+        try:
+            self._start(f, plan)
+        except KVTritonError as e:
+            self.fail(f, e)
+
+    def _start(self, f: Fetch, plan: TransferPlan) -> None:
+        ids = tuple(f.src_ids.tolist())
+        for part in f.parts.values():
+            peer = self.links.peers[(f.engine, part.src_rank)]
+            chunk_blocks = part.chunks.blocks_per_chunk if part.chunks is not None else 0
+            if self.s.flow is Flow.PUSH:
+                msg = wire.Push(part.xid, f.req_id, self.s.rank, ids, tuple(f.dst_ids.tolist()), chunk_blocks,
+                                plan.digest())
+            else:  # DIRECT runs are read only after the source confirms it holds the blocks
+                msg = wire.Pull(part.xid, f.req_id, self.s.rank, ids, chunk_blocks, plan.digest())
+            self.links.send(peer, msg)
+
+    def abort(self, req_id: str, error: KVTritonError) -> bool:
+        f = self.fetches.get(req_id)
+        if f is None:
+            return False
+        self.fail(f, error)
+        return True
+
+    # ------------------------------------------------------------------ messages
+    def _part_from(self, peer: Peer, xid: str) -> Part:
+        part = self.parts.get(xid)
+        if part is None or (part.fetch.engine, part.src_rank) != peer.key:
+            raise ProtocolError(f"message for unknown transfer {xid!r}")
+        return part
+
+    def on_ready(self, peer: Peer, m: wire.Ready) -> None:
+        part = self._part_from(peer, m.xid)
+        st = peer.md.staging
+        if self.s.flow is not Flow.PULL or m.chunk in part.announced:
+            raise ProtocolError(f"ready for chunk {m.chunk} of {m.xid!r} is unexpected (duplicate or push mode)")
+        expect = part.chunks.nbytes(m.chunk) if 0 <= m.chunk < part.n_chunks else -1
+        if m.nbytes != expect or not (0 <= m.slot and m.slot + m.nslots <= st.num_slots) or \
+                m.nslots != ceil_div(m.nbytes, st.slot_bytes):
+            raise ProtocolError(f"ready {m.chunk}: {m.nbytes} bytes in slots [{m.slot}, {m.slot + m.nslots}) does "
+                                f"not match the plan ({expect} bytes) or the peer's {st.num_slots} slots")
+        part.announced.add(m.chunk)
+        part.readies.append(m)
+        part.fetch.touch()
+
+    def on_data(self, peer: Peer, m: wire.Data) -> None:
+        part = self._part_from(peer, m.xid)
+        ch = part.inflight.get(m.chunk) if self.s.flow is Flow.PUSH else None
+        if ch is None or ch.xfer is not None or ch.kernel is not None:
+            raise ProtocolError(f"data for chunk {m.chunk} that was not granted")
+        if m.nbytes != ch.nbytes:
+            raise ProtocolError(f"data for chunk {m.chunk}: {m.nbytes} bytes, expected {ch.nbytes}")
+        self._unpack(part, ch)
+
+    def on_runs_ready(self, peer: Peer, m: wire.RunsReady) -> None:
+        part = self._part_from(peer, m.xid)
+        if not part.runs_pending or part.runs_xfer is not None:
+            raise ProtocolError(f"unexpected 'direct' for {m.xid!r}")
+        if self.s.flow is Flow.PULL:  # go-ahead: the source holds the blocks while we read them
+            self._read_runs(part, peer)
+        else:  # push: the source has written our cache
+            part.runs_pending = False
+            self._maybe_finish(part.fetch)
+
+    def on_reject(self, peer: Peer, m: wire.Reject) -> None:
+        part = self.parts.get(m.xid)
+        if part is not None and (part.fetch.engine, part.src_rank) == peer.key:
+            self.fail(part.fetch, RequestRejectedError(
+                f"{peer.md.engine}:{peer.md.rank} rejected {part.fetch.req_id!r}: {m.reason}"))
+
+    def transfer_failed(self, xid: str | None, peer: Peer, error: KVTritonError) -> None:
+        """A message about transfer ``xid`` from ``peer`` could not be handled: fail its fetch."""
+        part = self.parts.get(xid) if isinstance(xid, str) else None
+        if part is not None and (part.fetch.engine, part.src_rank) == peer.key:
+            self.fail(part.fetch, error)
+
+    # ------------------------------------------------------------------ progress
+    def advance(self) -> None:
+        for f in list(self.fetches.values()):
+            if f.error is not None:
+                continue
+            try:
+                for part in list(f.parts.values()):
+                    peer = self.links.peers[(f.engine, part.src_rank)]
+                    self._use_finished(part, peer)
+                    if self.s.flow is Flow.PULL:
+                        self._read_announced(part, peer)
+                    else:
+                        self._grant(part, peer)
+                    if part.runs_xfer is not None and self.links.done(part.runs_xfer):
+                        self.links.retire(part.runs_xfer, self.links.release_lists(*part.runs_lists))
+                        part.runs_xfer, part.runs_pending = None, False
+                        self.links.send(peer, wire.RunsDone(part.xid), quiet=True)
+                self._maybe_finish(f)
+            except KVTritonError as e:
+                self.fail(f, e)
+
+    def _use_finished(self, part: Part, peer: Peer) -> None:
+        """A chunk whose READ landed is unpacked; a chunk whose unpack finished is consumed."""
+        for ch in list(part.inflight.values()):
+            if ch.xfer is not None:
+                if not self.links.done(ch.xfer):
+                    continue
+                self.links.transport.release(ch.xfer)
+                ch.xfer = None
+                self._unpack(part, ch)
+            if ch.kernel is not None and ch.kernel.done():
+                self._consumed(part, ch, peer)
+
+    def _read_announced(self, part: Part, peer: Peer) -> None:
+        while part.readies:
+            ready = part.readies[0]
+            slot = self.s.pool.alloc(ready.nslots)
+            if slot is None:
+                part.fetch.touch()  # our own staging is full: not the source's silence
+                return
+            part.readies.popleft()
+            ch = Chunk(ready.chunk, slot, ready.nslots, ready.nbytes, remote_slot=ready.slot)
+            part.inflight[ch.index] = ch
+            ch.xfer = self.links.post_chunk("READ", ch, peer)
+            part.fetch.descriptors += 1
+            part.fetch.nbytes += ready.nbytes
+
+    def _grant(self, part: Part, peer: Peer) -> None:
+        while part.next_grant < part.n_chunks and len(part.inflight) < self.s.inflight:
+            nbytes = part.chunks.nbytes(part.next_grant)
+            slot = self.s.pool.alloc_bytes(nbytes)
+            if slot is None:
+                return
+            ch = Chunk(part.next_grant, slot, self.s.pool.slots_for(nbytes), nbytes)
+            part.inflight[ch.index] = ch
+            part.next_grant += 1
+            self.links.send(peer, wire.Grant(part.xid, ch.index, slot, ch.nslots))
+            part.fetch.descriptors += 1
+            part.fetch.nbytes += nbytes
+
+    def _unpack(self, part: Part, ch: Chunk) -> None:
+        lo, hi = part.chunks.bounds(ch.index)
+        offs = part.read.segment_offsets(hi - lo, base=self.s.pool.offset(ch.slot))
+        unpack(self.s.regions, part.read.segments, offs, part.fetch.dst_ids[lo:hi], self.s.pool.tensor,
+               impl=self.s.impl)
+        ch.kernel = Completion(self.s.device)
+
+    def _consumed(self, part: Part, ch: Chunk, peer: Peer) -> None:
+        part.fetch.touch()
+        part.inflight.pop(ch.index, None)
+        self.s.pool.free(ch.slot, ch.nslots)
+        part.chunks_done += 1
+        if self.s.flow is Flow.PULL:
+            self.links.send(peer, wire.Ack(part.xid, ch.index), quiet=True)
+
+    def _read_runs(self, part: Part, peer: Peer) -> None:
+        f = part.fetch
+        prepped = self.links.prep_runs(self.plans[f.engine], peer, f.src_ids, f.dst_ids, reading=True)
+        if prepped is None:
+            part.runs_pending = False
+            return
+        local, remote, count, nbytes = prepped
+        part.runs_lists = (local, remote)
+        part.runs_xfer = self.links.post_runs("READ", local, remote, count)
+        f.descriptors += count
+        f.nbytes += nbytes
+
+    # ------------------------------------------------------------------ finish, fail
+    def _maybe_finish(self, f: Fetch) -> None:
+        if f.error is None and all(p.complete for p in f.parts.values()) and f.req_id in self.fetches:
+            self._finish(f)
+
+    def _forget(self, f: Fetch) -> None:
+        self.fetches.pop(f.req_id, None)
+        for part in f.parts.values():
+            self.parts.pop(part.xid, None)
+
+    def _finish(self, f: Fetch) -> None:
+        self._forget(f)
+        # every rank of the source engine learns this consumer is done (skipped replicas too)
+        for peer in self.links.engine_peers(f.engine):
+            self.links.send(peer, wire.Done(f.req_id, self.s.rank, self.s.tp), quiet=True)
+        self.results.append(RequestResult(f.req_id, True, None, time.monotonic() - f.started,
+                                          f.descriptors, f.nbytes))
+
+    def fail(self, f: Fetch, error: KVTritonError) -> None:
+        if f.error is not None:
+            return
+        f.error = error
+        self._forget(f)
+        pool = self.s.pool
+        for part in f.parts.values():
+            peer = self.links.peers.get((f.engine, part.src_rank))
+            if peer is not None:
+                self.links.send(peer, wire.Abort(part.xid), quiet=True)
+            # a granted slot (push) may still receive the peer's WRITE: keep it out of use for a while
+            until = time.monotonic() + (self.s.timeout_s if self.s.flow is Flow.PUSH else 0.0)
+            for ch in part.inflight.values():
+                self.links.retire(ch.xfer, lambda ch=ch: pool.free(ch.slot, ch.nslots), not_before=until)
+            part.inflight.clear()
+            part.readies.clear()
+            if part.runs_xfer is not None:
+                self.links.retire(part.runs_xfer, self.links.release_lists(*part.runs_lists))
+            elif part.runs_lists:
+                self.links.release_lists(*part.runs_lists)()
+        self.results.append(RequestResult(f.req_id, False, error, time.monotonic() - f.started,
+                                          f.descriptors, f.nbytes))
+
+    def expire(self, now: float) -> None:
+        for f in list(self.fetches.values()):
+            if now > f.deadline:
+                waiting = sorted(r for r, p in f.parts.items() if not p.complete)
+                self.fail(f, TransferTimeoutError(
+                    f"fetch {f.req_id!r} from {f.engine!r} made no progress for {f.timeout_s} s; waiting on "
+                    f"source ranks {waiting}"))
+
+    def peer_lost(self, peer: Peer, error: KVTritonError) -> None:
+        for f in list(self.fetches.values()):
+            if f.engine == peer.md.engine and peer.md.rank in f.parts:
+                self.fail(f, error)
+
+    def fail_all(self, error: KVTritonError) -> None:
+        for f in list(self.fetches.values()):
+            self.fail(f, error)

@@ -1,0 +1,376 @@
+"""TransferAgent: the public API over the two roles of a rank (see :mod:`kvtriton.agent`).
+
+The facade owns what is not one role's: the constructor and registration, the handshake, the
+progress loop, the table from message type to handler, the paths that cross roles (a dead
+peer, expiry) and ``close``. Everything else is the source's (:mod:`.source`) or the
+destination's (:mod:`.destination`), over the links both share (:mod:`.links`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .. import wire
+from ..errors import (
+    IncompatibleRemoteError,
+    KVTritonError,
+    PeerDisconnectedError,
+    ProtocolError,
+    RequestAbortedError,
+    RequestRejectedError,
+    TransportError,
+)
+from ..plan import CostModel, Mode, TransferPlan, check_compatible
+from ..regions import Region
+from ..staging import StagingPool
+from .destination import Destination, RequestResult
+from .links import Flow, Links, Peer, Settings, logger, slot_descs
+from .source import FreedRequest, Source
+
+__all__ = ["TransferAgent"]
+
+
+class TransferAgent:
+    """One rank's KV transfer endpoint (prefill side, decode side, or both).
+
+    Parameters
+    ----------
+    engine_id:     name of this engine (every rank of one engine uses the same id).
+    rank, tp:      this rank and the engine's TP size.
+    regions:       this rank's :class:`~kvtriton.regions.Region` list, in the model's order
+                   (identical names and order on every engine).
+    staging_bytes: size of the registered staging pool; requests larger than what fits are
+                   chunked and pipelined, and work waits when it is full.
+    slot_bytes:    staging slot size (a multiple of 256; equal on both engines). A chunk is a run
+                   of slots moved as one descriptor.
+    chunk_bytes:   largest chunk (default: a quarter of the pool); a transfer uses the smaller of
+                   both sides' values.
+    inflight_chunks: chunks of one transfer in flight at once (pack i+1 while i is on the wire).
+    mode:          ``"pull"`` (decode READs) or ``"push"`` (prefill WRITEs); both sides must agree.
+    timeout_s:     a fetch fails after this long without progress; a source reclaims
+                   staging from a peer silent this long.
+    modes:         force STAGED/DIRECT for all regions or per region name (see
+                   :func:`~kvtriton.plan.build_plan`).
+    transport:     a ready :class:`~kvtriton.transport.nixl.NixlTransport` (default: a new
+                   one named ``"{engine_id}:{rank}:{random}"``).
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        rank: int,
+        tp: int,
+        regions: Sequence[Region],
+        *,
+        staging_bytes: int = 64 << 20,
+        slot_bytes: int = 256 << 10,
+        mode: str = "pull",
+        chunk_bytes: int | None = None,
+        inflight_chunks: int = 2,
+        timeout_s: float = 30.0,
+        modes: Mode | str | Mapping[str, Mode | str] | None = None,
+        cost: CostModel = CostModel(),
+        replicate_stripe: int | None = None,
+        transport=None,
+        impl: str = "auto",
+    ):
+        try:
+            flow = Flow(mode)
+        except ValueError:
+            raise ValueError(f"mode must be 'pull' or 'push', got {mode!r}") from None
+        if not regions:
+            raise ValueError("a TransferAgent needs at least one region")
+        devices = {r.device for r in regions}
+        if len(devices) != 1:
+            raise ValueError(f"all regions must be on one device, got {sorted(map(str, devices))}")
+        self.engine_id, self.rank, self.tp, self.mode = engine_id, rank, tp, mode
+        self.regions = list(regions)
+        self.specs = [r.spec for r in self.regions]
+        self.device = devices.pop()
+        self.timeout_s = float(timeout_s)
+        # validate our own geometry against our own TP once (a bad shard fails here, not later)
+        check_compatible(self.specs, tp, self.specs, tp)
+
+        slot_bytes = int(slot_bytes)
+        self.pool = StagingPool(max(1, staging_bytes // slot_bytes), slot_bytes, self.device)
+        if inflight_chunks < 1:
+            raise ValueError(f"inflight_chunks must be >= 1, got {inflight_chunks}")
+        # default: a quarter of the pool, so two transfers can each keep two chunks in flight
+        default_chunk = max(1, self.pool.num_slots // 4) * slot_bytes
+        self.chunk_bytes = min(self.pool.nbytes, int(chunk_bytes or default_chunk))
+        if self.chunk_bytes < slot_bytes:
+            raise ValueError(f"chunk_bytes {self.chunk_bytes} is smaller than one slot ({slot_bytes})")
+        if transport is None:
+            from ..transport.nixl import NixlTransport
+
+            transport = NixlTransport(f"{engine_id}:{rank}:{uuid.uuid4().hex[:8]}")
+        self.transport = transport
+        self._lock = threading.RLock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._closed = False
+        self.stats = {"bad_messages": 0, "staged_descriptors": 0, "direct_descriptors": 0}
+        settings = Settings(engine_id, rank, tp, flow, tuple(self.regions), tuple(self.specs), self.device,
+                            self.pool, self.chunk_bytes, int(inflight_chunks), self.timeout_s, impl, modes, cost,
+                            replicate_stripe)
+        self._links = Links(settings, transport, self.stats)
+        try:
+            self._register()
+        except BaseException:
+            self.transport.close()
+            raise
+        self._source = Source(settings, self._links)
+        self._destination = Destination(settings, self._links)
+        self._handlers = {
+            wire.Pull: self._source.on_pull,
+            wire.Push: self._source.on_push,
+            wire.Grant: self._source.on_grant,
+            wire.Ack: self._source.on_ack,
+            wire.RunsDone: self._source.on_runs_done,
+            wire.Done: self._source.on_done,
+            wire.Abort: self._source.on_abort,
+            wire.Ready: self._destination.on_ready,
+            wire.Data: self._destination.on_data,
+            wire.RunsReady: self._destination.on_runs_ready,
+            wire.Reject: self._destination.on_reject,
+        }
+
+    # ------------------------------------------------------------------ setup
+    def _register(self) -> None:
+        links = self._links
+        storages = {}
+        for r in self.regions:
+            for t in r.streams:
+                s = t.untyped_storage()
+                storages[s.data_ptr()] = s.nbytes()
+        descs = [(addr, n, links.dev) for addr, n in sorted(storages.items())]
+        descs.append((self.pool.addr, self.pool.nbytes, links.dev))
+        self._registration = self.transport.register(descs, links.mem)
+        links.local_staging = self.transport.prep_local(
+            slot_descs(self.pool.addr, self.pool.num_slots, self.pool.slot_bytes, links.dev), links.mem)
+
+    def metadata(self) -> bytes:
+        """This rank's handshake metadata (msgpack bytes) for :meth:`add_remote` on peers."""
+        links = self._links
+        return wire.encode_metadata(wire.RankMetadata(
+            engine=self.engine_id, rank=self.rank, tp=self.tp, agent=self.transport.name,
+            agent_md=self.transport.metadata(), mem=links.mem, dev=links.dev,
+            regions=tuple(self.specs), addrs=links.addrs, spans=links.spans,
+            staging=wire.StagingInfo(self.pool.addr, self.pool.slot_bytes, self.pool.num_slots, self.chunk_bytes),
+        ))
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Validate a peer rank's metadata and connect to it; returns its engine id.
+
+        Runs the validation gate per region (count and order, kind, dtype, head_dim, block_size,
+        head counts vs TP) and checks staging compatibility, raising
+        :class:`~kvtriton.errors.IncompatibleRemoteError` / :class:`~kvtriton.errors.ProtocolError`
+        before anything is prepared. A peer that reappears (same engine and rank, new agent)
+        replaces the old one; transfers in flight with the old one fail with
+        :class:`~kvtriton.errors.PeerDisconnectedError`.
+        """
+        md = wire.decode_metadata(metadata)
+        if md.engine == self.engine_id:
+            raise IncompatibleRemoteError(f"metadata is from this engine ({md.engine!r}), not a peer")
+        known_tp = self._links.engine_tp.get(md.engine)
+        if known_tp is not None and known_tp != md.tp:
+            raise IncompatibleRemoteError(
+                f"engine {md.engine!r}: rank {md.rank} says tp={md.tp}, earlier ranks said tp={known_tp}")
+        check_compatible(self.specs, self.tp, md.regions, md.tp)
+        if md.staging.slot_bytes != self.pool.slot_bytes:
+            raise IncompatibleRemoteError(
+                f"engine {md.engine!r}: staging slot_bytes {md.staging.slot_bytes} differs from ours "
+                f"({self.pool.slot_bytes}); both engines must use the same slot size")
+        links = self._links
+        if md.mem != links.mem and links.mem == "VRAM":
+            logger.info("peer %s:%d stages in %s, we in %s", md.engine, md.rank, md.mem, links.mem)
+        with self._lock:
+            # build the plan first: a mismatch raises before anything is prepared
+            plan = self._destination.plans.get(md.engine) or self._links.s.plan(
+                self.rank, self.tp, self.specs, md.tp, md.regions)
+            old = links.peers.get((md.engine, md.rank))
+            if old is not None and old.agent != md.agent:
+                self._drop_peer(old, PeerDisconnectedError(
+                    f"peer {md.engine}:{md.rank} was replaced by a new agent ({md.agent})"))
+            elif old is not None:
+                return md.engine
+            name = self.transport.add_remote(md.agent_md)
+            if name != md.agent:
+                self.transport.remove_remote(name)
+                raise ProtocolError(f"metadata names agent {md.agent!r} but its NIXL metadata is {name!r}")
+            try:
+                staging = self.transport.prep_remote(
+                    name, slot_descs(md.staging.addr, md.staging.num_slots, md.staging.slot_bytes, md.dev), md.mem)
+            except BaseException:
+                self.transport.remove_remote(name)
+                raise
+            links.add(Peer(md, name, staging))
+            self._destination.plans[md.engine] = plan
+            return md.engine
+
+    def plan_for(self, engine_id: str) -> TransferPlan:
+        """The plan this rank uses to read from ``engine_id`` (after :meth:`add_remote`)."""
+        return self._destination.plans[engine_id]
+
+    # ------------------------------------------------------------------ prefill side
+    def hold(self, req_id: str, block_ids: Sequence[int], lease_s: float = 30.0) -> None:
+        """Keep a finished prefill's blocks readable until every decode rank that fetches it is
+        done, or ``lease_s`` passes; then :meth:`freed` reports it."""
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        nb = min(s.num_blocks for s in self.specs)
+        if ids.size and (ids.min() < 0 or ids.max() >= nb):
+            raise RequestRejectedError(f"hold {req_id!r}: block ids must be in [0, {nb}), got "
+                                       f"[{ids.min()}, {ids.max()}]")
+        with self._lock:
+            self._source.hold(req_id, ids, lease_s)
+
+    def release(self, req_id: str) -> bool:
+        """Drop a hold before its consumers are done (the engine aborted the request, or needs
+        the blocks back). Transfers reading it are told (their fetch fails with
+        :class:`~kvtriton.errors.RequestRejectedError` at once, not at a timeout) and the staging
+        slots they may still read are quarantined; :meth:`freed` reports it as ``"released"``.
+        Returns False when ``req_id`` is not held (never held, or already freed)."""
+        with self._lock:
+            return self._source.release(req_id)
+
+    def freed(self) -> list[FreedRequest]:
+        """Held requests whose blocks may be reused now (drained on each call)."""
+        with self._lock:
+            out, self._source.freed = self._source.freed, []
+            return out
+
+    # ------------------------------------------------------------------ decode side
+    def fetch(
+        self,
+        req_id: str,
+        remote_engine_id: str,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+    ) -> None:
+        """Start reading a request's KV from ``remote_engine_id`` into ``local_block_ids``.
+
+        Position ``j`` of ``remote_block_ids`` lands in ``local_block_ids[j]``; -1 on either side
+        skips the position (e.g. a prefix already cached). Raises at once on bad ids or an
+        unknown engine (:class:`~kvtriton.errors.PlanError`, ``KeyError``); everything later is
+        reported by :meth:`results`. After a failed fetch the local blocks hold undefined bytes;
+        in push mode a WRITE the source had already posted may still land in them for up to
+        ``timeout_s`` (kvtriton's own staging slots are quarantined for that long).
+        """
+        if not isinstance(req_id, str) or not 0 < len(req_id) <= 512:
+            raise ValueError(f"req_id must be a non-empty string of at most 512 characters, got {req_id!r:.80}")
+        with self._lock:
+            self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s)
+
+    def abort(self, req_id: str) -> bool:
+        """Cancel a fetch in flight: its source ranks are told, staging it holds is reclaimed
+        (a slot a peer may still WRITE into is quarantined first), and :meth:`results` reports it
+        with :class:`~kvtriton.errors.RequestAbortedError`. Its local blocks hold undefined
+        bytes afterwards. Returns False when no fetch of ``req_id`` is in flight."""
+        with self._lock:
+            f = self._destination.fetches.get(req_id)
+            if f is None:
+                return False
+            self._destination.fail(f, RequestAbortedError(f"fetch {req_id!r} from {f.engine!r} was aborted"))
+            return True
+
+    def results(self) -> list[RequestResult]:
+        """Finished fetches since the last call: ``ok`` or a typed ``error``."""
+        with self._lock:
+            out, self._destination.results = self._destination.results, []
+            return out
+
+    # ------------------------------------------------------------------ progress
+    def progress(self) -> None:
+        """Do whatever can be done now without blocking: handle messages, pack, post, poll,
+        unpack, expire. Call it often (every engine step, or let :meth:`start` do it)."""
+        with self._lock:
+            if self._closed:
+                return
+            for sender, msgs in self.transport.poll_notifs().items():
+                for raw in msgs:
+                    self._on_message(sender, raw)
+            self._source.advance()
+            self._destination.advance()
+            self._links.reap()
+            self._expire()
+
+    def start(self, interval_s: float = 0.0005) -> None:
+        """Run :meth:`progress` on a background thread until :meth:`close`."""
+        if self._thread is not None:
+            return
+
+        def loop():
+            while not self._stop.is_set():
+                try:
+                    self.progress()
+                except Exception:  # keep serving; the error is per request where it matters
+                    logger.exception("kvtriton progress thread")
+                self._stop.wait(interval_s)
+
+        self._thread = threading.Thread(target=loop, name=f"kvtriton-{self.engine_id}:{self.rank}", daemon=True)
+        self._thread.start()
+
+    def idle(self) -> bool:
+        """True when nothing is in flight or held."""
+        with self._lock:
+            return not (self._destination.fetches or self._source.serves or self._source.holds
+                        or self._links.zombies)
+
+    def _on_message(self, sender: str, raw: bytes) -> None:
+        peer = self._links.sender(sender)
+        if peer is None:
+            self.stats["bad_messages"] += 1
+            logger.warning("message from unknown agent %r dropped", sender)
+            return
+        m = None
+        try:
+            m = wire.decode_message(raw)
+            self._handlers[type(m)](peer, m)
+        except Exception as e:  # noqa: BLE001 - a peer must never be able to stop progress()
+            if not isinstance(e, KVTritonError):
+                e = ProtocolError(f"message from {sender} could not be handled: {type(e).__name__}: {e}")
+            if isinstance(e, ProtocolError):
+                self.stats["bad_messages"] += 1
+            logger.warning("message from %s failed: %s", sender, e)
+            xid = getattr(m, "xid", None)
+            self._destination.transfer_failed(xid, peer, e)
+            self._source.transfer_failed(xid, peer, e)
+
+    # ------------------------------------------------------------------ across roles
+    def _expire(self) -> None:
+        now = time.monotonic()
+        self._destination.expire(now)
+        self._source.expire(now)
+
+    def _drop_peer(self, peer: Peer, error: KVTritonError) -> None:
+        self._destination.peer_lost(peer, error)
+        self._source.peer_lost(peer)
+        self._links.forget(peer)
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Stop the progress thread, release every NIXL handle and registration. Idempotent."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self._thread = None
+        with self._lock:
+            if self._closed:
+                return
+            self._destination.fail_all(TransportError(f"{self.engine_id}:{self.rank} was closed"))
+            self._source.close("source closed")
+            self._closed = True
+            self.transport.close()
+
+    def __enter__(self) -> "TransferAgent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

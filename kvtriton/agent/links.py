@@ -1,0 +1,281 @@
+"""What both roles of a rank share: its settings, the peer table, sending, posting and retiring
+transfers, kernel completions, and the prepared descriptor lists of DIRECT runs."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .. import wire
+from ..errors import PeerDisconnectedError, ProtocolError, TransportError
+from ..plan import CostModel, Mode, TransferPlan, build_plan, direct_runs
+from ..regions import Region, RegionSpec
+from ..staging import StagingPool
+from ..transport.nixl import XferStatus
+
+logger = logging.getLogger("kvtriton.agent")
+
+
+class Flow(str, enum.Enum):
+    """Which side moves the staged bytes (the agent's ``mode=``; both engines must agree)."""
+
+    PULL = "pull"  # the destination READs what the source announces
+    PUSH = "push"  # the source WRITEs into slots the destination grants
+
+
+@dataclass(frozen=True)
+class Settings:
+    """This rank's fixed configuration, read by every role."""
+
+    engine_id: str
+    rank: int
+    tp: int
+    flow: Flow
+    regions: tuple[Region, ...]
+    specs: tuple[RegionSpec, ...]
+    device: torch.device
+    pool: StagingPool
+    chunk_bytes: int  # the largest chunk this rank packs or receives
+    inflight: int  # chunks of one transfer in flight at once
+    timeout_s: float
+    impl: str
+    modes: Mode | str | Mapping[str, Mode | str] | None
+    cost: CostModel
+    stripe: int | None
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine_id}:{self.rank}"
+
+    def plan(self, dst_rank: int, dst_tp: int, dst_specs: Sequence[RegionSpec], src_tp: int,
+             src_specs: Sequence[RegionSpec]) -> TransferPlan:
+        """The plan of one (destination rank, source engine) pair under this rank's route
+        choices; both engines must compute the same one (the protocol checks its digest)."""
+        return build_plan(dst_rank, dst_tp, dst_specs, src_tp, src_specs, modes=self.modes, cost=self.cost,
+                          replicate_stripe=self.stripe)
+
+
+@dataclass(eq=False)
+class Peer:
+    md: wire.RankMetadata
+    agent: str
+    staging: object  # PreppedList over the peer's staging slots
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.md.engine, self.md.rank
+
+
+@dataclass(eq=False)
+class Chunk:
+    """One staged chunk of a transfer, in a run of local slots."""
+
+    index: int
+    slot: int
+    nslots: int
+    nbytes: int
+    xfer: object = None  # transport Xfer in flight (READ or WRITE)
+    kernel: "Completion | None" = None  # the pack/unpack launched on it, until its result is used
+    remote_slot: int = -1
+
+
+class Completion:
+    """A pack or unpack launched on this rank. On CPU the kernel ran synchronously, so it is
+    done at once; on CUDA it is an event on the current stream. Either way the step that needs
+    its bytes (announce, WRITE, free the slot) runs from one place: where ``done()`` is polled."""
+
+    def __init__(self, device: torch.device):
+        self._event = None
+        if device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+
+def slot_descs(addr: int, num_slots: int, slot_bytes: int, dev: int) -> np.ndarray:
+    """One ``(addr, len, dev)`` descriptor per staging slot."""
+    d = np.empty((num_slots, 3), dtype=np.int64)
+    d[:, 0] = addr + np.arange(num_slots, dtype=np.int64) * slot_bytes
+    d[:, 1] = slot_bytes
+    d[:, 2] = dev
+    return d
+
+
+class Links:
+    """The peer table and everything that talks to the transport on behalf of both roles."""
+
+    def __init__(self, settings: Settings, transport, stats: dict[str, int]):
+        self.s = settings
+        self.transport = transport
+        self.stats = stats
+        self.mem = "VRAM" if settings.device.type == "cuda" else "DRAM"
+        self.dev = settings.device.index or 0
+        self.peers: dict[tuple[str, int], Peer] = {}
+        self.by_agent: dict[str, tuple[str, int]] = {}
+        self.engine_tp: dict[str, int] = {}
+        # transfers to finish before their memory is reused: (xfer, cleanup, not_before)
+        self.zombies: list[tuple[object, Callable[[], None], float]] = []
+        self.dead: list[Peer] = []
+        self.addrs = tuple(tuple(t.data_ptr() for t in r.streams) for r in settings.regions)
+        self.spans = tuple(tuple(wire.stream_span(r.spec, j) for j in range(r.spec.num_streams))
+                           for r in settings.regions)
+        self.local_staging = None  # PreppedList over our slots, once registered
+
+    # ------------------------------------------------------------------ peer table
+    def add(self, peer: Peer) -> None:
+        self.peers[peer.key] = peer
+        self.by_agent[peer.agent] = peer.key
+        self.engine_tp[peer.md.engine] = peer.md.tp
+
+    def sender(self, agent: str) -> Peer | None:
+        key = self.by_agent.get(agent)
+        return None if key is None else self.peers[key]
+
+    def engine_peers(self, engine: str) -> list[Peer]:
+        """Every connected rank of ``engine`` (ranks not connected yet or dropped are missing)."""
+        return [p for r in range(self.engine_tp.get(engine, 0)) if (p := self.peers.get((engine, r)))]
+
+    def forget(self, peer: Peer) -> None:
+        """Drop a peer; its NIXL state is released once no transfer uses it any more."""
+        self.peers.pop(peer.key, None)
+        self.by_agent.pop(peer.agent, None)
+        self.dead.append(peer)
+        self.reap()
+
+    def send(self, peer: Peer, msg: wire.Message, quiet: bool = False) -> None:
+        """Notify ``peer``; ``quiet`` for best-effort messages whose loss the peer survives."""
+        try:
+            self.transport.send_notif(peer.agent, msg.encode())
+        except TransportError as e:
+            if quiet:
+                logger.info("notification to %s lost: %s", peer.agent, e)
+                return
+            raise PeerDisconnectedError(f"{peer.md.engine}:{peer.md.rank} unreachable: {e}") from e
+
+    # ------------------------------------------------------------------ transfers
+    def post_chunk(self, op: str, ch: Chunk, peer: Peer, notif: wire.Message | None = None):
+        """READ or WRITE one staged chunk: its local slot run against ``ch.remote_slot``'s."""
+        idx = np.arange(ch.nslots)
+        xfer = self.transport.post(op, self.local_staging, ch.slot + idx, peer.staging, ch.remote_slot + idx,
+                                   notif.encode() if notif is not None else b"")
+        self.stats["staged_descriptors"] += 1
+        return xfer
+
+    def post_runs(self, op: str, local, remote, count: int, notif: wire.Message | None = None):
+        """READ or WRITE the DIRECT runs prepared by :meth:`prep_runs`."""
+        idx = np.arange(count)
+        xfer = self.transport.post(op, local, idx, remote, idx, notif.encode() if notif is not None else b"")
+        self.stats["direct_descriptors"] += count
+        return xfer
+
+    def done(self, xfer) -> bool:
+        st = self.transport.poll(xfer)
+        if st is XferStatus.ERR:
+            raise TransportError(f"{xfer.op} with {xfer.remote!r} failed")
+        return st is XferStatus.DONE
+
+    def retire(self, xfer, cleanup: Callable[[], None], not_before: float = 0.0) -> None:
+        """Abort ``xfer`` (if any) and run ``cleanup`` once it can no longer touch our memory
+        and ``not_before`` has passed; until then its slots stay allocated."""
+        self.zombies.append((xfer, cleanup, not_before))
+        self.reap()
+
+    def reap(self) -> None:
+        """Finish retired transfers: wait for (or abort) them, then run their cleanup; release
+        dead peers no transfer uses any more."""
+        keep, now = [], time.monotonic()
+        for xfer, cleanup, not_before in self.zombies:
+            if xfer is not None:
+                try:
+                    busy = self.transport.poll(xfer) is XferStatus.PROC
+                except TransportError:
+                    busy = False  # the peer is gone: nothing will move any more
+                if busy:
+                    try:
+                        self.transport.release(xfer)  # aborts if UCX can
+                        xfer, busy = None, False
+                    except TransportError:
+                        pass
+                if busy:
+                    keep.append((xfer, cleanup, not_before))
+                    continue
+                if xfer is not None:
+                    try:
+                        self.transport.release(xfer)
+                    except TransportError:
+                        pass
+            if now < not_before:
+                keep.append((None, cleanup, not_before))
+                continue
+            cleanup()
+        self.zombies = keep
+        busy_with = {getattr(z[0], "remote", None) for z in keep if z[0] is not None}
+        for peer in [p for p in self.dead if p.agent not in busy_with]:
+            self.dead.remove(peer)
+            for release in (lambda: self.transport.release_list(peer.staging),
+                            lambda: self.transport.remove_remote(peer.agent)):
+                try:
+                    release()
+                except TransportError:
+                    pass
+
+    def release_lists(self, *lists) -> Callable[[], None]:
+        """A cleanup that releases prepared lists (best effort: a failure only leaks a handle)."""
+        def cb():
+            for pl in lists:
+                try:
+                    self.transport.release_list(pl)
+                except TransportError as e:  # pragma: no cover - best effort
+                    logger.warning("release of a prepared list failed: %s", e)
+        return cb
+
+    # ------------------------------------------------------------------ DIRECT runs
+    def prep_runs(self, plan: TransferPlan, peer: Peer, src_ids, dst_ids, *, reading: bool):
+        """Prepared local/remote lists for the DIRECT runs between us and ``peer``:
+        ``(local list, remote list, count, nbytes)``, or None when this pair has none.
+
+        ``reading``: we are the destination (pull); else we are the source writing to ``peer``.
+        Every remote range is bounds-checked against what the peer declared.
+        """
+        # runs for every replica of the stripe; only this pair's are kept. All ranks of one engine
+        # share geometry (each rank's was checked at add_remote), so one spec list serves them all.
+        src_specs = peer.md.regions if reading else self.s.specs
+        by_rank = {r: src_specs for d in plan.direct for r in d.src_ranks}
+        if reading:
+            runs = direct_runs(plan, by_rank, self.s.specs, src_ids, dst_ids)
+            keep = runs.src_rank == peer.md.rank
+        else:
+            runs = direct_runs(plan, by_rank, peer.md.regions, src_ids, dst_ids)
+            keep = runs.src_rank == self.s.rank
+        if not keep.any():
+            return None
+        region, stream, nb = runs.region[keep], runs.stream[keep], runs.nbytes[keep]
+        r_off, l_off = (runs.src_offset[keep], runs.dst_offset[keep]) if reading else \
+            (runs.dst_offset[keep], runs.src_offset[keep])
+        r_addr, r_span = _gather(peer.md.addrs, region, stream), _gather(peer.md.spans, region, stream)
+        l_addr, l_span = _gather(self.addrs, region, stream), _gather(self.spans, region, stream)
+        if (r_off + nb > r_span).any() or (l_off + nb > l_span).any():
+            raise ProtocolError(f"direct runs fall outside the regions {peer.agent} declared")
+        local = np.stack([l_addr + l_off, nb, np.full_like(nb, self.dev)], axis=1)
+        remote = np.stack([r_addr + r_off, nb, np.full_like(nb, peer.md.dev)], axis=1)
+        ll = self.transport.prep_local(local, self.mem)
+        try:
+            rl = self.transport.prep_remote(peer.agent, remote, peer.md.mem)
+        except BaseException:
+            self.transport.release_list(ll)
+            raise
+        return ll, rl, int(nb.size), int(nb.sum())
+
+
+def _gather(table: tuple[tuple[int, ...], ...], region: np.ndarray, stream: np.ndarray) -> np.ndarray:
+    flat = np.array([v for row in table for v in row], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum([len(row) for row in table])[:-1]]).astype(np.int64)
+    return flat[starts[region] + stream]
