@@ -117,6 +117,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
     from kvtriton import Region
     from kvtriton.agent import TransferAgent
     from kvtriton.ops import unpack
+    from kvtriton.plan import ceil_div
     from kvtriton.transport.nixl import NixlTransport
 
     layers = layers or (4 if quick else 16)
@@ -128,7 +129,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
     slot = 256 << 10
     agent_kw = []
     for mode, chunks, inflight in variants:
-        chunk = -(-payload // chunks // slot) * slot
+        chunk = ceil_div(payload // chunks, slot) * slot
         agent_kw.append(dict(staging_bytes=inflight * chunk, slot_bytes=slot, chunk_bytes=chunk, mode=mode,
                              inflight_chunks=inflight, impl="torch", timeout_s=60))
     ctx = mp.get_context("spawn")

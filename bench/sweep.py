@@ -40,6 +40,7 @@ from presets import BLOCK_SIZES, PRESETS, TOKENS, TP_PAIRS, Preset, specs_for  #
 from kvtriton.errors import KVTritonError  # noqa: E402
 from kvtriton.plan import (  # noqa: E402
     build_plan,
+    ceil_div,
     compact_request,
     direct_runs,
     per_token_descriptor_count,
@@ -60,7 +61,7 @@ def fragmented_block_ids(n: int, num_blocks: int, run: int, seed: int) -> np.nda
     """Block ids as a paged allocator hands them out after some churn: runs of ``run``
     consecutive blocks at shuffled places."""
     rng = np.random.default_rng(seed)
-    starts = rng.permutation(num_blocks // run)[: -(-n // run)] * run
+    starts = rng.permutation(num_blocks // run)[: ceil_div(n, run)] * run
     return (starts[:, None] + np.arange(run)[None, :]).reshape(-1)[:n]
 
 
