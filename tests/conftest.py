@@ -35,6 +35,8 @@ def gen():
     return torch.Generator().manual_seed(1234)
 
 
-@pytest.fixture
-def device():
-    return "cuda" if HAS_CUDA else "cpu"
+@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu)] if HAS_CUDA else ["cpu"])
+def device(request):
+    """The device tests run on, with the ``gpu`` marker on CUDA so that ``pytest -m gpu`` runs
+    every test that takes it there (on a CPU machine the interpreter runs them)."""
+    return request.param

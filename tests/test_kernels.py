@@ -51,13 +51,6 @@ DTYPES = [torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32]
 HEAD_DIMS = [64, 80, 96, 128, 192, 576]
 
 
-@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu)] if ON_GPU else ["cpu"])
-def device(request):
-    """The conftest fixture, plus the ``gpu`` marker on CUDA so that ``pytest -m gpu`` runs the
-    whole file there (on a CPU machine the interpreter runs it)."""
-    return request.param
-
-
 @pytest.fixture(autouse=True)
 def _no_impl_override(monkeypatch):
     """KVTRITON_IMPL would silently turn impl='triton' into the reference under test."""
