@@ -184,7 +184,7 @@ class Destination:
     def on_runs_ready(self, peer: Peer, m: wire.RunsReady) -> None:
         part = self._part_from(peer, m.xid)
         if not part.runs_pending or part.runs_xfer is not None:
-            raise ProtocolError(f"unexpected 'direct' for {m.xid!r}")
+            raise ProtocolError(f"unexpected RunsReady for {m.xid!r}: no DIRECT runs pending")
         if self.s.flow is Flow.PULL:  # go-ahead: the source holds the blocks while we read them
             self._read_runs(part, peer)
         else:  # push: the source has written our cache

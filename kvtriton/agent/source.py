@@ -210,7 +210,7 @@ class Source:
         serve = self._serve_from(peer, m.xid, Flow.PULL, "ack")
         serve.touch()
         if not serve.runs_reader:
-            raise ProtocolError(f"direct ack for {m.xid!r}, which has no direct reads")
+            raise ProtocolError(f"RunsDone for {m.xid!r}, which has no DIRECT runs to read")
         serve.runs_reader = False
 
     def on_done(self, peer: Peer, m: wire.Done) -> None:
