@@ -197,7 +197,7 @@ class Message:
     TYPE: ClassVar[str]
 
     def encode(self) -> bytes:
-        return encode_message(self.TYPE, **{f.name: getattr(self, f.name) for f in fields(self)})
+        return encode_message(self.TYPE, **vars(self))  # a dataclass: its fields, in order
 
 
 # decode -> prefill ------------------------------------------------------------
