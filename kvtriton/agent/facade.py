@@ -8,7 +8,6 @@ destination's (:mod:`.destination`), over the links both share (:mod:`.links`).
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import uuid

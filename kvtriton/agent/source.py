@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import wire
-from ..errors import KVTritonError, ProtocolError, RequestRejectedError
+from ..errors import KVTritonError, ProtocolError
 from ..ops import pack
 from ..plan import ChunkGeometry, StagedRead, TransferPlan
 from .links import Chunk, Completion, Flow, Links, Peer, Settings, logger
