@@ -38,17 +38,29 @@ listener).
 
 from __future__ import annotations
 
-import enum
 import logging
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 # --- errors -------------------------------------------------------------------------------------
 # The typed errors live in kvtriton.errors; this is the only place the transport names them.
 from ..errors import PeerDisconnectedError, TransportError
+from .handles import (
+    OPS,
+    MemType,
+    Op,
+    PreppedList,
+    Registration,
+    Xfer,
+    XferStatus,
+    as_bytes,
+    check_mem_type,
+    indices,
+    region_descs,
+    xfer_array,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -66,75 +78,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-MemType = Literal["DRAM", "VRAM"]
-Op = Literal["READ", "WRITE"]
-_MEM_TYPES = ("DRAM", "VRAM")
-_OPS = ("READ", "WRITE")
-
-
-class XferStatus(enum.Enum):
-    """State of a posted transfer, as NIXL reports it."""
-
-    DONE = "DONE"
-    PROC = "PROC"
-    ERR = "ERR"
-
-
-@dataclass(eq=False)
-class Registration:
-    """Memory registered with the agent; pass it to :meth:`NixlTransport.deregister`.
-
-    ``descs`` is the ``(addr, len, dev)`` of each region, as an ``Nx3`` uint64 array. Tensors given
-    to :meth:`NixlTransport.register` are kept alive here until deregistration.
-    """
-
-    mem_type: MemType
-    descs: np.ndarray
-    _dlist: Any = field(repr=False)
-    _keepalive: tuple = field(default=(), repr=False)
-    released: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.descs[:, 1].sum())
-
-
-@dataclass(eq=False)
-class PreppedList:
-    """A prepared descriptor list: transfers address its descriptors by index.
-
-    ``agent`` is ``""`` for a local list, otherwise the remote agent's name (or our own name
-    for a loopback list). ``count`` is the number of descriptors, after expanding strided rows.
-    """
-
-    agent: str
-    mem_type: MemType
-    count: int
-    _handle: Any = field(repr=False)
-    released: bool = False
-
-    @property
-    def is_local(self) -> bool:
-        return self.agent == ""
-
-
-@dataclass(eq=False)
-class Xfer:
-    """A transfer request made by :meth:`NixlTransport.post`; release it when done.
-
-    ``status`` is the last state seen by :meth:`NixlTransport.post`, :meth:`~NixlTransport.poll`
-    or :meth:`~NixlTransport.repost`. ``n`` is the number of index pairs requested (NIXL may
-    merge adjacent ones into fewer descriptors).
-    """
-
-    op: Op
-    remote: str
-    n: int
-    _handle: Any = field(repr=False)
-    _notif: bytes = field(default=b"", repr=False)
-    status: XferStatus = XferStatus.PROC
-    released: bool = False
 
 
 class NixlTransport:
@@ -285,8 +228,8 @@ class NixlTransport:
         registration leaves the agent's metadata unloadable by peers, so it is never probed.
         """
         self._check_open()
-        descs, inferred, keep = _region_descs(regions)
-        mem_type = _check_mem_type(mem_type if mem_type is not None else inferred, "register")
+        descs, inferred, keep = region_descs(regions)
+        mem_type = check_mem_type(mem_type if mem_type is not None else inferred, "register")
         if inferred is not None and inferred != mem_type:
             raise ValueError(f"register: tensors are {inferred} memory but mem_type={mem_type!r}")
         if mem_type == "VRAM" and inferred is None:
@@ -371,8 +314,8 @@ class NixlTransport:
         self._check_open()
         dl = None
         if descs is not None:
-            arr, _ = _xfer_array(descs, "has_remote", allow_strided=False)
-            dl = self._agent.get_xfer_descs(arr, _check_mem_type(mem_type, "has_remote"))
+            arr, _ = xfer_array(descs, "has_remote", allow_strided=False)
+            dl = self._agent.get_xfer_descs(arr, check_mem_type(mem_type, "has_remote"))
             if dl is None:
                 raise TransportError("has_remote: NIXL rejected the descriptors")
         return bool(self._agent.check_remote_metadata(name, dl))
@@ -438,8 +381,8 @@ class NixlTransport:
 
     def _prep(self, agent: str, descs: np.ndarray, mem_type: MemType, what: str) -> PreppedList:
         self._check_open()
-        mem_type = _check_mem_type(mem_type, what)
-        arr, count = _xfer_array(descs, what, allow_strided=True)
+        mem_type = check_mem_type(mem_type, what)
+        arr, count = xfer_array(descs, what, allow_strided=True)
         if agent and agent != self.name and agent not in self._remotes:
             raise TransportError(f"{what}: unknown peer {agent!r}; call add_remote() with its metadata first")
         try:
@@ -502,7 +445,7 @@ class NixlTransport:
         other NIXL failures, ``ValueError`` on bad arguments.
         """
         self._check_open()
-        if op not in _OPS:
+        if op not in OPS:
             raise ValueError(f"post: op must be 'READ' or 'WRITE', got {op!r}")
         if not isinstance(local, PreppedList) or not local.is_local:
             raise ValueError("post: 'local' must be a list from prep_local()")
@@ -510,13 +453,13 @@ class NixlTransport:
             raise ValueError("post: 'remote' must be a list from prep_remote()")
         if local.released or remote.released:
             raise ValueError("post: a prepared list was already released")
-        li = _indices(local_idx, local.count, "local_idx")
-        ri = _indices(remote_idx, remote.count, "remote_idx")
+        li = indices(local_idx, local.count, "local_idx")
+        ri = indices(remote_idx, remote.count, "remote_idx")
         if len(li) != len(ri):
             raise ValueError(f"post: local_idx has {len(li)} entries but remote_idx has {len(ri)}")
         if len(li) == 0:
             raise ValueError("post: no descriptors to transfer")
-        notif = _as_bytes(notif, "notif")
+        notif = as_bytes(notif, "notif")
         try:
             h = self._agent.make_prepped_xfer(op, local._handle, li, remote._handle, ri, notif)
         except self._nixl_errors as e:
@@ -544,7 +487,7 @@ class NixlTransport:
         if x.status is XferStatus.PROC:
             raise ValueError("repost: transfer is still in progress")
         x.status = XferStatus.PROC
-        x.status = self._post(x, x._notif if notif is None else _as_bytes(notif, "notif"))
+        x.status = self._post(x, x._notif if notif is None else as_bytes(notif, "notif"))
         return x.status
 
     def _post(self, x: Xfer, notif: bytes) -> XferStatus:
@@ -602,7 +545,7 @@ class NixlTransport:
         first one to a peer also connects (~1.5 ms).
         """
         self._check_open()
-        msg = _as_bytes(msg, "msg")
+        msg = as_bytes(msg, "msg")
         self._progress()
         try:
             self._agent.send_notif(agent_name, msg)
@@ -653,106 +596,3 @@ class NixlTransport:
 def _describe(e: BaseException) -> str:
     msg = str(e)
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
-
-
-def _check_mem_type(mem_type: object, what: str) -> MemType:
-    if mem_type not in _MEM_TYPES:
-        raise ValueError(f"{what}: mem_type must be 'DRAM' or 'VRAM', got {mem_type!r}")
-    return mem_type  # type: ignore[return-value]
-
-
-def _as_bytes(msg: object, what: str) -> bytes:
-    if isinstance(msg, (bytes, bytearray, memoryview)):
-        return bytes(msg)
-    raise TypeError(f"{what} must be bytes, got {type(msg).__name__}")
-
-
-def _is_tensor(obj: object) -> bool:
-    import torch
-
-    return isinstance(obj, torch.Tensor)
-
-
-def _region_descs(regions: object) -> tuple[np.ndarray, MemType | None, tuple]:
-    """(Nx3 uint64 descs, mem type inferred from tensors or None, tensors to keep alive)."""
-    if _is_tensor(regions):
-        regions = [regions]
-    if isinstance(regions, np.ndarray):
-        arr, _ = _xfer_array(regions, "register", allow_strided=False)
-        if (arr[:, 1] == 0).any():
-            raise ValueError("register: zero-length region")
-        return arr, None, ()
-    if not isinstance(regions, Iterable) or isinstance(regions, (bytes, str)):
-        raise TypeError(
-            "register: expected tensors, (addr, len[, dev]) tuples or an Nx3 array, "
-            f"got {type(regions).__name__}"
-        )
-    items = list(regions)
-    if not items:
-        raise ValueError("register: nothing to register")
-    if all(_is_tensor(t) for t in items):
-        devs = {t.device for t in items}
-        if len(devs) != 1:
-            raise ValueError(
-                f"register: tensors span several devices {sorted(map(str, devs))}; register each separately"
-            )
-        dev = devs.pop()
-        if dev.type not in ("cpu", "cuda"):
-            raise ValueError(f"register: unsupported device {dev}")
-        rows = []
-        for i, t in enumerate(items):
-            if not t.is_contiguous():
-                raise ValueError(
-                    f"register: tensor {i} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()})"
-                )
-            n = t.numel() * t.element_size()
-            if n == 0:
-                raise ValueError(f"register: tensor {i} is empty")
-            rows.append((t.data_ptr(), n, (dev.index or 0) if dev.type == "cuda" else 0))
-        return np.array(rows, dtype=np.uint64), ("VRAM" if dev.type == "cuda" else "DRAM"), tuple(items)
-    if all(isinstance(r, tuple) and len(r) in (2, 3) for r in items):
-        rows = [(int(r[0]), int(r[1]), int(r[2]) if len(r) == 3 else 0) for r in items]
-        for i, (a, n, d) in enumerate(rows):
-            if a <= 0 or n <= 0 or d < 0:
-                raise ValueError(f"register: region {i} = {items[i]} must have addr > 0, len > 0, dev >= 0")
-        return np.array(rows, dtype=np.uint64), None, ()
-    raise TypeError("register: expected a list of tensors or of (addr, len[, dev]) tuples, not a mix")
-
-
-def _xfer_array(descs: object, what: str, *, allow_strided: bool) -> tuple[np.ndarray, int]:
-    """Validate an Nx3 (or Nx5 strided) integer array; return it as C-contiguous uint64 and the
-    number of descriptors it stands for."""
-    if not isinstance(descs, np.ndarray):
-        raise TypeError(
-            f"{what}: descriptors must be an Nx3 numpy array (addr, len, dev), got {type(descs).__name__}"
-        )
-    cols = (3, 5) if allow_strided else (3,)
-    if descs.ndim != 2 or descs.shape[1] not in cols or descs.shape[0] == 0:
-        shapes = " or ".join(map(str, cols))
-        raise ValueError(f"{what}: descriptors must have shape (N>0, {shapes}), got {descs.shape}")
-    if not np.issubdtype(descs.dtype, np.integer):
-        raise TypeError(f"{what}: descriptors must be integers, got dtype {descs.dtype}")
-    if np.issubdtype(descs.dtype, np.signedinteger) and (descs < 0).any():
-        raise ValueError(f"{what}: negative address, length or device")
-    arr = np.ascontiguousarray(descs, dtype=np.uint64)
-    if (arr[:, 1] == 0).any():
-        raise ValueError(f"{what}: zero-length descriptor")
-    if arr.shape[1] == 5:
-        if (arr[:, 4] == 0).any():
-            raise ValueError(f"{what}: strided row with count 0")
-        return arr, int(arr[:, 4].sum())
-    return arr, arr.shape[0]
-
-
-def _indices(idx: object, count: int, what: str) -> np.ndarray:
-    arr = np.asarray(idx)
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
-    if arr.size == 0:
-        return arr.astype(np.int64)
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi >= count:
-        raise IndexError(f"{what} out of range: values in [{lo}, {hi}] for a list of {count} descriptors")
-    return np.ascontiguousarray(arr, dtype=np.int64)
