@@ -163,8 +163,8 @@ class ChunkGeometry:
         """The widest chunks that fit ``chunk_bytes``; :class:`StagingError` when one block
         does not fit (staging is too small for this payload, whatever the request)."""
         if bytes_per_block > chunk_bytes:
-            raise StagingError(f"one block of the payload needs {bytes_per_block} staging bytes, more "
-                               f"than a chunk ({chunk_bytes} bytes)")
+            raise StagingError(f"one block needs {bytes_per_block} staging bytes, more than a chunk "
+                               f"({chunk_bytes} bytes)")
         return cls(bytes_per_block, num_blocks, min(num_blocks, chunk_bytes // bytes_per_block))
 
     def fits(self, chunk_bytes: int) -> bool:

@@ -12,7 +12,14 @@ from typing import Sequence
 import numpy as np
 
 from .. import wire
-from ..errors import KVTritonError, ProtocolError, RequestRejectedError, StagingError, TransferTimeoutError
+from ..errors import (
+    KVTritonError,
+    ProtocolError,
+    RequestAbortedError,
+    RequestRejectedError,
+    StagingError,
+    TransferTimeoutError,
+)
 from ..ops import unpack
 from ..plan import ChunkGeometry, StagedRead, TransferPlan, ceil_div, compact_request
 from .links import Chunk, Completion, Flow, Links, Peer, Settings
@@ -121,7 +128,7 @@ class Destination:
                     chunks = ChunkGeometry.fit(read.bytes_per_block, s_ids.size,
                                                min(self.s.chunk_bytes, peer.md.staging.chunk_bytes))
                 except StagingError as e:
-                    self.fail(f, StagingError(f"payload from {engine}:{src_rank}: {e}"))
+                    self.fail(f, StagingError(f"{engine}:{src_rank}: {e}"))
                     return
             xid = f"{req_id}|{self.s.name}<{src_rank}#{next(self._xid)}"
             part = Part(xid, f, src_rank, read, chunks, src_rank in runs_ranks)
@@ -144,12 +151,16 @@ class Destination:
                 msg = wire.Pull(part.xid, f.req_id, self.s.rank, ids, chunk_blocks, plan.digest())
             self.links.send(peer, msg)
 
-    def abort(self, req_id: str, error: KVTritonError) -> bool:
+    def abort(self, req_id: str) -> bool:
         f = self.fetches.get(req_id)
         if f is None:
             return False
-        self.fail(f, error)
+        self.fail(f, RequestAbortedError(f"fetch {req_id!r} from {f.engine!r} was aborted"))
         return True
+
+    def take_results(self) -> list[RequestResult]:
+        out, self.results = self.results, []
+        return out
 
     # ------------------------------------------------------------------ messages
     def _part_from(self, peer: Peer, xid: str) -> Part:

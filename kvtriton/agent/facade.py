@@ -21,7 +21,6 @@ from ..errors import (
     KVTritonError,
     PeerDisconnectedError,
     ProtocolError,
-    RequestAbortedError,
     RequestRejectedError,
     TransportError,
 )
@@ -241,8 +240,7 @@ class TransferAgent:
     def freed(self) -> list[FreedRequest]:
         """Held requests whose blocks may be reused now (drained on each call)."""
         with self._lock:
-            out, self._source.freed = self._source.freed, []
-            return out
+            return self._source.take_freed()
 
     # ------------------------------------------------------------------ decode side
     def fetch(
@@ -273,17 +271,12 @@ class TransferAgent:
         with :class:`~kvtriton.errors.RequestAbortedError`. Its local blocks hold undefined
         bytes afterwards. Returns False when no fetch of ``req_id`` is in flight."""
         with self._lock:
-            f = self._destination.fetches.get(req_id)
-            if f is None:
-                return False
-            self._destination.fail(f, RequestAbortedError(f"fetch {req_id!r} from {f.engine!r} was aborted"))
-            return True
+            return self._destination.abort(req_id)
 
     def results(self) -> list[RequestResult]:
         """Finished fetches since the last call: ``ok`` or a typed ``error``."""
         with self._lock:
-            out, self._destination.results = self._destination.results, []
-            return out
+            return self._destination.take_results()
 
     # ------------------------------------------------------------------ progress
     def progress(self) -> None:

@@ -93,6 +93,10 @@ class Source:
         self._release_hold(hold, "released")
         return True
 
+    def take_freed(self) -> list[FreedRequest]:
+        out, self.freed = self.freed, []
+        return out
+
     def _release_hold(self, hold: Hold, reason: str, finished_engine: str | None = None) -> None:
         """Free a held request. Transfers to the engine that reported it done only have local
         completions left (e.g. a WRITE whose data already landed): they are retired quietly.
