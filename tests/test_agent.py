@@ -19,6 +19,7 @@ from kvtriton.errors import (
     ProtocolError,
     RequestAbortedError,
     RequestRejectedError,
+    StagingError,
     TransferTimeoutError,
 )
 from kvtriton.testing.oracle import (
@@ -391,3 +392,12 @@ def test_release_drops_a_hold_and_a_fetch_fails_at_once(engines):
     t0 = time.monotonic()
     res = e.drive(1)[0][0]
     assert not res.ok and isinstance(res.error, RequestRejectedError) and time.monotonic() - t0 < 5
+
+
+def test_a_block_larger_than_a_chunk_fails_the_fetch_with_a_staging_error(engines):
+    e = engines(1, 1, models=MODELS[:1], block_size=16, chunk_bytes=1024)
+    e.pa[0].hold("r", [1, 2])
+    e.da[0].fetch("r", "P", [1, 2], [3, 4])
+    res = e.da[0].results()  # reported at once: nothing was sent
+    assert len(res) == 1 and isinstance(res[0].error, StagingError) and "more than a chunk" in str(res[0].error)
+    assert e.da[0].pool.free_slots == e.da[0].pool.num_slots

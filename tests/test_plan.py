@@ -2,8 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtriton.errors import IncompatibleRemoteError, PlanError
+from kvtriton.errors import IncompatibleRemoteError, PlanError, StagingError
 from kvtriton.plan import (
+    ChunkGeometry,
     Mode,
     build_plan,
     compact_request,
@@ -156,3 +157,17 @@ def test_unshardable_tp_is_rejected():
         build_plan(0, 2, local, 4, local)
     with pytest.raises(PlanError, match="out of range"):
         build_plan(2, 2, local, 2, local)
+
+
+def test_chunk_geometry_covers_the_request_once():
+    for n, per, chunk_bytes in [(10, 1000, 4096), (7, 64, 64), (512, 655_360, 64 << 20), (1, 8, 1 << 20)]:
+        g = ChunkGeometry.fit(per, n, chunk_bytes)
+        bounds = [g.bounds(i) for i in range(g.count)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == n
+        assert all(hi == lo for (_, hi), (lo, _) in zip(bounds, bounds[1:]))  # adjacent, no overlap
+        assert all(0 < g.nbytes(i) <= chunk_bytes for i in range(g.count))
+        assert sum(g.nbytes(i) for i in range(g.count)) == n * per
+        assert g.fits(chunk_bytes) and not g.fits(per * g.blocks_per_chunk - 1)
+    assert ChunkGeometry.fit(100, 0, 4096).count == 0
+    with pytest.raises(StagingError, match="more than a chunk"):
+        ChunkGeometry.fit(5000, 3, 4096)
