@@ -242,7 +242,7 @@ def test_forged_ready_outside_staging_fails_the_request(engines):
     e.pa[0].hold("r", [1, 2])
     e.da[0].fetch("r", "P", [1, 2], [3, 4])
     xid = next(iter(e.da[0]._destination.parts))
-    forged = wire.encode_message("ready", xid=xid, chunk=0, slot=10_000, nslots=1, nbytes=512)
+    forged = wire.Ready(xid, chunk=0, slot=10_000, nslots=1, nbytes=512).encode()
     e.pa[0].transport.send_notif(e.da[0].transport.name, forged)
     deadline, res = time.monotonic() + 5, []
     while not res and time.monotonic() < deadline:
@@ -319,7 +319,7 @@ def test_duplicate_ready_fails_the_request(engines):
     e.da[0].fetch("r", "P", np.arange(8), np.arange(8, 16))
     part = next(iter(e.da[0]._destination.parts.values()))
     assert part.n_chunks > 1
-    dup = wire.encode_message("ready", xid=part.xid, chunk=0, slot=0, nslots=1, nbytes=1024)
+    dup = wire.Ready(part.xid, chunk=0, slot=0, nslots=1, nbytes=1024).encode()
     _deliver(e, e.pa[0], e.da[0], dup)
     _deliver(e, e.pa[0], e.da[0], dup)
     res = e.drive(1)[0][0]
