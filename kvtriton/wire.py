@@ -322,19 +322,20 @@ class Reject(Message):
 MESSAGE_TYPES: tuple[type[Message], ...] = (Pull, Push, Grant, Ack, RunsDone, Done, Abort, Ready, Data, RunsReady,
                                              Reject)
 _RUNS_CHUNK = -1
-# t -> (class, [(field, wire type)]): tuples of ids travel as msgpack arrays; RunsDone is an Ack
-# of chunk _RUNS_CHUNK on the wire, told apart after decoding
+# annotation of a message field -> the type msgpack decodes it to (tuples travel as arrays)
+_WIRE_TYPES = {"str": str, "int": int, "tuple[int, ...]": list}
+# t -> (class, [(field, wire type)]); RunsDone is an Ack of chunk _RUNS_CHUNK on the wire, told
+# apart after decoding
 _SCHEMA: dict[str, tuple[type[Message], list[tuple[str, type]]]] = {
-    cls.TYPE: (cls, [(f.name, list if name.startswith("tuple") else {"str": str, "int": int}[name])
-                     for f in fields(cls) for name in [str(f.type)]])
+    cls.TYPE: (cls, [(f.name, _WIRE_TYPES[f.type]) for f in fields(cls)])
     for cls in MESSAGE_TYPES if cls is not RunsDone
 }
 
 
-def encode_message(t: str, **fields: Any) -> bytes:
+def encode_message(t: str, **body: Any) -> bytes:
     """Bytes of a message of type ``t`` (no checks: the receiver validates). Use
     :meth:`Message.encode`; this spelling lets tests forge what a broken peer would send."""
-    return msgpack.packb({"v": PROTOCOL_VERSION, "t": t, **fields}, use_bin_type=True)
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": t, **body}, use_bin_type=True)
 
 
 def decode_message(data: bytes) -> Message:
