@@ -324,16 +324,13 @@ class Destination:
             return
         f.error = error
         self._forget(f)
-        pool = self.s.pool
         for part in f.parts.values():
             peer = self.links.peers.get((f.engine, part.src_rank))
             if peer is not None:
                 self.links.send(peer, wire.Abort(part.xid), quiet=True)
             # a granted slot (push) may still receive the peer's WRITE: keep it out of use for a while
-            until = time.monotonic() + (self.s.timeout_s if self.s.flow is Flow.PUSH else 0.0)
-            for ch in part.inflight.values():
-                self.links.retire(ch.xfer, lambda ch=ch: pool.free(ch.slot, ch.nslots), not_before=until)
-            part.inflight.clear()
+            self.links.retire_chunks(part.inflight, time.monotonic() + (
+                self.s.timeout_s if self.s.flow is Flow.PUSH else 0.0))
             part.readies.clear()
             if part.runs_xfer is not None:
                 self.links.retire(part.runs_xfer, self.links.release_lists(*part.runs_lists))

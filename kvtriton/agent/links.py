@@ -188,6 +188,14 @@ class Links:
         self.zombies.append((xfer, cleanup, not_before))
         self.reap()
 
+    def retire_chunks(self, inflight: dict[int, Chunk], not_before: float) -> None:
+        """Retire every chunk of a transfer that ended early and empty ``inflight``: their slots
+        return to the pool once nothing can move bytes into or out of them any more."""
+        pool = self.s.pool
+        for ch in inflight.values():
+            self.retire(ch.xfer, lambda ch=ch: pool.free(ch.slot, ch.nslots), not_before=not_before)
+        inflight.clear()
+
     def reap(self) -> None:
         """Finish retired transfers: wait for (or abort) them, then run their cleanup; release
         dead peers no transfer uses any more."""

@@ -324,10 +324,7 @@ class Source:
         if notify is not None:
             self.links.send(serve.peer, wire.Reject(serve.xid, notify), quiet=True)
         until = time.monotonic() + (self.s.timeout_s if notify is not None else 0.0)
-        pool = self.s.pool
-        for ch in serve.inflight.values():
-            self.links.retire(ch.xfer, lambda ch=ch: pool.free(ch.slot, ch.nslots), not_before=until)
-        serve.inflight.clear()
+        self.links.retire_chunks(serve.inflight, until)
         if serve.runs is not None:
             self.links.retire(serve.runs_xfer, self.links.release_lists(*serve.runs[:2]))
             serve.runs, serve.runs_xfer = None, None
