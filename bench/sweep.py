@@ -11,6 +11,9 @@ Sections (all by default; ``--sections`` picks some):
   measurements, Triton runs only under the interpreter).
 * ``e2e``: one request end to end between processes over NIXL (bench/e2e.py), when NIXL is
   installed.
+* ``pd_vllm``: prefill and decode as real vLLM engines (bench/pd_vllm.py), kvtriton's connector
+  and vLLM's own NixlConnector side by side, P2->D1 and P1->D2, when the vLLM test bed is built
+  (``make vllm-bed``; ``.venv-vllm`` or ``$KVTRITON_VLLM_PYTHON``).
 
 Writes ``bench/results/sweep.csv`` (tidy rows), ``summary.md`` and ``descriptors.png``.
 Reproduce: ``make sweep`` (or ``.venv/bin/python bench/sweep.py [--quick]``).
@@ -156,6 +159,9 @@ def write_outputs(rows: list[dict], out_dir: Path, meta: dict) -> None:
         lines += [f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in sec]
         lines.append("")
+    pd = [r for r in rows if r["section"] == "pd_vllm"]
+    if pd:
+        lines += _pd_vllm_summary(pd)
     (out_dir / "summary.md").write_text("\n".join(lines))
     _plot(desc, out_dir / "descriptors.png")
 
@@ -202,7 +208,7 @@ def print_table(rows: list[dict]) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller payloads and fewer repetitions")
-    ap.add_argument("--sections", default="descriptors,kernels,e2e")
+    ap.add_argument("--sections", default="descriptors,kernels,e2e,pd_vllm")
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
@@ -223,6 +229,8 @@ def main(argv=None) -> int:
         from e2e import run_e2e_bench  # bench/e2e.py
 
         rows += [{"section": "e2e", **r} for r in run_e2e_bench(quick=args.quick)]
+    if "pd_vllm" in sections:
+        rows += pd_vllm_rows(args.quick)
     meta = dict(
         device=torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores, {platform.machine()})",
         torch=torch.__version__, git_sha=_git_sha(),
@@ -234,6 +242,49 @@ def main(argv=None) -> int:
     print_table(rows)
     print(f"\nwrote {args.out}/sweep.csv, summary.md, descriptors.png in {time.time() - t0:.1f} s")
     return 0
+
+
+def pd_vllm_rows(quick: bool) -> list[dict]:
+    """Both connectors on the same engines and prompts, both TP directions (bench/pd_vllm.py)."""
+    import pd_vllm  # bench/pd_vllm.py
+
+    if pd_vllm.vllm_python() is None:
+        print("pd_vllm: skipped, no vLLM test bed (make vllm-bed)")
+        return []
+    rows = []
+    for p_tp, d_tp in ((2, 1), (1, 2)):
+        for connector in ("kvtriton", "nixl"):
+            print(f"pd_vllm: {connector} P{p_tp}->D{d_tp} ...", flush=True)
+            try:
+                res = pd_vllm.run(connector, p_tp, d_tp, prompts=3 if quick else 4, prompt_len=333, quiet=True)
+            except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the sweep
+                rows.append({"section": "pd_vllm", "connector": connector, "prefill_tp": p_tp, "decode_tp": d_tp,
+                             "summary": f"pd_vllm: {connector}: failed ({type(e).__name__}: {str(e)[:200]}); "
+                                        f"P{p_tp}->D{d_tp}"})
+                continue
+            print(res["summary"], flush=True)
+            rows += [{"section": "pd_vllm", **r, "summary": res["summary"]} for r in res["rows"]]
+    return rows
+
+
+def _pd_vllm_summary(rows: list[dict]) -> list[str]:
+    lines = ["## Prefill/decode on real vLLM engines (bench/pd_vllm.py)", "",
+             "vLLM 0.32 CPU build, tiny random-weight GQA Llama (2 layers, 2 KV heads, head_dim 32, block 32), "
+             "prompts of ~333 tokens, 8 decode tokens. Time to the first decode token = KV load + one decode "
+             "step, per request, medians; descriptors = READs the decode ranks posted per request.", "",
+             "| connector | P->D | requests identical | prompt tokens recomputed | time to first decode token (ms) "
+             "| descriptors per request |", "|---|---|---|---|---|---|"]
+    summaries = []
+    for key in dict.fromkeys((r["connector"], r["prefill_tp"], r["decode_tp"]) for r in rows):
+        sel = [r for r in rows if (r["connector"], r["prefill_tp"], r["decode_tp"]) == key]
+        summaries.append(sel[0]["summary"])
+        if "ttft_ms" not in sel[0]:
+            lines.append(f"| {key[0]} | {key[1]}->{key[2]} | failed ||||")
+            continue
+        lines.append(f"| {key[0]} | {key[1]}->{key[2]} | {sum(r['identical'] for r in sel)}/{len(sel)} | "
+                     f"{sum(max(0, r['prompt_computed'] - 1) for r in sel)} | "
+                     f"{np.median([r['ttft_ms'] for r in sel]):.1f} | {int(np.median([r['descriptors'] for r in sel]))} |")
+    return lines + [""] + [f"    {s}" for s in summaries] + [""]
 
 
 def _pair(preset: Preset) -> tuple[int, int]:

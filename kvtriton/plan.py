@@ -43,6 +43,7 @@ __all__ = [
     "DirectRuns",
     "check_compatible",
     "build_plan",
+    "required_source_ranks",
     "compact_request",
     "direct_runs",
     "staged_descriptor_count",
@@ -388,6 +389,33 @@ def _direct_possible(d: RegionSpec, s: RegionSpec, slices) -> bool:
     same_order = d.layout == s.layout or d.local_heads == 1 or d.block_size == 1
     dense = all(d.block_is_dense(j) and s.block_is_dense(j) for j in range(d.num_streams))
     return same_order and dense
+
+
+def required_source_ranks(
+    dst_rank: int,
+    dst_tp: int,
+    dst_specs: Sequence[RegionSpec],
+    src_tp: int,
+    *,
+    replicate_stripe: int | None = None,
+) -> tuple[int, ...]:
+    """Source ranks ``dst_rank`` may read from, known *before* any source metadata arrives.
+
+    Which ranks serve a destination depends only on each region's kind and global head count,
+    which both engines share (the validation gate checks it), so a destination connects to
+    these ranks and no others. It equals :attr:`TransferPlan.source_ranks` of the plan that
+    :func:`build_plan` makes later, except that a REPLICATE region the plan sends STAGED reads
+    only the first of its replicas (this returns all of them).
+    """
+    if not 0 <= dst_rank < dst_tp:
+        raise PlanError(f"destination rank {dst_rank} is out of range for tp={dst_tp}")
+    ranks: set[int] = set()
+    for d in dst_specs:
+        if d.kind is Kind.REPLICATE:
+            ranks.update(replicate_sources(dst_rank, dst_tp, src_tp, replicate_stripe))
+        else:
+            ranks.update(sl.src_rank for sl in split_sources(dst_rank, dst_tp, src_tp, d.total_heads))
+    return tuple(sorted(ranks))
 
 
 # --------------------------------------------------------------------------- per request

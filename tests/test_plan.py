@@ -171,3 +171,30 @@ def test_chunk_geometry_covers_the_request_once():
     assert ChunkGeometry.fit(100, 0, 4096).count == 0
     with pytest.raises(StagingError, match="more than a chunk"):
         ChunkGeometry.fit(5000, 3, 4096)
+
+
+def mla_specs(rank, tp, block_size, num_blocks=64):
+    t = torch.empty(num_blocks, block_size, 64, dtype=torch.bfloat16, device="meta")
+    return [Region.mla("mla.0", t, block_size=block_size).spec]
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4, 6, 8])
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (8, 2), (2, 8), (2, 3), (3, 2),
+                                       (16, 1), (1, 16), (6, 4)])
+@pytest.mark.parametrize("with_mla", [False, True])
+def test_required_source_ranks_match_the_plan(heads, p_tp, d_tp, with_mla):
+    """A decode rank connects to required_source_ranks before it has any source metadata; the
+    plan it builds afterwards must read from exactly those ranks (DIRECT MLA stripes included)."""
+    from kvtriton.plan import required_source_ranks
+    from kvtriton.topology import check_tp
+    try:
+        check_tp(p_tp, heads), check_tp(d_tp, heads)
+    except Exception:
+        pytest.skip("TP sizes cannot shard this head count")
+    for d_rank in range(d_tp):
+        dst = gqa_specs(2, heads, 32, d_rank, d_tp, 16, layout=Layout.HND)
+        src = gqa_specs(2, heads, 32, 0, p_tp, 16)
+        if with_mla:
+            dst, src = dst + mla_specs(d_rank, d_tp, 16), src + mla_specs(0, p_tp, 16)
+        plan = build_plan(d_rank, d_tp, dst, p_tp, src)
+        assert required_source_ranks(d_rank, d_tp, dst, p_tp) == plan.source_ranks

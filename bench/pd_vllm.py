@@ -1,0 +1,161 @@
+"""Prefill/decode disaggregation on real vLLM engines: kvtriton's connector or vLLM's NixlConnector.
+
+Starts a prefill engine and a decode engine (vLLM's CPU build, child processes; the test bed from
+``make vllm-bed``) on a random-weight GQA Llama of the given shape, made here, and runs each prompt
+the way a P/D proxy does: prefill with ``max_tokens=1`` and ``do_remote_decode``, then decode with
+the ``kv_transfer_params`` it returned. Per request it prints the time to the first decode token
+(the KV load plus one decode step) and the descriptors the decode ranks posted for it; then checks
+the tokens against the decode engine computing the prompt itself, and counts the prompt tokens the
+decode engine computed (from its scheduler's own outputs: 1 per request when the KV came over).
+
+The last line is always::
+
+    pd_vllm: <connector>: <ok>/<n> requests token-identical to one engine; prompt tokens recomputed on decode: <r>; P<p>->D<d>
+
+Run from the repository root with kvtriton's venv (the engines use ``.venv-vllm``)::
+
+    .venv/bin/python bench/pd_vllm.py --connector kvtriton --prefill-tp 2 --decode-tp 1
+    .venv/bin/python bench/pd_vllm.py --connector nixl --prefill-tp 1 --decode-tp 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvtriton.testing.vllm_bed import EngineProcess, TinyLlama  # noqa: E402
+
+DEFAULT_VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def vllm_python() -> str | None:
+    py = os.environ.get("KVTRITON_VLLM_PYTHON") or str(DEFAULT_VLLM_PY)
+    return py if Path(py).exists() else None
+
+
+def _free_port(n: int = 1) -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
+        except OSError:
+            continue
+        for s in socks:
+            s.close()
+        return base
+    raise RuntimeError("no free port range")
+
+
+def _sum_stats(per_rank) -> dict:
+    out = {"loads": 0, "descriptors": 0, "bytes": 0}
+    for s in per_rank or ():
+        for k in out:
+            out[k] += (s or {}).get(k, 0)
+    return out
+
+
+def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, layers: int = 2, head_dim: int = 32,
+        block_size: int = 32, prompts: int = 4, prompt_len: int = 333, max_tokens: int = 8, python: str | None = None,
+        log_dir: str | None = None, quiet: bool = False) -> dict:
+    """Run one P/D configuration; returns a result dict (``rows`` per request, ``ok``, ``recomputed``)."""
+    python = python or vllm_python()
+    if python is None:
+        raise RuntimeError(f"no vLLM test bed at {DEFAULT_VLLM_PY}: run `make vllm-bed`")
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    work = Path(log_dir or tempfile.mkdtemp(prefix="pd_vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = TinyLlama(layers=layers, kv_heads=kv_heads, heads=2 * kv_heads, head_dim=head_dim,
+                      hidden=2 * kv_heads * head_dim, max_positions=max(4096, 2 * prompt_len))
+    model_dir = work / f"llama-l{layers}-kv{kv_heads}-d{head_dim}"
+    subprocess.run([python, "-c", "import sys, json; from kvtriton.testing.vllm_bed import make_tiny_llama, TinyLlama; "
+                    "make_tiny_llama(sys.argv[1], TinyLlama(**json.loads(sys.argv[2])))", str(model_dir),
+                    json.dumps(model.__dict__)], check=True, timeout=300, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    max_len = 1 << (prompt_len + max_tokens + block_size).bit_length()
+    common = dict(connector=connector, block_size=block_size, max_model_len=max_len, log_dir=work)
+    p_extra = {"lease_s": 120.0} if connector == "kvtriton" else {}
+    d_extra = {"timeout_s": 60.0, "handshake_timeout_s": 30.0} if connector == "kvtriton" else {}
+    t0 = time.time()
+    prefill = EngineProcess.start(python, model_dir, tp=prefill_tp, role="kv_producer", port=_free_port(prefill_tp),
+                                  extra=p_extra, engine_id=f"prefill-{connector}", name=f"prefill-{connector}", **common)
+    try:
+        decode = EngineProcess.start(python, model_dir, tp=decode_tp, role="kv_consumer", port=_free_port(1),
+                                     extra=d_extra, engine_id=f"decode-{connector}", name=f"decode-{connector}",
+                                     **common)
+    except BaseException:
+        prefill.close()
+        raise
+    say(f"engines up in {time.time() - t0:.1f} s (logs in {work})")
+    rng = random.Random(11)
+    toks = [[rng.randrange(model.vocab) for _ in range(prompt_len + (i * 7) % block_size)] for i in range(prompts)]
+    rows = []
+    try:
+        ref = decode.call("generate", requests=[{"id": f"ref{i}", "prompt": p, "max_tokens": max_tokens}
+                                                 for i, p in enumerate(toks)])["outputs"]
+        for i, p in enumerate(toks):
+            params = prefill.call("generate", requests=[{"id": f"p{i}", "prompt": p, "max_tokens": 1,
+                                                         "kv_transfer_params": {"do_remote_decode": True}}]
+                                  )["outputs"][0]["kv_transfer_params"]
+            before = _sum_stats(decode.call("transfer_stats")["stats"])
+            out = decode.call("generate", requests=[{"id": f"d{i}", "prompt": p, "max_tokens": max_tokens,
+                                                     "kv_transfer_params": params}])["outputs"][0]
+            after = _sum_stats(decode.call("transfer_stats")["stats"])
+            row = {"connector": connector, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "request": i,
+                   "prompt_tokens": len(p), "blocks": len(params["remote_block_ids"]) if params else 0,
+                   "ttft_ms": 1e3 * out["ttft_s"], "descriptors": after["descriptors"] - before["descriptors"],
+                   "kv_bytes": after["bytes"] - before["bytes"], "prompt_computed": out["prompt_computed"],
+                   "identical": out["tokens"] == ref[i]["tokens"]}
+            rows.append(row)
+            say(f"  request {i}: {row['prompt_tokens']} tokens ({row['blocks']} blocks), time to first decode token "
+                f"{row['ttft_ms']:.1f} ms, descriptors {row['descriptors']}, prompt tokens computed "
+                f"{row['prompt_computed']}, {'identical' if row['identical'] else 'DIFFERENT'}")
+    finally:
+        prefill.close()
+        decode.close()
+    ok = sum(r["identical"] for r in rows)
+    recomputed = sum(max(0, r["prompt_computed"] - 1) for r in rows)
+    return {"rows": rows, "ok": ok, "n": len(rows), "recomputed": recomputed,
+            "ttft_ms_median": statistics.median(r["ttft_ms"] for r in rows) if rows else None,
+            "summary": f"pd_vllm: {connector}: {ok}/{len(rows)} requests token-identical to one engine; "
+                       f"prompt tokens recomputed on decode: {recomputed}; P{prefill_tp}->D{decode_tp}"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--connector", choices=["kvtriton", "nixl"], default="kvtriton")
+    ap.add_argument("--prefill-tp", type=int, default=1)
+    ap.add_argument("--decode-tp", type=int, default=1)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=32, help="the CPU build needs a multiple of 32")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=333)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--json", help="also write the result here")
+    args = ap.parse_args(argv)
+    res = run(args.connector, args.prefill_tp, args.decode_tp, kv_heads=args.kv_heads, layers=args.layers,
+              head_dim=args.head_dim, block_size=args.block_size, prompts=args.prompts, prompt_len=args.prompt_len,
+              max_tokens=args.max_tokens)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    print(res["summary"])
+    return 0 if res["ok"] == res["n"] and res["recomputed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""vLLM's KV cache tensors as kvtriton :class:`~kvtriton.regions.Region` s: views, never copies.
+
+What ``register_kv_caches`` hands a connector, per attention layer (no vLLM import here):
+
+* vLLM >= 0.26 (RFC #42082): a 4-D logical ``[num_blocks, heads, block_size, content]`` view with K
+  and V of one (head, token) side by side in ``content`` (``head_size + head_size_v``). Its
+  physical order is the group's layout: ``LBHNC`` (head-major blocks), ``LBNHC`` (token-major),
+  or a block-outermost layout (``BLHNC``/``BLNHC``/``BHLNC``) where one block row holds every
+  layer's page, so the block stride exceeds the page (padding is allowed too).
+* Older releases: a 5-D ``[2, num_blocks, block_size, heads, head_size]`` (K/V outermost) or
+  ``[num_blocks, 2, block_size, heads, head_size]`` tensor, physical order by its strides.
+* MLA: ``[num_blocks, block_size, head_size]``, or the 4-D view with one head and key only.
+
+A K‖V row stays **one stream**: in a head-major cache one head of one block is then a single
+contiguous tile (K and V together) instead of two strided halves. The layout given to kvtriton
+is the *physical* one (read from the strides), so a head-major cache packs and unpacks as whole
+tiles and homogeneous transfers can go zero-copy.
+
+Example
+-------
+>>> import torch
+>>> cache = torch.zeros(64, 2, 32, 2 * 64)                # [blocks, heads, block_size, K||V], LBHNC
+>>> [r] = regions_from_vllm_caches({"model.layers.0.self_attn.attn": cache}, block_size=32,
+...                                total_kv_heads=4)
+>>> r.spec.layout.value, r.spec.local_heads, r.spec.head_dims, r.streams[0].data_ptr() == cache.data_ptr()
+('HND', 2, (128,), True)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Collection, Mapping
+
+import torch
+
+from ...errors import RegionError
+from ...regions import Kind, Layout, Region
+
+__all__ = ["regions_from_vllm_caches", "layer_sort_key"]
+
+
+def layer_sort_key(name: str) -> tuple:
+    """Model order of layer names: ``...layers.10...`` after ``...layers.9...`` (numbers compare
+    as numbers), so both engines list regions identically whatever order the dict has."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def regions_from_vllm_caches(
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    block_size: int,
+    total_kv_heads: int,
+    mla_layers: Collection[str] = (),
+) -> list[Region]:
+    """One :class:`Region` per layer, in model order, viewing vLLM's own tensors.
+
+    Parameters
+    ----------
+    kv_caches:      ``register_kv_caches``' argument: layer name -> cache tensor (shapes above).
+    block_size:     tokens per block of the engine's cache.
+    total_kv_heads: the model's KV heads (before TP sharding) for attention layers.
+    mla_layers:     names of MLA (latent) layers: REPLICATE regions, key only.
+
+    Raises :class:`~kvtriton.errors.RegionError` for a tensor of any other shape, naming the layer
+    and the shapes accepted.
+    """
+    mla = set(mla_layers)
+    unknown = mla - set(kv_caches)
+    if unknown:
+        raise RegionError(f"mla_layers names layers without a cache: {sorted(unknown)}")
+    regions = []
+    for name in sorted(kv_caches, key=layer_sort_key):
+        t = kv_caches[name]
+        if name in mla:
+            regions.append(_mla_region(name, t, block_size))
+        else:
+            regions.append(_attention_region(name, t, block_size, total_kv_heads))
+    return regions
+
+
+def _attention_region(name: str, t: torch.Tensor, block_size: int, total_heads: int) -> Region:
+    if t.dim() == 4:  # [B, H, N, C]: K||V packed in C
+        if t.shape[2] != block_size:
+            raise RegionError(f"layer {name!r}: cache {tuple(t.shape)} is not [num_blocks, heads, block_size="
+                              f"{block_size}, head_size + head_size_v]")
+        if _head_major(t.stride(1), t.stride(2), t.shape[1], t.shape[2]):
+            return Region.attention(name, t, layout=Layout.HND, block_size=block_size, total_heads=total_heads)
+        return Region.attention(name, t.transpose(1, 2), layout=Layout.NHD, block_size=block_size,
+                                total_heads=total_heads)
+    if t.dim() == 5 and 2 in (t.shape[0], t.shape[1]):  # [2, B, N, H, D] or [B, 2, N, H, D]
+        # K/V outermost when that axis is 2 and strides over the blocks (num_blocks == 2 is ambiguous by shape)
+        kv_dim = 0 if t.shape[0] == 2 and (t.shape[1] != 2 or t.stride(0) > t.stride(1)) else 1
+        if t.shape[2] != block_size:
+            raise RegionError(f"layer {name!r}: cache {tuple(t.shape)} is neither [2, num_blocks, block_size, heads, "
+                              f"head_size] nor [num_blocks, 2, block_size, heads, head_size] with block_size={block_size}")
+        if _head_major(t.stride(3), t.stride(2), t.shape[3], t.shape[2]):
+            return Region.attention(name, kv=t.transpose(2, 3), kv_dim=kv_dim, layout=Layout.HND,
+                                    block_size=block_size, total_heads=total_heads)
+        return Region.attention(name, kv=t, kv_dim=kv_dim, layout=Layout.NHD, block_size=block_size,
+                                total_heads=total_heads)
+    raise RegionError(f"layer {name!r}: cache of shape {tuple(t.shape)} is not a vLLM attention cache: expected "
+                      "[num_blocks, heads, block_size, head_size + head_size_v] or a 5-D K/V tensor "
+                      "[2, num_blocks, block_size, heads, head_size] / [num_blocks, 2, block_size, heads, head_size]")
+
+
+def _mla_region(name: str, t: torch.Tensor, block_size: int) -> Region:
+    if t.dim() == 3:  # [B, N, C]
+        return Region.mla(name, t, block_size=block_size)
+    if t.dim() == 4 and t.shape[1] == 1:  # [B, 1, N, C]: one latent "head", key only
+        return Region.attention(name, t, layout=Layout.HND, block_size=block_size, total_heads=1,
+                                kind=Kind.REPLICATE)
+    raise RegionError(f"MLA layer {name!r}: cache of shape {tuple(t.shape)} is neither [num_blocks, block_size, "
+                      "head_size] nor [num_blocks, 1, block_size, head_size]")
+
+
+def _head_major(head_stride: int, token_stride: int, heads: int, tokens: int) -> bool:
+    """True when heads are outer to tokens inside a block (a size-1 axis has no order)."""
+    if heads == 1:
+        return True
+    if tokens == 1:
+        return False
+    return head_stride > token_stride

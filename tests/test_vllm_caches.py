@@ -1,0 +1,158 @@
+"""vLLM's cache tensors as kvtriton regions (kvtriton.integrations.vllm.caches; no vLLM needed).
+
+Caches are built the way vLLM lays them out (a backing tensor per group, physical order by the
+layout's stride permutation over logical [L, B, H, N, C], per-layer [B, H, N, C] views, padded
+block rows), moved between hetero-TP ranks through the plan and the torch repack, and checked
+byte-exact against the global cache, with every untouched block compared too."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvtriton.errors import RegionError
+from kvtriton.integrations.vllm.caches import layer_sort_key, regions_from_vllm_caches
+from kvtriton.regions import Kind, Layout
+from kvtriton.testing.oracle import local_transfer
+from kvtriton.topology import head_range
+
+# stride permutations of vllm/v1/kv_cache_layout.py: physical order of the logical axes L, B, H, N, C
+LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+           "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+L, B, N, C, H = 3, 12, 4, 16, 4  # layers, blocks, block_size, K||V content, global KV heads
+
+
+def vllm_caches(layout: str, heads: int, *, pad: int = 0, mla_layers=(), gen=None) -> dict[str, torch.Tensor]:
+    """Per-layer logical [B, heads, N, C] views of one backing tensor in ``layout``; ``pad`` extra
+    elements after every block row (block-outermost layouts) or every page (layer-outermost)."""
+    order = LAYOUTS[layout]
+    sizes = (L, B, heads, N, C)
+    phys_shape = [sizes[d] for d in order]
+    # pad the second physical axis' stride: a block (or layer) row longer than its content
+    row = int(np.prod(phys_shape[2:]))
+    backing = torch.empty(phys_shape[0] * phys_shape[1] * (row + pad)).normal_(generator=gen)
+    strides = [0] * 5
+    strides[4] = 1
+    for i in (3, 2):
+        strides[i] = strides[i + 1] * phys_shape[i + 1]
+    strides[1] = row + pad
+    strides[0] = phys_shape[1] * (row + pad)
+    phys = backing.as_strided(phys_shape, strides)
+    logical = phys.permute([order.index(d) for d in range(5)])  # [L, B, H, N, C]
+    caches = {f"model.layers.{i}.self_attn.attn": logical[i] for i in range(L)}
+    for name in mla_layers:  # MLA: [B, N, C] of its own, identical on every rank
+        caches[name] = torch.empty(B, N, 24).normal_(generator=gen)
+    return caches
+
+
+def global_cache(gen):
+    return [torch.randn(B, H, N, C, generator=gen) for _ in range(L)], torch.randn(B, N, 24, generator=gen)
+
+
+def load(caches, rank, tp, glob, mla_glob):
+    h0, h1 = head_range(rank, tp, H)
+    for i in range(L):
+        caches[f"model.layers.{i}.self_attn.attn"].copy_(glob[i][:, h0:h1])
+    if "mtp.mla" in caches:
+        caches["mtp.mla"].copy_(mla_glob)
+
+
+@pytest.mark.parametrize("p_layout,d_layout", [("LBHNC", "LBHNC"), ("LBNHC", "LBHNC"), ("BLHNC", "LBNHC"),
+                                               ("BLNHC", "BHLNC"), ("LHBNC", "BLHNC")])
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2), (4, 2), (1, 1)])
+@pytest.mark.parametrize("pad", [0, 8])
+def test_vllm_layouts_move_byte_exact(gen, p_layout, d_layout, p_tp, d_tp, pad):
+    glob, mla_glob = global_cache(gen)
+    mla = ("mtp.mla",)
+    p_caches = [vllm_caches(p_layout, H // p_tp, pad=pad, mla_layers=mla, gen=gen) for _ in range(p_tp)]
+    d_caches = [vllm_caches(d_layout, H // d_tp, pad=pad, mla_layers=mla, gen=gen) for _ in range(d_tp)]
+    for r, c in enumerate(p_caches):
+        load(c, r, p_tp, glob, mla_glob)
+    before = [{k: v.clone() for k, v in c.items()} for c in d_caches]
+    kw = dict(block_size=N, total_kv_heads=H, mla_layers=mla)
+    p_regions = [regions_from_vllm_caches(c, **kw) for c in p_caches]
+    d_regions = [regions_from_vllm_caches(c, **kw) for c in d_caches]
+    src, dst = np.array([3, 9, 0, 4]), np.array([7, 2, 11, -1])  # -1: a block the decode has
+    local_transfer(p_regions, d_regions, src, dst)
+    for r, c in enumerate(d_caches):
+        h0, h1 = head_range(r, d_tp, H)
+        for i in range(L):
+            got = c[f"model.layers.{i}.self_attn.attn"]
+            want = before[r][f"model.layers.{i}.self_attn.attn"].clone()
+            for s, d in zip(src, dst):
+                if d >= 0:
+                    want[d] = glob[i][s, h0:h1]
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (r, i)
+        want_mla = before[r]["mtp.mla"].clone()
+        for s, d in zip(src, dst):
+            if d >= 0:
+                want_mla[d] = mla_glob[s]
+        assert torch.equal(c["mtp.mla"].view(torch.uint8), want_mla.view(torch.uint8))
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_regions_view_the_cache_without_copies(gen, layout):
+    caches = vllm_caches(layout, 2, pad=4, mla_layers=("mtp.mla",), gen=gen)
+    regions = regions_from_vllm_caches(caches, block_size=N, total_kv_heads=H, mla_layers=("mtp.mla",))
+    assert [r.spec.name for r in regions] == sorted(caches, key=layer_sort_key)
+    for r in regions:
+        t = caches[r.spec.name]
+        assert r.streams[0].untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        assert r.spec.num_streams == 1  # K||V stays one stream
+        if r.spec.name == "mtp.mla":
+            assert r.spec.kind is Kind.REPLICATE and r.spec.local_heads == 1
+        else:
+            # the physical order inside a block decides the layout kvtriton sees
+            head_major = LAYOUTS[layout].index(2) < LAYOUTS[layout].index(3)
+            assert r.spec.layout is (Layout.HND if head_major else Layout.NHD)
+            assert r.spec.head_dims == (C,) and r.spec.local_heads == 2
+
+
+def test_layer_order_is_numeric():
+    names = ["model.layers.10.attn", "model.layers.2.attn", "model.layers.1.attn"]
+    assert sorted(names, key=layer_sort_key) == ["model.layers.1.attn", "model.layers.2.attn", "model.layers.10.attn"]
+
+
+def test_legacy_five_d_caches(gen):
+    # [2, B, N, H, D] (K/V outermost) and [B, 2, N, H, D] (blocks first), token-major inside a block
+    kv_outer = torch.randn(2, B, N, 2, 8, generator=gen)
+    blocks_first = torch.randn(B, 2, N, 2, 8, generator=gen)
+    for t, kv_dim in ((kv_outer, 0), (blocks_first, 1)):
+        [r] = regions_from_vllm_caches({"l0": t}, block_size=N, total_kv_heads=4)
+        assert r.spec.num_streams == 2 and r.spec.layout is Layout.NHD
+        assert torch.equal(r.streams[1], t.select(kv_dim, 1))
+
+
+def test_bad_caches_raise_region_errors():
+    with pytest.raises(RegionError, match="block_size=4"):
+        regions_from_vllm_caches({"l0": torch.zeros(B, 2, 5, C)}, block_size=N, total_kv_heads=4)
+    with pytest.raises(RegionError, match="not a vLLM attention cache"):
+        regions_from_vllm_caches({"l0": torch.zeros(B, 2, N)}, block_size=N, total_kv_heads=4)
+    with pytest.raises(RegionError, match="without a cache"):
+        regions_from_vllm_caches({"l0": torch.zeros(B, 2, N, C)}, block_size=N, total_kv_heads=4, mla_layers=["x"])
+    with pytest.raises(RegionError, match="MLA layer"):
+        regions_from_vllm_caches({"m": torch.zeros(B, 2, N, C)}, block_size=N, total_kv_heads=4, mla_layers=["m"])
+
+
+def test_settings_are_checked():
+    from kvtriton.integrations.vllm.settings import ConnectorSettings, SettingsError
+
+    s = ConnectorSettings.from_extra_config({"port": 6000, "lease_s": 5, "mode": "push"})
+    assert s.port == 6000 and s.lease_s == 5.0 and s.mode == "push"
+    for bad, match in (({"prot": 1}, "unknown keys"), ({"port": "6000"}, "must be int"), ({"port": 0}, "TCP port"),
+                       ({"mode": "both"}, "pull"), ({"lease_s": 0}, "> 0"), ({"staging_bytes": True}, "must be int")):
+        with pytest.raises(SettingsError, match=match):
+            ConnectorSettings.from_extra_config(bad)
+
+
+def test_remote_params_are_checked():
+    from kvtriton.integrations.vllm.scheduler import ParamsError, parse_remote_params, remote_params
+
+    good = remote_params("P", "127.0.0.1", 6000, 2, 16, "req-1", [3, 4])
+    src = parse_remote_params(good, 16)
+    assert (src.engine_id, src.port, src.tp_size, src.block_ids) == ("P", 6000, 2, (3, 4))
+    assert parse_remote_params({**good, "remote_block_ids": [[3, 4]]}, 16).block_ids == (3, 4)  # one group
+    for field, value in (("remote_port", 70000), ("remote_port", True), ("tp_size", 0), ("remote_engine_id", ""),
+                         ("remote_block_ids", [1, -2]), ("remote_block_ids", "12"), ("remote_request_id", None),
+                         ("remote_block_size", 32)):
+        with pytest.raises(ParamsError):
+            parse_remote_params({**good, field: value}, 16)

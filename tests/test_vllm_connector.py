@@ -1,0 +1,218 @@
+"""KVTritonConnector inside real vLLM engines (the test bed: ``make vllm-bed``; nothing mocked).
+
+Each engine is a child process running vLLM (the CPU build 0.32) on a tiny random-weight GQA Llama
+made here; kvtriton moves the prompt KV from a prefill engine to a decode engine over real NIXL.
+Oracles: the decode's greedy tokens equal the same engine computing the prompt itself, **and** the
+decode computed at most one prompt token per request (counted from the scheduler's own outputs),
+so a connector that silently recomputes cannot pass; a negative control (the prefill's blocks
+overwritten before the load) must change the tokens, so the KV really travelled.
+"""
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtriton.testing.vllm_bed import EngineProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PY = os.environ.get("KVTRITON_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+pytestmark = pytest.mark.vllm
+
+if not Path(VLLM_PY).exists():
+    if os.environ.get("CI"):  # CI builds the test bed first (make test -> vllm-bed): never skip there
+        raise RuntimeError(f"vLLM test bed missing: {VLLM_PY} (run `make vllm-bed`)")
+    pytest.skip(f"no vLLM test bed at {VLLM_PY}: `make vllm-bed` builds it", allow_module_level=True)
+
+BLOCK = 32
+LENGTHS = (37, 100, 333, 650)  # not multiples of the block size; up to 21 blocks
+MAX_TOKENS = 8
+# timeouts sized for a loaded 2-core machine; the decode fails a silent load after TIMEOUT_S
+P_EXTRA = {"lease_s": 60.0, "handshake_timeout_s": 20.0}
+D_EXTRA = {"timeout_s": 8.0, "handshake_timeout_s": 20.0, "handshake_attempts": 2}
+
+
+def free_port_range(n: int) -> int:
+    """A base port with ``n`` consecutive ports free on 127.0.0.1 (rank r listens on base + r)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65536:
+            continue
+        try:
+            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
+        except OSError:
+            continue
+        for s in socks:
+            s.close()
+        return base
+    raise RuntimeError("no free port range")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([VLLM_PY, "-c", "import sys; from kvtriton.testing.vllm_bed import make_tiny_llama; "
+                    "make_tiny_llama(sys.argv[1])", str(path)], check=True, timeout=300,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(7)
+    return [[rng.randrange(512) for _ in range(n)] for n in LENGTHS]
+
+
+class Pair:
+    """A prefill engine and a decode engine, both with kvtriton's connector."""
+
+    def __init__(self, model_dir, log_dir, p_tp, d_tp, p_extra=None, d_extra=None):
+        self.p_tp, self.d_tp = p_tp, d_tp
+        port = free_port_range(p_tp)
+        self.prefill = EngineProcess.start(
+            VLLM_PY, model_dir, tp=p_tp, connector="kvtriton", role="kv_producer", port=port, block_size=BLOCK,
+            extra={**P_EXTRA, **(p_extra or {})}, engine_id=f"prefill-tp{p_tp}", log_dir=log_dir, name="prefill")
+        try:
+            self.decode = EngineProcess.start(
+                VLLM_PY, model_dir, tp=d_tp, connector="kvtriton", role="kv_consumer", port=free_port_range(1),
+                block_size=BLOCK, extra={**D_EXTRA, **(d_extra or {})}, engine_id=f"decode-tp{d_tp}",
+                log_dir=log_dir, name="decode")
+        except BaseException:
+            self.prefill.close()
+            raise
+
+    def reference(self, prompts, tag="ref"):
+        """Greedy tokens of the decode engine computing each prompt itself (no transfer)."""
+        out = self.decode.call("generate", requests=[
+            {"id": f"{tag}{i}", "prompt": p, "max_tokens": MAX_TOKENS} for i, p in enumerate(prompts)])["outputs"]
+        assert [o["prompt_computed"] for o in out] == [len(p) for p in prompts]
+        return [o["tokens"] for o in out]
+
+    def prefill_requests(self, prompts, tag):
+        out = self.prefill.call("generate", requests=[
+            {"id": f"{tag}{i}", "prompt": p, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+            for i, p in enumerate(prompts)])["outputs"]
+        params = [o["kv_transfer_params"] for o in out]
+        assert all(p and p["do_remote_prefill"] and p["tp_size"] == self.p_tp for p in params), params
+        return params
+
+    def decode_requests(self, prompts, params, tag, timeout_s=120):
+        return self.decode.call("generate", timeout_s=timeout_s + 30, requests=[
+            {"id": f"{tag}{i}", "prompt": p, "max_tokens": MAX_TOKENS, "kv_transfer_params": kp}
+            for i, (p, kp) in enumerate(zip(prompts, params))], seconds=timeout_s)["outputs"]
+
+    def settle(self, engine, seconds=30):
+        """Step ``engine`` until it holds no request; its blocks and staging must all be free."""
+        engine.call("drain", seconds=seconds, timeout_s=seconds + 30)
+        state = engine.call("state")
+        assert state["requests"] == 0 and state["free_blocks"] == state["total_blocks"], state
+        assert state["staging_in_use"] and all(s == 0 for s in state["staging_in_use"]), state
+        return state
+
+    def close(self):
+        self.prefill.close()
+        self.decode.close()
+
+
+def transfer_and_check(pair, prompts, tag):
+    ref = pair.reference(prompts, tag=f"{tag}-ref")
+    params = pair.prefill_requests(prompts, f"{tag}-p")
+    out = pair.decode_requests(prompts, params, f"{tag}-d")
+    got = [o["tokens"] for o in out]
+    computed = [o["prompt_computed"] for o in out]
+    assert got == ref, f"decode tokens differ from one engine: {got} vs {ref}"
+    assert all(c <= 1 for c in computed), f"decode recomputed prompt tokens: {computed}"
+    pair.settle(pair.prefill)  # every hold was released once the decode ranks were done
+    pair.settle(pair.decode)
+    return ref, params
+
+
+@pytest.fixture(scope="module")
+def pair_1_1(model_dir, tmp_path_factory):
+    pair = Pair(model_dir, tmp_path_factory.mktemp("p1d1"), 1, 1, p_extra={"lease_s": 6.0})
+    yield pair
+    pair.close()
+
+
+def test_scheduler_side_on_vllm_032_and_033():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([VLLM_PY, str(ROOT / "tests" / "vllm_scheduler_check.py")], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0 and "ok 0.32" in out.stdout, out.stderr[-3000:]
+    up = ROOT / ".venv-vllm" / "vllm033"
+    if not up.exists() and not os.environ.get("CI"):
+        pytest.skip("no upstream vLLM 0.33 next to the test bed")
+    env.update(PYTHONPATH=str(up), VLLM_TARGET_DEVICE="cpu")
+    out = subprocess.run([VLLM_PY, str(ROOT / "tests" / "vllm_scheduler_check.py")], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0 and "ok 0.33" in out.stdout, out.stderr[-3000:]
+
+
+def test_p1_d1_tokens_identical_and_nothing_recomputed(pair_1_1, prompts):
+    transfer_and_check(pair_1_1, prompts, "a")
+
+
+def test_unfetched_prefill_is_released_when_its_lease_ends(pair_1_1, prompts):
+    pair = pair_1_1
+    pair.prefill_requests(prompts[:2], "lease")
+    state = pair.prefill.call("state")
+    assert state["free_blocks"] < state["total_blocks"]  # kept for a decode that never comes
+    t0 = time.monotonic()
+    pair.settle(pair.prefill, seconds=40)  # lease_s=6: vLLM gets the blocks back after it
+    assert time.monotonic() - t0 > 3
+
+
+def test_abort_mid_load_frees_everything(pair_1_1, prompts):
+    pair = pair_1_1
+    params = pair.prefill_requests(prompts[:2], "ab-p")
+    pair.prefill.signal(signal.SIGSTOP)  # a prefill that stops answering mid-transfer
+    try:
+        pair.decode.call("submit", requests=[
+            {"id": f"ab-d{i}", "prompt": p, "max_tokens": MAX_TOKENS, "kv_transfer_params": kp}
+            for i, (p, kp) in enumerate(zip(prompts[:2], params))], steps=3)
+        state = pair.decode.call("state")
+        assert state["requests"] == 2 and state["free_blocks"] < state["total_blocks"]  # waiting for KV
+        pair.decode.call("abort", ids=["ab-d0", "ab-d1"])
+        pair.settle(pair.decode, seconds=20)  # cancelled loads reported; blocks and staging back
+    finally:
+        pair.prefill.signal(signal.SIGCONT)
+    pair.settle(pair.prefill, seconds=40)  # its holds end by lease (nobody will say done)
+    # both engines still serve: a fresh transfer works
+    transfer_and_check(pair, prompts[:2], "after-abort")
+
+
+def test_prefill_killed_before_load_is_recomputed(pair_1_1, prompts):
+    pair = pair_1_1
+    ref = pair.reference(prompts, tag="kill-ref")
+    params = pair.prefill_requests(prompts, "kill-p")
+    pair.prefill.kill()  # SIGKILL after request_finished, before the decode loads
+    out = pair.decode_requests(prompts, params, "kill-d")
+    assert [o["tokens"] for o in out] == ref  # load errors -> vLLM recomputed the blocks
+    assert all(o["prompt_computed"] > 1 for o in out)  # ... and really did
+    pair.settle(pair.decode)
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_hetero_tp_tokens_identical_and_negative_control(model_dir, tmp_path, prompts, p_tp, d_tp):
+    pair = Pair(model_dir, tmp_path, p_tp, d_tp)
+    try:
+        ref, _ = transfer_and_check(pair, prompts, "h")
+        # negative control: overwrite the prefill's blocks before the decode loads them
+        params = pair.prefill_requests(prompts, "neg-p")
+        blocks = sorted({b for p in params for b in p["remote_block_ids"]})
+        scrambled = pair.prefill.call("scramble", block_ids=blocks)["scrambled"]
+        assert all(n == 2 * len(blocks) for n in scrambled), scrambled  # 2 layers on every rank
+        out = pair.decode_requests(prompts, params, "neg-d")
+        assert [o["tokens"] for o in out] != ref, "tokens did not change with the KV overwritten"
+        assert all(o["prompt_computed"] <= 1 for o in out)
+        pair.settle(pair.prefill)
+    finally:
+        pair.close()
