@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvtriton.testing.vllm_bed import EngineProcess, TinyLlama  # noqa: E402
+from kvtriton.testing.vllm_bed import EngineProcess, TinyLlama, free_port_range  # noqa: E402
 
 DEFAULT_VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 
@@ -45,19 +44,9 @@ def vllm_python() -> str | None:
     return py if Path(py).exists() else None
 
 
-def _free_port(n: int = 1) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
-        except OSError:
-            continue
-        for s in socks:
-            s.close()
-        return base
-    raise RuntimeError("no free port range")
+def _num_blocks(params) -> int:
+    ids = (params or {}).get("remote_block_ids") or []
+    return len(ids[0]) if ids and isinstance(ids[0], list) else len(ids)  # NixlConnector: one list per group
 
 
 def _sum_stats(per_rank) -> dict:
@@ -90,14 +79,17 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     p_extra = {"lease_s": 120.0} if connector == "kvtriton" else {}
     d_extra = {"timeout_s": 60.0, "handshake_timeout_s": 30.0} if connector == "kvtriton" else {}
     t0 = time.time()
-    prefill = EngineProcess.start(python, model_dir, tp=prefill_tp, role="kv_producer", port=_free_port(prefill_tp),
-                                  extra=p_extra, engine_id=f"prefill-{connector}", name=f"prefill-{connector}", **common)
+    # decode first: NixlConnector's NIXL progress threads busy-poll once its agent exists, which
+    # on a small host starves whatever starts next; the smaller (TP1) engine spinning first hurts least
+    decode = EngineProcess.start(python, model_dir, tp=decode_tp, role="kv_consumer", port=free_port_range(1),
+                                 extra=d_extra, engine_id=f"decode-{connector}", name=f"decode-{connector}",
+                                 timeout_s=600, **common)
     try:
-        decode = EngineProcess.start(python, model_dir, tp=decode_tp, role="kv_consumer", port=_free_port(1),
-                                     extra=d_extra, engine_id=f"decode-{connector}", name=f"decode-{connector}",
-                                     **common)
+        prefill = EngineProcess.start(python, model_dir, tp=prefill_tp, role="kv_producer",
+                                      port=free_port_range(prefill_tp), extra=p_extra, engine_id=f"prefill-{connector}",
+                                      name=f"prefill-{connector}", timeout_s=600, **common)
     except BaseException:
-        prefill.close()
+        decode.close()
         raise
     say(f"engines up in {time.time() - t0:.1f} s (logs in {work})")
     rng = random.Random(11)
@@ -115,7 +107,7 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
                                                      "kv_transfer_params": params}])["outputs"][0]
             after = _sum_stats(decode.call("transfer_stats")["stats"])
             row = {"connector": connector, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "request": i,
-                   "prompt_tokens": len(p), "blocks": len(params["remote_block_ids"]) if params else 0,
+                   "prompt_tokens": len(p), "blocks": _num_blocks(params),
                    "ttft_ms": 1e3 * out["ttft_s"], "descriptors": after["descriptors"] - before["descriptors"],
                    "kv_bytes": after["bytes"] - before["bytes"], "prompt_computed": out["prompt_computed"],
                    "identical": out["tokens"] == ref[i]["tokens"]}

@@ -11,7 +11,6 @@ overwritten before the load) must change the tokens, so the KV really travelled.
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtriton.testing.vllm_bed import EngineProcess
+from kvtriton.testing.vllm_bed import EngineProcess, free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = os.environ.get("KVTRITON_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
@@ -36,24 +35,6 @@ MAX_TOKENS = 8
 # timeouts sized for a loaded 2-core machine; the decode fails a silent load after TIMEOUT_S
 P_EXTRA = {"lease_s": 60.0, "handshake_timeout_s": 20.0}
 D_EXTRA = {"timeout_s": 8.0, "handshake_timeout_s": 20.0, "handshake_attempts": 2}
-
-
-def free_port_range(n: int) -> int:
-    """A base port with ``n`` consecutive ports free on 127.0.0.1 (rank r listens on base + r)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65536:
-            continue
-        try:
-            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
-        except OSError:
-            continue
-        for s in socks:
-            s.close()
-        return base
-    raise RuntimeError("no free port range")
 
 
 @pytest.fixture(scope="module")

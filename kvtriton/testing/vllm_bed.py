@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["EngineProcess", "make_tiny_llama", "TinyLlama"]
+__all__ = ["EngineProcess", "make_tiny_llama", "TinyLlama", "free_port_range"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,27 @@ def make_tiny_llama(path: str | os.PathLike, model: TinyLlama = TinyLlama()) -> 
                 p.normal_(0.0, 0.08)
     m.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def free_port_range(n: int = 1) -> int:
+    """A base port with ``n`` consecutive ports free on 127.0.0.1 now (rank r of an engine listens
+    on base + r)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65536:
+            continue
+        try:
+            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
+        except OSError:
+            continue
+        for s in socks:
+            s.close()
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1")
 
 
 # --------------------------------------------------------------------------- parent side
@@ -173,8 +194,12 @@ def _child(args) -> None:
     from vllm.inputs import TokensPrompt
 
     logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+    if os.environ.get("KVTRITON_DEBUG"):
+        logging.getLogger("kvtriton").setLevel(logging.DEBUG)
     kv_config = None
     extra = json.loads(args.extra)
+    if os.environ.get("KVTRITON_BED_TRACE"):
+        _trace_connector_calls()
     if args.connector == "kvtriton":
         kv_config = {"kv_connector": "KVTritonConnector", "kv_connector_module_path": "kvtriton.integrations.vllm",
                      "kv_role": args.role, "kv_load_failure_policy": "recompute",
@@ -294,6 +319,31 @@ def _child(args) -> None:
 
 
 _NIXL_COUNTS = {"loads": 0, "descriptors": 0, "bytes": 0}
+
+
+def _trace_connector_calls() -> None:
+    """Log every call vLLM makes into KVTritonConnector (``KVTRITON_BED_TRACE=1``): the call order
+    a real engine makes, as the connector sees it."""
+    import functools
+    import logging
+
+    from kvtriton.integrations.vllm import connector as mod
+
+    log = logging.getLogger("kvtriton.trace")
+    cls = mod.KVTritonConnector
+    for name, fn in list(vars(cls).items()):
+        if name.startswith("_") and name != "__init__" or not callable(fn):
+            continue
+
+        def wrap(fn=fn, name=name):
+            @functools.wraps(fn)
+            def traced(self, *a, **kw):
+                role = getattr(getattr(self, "role", None), "name", "?")
+                log.info("call %s.%s", role, name)
+                return fn(self, *a, **kw)
+            return traced
+
+        setattr(cls, name, wrap())
 
 
 class _BedHooks:

@@ -123,6 +123,8 @@ class WorkerSide:
             self.stats["loads" if r.ok else "failed"] += 1
             self.stats["descriptors"] += r.descriptors
             self.stats["bytes"] += r.bytes
+            logger.debug("load of %s: %s in %.1f ms, %d descriptors, %d bytes", r.req_id,
+                         "ok" if r.ok else f"failed ({r.error})", 1e3 * r.seconds, r.descriptors, r.bytes)
             self._result(r.req_id, r.error)
         with self._lock:
             sending = self._freed & self._confirmed
