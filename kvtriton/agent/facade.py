@@ -8,6 +8,8 @@ destination's (:mod:`.destination`), over the links both share (:mod:`.links`).
 
 from __future__ import annotations
 
+import logging
+
 import threading
 import time
 import uuid
@@ -120,6 +122,7 @@ class TransferAgent:
         self._links = Links(settings, transport, self.stats)
         try:
             self._register()
+            self._metadata = self._build_metadata()
         except BaseException:
             self.transport.close()
             raise
@@ -154,7 +157,14 @@ class TransferAgent:
             slot_descs(self.pool.addr, self.pool.num_slots, self.pool.slot_bytes, links.dev), links.mem)
 
     def metadata(self) -> bytes:
-        """This rank's handshake metadata (msgpack bytes) for :meth:`add_remote` on peers."""
+        """This rank's handshake metadata (msgpack bytes) for :meth:`add_remote` on peers.
+
+        Built once, at construction: NIXL's agent is not thread-safe without its progress thread,
+        and a handshake thread asking NIXL for its metadata while the progress thread drives UCX
+        was seen to leave later notifications stuck for a minute."""
+        return self._metadata
+
+    def _build_metadata(self) -> bytes:
         links = self._links
         return wire.encode_metadata(wire.RankMetadata(
             engine=self.engine_id, rank=self.rank, tp=self.tp, agent=self.transport.name,
@@ -324,6 +334,8 @@ class TransferAgent:
         m = None
         try:
             m = wire.decode_message(raw)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("<- %s %r", sender, m)
             self._handlers[type(m)](peer, m)
         except Exception as e:  # noqa: BLE001 - a peer must never be able to stop progress()
             if not isinstance(e, KVTritonError):

@@ -152,6 +152,8 @@ class Links:
 
     def send(self, peer: Peer, msg: wire.Message, quiet: bool = False) -> None:
         """Notify ``peer``; ``quiet`` for best-effort messages whose loss the peer survives."""
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("-> %s %r", peer.agent, msg)
         try:
             self.transport.send_notif(peer.agent, msg.encode())
         except TransportError as e:

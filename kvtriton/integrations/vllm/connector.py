@@ -17,6 +17,7 @@ routes vLLM's calls to them and adapts types.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +54,8 @@ class KVTritonConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        if os.environ.get("KVTRITON_DEBUG"):  # every control message and load, in every rank's log
+            _debug_logging()
         kv = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(kv.kv_connector_extra_config)
         self.engine_id = str(kv.engine_id)
@@ -146,6 +149,18 @@ class KVTritonConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+
+
+def _debug_logging() -> None:
+    log = logging.getLogger("kvtriton")
+    log.setLevel(logging.DEBUG)
+    if not any(getattr(h, "_kvtriton", False) for h in log.handlers):
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d pid %(process)d %(threadName)s %(name)s: %(message)s",
+                                         "%H:%M:%S"))
+        h._kvtriton = True
+        log.addHandler(h)
+        log.propagate = False
 
 
 def _mla_layer_names(kv_cache_config) -> set[str]:
