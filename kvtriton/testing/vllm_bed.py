@@ -200,6 +200,8 @@ def _child(args) -> None:
     extra = json.loads(args.extra)
     if os.environ.get("KVTRITON_BED_TRACE"):
         _trace_connector_calls()
+    if os.environ.get("KVTRITON_BED_WATCHDOG"):
+        _watch_agent_threads()
     if args.connector == "kvtriton":
         kv_config = {"kv_connector": "KVTritonConnector", "kv_connector_module_path": "kvtriton.integrations.vllm",
                      "kv_role": args.role, "kv_load_failure_policy": "recompute",
@@ -319,6 +321,39 @@ def _child(args) -> None:
 
 
 _NIXL_COUNTS = {"loads": 0, "descriptors": 0, "bytes": 0}
+
+
+def _watch_agent_threads(stuck_s: float = 2.0) -> None:
+    """Log the stack of any kvtriton thread that stays in one place (outside its idle wait) for
+    ``stuck_s``, and any gap in this watchdog's own ticks (the whole process stalled)."""
+    import threading
+    import traceback
+
+    def watch():
+        last_tick, seen = time.monotonic(), {}
+        while True:
+            time.sleep(0.05)
+            now = time.monotonic()
+            if now - last_tick > stuck_s:
+                print(f"[watchdog] process stalled {now - last_tick:.1f} s", file=sys.stderr, flush=True)
+            last_tick = now
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if not names.get(ident, "").startswith("kvtriton"):
+                    continue
+                where = (frame.f_code.co_filename, frame.f_lineno)
+                if frame.f_code.co_name in ("wait", "accept", "_worker"):  # idle by design
+                    seen.pop(ident, None)
+                    continue
+                first = seen.setdefault(ident, (where, now))
+                if first[0] != where:
+                    seen[ident] = (where, now)
+                elif now - first[1] > stuck_s:
+                    print(f"[watchdog] {names[ident]} stuck {now - first[1]:.1f} s at:\n"
+                          + "".join(traceback.format_stack(frame)), file=sys.stderr, flush=True)
+                    seen[ident] = (where, now)
+
+    threading.Thread(target=watch, daemon=True, name="bed-watchdog").start()
 
 
 def _trace_connector_calls() -> None:
