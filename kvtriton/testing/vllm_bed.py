@@ -173,7 +173,10 @@ class EngineProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.proc.wait(timeout=30)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a process stuck in the kernel: report, do not raise
+            print(f"vllm_bed: pid {self.proc.pid} still alive 60 s after SIGKILL", file=sys.stderr)
 
     def close(self, timeout_s: float = 60.0) -> None:
         if self.proc.poll() is None:
