@@ -205,6 +205,11 @@ def _child(args) -> None:
         _trace_connector_calls()
     if os.environ.get("KVTRITON_BED_WATCHDOG"):
         _watch_agent_threads()
+    if os.environ.get("KVTRITON_BED_STACKS"):  # every thread's stack every 3 s, from a C thread
+        import faulthandler                    # that runs even while the GIL is held
+
+        faulthandler.dump_traceback_later(3, repeat=True,
+                                          file=open(f"{os.environ['KVTRITON_BED_STACKS']}.{os.getpid()}", "w"))
     if args.connector == "kvtriton":
         kv_config = {"kv_connector": "KVTritonConnector", "kv_connector_module_path": "kvtriton.integrations.vllm",
                      "kv_role": args.role, "kv_load_failure_policy": "recompute",
