@@ -328,9 +328,6 @@ def _child(args) -> None:
             _say({"error": f"{type(e).__name__}: {e}"})
 
 
-_NIXL_COUNTS = {"loads": 0, "descriptors": 0, "bytes": 0}
-
-
 def _watch_agent_threads(stuck_s: float = 2.0) -> None:
     """Log the stack of any kvtriton thread that stays in one place (outside its idle wait) for
     ``stuck_s``, and any gap in this watchdog's own ticks (the whole process stalled)."""
@@ -403,24 +400,28 @@ class _BedHooks:
         worker = getattr(conn, "_worker", None)
         if worker is not None:  # kvtriton
             return dict(worker.stats)
-        return dict(_NIXL_COUNTS)
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import stats
+
+        return dict(getattr(stats.NixlKVConnectorStats, "_bed_counts", {}))
 
     @staticmethod
     def count_nixl_descriptors(conn) -> None:
         """NixlConnector records NIXL's own telemetry per READ; count it here too, since vLLM
-        drains its stats every step."""
+        drains its stats every step. The counts live on the class: a module global here would be
+        copied into each worker process with the pickled function and stay at zero."""
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl import stats
 
         cls = stats.NixlKVConnectorStats
         if getattr(cls, "_bed_counted", False):
             return
         record = cls.record_transfer
+        counts = cls._bed_counts = {"loads": 0, "descriptors": 0, "bytes": 0}
 
         def counting(self, res):
             if res is not None:
-                _NIXL_COUNTS["loads"] += 1
-                _NIXL_COUNTS["descriptors"] += int(res.descCount)
-                _NIXL_COUNTS["bytes"] += int(res.totalBytes)
+                counts["loads"] += 1
+                counts["descriptors"] += int(res.descCount)
+                counts["bytes"] += int(res.totalBytes)
             return record(self, res)
 
         cls.record_transfer, cls._bed_counted = counting, True
@@ -429,11 +430,10 @@ class _BedHooks:
     def scramble(conn, block_ids, seed) -> int:
         import torch
 
-        caches = getattr(conn, "_kv_caches", None) or getattr(getattr(conn, "connector_worker", None),
-                                                              "kv_caches", {})
+        # the regions view vLLM's own cache tensors, so writing them writes the engine's cache
         g = torch.Generator().manual_seed(seed)
         n = 0
-        for t in caches.values():
+        for t in (t for r in conn._worker.agent.regions for t in r.streams):
             for b in block_ids:
                 t[b].copy_(torch.randn(t[b].shape, generator=g, dtype=torch.float32).to(t.dtype) * 10)
                 n += 1

@@ -103,7 +103,6 @@ class KVTritonConnector(KVConnectorBase_V1):
             kv_caches, block_size=self.block_size,
             total_kv_heads=self._vllm_config.model_config.get_total_num_kv_heads(),
             mla_layers=_mla_layer_names(self._kv_cache_config))
-        self._kv_caches = kv_caches
         self._worker = WorkerSide(self.settings, engine_id=self.engine_id, rank=get_tensor_model_parallel_rank(),
                                   tp_size=self.tp_size, regions=regions, serve=self._producer)
         first = next(iter(kv_caches.values()))

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from ... import wire
 from ...agent import TransferAgent
 from ...errors import KVTritonError, PeerDisconnectedError, ProtocolError, RequestRejectedError
 from ...handshake import MetadataServer, exchange_metadata
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Engine:
-    """A prefill engine as this rank knows it: met (``ready``), being met, or failed."""
+    """A prefill engine as this rank knows it: met (``ready``) or being met (a failed meeting
+    forgets the engine, so its next request tries again)."""
 
     ready: bool = False
     waiting: dict[str, LoadSpec] = field(default_factory=dict)  # loads held until the handshake ends
@@ -77,21 +79,22 @@ class WorkerSide:
         self._msgs: StepMessages | None = None
         #: loads this rank finished well, the descriptors they posted and the bytes they moved
         self.stats = {"loads": 0, "descriptors": 0, "bytes": 0, "failed": 0}
-        self._applied = False
+        self._applied = self._started = False
 
     # ------------------------------------------------------------------ per step
     def bind(self, msgs: StepMessages) -> None:
-        self._msgs, self._applied = msgs, False
+        self._msgs, self._applied, self._started = msgs, False, False
 
     def start_loads(self) -> None:
+        """This step's cancels and loads; once per step (vLLM may call start_load_kv twice)."""
         msgs = self._msgs
-        if msgs is None:
+        if msgs is None or self._started:
             return
+        self._started = True
         for rid in msgs.cancels:
             self._cancel(rid)
         for load in msgs.loads.values():
             self._load(load)
-        msgs.loads, msgs.cancels = {}, set()  # start_load_kv may be called twice in one step
 
     def after_forward(self) -> None:
         """Holds (the forward that completed their prompts is over), confirms and releases.
@@ -224,10 +227,13 @@ class WorkerSide:
                 md = exchange_metadata(src.host, src.port + r, self.agent.metadata(),
                                        timeout_s=self.settings.handshake_timeout_s,
                                        attempts=self.settings.handshake_attempts)
-                got = self.agent.add_remote(md)
-                if got != src.engine_id:
-                    raise ProtocolError(f"{src.host}:{src.port + r} serves engine {got!r}, the request names "
-                                        f"{src.engine_id!r}")
+                # who answered, checked before NIXL connects to it (the address came from a proxy)
+                got = wire.decode_metadata(md)
+                if (got.engine, got.rank, got.tp) != (src.engine_id, r, src.tp_size):
+                    raise ProtocolError(f"{src.host}:{src.port + r} serves {got.engine!r} rank {got.rank} of "
+                                        f"tp={got.tp}; the request names {src.engine_id!r} rank {r} of "
+                                        f"tp={src.tp_size}")
+                self.agent.add_remote(md)
         except KVTritonError as e:
             logger.warning("handshake with %s at %s:%d failed: %s", src.engine_id, src.host, src.port, e)
             self._fail_waiting(src.engine_id, e)
