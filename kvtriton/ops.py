@@ -109,14 +109,19 @@ class _Static:
     tile_bytes: np.ndarray  # int64 [n_segments]
     lowbits: int  # OR of every static address, stride and row length (alignment)
     num_blocks: int | None  # fewest blocks among the regions the segments touch
+    maps_tokens: bool  # some segment's cache block size differs from its tile's (pack across block sizes)
+    cache_block_size: int  # fewest tokens per block among the caches the segments touch
+    tile_block_size: int  # most tokens per staged tile among the segments
 
 
 @dataclass(frozen=True)
 class _Checked:
     static: _Static
     offsets: np.ndarray  # int64 [n_segments]
-    ids: torch.Tensor  # int32/int64 [n], contiguous, on the staging device
-    n: int
+    ids: torch.Tensor  # int32/int64 [n] (token map: [cache positions]), contiguous, on the staging device
+    n: int  # tiles per segment
+    tiles: torch.Tensor | None  # token map: int64 [n] destination position of each tile, on the staging device
+    num_tokens: int  # token map: the request's tokens (0 otherwise)
 
 
 _STATIC_CACHE: dict[tuple, _Static] = {}
@@ -124,7 +129,7 @@ _STATIC_CACHE_SIZE = 64  # plans (x pack/unpack) a process keeps checked; oldest
 _STATIC_LOCK = threading.Lock()
 
 
-def _validate(op: str, regions, segments, offsets, block_ids, staging) -> _Checked:
+def _validate(op: str, regions, segments, offsets, block_ids, staging, tiles=None, num_tokens=None) -> _Checked:
     if not isinstance(staging, torch.Tensor):
         raise LaunchError(f"{op}: staging must be a torch.Tensor (1-D uint8); got {type(staging).__name__}")
     if staging.dtype != torch.uint8 or staging.dim() != 1 or (staging.numel() > 1 and staging.stride(0) != 1):
@@ -152,6 +157,16 @@ def _validate(op: str, regions, segments, offsets, block_ids, staging) -> _Check
                     )
     ids = _block_ids(op, block_ids, device, static.num_blocks)
     n = int(ids.numel())
+    tiles_t, n_tok = None, 0
+    if tiles is not None or num_tokens is not None:
+        tiles_t, n_tok = _tiles(op, tiles, num_tokens, n, static, device)
+        n = int(tiles_t.numel())
+    elif static.maps_tokens:
+        raise LaunchError(
+            f"{op}: the segments gather {static.tile_block_size}-token tiles from caches of "
+            f"{static.cache_block_size}-token blocks: pass tiles= and num_tokens= (a token-mapped request, "
+            "kvtriton.plan.TokenMap)"
+        )
     if n and n_seg:
         ends = offs + n * static.tile_bytes
         too_big = ends > staging.numel()
@@ -163,7 +178,7 @@ def _validate(op: str, regions, segments, offsets, block_ids, staging) -> _Check
             )
         if op == "pack":
             _check_disjoint_tiles(offs, ends)
-    return _Checked(static, offs, ids, n)
+    return _Checked(static, offs, ids, n, tiles_t, n_tok)
 
 
 def _static(op: str, regions, segments) -> _Static:
@@ -224,8 +239,10 @@ def _build_static(op: str, regions, segments) -> _Static:
             )
         if seg.head_dim != hd:
             raise LaunchError(f"{where}: segment head_dim {seg.head_dim} does not match the region's {hd}")
-        if seg.block_size != bs:
-            raise LaunchError(f"{where}: segment block_size {seg.block_size} does not match the region's {bs}")
+        cache_bs = seg.source_block_size if op == "pack" else seg.block_size
+        if cache_bs != bs:
+            which = "src_block_size" if op == "pack" and seg.src_block_size is not None else "block_size"
+            raise LaunchError(f"{where}: segment {which} {cache_bs} does not match the region's {bs}")
         h0 = seg.src_head if op == "pack" else seg.dst_head
         nh = seg.num_heads
         if nh < 1 or h0 < 0 or h0 + nh > heads:
@@ -244,11 +261,14 @@ def _build_static(op: str, regions, segments) -> _Static:
         # Addressing (bytes; converted to words once the word width is known).
         rb = seg.row_bytes
         s_blk, s_tok, s_head = t.stride(0) * item, t.stride(1) * item, t.stride(2) * item
-        t_tok, t_head = (nh * rb, rb) if seg.dst_layout is Layout.NHD else (rb, bs * rb)
+        tbs = seg.block_size  # tokens per staged tile (the cache's, unless pack changes block size)
+        t_tok, t_head = (nh * rb, rb) if seg.dst_layout is Layout.NHD else (rb, tbs * rb)
         # Strides of extent-1 dimensions never move an address: zero them so that an odd stride
         # there (e.g. of an unsqueezed MLA head) does not narrow the word width.
         if bs == 1:
-            s_tok = t_tok = 0
+            s_tok = 0
+        if tbs == 1:
+            t_tok = 0
         if nh == 1:
             s_head = t_head = 0
         if nb == 1:
@@ -257,7 +277,8 @@ def _build_static(op: str, regions, segments) -> _Static:
         row[col.CACHE_ADDR] = t.data_ptr() + h0 * t.stride(2) * item
         row[col.CACHE_S_BLK], row[col.CACHE_S_TOK], row[col.CACHE_S_HEAD] = s_blk, s_tok, s_head
         row[col.STG_S_TILE], row[col.STG_S_TOK], row[col.STG_S_HEAD] = seg.tile_bytes, t_tok, t_head
-        row[col.NUM_HEADS], row[col.BLOCK_SIZE], row[col.ROW_WORDS] = nh, bs, rb
+        row[col.NUM_HEADS], row[col.BLOCK_SIZE], row[col.ROW_WORDS] = nh, tbs, rb
+        row[col.CACHE_BLOCK_SIZE] = bs
         tile_bytes[s] = seg.tile_bytes
         min_blocks = nb if min_blocks is None else min(min_blocks, nb)
     if op == "unpack":
@@ -269,6 +290,9 @@ def _build_static(op: str, regions, segments) -> _Static:
         data_ptrs=tuple(t.data_ptr() for r in regions for t in r.streams),
         device=devices.pop() if len(devices) == 1 else None,
         rows=rows, tile_bytes=tile_bytes, lowbits=lowbits, num_blocks=min_blocks,
+        maps_tokens=bool((rows[:, col.CACHE_BLOCK_SIZE] != rows[:, col.BLOCK_SIZE]).any()),
+        cache_block_size=int(rows[:, col.CACHE_BLOCK_SIZE].min(initial=1 << 62)),
+        tile_block_size=int(rows[:, col.BLOCK_SIZE].max(initial=0)),
     )
 
 
@@ -337,6 +361,41 @@ def _block_ids(op: str, block_ids, device: torch.device, num_blocks: int | None)
     return ids.contiguous()
 
 
+def _tiles(op: str, tiles, num_tokens, n_ids: int, static: _Static, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Check a token-mapped request's tiles (destination positions, host integers) and token
+    count against the cache positions ``block_ids`` covers; the tiles on ``device``."""
+    if tiles is None or num_tokens is None:
+        raise LaunchError(f"{op}: a token-mapped request needs both tiles= and num_tokens=")
+    if isinstance(tiles, torch.Tensor):
+        if tiles.device.type != "cpu":
+            raise LaunchError(f"{op}: tiles are on {tiles.device}: expected host integers (numpy, list or CPU tensor)")
+        tiles = tiles.numpy()
+    arr = np.asarray(tiles)
+    if arr.size == 0:
+        arr = arr.astype(np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise LaunchError(f"{op}: tiles must be a 1-D sequence of integers; got {arr.dtype} with shape {arr.shape}")
+    if isinstance(num_tokens, (bool, np.bool_)) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+        raise LaunchError(f"{op}: num_tokens must be an integer >= 0; got {num_tokens!r}")
+    t = int(num_tokens)
+    arr = arr.astype(np.int64)
+    if arr.size:
+        if arr[0] < 0 or (np.diff(arr) <= 0).any() or int(arr[-1]) * static.tile_block_size >= t:
+            raise LaunchError(
+                f"{op}: tiles must be ascending destination positions k >= 0 with k * {static.tile_block_size} < "
+                f"num_tokens={t}; got {arr[:8].tolist()}{'...' if arr.size > 8 else ''}"
+            )
+        if t > n_ids * static.cache_block_size:
+            raise LaunchError(
+                f"{op}: {n_ids} block ids of {static.cache_block_size} tokens cover {n_ids * static.cache_block_size} "
+                f"tokens, fewer than num_tokens={t}: expected one id per cache position of the request"
+            )
+    out = torch.from_numpy(np.ascontiguousarray(arr))
+    if device.type != "cpu":
+        out = out.pin_memory().to(device, non_blocking=True)
+    return out, t
+
+
 def _check_disjoint_tiles(starts: np.ndarray, ends: np.ndarray) -> None:
     order = np.argsort(starts, kind="stable")
     s, e = starts[order], ends[order]
@@ -392,20 +451,24 @@ def _launch(op: str, chk: _Checked, staging: torch.Tensor) -> None:
             table = table.pin_memory().to(device, non_blocking=True)
         _kernel(op)[grid](
             staging_ptr=words, seg_ptr=table, block_ids_ptr=chk.ids,
-            BLOCK_R=cfg.block_r, BLOCK_W=cfg.block_w, VEC=cfg.vec, ALIGN=cfg.align, num_warps=cfg.num_warps,
+            tiles_ptr=chk.tiles if chk.tiles is not None else chk.ids, num_tokens=chk.num_tokens,
+            TOKEN_MAP=chk.tiles is not None, BLOCK_R=cfg.block_r, BLOCK_W=cfg.block_w, VEC=cfg.vec, ALIGN=cfg.align, num_warps=cfg.num_warps,
         )
 
 
-def _run(op: str, regions, segments, offsets, block_ids, staging, impl: str) -> None:
+def _run(op: str, regions, segments, offsets, block_ids, staging, impl: str, tiles=None, num_tokens=None) -> None:
     """The one path of :func:`pack` and :func:`unpack`: validate, choose, launch or run the
     reference. Nothing is written unless every check passed."""
-    chk = _validate(op, regions, segments, offsets, block_ids, staging)
+    chk = _validate(op, regions, segments, offsets, block_ids, staging, tiles, num_tokens)
     which = _resolve_impl(impl, staging.device)
     if chk.n == 0 or len(segments) == 0:
         return
     if which == "torch":
         reference = pack_reference if op == "pack" else unpack_reference
-        reference(regions, segments, chk.offsets, chk.ids, staging)
+        if chk.tiles is None:
+            reference(regions, segments, chk.offsets, chk.ids, staging)
+        else:
+            reference(regions, segments, chk.offsets, chk.ids, staging, tiles=chk.tiles, num_tokens=chk.num_tokens)
     else:
         _launch(op, chk, staging)
 
@@ -417,6 +480,9 @@ def launch_config_for(
     offsets: Sequence[int] | np.ndarray,
     block_ids: torch.Tensor | np.ndarray | Sequence[int],
     staging: torch.Tensor,
+    *,
+    tiles=None,
+    num_tokens: int | None = None,
 ) -> LaunchConfig:
     """The word width, vector length and tile shape ``ops.<op>`` would launch its kernel with
     for these arguments (validated as :func:`pack`/:func:`unpack` do; nothing is launched).
@@ -429,7 +495,7 @@ def launch_config_for(
     """
     if op not in _OPS:
         raise LaunchError(f"launch_config_for: op {op!r} is not one of {_OPS}")
-    chk = _validate(op, regions, segments, offsets, block_ids, staging)
+    chk = _validate(op, regions, segments, offsets, block_ids, staging, tiles, num_tokens)
     if chk.n == 0 or len(segments) == 0:
         raise LaunchError(f"launch_config_for: an empty {op} request launches nothing")
     return _segment_table(chk, staging)[1]
@@ -444,6 +510,8 @@ def pack(
     staging: torch.Tensor,
     *,
     impl: str = "auto",
+    tiles: np.ndarray | Sequence[int] | None = None,
+    num_tokens: int | None = None,
 ) -> torch.Tensor:
     """Gather head slices of blocks ``block_ids`` from this rank's caches into ``staging``.
 
@@ -479,6 +547,14 @@ def pack(
     impl : str
         ``"auto"``, ``"triton"`` or ``"torch"``; the ``KVTRITON_IMPL`` environment variable, if
         set, overrides it (see the module docstring).
+    tiles, num_tokens : optional
+        A token-mapped request (the engines' block sizes differ; segments with
+        ``src_block_size`` set need it): ``block_ids`` is then the source block of each *source
+        position* (``kvtriton.plan.TokenMap.src_ids``, -1 where not read), ``tiles`` ``[n]`` the
+        ascending destination positions to stage, and tile ``j`` holds request tokens
+        ``[tiles[j] * block_size, ...)`` below ``num_tokens``, each read from block
+        ``block_ids[t // src_block_size]`` at token ``t % src_block_size``. Rows past
+        ``num_tokens`` are left as they were.
 
     Returns
     -------
@@ -513,7 +589,7 @@ def pack(
     >>> staging.numel()                                  # 2 blocks * 2 streams * 8 KiB
     32768
     """
-    _run("pack", regions, segments, offsets, block_ids, staging, impl)
+    _run("pack", regions, segments, offsets, block_ids, staging, impl, tiles, num_tokens)
     return staging
 
 
@@ -525,6 +601,8 @@ def unpack(
     staging: torch.Tensor,
     *,
     impl: str = "auto",
+    tiles: np.ndarray | Sequence[int] | None = None,
+    num_tokens: int | None = None,
 ) -> None:
     """Scatter staged tiles into blocks ``block_ids`` of this rank's caches.
 
@@ -552,6 +630,10 @@ def unpack(
         ``[num_heads, block_size, head_dim]`` (HND).
     impl : str
         ``"auto"``, ``"triton"`` or ``"torch"`` (``KVTRITON_IMPL`` overrides).
+    tiles, num_tokens : optional
+        A token-mapped request (see :func:`pack`): ``block_ids`` is then the local block of
+        each *destination position* (``TokenMap.dst_ids``), tile ``j`` lands in block
+        ``block_ids[tiles[j]]``, and only its tokens below ``num_tokens`` are written.
 
     Raises
     ------
@@ -581,4 +663,4 @@ def unpack(
     >>> bool(torch.equal(kd[6], k[3, :, 0:2]))
     True
     """
-    _run("unpack", regions, segments, offsets, block_ids, staging, impl)
+    _run("unpack", regions, segments, offsets, block_ids, staging, impl, tiles, num_tokens)

@@ -15,6 +15,17 @@ segment in plan order, and inside a segment every block in request order; each b
 ``block_size x num_heads x head_dim`` tile in the *destination's* layout. The tile of segment
 ``s`` for request position ``j`` of an ``n``-block payload starts at byte
 ``n * sum(tile_bytes[:s]) + j * tile_bytes[s]``.
+
+Block-size changes: the two engines may page their caches with different block sizes ``Bs``
+(source) and ``Bd`` (destination), one block size per engine. A request is then a sequence of
+``num_tokens`` tokens: source position ``j`` holds tokens ``[j*Bs, (j+1)*Bs)``, destination
+position ``k`` tokens ``[k*Bd, (k+1)*Bd)``; the last block of either side may be partial. The
+payload is still one tile per moved *destination* position, in the destination's paging and
+layout (``Bd`` tokens per tile), so the receiver's unpack stays a tile scatter; the pack gathers
+each tile's tokens from the one or several source blocks that hold them. :func:`compact_tokens`
+checks and maps such a request (a :class:`TokenMap`); tokens at or past ``num_tokens`` are
+never read nor written. DIRECT needs equal block sizes (a run of blocks is then a run of
+tokens on both sides), so with differing block sizes every region is STAGED.
 """
 
 from __future__ import annotations
@@ -45,6 +56,9 @@ __all__ = [
     "build_plan",
     "required_source_ranks",
     "compact_request",
+    "TokenMap",
+    "compact_tokens",
+    "source_positions",
     "direct_runs",
     "staged_descriptor_count",
     "vllm_direct_descriptor_count",
@@ -98,6 +112,8 @@ class Segment:
 
     ``src_head``/``dst_head`` are local head offsets on the source and destination rank;
     ``dst_layout`` is the tile layout on the wire (always the destination's layout).
+    ``block_size`` is the tokens of a tile (the destination's block size); ``src_block_size``
+    the source cache's block size when it differs (``None``: equal).
     """
 
     region: int
@@ -109,6 +125,12 @@ class Segment:
     itemsize: int
     block_size: int
     dst_layout: Layout
+    src_block_size: int | None = None
+
+    @property
+    def source_block_size(self) -> int:
+        """Tokens per block of the source cache (what pack reads)."""
+        return self.block_size if self.src_block_size is None else self.src_block_size
 
     @property
     def row_bytes(self) -> int:
@@ -200,6 +222,9 @@ class TransferPlan:
 
     ``modes[i]`` is region ``i``'s mode; ``staged`` has one entry per source rank that sends a
     staged payload (sorted by rank); ``direct`` one entry per DIRECT region.
+    ``src_block_size``/``dst_block_size`` are the engines' block sizes when they differ (a
+    request is then mapped token by token: :func:`compact_tokens`), ``None`` when every region
+    has equal block sizes on both sides (a request is then block pairs: :func:`compact_request`).
     """
 
     dst_rank: int
@@ -208,6 +233,13 @@ class TransferPlan:
     modes: tuple[Mode, ...]
     staged: tuple[StagedRead, ...]
     direct: tuple[DirectRead, ...]
+    src_block_size: int | None = None
+    dst_block_size: int | None = None
+
+    @property
+    def maps_tokens(self) -> bool:
+        """True when the block sizes differ: requests are :class:`TokenMap` s, not block pairs."""
+        return self.src_block_size is not None
 
     @property
     def source_ranks(self) -> tuple[int, ...]:
@@ -221,7 +253,7 @@ class TransferPlan:
         """A short fingerprint of the plan; both engines must compute the same one (equal
         modes, cost model and stripe settings), which the protocol checks per transfer."""
         return hashlib.sha1(repr((self.dst_rank, self.dst_tp, self.src_tp, self.modes, self.staged,
-                                  self.direct)).encode()).hexdigest()[:16]
+                                  self.direct, self.src_block_size, self.dst_block_size)).encode()).hexdigest()[:16]
 
     def direct_ranks(self, num_blocks: int) -> set[int]:
         """Source ranks that send DIRECT runs for a request of ``num_blocks`` blocks (a stripe
@@ -246,8 +278,10 @@ def check_compatible(
     """Raise :class:`IncompatibleRemoteError` naming the first region that cannot be paired.
 
     Checks region count and order (names), kind, dtype, stream count, head_dim per stream,
-    block_size, global head counts and that both TP sizes shard them, and that each side's local
-    head count is what its TP size implies. Layouts may differ (the staged path converts).
+    global head counts and that both TP sizes shard them, and that each side's local head count
+    is what its TP size implies. Layouts may differ (the staged path converts), and so may block
+    sizes, any pair, as long as each engine pages every region with one block size (a request's
+    block ids are shared by all regions, so they must mean the same tokens in every region).
     """
     if len(dst_specs) != len(src_specs):
         raise IncompatibleRemoteError(
@@ -268,8 +302,6 @@ def check_compatible(
             raise mismatch("dtype", d.dtype, s.dtype)
         if d.head_dims != s.head_dims:
             raise mismatch("head_dim per stream", d.head_dims, s.head_dims)
-        if d.block_size != s.block_size:
-            raise mismatch("block_size", d.block_size, s.block_size)
         if d.total_heads != s.total_heads:
             raise mismatch("total KV heads", d.total_heads, s.total_heads)
         if d.kind is Kind.SPLIT:
@@ -286,6 +318,23 @@ def check_compatible(
                     )
         elif d.local_heads != s.local_heads:
             raise mismatch("heads of a REPLICATE region", d.local_heads, s.local_heads)
+    if any(d.block_size != s.block_size for d, s in zip(dst_specs, src_specs)):
+        for side, specs in (("local", dst_specs), ("remote", src_specs)):
+            sizes = {x.block_size for x in specs}
+            if len(sizes) > 1:
+                per_region = {x.name: x.block_size for x in specs}
+                raise IncompatibleRemoteError(
+                    f"block_size differs between the engines (local {dst_specs[0].block_size}, remote "
+                    f"{src_specs[0].block_size} in region 0) and the {side} engine pages its regions with "
+                    f"several block sizes {per_region}: a block-size change needs one block size per engine"
+                )
+
+
+def _block_sizes(dst_specs: Sequence[RegionSpec], src_specs: Sequence[RegionSpec]) -> tuple[int | None, int | None]:
+    """``(source, destination)`` block sizes when they differ (one per engine), else ``(None, None)``."""
+    if not dst_specs or all(d.block_size == s.block_size for d, s in zip(dst_specs, src_specs)):
+        return None, None
+    return src_specs[0].block_size, dst_specs[0].block_size
 
 
 # --------------------------------------------------------------------------- planning
@@ -305,7 +354,10 @@ def build_plan(
     ``modes`` forces a mode for every region (a :class:`Mode`) or per region name (a mapping);
     otherwise REPLICATE regions go DIRECT (zero-copy), SPLIT regions go STAGED unless the slice
     is a whole block in the same layout and the cost model prefers DIRECT. A forced DIRECT that
-    is impossible (partial heads, other layout, non-dense blocks) raises :class:`PlanError`.
+    is impossible (partial heads, other layout, non-dense blocks, different block sizes) raises
+    :class:`PlanError`. With different block sizes every region is STAGED (REPLICATE ones from
+    their first replica) and each segment's tiles are ``dst block_size`` tokens gathered from
+    ``src_block_size``-token source blocks.
 
     Example
     -------
@@ -322,6 +374,7 @@ def build_plan(
     if not 0 <= dst_rank < dst_tp:
         raise PlanError(f"destination rank {dst_rank} is out of range for tp={dst_tp}")
     check_compatible(dst_specs, dst_tp, src_specs, src_tp)
+    src_bs, dst_bs = _block_sizes(dst_specs, src_specs)
     forced = _forced_modes(modes, dst_specs)
     region_modes: list[Mode] = []
     per_source: dict[int, list[Segment]] = {}
@@ -343,9 +396,10 @@ def build_plan(
                 mode = Mode.DIRECT if whole and cost.prefers_direct(per_desc) else Mode.STAGED
         elif mode is Mode.DIRECT and not whole:
             raise PlanError(
-                f"region {i} ({d.name!r}): DIRECT needs whole blocks with equal layout and dense "
-                f"blocks on both sides (local {d.layout.value} {d.local_heads} heads, remote "
-                f"{s.layout.value} {s.local_heads} heads); use STAGED"
+                f"region {i} ({d.name!r}): DIRECT needs whole blocks of equal block_size with equal "
+                f"layout and dense blocks on both sides (local {d.layout.value} {d.local_heads} heads "
+                f"block_size {d.block_size}, remote {s.layout.value} {s.local_heads} heads block_size "
+                f"{s.block_size}); use STAGED"
             )
         region_modes.append(mode)
         if mode is Mode.DIRECT:
@@ -356,11 +410,11 @@ def build_plan(
         for sl in slices:
             per_source.setdefault(sl.src_rank, []).extend(
                 Segment(i, j, sl.src_head, sl.dst_head, sl.num_heads, d.head_dims[j], d.itemsize,
-                        d.block_size, d.layout)
+                        d.block_size, d.layout, src_bs)
                 for j in range(d.num_streams)
             )
     staged = tuple(StagedRead(r, tuple(segs)) for r, segs in sorted(per_source.items()))
-    return TransferPlan(dst_rank, dst_tp, src_tp, tuple(region_modes), staged, tuple(direct))
+    return TransferPlan(dst_rank, dst_tp, src_tp, tuple(region_modes), staged, tuple(direct), src_bs, dst_bs)
 
 
 def _forced_modes(modes, specs: Sequence[RegionSpec]) -> dict[str, Mode]:
@@ -382,7 +436,10 @@ def _forced_modes(modes, specs: Sequence[RegionSpec]) -> dict[str, Mode]:
 
 def _direct_possible(d: RegionSpec, s: RegionSpec, slices) -> bool:
     """Whole-block zero-copy needs: the slice is the whole block on both sides, the same byte
-    order inside a block, and every block one contiguous range on both sides."""
+    order inside a block, every block one contiguous range on both sides, and blocks of equal
+    size (so that a run of blocks is the same run of tokens on both sides)."""
+    if d.block_size != s.block_size:
+        return False
     if slices is not None:
         if len(slices) != 1 or slices[0].num_heads != d.local_heads or d.local_heads != s.local_heads:
             return False
@@ -427,13 +484,27 @@ def compact_request(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Check a request's block ids and drop positions that either side pads with -1.
 
+    For engines with equal block sizes: position ``j`` of both lists holds the same tokens, and
+    whole blocks move (a partial last block moves whole: the tokens past the request's end are
+    whatever the source block holds). -1 on either side skips the position (the destination
+    already has it, e.g. a prefix-cache hit, or the source does not hold it). With different
+    block sizes use :func:`compact_tokens`.
+
     Returns int64 arrays of equal length. Raises :class:`PlanError` on length mismatch, ids out
     of ``[-1, num_blocks)``, or duplicate destination ids (two tiles would race for one block).
     """
-    src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
-    dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+    src, dst = _check_ids(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks)
     if src.shape != dst.shape:
         raise PlanError(f"request has {src.size} source block ids but {dst.size} destination ids")
+    keep = (src >= 0) & (dst >= 0)
+    src, dst = src[keep], dst[keep]
+    _check_distinct(dst)
+    return src, dst
+
+
+def _check_ids(src_block_ids, dst_block_ids, src_num_blocks: int, dst_num_blocks: int):
+    src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
     for name, ids, nb in (("source", src, src_num_blocks), ("destination", dst, dst_num_blocks)):
         bad = (ids < -1) | (ids >= nb)
         if bad.any():
@@ -442,12 +513,147 @@ def compact_request(
                 f"{name} block id {int(ids[j])} at position {j} is out of range: expected -1 "
                 f"(skip) or 0..{nb - 1}"
             )
-    keep = (src >= 0) & (dst >= 0)
-    src, dst = src[keep], dst[keep]
+    return src, dst
+
+
+def _check_distinct(dst: np.ndarray) -> None:
     if np.unique(dst).size != dst.size:
         vals, counts = np.unique(dst, return_counts=True)
         raise PlanError(f"destination block ids repeat: {vals[counts > 1][:8].tolist()}")
-    return src, dst
+
+
+@dataclass(frozen=True)
+class TokenMap:
+    """A request between engines with different block sizes, mapped token by token.
+
+    ``src_ids[j]`` is the source block of tokens ``[j*Bs, (j+1)*Bs)`` (-1: not read),
+    ``dst_ids[k]`` the destination block of tokens ``[k*Bd, (k+1)*Bd)`` (-1: not written), for
+    the ``ceil(num_tokens / B)`` positions of each side; ``tiles`` are the destination positions
+    that move, ascending: staged tile ``i`` is destination position ``tiles[i]``. Tokens at or
+    past ``num_tokens`` are never read nor written. On the source side ``dst_ids`` is ``None``
+    (it learns only the tiles, see :meth:`for_source`).
+    """
+
+    src_block_size: int
+    dst_block_size: int
+    num_tokens: int
+    src_ids: np.ndarray
+    dst_ids: np.ndarray | None
+    tiles: np.ndarray
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.tiles.size)
+
+    @property
+    def read_ids(self) -> np.ndarray:
+        """Source block ids that are read, in position order (what the wire carries)."""
+        return self.src_ids[self.src_ids >= 0]
+
+    @property
+    def tile_dst_ids(self) -> np.ndarray:
+        """Destination block of each staged tile."""
+        return self.dst_ids[self.tiles]
+
+    @classmethod
+    def for_source(cls, tiles: Sequence[int], read_ids: Sequence[int], num_tokens: int,
+                   src_block_size: int, dst_block_size: int) -> "TokenMap":
+        """The source side's map, rebuilt from what a destination sends: the tiles, the token
+        count and the source ids of :func:`source_positions` (in order). :class:`PlanError` when
+        they do not fit together (a peer's message is untrusted)."""
+        tiles_a = np.asarray(tiles, dtype=np.int64).reshape(-1)
+        read = np.asarray(read_ids, dtype=np.int64).reshape(-1)
+        if num_tokens < 1 or tiles_a.size == 0:
+            raise PlanError(f"a token-mapped request needs num_tokens >= 1 and tiles; got {num_tokens} "
+                            f"tokens, {tiles_a.size} tiles")
+        if (tiles_a < 0).any() or (np.diff(tiles_a) <= 0).any() or int(tiles_a[-1]) * dst_block_size >= num_tokens:
+            raise PlanError(f"tiles must be ascending destination positions below ceil({num_tokens} / "
+                            f"{dst_block_size}); got {tiles_a[:8].tolist()}...")
+        pos = source_positions(tiles_a, num_tokens, src_block_size, dst_block_size)
+        if read.size != pos.size or (read < 0).any():
+            raise PlanError(f"{tiles_a.size} tiles of {dst_block_size} tokens read {pos.size} source blocks of "
+                            f"{src_block_size}; got {read.size} source ids")
+        src = np.full(ceil_div(num_tokens, src_block_size), -1, dtype=np.int64)
+        src[pos] = read
+        return cls(src_block_size, dst_block_size, num_tokens, src, None, tiles_a)
+
+
+def source_positions(tiles: np.ndarray, num_tokens: int, src_block_size: int, dst_block_size: int) -> np.ndarray:
+    """Source positions (ascending) holding the first ``num_tokens`` tokens of destination
+    positions ``tiles``: tile ``k`` needs ``[k*Bd // Bs, ceil(min((k+1)*Bd, T) / Bs))``.
+
+    >>> source_positions(np.array([1, 2]), 40, 16, 12).tolist()   # tokens 12..35
+    [0, 1, 2]
+    """
+    n_src = ceil_div(num_tokens, src_block_size)
+    tiles = np.asarray(tiles, dtype=np.int64)
+    if tiles.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    lo = tiles * dst_block_size // src_block_size
+    hi = -(-np.minimum((tiles + 1) * dst_block_size, num_tokens) // src_block_size)
+    cover = np.zeros(n_src + 1, dtype=np.int64)
+    np.add.at(cover, lo, 1)
+    np.add.at(cover, hi, -1)
+    return np.flatnonzero(np.cumsum(cover)[:n_src] > 0).astype(np.int64)
+
+
+def compact_tokens(
+    src_block_ids: Sequence[int] | np.ndarray,
+    dst_block_ids: Sequence[int] | np.ndarray,
+    src_num_blocks: int,
+    dst_num_blocks: int,
+    src_block_size: int,
+    dst_block_size: int,
+    num_tokens: int | None = None,
+) -> TokenMap:
+    """Check and map a request between engines with different block sizes ``Bs`` and ``Bd``.
+
+    The id contract: source position ``j`` holds tokens ``[j*Bs, (j+1)*Bs)``, destination
+    position ``k`` tokens ``[k*Bd, (k+1)*Bd)``, of a request of ``num_tokens`` tokens (default:
+    as many as both id lists cover, ``min(len(src)*Bs, len(dst)*Bd)``); ids past
+    ``ceil(num_tokens / B)`` are ignored. A destination -1 skips that block's tokens (the
+    destination has them, e.g. a prefix-cache hit; a -1 prefix may end anywhere, even inside a
+    source block). A source -1 means the source does not hold those tokens: allowed only where
+    no wanted destination block needs them (e.g. a source -1 prefix must lie inside the
+    destination's -1 prefix, in whole tokens). Only tokens below ``num_tokens`` move.
+
+    Raises :class:`PlanError` on ids out of ``[-1, num_blocks)``, too few ids for
+    ``num_tokens``, repeated destination ids, or a wanted destination block that needs a
+    source block given as -1 (naming both positions).
+
+    >>> m = compact_tokens([7, 8, 9], [-1, 4], 16, 16, 16, 24, num_tokens=40)
+    >>> m.tiles.tolist(), m.src_ids.tolist(), m.tile_dst_ids.tolist()
+    ([1], [-1, 8, 9], [4])
+    """
+    if min(src_block_size, dst_block_size) < 1:
+        raise PlanError(f"block sizes must be >= 1; got source {src_block_size}, destination {dst_block_size}")
+    src, dst = _check_ids(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks)
+    cover = min(src.size * src_block_size, dst.size * dst_block_size)
+    if num_tokens is None:
+        num_tokens = cover
+    if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0 or num_tokens > cover:
+        raise PlanError(
+            f"num_tokens={num_tokens!r} does not fit the ids: {src.size} source blocks of {src_block_size} "
+            f"and {dst.size} destination blocks of {dst_block_size} cover {cover} tokens"
+        )
+    num_tokens = int(num_tokens)
+    src = src[:ceil_div(num_tokens, src_block_size)]
+    dst = dst[:ceil_div(num_tokens, dst_block_size)]
+    tiles = np.flatnonzero(dst >= 0).astype(np.int64)
+    _check_distinct(dst[tiles])
+    needed = np.zeros(src.size, dtype=bool)
+    needed[source_positions(tiles, num_tokens, src_block_size, dst_block_size)] = True
+    missing = needed & (src < 0)
+    if missing.any():
+        j = int(np.argmax(missing))
+        k = int(tiles[np.argmax((tiles * dst_block_size < (j + 1) * src_block_size)
+                                & ((tiles + 1) * dst_block_size > j * src_block_size))])
+        raise PlanError(
+            f"destination block at position {k} (tokens [{k * dst_block_size}, {(k + 1) * dst_block_size})) "
+            f"needs source position {j} (tokens [{j * src_block_size}, {(j + 1) * src_block_size})), which is "
+            "-1: a source -1 must only cover tokens no wanted destination block holds"
+        )
+    return TokenMap(src_block_size, dst_block_size, num_tokens, np.where(needed, src, -1), dst, tiles)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,12 @@ Shapes (``n`` = len(block_ids)); the tile of segment ``s`` for position ``j`` li
 ``staging[offsets[s] + j * tile_bytes : ... + tile_bytes]`` and is
 ``[block_size, num_heads, head_dim]`` for an NHD destination, ``[num_heads, block_size, head_dim]``
 for an HND destination.
+
+Token-mapped requests (the engines' block sizes differ; ``tiles``/``num_tokens`` given) move
+each tile's tokens with one advanced-indexing gather or scatter per segment: tile ``i`` is
+destination position ``tiles[i]``, its token ``t`` is read from (pack) or written to (unpack)
+cache block ``block_ids[t // Bc]`` at token ``t % Bc`` (``Bc``: the cache's block size), for
+``t < num_tokens`` only.
 """
 
 from __future__ import annotations
@@ -31,14 +37,21 @@ def pack_reference(
     offsets: Sequence[int] | np.ndarray,
     block_ids: torch.Tensor | np.ndarray | Sequence[int],
     staging: torch.Tensor,
+    *,
+    tiles: torch.Tensor | np.ndarray | Sequence[int] | None = None,
+    num_tokens: int | None = None,
 ) -> torch.Tensor:
     """Gather each segment's head slice of blocks ``block_ids`` into ``staging`` (uint8, 1-D).
 
     ``segments[s].src_head`` selects the heads in the source cache; tiles are written in
     ``segments[s].dst_layout``. Positions whose block id is -1 are skipped (their staging bytes
     are left as they were). Returns ``staging``. (With CUDA block ids, finding -1 positions
-    synchronises; the Triton path does not.)
+    synchronises; the Triton path does not.) With ``tiles``/``num_tokens``, ``block_ids`` are per
+    source position and tiles gather tokens across source blocks (see the module docstring).
     """
+    if tiles is not None:
+        _mapped(True, regions, segments, offsets, block_ids, staging, tiles, num_tokens)
+        return staging
     ids, pos = _ids(block_ids, staging.device)
     for seg, off in zip(segments, offsets):
         cache, index, staged, sel = _segment_views(regions[seg.region], seg, seg.src_head, seg.dst_layout,
@@ -56,9 +69,17 @@ def unpack_reference(
     offsets: Sequence[int] | np.ndarray,
     block_ids: torch.Tensor | np.ndarray | Sequence[int],
     staging: torch.Tensor,
+    *,
+    tiles: torch.Tensor | np.ndarray | Sequence[int] | None = None,
+    num_tokens: int | None = None,
 ) -> None:
     """Scatter tiles from ``staging`` into blocks ``block_ids`` of the local cache, at local head
-    offset ``segments[s].dst_head``. Tiles are in the local layout. -1 positions are skipped."""
+    offset ``segments[s].dst_head``. Tiles are in the local layout. -1 positions are skipped.
+    With ``tiles``/``num_tokens``, ``block_ids`` are per destination position and only tokens
+    below ``num_tokens`` are written."""
+    if tiles is not None:
+        _mapped(False, regions, segments, offsets, block_ids, staging, tiles, num_tokens)
+        return
     ids, pos = _ids(block_ids, staging.device)
     for seg, off in zip(segments, offsets):
         region = regions[seg.region]
@@ -68,6 +89,37 @@ def unpack_reference(
             cache.index_copy_(0, index, staged)
         else:
             cache.index_copy_(0, index[sel], staged[sel])
+
+
+def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, num_tokens) -> None:
+    """Token-mapped pack (``pack``) or unpack: one gather/scatter of (block, token) rows per segment."""
+    device = staging.device
+    ids, _ = _ids(block_ids, device)
+    tiles = torch.as_tensor(np.asarray(tiles.cpu() if isinstance(tiles, torch.Tensor) else tiles, dtype=np.int64),
+                            device=device)
+    n = tiles.numel()
+    for seg, off in zip(segments, offsets):
+        region = regions[seg.region]
+        head = seg.src_head if pack else seg.dst_head
+        cache_bs = seg.source_block_size if pack else seg.block_size
+        bt, nh = seg.block_size, seg.num_heads
+        tok = tiles[:, None] * bt + _token_offsets(bt, device)  # [n, bt] request tokens
+        pos = torch.div(tok, cache_bs, rounding_mode="floor")
+        ok = (tok < num_tokens) & (pos < ids.numel())
+        blk = torch.where(ok, ids[pos.clamp(max=max(ids.numel() - 1, 0))], -1)
+        ok &= blk >= 0
+        tile_i, tile_t = torch.nonzero(ok, as_tuple=True)
+        c_blk, c_tok = blk[ok], (tok - pos * cache_bs)[ok]
+        cache = region.nhd(seg.stream)[:, :, head:head + nh]
+        cache_w, staged_w = _bit_views(cache, staging[int(off):int(off) + n * seg.tile_bytes], seg.row_bytes)
+        if seg.dst_layout is Layout.NHD:
+            staged = staged_w.view(n, bt, nh, -1)
+        else:
+            staged = staged_w.view(n, nh, bt, -1).transpose(1, 2)
+        if pack:
+            staged[tile_i, tile_t] = cache_w[c_blk, c_tok]
+        else:
+            cache_w[c_blk, c_tok] = staged[tile_i, tile_t]
 
 
 def _segment_views(region: Region, seg: Segment, head: int, tile_layout: Layout, ids: torch.Tensor,

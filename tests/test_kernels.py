@@ -562,8 +562,9 @@ def test_large_cache_over_2_31_elements():
 
 def test_segment_table_columns_are_named_once():
     """Every column of the kernels' segment table has one index, the indices are 0..NUM_FIELDS-1,
-    and everything but the cache address and the two counts is converted to words."""
+    and everything but the cache address and the three counts is converted to words."""
     cols = {k: v for k, v in vars(segment_table).items() if k.isupper() and isinstance(v, int) and k != "NUM_FIELDS"}
     assert sorted(cols.values()) == list(range(segment_table.NUM_FIELDS))
-    counts_and_address = {segment_table.CACHE_ADDR, segment_table.NUM_HEADS, segment_table.BLOCK_SIZE}
+    counts_and_address = {segment_table.CACHE_ADDR, segment_table.NUM_HEADS, segment_table.BLOCK_SIZE,
+                          segment_table.CACHE_BLOCK_SIZE}
     assert set(segment_table.WORD_COLUMNS) == set(cols.values()) - counts_and_address

@@ -137,7 +137,7 @@ def test_compact_request_drops_padding_and_validates():
         (lambda d: d[:1], "region count differs"),
         (lambda d: gqa_specs(2, 8, 64, 0, 2, 16, dtype=torch.float16), "dtype differs"),
         (lambda d: gqa_specs(2, 8, 128, 0, 2, 16), "head_dim per stream differs"),
-        (lambda d: gqa_specs(2, 8, 64, 0, 2, 32), "block_size differs"),
+        (lambda d: gqa_specs(1, 8, 64, 0, 2, 32) + d[1:], "remote engine pages its regions with several block sizes"),
         (lambda d: gqa_specs(2, 16, 64, 0, 4, 16), "total KV heads differs"),
         (lambda d: gqa_specs(2, 8, 64, 0, 4, 16), "holds 2 heads, but tp=2"),
         (lambda d: list(reversed([s.__class__(**{**s.__dict__, "name": f"x{i}"}) for i, s in enumerate(d)])),

@@ -5,6 +5,12 @@ Used by the tests, the benchmark and the multi-process cluster harness. A reques
 bits. Every source rank holds its heads of it at its own block ids; after a transfer every
 destination block must equal the global heads its rank owns, and every byte outside the
 destination blocks must be what it was before (canary check).
+
+Between engines with different block sizes the global KV is per *token* instead
+(``[num_tokens, total_heads, head_dim]``, :func:`make_global_tokens`): a source rank holds token
+``t`` in block ``src_ids[t // Bs]`` at ``t % Bs`` (:func:`load_source_tokens`), and
+:func:`check_destination_tokens` checks, block by block, that each wanted destination block
+holds exactly its tokens below ``num_tokens`` and nothing else changed.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..plan import build_plan, compact_request, direct_runs
+from ..plan import build_plan, compact_request, compact_tokens, direct_runs
 from ..reference import pack_reference, unpack_reference
 from ..regions import Kind, Layout, Region
 from ..topology import head_range
@@ -31,6 +37,9 @@ __all__ = [
     "concat_global_kv",
     "local_transfer",
     "stream_bytes",
+    "make_global_tokens",
+    "load_source_tokens",
+    "check_destination_tokens",
 ]
 
 
@@ -175,6 +184,49 @@ def check_destination(regions: Sequence[Region], rank: int, tp: int, global_kv, 
                 )
 
 
+def make_global_tokens(models: Sequence[RegionModel], num_tokens: int, gen: torch.Generator) -> list[list[torch.Tensor]]:
+    """Per region, per stream: ``[num_tokens, total_heads, head_dim]`` random bits."""
+    return [[random_bits((num_tokens, m.total_heads, d), m.dtype, gen) for d in m.head_dims] for m in models]
+
+
+def load_source_tokens(regions: Sequence[Region], rank: int, tp: int, global_tokens, block_ids) -> None:
+    """Write this rank's heads of token ``t`` into block ``block_ids[t // block_size]`` at
+    ``t % block_size`` (-1: that block's tokens are not held; the rest of a partial last block
+    keeps its bytes)."""
+    for region, streams in zip(regions, global_tokens):
+        h0, h1 = _heads(region, rank, tp)
+        bs = region.spec.block_size
+        for j, g in enumerate(streams):
+            view = _bytes(region.nhd(j))
+            for p, b in enumerate(np.asarray(block_ids, dtype=np.int64).tolist()):
+                part = g[p * bs:(p + 1) * bs, h0:h1]
+                if b >= 0 and part.shape[0]:
+                    view[b, :part.shape[0]] = _bytes(part.to(view.device))
+
+
+def check_destination_tokens(regions: Sequence[Region], rank: int, tp: int, global_tokens, block_ids,
+                             before) -> None:
+    """Raise AssertionError unless block ``block_ids[k]`` (k >= 0) holds this rank's heads of tokens
+    ``[k*Bd, (k+1)*Bd)`` below the request's end (``len(global_tokens)``), and every other byte
+    of every stream equals ``before`` (a :func:`snapshot`), the tail of a partial last block included."""
+    for i, (region, streams) in enumerate(zip(regions, global_tokens)):
+        h0, h1 = _heads(region, rank, tp)
+        bs = region.spec.block_size
+        for j, g in enumerate(streams):
+            expected = before[i][j].cpu().clone()
+            for k, b in enumerate(np.asarray(block_ids, dtype=np.int64).tolist()):
+                part = g[k * bs:(k + 1) * bs, h0:h1]
+                if b >= 0 and part.shape[0]:
+                    expected[b, :part.shape[0]] = _bytes(part)
+            got = _bytes(region.nhd(j)).cpu()
+            if not torch.equal(got, expected):
+                bad = torch.nonzero(got != expected)
+                raise AssertionError(
+                    f"rank {rank} region {region.spec.name!r} stream {j}: {bad.shape[0]} bytes differ; "
+                    f"first (block, token, head, byte): {bad[:5].tolist()}"
+                )
+
+
 def concat_global_kv(kvs: Sequence) -> list[list[torch.Tensor]]:
     """Several requests' global KV as one, in order (to check them against their joined ids)."""
     return [[torch.cat([kv[i][j] for kv in kvs]) for j in range(len(kvs[0][i]))] for i in range(len(kvs[0]))]
@@ -200,9 +252,12 @@ def local_transfer(
     pack: PackFn = pack_reference,
     unpack: Callable[..., None] = unpack_reference,
     chunk_bytes: int | None = None,
+    num_tokens: int | None = None,
 ) -> dict[str, int]:
     """Move one request from every source rank to every destination rank in this process,
     exactly as the NIXL path routes it (staged payloads per plan, direct runs as byte copies).
+    When the block sizes differ, the request is token-mapped (``num_tokens``: see
+    :func:`kvtriton.plan.compact_tokens`) and ``pack``/``unpack`` get ``tiles=``/``num_tokens=``.
 
     Returns counters: staged descriptors, direct descriptors, staged bytes, direct bytes.
     """
@@ -212,17 +267,29 @@ def local_transfer(
     for d, dst_regions in enumerate(dst_ranks):
         dst_specs = [x.spec for x in dst_regions]
         plan = build_plan(d, dst_tp, dst_specs, src_tp, src_specs[0], modes=modes)
-        s_ids, d_ids = compact_request(src_ids, dst_ids, src_specs[0][0].num_blocks,
-                                       dst_specs[0].num_blocks)
-        n = s_ids.size
+        if plan.maps_tokens:
+            m = compact_tokens(src_ids, dst_ids, src_specs[0][0].num_blocks, dst_specs[0].num_blocks,
+                               plan.src_block_size, plan.dst_block_size, num_tokens)
+            n = m.num_tiles
+        else:
+            s_ids, d_ids = compact_request(src_ids, dst_ids, src_specs[0][0].num_blocks,
+                                           dst_specs[0].num_blocks)
+            n = s_ids.size
         for read in plan.staged:
             per_chunk = max(1, n if chunk_bytes is None else chunk_bytes // read.bytes_per_block)
             for c0 in range(0, n, per_chunk):
                 c1 = min(n, c0 + per_chunk)
                 staging = torch.empty(read.payload_bytes(c1 - c0), dtype=torch.uint8)
                 offs = read.segment_offsets(c1 - c0)
-                pack(src_ranks[read.src_rank], read.segments, offs, torch.as_tensor(s_ids[c0:c1]), staging)
-                unpack(dst_regions, read.segments, offs, torch.as_tensor(d_ids[c0:c1]), staging)
+                if plan.maps_tokens:
+                    tiles = m.tiles[c0:c1]
+                    pack(src_ranks[read.src_rank], read.segments, offs, torch.as_tensor(m.src_ids), staging,
+                         tiles=tiles, num_tokens=m.num_tokens)
+                    unpack(dst_regions, read.segments, offs, torch.as_tensor(m.dst_ids), staging,
+                           tiles=tiles, num_tokens=m.num_tokens)
+                else:
+                    pack(src_ranks[read.src_rank], read.segments, offs, torch.as_tensor(s_ids[c0:c1]), staging)
+                    unpack(dst_regions, read.segments, offs, torch.as_tensor(d_ids[c0:c1]), staging)
                 stats["staged_descs"] += 1
                 stats["staged_bytes"] += staging.numel()
         if plan.direct:
