@@ -212,6 +212,8 @@ class Pull(Message):
     ids: tuple[int, ...]
     chunk_blocks: int
     plan: str
+    tokens: int = 0  # block sizes differ: the request's tokens (0: block pairs); see plan.TokenMap
+    tiles: tuple[int, ...] = ()  # block sizes differ: destination positions staged; ids = TokenMap.read_ids
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,8 @@ class Push(Message):
     dst_ids: tuple[int, ...]
     chunk_blocks: int
     plan: str
+    tokens: int = 0  # as in Pull
+    tiles: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

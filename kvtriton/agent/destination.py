@@ -21,7 +21,7 @@ from ..errors import (
     TransferTimeoutError,
 )
 from ..ops import unpack
-from ..plan import ChunkGeometry, StagedRead, TransferPlan, ceil_div, compact_request
+from ..plan import ChunkGeometry, StagedRead, TokenMap, TransferPlan, ceil_div, compact_request, compact_tokens
 from .links import Chunk, Completion, Flow, Links, Peer, Settings
 
 
@@ -46,8 +46,9 @@ class Fetch:
     started: float
     timeout_s: float  # without progress for this long the fetch fails
     deadline: float
-    src_ids: np.ndarray
-    dst_ids: np.ndarray
+    src_ids: np.ndarray  # source ids sent (token map: TokenMap.read_ids)
+    dst_ids: np.ndarray  # destination block per staged tile / DIRECT position
+    tokens: TokenMap | None = None  # block sizes differ: the request's token map
     parts: dict = field(default_factory=dict)  # src_rank -> Part
     error: KVTritonError | None = None
     descriptors: int = 0
@@ -98,7 +99,7 @@ class Destination:
 
     # ------------------------------------------------------------------ requests
     def fetch(self, req_id: str, engine: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-              timeout_s: float | None) -> None:
+              timeout_s: float | None, num_tokens: int | None = None) -> None:
         if req_id in self.fetches:
             raise RequestRejectedError(f"fetch {req_id!r} is already in flight")
         plan = self.plans.get(engine)
@@ -108,24 +109,30 @@ class Destination:
         if missing:
             raise KeyError(f"engine {engine!r}: no metadata yet for ranks {missing}")
         src_specs = self.links.engine_peers(engine)[0].md.regions
-        s_ids, d_ids = compact_request(remote_block_ids, local_block_ids,
-                                       min(s.num_blocks for s in src_specs),
-                                       min(s.num_blocks for s in self.s.specs))
+        src_nb, dst_nb = min(s.num_blocks for s in src_specs), min(s.num_blocks for s in self.s.specs)
+        tokens = None
+        if plan.maps_tokens:
+            tokens = compact_tokens(remote_block_ids, local_block_ids, src_nb, dst_nb, plan.src_block_size,
+                                    plan.dst_block_size, num_tokens)
+            s_ids, d_ids = tokens.read_ids, tokens.tile_dst_ids
+        else:
+            s_ids, d_ids = compact_request(remote_block_ids, local_block_ids, src_nb, dst_nb)
+        n = d_ids.size  # staged tiles (and DIRECT positions) per source
         now = time.monotonic()
         timeout = timeout_s or self.s.timeout_s
-        f = Fetch(req_id, engine, now, timeout, now + timeout, s_ids, d_ids)
+        f = Fetch(req_id, engine, now, timeout, now + timeout, s_ids, d_ids, tokens)
         self.fetches[req_id] = f
-        if s_ids.size == 0:
+        if n == 0:
             self._finish(f)
             return
-        runs_ranks = plan.direct_ranks(s_ids.size)
+        runs_ranks = plan.direct_ranks(n)
         for src_rank in sorted({s.src_rank for s in plan.staged} | runs_ranks):
             read = plan.staged_read(src_rank)
             peer = self.links.peers[(engine, src_rank)]
             chunks = None
             if read is not None:
                 try:
-                    chunks = ChunkGeometry.fit(read.bytes_per_block, s_ids.size,
+                    chunks = ChunkGeometry.fit(read.bytes_per_block, n,
                                                min(self.s.chunk_bytes, peer.md.staging.chunk_bytes))
                 except StagingError as e:
                     self.fail(f, StagingError(f"{engine}:{src_rank}: {e}"))
@@ -141,14 +148,15 @@ class Destination:
 
     def _start(self, f: Fetch, plan: TransferPlan) -> None:
         ids = tuple(f.src_ids.tolist())
+        tok = {} if f.tokens is None else {"tokens": f.tokens.num_tokens, "tiles": tuple(f.tokens.tiles.tolist())}
         for part in f.parts.values():
             peer = self.links.peers[(f.engine, part.src_rank)]
             chunk_blocks = part.chunks.blocks_per_chunk if part.chunks is not None else 0
             if self.s.flow is Flow.PUSH:
                 msg = wire.Push(part.xid, f.req_id, self.s.rank, ids, tuple(f.dst_ids.tolist()), chunk_blocks,
-                                plan.digest())
+                                plan.digest(), **tok)
             else:  # DIRECT runs are read only after the source confirms it holds the blocks
-                msg = wire.Pull(part.xid, f.req_id, self.s.rank, ids, chunk_blocks, plan.digest())
+                msg = wire.Pull(part.xid, f.req_id, self.s.rank, ids, chunk_blocks, plan.digest(), **tok)
             self.links.send(peer, msg)
 
     def abort(self, req_id: str) -> bool:
@@ -277,8 +285,13 @@ class Destination:
     def _unpack(self, part: Part, ch: Chunk) -> None:
         lo, hi = part.chunks.bounds(ch.index)
         offs = part.read.segment_offsets(hi - lo, base=self.s.pool.offset(ch.slot))
-        unpack(self.s.regions, part.read.segments, offs, part.fetch.dst_ids[lo:hi], self.s.pool.tensor,
-               impl=self.s.impl)
+        tokens = part.fetch.tokens
+        if tokens is None:
+            unpack(self.s.regions, part.read.segments, offs, part.fetch.dst_ids[lo:hi], self.s.pool.tensor,
+                   impl=self.s.impl)
+        else:
+            unpack(self.s.regions, part.read.segments, offs, tokens.dst_ids, self.s.pool.tensor, impl=self.s.impl,
+                   tiles=tokens.tiles[lo:hi], num_tokens=tokens.num_tokens)
         ch.kernel = Completion(self.s.device)
 
     def _consumed(self, part: Part, ch: Chunk, peer: Peer) -> None:

@@ -229,7 +229,9 @@ class TransferAgent:
     # ------------------------------------------------------------------ prefill side
     def hold(self, req_id: str, block_ids: Sequence[int], lease_s: float = 30.0) -> None:
         """Keep a finished prefill's blocks readable until every decode rank that fetches it is
-        done, or ``lease_s`` passes; then :meth:`freed` reports it."""
+        done, or ``lease_s`` passes; then :meth:`freed` reports it. ``block_ids`` are this
+        engine's blocks of the request (in this engine's block size, whatever the decode's);
+        a fetch may read any subset of them."""
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         nb = min(s.num_blocks for s in self.specs)
         if ids.size and (ids.min() < 0 or ids.max() >= nb):
@@ -260,11 +262,19 @@ class TransferAgent:
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         timeout_s: float | None = None,
+        *,
+        num_tokens: int | None = None,
     ) -> None:
         """Start reading a request's KV from ``remote_engine_id`` into ``local_block_ids``.
 
-        Position ``j`` of ``remote_block_ids`` lands in ``local_block_ids[j]``; -1 on either side
-        skips the position (e.g. a prefix already cached). Raises at once on bad ids or an
+        Equal block sizes: position ``j`` of ``remote_block_ids`` lands in ``local_block_ids[j]``
+        (whole blocks); -1 on either side skips the position (e.g. a prefix already cached).
+        Different block sizes (the plan's ``maps_tokens``): the ids are each engine's blocks of
+        one token sequence of ``num_tokens`` tokens (default: what both lists cover); remote
+        position ``j`` holds tokens ``[j*Bs, (j+1)*Bs)``, local position ``k`` tokens
+        ``[k*Bd, (k+1)*Bd)``; a local -1 skips that block's tokens, a remote -1 is allowed only
+        for tokens no wanted local block holds, and only tokens below ``num_tokens`` are written
+        (:func:`kvtriton.plan.compact_tokens`). Raises at once on bad ids or an
         unknown engine (:class:`~kvtriton.errors.PlanError`, ``KeyError``); everything later is
         reported by :meth:`results`. After a failed fetch the local blocks hold undefined bytes;
         in push mode a WRITE the source had already posted may still land in them for up to
@@ -273,7 +283,8 @@ class TransferAgent:
         if not isinstance(req_id, str) or not 0 < len(req_id) <= 512:
             raise ValueError(f"req_id must be a non-empty string of at most 512 characters, got {req_id!r:.80}")
         with self._lock:
-            self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s)
+            self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s,
+                                    num_tokens)
 
     def abort(self, req_id: str) -> bool:
         """Cancel a fetch in flight: its source ranks are told, staging it holds is reclaimed

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import wire
-from ..errors import KVTritonError, ProtocolError
+from ..errors import KVTritonError, PlanError, ProtocolError
 from ..ops import pack
-from ..plan import ChunkGeometry, StagedRead, TransferPlan
+from ..plan import ChunkGeometry, StagedRead, TokenMap, TransferPlan
 from .links import Chunk, Completion, Flow, Links, Peer, Settings, logger
 
 
@@ -57,6 +57,7 @@ class Serve:
     runs_xfer: object = None  # push: the WRITE of the DIRECT runs, until it completes
     runs_reader: bool = False  # pull: the peer reads our cache directly until it sends RunsDone
     waiting_local: bool = False  # blocked on our own staging: not the peer's silence
+    tokens: TokenMap | None = None  # block sizes differ: the request's token map (ids = its read_ids)
 
     @property
     def n_chunks(self) -> int:
@@ -146,24 +147,34 @@ class Source:
         if m.plan != plan.digest():
             return reject(f"{eng}:{dst_rank} planned this transfer differently from {me} "
                           "(modes, cost model or replicate stripe differ between the engines)")
+        tokens = None
+        n = ids.size  # staged tiles (and DIRECT positions)
+        if plan.maps_tokens:
+            try:
+                tokens = TokenMap.for_source(m.tiles, ids, m.tokens, plan.src_block_size, plan.dst_block_size)
+            except PlanError as e:
+                return reject(f"token map of {req!r}: {e}")
+            n = tokens.num_tiles
+        elif m.tokens or m.tiles:
+            return reject("tiles and a token count sent, but the engines' block sizes are equal")
         read = plan.staged_read(self.s.rank)
-        has_runs = self.s.rank in plan.direct_ranks(ids.size)
+        has_runs = self.s.rank in plan.direct_ranks(n)
         if read is None and not has_runs:
             return reject(f"{me} has nothing to send to {eng}:{dst_rank}")
         chunks = None
         if read is not None:
-            chunks = ChunkGeometry(read.bytes_per_block, ids.size, m.chunk_blocks)
+            chunks = ChunkGeometry(read.bytes_per_block, n, m.chunk_blocks)
             if not chunks.fits(self.s.chunk_bytes):
                 return reject(f"chunk of {m.chunk_blocks} blocks does not fit staging chunks of "
                               f"{self.s.chunk_bytes} bytes")
         serve = Serve(xid, req, peer, flow, read, ids, chunks, self.s.timeout_s,
-                      time.monotonic() + self.s.timeout_s)
+                      time.monotonic() + self.s.timeout_s, tokens=tokens)
         if flow is Flow.PUSH:
             dst_ids = np.asarray(m.dst_ids, dtype=np.int64)
             nb = min(r.num_blocks for r in peer.md.regions)
-            if dst_ids.size != ids.size or (dst_ids.size and (dst_ids.min() < 0 or dst_ids.max() >= nb)) \
+            if dst_ids.size != n or (dst_ids.size and (dst_ids.min() < 0 or dst_ids.max() >= nb)) \
                     or np.unique(dst_ids).size != dst_ids.size:
-                return reject(f"push: dst_ids must be {ids.size} distinct ids in [0, {nb})")
+                return reject(f"push: dst_ids must be {n} distinct ids in [0, {nb})")
             try:
                 serve.runs = self.links.prep_runs(plan, peer, ids, dst_ids, reading=False)
             except KVTritonError as e:
@@ -310,7 +321,11 @@ class Source:
             return None
         lo, hi = serve.chunks.bounds(chunk)
         offs = serve.read.segment_offsets(hi - lo, base=pool.offset(slot))
-        pack(self.s.regions, serve.read.segments, offs, serve.ids[lo:hi], pool.tensor, impl=self.s.impl)
+        if serve.tokens is None:
+            pack(self.s.regions, serve.read.segments, offs, serve.ids[lo:hi], pool.tensor, impl=self.s.impl)
+        else:
+            pack(self.s.regions, serve.read.segments, offs, serve.tokens.src_ids, pool.tensor, impl=self.s.impl,
+                 tiles=serve.tokens.tiles[lo:hi], num_tokens=serve.tokens.num_tokens)
         ch = Chunk(chunk, slot, pool.slots_for(nbytes), nbytes, kernel=Completion(self.s.device))
         serve.inflight[chunk] = ch
         return ch

@@ -39,6 +39,7 @@ class Request:
     src_ids: tuple[int, ...]
     dst_ids: tuple[int, ...]
     mode: str = "pull"
+    num_tokens: int = 0  # block sizes differ: the request's tokens (0: block pairs)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class ClusterConfig:
     p_tp: int = 1
     d_tp: int = 1
     block_size: int = 4
+    d_block_size: int | None = None  # the decode engine's block size when it differs (token-mapped requests)
     p_blocks: int = 256
     d_blocks: int = 256
     p_layout: str = "NHD"
@@ -64,6 +66,10 @@ class ClusterConfig:
     impl: str = "torch"  # pack/unpack path of the agents ("auto" would use the Triton interpreter on CPU)
 
     @property
+    def dst_block_size(self) -> int:
+        return self.block_size if self.d_block_size is None else self.d_block_size
+
+    @property
     def transfer_modes(self) -> tuple[str, ...]:
         return ("pull", "push") if self.mode == "both" else (self.mode,)
 
@@ -71,9 +77,11 @@ class ClusterConfig:
 def _request_kv(cfg: ClusterConfig, req: Request):
     import torch
 
-    from .oracle import make_global_kv
+    from .oracle import make_global_kv, make_global_tokens
 
     gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + zlib.crc32(req.req_id.encode())) & 0x7FFFFFFF)
+    if req.num_tokens:
+        return make_global_tokens(cfg.models, req.num_tokens, gen)
     return make_global_kv(cfg.models, len(req.src_ids), cfg.block_size, gen)
 
 
@@ -90,12 +98,13 @@ def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
     from .. import wire
     from ..agent import TransferAgent
     from ..errors import KVTritonError
-    from .oracle import load_source, make_rank_regions, snapshot
+    from .oracle import load_source, load_source_tokens, make_rank_regions, snapshot
 
     tp = cfg.p_tp if role == "P" else cfg.d_tp
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + (0 if role == "P" else 104729) + rank)
     regions = make_rank_regions(
-        cfg.models, rank, tp, cfg.p_blocks if role == "P" else cfg.d_blocks, cfg.block_size,
+        cfg.models, rank, tp, cfg.p_blocks if role == "P" else cfg.d_blocks,
+        cfg.block_size if role == "P" else cfg.dst_block_size,
         layout=cfg.p_layout if role == "P" else cfg.d_layout,
         storage=cfg.p_storage if role == "P" else cfg.d_storage, gen=gen)
     before = snapshot(regions)
@@ -144,7 +153,8 @@ def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
                         conn.send(("err", f"{type(e).__name__}: {e}"))
                 elif cmd == "hold":
                     for req in args[0]:
-                        load_source(regions, rank, tp, _request_kv(cfg, req), list(req.src_ids))
+                        load = load_source_tokens if req.num_tokens else load_source
+                        load(regions, rank, tp, _request_kv(cfg, req), list(req.src_ids))
                         agents[req.mode].hold(req.req_id, list(req.src_ids), lease_s=args[1])
                     conn.send(("ok", None))
                 elif cmd == "fetch":
@@ -176,7 +186,8 @@ def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
             while pending and inflight < cfg.max_inflight:
                 req = pending.pop(0)
                 try:
-                    agents[req.mode].fetch(req.req_id, _engine("P", req.mode), list(req.src_ids), list(req.dst_ids))
+                    agents[req.mode].fetch(req.req_id, _engine("P", req.mode), list(req.src_ids), list(req.dst_ids),
+                                           num_tokens=req.num_tokens or None)
                     inflight += 1
                 except KVTritonError as e:
                     outcomes[req.req_id] = dict(ok=False, error=type(e).__name__, msg=str(e), seconds=0.0)
@@ -201,10 +212,11 @@ def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
 
 def _check_one(regions, rank, tp, cfg, req) -> str | None:
     """Byte-compare one request's destination blocks (other blocks are checked at the end)."""
-    from .oracle import check_destination
+    from .oracle import check_destination, check_destination_tokens
 
     try:
-        check_destination(regions, rank, tp, _request_kv(cfg, req), list(req.dst_ids))
+        check = check_destination_tokens if req.num_tokens else check_destination
+        check(regions, rank, tp, _request_kv(cfg, req), list(req.dst_ids))
     except AssertionError as e:
         return f"{req.req_id}: {e}"
     return None
@@ -212,8 +224,14 @@ def _check_one(regions, rank, tp, cfg, req) -> str | None:
 
 def _check_all(regions, rank, tp, cfg, reqs, before) -> None:
     """Every received block right, every other byte as it was before the first transfer."""
-    from .oracle import check_destination, concat_global_kv
+    from .oracle import check_destination, check_destination_tokens, concat_global_kv
 
+    if cfg.d_block_size is not None and cfg.d_block_size != cfg.block_size:
+        kvs = [(_request_kv(cfg, r), list(r.dst_ids)) for r in reqs]
+        if not kvs:
+            return
+        check_destination_tokens(regions, rank, tp, *kvs[0], before, more=kvs[1:])
+        return
     probe = Request("none", 0, (0,), (0,))
     kvs = [_request_kv(cfg, r) for r in reqs] or [[[s[:0] for s in streams] for streams in _request_kv(cfg, probe)]]
     check_destination(regions, rank, tp, concat_global_kv(kvs), [b for r in reqs for b in r.dst_ids], before)
@@ -284,18 +302,22 @@ class Cluster:
         return self._recv(key, timeout_s)
 
     # ------------------------------------------------------------------ scenario helpers
-    def requests(self, count: int, n_blocks: int, mode: str | None = None) -> list[Request]:
+    def requests(self, count: int, n_blocks: int = 0, mode: str | None = None, *,
+                 num_tokens: int | None = None) -> list[Request]:
         """``count`` requests of ``n_blocks`` blocks on disjoint, shuffled block ids; with
-        ``mode=None`` they alternate over the cluster's transfer modes."""
-        need = count * n_blocks
-        if need > min(self._free_src.size, self._free_dst.size):
-            raise ValueError(f"{need} more blocks do not fit the caches ({self._free_src.size} source and "
-                             f"{self._free_dst.size} destination blocks left)")
-        src, self._free_src = self._free_src[:need].reshape(count, n_blocks), self._free_src[need:]
-        dst, self._free_dst = self._free_dst[:need].reshape(count, n_blocks), self._free_dst[need:]
+        ``mode=None`` they alternate over the cluster's transfer modes. With ``num_tokens`` (engines
+        of different block sizes) each side gets the blocks that many tokens take."""
+        n_src = n_dst = n_blocks
+        if num_tokens is not None:
+            n_src, n_dst = -(-num_tokens // self.cfg.block_size), -(-num_tokens // self.cfg.dst_block_size)
+        if count * n_src > self._free_src.size or count * n_dst > self._free_dst.size:
+            raise ValueError(f"{count} x {n_src}/{n_dst} more blocks do not fit the caches ({self._free_src.size} "
+                             f"source and {self._free_dst.size} destination blocks left)")
+        src, self._free_src = self._free_src[:count * n_src].reshape(count, n_src), self._free_src[count * n_src:]
+        dst, self._free_dst = self._free_dst[:count * n_dst].reshape(count, n_dst), self._free_dst[count * n_dst:]
         modes = self.cfg.transfer_modes
         out = [Request(f"req{self._next_req + i}", self._next_req + i, tuple(map(int, s)), tuple(map(int, d)),
-                       mode or modes[i % len(modes)])
+                       mode or modes[i % len(modes)], num_tokens or 0)
                for i, (s, d) in enumerate(zip(src, dst))]
         self._next_req += count
         return out

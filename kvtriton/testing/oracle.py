@@ -205,20 +205,28 @@ def load_source_tokens(regions: Sequence[Region], rank: int, tp: int, global_tok
 
 
 def check_destination_tokens(regions: Sequence[Region], rank: int, tp: int, global_tokens, block_ids,
-                             before) -> None:
+                             before=None, *, more: Sequence = ()) -> None:
     """Raise AssertionError unless block ``block_ids[k]`` (k >= 0) holds this rank's heads of tokens
-    ``[k*Bd, (k+1)*Bd)`` below the request's end (``len(global_tokens)``), and every other byte
-    of every stream equals ``before`` (a :func:`snapshot`), the tail of a partial last block included."""
-    for i, (region, streams) in enumerate(zip(regions, global_tokens)):
+    ``[k*Bd, (k+1)*Bd)`` below the request's end (``len(global_tokens)``) and, when ``before`` (a
+    :func:`snapshot`) is given, every other byte of every stream equals it, the tail of a partial
+    last block included. ``more``: further ``(global_tokens, block_ids)`` requests, applied in order."""
+    reqs = [(global_tokens, block_ids), *more]
+    for i, region in enumerate(regions):
         h0, h1 = _heads(region, rank, tp)
         bs = region.spec.block_size
-        for j, g in enumerate(streams):
-            expected = before[i][j].cpu().clone()
-            for k, b in enumerate(np.asarray(block_ids, dtype=np.int64).tolist()):
-                part = g[k * bs:(k + 1) * bs, h0:h1]
-                if b >= 0 and part.shape[0]:
-                    expected[b, :part.shape[0]] = _bytes(part)
+        for j in range(region.spec.num_streams):
             got = _bytes(region.nhd(j)).cpu()
+            expected = (before[i][j] if before is not None else got).cpu().clone()
+            mask = torch.zeros(got.shape[:2], dtype=torch.bool)
+            for tokens, ids in reqs:
+                g = tokens[i][j]
+                for k, b in enumerate(np.asarray(ids, dtype=np.int64).tolist()):
+                    part = g[k * bs:(k + 1) * bs, h0:h1]
+                    if b >= 0 and part.shape[0]:
+                        expected[b, :part.shape[0]] = _bytes(part)
+                        mask[b, :part.shape[0]] = True
+            if before is None:  # only the request's rows
+                got, expected = got[mask], expected[mask]
             if not torch.equal(got, expected):
                 bad = torch.nonzero(got != expected)
                 raise AssertionError(
