@@ -320,6 +320,14 @@ def check_compatible(
             raise mismatch("heads of a REPLICATE region", d.local_heads, s.local_heads)
     if any(d.block_size != s.block_size for d, s in zip(dst_specs, src_specs)):
         for side, specs in (("local", dst_specs), ("remote", src_specs)):
+            packed = [x.name for x in specs if not x.token_major]
+            if packed:
+                raise IncompatibleRemoteError(
+                    f"block_size differs between the engines (local {dst_specs[0].block_size}, remote "
+                    f"{src_specs[0].block_size}), but the {side} engine's regions {packed[:4]} are not "
+                    "token-major inside a block (e.g. vLLM's CPU attention keeps K dim-major): tokens cannot "
+                    "be remapped between block sizes; use equal block sizes"
+                )
             sizes = {x.block_size for x in specs}
             if len(sizes) > 1:
                 per_region = {x.name: x.block_size for x in specs}

@@ -20,6 +20,7 @@ cache block ``block_ids[t // Bc]`` at token ``t % Bc`` (``Bc``: the cache's bloc
 from __future__ import annotations
 
 import functools
+import math
 from typing import Sequence
 
 import numpy as np
@@ -103,23 +104,79 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
         head = seg.src_head if pack else seg.dst_head
         cache_bs = seg.source_block_size if pack else seg.block_size
         bt, nh = seg.block_size, seg.num_heads
-        tok = tiles[:, None] * bt + _token_offsets(bt, device)  # [n, bt] request tokens
+        tok = (tiles[:, None] * bt + _token_offsets(bt, device)).reshape(-1)  # request token of each tile row
         pos = torch.div(tok, cache_bs, rounding_mode="floor")
         ok = (tok < num_tokens) & (pos < ids.numel())
         blk = torch.where(ok, ids[pos.clamp(max=max(ids.numel() - 1, 0))], -1)
         ok &= blk >= 0
-        tile_i, tile_t = torch.nonzero(ok, as_tuple=True)
-        c_blk, c_tok = blk[ok], (tok - pos * cache_bs)[ok]
+        c_row = blk * cache_bs + (tok - pos * cache_bs)  # (block, token) row in the cache
         cache = region.nhd(seg.stream)[:, :, head:head + nh]
         cache_w, staged_w = _bit_views(cache, staging[int(off):int(off) + n * seg.tile_bytes], seg.row_bytes)
         if seg.dst_layout is Layout.NHD:
             staged = staged_w.view(n, bt, nh, -1)
         else:
             staged = staged_w.view(n, nh, bt, -1).transpose(1, 2)
-        if pack:
-            staged[tile_i, tile_t] = cache_w[c_blk, c_tok]
+        c_rows, s_rows = _rows(cache_w), _rows(staged)
+        if c_rows is None or s_rows is None:  # heads of a token not contiguous on one side
+            sel = torch.nonzero(ok).flatten()
+            _indexed_copy(pack, cache_w, staged, c_row[sel], sel, cache_bs, bt)
+            continue
+        # Both block sizes are multiples of g = gcd(Bc, Bt), and so is every boundary between source
+        # blocks and tiles: runs of g tokens are contiguous on both sides, and move as one unit.
+        g = math.gcd(cache_bs, bt)
+        unit_ok = ok.view(-1, g).all(1)
+        _copy_rows(pack, _units(c_rows, g), _units(s_rows, g), c_row.view(-1, g)[:, 0] // g, unit_ok)
+        rest = ok & ~unit_ok.repeat_interleave(g)  # rows of a partly valid unit (the request's end)
+        if bool(rest.any()):
+            _copy_rows(pack, c_rows, s_rows, c_row, rest)
+
+
+def _units(rows: torch.Tensor, g: int) -> torch.Tensor:
+    """``[rows, words]`` as ``[rows / g, g, words]`` (runs of g rows)."""
+    r, w = rows.shape
+    s = rows.stride(0)
+    return rows.as_strided((r // g, g, w), (g * s, s, 1))
+
+
+def _copy_rows(pack: bool, c_rows: torch.Tensor, s_rows: torch.Tensor, c_index: torch.Tensor,
+               ok: torch.Tensor) -> None:
+    """Staged row ``i`` <-> cache row ``c_index[i]``, for the rows ``ok`` selects."""
+    every = bool(ok.all())
+    sel = None if every else torch.nonzero(ok).flatten()
+    if sel is not None:
+        if sel.numel() == 0:
+            return
+        c_index = c_index[sel]
+    if pack:
+        if sel is None and s_rows.is_contiguous():
+            torch.index_select(c_rows, 0, c_index, out=s_rows)
+        elif sel is None:
+            s_rows.copy_(c_rows.index_select(0, c_index))
         else:
-            cache_w[c_blk, c_tok] = staged[tile_i, tile_t]
+            s_rows.index_copy_(0, sel, c_rows.index_select(0, c_index))
+    else:
+        c_rows.index_copy_(0, c_index, s_rows if sel is None else s_rows.index_select(0, sel))
+
+
+def _rows(view: torch.Tensor) -> torch.Tensor | None:
+    """A ``[blocks, tokens, heads, words]`` view as ``[blocks * tokens, heads * words]`` rows, when
+    the heads of a token are contiguous and blocks are evenly spaced token rows; else ``None``."""
+    nb, bs, h, w = view.shape
+    s_blk, s_tok, s_head, _ = view.stride()
+    if (h > 1 and s_head != w) or (bs > 1 and nb > 1 and s_blk != bs * s_tok):
+        return None
+    return view.as_strided((nb * bs, h * w), (s_tok if bs > 1 else s_blk, 1))
+
+
+def _indexed_copy(pack: bool, cache_w, staged, c_row, sel, cache_bs: int, bt: int) -> None:
+    """The general case: (block, token) advanced indexing on both sides."""
+    s_row = torch.arange(staged.shape[0] * bt, device=staged.device) if sel is None else sel
+    c_blk, c_tok = torch.div(c_row, cache_bs, rounding_mode="floor"), c_row % cache_bs
+    s_tile, s_tok = torch.div(s_row, bt, rounding_mode="floor"), s_row % bt
+    if pack:
+        staged[s_tile, s_tok] = cache_w[c_blk, c_tok]
+    else:
+        cache_w[c_blk, c_tok] = staged[s_tile, s_tok]
 
 
 def _segment_views(region: Region, seg: Segment, head: int, tile_layout: Layout, ids: torch.Tensor,

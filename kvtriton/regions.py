@@ -91,6 +91,11 @@ class RegionSpec:
     itemsize:    bytes per element.
     strides:     per stream, element strides ``(block, token, head)`` of the logical
                  ``[block, token, head, dim]`` indexing (the dim stride is 1).
+    token_major: whether the logical rows are the tokens' real rows. False when an engine
+                 packs a block's bytes otherwise behind a token-shaped view (vLLM's CPU
+                 attention keeps K of a block dim-major, ``[head_size, block_size]``, inside the
+                 K‖V content): whole blocks still move exactly, but tokens cannot be remapped
+                 between block sizes (the validation gate refuses a block-size change).
     """
 
     name: str
@@ -104,6 +109,7 @@ class RegionSpec:
     dtype: str
     itemsize: int
     strides: tuple[tuple[int, int, int], ...]
+    token_major: bool = True
 
     @property
     def num_streams(self) -> int:
@@ -159,6 +165,7 @@ class Region:
         block_size: int,
         total_heads: int,
         kind: Kind | str = Kind.SPLIT,
+        token_major: bool = True,
     ) -> "Region":
         """A GQA/MHA region: K and V as separate tensors, or one joint tensor.
 
@@ -172,6 +179,8 @@ class Region:
                      1: ``[num_blocks, 2, ...]``).
         block_size:  tokens per block (disambiguates NHD from HND shapes).
         total_heads: the model's KV heads for this layer (global, before TP sharding).
+        token_major: False when the tensors are a token-shaped view of bytes the engine orders
+                     otherwise inside a block (see :class:`RegionSpec`).
 
         Example
         -------
@@ -194,7 +203,7 @@ class Region:
             if k is None:
                 raise RegionError(f"region {name!r}: no tensors given (k/v or kv=)")
             streams = (k,) if v is None else (k, v)
-        return cls._build(name, Kind(kind), layout, streams, block_size, total_heads)
+        return cls._build(name, Kind(kind), layout, streams, block_size, total_heads, token_major)
 
     @classmethod
     def mla(cls, name: str, latent: torch.Tensor, *, block_size: int,
@@ -210,7 +219,7 @@ class Region:
 
     @classmethod
     def _build(cls, name, kind, layout, streams: Sequence[torch.Tensor], block_size: int,
-               total_heads: int) -> "Region":
+               total_heads: int, token_major: bool = True) -> "Region":
         first = streams[0]
         for i, t in enumerate(streams):
             if not isinstance(t, torch.Tensor):
@@ -264,7 +273,7 @@ class Region:
             total_heads=int(total_heads), local_heads=int(heads),
             head_dims=tuple(int(t.shape[3]) for t in streams),
             dtype=str(first.dtype).removeprefix("torch."), itemsize=first.element_size(),
-            strides=strides,
+            strides=strides, token_major=bool(token_major),
         )
         return cls(spec=spec, streams=tuple(streams))
 

@@ -100,7 +100,7 @@ def encode_metadata(md: RankMetadata) -> bytes:
             num_blocks=spec.num_blocks, block_size=spec.block_size, total_heads=spec.total_heads,
             local_heads=spec.local_heads, head_dims=list(spec.head_dims), dtype=spec.dtype,
             itemsize=spec.itemsize, strides=[list(s) for s in spec.strides],
-            addrs=list(addrs), spans=list(spans),
+            addrs=list(addrs), spans=list(spans), token_major=spec.token_major,
         ))
     return msgpack.packb(dict(
         v=PROTOCOL_VERSION, fmt=STAGED_LAYOUT_VERSION, engine=md.engine, rank=md.rank, tp=md.tp,
@@ -166,6 +166,7 @@ def decode_metadata(data: bytes) -> RankMetadata:
             local_heads=_int(r, "local_heads", where, 1, 1 << 16),
             head_dims=head_dims, dtype=_get(r, "dtype", str, where),
             itemsize=_int(r, "itemsize", where, 1, 16), strides=tuple(strides),
+            token_major=_get(r, "token_major", bool, where) if "token_major" in r else True,
         )
         a = tuple(_int_list(r, "addrs", where, 0, _MAX_U64, max_len=n_streams))
         sp = tuple(_int_list(r, "spans", where, 1, 1 << 48, max_len=n_streams))

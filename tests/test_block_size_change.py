@@ -16,7 +16,7 @@ import torch
 from kvtriton import ops
 from kvtriton.errors import IncompatibleRemoteError, LaunchError, PlanError
 from kvtriton.plan import Mode, TokenMap, build_plan, compact_tokens, source_positions
-from kvtriton.regions import Kind, Layout
+from kvtriton.regions import Region
 from kvtriton.testing.oracle import (
     RegionModel,
     check_destination_tokens,
@@ -201,3 +201,55 @@ def test_launch_validation_for_token_maps():
         ops.pack(P, read.segments, offs, [0, 1, 2, 3, 4, 5], staging, tiles=[0, 1, 2], num_tokens=24)
     with pytest.raises(LaunchError, match="repeat"):
         ops.unpack(D, read.segments, offs, [3, 3], staging, tiles=[0, 1], num_tokens=16)
+
+
+# --------------------------------------------------------------------------- vLLM connector, scheduler side
+def test_vllm_scheduler_pairs_blocks_of_different_sizes_by_tokens():
+    from types import SimpleNamespace
+
+    from kvtriton.integrations.vllm.scheduler import SchedulerSide, remote_params
+
+    d = SchedulerSide(engine_id="D", host="127.0.0.1", port=1, tp_size=2, block_size=64)
+    params = remote_params("P", "127.0.0.1", 6100, 1, 32, "p1", [4, 5, 6, 7])  # 100 tokens in 32-blocks
+    req = SimpleNamespace(request_id="d1", kv_transfer_params=dict(params), num_prompt_tokens=100)
+    assert d.get_num_new_matched_tokens(req, 64) == (36, True)  # one 64-block is a local prefix hit
+    blocks = SimpleNamespace(get_block_ids=lambda: ([11, 12],))
+    d.update_state_after_alloc(req, blocks, 36)
+    load = d.build_messages(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=None)).loads["d1"]
+    assert load.num_tokens == 100 and load.local_block_ids == (-1, 12)
+    assert load.remote_block_ids == (4, 5, 6, 7) and load.source.block_size == 32
+    bad = dict(params, remote_block_size=0)
+    req2 = SimpleNamespace(request_id="d2", kv_transfer_params=bad, num_prompt_tokens=100)
+    assert d.get_num_new_matched_tokens(req2, 0) == (0, False)  # bad params: computed locally
+
+
+def test_gate_refuses_a_block_size_change_on_blocks_that_are_not_token_major():
+    import dataclasses
+
+    local = _specs(MODELS[:1], 0, 2, 64)
+    packed = [dataclasses.replace(s, token_major=False) for s in _specs(MODELS[:1], 0, 2, 32)]
+    with pytest.raises(IncompatibleRemoteError, match=r"remote engine's regions \['attn.0'\] are not token-major"):
+        build_plan(0, 2, local, 2, packed)
+    with pytest.raises(IncompatibleRemoteError, match="local engine's regions"):
+        build_plan(0, 2, [dataclasses.replace(s, token_major=False) for s in local], 2, _specs(MODELS[:1], 0, 2, 32))
+    same = [dataclasses.replace(s, token_major=False) for s in _specs(MODELS[:1], 0, 2, 64)]
+    assert not build_plan(0, 2, local, 2, same).maps_tokens  # whole blocks still move
+
+
+def test_wire_carries_block_size_and_token_major():
+    import dataclasses
+
+    from kvtriton import wire
+
+    k = torch.zeros(8, 4, 2, 16, dtype=torch.float16)
+    spec = dataclasses.replace(Region.attention("l0", k, k.clone(), block_size=4, total_heads=4).spec,
+                               token_major=False)
+    spans = tuple(wire.stream_span(spec, j) for j in range(2))
+    md = wire.RankMetadata(engine="P", rank=0, tp=1, agent="P:0:x", agent_md=b"x", mem="DRAM", dev=0,
+                           regions=(spec,), addrs=((4096, 1 << 20),), spans=(spans,),
+                           staging=wire.StagingInfo(1 << 30, 4096, 16, 8192))
+    got = wire.decode_metadata(wire.encode_metadata(md))
+    assert got.regions[0].block_size == 4 and got.regions[0].token_major is False
+    for cls in (wire.Pull, wire.Push):
+        m = cls(*(["x", "r", 0, (1, 2)] + ([(3,)] if cls is wire.Push else []) + [1, "d", 40, (0, 2)]))
+        assert wire.decode_message(m.encode()) == m

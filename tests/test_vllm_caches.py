@@ -153,6 +153,7 @@ def test_remote_params_are_checked():
     assert parse_remote_params({**good, "remote_block_ids": [[3, 4]]}, 16).block_ids == (3, 4)  # one group
     for field, value in (("remote_port", 70000), ("remote_port", True), ("tp_size", 0), ("remote_engine_id", ""),
                          ("remote_block_ids", [1, -2]), ("remote_block_ids", "12"), ("remote_request_id", None),
-                         ("remote_block_size", 32)):
+                         ("remote_block_size", 0), ("remote_block_size", "32")):
         with pytest.raises(ParamsError):
             parse_remote_params({**good, field: value}, 16)
+    assert parse_remote_params({**good, "remote_block_size": 32}, 16).block_size == 32  # a block-size change

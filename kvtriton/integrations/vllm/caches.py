@@ -83,10 +83,15 @@ def _attention_region(name: str, t: torch.Tensor, block_size: int, total_heads: 
         if t.shape[2] != block_size:
             raise RegionError(f"layer {name!r}: cache {tuple(t.shape)} is not [num_blocks, heads, block_size="
                               f"{block_size}, head_size + head_size_v]")
+        # vLLM's CPU attention (its CPU build's only GQA backend) fills this view's bytes as
+        # [K: head_size x block_size (dim-major) | V: block_size x head_size] per (block, head):
+        # whole blocks are exact, single tokens are not (no block-size change)
+        token_major = t.device.type != "cpu"
         if _head_major(t.stride(1), t.stride(2), t.shape[1], t.shape[2]):
-            return Region.attention(name, t, layout=Layout.HND, block_size=block_size, total_heads=total_heads)
+            return Region.attention(name, t, layout=Layout.HND, block_size=block_size, total_heads=total_heads,
+                                    token_major=token_major)
         return Region.attention(name, t.transpose(1, 2), layout=Layout.NHD, block_size=block_size,
-                                total_heads=total_heads)
+                                total_heads=total_heads, token_major=token_major)
     if t.dim() == 5 and 2 in (t.shape[0], t.shape[1]):  # [2, B, N, H, D] or [B, 2, N, H, D]
         # K/V outermost when that axis is 2 and strides over the blocks (num_blocks == 2 is ambiguous by shape)
         kv_dim = 0 if t.shape[0] == 2 and (t.shape[1] != 2 or t.stride(0) > t.stride(1)) else 1

@@ -14,7 +14,9 @@ It speaks NixlConnector's proxy protocol, so a vLLM P/D proxy works unchanged:
 * **Decode** (``kv_consumer``): a request carrying those params is loaded asynchronously: all its
   prompt tokens beyond the local prefix come from the prefill engine
   (``get_num_new_matched_tokens``), the blocks vLLM allocates are paired with the remote ones by
-  position (``update_state_after_alloc``), and the next step's messages carry the **load** to the
+  position (``update_state_after_alloc``; when the prefill engine's ``remote_block_size`` differs
+  from ours, both lists are the request's tokens in each engine's blocks and the load carries the
+  token count, see :func:`kvtriton.plan.compact_tokens`), and the next step's messages carry the **load** to the
   workers. A request aborted while loading is **cancelled** on the workers, which still report it
   in ``finished_recving`` (vLLM frees its blocks then).
 
@@ -51,19 +53,23 @@ class RemoteSource:
     tp_size: int
     request_id: str
     block_ids: tuple[int, ...]
+    block_size: int  # tokens per block of the prefill engine
 
 
 @dataclass(frozen=True)
 class LoadSpec:
     """One load for the workers: position ``j`` of ``remote_block_ids`` lands in
     ``local_block_ids[j]`` (-1: already local). ``report``: tell vLLM when it ends (False for a
-    load that only tells the prefill engine it may free the blocks)."""
+    load that only tells the prefill engine it may free the blocks). ``num_tokens``: when the
+    engines' block sizes differ, the request's tokens (each list in its engine's blocks; a local
+    -1 skips that block's tokens), else None (whole blocks by position)."""
 
     req_id: str
     source: RemoteSource
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     report: bool = True
+    num_tokens: int | None = None
 
 
 @dataclass
@@ -98,11 +104,9 @@ def parse_remote_params(params: Mapping[str, Any], block_size: int) -> RemoteSou
             isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
         raise ParamsError(f"kv_transfer_params['remote_block_ids'] = {ids!r:.80}: expected a list of at most "
                           f"{MAX_REMOTE_BLOCKS} block ids >= 0")
-    remote_bs = params.get("remote_block_size", block_size)
-    if remote_bs != block_size:
-        raise ParamsError(f"the prefill engine's block size is {remote_bs!r}, this engine's is {block_size}; "
-                          "kvtriton needs equal block sizes")
-    return RemoteSource(engine, host, port, tp, req, tuple(ids))
+    remote_bs = block_size if params.get("remote_block_size") is None else get(
+        "remote_block_size", int, lambda v: 0 < v <= 1 << 20, "the prefill engine's block size (1..2**20)")
+    return RemoteSource(engine, host, port, tp, req, tuple(ids), remote_bs)
 
 
 def remote_params(engine_id: str, host: str, port: int, tp_size: int, block_size: int, req_id: str,
@@ -151,7 +155,7 @@ class SchedulerSide:
             return 0, False
         self._wanted[rid] = (source, num_computed_tokens)
         # the prefill computed every prompt token; all but the local prefix come from it
-        count = min(int(request.num_prompt_tokens), len(source.block_ids) * self.block_size) - num_computed_tokens
+        count = min(int(request.num_prompt_tokens), len(source.block_ids) * source.block_size) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -162,7 +166,18 @@ class SchedulerSide:
         params["do_remote_prefill"] = False  # one load per request, even when called again
         source, local_tokens = self._wanted.pop(rid)
         remote = source.block_ids
-        if num_external_tokens > 0:
+        if num_external_tokens > 0 and source.block_size != self.block_size:
+            # different pagings: both lists hold the same tokens, each in its engine's blocks
+            local = list(blocks.get_block_ids()[0])
+            tokens = min(local_tokens + num_external_tokens, len(remote) * source.block_size,
+                         len(local) * self.block_size)
+            n_local = -(-tokens // self.block_size)
+            skip = min(n_local, local_tokens // self.block_size)  # blocks vLLM already has (prefix cache)
+            ids = [-1] * skip + local[skip:n_local]
+            self._next.loads[rid] = LoadSpec(rid, source, remote[:-(-tokens // source.block_size)], tuple(ids),
+                                             num_tokens=tokens)
+            self._loading.add(rid)
+        elif num_external_tokens > 0:
             local = list(blocks.get_block_ids()[0])
             n = min(len(local), len(remote))
             skip = min(n, local_tokens // self.block_size)  # blocks vLLM already has (prefix cache)

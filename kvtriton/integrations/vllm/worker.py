@@ -169,7 +169,7 @@ class WorkerSide:
             return
         try:
             self.agent.fetch(load.source.request_id, load.source.engine_id, load.remote_block_ids,
-                             load.local_block_ids)
+                             load.local_block_ids, num_tokens=load.num_tokens)
         except (KVTritonError, KeyError) as e:
             self._result(load.source.request_id, e if isinstance(e, KVTritonError) else ProtocolError(str(e)))
 
