@@ -11,6 +11,8 @@ Sections (all by default; ``--sections`` picks some):
   measurements, Triton runs only under the interpreter).
 * ``e2e``: one request end to end between processes over NIXL (bench/e2e.py), when NIXL is
   installed.
+* both also get block-size-change rows (bench/block_sizes.py): P4->D8 at 16->64 and 64->16
+  against the same transfer with equal block sizes.
 * ``pd_vllm``: prefill and decode as real vLLM engines (bench/pd_vllm.py), kvtriton's connector
   and vLLM's own NixlConnector side by side, P2->D1 and P1->D2, when the vLLM test bed is built
   (``make vllm-bed``; ``.venv-vllm`` or ``$KVTRITON_VLLM_PYTHON``).
@@ -225,10 +227,16 @@ def main(argv=None) -> int:
         cases = [(p.name, list(p.truncated(4 if args.quick else 8).regions), *_pair(p), 16, TOKENS // 16)
                  for p in presets]
         rows += [{"section": "kernels", **r} for r in run_kernel_bench(cases, device, args.quick)]
+        from block_sizes import kernel_rows  # bench/block_sizes.py: block-size changes vs equal sizes
+
+        rows += [{"section": "kernels", **r} for r in kernel_rows(device, args.quick)]
     if "e2e" in sections and (HERE / "e2e.py").exists() and importlib.util.find_spec("nixl"):
         from e2e import run_e2e_bench  # bench/e2e.py
 
         rows += [{"section": "e2e", **r} for r in run_e2e_bench(quick=args.quick)]
+        from block_sizes import e2e_rows  # bench/block_sizes.py
+
+        rows += [{"section": "e2e", **r} for r in e2e_rows(quick=args.quick)]
     if "pd_vllm" in sections:
         rows += pd_vllm_rows(args.quick)
     meta = dict(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -99,17 +100,15 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
     tiles = torch.as_tensor(np.asarray(tiles.cpu() if isinstance(tiles, torch.Tensor) else tiles, dtype=np.int64),
                             device=device)
     n = tiles.numel()
+    maps: dict[tuple[int, int], _RowMap] = {}  # segments share the request: index math once per block-size pair
     for seg, off in zip(segments, offsets):
         region = regions[seg.region]
         head = seg.src_head if pack else seg.dst_head
         cache_bs = seg.source_block_size if pack else seg.block_size
         bt, nh = seg.block_size, seg.num_heads
-        tok = (tiles[:, None] * bt + _token_offsets(bt, device)).reshape(-1)  # request token of each tile row
-        pos = torch.div(tok, cache_bs, rounding_mode="floor")
-        ok = (tok < num_tokens) & (pos < ids.numel())
-        blk = torch.where(ok, ids[pos.clamp(max=max(ids.numel() - 1, 0))], -1)
-        ok &= blk >= 0
-        c_row = blk * cache_bs + (tok - pos * cache_bs)  # (block, token) row in the cache
+        m = maps.get((cache_bs, bt))
+        if m is None:
+            m = maps[(cache_bs, bt)] = _RowMap.build(ids, tiles, num_tokens, cache_bs, bt)
         cache = region.nhd(seg.stream)[:, :, head:head + nh]
         cache_w, staged_w = _bit_views(cache, staging[int(off):int(off) + n * seg.tile_bytes], seg.row_bytes)
         if seg.dst_layout is Layout.NHD:
@@ -118,17 +117,57 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
             staged = staged_w.view(n, nh, bt, -1).transpose(1, 2)
         c_rows, s_rows = _rows(cache_w), _rows(staged)
         if c_rows is None or s_rows is None:  # heads of a token not contiguous on one side
-            sel = torch.nonzero(ok).flatten()
-            _indexed_copy(pack, cache_w, staged, c_row[sel], sel, cache_bs, bt)
+            _indexed_copy(pack, cache_w, staged, m.c_row[m.row_sel], m.row_sel, cache_bs, bt)
             continue
-        # Both block sizes are multiples of g = gcd(Bc, Bt), and so is every boundary between source
-        # blocks and tiles: runs of g tokens are contiguous on both sides, and move as one unit.
+        if c_rows.stride(0) != c_rows.shape[1]:  # strided rows: a unit is no single range, copy rows
+            every = m.row_sel.numel() == m.c_row.numel()
+            _copy_rows(pack, c_rows, s_rows, m.c_row if every else m.c_row[m.row_sel], None if every else m.row_sel)
+            continue
+        _copy_rows(pack, _units(c_rows, m.g), _units(s_rows, m.g), m.c_unit, m.unit_sel)
+        if m.rest_sel is not None:
+            _copy_rows(pack, c_rows, s_rows, m.c_row_rest, m.rest_sel)
+
+
+@dataclass(frozen=True)
+class _RowMap:
+    """Where the rows of ``n`` tiles of ``bt`` tokens live in a cache of ``Bc``-token blocks.
+
+    Both block sizes are multiples of ``g = gcd(Bc, bt)``, and so is every boundary between cache
+    blocks and tiles: runs of g tokens ("units") are contiguous on both sides and move as one.
+    ``unit_sel``/``rest_sel``: staged units / rows to move (``None`` = all units / no rows); the
+    rows of a partly valid unit (the request's end) move one by one.
+    """
+
+    g: int
+    c_row: torch.Tensor  # [n * bt] cache row of each tile row (garbage where not moved)
+    row_sel: torch.Tensor  # tile rows that move
+    c_unit: torch.Tensor  # cache unit of each moved staged unit
+    unit_sel: torch.Tensor | None
+    c_row_rest: torch.Tensor | None
+    rest_sel: torch.Tensor | None
+
+    @classmethod
+    def build(cls, ids: torch.Tensor, tiles: torch.Tensor, num_tokens: int, cache_bs: int, bt: int) -> "_RowMap":
+        tok = (tiles[:, None] * bt + _token_offsets(bt, tiles.device)).reshape(-1)  # request token of each row
+        pos = torch.div(tok, cache_bs, rounding_mode="floor")
+        ok = (tok < num_tokens) & (pos < ids.numel())
+        blk = torch.where(ok, ids[pos.clamp(max=max(ids.numel() - 1, 0))], -1)
+        ok &= blk >= 0
+        c_row = blk * cache_bs + (tok - pos * cache_bs)
         g = math.gcd(cache_bs, bt)
         unit_ok = ok.view(-1, g).all(1)
-        _copy_rows(pack, _units(c_rows, g), _units(s_rows, g), c_row.view(-1, g)[:, 0] // g, unit_ok)
-        rest = ok & ~unit_ok.repeat_interleave(g)  # rows of a partly valid unit (the request's end)
-        if bool(rest.any()):
-            _copy_rows(pack, c_rows, s_rows, c_row, rest)
+        every = bool(unit_ok.all())
+        unit_sel = None if every else torch.nonzero(unit_ok).flatten()
+        c_unit = torch.div(c_row.view(-1, g)[:, 0], g, rounding_mode="floor")
+        if unit_sel is not None:
+            c_unit = c_unit[unit_sel]
+        rest_sel = c_row_rest = None
+        if not every:
+            rest = ok & ~unit_ok.repeat_interleave(g)
+            if bool(rest.any()):
+                rest_sel = torch.nonzero(rest).flatten()
+                c_row_rest = c_row[rest_sel]
+        return cls(g, c_row, torch.nonzero(ok).flatten(), c_unit, unit_sel, c_row_rest, rest_sel)
 
 
 def _units(rows: torch.Tensor, g: int) -> torch.Tensor:
@@ -139,14 +178,10 @@ def _units(rows: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def _copy_rows(pack: bool, c_rows: torch.Tensor, s_rows: torch.Tensor, c_index: torch.Tensor,
-               ok: torch.Tensor) -> None:
-    """Staged row ``i`` <-> cache row ``c_index[i]``, for the rows ``ok`` selects."""
-    every = bool(ok.all())
-    sel = None if every else torch.nonzero(ok).flatten()
-    if sel is not None:
-        if sel.numel() == 0:
-            return
-        c_index = c_index[sel]
+               sel: torch.Tensor | None) -> None:
+    """Staged row ``sel[i]`` (``i`` when ``sel`` is None) <-> cache row ``c_index[i]``."""
+    if sel is not None and sel.numel() == 0:
+        return
     if pack:
         if sel is None and s_rows.is_contiguous():
             torch.index_select(c_rows, 0, c_index, out=s_rows)
