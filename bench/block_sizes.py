@@ -60,6 +60,9 @@ def kernel_rows(device: str = "cpu", quick: bool = False, layers: int | None = N
 
     layers = layers or (4 if quick else 8)
     impl = "triton" if device == "cuda" else "torch"
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)  # one thread: on a small shared box a second one mostly adds noise
     models = _models(layers)
     cases = []
     for bs, bd in PAIRS:
@@ -111,6 +114,7 @@ def kernel_rows(device: str = "cpu", quick: bool = False, layers: int | None = N
             rows.append(dict(case=f"llama3-70b-like ({layers} layers) P4->D8 block {bs}->{bd}, {TOKENS} tokens",
                              op=op, provider=f"kvtriton ({impl})", src_block=bs, dst_block=bd, bytes=2 * nbytes,
                              ms=round(ms, 3), gbps=round(2 * nbytes / ms / 1e6, 2), descriptors=descs))
+    torch.set_num_threads(threads)
     _ratios(rows, "ms")
     for r in rows:
         r["note"] = (f"{r['vs_equal_blocks']}x the time of equal blocks ({r['dst_block']}->{r['dst_block']})"

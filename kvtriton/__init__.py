@@ -17,7 +17,18 @@ from .errors import (
 )
 from .agent import FreedRequest, RequestResult, TransferAgent
 from .ops import pack, unpack
-from .plan import CostModel, Mode, Segment, StagedRead, TransferPlan, build_plan, compact_request, direct_runs
+from .plan import (
+    CostModel,
+    Mode,
+    Segment,
+    StagedRead,
+    TokenMap,
+    TransferPlan,
+    build_plan,
+    compact_request,
+    compact_tokens,
+    direct_runs,
+)
 from .regions import Kind, Layout, Region, RegionSpec, classify_layer
 from .topology import head_range, replicate_sources, split_sources
 
@@ -28,6 +39,6 @@ __all__ = [
     "CostModel", "IncompatibleRemoteError", "KVTritonError", "Kind", "LaunchError", "Layout", "Mode",
     "PeerDisconnectedError", "PlanError", "ProtocolError", "Region", "RegionError", "RegionSpec",
     "RequestAbortedError", "RequestRejectedError", "Segment", "StagedRead", "StagingError", "TopologyError",
-    "TransferPlan", "TransferTimeoutError", "TransportError", "build_plan", "classify_layer",
-    "compact_request", "direct_runs", "head_range", "replicate_sources", "split_sources",
+    "TokenMap", "TransferPlan", "TransferTimeoutError", "TransportError", "build_plan", "classify_layer",
+    "compact_request", "compact_tokens", "direct_runs", "head_range", "replicate_sources", "split_sources",
 ]

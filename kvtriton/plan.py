@@ -565,10 +565,11 @@ class TokenMap:
 
     @classmethod
     def for_source(cls, tiles: Sequence[int], read_ids: Sequence[int], num_tokens: int,
-                   src_block_size: int, dst_block_size: int) -> "TokenMap":
+                   src_block_size: int, dst_block_size: int, max_src_positions: int) -> "TokenMap":
         """The source side's map, rebuilt from what a destination sends: the tiles, the token
         count and the source ids of :func:`source_positions` (in order). :class:`PlanError` when
-        they do not fit together (a peer's message is untrusted)."""
+        they do not fit together or reach past ``max_src_positions`` source blocks (the held
+        request's length; a peer's message is untrusted, and sizes what is allocated here)."""
         tiles_a = np.asarray(tiles, dtype=np.int64).reshape(-1)
         read = np.asarray(read_ids, dtype=np.int64).reshape(-1)
         if num_tokens < 1 or tiles_a.size == 0:
@@ -577,6 +578,12 @@ class TokenMap:
         if (tiles_a < 0).any() or (np.diff(tiles_a) <= 0).any() or int(tiles_a[-1]) * dst_block_size >= num_tokens:
             raise PlanError(f"tiles must be ascending destination positions below ceil({num_tokens} / "
                             f"{dst_block_size}); got {tiles_a[:8].tolist()}...")
+        # tokens past the last tile are never read: only they may reach past the held blocks
+        num_tokens = min(int(num_tokens), (int(tiles_a[-1]) + 1) * dst_block_size)
+        if ceil_div(num_tokens, src_block_size) > max_src_positions:
+            raise PlanError(f"tiles up to position {int(tiles_a[-1])} of {dst_block_size} tokens reach source "
+                            f"position {ceil_div(num_tokens, src_block_size) - 1}, past the {max_src_positions} "
+                            "blocks held")
         pos = source_positions(tiles_a, num_tokens, src_block_size, dst_block_size)
         if read.size != pos.size or (read < 0).any():
             raise PlanError(f"{tiles_a.size} tiles of {dst_block_size} tokens read {pos.size} source blocks of "

@@ -173,12 +173,14 @@ def test_compact_tokens_contract():
         compact_tokens([1, 16], [3], 16, 16, 4, 8)
     # the source side rebuilds the same map from what the wire carries
     m = compact_tokens([7, 8, 9, 10, 11], [-1, 4, -1, 6], 16, 16, 5, 7, num_tokens=25)
-    s = TokenMap.for_source(m.tiles, m.read_ids, m.num_tokens, 5, 7)
+    s = TokenMap.for_source(m.tiles, m.read_ids, m.num_tokens, 5, 7, 5)
     assert s.src_ids.tolist() == m.src_ids.tolist()
     with pytest.raises(PlanError, match="source ids"):
-        TokenMap.for_source(m.tiles, m.read_ids[:-1], m.num_tokens, 5, 7)
+        TokenMap.for_source(m.tiles, m.read_ids[:-1], m.num_tokens, 5, 7, 5)
     with pytest.raises(PlanError, match="ascending"):
-        TokenMap.for_source([3, 1], m.read_ids, m.num_tokens, 5, 7)
+        TokenMap.for_source([3, 1], m.read_ids, m.num_tokens, 5, 7, 5)
+    with pytest.raises(PlanError, match="past the 4 blocks held"):  # a peer cannot size our arrays
+        TokenMap.for_source([1 << 40], [1], 1 << 50, 5, 7, 4)
     assert source_positions(np.array([0]), 3, 4, 8).tolist() == [0]
 
 

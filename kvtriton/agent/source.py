@@ -151,7 +151,8 @@ class Source:
         n = ids.size  # staged tiles (and DIRECT positions)
         if plan.maps_tokens:
             try:
-                tokens = TokenMap.for_source(m.tiles, ids, m.tokens, plan.src_block_size, plan.dst_block_size)
+                tokens = TokenMap.for_source(m.tiles, ids, m.tokens, plan.src_block_size, plan.dst_block_size,
+                                             hold.block_ids.size)
             except PlanError as e:
                 return reject(f"token map of {req!r}: {e}")
             n = tokens.num_tiles
