@@ -55,7 +55,8 @@ def kernel_rows(device: str = "cpu", quick: bool = False, layers: int | None = N
     import torch
 
     from kvtriton import ops
-    from kvtriton.plan import build_plan, compact_request, compact_tokens, staged_descriptor_count
+    from kvtriton.plan import build_plan, compact_request, staged_descriptor_count
+    from kvtriton.token_map import compact_tokens
     from kvtriton.testing.oracle import make_rank_regions
 
     layers = layers or (4 if quick else 8)

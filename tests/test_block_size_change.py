@@ -15,7 +15,8 @@ import torch
 
 from kvtriton import ops
 from kvtriton.errors import IncompatibleRemoteError, LaunchError, PlanError
-from kvtriton.plan import Mode, TokenMap, build_plan, compact_tokens, source_positions
+from kvtriton.plan import Mode, build_plan
+from kvtriton.token_map import TokenMap, compact_tokens, source_positions
 from kvtriton.regions import Region
 from kvtriton.testing.oracle import (
     RegionModel,

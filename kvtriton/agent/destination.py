@@ -21,7 +21,8 @@ from ..errors import (
     TransferTimeoutError,
 )
 from ..ops import unpack
-from ..plan import ChunkGeometry, StagedRead, TokenMap, TransferPlan, ceil_div, compact_request, compact_tokens
+from ..plan import ChunkGeometry, StagedRead, TransferPlan, ceil_div, compact_request
+from ..token_map import TokenMap, compact_tokens
 from .links import Chunk, Completion, Flow, Links, Peer, Settings
 
 

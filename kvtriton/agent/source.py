@@ -12,7 +12,8 @@ import numpy as np
 from .. import wire
 from ..errors import KVTritonError, PlanError, ProtocolError
 from ..ops import pack
-from ..plan import ChunkGeometry, StagedRead, TokenMap, TransferPlan
+from ..plan import ChunkGeometry, StagedRead, TransferPlan
+from ..token_map import TokenMap
 from .links import Chunk, Completion, Flow, Links, Peer, Settings, logger
 
 

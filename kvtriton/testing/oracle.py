@@ -21,7 +21,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..plan import build_plan, compact_request, compact_tokens, direct_runs
+from ..plan import build_plan, compact_request, direct_runs
+from ..token_map import compact_tokens
 from ..reference import pack_reference, unpack_reference
 from ..regions import Kind, Layout, Region
 from ..topology import head_range
