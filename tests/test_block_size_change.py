@@ -16,7 +16,6 @@ import torch
 from kvtriton import ops
 from kvtriton.errors import IncompatibleRemoteError, LaunchError, PlanError
 from kvtriton.plan import Mode, build_plan
-from kvtriton.token_map import TokenMap, compact_tokens, source_positions
 from kvtriton.regions import Region
 from kvtriton.testing.oracle import (
     RegionModel,
@@ -27,6 +26,7 @@ from kvtriton.testing.oracle import (
     make_rank_regions,
     snapshot,
 )
+from kvtriton.token_map import TokenMap, compact_tokens, source_positions
 
 MODELS = [RegionModel.gqa("attn.0", 4, 8, torch.bfloat16), RegionModel.mla("mla.0", 12, torch.float16),
           RegionModel.gqa("attn.1", 4, 8, torch.float32, v_head_dim=4)]
