@@ -10,11 +10,12 @@ Shapes (``n`` = len(block_ids)); the tile of segment ``s`` for position ``j`` li
 ``[block_size, num_heads, head_dim]`` for an NHD destination, ``[num_heads, block_size, head_dim]``
 for an HND destination.
 
-Token-mapped requests (the engines' block sizes differ; ``tiles``/``num_tokens`` given) move
-each tile's tokens with one advanced-indexing gather or scatter per segment: tile ``i`` is
-destination position ``tiles[i]``, its token ``t`` is read from (pack) or written to (unpack)
-cache block ``block_ids[t // Bc]`` at token ``t % Bc`` (``Bc``: the cache's block size), for
-``t < num_tokens`` only.
+Token-mapped requests (the engines' block sizes differ; ``tiles``/``num_tokens`` given): tile
+``i`` is destination position ``tiles[i]``, its token ``t`` is read from (pack) or written to
+(unpack) cache block ``block_ids[t // Bc]`` at token ``t % Bc`` (``Bc``: the cache's block size),
+for ``t < num_tokens`` only. The row map is built once per launch; runs of ``gcd(Bc, block_size)``
+tokens, contiguous on both sides, move as one ``index_select``/``index_copy_`` row each (single
+token rows where the cache's rows are strided, advanced indexing where a token's heads are).
 """
 
 from __future__ import annotations
