@@ -274,7 +274,8 @@ class TransferAgent:
         position ``j`` holds tokens ``[j*Bs, (j+1)*Bs)``, local position ``k`` tokens
         ``[k*Bd, (k+1)*Bd)``; a local -1 skips that block's tokens, a remote -1 is allowed only
         for tokens no wanted local block holds, and only tokens below ``num_tokens`` are written
-        (:func:`kvtriton.plan.compact_tokens`). Raises at once on bad ids or an
+        (:func:`kvtriton.token_map.compact_tokens`; with equal block sizes ``num_tokens`` is
+        ignored). Raises at once on bad ids or an
         unknown engine (:class:`~kvtriton.errors.PlanError`, ``KeyError``); everything later is
         reported by :meth:`results`. After a failed fetch the local blocks hold undefined bytes;
         in push mode a WRITE the source had already posted may still land in them for up to
