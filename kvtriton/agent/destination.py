@@ -14,6 +14,7 @@ import numpy as np
 from .. import wire
 from ..errors import (
     KVTritonError,
+    PlanError,
     ProtocolError,
     RequestAbortedError,
     RequestRejectedError,
@@ -27,7 +28,11 @@ from .links import Chunk, Completion, Flow, Links, Peer, Settings
 
 @dataclass(frozen=True)
 class RequestResult:
-    """Outcome of a :meth:`TransferAgent.fetch`: ``ok``, or ``error`` (a KVTritonError)."""
+    """Outcome of a :meth:`TransferAgent.fetch`: ``ok``, or ``error`` (a KVTritonError).
+
+    ``undefined_blocks``: after a failure, the local block ids whose content is undefined (some
+    source's bytes for them had not all landed, or may still land): recompute exactly those.
+    Every other block of the request holds the transferred KV. Empty when ``ok``."""
 
     req_id: str
     ok: bool
@@ -35,6 +40,7 @@ class RequestResult:
     seconds: float = 0.0
     descriptors: int = 0
     bytes: int = 0
+    undefined_blocks: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -52,6 +58,7 @@ class Fetch:
     error: KVTritonError | None = None
     descriptors: int = 0
     nbytes: int = 0
+    renew_at: float = 0.0  # when the holds this fetch reads are renewed next
 
     def touch(self) -> None:
         """Progress was made: the silence deadline starts over."""
@@ -75,6 +82,7 @@ class Part:
     runs_xfer: object = None  # pull: the READ of the DIRECT runs
     runs_lists: tuple = ()
     announced: set = field(default_factory=set)  # pull: chunks a Ready arrived for
+    consumed: set = field(default_factory=set)  # chunks unpacked into the cache
 
     @property
     def n_chunks(self) -> int:
@@ -111,9 +119,12 @@ class Destination:
         s_ids, d_ids = compact_request(remote_block_ids, local_block_ids,
                                        min(s.num_blocks for s in src_specs),
                                        min(s.num_blocks for s in self.s.specs))
+        if s_ids.size > wire.MAX_REQUEST_BLOCKS:
+            raise PlanError(f"fetch {req_id!r}: {s_ids.size} blocks is more than a request may have "
+                            f"(kvtriton.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS}); split it")
         now = time.monotonic()
         timeout = timeout_s or self.s.timeout_s
-        f = Fetch(req_id, engine, now, timeout, now + timeout, s_ids, d_ids)
+        f = Fetch(req_id, engine, now, timeout, now + timeout, s_ids, d_ids, renew_at=now + self.s.renew_s)
         self.fetches[req_id] = f
         if s_ids.size == 0:
             self._finish(f)
@@ -216,9 +227,15 @@ class Destination:
 
     # ------------------------------------------------------------------ progress
     def advance(self) -> None:
+        now = time.monotonic()
         for f in list(self.fetches.values()):
             if f.error is not None:
                 continue
+            if now >= f.renew_at:  # still outstanding: keep the sources' holds alive
+                f.renew_at = now + self.s.renew_s
+                for part in f.parts.values():
+                    self.links.send(self.links.peers[(f.engine, part.src_rank)],
+                                    wire.Renew(f.req_id, self.s.rank), quiet=True)
             try:
                 for part in list(f.parts.values()):
                     peer = self.links.peers[(f.engine, part.src_rank)]
@@ -286,6 +303,7 @@ class Destination:
         part.inflight.pop(ch.index, None)
         self.s.pool.free(ch.slot, ch.nslots)
         part.chunks_done += 1
+        part.consumed.add(ch.index)
         if self.s.flow is Flow.PULL:
             self.links.send(peer, wire.Ack(part.xid, ch.index), quiet=True)
 
@@ -337,7 +355,7 @@ class Destination:
             elif part.runs_lists:
                 self.links.release_lists(*part.runs_lists)()
         self.results.append(RequestResult(f.req_id, False, error, time.monotonic() - f.started,
-                                          f.descriptors, f.nbytes))
+                                          f.descriptors, f.nbytes, _undefined_blocks(f)))
 
     def expire(self, now: float) -> None:
         for f in list(self.fetches.values()):
@@ -355,3 +373,20 @@ class Destination:
     def fail_all(self, error: KVTritonError) -> None:
         for f in list(self.fetches.values()):
             self.fail(f, error)
+
+
+def _undefined_blocks(f: Fetch) -> tuple[int, ...]:
+    """Local blocks of a failed fetch that did not receive every source's bytes: a block is
+    defined only when each part has unpacked the chunk holding it and landed its DIRECT runs."""
+    defined = np.ones(f.dst_ids.size, dtype=bool)
+    for part in f.parts.values():
+        got = np.zeros(f.dst_ids.size, dtype=bool) if part.chunks is not None else np.ones(f.dst_ids.size, bool)
+        for c in part.consumed:
+            lo, hi = part.chunks.bounds(c)
+            got[lo:hi] = True
+        if part.runs_pending or part.runs_xfer is not None:
+            got[:] = False
+        defined &= got
+    if not f.parts:
+        defined[:] = False
+    return tuple(int(b) for b in f.dst_ids[~defined])
