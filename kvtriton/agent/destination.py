@@ -185,7 +185,10 @@ class Destination:
         st = peer.md.staging
         if self.s.flow is not Flow.PULL or m.chunk in part.announced:
             raise ProtocolError(f"ready for chunk {m.chunk} of {m.xid!r} is unexpected (duplicate or push mode)")
-        expect = part.chunks.nbytes(m.chunk) if 0 <= m.chunk < part.n_chunks else -1
+        if not 0 <= m.chunk < part.n_chunks:
+            raise ProtocolError(f"ready for chunk {m.chunk} of {m.xid!r} is outside the transfer's "
+                                f"{part.n_chunks} chunks")
+        expect = part.chunks.nbytes(m.chunk)
         if m.nbytes != expect or not (0 <= m.slot and m.slot + m.nslots <= st.num_slots) or \
                 m.nslots != ceil_div(m.nbytes, st.slot_bytes):
             raise ProtocolError(f"ready {m.chunk}: {m.nbytes} bytes in slots [{m.slot}, {m.slot + m.nslots}) does "
