@@ -14,108 +14,14 @@ import pytest
 import torch
 
 from kvtriton import wire
-from kvtriton.agent import TransferAgent
 from kvtriton.errors import PlanError, ProtocolError, RequestRejectedError, TransferTimeoutError
-from kvtriton.testing.oracle import (
-    RegionModel,
-    check_destination,
-    load_source,
-    make_global_kv,
-    make_rank_regions,
-    snapshot,
-)
+from kvtriton.testing.oracle import RegionModel, check_destination, snapshot
+from kvtriton.testing.rogue import RogueRig
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.nixl
 
-MODELS = [RegionModel.gqa("l0", 4, 16)]  # 1 KiB a block at TP1 (2 heads x 4 tokens x 16 x 2 B x 2 at TP2)
-BS = 4
-
-
-class Rig:
-    """Prefill engine P (tp ``p_tp``), honest decode D (tp ``d_tp``) and rogue engine R (tp 1),
-    each rank its own NIXL agent; R's handshake with P is genuine."""
-
-    def __init__(self, p_tp=1, d_tp=1, *, staging_bytes=8 << 10, slot_bytes=1024, timeout_s=5.0, p_blocks=64,
-                 d_blocks=64, seed=0, d_kw=None, **kw):
-        self.gen = torch.Generator().manual_seed(seed)
-        self.p_tp, self.d_tp = p_tp, d_tp
-        base = dict(staging_bytes=staging_bytes, slot_bytes=slot_bytes, timeout_s=timeout_s, impl="torch", **kw)
-        self.P = [make_rank_regions(MODELS, r, p_tp, p_blocks, BS, gen=self.gen) for r in range(p_tp)]
-        self.D = [make_rank_regions(MODELS, r, d_tp, d_blocks, BS, layout="HND", gen=self.gen) for r in range(d_tp)]
-        self.R = make_rank_regions(MODELS, 0, 1, d_blocks, BS, gen=self.gen)
-        self.pa = [TransferAgent("P", r, p_tp, self.P[r], **base) for r in range(p_tp)]
-        self.da = [TransferAgent("D", r, d_tp, self.D[r], **{**base, **(d_kw or {})}) for r in range(d_tp)]
-        self.rogue = TransferAgent("R", 0, 1, self.R, **base)
-        for p in self.pa:
-            for x in self.da + [self.rogue]:
-                x.add_remote(p.metadata())
-                p.add_remote(x.metadata())
-        self.before = [snapshot(x) for x in self.D]
-        self.p_before = [snapshot(x) for x in self.P]
-        self._xid = 0
-
-    @property
-    def honest(self):
-        return self.pa + self.da
-
-    def request(self, src_ids):
-        kv = make_global_kv(MODELS, len(src_ids), BS, self.gen)
-        for r, regs in enumerate(self.P):
-            load_source(regs, r, self.p_tp, kv, src_ids)
-        self.p_before = [snapshot(x) for x in self.P]
-        return kv
-
-    def forge(self, msg: wire.Message | bytes, to: int = 0) -> None:
-        raw = msg if isinstance(msg, bytes) else msg.encode()
-        self.rogue.transport.send_notif(self.pa[to].transport.name, raw)
-
-    def rogue_pull(self, req, ids, chunk_blocks=2, to: int = 0) -> str:
-        """A genuine-looking pull (right plan digest) the rogue never READs or acks."""
-        self._xid += 1
-        xid = f"rogue#{self._xid}"
-        plan = self.rogue.plan_for("P").digest()
-        self.forge(wire.Pull(xid, req, 0, tuple(int(i) for i in ids), chunk_blocks, plan), to)
-        return xid
-
-    def rogue_inbox(self) -> list[wire.Message]:
-        """Drive the rogue's transport (UCX needs it) and decode what P sent it."""
-        out = []
-        for msgs in self.rogue.transport.poll_notifs().values():
-            out += [wire.decode_message(m) for m in msgs]
-        return out
-
-    def step(self) -> None:
-        for a in self.honest:
-            a.progress()
-        self.rogue_inbox()
-
-    def settle(self, seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            self.step()
-
-    def drive(self, want: int = 1, timeout_s: float = 20.0) -> list:
-        got, deadline = [], time.monotonic() + timeout_s
-        while len(got) < want:
-            assert time.monotonic() < deadline, f"no results after {timeout_s} s"
-            self.step()
-            for d in self.da:
-                got += d.results()
-        return got
-
-    def check_honest(self, kv, dst) -> None:
-        for r in range(self.d_tp):
-            check_destination(self.D[r], r, self.d_tp, kv, dst, self.before[r])
-
-    def check_prefill_untouched(self) -> None:
-        for regs, before in zip(self.P, self.p_before):
-            for now, was in zip(snapshot(regs), before):
-                assert all(torch.equal(a, b) for a, b in zip(now, was))
-
-    def close(self):
-        for a in self.honest + [self.rogue]:
-            a.close()
+MODELS = [RegionModel.gqa("l0", 4, 16)]  # 1 KiB a block at TP1
 
 
 @pytest.fixture
@@ -123,7 +29,7 @@ def rig():
     made = []
 
     def make(*a, **kw):
-        r = Rig(*a, **kw)
+        r = RogueRig(*a, models=MODELS, **kw)
         made.append(r)
         return r
 
