@@ -43,6 +43,14 @@ class RogueRig:
         self.before = [snapshot(x) for x in self.D]
         self.p_before = [snapshot(x) for x in self.P]
         self._xid = 0
+        self.max_progress_s = 0.0  # the longest single progress() call of an honest agent
+
+    def connect_rogue_to_decode(self) -> None:
+        """Genuine handshakes between the rogue and every decode rank too (it may then send to
+        them as a known peer)."""
+        for d in self.da:
+            self.rogue.add_remote(d.metadata())
+            d.add_remote(self.rogue.metadata())
 
     @property
     def honest(self):
@@ -76,7 +84,9 @@ class RogueRig:
 
     def step(self) -> None:
         for a in self.honest:
+            t0 = time.perf_counter()
             a.progress()
+            self.max_progress_s = max(self.max_progress_s, time.perf_counter() - t0)
         self.rogue_inbox()
 
     def settle(self, seconds: float) -> None:
