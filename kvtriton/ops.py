@@ -124,7 +124,7 @@ _STATIC_CACHE_SIZE = 64  # plans (x pack/unpack) a process keeps checked; oldest
 _STATIC_LOCK = threading.Lock()
 
 
-def _validate(op: str, regions, segments, offsets, block_ids, staging) -> _Checked:
+def _validate(op: str, regions, segments, offsets, block_ids, staging, pair_ids=None) -> _Checked:
     if not isinstance(staging, torch.Tensor):
         raise LaunchError(f"{op}: staging must be a torch.Tensor (1-D uint8); got {type(staging).__name__}")
     if staging.dtype != torch.uint8 or staging.dim() != 1 or (staging.numel() > 1 and staging.stride(0) != 1):
@@ -150,7 +150,14 @@ def _validate(op: str, regions, segments, offsets, block_ids, staging) -> _Check
                         f"{op}: region {i} ({r.spec.name!r}) stream {k} is on {t.device}, staging is "
                         f"on {device}: expected every tensor on one device"
                     )
-    ids = _block_ids(op, block_ids, device, static.num_blocks)
+    ids = _block_ids(op, block_ids, device, static.num_blocks, paired=pair_ids is not None)
+    if pair_ids is not None:
+        # a position either side skips is skipped here too: both calls then agree on every tile
+        pair = _block_ids(f"{op} pair_ids", pair_ids, device, None, paired=True)
+        if pair.numel() != ids.numel():
+            raise LaunchError(f"{op}: pair_ids has {pair.numel()} positions, block_ids {ids.numel()}: "
+                              "expected the other side's list for the same request positions")
+        ids = torch.where(pair < 0, torch.full_like(ids, -1), ids)
     n = int(ids.numel())
     if n and n_seg:
         ends = offs + n * static.tile_bytes
@@ -296,7 +303,7 @@ def _offsets(op: str, offsets, n_seg: int) -> np.ndarray:
     return arr
 
 
-def _block_ids(op: str, block_ids, device: torch.device, num_blocks: int | None) -> torch.Tensor:
+def _block_ids(op: str, block_ids, device: torch.device, num_blocks: int | None, paired: bool = True) -> torch.Tensor:
     if isinstance(block_ids, torch.Tensor):
         ids = block_ids
         if ids.dtype not in (torch.int32, torch.int64):
@@ -328,6 +335,15 @@ def _block_ids(op: str, block_ids, device: torch.device, num_blocks: int | None)
                     f"{op}: block ids repeat {uniq[counts > 1][:8].tolist()}: two tiles would race "
                     "for one block; expected distinct ids (or -1)"
                 )
+        if not paired and ids.numel() and bool((ids < 0).any()):
+            # one list alone cannot say what the other side does at this position: a pack that
+            # skips it leaves a stale tile that an unpack without -1 there would write into a block
+            j = int(torch.nonzero(ids < 0)[0, 0])
+            raise LaunchError(
+                f"{op}: block id -1 at position {j} without pair_ids: pass the other side's ids as "
+                "pair_ids= to both pack and unpack (a position either side skips is skipped), or drop "
+                "padded positions from both lists with kvtriton.plan.compact_request"
+            )
         if device.type != "cpu":
             ids = ids.contiguous().pin_memory().to(device, non_blocking=True)
     elif ids.device != device:
@@ -396,10 +412,10 @@ def _launch(op: str, chk: _Checked, staging: torch.Tensor) -> None:
         )
 
 
-def _run(op: str, regions, segments, offsets, block_ids, staging, impl: str) -> None:
+def _run(op: str, regions, segments, offsets, block_ids, staging, impl: str, pair_ids=None) -> None:
     """The one path of :func:`pack` and :func:`unpack`: validate, choose, launch or run the
     reference. Nothing is written unless every check passed."""
-    chk = _validate(op, regions, segments, offsets, block_ids, staging)
+    chk = _validate(op, regions, segments, offsets, block_ids, staging, pair_ids)
     which = _resolve_impl(impl, staging.device)
     if chk.n == 0 or len(segments) == 0:
         return
@@ -444,6 +460,7 @@ def pack(
     staging: torch.Tensor,
     *,
     impl: str = "auto",
+    pair_ids: torch.Tensor | np.ndarray | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Gather head slices of blocks ``block_ids`` from this rank's caches into ``staging``.
 
@@ -470,7 +487,7 @@ def pack(
         (``read.segment_offsets(n, base)``).
     block_ids : torch.Tensor | np.ndarray | Sequence[int]
         ``[n]`` int32/int64 source block of each request position; ``-1`` skips the position
-        (its staging bytes are left as they were). Repeats are allowed.
+        (its staging bytes are left as they were) and needs ``pair_ids``. Repeats are allowed.
     staging : torch.Tensor
         ``[staging_bytes]`` uint8, contiguous, on the regions' device, caller-owned (e.g. a
         registered staging slot). Tile ``j`` of segment ``s`` is ``[block_size, num_heads,
@@ -479,6 +496,11 @@ def pack(
     impl : str
         ``"auto"``, ``"triton"`` or ``"torch"``; the ``KVTRITON_IMPL`` environment variable, if
         set, overrides it (see the module docstring).
+    pair_ids : optional
+        ``[n]`` the destination's ids for the same positions (what :func:`unpack` gets). A
+        position is skipped when either list has -1 there; give it to both calls, so a tile one
+        side skips is never unpacked from stale staging. Required when ``block_ids`` (on the
+        CPU) holds a -1; lists compacted with :func:`~kvtriton.plan.compact_request` need none.
 
     Returns
     -------
@@ -513,7 +535,7 @@ def pack(
     >>> staging.numel()                                  # 2 blocks * 2 streams * 8 KiB
     32768
     """
-    _run("pack", regions, segments, offsets, block_ids, staging, impl)
+    _run("pack", regions, segments, offsets, block_ids, staging, impl, pair_ids)
     return staging
 
 
@@ -525,6 +547,7 @@ def unpack(
     staging: torch.Tensor,
     *,
     impl: str = "auto",
+    pair_ids: torch.Tensor | np.ndarray | Sequence[int] | None = None,
 ) -> None:
     """Scatter staged tiles into blocks ``block_ids`` of this rank's caches.
 
@@ -544,14 +567,18 @@ def unpack(
     offsets : Sequence[int] | np.ndarray
         ``[n_segments]`` byte offset of each segment's first tile in ``staging``.
     block_ids : torch.Tensor | np.ndarray | Sequence[int]
-        ``[n]`` int32/int64 local block of each request position; ``-1`` skips the position.
-        Non-negative ids must be distinct (two tiles would race for one block).
+        ``[n]`` int32/int64 local block of each request position; ``-1`` skips the position
+        and needs ``pair_ids``. Non-negative ids must be distinct (two tiles would race for one
+        block).
     staging : torch.Tensor
         ``[staging_bytes]`` uint8, contiguous, on the regions' device: the received payloads.
         Tile ``j`` of segment ``s`` is ``[block_size, num_heads, head_dim]`` (NHD) or
         ``[num_heads, block_size, head_dim]`` (HND).
     impl : str
         ``"auto"``, ``"triton"`` or ``"torch"`` (``KVTRITON_IMPL`` overrides).
+    pair_ids : optional
+        ``[n]`` the source's ids for the same positions (what :func:`pack` got): a position
+        either list skips is skipped. Required when ``block_ids`` (on the CPU) holds a -1.
 
     Raises
     ------
@@ -581,4 +608,4 @@ def unpack(
     >>> bool(torch.equal(kd[6], k[3, :, 0:2]))
     True
     """
-    _run("unpack", regions, segments, offsets, block_ids, staging, impl)
+    _run("unpack", regions, segments, offsets, block_ids, staging, impl, pair_ids)
