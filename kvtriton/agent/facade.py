@@ -359,12 +359,14 @@ class TransferAgent:
         """True when nothing is in flight or held."""
         with self._lock:
             return not (self._destination.fetches or self._source.serves or self._source.holds
-                        or self._links.zombies)
+                        or self._links.zombies or self._inbox)
 
     # one progress() call handles at most this many bytes of messages (at least one message),
-    # taken round-robin across senders: a flood from one peer neither stalls the call nor
-    # starves the others; at most _INBOX_MAX messages wait per sender (the excess is dropped)
+    # each counted with a fixed overhead (so at most ~512 small ones), taken round-robin across
+    # senders: a flood from one peer neither stalls the call nor starves the others; at most
+    # _INBOX_MAX messages wait per sender (the excess is dropped and counted as bad)
     _MESSAGE_BUDGET_BYTES = 1 << 20
+    _MESSAGE_OVERHEAD_BYTES = 2048
     _INBOX_MAX = 1 << 14
 
     def _handle_messages(self) -> None:
@@ -382,7 +384,7 @@ class TransferAgent:
                 raw = q.popleft()
                 if not q:
                     del self._inbox[sender]
-                budget -= len(raw) + 64
+                budget -= len(raw) + self._MESSAGE_OVERHEAD_BYTES
                 self._on_message(sender, raw)
                 if budget <= 0:
                     break

@@ -108,6 +108,7 @@ class Source:
         self.freed: list[FreedRequest] = []
         self.engine_slots: dict[str, int] = {}  # staging slots each peer engine's transfers keep
         self.engine_progress: dict[str, float] = {}  # when each peer engine last made progress
+        self.peer_serves: dict[str, int] = {}  # open transfers per peer agent
 
     # ------------------------------------------------------------------ holds
     def hold(self, req_id: str, block_ids: np.ndarray, lease_s: float, consumer: str | None) -> None:
@@ -160,7 +161,7 @@ class Source:
         if hold.consumer is not None and hold.consumer != peer.md.engine:
             self.links.stats["refused"] += 1
             return reject(f"request {req!r} is held by {me} for engine {hold.consumer!r}, not {peer.md.engine!r}")
-        if sum(1 for a, _ in self.serves if a == peer.agent) >= MAX_SERVES_PER_PEER:
+        if self.peer_serves.get(peer.agent, 0) >= MAX_SERVES_PER_PEER:
             self.links.stats["refused"] += 1
             return reject(f"{peer.agent} already has {MAX_SERVES_PER_PEER} transfers open on {me}")
         ids = np.asarray(m.ids, dtype=np.int64)
@@ -201,7 +202,7 @@ class Source:
                 serve.runs = self.links.prep_runs(plan, peer, ids, dst_ids, reading=False)
             except KVTritonError as e:
                 return reject(f"push: {e}")
-        self.serves[serve.key] = serve
+        self._add(serve)
         hold.consumer = eng  # the first accepted transfer binds an unbound hold to its engine
         if flow is Flow.PULL and has_runs:
             # the blocks stay held (up to the hold's hard bound) until the reader sends RunsDone
@@ -209,7 +210,7 @@ class Source:
             try:
                 self.links.send(peer, wire.RunsReady(xid))
             except KVTritonError:
-                del self.serves[serve.key]
+                self._remove(serve)
                 raise
 
     def _serve_from(self, peer: Peer, xid: str, flow: Flow, what: str) -> Serve:
@@ -217,6 +218,16 @@ class Source:
         if serve is None or serve.peer is not peer or serve.flow is not flow:
             raise ProtocolError(f"{what} for unknown transfer {xid!r}")
         return serve
+
+    def _add(self, serve: Serve) -> None:
+        self.serves[serve.key] = serve
+        self.peer_serves[serve.peer.agent] = self.peer_serves.get(serve.peer.agent, 0) + 1
+
+    def _remove(self, serve: Serve) -> None:
+        if self.serves.pop(serve.key, None) is not None:
+            n = self.peer_serves.pop(serve.peer.agent) - 1
+            if n:
+                self.peer_serves[serve.peer.agent] = n
 
     def _progressed(self, serve: Serve) -> None:
         """The peer did something for ``serve``: its deadline, and its engine's queued transfers',
@@ -340,7 +351,7 @@ class Source:
                 self.drop(serve, notify=f"source failed: {e}")
                 continue
             if serve.complete:
-                del self.serves[serve.key]
+                self._remove(serve)
             elif serve.waiting_local:
                 # queued behind staging: only its own engine's progress carries its deadline
                 last = self.engine_progress.get(serve.peer.md.engine)
@@ -416,7 +427,7 @@ class Source:
         """Forget a transfer. With ``notify`` the peer is told (it fails the request) and slots it
         may still be reading are quarantined for ``timeout_s`` before reuse, so a late READ never
         sees another request's bytes."""
-        self.serves.pop(serve.key, None)
+        self._remove(serve)
         if notify is not None:
             self.links.send(serve.peer, wire.Reject(serve.xid, notify), quiet=True)
         until = time.monotonic() + (self.s.timeout_s if notify is not None else 0.0)
