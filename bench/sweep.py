@@ -13,6 +13,9 @@ Sections (all by default; ``--sections`` picks some):
   installed.
 * both also get block-size-change rows (bench/block_sizes.py): P4->D8 at 16->64 and 64->16
   against the same transfer with equal block sizes.
+* ``rogue``: a hostile peer with a genuine handshake against an honest request (9 scenarios)
+  and a load run of 256 concurrent requests into 4 decode ranks with and without it
+  (bench/rogue.py, ~25 s), when NIXL is installed.
 * ``pd_vllm``: prefill and decode as real vLLM engines (bench/pd_vllm.py), kvtriton's connector
   and vLLM's own NixlConnector side by side, P2->D1 and P1->D2, when the vLLM test bed is built
   (``make vllm-bed``; ``.venv-vllm`` or ``$KVTRITON_VLLM_PYTHON``).
@@ -161,6 +164,11 @@ def write_outputs(rows: list[dict], out_dir: Path, meta: dict) -> None:
         lines += [f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in sec]
         lines.append("")
+    rogue = [r for r in rows if r["section"] == "rogue"]
+    if rogue:
+        from rogue import summary_lines  # bench/rogue.py
+
+        lines += summary_lines(rogue)
     pd = [r for r in rows if r["section"] == "pd_vllm"]
     if pd:
         lines += _pd_vllm_summary(pd)
@@ -210,7 +218,7 @@ def print_table(rows: list[dict]) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller payloads and fewer repetitions")
-    ap.add_argument("--sections", default="descriptors,kernels,e2e,pd_vllm")
+    ap.add_argument("--sections", default="descriptors,kernels,e2e,rogue,pd_vllm")
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
@@ -237,6 +245,10 @@ def main(argv=None) -> int:
         from block_sizes import e2e_rows  # bench/block_sizes.py
 
         rows += [{"section": "e2e", **r} for r in e2e_rows(quick=args.quick)]
+    if "rogue" in sections and (HERE / "rogue.py").exists() and importlib.util.find_spec("nixl"):
+        from rogue import run_rogue_bench  # bench/rogue.py
+
+        rows += [{"section": "rogue", **r} for r in run_rogue_bench(quick=args.quick)]
     if "pd_vllm" in sections:
         rows += pd_vllm_rows(args.quick)
     meta = dict(

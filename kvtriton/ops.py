@@ -129,7 +129,8 @@ _STATIC_CACHE_SIZE = 64  # plans (x pack/unpack) a process keeps checked; oldest
 _STATIC_LOCK = threading.Lock()
 
 
-def _validate(op: str, regions, segments, offsets, block_ids, staging, tiles=None, num_tokens=None) -> _Checked:
+def _validate(op: str, regions, segments, offsets, block_ids, staging, pair_ids=None, tiles=None,
+              num_tokens=None) -> _Checked:
     if not isinstance(staging, torch.Tensor):
         raise LaunchError(f"{op}: staging must be a torch.Tensor (1-D uint8); got {type(staging).__name__}")
     if staging.dtype != torch.uint8 or staging.dim() != 1 or (staging.numel() > 1 and staging.stride(0) != 1):
@@ -155,7 +156,19 @@ def _validate(op: str, regions, segments, offsets, block_ids, staging, tiles=Non
                         f"{op}: region {i} ({r.spec.name!r}) stream {k} is on {t.device}, staging is "
                         f"on {device}: expected every tensor on one device"
                     )
-    ids = _block_ids(op, block_ids, device, static.num_blocks)
+    if pair_ids is not None and tiles is not None:
+        raise LaunchError(f"{op}: pair_ids= and tiles= do not combine: a token-mapped request's ids "
+                          "already say which positions are read (kvtriton.plan.TokenMap)")
+    # a token-mapped list's -1 positions are the map's own (validated with tiles below)
+    ids = _block_ids(op, block_ids, device, static.num_blocks,
+                     paired=pair_ids is not None or tiles is not None)
+    if pair_ids is not None:
+        # a position either side skips is skipped here too: both calls then agree on every tile
+        pair = _block_ids(f"{op} pair_ids", pair_ids, device, None, paired=True)
+        if pair.numel() != ids.numel():
+            raise LaunchError(f"{op}: pair_ids has {pair.numel()} positions, block_ids {ids.numel()}: "
+                              "expected the other side's list for the same request positions")
+        ids = torch.where(pair < 0, torch.full_like(ids, -1), ids)
     n = int(ids.numel())
     tiles_t, n_tok = None, 0
     if tiles is not None or num_tokens is not None:
@@ -320,7 +333,7 @@ def _offsets(op: str, offsets, n_seg: int) -> np.ndarray:
     return arr
 
 
-def _block_ids(op: str, block_ids, device: torch.device, num_blocks: int | None) -> torch.Tensor:
+def _block_ids(op: str, block_ids, device: torch.device, num_blocks: int | None, paired: bool = True) -> torch.Tensor:
     if isinstance(block_ids, torch.Tensor):
         ids = block_ids
         if ids.dtype not in (torch.int32, torch.int64):
@@ -352,6 +365,15 @@ def _block_ids(op: str, block_ids, device: torch.device, num_blocks: int | None)
                     f"{op}: block ids repeat {uniq[counts > 1][:8].tolist()}: two tiles would race "
                     "for one block; expected distinct ids (or -1)"
                 )
+        if not paired and ids.numel() and bool((ids < 0).any()):
+            # one list alone cannot say what the other side does at this position: a pack that
+            # skips it leaves a stale tile that an unpack without -1 there would write into a block
+            j = int(torch.nonzero(ids < 0)[0, 0])
+            raise LaunchError(
+                f"{op}: block id -1 at position {j} without pair_ids: pass the other side's ids as "
+                "pair_ids= to both pack and unpack (a position either side skips is skipped), or drop "
+                "padded positions from both lists with kvtriton.plan.compact_request"
+            )
         if device.type != "cpu":
             ids = ids.contiguous().pin_memory().to(device, non_blocking=True)
     elif ids.device != device:
@@ -456,10 +478,11 @@ def _launch(op: str, chk: _Checked, staging: torch.Tensor) -> None:
         )
 
 
-def _run(op: str, regions, segments, offsets, block_ids, staging, impl: str, tiles=None, num_tokens=None) -> None:
+def _run(op: str, regions, segments, offsets, block_ids, staging, impl: str, pair_ids=None, tiles=None,
+         num_tokens=None) -> None:
     """The one path of :func:`pack` and :func:`unpack`: validate, choose, launch or run the
     reference. Nothing is written unless every check passed."""
-    chk = _validate(op, regions, segments, offsets, block_ids, staging, tiles, num_tokens)
+    chk = _validate(op, regions, segments, offsets, block_ids, staging, pair_ids, tiles, num_tokens)
     which = _resolve_impl(impl, staging.device)
     if chk.n == 0 or len(segments) == 0:
         return
@@ -510,6 +533,7 @@ def pack(
     staging: torch.Tensor,
     *,
     impl: str = "auto",
+    pair_ids: torch.Tensor | np.ndarray | Sequence[int] | None = None,
     tiles: np.ndarray | Sequence[int] | None = None,
     num_tokens: int | None = None,
 ) -> torch.Tensor:
@@ -538,7 +562,7 @@ def pack(
         (``read.segment_offsets(n, base)``).
     block_ids : torch.Tensor | np.ndarray | Sequence[int]
         ``[n]`` int32/int64 source block of each request position; ``-1`` skips the position
-        (its staging bytes are left as they were). Repeats are allowed.
+        (its staging bytes are left as they were) and needs ``pair_ids``. Repeats are allowed.
     staging : torch.Tensor
         ``[staging_bytes]`` uint8, contiguous, on the regions' device, caller-owned (e.g. a
         registered staging slot). Tile ``j`` of segment ``s`` is ``[block_size, num_heads,
@@ -547,6 +571,11 @@ def pack(
     impl : str
         ``"auto"``, ``"triton"`` or ``"torch"``; the ``KVTRITON_IMPL`` environment variable, if
         set, overrides it (see the module docstring).
+    pair_ids : optional
+        ``[n]`` the destination's ids for the same positions (what :func:`unpack` gets). A
+        position is skipped when either list has -1 there; give it to both calls, so a tile one
+        side skips is never unpacked from stale staging. Required when ``block_ids`` (on the
+        CPU) holds a -1; lists compacted with :func:`~kvtriton.plan.compact_request` need none.
     tiles, num_tokens : optional
         A token-mapped request (the engines' block sizes differ; segments with
         ``src_block_size`` set need it): ``block_ids`` is then the source block of each *source
@@ -589,7 +618,7 @@ def pack(
     >>> staging.numel()                                  # 2 blocks * 2 streams * 8 KiB
     32768
     """
-    _run("pack", regions, segments, offsets, block_ids, staging, impl, tiles, num_tokens)
+    _run("pack", regions, segments, offsets, block_ids, staging, impl, pair_ids, tiles, num_tokens)
     return staging
 
 
@@ -601,6 +630,7 @@ def unpack(
     staging: torch.Tensor,
     *,
     impl: str = "auto",
+    pair_ids: torch.Tensor | np.ndarray | Sequence[int] | None = None,
     tiles: np.ndarray | Sequence[int] | None = None,
     num_tokens: int | None = None,
 ) -> None:
@@ -622,14 +652,18 @@ def unpack(
     offsets : Sequence[int] | np.ndarray
         ``[n_segments]`` byte offset of each segment's first tile in ``staging``.
     block_ids : torch.Tensor | np.ndarray | Sequence[int]
-        ``[n]`` int32/int64 local block of each request position; ``-1`` skips the position.
-        Non-negative ids must be distinct (two tiles would race for one block).
+        ``[n]`` int32/int64 local block of each request position; ``-1`` skips the position
+        and needs ``pair_ids``. Non-negative ids must be distinct (two tiles would race for one
+        block).
     staging : torch.Tensor
         ``[staging_bytes]`` uint8, contiguous, on the regions' device: the received payloads.
         Tile ``j`` of segment ``s`` is ``[block_size, num_heads, head_dim]`` (NHD) or
         ``[num_heads, block_size, head_dim]`` (HND).
     impl : str
         ``"auto"``, ``"triton"`` or ``"torch"`` (``KVTRITON_IMPL`` overrides).
+    pair_ids : optional
+        ``[n]`` the source's ids for the same positions (what :func:`pack` got): a position
+        either list skips is skipped. Required when ``block_ids`` (on the CPU) holds a -1.
     tiles, num_tokens : optional
         A token-mapped request (see :func:`pack`): ``block_ids`` is then the local block of
         each *destination position* (``TokenMap.dst_ids``), tile ``j`` lands in block
@@ -663,4 +697,4 @@ def unpack(
     >>> bool(torch.equal(kd[6], k[3, :, 0:2]))
     True
     """
-    _run("unpack", regions, segments, offsets, block_ids, staging, impl, tiles, num_tokens)
+    _run("unpack", regions, segments, offsets, block_ids, staging, impl, pair_ids, tiles, num_tokens)

@@ -40,6 +40,7 @@ __all__ = [
     "RunsDone",
     "Done",
     "Abort",
+    "Renew",
     "Ready",
     "Data",
     "RunsReady",
@@ -48,12 +49,22 @@ __all__ = [
     "encode_message",
     "decode_message",
     "stream_span",
+    "MAX_REQUEST_BLOCKS",
+    "MAX_MESSAGE_BYTES",
 ]
 
 PROTOCOL_VERSION = 1
 _MAX_U64 = (1 << 64) - 1
-_MAX_IDS = 1 << 22  # block ids per message: 4M blocks is far beyond any request
+# The largest request (in blocks, after dropping -1 positions) one fetch or hold may name: 128K
+# blocks is 2M tokens at 16 tokens a block. It bounds what one ``pull`` costs a source's
+# ``progress()`` (decoding, checking and indexing its ids); fetch() and hold() raise beyond it.
+MAX_REQUEST_BLOCKS = 1 << 17
+# A control message's largest encoding: a push of MAX_REQUEST_BLOCKS ids on both sides (9 bytes
+# an id at most) plus its strings. Anything longer is rejected before msgpack looks at it.
+MAX_MESSAGE_BYTES = 2 * 9 * MAX_REQUEST_BLOCKS + (16 << 10)
+_MAX_IDS = MAX_REQUEST_BLOCKS
 _MAX_MSG_INT = 1 << 48
+_MAX_NAME = 1024  # engine, agent, request and transfer ids
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,8 @@ class RankMetadata:
     addrs: tuple[tuple[int, ...], ...]  # per region, per stream: address of element 0
     spans: tuple[tuple[int, ...], ...]  # per region, per stream: bytes from addr the peer may touch
     staging: StagingInfo
+    # the settings both engines must share to plan alike: (name, canonical value) pairs
+    planning: tuple[tuple[str, str], ...] = ()
 
 
 def stream_span(spec: RegionSpec, stream: int) -> int:
@@ -107,6 +120,7 @@ def encode_metadata(md: RankMetadata) -> bytes:
         agent=md.agent, agent_md=md.agent_md, mem=md.mem, dev=md.dev, regions=regions,
         staging=dict(addr=md.staging.addr, slot_bytes=md.staging.slot_bytes,
                      num_slots=md.staging.num_slots, chunk_bytes=md.staging.chunk_bytes),
+        planning=[list(p) for p in md.planning],
     ), use_bin_type=True)
 
 
@@ -119,10 +133,10 @@ def decode_metadata(data: bytes) -> RankMetadata:
             f"metadata: staged wire format {d['fmt']} is not supported (this side speaks "
             f"{STAGED_LAYOUT_VERSION})"
         )
-    engine = _get(d, "engine", str, "metadata")
+    engine = _name(d, "engine", "metadata")
     tp = _int(d, "tp", "metadata", 1, 1 << 16)
     rank = _int(d, "rank", "metadata", 0, tp - 1)
-    agent = _get(d, "agent", str, "metadata")
+    agent = _name(d, "agent", "metadata")
     agent_md = _get(d, "agent_md", bytes, "metadata")
     mem = _get(d, "mem", str, "metadata")
     if mem not in ("DRAM", "VRAM"):
@@ -155,11 +169,11 @@ def decode_metadata(data: bytes) -> RankMetadata:
             raise ProtocolError(f"{where}: strides must be {n_streams} triples (block, token, head)")
         strides = []
         for s in strides_raw:
-            if not all(isinstance(x, int) and 0 <= x < (1 << 48) for x in s):
+            if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 48) for x in s):
                 raise ProtocolError(f"{where}: strides must be non-negative integers, got {s}")
             strides.append(tuple(s))
         spec = RegionSpec(
-            name=_get(r, "name", str, where), kind=kind, layout=layout,
+            name=_name(r, "name", where), kind=kind, layout=layout,
             num_blocks=_int(r, "num_blocks", where, 1, 1 << 40),
             block_size=_int(r, "block_size", where, 1, 1 << 20),
             total_heads=_int(r, "total_heads", where, 1, 1 << 16),
@@ -184,8 +198,14 @@ def decode_metadata(data: bytes) -> RankMetadata:
         specs.append(spec)
         addrs.append(a)
         spans.append(sp)
+    planning = _get(d, "planning", list, "metadata")
+    if len(planning) > 16 or not all(isinstance(p, list) and len(p) == 2 and all(
+            isinstance(x, str) and 0 < len(x) <= _MAX_NAME for x in p) for p in planning):
+        raise ProtocolError("metadata: planning must be at most 16 [name, value] string pairs")
+    if len({p[0] for p in planning}) != len(planning):
+        raise ProtocolError("metadata: planning names a setting twice")
     return RankMetadata(engine, rank, tp, agent, agent_md, mem, dev, tuple(specs), tuple(addrs),
-                        tuple(spans), staging)
+                        tuple(spans), staging, tuple(tuple(p) for p in planning))
 
 
 # --------------------------------------------------------------------------- control messages
@@ -283,6 +303,16 @@ class Abort(Message):
     xid: str
 
 
+@dataclass(frozen=True)
+class Renew(Message):
+    """To every prefill rank of the engine, while a fetch of ``req`` is outstanding: keep its
+    hold for another lease (honoured only from the hold's consumer engine)."""
+
+    TYPE: ClassVar[str] = "renew"
+    req: str
+    dst_rank: int
+
+
 # prefill -> decode ------------------------------------------------------------
 @dataclass(frozen=True)
 class Ready(Message):
@@ -324,9 +354,13 @@ class Reject(Message):
     reason: str
 
 
-MESSAGE_TYPES: tuple[type[Message], ...] = (Pull, Push, Grant, Ack, RunsDone, Done, Abort, Ready, Data, RunsReady,
-                                             Reject)
+MESSAGE_TYPES: tuple[type[Message], ...] = (Pull, Push, Grant, Ack, RunsDone, Done, Abort, Renew, Ready, Data,
+                                             RunsReady, Reject)
 _RUNS_CHUNK = -1
+# the least value of an int field (default 0): counts of slots and bytes are >= 1, a tp >= 1, and
+# only an ack's chunk may be -1 (RunsDone); upper bounds are the receiver's (it knows them)
+_MIN_INT = {("ready", "nslots"): 1, ("ready", "nbytes"): 1, ("grant", "nslots"): 1, ("data", "nbytes"): 1,
+            ("done", "dst_tp"): 1, ("ack", "chunk"): _RUNS_CHUNK}
 # annotation of a message field -> the type msgpack decodes it to (tuples travel as arrays)
 _WIRE_TYPES = {"str": str, "int": int, "tuple[int, ...]": list}
 # t -> (class, [(field, wire type)]); RunsDone is an Ack of chunk _RUNS_CHUNK on the wire, told
@@ -344,7 +378,10 @@ def encode_message(t: str, **body: Any) -> bytes:
 
 
 def decode_message(data: bytes) -> Message:
-    """Parse a control message into its dataclass; checks version, type and field types."""
+    """Parse a control message into its dataclass; checks version, type, field types and each
+    int's least value (indices >= 0, counts >= 1). Raises :class:`ProtocolError`."""
+    if isinstance(data, (bytes, bytearray, memoryview)) and len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message: {len(data)} bytes is more than the {MAX_MESSAGE_BYTES} a message may have")
     d = _unpack(data, "message")
     _version(d, "message")
     t = d.get("t")
@@ -356,16 +393,20 @@ def decode_message(data: bytes) -> Message:
         v = d.get(name)
         if not isinstance(v, typ) or isinstance(v, bool):
             raise ProtocolError(f"message {t!r}: field {name!r} must be {typ.__name__}, got {v!r:.80}")
-        # every int a peer sends is -1 (a marker) or a count, index or size far below 2**48
-        if typ is int and not -1 <= v < _MAX_MSG_INT:
-            raise ProtocolError(f"message {t!r}: field {name!r} = {v} is out of range")
+        # every int a peer sends is a count, index or size far below 2**48 (an ack's chunk may be -1)
+        if typ is int:
+            lo = _MIN_INT.get((t, name), 0)
+            if not lo <= v < _MAX_MSG_INT:
+                raise ProtocolError(f"message {t!r}: field {name!r} = {v} is outside [{lo}, 2**48)")
         if typ is list:
-            if len(v) > _MAX_IDS or not all(
-                    isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _MAX_MSG_INT for x in v):
+            if len(v) > _MAX_IDS:
+                raise ProtocolError(f"message {t!r}: field {name!r} has {len(v)} ids, more than the "
+                                    f"{_MAX_IDS} a request may have (wire.MAX_REQUEST_BLOCKS)")
+            if not all(type(x) is int and 0 <= x < _MAX_MSG_INT for x in v):
                 raise ProtocolError(f"message {t!r}: field {name!r} must be a list of ints in [0, 2**48)")
             v = tuple(v)
-        if typ is str and len(v) > 1024:
-            raise ProtocolError(f"message {t!r}: field {name!r} is too long")
+        if typ is str and not 0 < len(v) <= _MAX_NAME:
+            raise ProtocolError(f"message {t!r}: field {name!r} must be 1..{_MAX_NAME} characters")
         values[name] = v
     if cls is Ack and values["chunk"] == _RUNS_CHUNK:
         return RunsDone(values["xid"])
@@ -377,7 +418,9 @@ def _unpack(data: bytes, what: str) -> dict:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"{what}: expected bytes, got {type(data).__name__}")
     try:
-        d = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+        # the limits bound what a hostile buffer can make msgpack allocate before any check runs
+        d = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, max_array_len=2 * _MAX_IDS,
+                            max_map_len=64, max_str_len=1 << 20, max_bin_len=64 << 20, max_ext_len=0)
     except Exception as e:  # msgpack raises several types on truncated/garbage input
         raise ProtocolError(f"{what}: not valid msgpack ({type(e).__name__}: {e})") from None
     if not isinstance(d, dict):
@@ -387,7 +430,7 @@ def _unpack(data: bytes, what: str) -> dict:
 
 def _version(d: dict, what: str) -> None:
     v = d.get("v")
-    if v != PROTOCOL_VERSION:
+    if type(v) is not int or v != PROTOCOL_VERSION:  # True == 1 == 1.0: the type must be int
         raise ProtocolError(f"{what}: protocol version {v!r} is not supported (expected {PROTOCOL_VERSION})")
 
 
@@ -397,6 +440,13 @@ def _get(d: dict, key: str, typ: type, where: str):
     v = d[key]
     if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
         raise ProtocolError(f"{where}: field {key!r} must be {typ.__name__}, got {type(v).__name__}")
+    return v
+
+
+def _name(d: dict, key: str, where: str) -> str:
+    v = _get(d, key, str, where)
+    if not 0 < len(v) <= _MAX_NAME:
+        raise ProtocolError(f"{where}: field {key!r} must be 1..{_MAX_NAME} characters, got {len(v)}")
     return v
 
 

@@ -13,6 +13,7 @@ import torch
 
 from kvtriton import wire
 from kvtriton.agent import TransferAgent
+from kvtriton.plan import CostModel
 from kvtriton.errors import (
     IncompatibleRemoteError,
     PlanError,
@@ -326,29 +327,26 @@ def test_duplicate_ready_fails_the_request(engines):
     assert not res.ok and isinstance(res.error, ProtocolError) and "duplicate" in str(res.error)
 
 
-def test_engines_with_different_plans_refuse_to_transfer():
-    # decode stripes its MLA reads over one replica, prefill expects two: bytes would be missing
+@pytest.mark.parametrize("setting,kw", [
+    ("replicate_stripe", dict(replicate_stripe=1)),  # decode reads MLA from one replica, prefill expects two
+    ("modes", dict(modes="staged")),
+    ("cost", dict(cost=CostModel(desc_us=50.0))),
+])
+def test_engines_with_different_planning_settings_refuse_to_connect(setting, kw):
+    # they would plan the same transfer differently: refused at the handshake, naming the setting
     gen = torch.Generator().manual_seed(0)
     models = [RegionModel.mla("mla", 24)]
-    kw = dict(staging_bytes=64 << 10, slot_bytes=1024, timeout_s=5, impl="torch")
-    pa = [TransferAgent("P", r, 2, make_rank_regions(models, r, 2, 8, 4, gen=gen), **kw) for r in range(2)]
-    d = TransferAgent("D", 0, 1, make_rank_regions(models, 0, 1, 8, 4, gen=gen), replicate_stripe=1, **kw)
+    base = dict(staging_bytes=64 << 10, slot_bytes=1024, timeout_s=5, impl="torch")
+    p = TransferAgent("P", 0, 2, make_rank_regions(models, 0, 2, 8, 4, gen=gen), **base)
+    d = TransferAgent("D", 0, 1, make_rank_regions(models, 0, 1, 8, 4, gen=gen), **base, **kw)
     try:
-        for p in pa:
-            d.add_remote(p.metadata())
-            p.add_remote(d.metadata())
-            p.hold("r", [1, 2])
-        d.fetch("r", "P", [1, 2], [3, 4])
-        deadline, res = time.monotonic() + 5, []
-        while not res and time.monotonic() < deadline:
-            for a in pa + [d]:
-                a.progress()
-            res = d.results()
-        assert res and isinstance(res[0].error, RequestRejectedError), res
-        assert "planned this transfer differently" in str(res[0].error)
+        for a, b in ((d, p), (p, d)):
+            with pytest.raises(IncompatibleRemoteError, match=f"planning setting '{setting}'"):
+                a.add_remote(b.metadata())
+            assert not a._links.peers and a.transport.remotes == frozenset()
     finally:
-        for a in pa + [d]:
-            a.close()
+        p.close()
+        d.close()
 
 
 def test_close_reports_pending_fetches(engines):

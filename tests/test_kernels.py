@@ -137,7 +137,7 @@ def check_pack(src, segs, offs, ids, nbytes, device, gen, lead=GUARD):
     st_r = buf_r[lead:lead + nbytes]
     before = [s.clone() for s in all_storages(src)]
     initial = st_r.clone()
-    out = ops.pack(src, segs, offs, ids, st_t, impl="triton")
+    out = ops.pack(src, segs, offs, ids, st_t, impl="triton", pair_ids=ids)  # -1s: skipped on both sides
     assert out is st_t
     pack_reference(src, segs, offs, ids, st_r)
     assert_bytes_equal(buf_t, buf_r, "staging (Triton vs reference)")
@@ -160,7 +160,7 @@ def check_unpack(make_dst, segs, offs, ids, nbytes, device, gen):
     before = snapshot(dst_t)
     buf, st = guarded(nbytes, device, gen)
     buf_before = buf.clone()
-    ops.unpack(dst_t, segs, offs, ids, st, impl="triton")
+    ops.unpack(dst_t, segs, offs, ids, st, impl="triton", pair_ids=ids)
     unpack_reference(dst_r, segs, offs, ids, st)
     for a, b in zip(all_storages(dst_t), all_storages(dst_r)):
         assert_bytes_equal(a, b, "destination cache storage (Triton vs reference)")

@@ -282,9 +282,43 @@ def test_unpack_rejects_duplicate_ids(case, calls):
 
 
 def test_pack_accepts_duplicate_and_padding_ids(case, calls):
-    ops.pack(case.src, case.segments, case.offsets, torch.tensor([2, -1, 2]), case.staging, impl="triton")
-    ops.unpack(case.dst, case.segments, case.offsets, torch.tensor([-1, -1, 2]), case.staging, impl="triton")
+    src, dst = torch.tensor([2, -1, 2]), torch.tensor([-1, -1, 2])
+    ops.pack(case.src, case.segments, case.offsets, src, case.staging, impl="triton", pair_ids=dst)
+    ops.unpack(case.dst, case.segments, case.offsets, dst, case.staging, impl="triton", pair_ids=src)
     assert calls == ["triton-pack", "triton-unpack"]
+
+
+@BOTH
+def test_minus_one_needs_the_other_sides_ids(case, calls, op):
+    # pack skipping position 1 while unpack writes it would put stale staging bytes in a block
+    expect_error(case, calls, op, r"block id -1 at position 1 without pair_ids", block_ids=torch.tensor([4, -1, 2]))
+
+
+@BOTH
+def test_pair_ids_of_another_length(case, calls, op):
+    before = case.state()
+    a = case.args(op)
+    with pytest.raises(LaunchError, match="pair_ids has 2 positions, block_ids 3"):
+        OPS[op](a["regions"], a["segments"], a["offsets"], a["block_ids"], a["staging"], pair_ids=[1, 2])
+    assert calls == [] and all(torch.equal(x, y) for x, y in zip(before, case.state()))
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_a_position_either_side_skips_is_skipped_by_both(case, impl):
+    # position 0: only the source skips it; 1: only the destination; 2: neither
+    src, dst = [-1, 3, 1], [5, -1, 0]
+    st = case.staging
+    st_before = st.clone()
+    ops.pack(case.src, case.segments, case.offsets, src, st, impl=impl, pair_ids=dst)
+    tile0 = [slice(int(o), int(o) + s.tile_bytes) for o, s in zip(case.offsets, case.segments)]
+    assert all(torch.equal(st[t], st_before[t]) for t in tile0)  # position 0 left as it was
+    before = [t.view(torch.uint8).clone() for r in case.dst for t in r.streams]
+    ops.unpack(case.dst, case.segments, case.offsets, dst, st, impl=impl, pair_ids=src)
+    after = [t.view(torch.uint8) for r in case.dst for t in r.streams]
+    for b, x in zip(before, after):
+        assert torch.equal(b[5], x[5])  # the stale tile of position 0 never reached block 5
+        assert torch.equal(b[1:5], x[1:5])
+    assert any(not torch.equal(b[0], x[0]) for b, x in zip(before, after))  # position 2 landed
 
 
 # --------------------------------------------------------------------------- impl / dispatch

@@ -1,4 +1,5 @@
 import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -98,10 +99,158 @@ def test_staging_pool_first_fit_runs():
 def test_every_message_type_round_trips():
     msgs = [wire.Pull("x", "r", 0, (1, 2), 2, "p"), wire.Push("x", "r", 1, (1,), (3,), 1, "p"),
             wire.Grant("x", 0, 4, 2), wire.Ack("x", 0), wire.RunsDone("x"), wire.Done("r", 0, 2),
-            wire.Abort("x"), wire.Ready("x", 1, 2, 3, 4), wire.Data("x", 1, 4), wire.RunsReady("x"),
+            wire.Abort("x"), wire.Renew("r", 1), wire.Ready("x", 1, 2, 3, 4), wire.Data("x", 1, 4), wire.RunsReady("x"),
             wire.Reject("x", "why")]
     assert {type(m) for m in msgs} == set(wire.MESSAGE_TYPES)
     for m in msgs:
         assert wire.decode_message(m.encode()) == m
     # the DIRECT runs' done travels as an ack of chunk -1 (the bytes peers already exchange)
     assert msgpack.unpackb(wire.RunsDone("x").encode()) == {"v": 1, "t": "ack", "xid": "x", "chunk": -1}
+
+
+# --------------------------------------------------------------------------- hardening
+@pytest.mark.parametrize("v", [True, 1.0, "1", None, 2])
+def test_version_must_be_the_int_1(v):
+    with pytest.raises(ProtocolError, match="protocol version"):
+        wire.decode_message(msgpack.packb({"v": v, "t": "abort", "xid": "x"}))
+    with pytest.raises(ProtocolError, match="protocol version"):
+        wire.decode_metadata(patched(v=v))
+
+
+@pytest.mark.parametrize("data,match", [
+    (patched(engine=""), "'engine' must be 1..1024"),
+    (patched(agent=""), "'agent' must be 1..1024"),
+    (patched(**{"regions.0.name": ""}), "'name' must be 1..1024"),
+    (patched(**{"regions.0.strides": [[True, 0, 0], [0, 0, 0]]}), "strides must be non-negative integers"),
+    (patched(planning=[["cost", 1]]), "planning"),
+    (patched(planning=[["cost", "a"], ["cost", "b"]]), "twice"),
+])
+def test_metadata_rejects_bools_empty_names_and_bad_planning(data, match):
+    with pytest.raises(ProtocolError, match=match):
+        wire.decode_metadata(data)
+
+
+# the least and (exclusive) greatest value of every int field of every message type
+def _int_range(t, name):
+    return wire._MIN_INT.get((t, name), 0), wire._MAX_MSG_INT
+
+
+def _valid_body(t, rng):
+    _, schema = wire._SCHEMA[t]
+    body = {}
+    for name, typ in schema:
+        if typ is int:
+            lo, hi = _int_range(t, name)
+            body[name] = int(rng.choice([lo, lo + 1, int(rng.integers(lo, 1 << 20)), hi - 1]))
+        elif typ is list:
+            body[name] = [int(x) for x in rng.integers(0, 1 << 40, size=int(rng.integers(0, 6)))]
+        else:
+            body[name] = "".join(rng.choice(list("abc|<#:é"), size=int(rng.integers(1, 12))))
+    return body
+
+
+_WRONG = [None, True, False, 1.5, "7", b"\x01", [1], {"a": 1}, -(1 << 63), 1 << 63]
+
+
+def _invalid_body(t, rng):
+    """A message body that breaks exactly one rule (the decoder must refuse it)."""
+    body = _valid_body(t, rng)
+    _, schema = wire._SCHEMA[t]
+    name, typ = schema[int(rng.integers(len(schema)))]
+    how = int(rng.integers(5))
+    if how == 0:
+        del body[name]
+    elif how == 1:  # a value of another type (bools and floats are not ints, ints not strings)
+        body[name] = next(w for w in rng.permutation(np.array(_WRONG, dtype=object)) if type(w) is not typ)
+    elif how == 2 and typ is int:
+        lo, hi = _int_range(t, name)
+        body[name] = int(rng.choice([lo - 1, lo - 2, hi, hi + 5]))
+    elif how == 3 and typ is list:
+        body[name] = list(body[name]) + [rng.choice(np.array([-1, True, 1.0, "1", None, 1 << 48], dtype=object))]
+    elif typ is str:
+        body[name] = "" if how != 4 else "x" * 1025
+    else:
+        body = {**body, "v": rng.choice(np.array([True, 1.0, 0, 2, "1"], dtype=object))}
+    return body
+
+
+def test_fuzz_message_decoder():
+    """12,000 seeded inputs: valid messages decode to what was sent, every input breaking one
+    rule, every truncation and every random byte string raises ProtocolError (nothing else)."""
+    rng = np.random.default_rng(1234)
+    types = sorted(wire._SCHEMA)
+    counts = {"valid": 0, "invalid": 0, "truncated": 0, "random": 0}
+    untyped, accepted_invalid = [], []
+
+    def decode(raw):
+        try:
+            return wire.decode_message(raw), None
+        except ProtocolError as e:
+            return None, e
+        except Exception as e:  # noqa: BLE001 - the point of the test
+            untyped.append((raw[:60], repr(e)))
+            return None, e
+
+    for i in range(12_000):
+        t = types[i % len(types)]
+        kind = ("valid", "invalid", "invalid", "truncated", "random")[i % 5]
+        counts[kind] += 1
+        if kind == "valid":
+            body = _valid_body(t, rng)
+            m, err = decode(wire.encode_message(t, **body))
+            assert err is None, (t, body, err)
+            cls = wire._SCHEMA[t][0]
+            if cls is wire.Ack and body["chunk"] == -1:
+                assert m == wire.RunsDone(body["xid"])
+            else:
+                assert m == cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in body.items()})
+            continue
+        if kind == "invalid":
+            raw = msgpack.packb({"v": 1, "t": t, **_invalid_body(t, rng)}, use_bin_type=True)
+        elif kind == "truncated":
+            full = wire.encode_message(t, **_valid_body(t, rng))
+            raw = full[:int(rng.integers(0, len(full)))]
+        else:
+            raw = rng.bytes(int(rng.integers(0, 64)))
+        m, err = decode(raw)
+        if m is not None and kind != "random":
+            accepted_invalid.append((kind, raw))
+        if m is not None and kind == "random":  # a random buffer that is a valid message: must round-trip
+            assert wire.decode_message(m.encode()) == m
+    assert untyped == [] and accepted_invalid == []
+    assert sum(counts.values()) >= 10_000
+
+
+def test_fuzz_metadata_decoder():
+    """3,000 seeded single-field corruptions of valid metadata: each raises ProtocolError."""
+    rng = np.random.default_rng(99)
+    good = msgpack.unpackb(wire.encode_metadata(sample_md(planning=(("cost", "c"), ("modes", "m")))), raw=False)
+    paths = [("v",), ("fmt",), ("engine",), ("rank",), ("tp",), ("agent",), ("agent_md",), ("mem",), ("dev",),
+             ("staging", "addr"), ("staging", "slot_bytes"), ("staging", "num_slots"), ("staging", "chunk_bytes"),
+             ("regions", 0, "name"), ("regions", 0, "num_blocks"), ("regions", 0, "block_size"),
+             ("regions", 0, "strides"), ("regions", 0, "addrs"), ("regions", 0, "spans"), ("regions", 0, "itemsize"),
+             ("regions", 0, "head_dims"), ("regions", 0, "kind"), ("planning",)]
+    bad_values = [None, True, 1.5, "", -1, [], {}, [True], [-5], (1 << 64) - 1, b""]
+    untyped, accepted = [], []
+    for i in range(3_000):
+        d = msgpack.unpackb(msgpack.packb(good), raw=False)
+        path = paths[i % len(paths)]
+        target = d
+        for p in path[:-1]:
+            target = target[p]
+        value = bad_values[int(rng.integers(len(bad_values)))]
+        if i % 7 == 0:
+            del target[path[-1]]
+        else:
+            # a value that is wrong for that field (a few fields accept some of the list: skip those)
+            if path[-1] == "agent_md" and value == b"" or path[-1] == "planning" and value == []:
+                continue  # accepted values for those fields
+            target[path[-1]] = value
+        try:
+            wire.decode_metadata(msgpack.packb(d, use_bin_type=True))
+            accepted.append((path, value))
+        except ProtocolError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            untyped.append((path, value, repr(e)))
+    assert untyped == [] and accepted == []

@@ -14,11 +14,13 @@ a chunk of its staged payload into a staging slot run and answers ``ready``; the
 it (one descriptor), unpacks it into its cache and answers ``ack`` so the source reuses the slots
 for the next chunk (two chunks in flight per transfer: pack i+1 while i is on the wire). DIRECT
 regions are READ straight from the source's cache in coalesced block runs, once the source has
-confirmed (:class:`~kvtriton.wire.RunsReady`) that it holds those blocks; a held request cannot expire while a transfer
-is reading it (the transfer has its own silence deadline). When everything has
+confirmed (:class:`~kvtriton.wire.RunsReady`) that it holds those blocks; a held request does not expire while a
+transfer is reading it (the transfer has its own silence deadline), but never outlives its lease
+plus ``timeout_s``; a decode rank renews the holds of its outstanding fetches. When everything has
 landed the decode rank sends ``done`` to *every* rank of the source engine (replicas it skipped
 included), and each source rank frees the request once all decode ranks are done or its lease
-expires.
+expires. A hold belongs to one consumer engine (see :mod:`.source`): no other peer can read,
+complete or renew it.
 
 Push: the decode rank sends ``push`` and ``grant``s staging slots of its own; the source packs and
 WRITEs each chunk into the granted slots with a ``data`` notification, and WRITEs DIRECT regions

@@ -14,6 +14,7 @@ import numpy as np
 from .. import wire
 from ..errors import (
     KVTritonError,
+    PlanError,
     ProtocolError,
     RequestAbortedError,
     RequestRejectedError,
@@ -28,7 +29,11 @@ from .links import Chunk, Completion, Flow, Links, Peer, Settings
 
 @dataclass(frozen=True)
 class RequestResult:
-    """Outcome of a :meth:`TransferAgent.fetch`: ``ok``, or ``error`` (a KVTritonError)."""
+    """Outcome of a :meth:`TransferAgent.fetch`: ``ok``, or ``error`` (a KVTritonError).
+
+    ``undefined_blocks``: after a failure, the local block ids whose content is undefined (some
+    source's bytes for them had not all landed, or may still land): recompute exactly those.
+    Every other block of the request holds the transferred KV. Empty when ``ok``."""
 
     req_id: str
     ok: bool
@@ -36,6 +41,7 @@ class RequestResult:
     seconds: float = 0.0
     descriptors: int = 0
     bytes: int = 0
+    undefined_blocks: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -54,6 +60,7 @@ class Fetch:
     error: KVTritonError | None = None
     descriptors: int = 0
     nbytes: int = 0
+    renew_at: float = 0.0  # when the holds this fetch reads are renewed next
 
     def touch(self) -> None:
         """Progress was made: the silence deadline starts over."""
@@ -77,6 +84,7 @@ class Part:
     runs_xfer: object = None  # pull: the READ of the DIRECT runs
     runs_lists: tuple = ()
     announced: set = field(default_factory=set)  # pull: chunks a Ready arrived for
+    consumed: set = field(default_factory=set)  # chunks unpacked into the cache
 
     @property
     def n_chunks(self) -> int:
@@ -118,10 +126,13 @@ class Destination:
             s_ids, d_ids = tokens.read_ids, tokens.tile_dst_ids
         else:
             s_ids, d_ids = compact_request(remote_block_ids, local_block_ids, src_nb, dst_nb)
+        if max(s_ids.size, d_ids.size) > wire.MAX_REQUEST_BLOCKS:
+            raise PlanError(f"fetch {req_id!r}: {max(s_ids.size, d_ids.size)} blocks is more than a request may "
+                            f"have (kvtriton.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS}); split it")
         n = d_ids.size  # staged tiles (and DIRECT positions) per source
         now = time.monotonic()
         timeout = timeout_s or self.s.timeout_s
-        f = Fetch(req_id, engine, now, timeout, now + timeout, s_ids, d_ids, tokens)
+        f = Fetch(req_id, engine, now, timeout, now + timeout, s_ids, d_ids, tokens, renew_at=now + self.s.renew_s)
         self.fetches[req_id] = f
         if n == 0:
             self._finish(f)
@@ -183,7 +194,10 @@ class Destination:
         st = peer.md.staging
         if self.s.flow is not Flow.PULL or m.chunk in part.announced:
             raise ProtocolError(f"ready for chunk {m.chunk} of {m.xid!r} is unexpected (duplicate or push mode)")
-        expect = part.chunks.nbytes(m.chunk) if 0 <= m.chunk < part.n_chunks else -1
+        if not 0 <= m.chunk < part.n_chunks:
+            raise ProtocolError(f"ready for chunk {m.chunk} of {m.xid!r} is outside the transfer's "
+                                f"{part.n_chunks} chunks")
+        expect = part.chunks.nbytes(m.chunk)
         if m.nbytes != expect or not (0 <= m.slot and m.slot + m.nslots <= st.num_slots) or \
                 m.nslots != ceil_div(m.nbytes, st.slot_bytes):
             raise ProtocolError(f"ready {m.chunk}: {m.nbytes} bytes in slots [{m.slot}, {m.slot + m.nslots}) does "
@@ -225,9 +239,15 @@ class Destination:
 
     # ------------------------------------------------------------------ progress
     def advance(self) -> None:
+        now = time.monotonic()
         for f in list(self.fetches.values()):
             if f.error is not None:
                 continue
+            if now >= f.renew_at:  # still outstanding: keep the sources' holds alive
+                f.renew_at = now + self.s.renew_s
+                for part in f.parts.values():
+                    self.links.send(self.links.peers[(f.engine, part.src_rank)],
+                                    wire.Renew(f.req_id, self.s.rank), quiet=True)
             try:
                 for part in list(f.parts.values()):
                     peer = self.links.peers[(f.engine, part.src_rank)]
@@ -300,6 +320,7 @@ class Destination:
         part.inflight.pop(ch.index, None)
         self.s.pool.free(ch.slot, ch.nslots)
         part.chunks_done += 1
+        part.consumed.add(ch.index)
         if self.s.flow is Flow.PULL:
             self.links.send(peer, wire.Ack(part.xid, ch.index), quiet=True)
 
@@ -351,7 +372,7 @@ class Destination:
             elif part.runs_lists:
                 self.links.release_lists(*part.runs_lists)()
         self.results.append(RequestResult(f.req_id, False, error, time.monotonic() - f.started,
-                                          f.descriptors, f.nbytes))
+                                          f.descriptors, f.nbytes, _undefined_blocks(f)))
 
     def expire(self, now: float) -> None:
         for f in list(self.fetches.values()):
@@ -369,3 +390,20 @@ class Destination:
     def fail_all(self, error: KVTritonError) -> None:
         for f in list(self.fetches.values()):
             self.fail(f, error)
+
+
+def _undefined_blocks(f: Fetch) -> tuple[int, ...]:
+    """Local blocks of a failed fetch that did not receive every source's bytes: a block is
+    defined only when each part has unpacked the chunk holding it and landed its DIRECT runs."""
+    defined = np.ones(f.dst_ids.size, dtype=bool)
+    for part in f.parts.values():
+        got = np.zeros(f.dst_ids.size, dtype=bool) if part.chunks is not None else np.ones(f.dst_ids.size, bool)
+        for c in part.consumed:
+            lo, hi = part.chunks.bounds(c)
+            got[lo:hi] = True
+        if part.runs_pending or part.runs_xfer is not None:
+            got[:] = False
+        defined &= got
+    if not f.parts:
+        defined[:] = False
+    return tuple(int(b) for b in f.dst_ids[~defined])

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -56,7 +57,10 @@ class TransferAgent:
     timeout_s:     a fetch fails after this long without progress; a source reclaims
                    staging from a peer silent this long.
     modes:         force STAGED/DIRECT for all regions or per region name (see
-                   :func:`~kvtriton.plan.build_plan`).
+                   :func:`~kvtriton.plan.build_plan`). ``modes``, ``cost`` and
+                   ``replicate_stripe`` must be equal on both engines (checked at :meth:`add_remote`).
+    renew_interval_s: while a fetch is outstanding, the holds it reads are renewed this often
+                   (a source's lease should be well above it).
     transport:     a ready :class:`~kvtriton.transport.nixl.NixlTransport` (default: a new
                    one named ``"{engine_id}:{rank}:{random}"``).
     """
@@ -77,6 +81,7 @@ class TransferAgent:
         modes: Mode | str | Mapping[str, Mode | str] | None = None,
         cost: CostModel = CostModel(),
         replicate_stripe: int | None = None,
+        renew_interval_s: float = 1.0,
         transport=None,
         impl: str = "auto",
     ):
@@ -115,10 +120,13 @@ class TransferAgent:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
-        self.stats = {"bad_messages": 0, "staged_descriptors": 0, "direct_descriptors": 0}
+        # bad_messages: malformed or inconsistent messages; refused: well-formed ones from a peer
+        # not entitled to what it asked (another engine's hold, beyond its transfer count)
+        self.stats = {"bad_messages": 0, "refused": 0, "staged_descriptors": 0, "direct_descriptors": 0}
         settings = Settings(engine_id, rank, tp, flow, tuple(self.regions), tuple(self.specs), self.device,
                             self.pool, self.chunk_bytes, int(inflight_chunks), self.timeout_s, impl, modes, cost,
-                            replicate_stripe)
+                            replicate_stripe, renew_s=float(renew_interval_s))
+        self._inbox: dict[str, deque] = {}  # messages received, not handled yet, per sender
         self._links = Links(settings, transport, self.stats)
         try:
             self._register()
@@ -136,6 +144,7 @@ class TransferAgent:
             wire.RunsDone: self._source.on_runs_done,
             wire.Done: self._source.on_done,
             wire.Abort: self._source.on_abort,
+            wire.Renew: self._source.on_renew,
             wire.Ready: self._destination.on_ready,
             wire.Data: self._destination.on_data,
             wire.RunsReady: self._destination.on_runs_ready,
@@ -171,13 +180,15 @@ class TransferAgent:
             agent_md=self.transport.metadata(), mem=links.mem, dev=links.dev,
             regions=tuple(self.specs), addrs=links.addrs, spans=links.spans,
             staging=wire.StagingInfo(self.pool.addr, self.pool.slot_bytes, self.pool.num_slots, self.chunk_bytes),
+            planning=self._links.s.planning(),
         ))
 
     def add_remote(self, metadata: bytes) -> str:
         """Validate a peer rank's metadata and connect to it; returns its engine id.
 
         Runs the validation gate per region (count and order, kind, dtype, head_dim, block_size,
-        head counts vs TP) and checks staging compatibility, raising
+        head counts vs TP) and checks staging compatibility and the planning settings (cost
+        model, forced modes, replicate stripe: both engines must plan alike), raising
         :class:`~kvtriton.errors.IncompatibleRemoteError` / :class:`~kvtriton.errors.ProtocolError`
         before anything is prepared. A peer that reappears (same engine and rank, new agent)
         replaces the old one; transfers in flight with the old one fail with
@@ -191,6 +202,12 @@ class TransferAgent:
             raise IncompatibleRemoteError(
                 f"engine {md.engine!r}: rank {md.rank} says tp={md.tp}, earlier ranks said tp={known_tp}")
         check_compatible(self.specs, self.tp, md.regions, md.tp)
+        ours, theirs = dict(self._links.s.planning()), dict(md.planning)
+        for name in sorted(ours.keys() | theirs.keys()):
+            if ours.get(name) != theirs.get(name):
+                raise IncompatibleRemoteError(
+                    f"engine {md.engine!r}: planning setting {name!r} is {theirs.get(name)!r}, ours is "
+                    f"{ours.get(name)!r}; both engines must be built with the same {name}")
         if md.staging.slot_bytes != self.pool.slot_bytes:
             raise IncompatibleRemoteError(
                 f"engine {md.engine!r}: staging slot_bytes {md.staging.slot_bytes} differs from ours "
@@ -227,18 +244,38 @@ class TransferAgent:
         return self._destination.plans[engine_id]
 
     # ------------------------------------------------------------------ prefill side
-    def hold(self, req_id: str, block_ids: Sequence[int], lease_s: float = 30.0) -> None:
-        """Keep a finished prefill's blocks readable until every decode rank that fetches it is
-        done, or ``lease_s`` passes; then :meth:`freed` reports it. ``block_ids`` are this
-        engine's blocks of the request (in this engine's block size, whatever the decode's);
-        a fetch may read any subset of them."""
+    def hold(self, req_id: str, block_ids: Sequence[int], lease_s: float = 30.0,
+             consumer: str | None = None) -> None:
+        """Keep a finished prefill's blocks readable until every rank of the consumer engine is
+        done, or the lease runs out; then :meth:`freed` reports it.
+
+        ``block_ids``: the request's blocks in order, in this engine's block size whatever the
+        decode's; -1 marks a position that is not held (as
+        in :meth:`fetch`: a prefix the decode already has), so the list a connector gets from
+        its engine can be passed as is. A fetch may read any subset of the held blocks.
+        ``consumer``: the decode engine id entitled to read it; None binds the hold to the first
+        engine whose transfer this rank accepts (trust on first use: name it when known).
+        Only the consumer's ranks may read it, report it done or renew it.
+        ``lease_s``: the hold is freed this long after it was placed or last renewed (a decode
+        agent renews the holds of its outstanding fetches, see ``renew_interval_s``); transfers
+        in progress keep it at most ``timeout_s`` longer.
+        Raises :class:`~kvtriton.errors.RequestRejectedError` on ids outside ``[-1, num_blocks)``
+        or more than :data:`kvtriton.wire.MAX_REQUEST_BLOCKS` held blocks."""
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         nb = min(s.num_blocks for s in self.specs)
-        if ids.size and (ids.min() < 0 or ids.max() >= nb):
-            raise RequestRejectedError(f"hold {req_id!r}: block ids must be in [0, {nb}), got "
+        if ids.size and (ids.min() < -1 or ids.max() >= nb):
+            raise RequestRejectedError(f"hold {req_id!r}: block ids must be in [-1, {nb}) (-1: not held), got "
                                        f"[{ids.min()}, {ids.max()}]")
+        ids = ids[ids >= 0]
+        if ids.size > wire.MAX_REQUEST_BLOCKS:
+            raise RequestRejectedError(f"hold {req_id!r}: {ids.size} blocks is more than a request may have "
+                                       f"(kvtriton.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS})")
+        if not float(lease_s) > 0:
+            raise ValueError(f"hold {req_id!r}: lease_s must be > 0, got {lease_s!r}")
+        if consumer is not None and (not isinstance(consumer, str) or not consumer or consumer == self.engine_id):
+            raise ValueError(f"hold {req_id!r}: consumer must be another engine's id, got {consumer!r}")
         with self._lock:
-            self._source.hold(req_id, ids, lease_s)
+            self._source.hold(req_id, ids, float(lease_s), consumer)
 
     def release(self, req_id: str) -> bool:
         """Drop a hold before its consumers are done (the engine aborted the request, or needs
@@ -307,9 +344,7 @@ class TransferAgent:
         with self._lock:
             if self._closed:
                 return
-            for sender, msgs in self.transport.poll_notifs().items():
-                for raw in msgs:
-                    self._on_message(sender, raw)
+            self._handle_messages()
             self._source.advance()
             self._destination.advance()
             self._links.reap()
@@ -335,7 +370,35 @@ class TransferAgent:
         """True when nothing is in flight or held."""
         with self._lock:
             return not (self._destination.fetches or self._source.serves or self._source.holds
-                        or self._links.zombies)
+                        or self._links.zombies or self._inbox)
+
+    # one progress() call handles at most this many bytes of messages (at least one message),
+    # each counted with a fixed overhead (so at most ~512 small ones), taken round-robin across
+    # senders: a flood from one peer neither stalls the call nor starves the others; at most
+    # _INBOX_MAX messages wait per sender (the excess is dropped and counted as bad)
+    _MESSAGE_BUDGET_BYTES = 1 << 20
+    _MESSAGE_OVERHEAD_BYTES = 2048
+    _INBOX_MAX = 1 << 14
+
+    def _handle_messages(self) -> None:
+        for sender, msgs in self.transport.poll_notifs().items():
+            q = self._inbox.setdefault(sender, deque())
+            for raw in msgs:
+                if len(q) >= self._INBOX_MAX:
+                    self.stats["bad_messages"] += 1  # flooding: dropped unread
+                    continue
+                q.append(raw)
+        budget = self._MESSAGE_BUDGET_BYTES
+        while self._inbox and budget > 0:
+            for sender in list(self._inbox):
+                q = self._inbox[sender]
+                raw = q.popleft()
+                if not q:
+                    del self._inbox[sender]
+                budget -= len(raw) + self._MESSAGE_OVERHEAD_BYTES
+                self._on_message(sender, raw)
+                if budget <= 0:
+                    break
 
     def _on_message(self, sender: str, raw: bytes) -> None:
         peer = self._links.sender(sender)

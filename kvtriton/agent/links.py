@@ -48,6 +48,21 @@ class Settings:
     modes: Mode | str | Mapping[str, Mode | str] | None
     cost: CostModel
     stripe: int | None
+    renew_s: float = 1.0  # a decode renews the holds of its outstanding fetches this often
+
+    def planning(self) -> tuple[tuple[str, str], ...]:
+        """The settings both engines must share to compute the same plans, as (name, canonical
+        value) pairs for the handshake (:meth:`TransferAgent.add_remote` compares them)."""
+        def mode(v) -> str:
+            return v.value if isinstance(v, Mode) else str(v)
+
+        if self.modes is None or isinstance(self.modes, (str, Mode)):
+            modes = "all:" + ("auto" if self.modes is None else mode(self.modes))
+        else:
+            modes = ",".join(f"{k}={mode(v)}" for k, v in sorted(self.modes.items()))
+        c = self.cost
+        return (("cost", f"desc_us={c.desc_us!r},pack_gbps={c.pack_gbps!r},unpack_gbps={c.unpack_gbps!r}"),
+                ("modes", modes or "none"), ("replicate_stripe", repr(self.stripe)))
 
     @property
     def name(self) -> str:
@@ -190,12 +205,20 @@ class Links:
         self.zombies.append((xfer, cleanup, not_before))
         self.reap()
 
-    def retire_chunks(self, inflight: dict[int, Chunk], not_before: float) -> None:
+    def retire_chunks(self, inflight: dict[int, Chunk], not_before: float,
+                      on_free: Callable[[Chunk], None] | None = None) -> None:
         """Retire every chunk of a transfer that ended early and empty ``inflight``: their slots
-        return to the pool once nothing can move bytes into or out of them any more."""
+        return to the pool (then ``on_free(chunk)`` runs) once nothing can move bytes into or out
+        of them any more."""
         pool = self.s.pool
+
+        def free(ch: Chunk) -> None:
+            pool.free(ch.slot, ch.nslots)
+            if on_free is not None:
+                on_free(ch)
+
         for ch in inflight.values():
-            self.retire(ch.xfer, lambda ch=ch: pool.free(ch.slot, ch.nslots), not_before=not_before)
+            self.retire(ch.xfer, lambda ch=ch: free(ch), not_before=not_before)
         inflight.clear()
 
     def reap(self) -> None:

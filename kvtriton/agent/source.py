@@ -1,5 +1,22 @@
 """The source side of a rank: held requests and the transfers that serve them, pack, the
-announcement (pull) or WRITE (push) of each chunk, and releasing holds."""
+announcement (pull) or WRITE (push) of each chunk, and releasing holds.
+
+What a peer can take is bounded (every message is untrusted, even after a good handshake):
+
+* **Entitlement.** A hold has one consumer engine: the one named at ``hold(consumer=...)``, or
+  else the first engine whose ``pull``/``push`` this rank accepts for it (trust on first use).
+  Only that engine's ranks may read it, report it ``done`` or ``renew`` its lease. A replica no
+  rank of an engine reads (e.g. an MLA replica its stripe skips) binds to the first engine that
+  reports it done, since nothing else will ever reach it; name the consumer to close even that.
+* **Staging.** Each peer engine may keep at most its fair share of the staging pool (the pool
+  divided by the connected engines, at least one chunk): a peer that never acks pins only its
+  share, so the others always progress.
+* **Time.** A transfer waiting for staging has its silence deadline carried only by its own
+  engine's progress (acks, grants, RunsDone), never by waiting; a hold lives at most its lease
+  (renewed by its consumer) plus ``timeout_s``, whatever its transfers do.
+* **Count.** At most :data:`MAX_SERVES_PER_PEER` transfers per peer rank; transfers are keyed by
+  (peer, transfer id), so one peer cannot claim another's id.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +27,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import wire
-from ..errors import KVTritonError, PlanError, ProtocolError
+from ..errors import KVTritonError, PlanError, ProtocolError, RequestRejectedError
 from ..ops import pack
 from ..plan import ChunkGeometry, StagedRead, TransferPlan
 from ..token_map import TokenMap
 from .links import Chunk, Completion, Flow, Links, Peer, Settings, logger
+
+MAX_SERVES_PER_PEER = 4096  # transfers one peer rank may have open on this rank at once
 
 
 @dataclass(frozen=True)
@@ -32,8 +51,10 @@ class Hold:
 
     req_id: str
     block_ids: np.ndarray
-    deadline: float
-    done_from: set = field(default_factory=set)
+    lease_s: float
+    deadline: float  # end of the lease: a renewal from the consumer moves it
+    consumer: str | None = None  # the engine entitled to it (None: the first whose pull is accepted)
+    done_from: set = field(default_factory=set)  # (engine, rank) of every done received
 
 
 @dataclass(eq=False)
@@ -69,6 +90,10 @@ class Serve:
         return (self.acked == self.n_chunks and self.runs is None and not self.inflight
                 and not self.runs_reader)
 
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.peer.agent, self.xid
+
     def touch(self) -> None:
         """Progress was made: the silence deadline starts over."""
         self.deadline = time.monotonic() + self.timeout_s
@@ -80,13 +105,16 @@ class Source:
     def __init__(self, settings: Settings, links: Links):
         self.s, self.links = settings, links
         self.holds: dict[str, Hold] = {}
-        self.serves: dict[str, Serve] = {}
+        self.serves: dict[tuple[str, str], Serve] = {}  # by (peer agent, transfer id)
         self.plans: dict[tuple[str, int], TransferPlan] = {}  # per (engine, destination rank)
         self.freed: list[FreedRequest] = []
+        self.engine_slots: dict[str, int] = {}  # staging slots each peer engine's transfers keep
+        self.engine_progress: dict[str, float] = {}  # when each peer engine last made progress
+        self.peer_serves: dict[str, int] = {}  # open transfers per peer agent
 
     # ------------------------------------------------------------------ holds
-    def hold(self, req_id: str, block_ids: np.ndarray, lease_s: float) -> None:
-        self.holds[req_id] = Hold(req_id, block_ids, time.monotonic() + lease_s)
+    def hold(self, req_id: str, block_ids: np.ndarray, lease_s: float, consumer: str | None) -> None:
+        self.holds[req_id] = Hold(req_id, block_ids, lease_s, time.monotonic() + lease_s, consumer)
 
     def release(self, req_id: str) -> bool:
         hold = self.holds.get(req_id)
@@ -125,13 +153,19 @@ class Source:
         def reject(reason: str) -> None:
             self.links.send(peer, wire.Reject(xid, reason), quiet=True)
 
-        if xid in self.serves:
+        if (peer.agent, xid) in self.serves:
             return reject(f"transfer id {xid!r} is already in use")
         if flow is not self.s.flow:
             return reject(f"{me} runs in {self.s.flow.value} mode, got a {flow.value} request")
         hold = self.holds.get(req)
         if hold is None:
             return reject(f"request {req!r} is not held by {me} (never held, finished or lease expired)")
+        if hold.consumer is not None and hold.consumer != peer.md.engine:
+            self.links.stats["refused"] += 1
+            return reject(f"request {req!r} is held by {me} for engine {hold.consumer!r}, not {peer.md.engine!r}")
+        if self.peer_serves.get(peer.agent, 0) >= MAX_SERVES_PER_PEER:
+            self.links.stats["refused"] += 1
+            return reject(f"{peer.agent} already has {MAX_SERVES_PER_PEER} transfers open on {me}")
         ids = np.asarray(m.ids, dtype=np.int64)
         if ids.size == 0 or not np.isin(ids, hold.block_ids).all():
             return reject(f"block ids of {req!r} are not a subset of the {hold.block_ids.size} held blocks")
@@ -181,21 +215,65 @@ class Source:
                 serve.runs = self.links.prep_runs(plan, peer, ids, dst_ids, reading=False)
             except KVTritonError as e:
                 return reject(f"push: {e}")
-        self.serves[xid] = serve
+        self._add(serve)
+        hold.consumer = eng  # the first accepted transfer binds an unbound hold to its engine
         if flow is Flow.PULL and has_runs:
-            # the blocks stay held (no lease expiry) until the reader sends RunsDone
+            # the blocks stay held (up to the hold's hard bound) until the reader sends RunsDone
             serve.runs_reader = True
             try:
                 self.links.send(peer, wire.RunsReady(xid))
             except KVTritonError:
-                del self.serves[xid]
+                self._remove(serve)
                 raise
 
     def _serve_from(self, peer: Peer, xid: str, flow: Flow, what: str) -> Serve:
-        serve = self.serves.get(xid)
+        serve = self.serves.get((peer.agent, xid))  # keyed by the sender: nobody reaches another's
         if serve is None or serve.peer is not peer or serve.flow is not flow:
             raise ProtocolError(f"{what} for unknown transfer {xid!r}")
         return serve
+
+    def _add(self, serve: Serve) -> None:
+        self.serves[serve.key] = serve
+        self.peer_serves[serve.peer.agent] = self.peer_serves.get(serve.peer.agent, 0) + 1
+
+    def _remove(self, serve: Serve) -> None:
+        if self.serves.pop(serve.key, None) is not None:
+            n = self.peer_serves.pop(serve.peer.agent) - 1
+            if n:
+                self.peer_serves[serve.peer.agent] = n
+
+    def _progressed(self, serve: Serve) -> None:
+        """The peer did something for ``serve``: its deadline, and its engine's queued transfers',
+        start over."""
+        serve.touch()
+        self.engine_progress[serve.peer.md.engine] = time.monotonic()
+
+    def _free(self, serve: Serve, ch: Chunk) -> None:
+        self.s.pool.free(ch.slot, ch.nslots)
+        self._uncount(serve.peer.md.engine, ch)
+
+    def _uncount(self, engine: str, ch: Chunk) -> None:
+        self.engine_slots[engine] -= ch.nslots
+
+    def share(self) -> int:
+        """Staging slots one peer engine may keep: the pool divided by the connected engines,
+        at least one largest chunk."""
+        engines = {p.md.engine for p in self.links.peers.values()}
+        return max(self.s.pool.slots_for(self.s.chunk_bytes), self.s.pool.num_slots // max(1, len(engines)))
+
+    def _reads_from_me(self, peer: Peer, nblocks: int) -> bool:
+        """Whether any rank of ``peer``'s engine reads from this rank for a request of ``nblocks``."""
+        for d in range(peer.md.tp):
+            plan = self.plans.get((peer.md.engine, d))
+            if plan is None:
+                try:
+                    plan = self.s.plan(d, peer.md.tp, peer.md.regions, self.s.tp, self.s.specs)
+                except KVTritonError:
+                    return True  # unplannable: never a reason to release anything
+                self.plans[(peer.md.engine, d)] = plan
+            if plan.staged_read(self.s.rank) is not None or self.s.rank in plan.direct_ranks(nblocks):
+                return True
+        return False
 
     def on_grant(self, peer: Peer, m: wire.Grant) -> None:
         serve = self._serve_from(peer, m.xid, Flow.PUSH, "grant")
@@ -212,23 +290,24 @@ class Source:
             raise ProtocolError(f"grant of {m.nslots} slots is too small for chunk {m.chunk}")
         serve.granted.add(m.chunk)
         serve.grants.append(m)
-        serve.touch()
+        self._progressed(serve)
 
     def on_ack(self, peer: Peer, m: wire.Ack) -> None:
         serve = self._serve_from(peer, m.xid, Flow.PULL, "ack")
-        serve.touch()
-        ch = serve.inflight.pop(m.chunk, None)
-        if ch is None:
+        ch = serve.inflight.get(m.chunk)
+        if ch is None or ch.kernel is not None:  # never announced: the peer cannot have read it
             raise ProtocolError(f"ack for chunk {m.chunk} that is not in flight")
-        self.s.pool.free(ch.slot, ch.nslots)
+        del serve.inflight[m.chunk]
+        self._free(serve, ch)
         serve.acked += 1
+        self._progressed(serve)
 
     def on_runs_done(self, peer: Peer, m: wire.RunsDone) -> None:
         serve = self._serve_from(peer, m.xid, Flow.PULL, "ack")
-        serve.touch()
         if not serve.runs_reader:
             raise ProtocolError(f"RunsDone for {m.xid!r}, which has no DIRECT runs to read")
         serve.runs_reader = False
+        self._progressed(serve)
 
     def on_done(self, peer: Peer, m: wire.Done) -> None:
         hold = self.holds.get(m.req)
@@ -236,18 +315,39 @@ class Source:
             return  # already freed (lease) or never held: nothing to do
         if m.dst_rank != peer.md.rank or m.dst_tp != peer.md.tp:
             raise ProtocolError(f"done from {peer.agent} names rank {m.dst_rank}/{m.dst_tp}")
+        eng = peer.md.engine
+        if hold.consumer is None and not self._reads_from_me(peer, hold.block_ids.size):
+            hold.consumer = eng  # a replica this engine skips: its done is all that will come
+        if hold.consumer is not None and hold.consumer != eng:
+            self.links.stats["refused"] += 1
+            raise ProtocolError(f"done for {m.req!r} from {peer.agent}: {self.s.name} holds it for "
+                                f"engine {hold.consumer!r}")
+        # an unbound hold records it too: a rank may finish before its sibling's pull binds us
         hold.done_from.add(peer.key)
-        if sum(1 for e, _ in hold.done_from if e == peer.md.engine) >= peer.md.tp:
-            self._release_hold(hold, "done", finished_engine=peer.md.engine)
+        if hold.consumer == eng and sum(1 for e, _ in hold.done_from if e == eng) >= peer.md.tp:
+            self._release_hold(hold, "done", finished_engine=eng)
+
+    def on_renew(self, peer: Peer, m: wire.Renew) -> None:
+        """The consumer still wants the request: the lease starts over. From anyone else it is
+        ignored (counted as refused): renewal never keeps alive what the sender may not read."""
+        hold = self.holds.get(m.req)
+        if m.dst_rank != peer.md.rank:
+            raise ProtocolError(f"renew from {peer.agent} names rank {m.dst_rank}")
+        if hold is None:
+            return
+        if hold.consumer != peer.md.engine:
+            self.links.stats["refused"] += 1
+            return
+        hold.deadline = max(hold.deadline, time.monotonic() + hold.lease_s)
 
     def on_abort(self, peer: Peer, m: wire.Abort) -> None:
-        serve = self.serves.get(m.xid)
+        serve = self.serves.get((peer.agent, m.xid))
         if serve is not None and serve.peer is peer:
             self.drop(serve)
 
     def transfer_failed(self, xid: str | None, peer: Peer, error: KVTritonError) -> None:
         """A message about transfer ``xid`` from ``peer`` could not be handled: drop it."""
-        serve = self.serves.get(xid) if isinstance(xid, str) else None
+        serve = self.serves.get((peer.agent, xid)) if isinstance(xid, str) else None
         if serve is not None and serve.peer is peer:
             self.drop(serve, notify=f"bad message: {error}")
 
@@ -264,9 +364,12 @@ class Source:
                 self.drop(serve, notify=f"source failed: {e}")
                 continue
             if serve.complete:
-                del self.serves[serve.xid]
+                self._remove(serve)
             elif serve.waiting_local:
-                serve.touch()
+                # queued behind staging: only its own engine's progress carries its deadline
+                last = self.engine_progress.get(serve.peer.md.engine)
+                if last is not None:
+                    serve.deadline = max(serve.deadline, last + serve.timeout_s)
 
     def _advance_pull(self, serve: Serve) -> None:
         # announce every chunk whose pack finished, then pack the next while staging allows
@@ -298,7 +401,7 @@ class Source:
                 if ch.xfer is not None:
                     if self.links.done(ch.xfer):
                         self.links.transport.release(ch.xfer)
-                        self.s.pool.free(ch.slot, ch.nslots)
+                        self._free(serve, ch)
                         del serve.inflight[chunk]
                         serve.acked += 1
                 elif ch.kernel is not None and ch.kernel.done():
@@ -317,7 +420,10 @@ class Source:
     def _pack(self, serve: Serve, chunk: int) -> Chunk | None:
         """Pack chunk ``chunk`` into fresh local slots (None when staging is full)."""
         nbytes = serve.chunks.nbytes(chunk)
-        pool = self.s.pool
+        pool, eng = self.s.pool, serve.peer.md.engine
+        used = self.engine_slots.get(eng, 0)
+        if used + pool.slots_for(nbytes) > self.share():
+            return None  # this engine has its share: a peer that never acks pins no more
         slot = pool.alloc_bytes(nbytes)
         if slot is None:
             return None
@@ -329,6 +435,7 @@ class Source:
             pack(self.s.regions, serve.read.segments, offs, serve.tokens.src_ids, pool.tensor, impl=self.s.impl,
                  tiles=serve.tokens.tiles[lo:hi], num_tokens=serve.tokens.num_tokens)
         ch = Chunk(chunk, slot, pool.slots_for(nbytes), nbytes, kernel=Completion(self.s.device))
+        self.engine_slots[eng] = used + ch.nslots
         serve.inflight[chunk] = ch
         return ch
 
@@ -337,11 +444,13 @@ class Source:
         """Forget a transfer. With ``notify`` the peer is told (it fails the request) and slots it
         may still be reading are quarantined for ``timeout_s`` before reuse, so a late READ never
         sees another request's bytes."""
-        self.serves.pop(serve.xid, None)
+        self._remove(serve)
         if notify is not None:
             self.links.send(serve.peer, wire.Reject(serve.xid, notify), quiet=True)
         until = time.monotonic() + (self.s.timeout_s if notify is not None else 0.0)
-        self.links.retire_chunks(serve.inflight, until)
+        # quarantined slots still count to the engine's share: dropping transfers gains it nothing
+        eng = serve.peer.md.engine
+        self.links.retire_chunks(serve.inflight, until, on_free=lambda ch: self._uncount(eng, ch))
         if serve.runs is not None:
             self.links.retire(serve.runs_xfer, self.links.release_lists(*serve.runs[:2]))
             serve.runs, serve.runs_xfer = None, None
@@ -358,8 +467,9 @@ class Source:
                 self.drop(serve, notify="no progress from the destination before the deadline")
         serving = {s.req_id for s in self.serves.values()}
         for hold in list(self.holds.values()):
-            # a transfer in progress keeps its blocks (it has its own silence deadline)
-            if now > hold.deadline and hold.req_id not in serving:
+            # a transfer in progress keeps its blocks (it has its own silence deadline), but never
+            # past the lease plus timeout_s: then the hold goes whatever its transfers do
+            if now > hold.deadline and (hold.req_id not in serving or now > hold.deadline + self.s.timeout_s):
                 self._release_hold(hold, "lease_expired")
 
     def peer_lost(self, peer: Peer) -> None:

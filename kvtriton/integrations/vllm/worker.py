@@ -128,7 +128,7 @@ class WorkerSide:
             self.stats["bytes"] += r.bytes
             logger.debug("load of %s: %s in %.1f ms, %d descriptors, %d bytes", r.req_id,
                          "ok" if r.ok else f"failed ({r.error})", 1e3 * r.seconds, r.descriptors, r.bytes)
-            self._result(r.req_id, r.error)
+            self._result(r.req_id, r.error, None if r.ok else r.undefined_blocks)
         with self._lock:
             sending = self._freed & self._confirmed
             self._freed -= sending
@@ -191,22 +191,26 @@ class WorkerSide:
             self._cancelled.add(rid)
         self.agent.abort(load.source.request_id)  # its result arrives through results()
 
-    def _result(self, remote_req_id: str, error: BaseException | None) -> None:
+    def _result(self, remote_req_id: str, error: BaseException | None,
+                undefined: Sequence[int] | None = None) -> None:
         with self._lock:
             rid = self._by_remote.pop(remote_req_id, None)
             load = self._active.pop(rid, None) if rid is not None else None
             cancelled = rid in self._cancelled
             self._cancelled.discard(rid)
         if load is not None:
-            self._finish_load(load, None if cancelled else error)
+            self._finish_load(load, None if cancelled else error, undefined)
 
-    def _finish_load(self, load: LoadSpec, error: BaseException | None) -> None:
+    def _finish_load(self, load: LoadSpec, error: BaseException | None,
+                     undefined: Sequence[int] | None = None) -> None:
+        """``undefined``: the local blocks a failed fetch names (the others landed); None: all."""
         with self._lock:
             if error is not None:
                 logger.warning("load of %s from %s failed, its blocks will be recomputed: %s", load.req_id,
                                load.source.engine_id, error)
                 if load.report:
-                    self._load_errors.update(b for b in load.local_block_ids if b >= 0)
+                    blocks = load.local_block_ids if undefined is None else undefined
+                    self._load_errors.update(b for b in blocks if b >= 0)
                 if isinstance(error, PeerDisconnectedError):
                     self._engines.pop(load.source.engine_id, None)  # meet it again next time
             if load.report:
