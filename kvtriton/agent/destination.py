@@ -22,7 +22,7 @@ from ..errors import (
 )
 from ..ops import unpack
 from ..plan import ChunkGeometry, StagedRead, TransferPlan, ceil_div, compact_request
-from .links import Chunk, Completion, Flow, Links, Peer, Settings
+from .links import Chunk, Flow, Links, Peer, Settings
 
 
 @dataclass(frozen=True)
@@ -277,9 +277,10 @@ class Destination:
     def _unpack(self, part: Part, ch: Chunk) -> None:
         lo, hi = part.chunks.bounds(ch.index)
         offs = part.read.segment_offsets(hi - lo, base=self.s.pool.offset(ch.slot))
-        unpack(self.s.regions, part.read.segments, offs, part.fetch.dst_ids[lo:hi], self.s.pool.tensor,
-               impl=self.s.impl)
-        ch.kernel = Completion(self.s.device)
+        with self.s.lanes.launching():
+            unpack(self.s.regions, part.read.segments, offs, part.fetch.dst_ids[lo:hi], self.s.pool.tensor,
+                   impl=self.s.impl)
+        ch.kernel = self.s.lanes.completion()  # the fetch is reported only once it is done
 
     def _consumed(self, part: Part, ch: Chunk, peer: Peer) -> None:
         part.fetch.touch()

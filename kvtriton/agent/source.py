@@ -13,7 +13,8 @@ from .. import wire
 from ..errors import KVTritonError, ProtocolError
 from ..ops import pack
 from ..plan import ChunkGeometry, StagedRead, TransferPlan
-from .links import Chunk, Completion, Flow, Links, Peer, Settings, logger
+from .links import Chunk, Flow, Links, Peer, Settings, logger
+from .streams import event_done
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Hold:
     block_ids: np.ndarray
     deadline: float
     done_from: set = field(default_factory=set)
+    ready: object = None  # torch.cuda.Event after which the engine's blocks are final (None: they are)
 
 
 @dataclass(eq=False)
@@ -57,6 +59,8 @@ class Serve:
     runs_xfer: object = None  # push: the WRITE of the DIRECT runs, until it completes
     runs_reader: bool = False  # pull: the peer reads our cache directly until it sends RunsDone
     waiting_local: bool = False  # blocked on our own staging: not the peer's silence
+    ready: object = None  # the hold's event: packs wait for it on the device, DIRECT runs on the host
+    runs_announce: bool = False  # pull: RunsReady not sent yet (the hold's event had not completed)
 
     @property
     def n_chunks(self) -> int:
@@ -83,8 +87,8 @@ class Source:
         self.freed: list[FreedRequest] = []
 
     # ------------------------------------------------------------------ holds
-    def hold(self, req_id: str, block_ids: np.ndarray, lease_s: float) -> None:
-        self.holds[req_id] = Hold(req_id, block_ids, time.monotonic() + lease_s)
+    def hold(self, req_id: str, block_ids: np.ndarray, lease_s: float, ready=None) -> None:
+        self.holds[req_id] = Hold(req_id, block_ids, time.monotonic() + lease_s, ready=ready)
 
     def release(self, req_id: str) -> bool:
         hold = self.holds.get(req_id)
@@ -157,7 +161,7 @@ class Source:
                 return reject(f"chunk of {m.chunk_blocks} blocks does not fit staging chunks of "
                               f"{self.s.chunk_bytes} bytes")
         serve = Serve(xid, req, peer, flow, read, ids, chunks, self.s.timeout_s,
-                      time.monotonic() + self.s.timeout_s)
+                      time.monotonic() + self.s.timeout_s, ready=hold.ready)
         if flow is Flow.PUSH:
             dst_ids = np.asarray(m.dst_ids, dtype=np.int64)
             nb = min(r.num_blocks for r in peer.md.regions)
@@ -172,6 +176,9 @@ class Source:
         if flow is Flow.PULL and has_runs:
             # the blocks stay held (no lease expiry) until the reader sends RunsDone
             serve.runs_reader = True
+            if not event_done(serve.ready):  # the engine is still writing them: _advance_pull sends it
+                serve.runs_announce = True
+                return
             try:
                 self.links.send(peer, wire.RunsReady(xid))
             except KVTritonError:
@@ -258,6 +265,12 @@ class Source:
     def _advance_pull(self, serve: Serve) -> None:
         # announce every chunk whose pack finished, then pack the next while staging allows
         serve.waiting_local = False
+        if serve.runs_announce:  # DIRECT runs: the peer reads the cache once the engine's writes are done
+            if not event_done(serve.ready):
+                serve.waiting_local = True
+            else:
+                serve.runs_announce = False
+                self.links.send(serve.peer, wire.RunsReady(serve.xid))
         while True:
             for ch in serve.inflight.values():
                 if ch.kernel is not None and ch.kernel.done():
@@ -271,7 +284,7 @@ class Source:
             serve.next_chunk += 1
 
     def _advance_push(self, serve: Serve) -> None:
-        if serve.runs is not None and serve.runs_xfer is None:
+        if serve.runs is not None and serve.runs_xfer is None and event_done(serve.ready):
             local, remote, count, _ = serve.runs
             serve.runs_xfer = self.links.post_runs("WRITE", local, remote, count, wire.RunsReady(serve.xid))
         if serve.runs_xfer is not None and self.links.done(serve.runs_xfer):  # ERR raises: reject
@@ -310,8 +323,9 @@ class Source:
             return None
         lo, hi = serve.chunks.bounds(chunk)
         offs = serve.read.segment_offsets(hi - lo, base=pool.offset(slot))
-        pack(self.s.regions, serve.read.segments, offs, serve.ids[lo:hi], pool.tensor, impl=self.s.impl)
-        ch = Chunk(chunk, slot, pool.slots_for(nbytes), nbytes, kernel=Completion(self.s.device))
+        with self.s.lanes.launching(after=serve.ready):  # after the engine's writes, on our stream
+            pack(self.s.regions, serve.read.segments, offs, serve.ids[lo:hi], pool.tensor, impl=self.s.impl)
+        ch = Chunk(chunk, slot, pool.slots_for(nbytes), nbytes, kernel=self.s.lanes.completion())
         serve.inflight[chunk] = ch
         return ch
 
