@@ -1,0 +1,226 @@
+"""Ordering of an agent's kernels with the engine (hold(after=), the agent's stream, completions)
+and warmup(), over real NIXL in one process.
+
+On CPU the kernels run synchronously, so the CUDA events are replaced by a stand-in with the same
+``query()`` whose completion the test controls: what must wait for the engine's writes (DIRECT
+regions offered or written to the peer) waits, byte-exactly, and then goes on. The CUDA versions
+(the agent's own stream waiting for the engine's stream on the device) are the ``gpu`` tests at
+the end, which skip without a CUDA device.
+"""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvtriton.agent import TransferAgent
+from kvtriton.agent.streams import Completion, Lanes, ready_event
+from kvtriton.launch import LaunchConfig
+from kvtriton.ops import launch_config_for, pack
+from kvtriton.testing.oracle import RegionModel, check_destination, make_rank_regions, snapshot
+
+pytest.importorskip("nixl", reason="the agent's transport needs NIXL: pip install 'kvtriton[nixl]'")
+from test_agent import Engines  # noqa: E402  (the same two-engine harness as test_agent.py)
+
+pytestmark = pytest.mark.nixl
+
+
+class PendingEvent:
+    """A CUDA event's host-side interface (``query``) whose completion the test decides."""
+
+    def __init__(self):
+        self.complete = False
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.complete
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(*args, **kw):
+        made.append(Engines(*args, **kw))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def _spin(e, seconds=0.3):
+    got = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for a in e.agents:
+            a.progress()
+        got += e.da[0].results()
+    return got
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_direct_regions_wait_for_the_holds_event(engines, mode):
+    """A DIRECT (zero-copy) region is read by the NIC straight from the cache: it must not be
+    offered (pull) or written (push) before the engine's writes to the held blocks are done."""
+    e = engines(1, 2, mode=mode, models=[RegionModel.mla("mla", 24)])
+    src, dst = np.array([4, 9, 2]), np.array([1, 0, 5])
+    kv = e.request(src)
+    e.pa[0].hold("r", src)
+    pending = PendingEvent()
+    e.pa[0]._source.holds["r"].ready = pending  # the engine is still writing these blocks
+    e.da[0].fetch("r", "P", src, dst)
+    assert _spin(e) == []  # nothing offered or written yet: no result, the cache untouched
+    assert pending.queries > 0
+    assert all(torch.equal(x, y) for x, y in zip(snapshot(e.D[0])[0], e.before[0][0]))
+    assert e.pa[0].stats["direct_descriptors"] == 0 and e.da[0].stats["direct_descriptors"] == 0
+    pending.complete = True
+    got = _spin(e, 2.0)
+    assert len(got) == 1 and got[0].ok, got
+    check_destination(e.D[0], 0, 2, kv, dst, e.before[0])
+
+
+def test_a_wait_on_the_engine_is_not_the_peers_silence(engines):
+    """While the hold's event is pending the source's transfer deadline does not run out."""
+    e = engines(1, 2, mode="pull", models=[RegionModel.mla("mla", 24)], timeout_s=0.3)
+    src, dst = np.array([3]), np.array([3])
+    kv = e.request(src)
+    e.pa[0].hold("r", src)
+    e.pa[0]._source.holds["r"].ready = pending = PendingEvent()
+    e.da[0].fetch("r", "P", src, dst, timeout_s=5.0)
+    assert _spin(e, 0.6) == [] and e.pa[0]._source.serves  # still served after 2 deadlines
+    pending.complete = True
+    got = _spin(e, 2.0)
+    assert len(got) == 1 and got[0].ok, got
+    check_destination(e.D[0], 0, 2, kv, dst, e.before[0])
+
+
+def test_hold_after_is_for_cuda_agents(engines):
+    e = engines(1, 1)
+    with pytest.raises(ValueError, match="CUDA agents"):
+        e.pa[0].hold("r", [1], after=object())
+    assert ready_event(torch.device("cpu"), None) is None
+    assert Completion(None).done() and Lanes(torch.device("cpu")).completion().done()
+
+
+# ------------------------------------------------------------------ warmup
+def _agent(impl, **kw):
+    g = torch.Generator().manual_seed(5)
+    regions = make_rank_regions([RegionModel.gqa("l0", 4, 16), RegionModel.mla("mla", 24, torch.float16)],
+                                0, 1, 32, 4, gen=g)
+    return regions, TransferAgent("P", 0, 1, regions, staging_bytes=64 << 10, slot_bytes=1024, impl=impl, **kw)
+
+
+def test_warmup_runs_each_specialisation_once_and_moves_nothing():
+    """Under the interpreter (conftest) the Triton path runs: warmup launches every (op, config)
+    a request of this agent's own geometry would, once, without changing a byte."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter path; on CUDA test_warmup_compiles_what_requests_launch runs")
+    regions, a = _agent("auto")
+    try:
+        before = snapshot(regions)
+        staging = a.pool.tensor.clone()
+        new = a.warmup()
+        assert new and all(op in ("pack", "unpack") and isinstance(c, LaunchConfig) for op, c in new)
+        assert a.warmup() == []  # each specialisation once
+        assert all(torch.equal(x, y) for r0, r1 in zip(before, snapshot(regions)) for x, y in zip(r0, r1))
+        assert torch.equal(a.pool.tensor, staging)
+        # every chunk size a request can have launches a warmed specialisation
+        plan = a._links.s.plan(0, 1, a.specs, 1, a.specs)
+        read = plan.staged_read(0)
+        for n in range(1, a.chunk_bytes // read.bytes_per_block + 1):
+            for op in ("pack", "unpack"):
+                cfg = launch_config_for(op, regions, read.segments, read.segment_offsets(n, base=a.pool.offset(3)),
+                                        np.arange(n), a.pool.tensor)
+                assert (op, cfg) in a._warmed, (op, n, cfg)
+    finally:
+        a.close()
+
+
+def test_warmup_is_free_under_the_torch_path_and_opt_in_at_construction():
+    _, a = _agent("torch", warmup=True)
+    try:
+        assert a.warmup() == [] and not a._warmed
+    finally:
+        a.close()
+    if not torch.cuda.is_available():
+        _, b = _agent("auto", warmup=True)  # interpreter: construction warmed the own-geometry plan
+        try:
+            assert b._warmed and b.warmup(peers=False) == []
+        finally:
+            b.close()
+
+
+# ------------------------------------------------------------------ CUDA
+def _compiled(kernel) -> int:
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps its compiled kernels elsewhere (no JITFunction.device_caches)")
+    return sum(len(c[0]) for c in caches.values())
+
+
+@pytest.mark.gpu
+def test_pack_on_the_agents_stream_waits_for_the_engines_writes():
+    """The engine rewrites a block on its own stream behind a ~0.5 s sleep; a pack queued on the
+    agent's stream after ``hold``'s event (``ready_event``) reads the new bytes, not the old ones,
+    and its completion is not done before the engine's write is."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(11)
+    regions = make_rank_regions([RegionModel.gqa("l0", 4, 64)], 0, 1, 16, 16, device=dev, gen=g)
+    a = TransferAgent("P", 0, 1, regions, staging_bytes=1 << 20, slot_bytes=4096)
+    try:
+        a.warmup()  # no compile between queuing the engine's work and the pack
+        read = a._links.s.plan(0, 1, a.specs, 1, a.specs).staged_read(0)
+        lanes = a._links.s.lanes
+        streams = [regions[0].nhd(j).view(torch.uint8) for j in range(regions[0].spec.num_streams)]
+        fresh = [torch.randint(0, 256, s[7].shape, dtype=torch.uint8, generator=g).to(dev) for s in streams]
+        canary = torch.randint(0, 256, (a.pool.nbytes,), dtype=torch.uint8, generator=g).to(dev)
+        a.pool.tensor.copy_(canary)
+        torch.cuda.synchronize()
+        engine = torch.cuda.Stream(dev)
+        with torch.cuda.stream(engine):  # device-to-device only: nothing here makes the host wait
+            torch.cuda._sleep(1_000_000_000)
+            for s, f in zip(streams, fresh):
+                s[7].copy_(f)
+        after = ready_event(dev, engine)
+        with lanes.launching(after=after):
+            pack(regions, read.segments, read.segment_offsets(1), [7], a.pool.tensor)
+        done = lanes.completion()
+        assert not done.done()  # still behind the engine's sleep
+        lanes.synchronize()
+        assert done.done() and after.query()
+        n = read.bytes_per_block  # one block's staged bytes, from offset 0
+        want = torch.zeros(a.pool.nbytes, dtype=torch.uint8, device=dev)
+        pack(regions, read.segments, read.segment_offsets(1), [7], want, impl="torch")  # the reference
+        torch.cuda.synchronize()
+        assert torch.equal(a.pool.tensor[:n].cpu(), want[:n].cpu())
+        assert torch.equal(a.pool.tensor[n:].cpu(), canary[n:].cpu())
+    finally:
+        a.close()
+
+
+@pytest.mark.gpu
+def test_warmup_compiles_what_requests_launch():
+    """After warmup(), a request's pack and unpack compile nothing new (no stall in progress())."""
+    from kvtriton.ops import _kernel, unpack
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(12)
+    regions = make_rank_regions([RegionModel.gqa("l0", 8, 128), RegionModel.mla("mla", 576)],
+                                0, 1, 64, 16, device=dev, gen=g)
+    a = TransferAgent("P", 0, 1, regions, staging_bytes=8 << 20, slot_bytes=64 << 10, warmup=True)
+    try:
+        assert a._warmed
+        count = _compiled(_kernel("pack")) + _compiled(_kernel("unpack"))
+        read = a._links.s.plan(0, 1, a.specs, 1, a.specs).staged_read(0)
+        with a._links.s.lanes.launching():
+            for n in (1, 3, 6, 13):
+                offs = read.segment_offsets(n, base=a.pool.offset(2))
+                pack(regions, read.segments, offs, np.arange(n), a.pool.tensor)
+                unpack(regions, read.segments, offs, np.arange(40, 40 + n), a.pool.tensor)
+        a._links.s.lanes.synchronize()
+        assert _compiled(_kernel("pack")) + _compiled(_kernel("unpack")) == count
+    finally:
+        a.close()
