@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU lane: one prepared script for a CUDA machine, run with the python that is there as it is
-# (the lent H200: torch + CUDA, Triton, pytest, hypothesis, msgpack, einops; no NIXL, no network).
+# (the lent H200: torch + CUDA, Triton, pytest, hypothesis, msgpack, einops; no network, and no NIXL
+# unless its bundle is carried: step 6).
 # Steps, each under a timeout (and all together under GPU_CHECK_BUDGET seconds, default 480),
 # each one's result printed as it ends:
 #   1 versions   python, torch/CUDA, Triton and the test dependencies, nvidia-smi

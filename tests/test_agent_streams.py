@@ -153,6 +153,24 @@ def test_warmup_is_free_under_the_torch_path_and_opt_in_at_construction():
             b.close()
 
 
+def test_add_remote_warms_what_serving_and_fetching_that_peer_launch(engines):
+    """TP 1 -> 2: the prefill rank packs half the heads per decode rank, a shape its own geometry
+    does not have; with warmup=True, add_remote compiled it (and the decode ranks' unpacks)."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter path")
+    e = engines(1, 2, impl="auto", warmup=True, models=[RegionModel.gqa("l0", 4, 16)])
+    p = e.pa[0]
+    for d in e.da:
+        to_d = p._links.s.plan(d.rank, 2, d.specs, 1, p.specs).staged_read(0)
+        from_p = d.plan_for("P").staged_read(0)
+        for n in (1, 2, 3, 4):
+            ids = np.arange(n)
+            assert ("pack", launch_config_for("pack", p.regions, to_d.segments, to_d.segment_offsets(n), ids,
+                                              p.pool.tensor)) in p._warmed
+            assert ("unpack", launch_config_for("unpack", d.regions, from_p.segments, from_p.segment_offsets(n),
+                                                ids, d.pool.tensor)) in d._warmed
+
+
 # ------------------------------------------------------------------ CUDA
 def _compiled(kernel) -> int:
     caches = getattr(kernel, "device_caches", None)

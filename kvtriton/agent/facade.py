@@ -34,7 +34,7 @@ from .destination import Destination, RequestResult
 from .links import Flow, Links, Peer, Settings, logger, slot_descs
 from .source import FreedRequest, Source
 from .streams import Lanes, ready_event
-from .warmup import warm
+from .warmup import own_reads, peer_reads, warm
 
 __all__ = ["TransferAgent"]
 
@@ -159,7 +159,11 @@ class TransferAgent:
             wire.Reject: self._destination.on_reject,
         }
         if warmup:
-            self.warmup(peers=False)
+            try:
+                self.warmup(peers=False)
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ setup
     def _register(self) -> None:
@@ -239,9 +243,10 @@ class TransferAgent:
                 raise
             links.add(Peer(md, name, staging))
             self._destination.plans[md.engine] = plan
-            if self._warm_peers:
+            if self._warm_peers:  # compiles under the lock: progress() waits, once per new shape
                 try:
-                    self._warm_for([links.peers[(md.engine, md.rank)]])
+                    warm(links.s, peer_reads(links.s, [links.peers[(md.engine, md.rank)]], self._destination.plans),
+                         self._warmed)
                 except KVTritonError as e:  # the peer is connected; its first request will compile
                     logger.warning("warmup for %s:%d failed: %s", md.engine, md.rank, e)
             return md.engine
@@ -255,26 +260,10 @@ class TransferAgent:
         the torch implementation. ``warmup=True`` at construction does this then, and for each
         peer in :meth:`add_remote`."""
         with self._lock, self._lanes.on_device():
-            own = self._links.s.plan(self.rank, self.tp, self.specs, self.tp, self.specs)
-            reads = [("pack", own.staged_read(self.rank))] + [("unpack", r) for r in own.staged]
-            new = warm(self._links.s, [(op, r) for op, r in reads if r is not None], self._warmed)
-            if peers:
-                new += self._warm_for(list(self._links.peers.values()))
-            return new
-
-    def _warm_for(self, peers: list[Peer]) -> list:
-        """Warm what serving and fetching from ``peers`` launches (under the lock)."""
-        reads = []
-        for p in peers:
-            try:
-                to_peer = self._links.s.plan(p.md.rank, p.md.tp, p.md.regions, self.tp, self.specs)
-                reads.append(("pack", to_peer.staged_read(self.rank)))
-            except KVTritonError:  # this pairing cannot be served; a request for it is rejected later
-                pass
-            from_peer = self._destination.plans.get(p.md.engine)
-            if from_peer is not None:
-                reads.append(("unpack", from_peer.staged_read(p.md.rank)))
-        return warm(self._links.s, [(op, r) for op, r in reads if r is not None], self._warmed)
+            s = self._links.s
+            reads = own_reads(s) + (peer_reads(s, self._links.peers.values(), self._destination.plans)
+                                    if peers else [])
+            return warm(s, reads, self._warmed)
 
     def plan_for(self, engine_id: str) -> TransferPlan:
         """The plan this rank uses to read from ``engine_id`` (after :meth:`add_remote`)."""

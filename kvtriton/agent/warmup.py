@@ -17,18 +17,41 @@ the torch implementation there is nothing to compile and nothing is launched; un
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
 
+from ..errors import KVTritonError
 from ..launch import LaunchConfig
 from ..ops import _resolve_impl, launch_config_for, pack, unpack
-from ..plan import StagedRead
-from .links import Settings
+from ..plan import StagedRead, TransferPlan
+from .links import Peer, Settings
 
-__all__ = ["warm"]
+__all__ = ["own_reads", "peer_reads", "warm"]
 
 _BLOCK_COUNTS = (1, 2, 4, 8, 16)  # one of each power of two: every staging-offset alignment
+
+
+def own_reads(s: Settings) -> list[tuple[str, StagedRead]]:
+    """What a peer engine with this rank's own geometry (same TP, same regions) makes it launch."""
+    own = s.plan(s.rank, s.tp, s.specs, s.tp, s.specs)
+    reads = [("pack", own.staged_read(s.rank))] + [("unpack", r) for r in own.staged]
+    return [(op, r) for op, r in reads if r is not None]
+
+
+def peer_reads(s: Settings, peers: Iterable[Peer],
+               plans_from: Mapping[str, TransferPlan]) -> list[tuple[str, StagedRead]]:
+    """What serving ``peers`` (pack) and fetching from them (unpack, by ``plans_from[engine]``)
+    makes this rank launch."""
+    reads = []
+    for p in peers:
+        try:
+            reads.append(("pack", s.plan(p.md.rank, p.md.tp, p.md.regions, s.tp, s.specs).staged_read(s.rank)))
+        except KVTritonError:  # this pairing cannot be served; a request for it is rejected anyway
+            pass
+        if p.md.engine in plans_from:
+            reads.append(("unpack", plans_from[p.md.engine].staged_read(p.md.rank)))
+    return [(op, r) for op, r in reads if r is not None]
 
 
 def warm(s: Settings, reads: Iterable[tuple[str, StagedRead]], done: set) -> list[tuple[str, LaunchConfig]]:
