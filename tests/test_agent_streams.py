@@ -101,6 +101,9 @@ def test_hold_after_is_for_cuda_agents(engines):
     e = engines(1, 1)
     with pytest.raises(ValueError, match="CUDA agents"):
         e.pa[0].hold("r", [1], after=object())
+    with pytest.raises(ValueError, match="CUDA agents"):
+        e.da[0].fetch("r", "P", [1], [2], after=object())
+    assert not e.pa[0]._source.holds and not e.da[0]._destination.fetches  # nothing half-done
     assert ready_event(torch.device("cpu"), None) is None
     assert Completion(None).done() and Lanes(torch.device("cpu")).completion().done()
 
@@ -187,7 +190,7 @@ def test_pack_on_the_agents_stream_waits_for_the_engines_writes():
     dev = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator().manual_seed(11)
     regions = make_rank_regions([RegionModel.gqa("l0", 4, 64)], 0, 1, 16, 16, device=dev, gen=g)
-    a = TransferAgent("P", 0, 1, regions, staging_bytes=1 << 20, slot_bytes=4096)
+    a = TransferAgent("P", 0, 1, regions, staging_bytes=1 << 20, slot_bytes=4096, modes="staged")
     try:
         a.warmup()  # no compile between queuing the engine's work and the pack
         read = a._links.s.plan(0, 1, a.specs, 1, a.specs).staged_read(0)
@@ -220,6 +223,45 @@ def test_pack_on_the_agents_stream_waits_for_the_engines_writes():
 
 
 @pytest.mark.gpu
+def test_unpack_on_the_agents_stream_waits_for_the_engines_last_use():
+    """The engine still writes a block's old contents behind a ~0.5 s sleep; an unpack into it
+    queued after ``fetch``'s event lands after that write, so the block ends with the payload."""
+    from kvtriton.ops import unpack
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(13)
+    regions = make_rank_regions([RegionModel.gqa("l0", 4, 64)], 0, 1, 16, 16, device=dev, gen=g)
+    a = TransferAgent("D", 0, 1, regions, staging_bytes=1 << 20, slot_bytes=4096, modes="staged")
+    try:
+        a.warmup()
+        read = a._links.s.plan(0, 1, a.specs, 1, a.specs).staged_read(0)
+        lanes = a._links.s.lanes
+        streams = [regions[0].nhd(j).view(torch.uint8) for j in range(regions[0].spec.num_streams)]
+        stale = [torch.randint(0, 256, s[5].shape, dtype=torch.uint8, generator=g).to(dev) for s in streams]
+        payload = torch.randint(0, 256, (a.pool.nbytes,), dtype=torch.uint8, generator=g).to(dev)
+        a.pool.tensor.copy_(payload)
+        unpack(regions, read.segments, read.segment_offsets(1), [5], a.pool.tensor, impl="torch")  # reference
+        want = [s.clone() for s in streams]
+        torch.cuda.synchronize()
+        engine = torch.cuda.Stream(dev)
+        with torch.cuda.stream(engine):
+            torch.cuda._sleep(1_000_000_000)
+            for s, x in zip(streams, stale):
+                s[5].copy_(x)  # the block's previous request, still running
+        after = ready_event(dev, engine)
+        with lanes.launching(after=after):
+            unpack(regions, read.segments, read.segment_offsets(1), [5], a.pool.tensor)
+        done = lanes.completion()
+        assert not done.done()
+        lanes.synchronize()
+        torch.cuda.synchronize()
+        for s, w in zip(streams, want):
+            assert torch.equal(s.cpu(), w.cpu())
+    finally:
+        a.close()
+
+
+@pytest.mark.gpu
 def test_warmup_compiles_what_requests_launch():
     """After warmup(), a request's pack and unpack compile nothing new (no stall in progress())."""
     from kvtriton.ops import _kernel, unpack
@@ -228,7 +270,8 @@ def test_warmup_compiles_what_requests_launch():
     g = torch.Generator().manual_seed(12)
     regions = make_rank_regions([RegionModel.gqa("l0", 8, 128), RegionModel.mla("mla", 576)],
                                 0, 1, 64, 16, device=dev, gen=g)
-    a = TransferAgent("P", 0, 1, regions, staging_bytes=8 << 20, slot_bytes=64 << 10, warmup=True)
+    a = TransferAgent("P", 0, 1, regions, staging_bytes=8 << 20, slot_bytes=64 << 10, warmup=True,
+                      modes="staged")
     try:
         assert a._warmed
         count = _compiled(_kernel("pack")) + _compiled(_kernel("unpack"))

@@ -52,6 +52,7 @@ class Fetch:
     error: KVTritonError | None = None
     descriptors: int = 0
     nbytes: int = 0
+    ready: object = None  # torch.cuda.Event: the engine is done with the local blocks (unpacks wait)
 
     def touch(self) -> None:
         """Progress was made: the silence deadline starts over."""
@@ -98,7 +99,7 @@ class Destination:
 
     # ------------------------------------------------------------------ requests
     def fetch(self, req_id: str, engine: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-              timeout_s: float | None) -> None:
+              timeout_s: float | None, ready=None) -> None:
         if req_id in self.fetches:
             raise RequestRejectedError(f"fetch {req_id!r} is already in flight")
         plan = self.plans.get(engine)
@@ -113,7 +114,7 @@ class Destination:
                                        min(s.num_blocks for s in self.s.specs))
         now = time.monotonic()
         timeout = timeout_s or self.s.timeout_s
-        f = Fetch(req_id, engine, now, timeout, now + timeout, s_ids, d_ids)
+        f = Fetch(req_id, engine, now, timeout, now + timeout, s_ids, d_ids, ready=ready)
         self.fetches[req_id] = f
         if s_ids.size == 0:
             self._finish(f)
@@ -277,7 +278,7 @@ class Destination:
     def _unpack(self, part: Part, ch: Chunk) -> None:
         lo, hi = part.chunks.bounds(ch.index)
         offs = part.read.segment_offsets(hi - lo, base=self.s.pool.offset(ch.slot))
-        with self.s.lanes.launching():
+        with self.s.lanes.launching(after=part.fetch.ready):
             unpack(self.s.regions, part.read.segments, offs, part.fetch.dst_ids[lo:hi], self.s.pool.tensor,
                    impl=self.s.impl)
         ch.kernel = self.s.lanes.completion()  # the fetch is reported only once it is done

@@ -313,6 +313,7 @@ class TransferAgent:
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         timeout_s: float | None = None,
+        after=None,
     ) -> None:
         """Start reading a request's KV from ``remote_engine_id`` into ``local_block_ids``.
 
@@ -322,11 +323,17 @@ class TransferAgent:
         reported by :meth:`results`. After a failed fetch the local blocks hold undefined bytes;
         in push mode a WRITE the source had already posted may still land in them for up to
         ``timeout_s`` (kvtriton's own staging slots are quarantined for that long).
+
+        ``after`` (CUDA agents; as in :meth:`hold`, default: an event on the current stream now):
+        when the engine is done with the local blocks' previous contents. Unpacks into them wait
+        for it on the device. DIRECT regions are written by the NIC without a stream and do not
+        wait for it: the engine must not still be using those blocks.
         """
         if not isinstance(req_id, str) or not 0 < len(req_id) <= 512:
             raise ValueError(f"req_id must be a non-empty string of at most 512 characters, got {req_id!r:.80}")
+        ready = ready_event(self.device, after)
         with self._lock, self._lanes.on_device():
-            self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s)
+            self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s, ready)
 
     def abort(self, req_id: str) -> bool:
         """Cancel a fetch in flight: its source ranks are told, staging it holds is reclaimed

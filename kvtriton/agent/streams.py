@@ -10,6 +10,9 @@ unrelated engine work. Ordering is explicit, by events:
   which the held blocks are final; a pack makes the agent's stream wait for it on the device
   (``stream.wait_event``: no host wait), and a DIRECT region is announced to (pull) or written to
   (push) the peer only once the event has completed (the NIC reads the cache without a stream).
+* *engine -> unpack*: :meth:`TransferAgent.fetch` takes the same kind of event, after which the
+  engine no longer uses the local blocks' old contents (their previous request's kernels may still
+  be queued); unpacks into them wait for it on the device.
 * *pack / unpack -> everything after*: each launch records a :class:`Completion` on the agent's
   stream; the step that needs its bytes (announce or WRITE a staged chunk, free a slot, report a
   fetch's result) runs only once ``done()``. A fetch is reported in :meth:`TransferAgent.results`
@@ -50,8 +53,8 @@ def event_done(event) -> bool:
 
 
 def ready_event(device: torch.device, after) -> "torch.cuda.Event | None":
-    """The event after which an engine's blocks are final, from what :meth:`TransferAgent.hold`
-    was given: a ``torch.cuda.Event`` (used as it is), a ``torch.cuda.Stream`` (an event recorded
+    """The event after which the engine is done with some blocks, from what
+    :meth:`TransferAgent.hold` or :meth:`TransferAgent.fetch` was given: a ``torch.cuda.Event`` (used as it is), a ``torch.cuda.Stream`` (an event recorded
     on it now), or None (an event recorded now on the current stream of ``device``: the engine
     writes its cache on the stream current where it calls ``hold``). On a CPU agent: None.
 
@@ -59,14 +62,14 @@ def ready_event(device: torch.device, after) -> "torch.cuda.Event | None":
     """
     if device.type != "cuda":
         if after is not None:
-            raise ValueError(f"hold: after= is for CUDA agents; this agent is on {device}, expected None")
+            raise ValueError(f"after= is for CUDA agents; this agent is on {device}, expected None")
         return None
     if isinstance(after, torch.cuda.Event):
         return after
     if after is None:
         after = torch.cuda.current_stream(device)
     if not isinstance(after, torch.cuda.Stream):
-        raise ValueError(f"hold: after= must be a torch.cuda.Event, a torch.cuda.Stream or None; "
+        raise ValueError(f"after= must be a torch.cuda.Event, a torch.cuda.Stream or None; "
                          f"got {type(after).__name__}")
     with torch.cuda.device(device):
         event = torch.cuda.Event()
