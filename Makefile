@@ -64,4 +64,4 @@ nixl-bundle: setup
 	$(PY) scripts/nixl_bundle.py --python $(NIXL_BUNDLE_PYTHON) --cuda $(NIXL_BUNDLE_CUDA) --out .nixl
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(TRITON_COMPAT_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(TRITON_COMPAT_VENV) .nixl build *.egg-info .pytest_cache .hypothesis
