@@ -82,9 +82,10 @@ def test_direct_regions_wait_for_the_holds_event(engines, mode):
     check_destination(e.D[0], 0, 2, kv, dst, e.before[0])
 
 
-def test_a_wait_on_the_engine_is_not_the_peers_silence(engines):
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_wait_on_the_engine_is_not_the_peers_silence(engines, mode):
     """While the hold's event is pending the source's transfer deadline does not run out."""
-    e = engines(1, 2, mode="pull", models=[RegionModel.mla("mla", 24)], timeout_s=0.3)
+    e = engines(1, 2, mode=mode, models=[RegionModel.mla("mla", 24)], timeout_s=0.3)
     src, dst = np.array([3]), np.array([3])
     kv = e.request(src)
     e.pa[0].hold("r", src)

@@ -291,7 +291,7 @@ class Source:
             self.links.transport.release(serve.runs_xfer)
             self.links.release_lists(*serve.runs[:2])()
             serve.runs, serve.runs_xfer = None, None
-        serve.waiting_local = False
+        serve.waiting_local = serve.runs is not None and serve.runs_xfer is None  # the engine is still writing
         while True:
             # a landed WRITE frees its slots; a finished pack is written
             for chunk, ch in list(serve.inflight.items()):
