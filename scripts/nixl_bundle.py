@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import shutil
 import subprocess
 import sys

@@ -54,9 +54,10 @@ def event_done(event) -> bool:
 
 def ready_event(device: torch.device, after) -> "torch.cuda.Event | None":
     """The event after which the engine is done with some blocks, from what
-    :meth:`TransferAgent.hold` or :meth:`TransferAgent.fetch` was given: a ``torch.cuda.Event`` (used as it is), a ``torch.cuda.Stream`` (an event recorded
-    on it now), or None (an event recorded now on the current stream of ``device``: the engine
-    writes its cache on the stream current where it calls ``hold``). On a CPU agent: None.
+    :meth:`TransferAgent.hold` or :meth:`TransferAgent.fetch` was given: a ``torch.cuda.Event``
+    (used as it is), a ``torch.cuda.Stream`` (an event recorded on it now), or None (an event
+    recorded now on the current stream of ``device``: the engine works on the stream current
+    where it calls the agent). On a CPU agent: None.
 
     Raises ``ValueError`` on anything else, or on an event/stream given to a CPU agent.
     """
