@@ -8,6 +8,7 @@ regions offered or written to the peer) waits, byte-exactly, and then goes on. T
 the end, which skip without a CUDA device.
 """
 
+import contextlib
 import time
 
 import numpy as np
@@ -96,6 +97,72 @@ def test_a_wait_on_the_engine_is_not_the_peers_silence(engines, mode):
     got = _spin(e, 2.0)
     assert len(got) == 1 and got[0].ok, got
     check_destination(e.D[0], 0, 2, kv, dst, e.before[0])
+
+
+class RecordingLanes:
+    """Stands in for the agent's CUDA stream on CPU: records what each launch was ordered after,
+    and hands out completions the test finishes by hand (the kernels themselves ran already)."""
+
+    def __init__(self):
+        self.launches: list[object] = []  # the ``after`` of each pack/unpack, in order
+        self.pending: list["ManualCompletion"] = []
+        self.cuda = False
+
+    @contextlib.contextmanager
+    def launching(self, after=None):
+        self.launches.append(after)
+        yield
+
+    def completion(self):
+        c = ManualCompletion()
+        self.pending.append(c)
+        return c
+
+    def finish_all(self):
+        for c in self.pending:
+            c.finished = True
+
+    def on_device(self):
+        return contextlib.nullcontext()
+
+    def synchronize(self):
+        pass
+
+
+class ManualCompletion:
+    finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_kernel_completions_gate_every_next_step(engines, mode):
+    """Packs run after the hold's event, unpacks after the fetch's; a packed chunk is announced
+    (pull) or written (push) only once its pack completed, and the fetch is reported only once
+    every unpack into its blocks completed (the engine may then read them from any stream)."""
+    e = engines(1, 1, mode=mode, models=[RegionModel.gqa("l0", 4, 16)], modes="staged")
+    lanes = {a: RecordingLanes() for a in e.agents}
+    for a, fake in lanes.items():
+        object.__setattr__(a._links.s, "lanes", fake)  # Settings is frozen; the roles share it
+    src, dst = np.array([6, 1, 7]), np.array([2, 9, 4])
+    kv = e.request(src)
+    e.pa[0].hold("r", src)
+    hold_event = e.pa[0]._source.holds["r"].ready = PendingEvent()
+    hold_event.complete = True  # (only DIRECT runs query it on the host)
+    e.da[0].fetch("r", "P", src, dst)
+    fetch_event = e.da[0]._destination.fetches["r"].ready = object()
+    p, d = lanes[e.pa[0]], lanes[e.da[0]]
+    assert _spin(e) == []
+    assert p.launches and all(x is hold_event for x in p.launches)  # packed, after the engine's writes
+    assert d.launches == []  # nothing announced or written before the packs completed
+    p.finish_all()
+    assert _spin(e) == []  # the chunks arrived and were unpacked, but the unpacks are not done
+    assert d.launches and all(x is fetch_event for x in d.launches)
+    d.finish_all()
+    got = _spin(e, 1.0)
+    assert len(got) == 1 and got[0].ok, got
+    check_destination(e.D[0], 0, 1, kv, dst, e.before[0])
 
 
 def test_hold_after_is_for_cuda_agents(engines):
