@@ -52,10 +52,12 @@ def engines():
         e.close()
 
 
-def _spin(e, seconds=0.3):
+def _spin(e, seconds=0.3, until=None):
+    """Progress every agent for ``seconds``, or until ``until(results so far)`` (then at most 30 s:
+    a loaded machine is slow); returns decode rank 0's results."""
     got = []
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    end = time.monotonic() + (30.0 if until is not None else seconds)
+    while time.monotonic() < end and not (until is not None and until(got)):
         for a in e.agents:
             a.progress()
         got += e.da[0].results()
@@ -73,12 +75,12 @@ def test_direct_regions_wait_for_the_holds_event(engines, mode):
     pending = PendingEvent()
     e.pa[0]._source.holds["r"].ready = pending  # the engine is still writing these blocks
     e.da[0].fetch("r", "P", src, dst)
-    assert _spin(e) == []  # nothing offered or written yet: no result, the cache untouched
-    assert pending.queries > 0
+    assert _spin(e, until=lambda got: got or pending.queries) == [] and _spin(e) == []
+    assert pending.queries > 0  # asked, and nothing offered or written yet: no result, the cache untouched
     assert all(torch.equal(x, y) for x, y in zip(snapshot(e.D[0])[0], e.before[0][0]))
     assert e.pa[0].stats["direct_descriptors"] == 0 and e.da[0].stats["direct_descriptors"] == 0
     pending.complete = True
-    got = _spin(e, 2.0)
+    got = _spin(e, until=bool)
     assert len(got) == 1 and got[0].ok, got
     check_destination(e.D[0], 0, 2, kv, dst, e.before[0])
 
@@ -92,9 +94,10 @@ def test_a_wait_on_the_engine_is_not_the_peers_silence(engines, mode):
     e.pa[0].hold("r", src)
     e.pa[0]._source.holds["r"].ready = pending = PendingEvent()
     e.da[0].fetch("r", "P", src, dst, timeout_s=5.0)
+    assert _spin(e, until=lambda got: got or e.pa[0]._source.serves) == []
     assert _spin(e, 0.6) == [] and e.pa[0]._source.serves  # still served after 2 deadlines
     pending.complete = True
-    got = _spin(e, 2.0)
+    got = _spin(e, until=bool)
     assert len(got) == 1 and got[0].ok, got
     check_destination(e.D[0], 0, 2, kv, dst, e.before[0])
 
@@ -153,14 +156,15 @@ def test_kernel_completions_gate_every_next_step(engines, mode):
     e.da[0].fetch("r", "P", src, dst)
     fetch_event = e.da[0]._destination.fetches["r"].ready = object()
     p, d = lanes[e.pa[0]], lanes[e.da[0]]
-    assert _spin(e) == []
+    assert _spin(e, until=lambda got: got or p.launches) == [] and _spin(e) == []
     assert p.launches and all(x is hold_event for x in p.launches)  # packed, after the engine's writes
     assert d.launches == []  # nothing announced or written before the packs completed
     p.finish_all()
-    assert _spin(e) == []  # the chunks arrived and were unpacked, but the unpacks are not done
+    assert _spin(e, until=lambda got: got or d.launches) == []  # unpacked, but the unpacks are not done
     assert d.launches and all(x is fetch_event for x in d.launches)
+    assert _spin(e) == []
     d.finish_all()
-    got = _spin(e, 1.0)
+    got = _spin(e, until=bool)
     assert len(got) == 1 and got[0].ok, got
     check_destination(e.D[0], 0, 1, kv, dst, e.before[0])
 
