@@ -53,5 +53,15 @@ $(TRITON_COMPAT_VENV)/.installed:
 gpu-check: setup
 	bash bench/gpu_check.sh
 
+# NIXL for the lent GPU machine (Python 3.12, torch +cu130, no NIXL, no network): the UCX backend of
+# the cp312 nixl-cu13 wheel and what it loads, ~8 MB in .nixl/ (downloads the wheels: not part of
+# `make test`). Carry .nixl with the working tree; bench/gpu_check.sh unpacks and uses it.
+NIXL_BUNDLE_PYTHON ?= 3.12
+NIXL_BUNDLE_CUDA   ?= 13
+
+.PHONY: nixl-bundle
+nixl-bundle: setup
+	$(PY) scripts/nixl_bundle.py --python $(NIXL_BUNDLE_PYTHON) --cuda $(NIXL_BUNDLE_CUDA) --out .nixl
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(TRITON_COMPAT_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(TRITON_COMPAT_VENV) .nixl build *.egg-info .pytest_cache .hypothesis

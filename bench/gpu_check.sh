@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU lane: one prepared script for a CUDA machine, run with the python that is there as it is
-# (the lent H200: torch + CUDA, Triton, pytest, hypothesis, msgpack, einops; no NIXL, no network).
+# (the lent H200: torch + CUDA, Triton, pytest, hypothesis, msgpack, einops; no network, and no NIXL
+# unless its bundle is carried: step 6).
 # Steps, each under a timeout (and all together under GPU_CHECK_BUDGET seconds, default 480),
 # each one's result printed as it ends:
 #   1 versions   python, torch/CUDA, Triton and the test dependencies, nvidia-smi
@@ -10,8 +11,11 @@
 #   4 tests      the `gpu`-marked tests: kernels and launcher validation on CUDA, the >2^31-element
 #                cache, the no-host-sync check
 #   5 sweep      bench/sweep.py --quick --sections kernels; GB/s and pct_of_copy of pack and unpack
-#   6 nixl       the `nixl and gpu` tests (the agent over VRAM), only when NIXL is importable or a
-#                bundle of its wheels is in $NIXL_BUNDLE (default .nixl/), installed with no index
+#   6 nixl       VRAM registration, then prefill and decode processes on this GPU over UCX cuda_ipc,
+#                pull and push, byte-checked (the `nixl and gpu` tests), when NIXL is importable or
+#                the trimmed bundle of scripts/nixl_bundle.py for this python is in $NIXL_BUNDLE
+#                (default .nixl/: `make nixl-bundle` here, then carry .nixl); it is unpacked to a
+#                temporary folder put on PYTHONPATH, nothing installed
 # Without a CUDA device (a dry run, e.g. on CPU) it stops after step 3 with "no CUDA device" and
 # exit status 2; otherwise it exits 0 when every step that ran passed, 1 when one did not.
 # Output: $OUT when set (the device tool brings back what is written there), else
@@ -100,8 +104,8 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
     finish 2 "no CUDA device visible to torch: versions, install and the PTX check done, GPU steps not run"
 fi
 
-# 4. The gpu-marked tests.
-step tests 300 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml="$OUT/pytest-gpu.xml"
+# 4. The gpu-marked tests (those that also need NIXL run in step 6).
+step tests 300 "$PY" -m pytest -m "gpu and not nixl" -q -rs -p no:cacheprovider --junitxml="$OUT/pytest-gpu.xml"
 
 # 5. Kernel throughput against a device copy of the same bytes.
 if step sweep 180 "$PY" bench/sweep.py --quick --sections kernels --out "$OUT"; then
@@ -113,19 +117,40 @@ for r in rows:
 EOF
 fi
 
-# 6. The agent over VRAM, when NIXL is there or can be installed from a bundle of wheels. Exit
-#    status 5 (nothing selected) is not a failure: no test may be marked `nixl and gpu` yet.
-NIXL_TESTS='"$0" -m pytest -m "nixl and gpu" -q -rs -p no:cacheprovider --junitxml="$1/pytest-nixl.xml"
-rc=$?; if [ $rc -eq 5 ]; then echo "no test is marked both nixl and gpu"; rc=0; fi; exit $rc'
+# 6. The agent over VRAM, when NIXL is there or its bundle for this python was carried.
+PYTAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+BUNDLE=
+if ! "$PY" -c 'import nixl' 2> /dev/null; then
+    BUNDLE=$(compgen -G "$NIXL_BUNDLE/nixl-*-$PYTAG-cu*.tar.xz" | head -n 1)
+    if [ -n "$BUNDLE" ]; then
+        NIXL_SITE=$(mktemp -d)
+        # unpacked, not installed; libcudart (the UCX CUDA module needs it) from torch's CUDA wheels
+        if step nixl-bundle 60 "$PY" - "$BUNDLE" "$NIXL_SITE" <<'EOF'; then
+import glob, os, sys, tarfile
+with tarfile.open(sys.argv[1]) as tar:
+    tar.extractall(sys.argv[2], filter="data")
+print(open(os.path.join(sys.argv[2], "BUNDLE.txt")).readline().strip())
+libs = sorted({os.path.dirname(p) for d in sys.path if os.path.isdir(d)
+               for p in glob.glob(os.path.join(d, "nvidia", "**", "libcudart.so.*"), recursive=True)})
+print("libcudart from:", " ".join(libs) or "none found (the system's, if any)")
+open(os.path.join(sys.argv[2], "ld_path"), "w").write(":".join(libs))
+EOF
+            export PYTHONPATH="$NIXL_SITE${PYTHONPATH:+:$PYTHONPATH}"
+            LD_EXTRA=$(cat "$NIXL_SITE/ld_path")
+            [ -n "$LD_EXTRA" ] && export LD_LIBRARY_PATH="$LD_EXTRA${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        fi
+    else
+        report "[nixl] skipped: NIXL is not importable and no bundle for $PYTAG is in $NIXL_BUNDLE/" \
+            "(make nixl-bundle here, then carry $NIXL_BUNDLE)"
+    fi
+fi
 if "$PY" -c 'import nixl' 2> /dev/null; then
-    step nixl 180 bash -c "$NIXL_TESTS" "$PY" "$OUT"
-elif compgen -G "$NIXL_BUNDLE/*.whl" > /dev/null; then
-    SITE=$(mktemp -d)
-    step nixl 240 bash -c '"$0" -m pip install -q --no-index --no-deps --target "$2" "$3"/*.whl || exit
-export PYTHONPATH="$2${PYTHONPATH:+:$PYTHONPATH}"
-'"$NIXL_TESTS" "$PY" "$OUT" "$SITE" "$NIXL_BUNDLE"
-else
-    report "[nixl] skipped: NIXL is not importable and there is no bundle of wheels in $NIXL_BUNDLE/"
+    step nixl 240 "$PY" -m pytest -m "nixl and gpu" -q -rs -s -p no:cacheprovider \
+        --junitxml="$OUT/pytest-nixl.xml" tests/test_nixl_gpu.py tests/test_agent_streams.py
+elif [ -n "$BUNDLE" ]; then
+    report "[nixl] FAILED: $BUNDLE is unpacked, but NIXL does not import from it:"
+    "$PY" -c 'import nixl' 2>&1 | tail -n 5 | tee -a "$LOG"
+    FAILED=1
 fi
 
 (( FAILED )) && finish 1 "a step FAILED (see status.txt)"

@@ -482,7 +482,8 @@ def _run(op: str, regions, segments, offsets, block_ids, staging, impl: str, pai
          num_tokens=None) -> None:
     """The one path of :func:`pack` and :func:`unpack`: validate, choose, launch or run the
     reference. Nothing is written unless every check passed."""
-    chk = _validate(op, regions, segments, offsets, block_ids, staging, pair_ids, tiles, num_tokens)
+    chk = _validate(op, regions, segments, offsets, block_ids, staging, pair_ids=pair_ids, tiles=tiles,
+                    num_tokens=num_tokens)
     which = _resolve_impl(impl, staging.device)
     if chk.n == 0 or len(segments) == 0:
         return
@@ -504,6 +505,7 @@ def launch_config_for(
     block_ids: torch.Tensor | np.ndarray | Sequence[int],
     staging: torch.Tensor,
     *,
+    pair_ids=None,
     tiles=None,
     num_tokens: int | None = None,
 ) -> LaunchConfig:
@@ -518,7 +520,8 @@ def launch_config_for(
     """
     if op not in _OPS:
         raise LaunchError(f"launch_config_for: op {op!r} is not one of {_OPS}")
-    chk = _validate(op, regions, segments, offsets, block_ids, staging, tiles, num_tokens)
+    chk = _validate(op, regions, segments, offsets, block_ids, staging, pair_ids=pair_ids, tiles=tiles,
+                    num_tokens=num_tokens)
     if chk.n == 0 or len(segments) == 0:
         raise LaunchError(f"launch_config_for: an empty {op} request launches nothing")
     return _segment_table(chk, staging)[1]

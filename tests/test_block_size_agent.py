@@ -29,13 +29,14 @@ MODELS = [RegionModel.gqa("l0", 4, 16), RegionModel.mla("mla", 24, torch.float16
 
 
 class Pair:
-    def __init__(self, p_tp, d_tp, p_bs, d_bs, mode, seed=0):
+    def __init__(self, p_tp, d_tp, p_bs, d_bs, mode, seed=0, **agent_kw):
         self.gen = torch.Generator().manual_seed(seed)
         self.p_tp, self.d_tp = p_tp, d_tp
         self.P = [make_rank_regions(MODELS, r, p_tp, 64, p_bs, storage="joint", gen=self.gen) for r in range(p_tp)]
         self.D = [make_rank_regions(MODELS, r, d_tp, 48, d_bs, layout="HND", gen=self.gen, pad_blocks=1)
                   for r in range(d_tp)]
         kw = dict(staging_bytes=64 << 10, slot_bytes=1024, chunk_bytes=4096, mode=mode, timeout_s=5.0, impl="torch")
+        kw.update(agent_kw)
         self.pa = [TransferAgent("P", r, p_tp, self.P[r], **kw) for r in range(p_tp)]
         self.da = [TransferAgent("D", r, d_tp, self.D[r], **kw) for r in range(d_tp)]
         for d in self.da:
@@ -63,7 +64,27 @@ class Pair:
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("p_tp,d_tp,p_bs,d_bs", [(1, 2, 4, 6), (2, 1, 8, 4), (2, 2, 3, 5)])
 def test_agent_moves_tokens_across_block_sizes(mode, p_tp, d_tp, p_bs, d_bs):
-    e = Pair(p_tp, d_tp, p_bs, d_bs, mode)
+    _move_and_check(Pair(p_tp, d_tp, p_bs, d_bs, mode), p_tp, d_tp, p_bs, d_bs)
+
+
+@pytest.mark.parametrize("p_bs,d_bs", [(4, 6), (8, 4)])
+def test_warmup_covers_token_mapped_launches(p_bs, d_bs):
+    """warmup=True: add_remote warms the token-mapped pack/unpack variants (the kernels under the
+    interpreter, with tiles= and num_tokens=) without a byte moving, then a request is exact."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter path")
+    e = Pair(1, 2, p_bs, d_bs, "pull", impl="auto", warmup=True)
+    try:
+        assert e.pa[0]._warmed and all(d._warmed for d in e.da)
+        assert all(torch.equal(x, y) for r in range(2) for a, b in zip(e.before[r], snapshot(e.D[r]))
+                   for x, y in zip(a, b))
+    except BaseException:
+        e.close()
+        raise
+    _move_and_check(e, 1, 2, p_bs, d_bs)
+
+
+def _move_and_check(e, p_tp, d_tp, p_bs, d_bs):
     try:
         assert e.da[0].plan_for("P").maps_tokens
         n_tok = 37  # partial last block on both sides

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tarfile
 import sys
 from pathlib import Path
 
@@ -52,3 +53,52 @@ def test_gpu_check_dry_run(tmp_path):
     assert "[tests]" not in status and "[sweep]" not in status
     log = (tmp_path / "gpu_check.log").read_text()
     assert f"torch {torch.__version__}" in log and "kvtriton from" in log and "ptx_check: Triton" in log
+
+
+_BUNDLE_CHECK = r"""
+import sys, time, numpy as np, torch
+from kvtriton.transport.nixl import NixlTransport, XferStatus
+import nixl, nixl._api
+site = sys.argv[1]
+assert nixl.__file__.startswith(site) and nixl._api.__file__.startswith(site), (nixl.__file__, nixl._api.__file__)
+src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+dst = torch.zeros_like(src)
+with NixlTransport("bundle-a") as a, NixlTransport("bundle-b") as b:
+    a.register([dst]), b.register([src])
+    peer = a.add_remote(b.metadata())
+    loc = a.prep_local(np.array([[dst.data_ptr(), src.numel(), 0]]), "DRAM")
+    rem = a.prep_remote(peer, np.array([[src.data_ptr(), src.numel(), 0]]), "DRAM")
+    x = a.post("READ", loc, [0], rem, [0], b"")
+    deadline = time.monotonic() + 60  # the first transfer wires up UCX: ms here, longer on a loaded machine
+    while a.poll(x) is not XferStatus.DONE and time.monotonic() < deadline:
+        b.poll_notifs()
+    assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8)), "bytes differ"
+    outside = sorted({m for m in (l.split()[-1] for l in open("/proc/self/maps") if "nixl" in l)
+                      if not m.startswith(site)})
+    assert not outside, f"NIXL libraries loaded from outside the bundle: {outside}"
+print("bundle ok")
+"""
+
+
+@pytest.mark.nixl
+def test_nixl_bundle_loads_nixl_from_itself(tmp_path):
+    """scripts/nixl_bundle.py trims the installed NIXL (here: offline, from site-packages; for the
+    GPU machine the same from downloaded cp312 wheels) to the UCX backend and what it loads; NIXL
+    imported from the unpacked bundle alone moves bytes, and loads no library from elsewhere."""
+    nixl = pytest.importorskip("nixl", reason="builds the bundle from the installed NIXL")
+    site = Path(nixl.__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "nixl_bundle.py"), "--from-site", str(site),
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (tarball,) = tmp_path.glob("nixl-*-cp*-cu*.tar.xz")
+    assert tarball.stat().st_size < 16 << 20, res.stdout  # the wheel: ~59 MB
+    unpacked = tmp_path / "site"
+    with tarfile.open(tarball) as tar:  # as bench/gpu_check.sh unpacks it
+        tar.extractall(unpacked, filter="data")
+    names = {p.name for p in unpacked.rglob("*.so*")}
+    assert "libplugin_UCX.so" in names and not any(n.startswith("libplugin_") and n != "libplugin_UCX.so"
+                                                   for n in names)
+    assert any(n.startswith("libuct_cuda.") for n in names)
+    res = subprocess.run([sys.executable, "-c", _BUNDLE_CHECK, str(unpacked)], capture_output=True, text=True,
+                         timeout=120, env=_env(PYTHONPATH=str(unpacked)))
+    assert res.returncode == 0 and "bundle ok" in res.stdout, res.stdout + res.stderr

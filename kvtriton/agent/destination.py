@@ -24,7 +24,7 @@ from ..errors import (
 from ..ops import unpack
 from ..plan import ChunkGeometry, StagedRead, TransferPlan, ceil_div, compact_request
 from ..token_map import TokenMap, compact_tokens
-from .links import Chunk, Completion, Flow, Links, Peer, Settings
+from .links import Chunk, Flow, Links, Peer, Settings
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class Fetch:
     descriptors: int = 0
     nbytes: int = 0
     renew_at: float = 0.0  # when the holds this fetch reads are renewed next
+    ready: object = None  # torch.cuda.Event: the engine is done with the local blocks (unpacks wait)
 
     def touch(self) -> None:
         """Progress was made: the silence deadline starts over."""
@@ -108,7 +109,7 @@ class Destination:
 
     # ------------------------------------------------------------------ requests
     def fetch(self, req_id: str, engine: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-              timeout_s: float | None, num_tokens: int | None = None) -> None:
+              timeout_s: float | None, num_tokens: int | None = None, ready=None) -> None:
         if req_id in self.fetches:
             raise RequestRejectedError(f"fetch {req_id!r} is already in flight")
         plan = self.plans.get(engine)
@@ -132,7 +133,8 @@ class Destination:
         n = d_ids.size  # staged tiles (and DIRECT positions) per source
         now = time.monotonic()
         timeout = timeout_s or self.s.timeout_s
-        f = Fetch(req_id, engine, now, timeout, now + timeout, s_ids, d_ids, tokens, renew_at=now + self.s.renew_s)
+        f = Fetch(req_id, engine, now, timeout, now + timeout, s_ids, d_ids, tokens, renew_at=now + self.s.renew_s,
+                  ready=ready)
         self.fetches[req_id] = f
         if n == 0:
             self._finish(f)
@@ -307,13 +309,14 @@ class Destination:
         lo, hi = part.chunks.bounds(ch.index)
         offs = part.read.segment_offsets(hi - lo, base=self.s.pool.offset(ch.slot))
         tokens = part.fetch.tokens
-        if tokens is None:
-            unpack(self.s.regions, part.read.segments, offs, part.fetch.dst_ids[lo:hi], self.s.pool.tensor,
-                   impl=self.s.impl)
-        else:
-            unpack(self.s.regions, part.read.segments, offs, tokens.dst_ids, self.s.pool.tensor, impl=self.s.impl,
-                   tiles=tokens.tiles[lo:hi], num_tokens=tokens.num_tokens)
-        ch.kernel = Completion(self.s.device)
+        with self.s.lanes.launching(after=part.fetch.ready):
+            if tokens is None:
+                unpack(self.s.regions, part.read.segments, offs, part.fetch.dst_ids[lo:hi], self.s.pool.tensor,
+                       impl=self.s.impl)
+            else:
+                unpack(self.s.regions, part.read.segments, offs, tokens.dst_ids, self.s.pool.tensor,
+                       impl=self.s.impl, tiles=tokens.tiles[lo:hi], num_tokens=tokens.num_tokens)
+        ch.kernel = self.s.lanes.completion()  # the fetch is reported only once it is done
 
     def _consumed(self, part: Part, ch: Chunk, peer: Peer) -> None:
         part.fetch.touch()

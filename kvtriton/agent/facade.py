@@ -17,6 +17,7 @@ from collections import deque
 from typing import Mapping, Sequence
 
 import numpy as np
+import torch
 
 from .. import wire
 from ..errors import (
@@ -33,6 +34,8 @@ from ..staging import StagingPool
 from .destination import Destination, RequestResult
 from .links import Flow, Links, Peer, Settings, logger, slot_descs
 from .source import FreedRequest, Source
+from .streams import Lanes, ready_event
+from .warmup import own_reads, peer_reads, warm
 
 __all__ = ["TransferAgent"]
 
@@ -63,6 +66,14 @@ class TransferAgent:
                    (a source's lease should be well above it).
     transport:     a ready :class:`~kvtriton.transport.nixl.NixlTransport` (default: a new
                    one named ``"{engine_id}:{rank}:{random}"``).
+    warmup:        compile the kernel specialisations this rank will launch ahead of its first
+                   request: those of a peer with this rank's own geometry now, each new peer's
+                   in :meth:`add_remote` (see :meth:`warmup`). Default False.
+
+    On CUDA the agent queues its packs and unpacks on a stream of its own, on the regions'
+    device, and every public call and the background thread run with that device current;
+    :meth:`hold` says how the engine's cache writes are ordered before a transfer reads them
+    (:mod:`kvtriton.agent.streams`).
     """
 
     def __init__(
@@ -84,6 +95,7 @@ class TransferAgent:
         renew_interval_s: float = 1.0,
         transport=None,
         impl: str = "auto",
+        warmup: bool = False,
     ):
         try:
             flow = Flow(mode)
@@ -98,6 +110,7 @@ class TransferAgent:
         self.regions = list(regions)
         self.specs = [r.spec for r in self.regions]
         self.device = devices.pop()
+        self._lanes = Lanes(self.device)  # our stream; the device current in every call below
         self.timeout_s = float(timeout_s)
         # validate our own geometry against our own TP once (a bad shard fails here, not later)
         check_compatible(self.specs, tp, self.specs, tp)
@@ -114,7 +127,8 @@ class TransferAgent:
         if transport is None:
             from ..transport.nixl import NixlTransport
 
-            transport = NixlTransport(f"{engine_id}:{rank}:{uuid.uuid4().hex[:8]}")
+            with self._lanes.on_device():
+                transport = NixlTransport(f"{engine_id}:{rank}:{uuid.uuid4().hex[:8]}")
         self.transport = transport
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
@@ -123,14 +137,17 @@ class TransferAgent:
         # bad_messages: malformed or inconsistent messages; refused: well-formed ones from a peer
         # not entitled to what it asked (another engine's hold, beyond its transfer count)
         self.stats = {"bad_messages": 0, "refused": 0, "staged_descriptors": 0, "direct_descriptors": 0}
+        self._warmed: set = set()  # (op, LaunchConfig) compiled by warmup()
+        self._warm_peers = bool(warmup)
         settings = Settings(engine_id, rank, tp, flow, tuple(self.regions), tuple(self.specs), self.device,
                             self.pool, self.chunk_bytes, int(inflight_chunks), self.timeout_s, impl, modes, cost,
-                            replicate_stripe, renew_s=float(renew_interval_s))
+                            replicate_stripe, self._lanes, renew_s=float(renew_interval_s))
         self._inbox: dict[str, deque] = {}  # messages received, not handled yet, per sender
         self._links = Links(settings, transport, self.stats)
         try:
-            self._register()
-            self._metadata = self._build_metadata()
+            with self._lanes.on_device():  # UCX registers VRAM in the current CUDA context
+                self._register()
+                self._metadata = self._build_metadata()
         except BaseException:
             self.transport.close()
             raise
@@ -150,6 +167,12 @@ class TransferAgent:
             wire.RunsReady: self._destination.on_runs_ready,
             wire.Reject: self._destination.on_reject,
         }
+        if warmup:
+            try:
+                self.warmup(peers=False)
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ setup
     def _register(self) -> None:
@@ -215,7 +238,7 @@ class TransferAgent:
         links = self._links
         if md.mem != links.mem and links.mem == "VRAM":
             logger.info("peer %s:%d stages in %s, we in %s", md.engine, md.rank, md.mem, links.mem)
-        with self._lock:
+        with self._lock, self._lanes.on_device():
             # build the plan first: a mismatch raises before anything is prepared
             plan = self._destination.plans.get(md.engine) or self._links.s.plan(
                 self.rank, self.tp, self.specs, md.tp, md.regions)
@@ -237,7 +260,27 @@ class TransferAgent:
                 raise
             links.add(Peer(md, name, staging))
             self._destination.plans[md.engine] = plan
+            if self._warm_peers:  # compiles under the lock: progress() waits, once per new shape
+                try:
+                    warm(links.s, peer_reads(links.s, [links.peers[(md.engine, md.rank)]], self._destination.plans),
+                         self._warmed)
+                except KVTritonError as e:  # the peer is connected; its first request will compile
+                    logger.warning("warmup for %s:%d failed: %s", md.engine, md.rank, e)
             return md.engine
+
+    def warmup(self, peers: bool = True) -> list:
+        """Compile now the kernel specialisations this rank will launch, so that no first
+        request compiles inside :meth:`progress` (0.5-2 s per specialisation on a GPU): those of
+        a peer with this rank's own geometry, and with ``peers`` those of every connected peer, as
+        source and as destination. Blocks until they ran (with every block id -1: no byte
+        changes). Returns the ``(op, LaunchConfig)`` pairs compiled by this call; empty under
+        the torch implementation. ``warmup=True`` at construction does this then, and for each
+        peer in :meth:`add_remote`."""
+        with self._lock, self._lanes.on_device():
+            s = self._links.s
+            reads = own_reads(s) + (peer_reads(s, self._links.peers.values(), self._destination.plans)
+                                    if peers else [])
+            return warm(s, reads, self._warmed)
 
     def plan_for(self, engine_id: str) -> TransferPlan:
         """The plan this rank uses to read from ``engine_id`` (after :meth:`add_remote`)."""
@@ -245,7 +288,7 @@ class TransferAgent:
 
     # ------------------------------------------------------------------ prefill side
     def hold(self, req_id: str, block_ids: Sequence[int], lease_s: float = 30.0,
-             consumer: str | None = None) -> None:
+             consumer: str | None = None, after=None) -> None:
         """Keep a finished prefill's blocks readable until every rank of the consumer engine is
         done, or the lease runs out; then :meth:`freed` reports it.
 
@@ -260,7 +303,16 @@ class TransferAgent:
         agent renews the holds of its outstanding fetches, see ``renew_interval_s``); transfers
         in progress keep it at most ``timeout_s`` longer.
         Raises :class:`~kvtriton.errors.RequestRejectedError` on ids outside ``[-1, num_blocks)``
-        or more than :data:`kvtriton.wire.MAX_REQUEST_BLOCKS` held blocks."""
+        or more than :data:`kvtriton.wire.MAX_REQUEST_BLOCKS` held blocks.
+
+        ``after`` (CUDA agents): when the blocks are final, i.e. the engine's cache writes are
+        done. A ``torch.cuda.Event`` (recorded by the engine after its last write), a
+        ``torch.cuda.Stream`` (an event is recorded on it now), or None: an event is recorded now
+        on the current stream of the agent's device, the right one when the engine writes its
+        cache on the stream current where it calls ``hold``. Packs of these blocks wait for it on
+        the device (the agent's stream waits, the host does not); DIRECT regions are offered to
+        a reader (pull) or written to a peer (push) only once it has completed. CPU agents: None
+        (anything else raises ``ValueError``)."""
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         nb = min(s.num_blocks for s in self.specs)
         if ids.size and (ids.min() < -1 or ids.max() >= nb):
@@ -274,8 +326,9 @@ class TransferAgent:
             raise ValueError(f"hold {req_id!r}: lease_s must be > 0, got {lease_s!r}")
         if consumer is not None and (not isinstance(consumer, str) or not consumer or consumer == self.engine_id):
             raise ValueError(f"hold {req_id!r}: consumer must be another engine's id, got {consumer!r}")
-        with self._lock:
-            self._source.hold(req_id, ids, float(lease_s), consumer)
+        ready = ready_event(self.device, after)
+        with self._lock, self._lanes.on_device():
+            self._source.hold(req_id, ids, float(lease_s), consumer, ready)
 
     def release(self, req_id: str) -> bool:
         """Drop a hold before its consumers are done (the engine aborted the request, or needs
@@ -283,12 +336,12 @@ class TransferAgent:
         :class:`~kvtriton.errors.RequestRejectedError` at once, not at a timeout) and the staging
         slots they may still read are quarantined; :meth:`freed` reports it as ``"released"``.
         Returns False when ``req_id`` is not held (never held, or already freed)."""
-        with self._lock:
+        with self._lock, self._lanes.on_device():
             return self._source.release(req_id)
 
     def freed(self) -> list[FreedRequest]:
         """Held requests whose blocks may be reused now (drained on each call)."""
-        with self._lock:
+        with self._lock, self._lanes.on_device():
             return self._source.take_freed()
 
     # ------------------------------------------------------------------ decode side
@@ -301,6 +354,7 @@ class TransferAgent:
         timeout_s: float | None = None,
         *,
         num_tokens: int | None = None,
+        after=None,
     ) -> None:
         """Start reading a request's KV from ``remote_engine_id`` into ``local_block_ids``.
 
@@ -317,31 +371,37 @@ class TransferAgent:
         reported by :meth:`results`. After a failed fetch the local blocks hold undefined bytes;
         in push mode a WRITE the source had already posted may still land in them for up to
         ``timeout_s`` (kvtriton's own staging slots are quarantined for that long).
+
+        ``after`` (CUDA agents; as in :meth:`hold`, default: an event on the current stream now):
+        when the engine is done with the local blocks' previous contents. Unpacks into them wait
+        for it on the device. DIRECT regions are written by the NIC without a stream and do not
+        wait for it: the engine must not still be using those blocks.
         """
         if not isinstance(req_id, str) or not 0 < len(req_id) <= 512:
             raise ValueError(f"req_id must be a non-empty string of at most 512 characters, got {req_id!r:.80}")
-        with self._lock:
+        ready = ready_event(self.device, after)
+        with self._lock, self._lanes.on_device():
             self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s,
-                                    num_tokens)
+                                    num_tokens, ready)
 
     def abort(self, req_id: str) -> bool:
         """Cancel a fetch in flight: its source ranks are told, staging it holds is reclaimed
         (a slot a peer may still WRITE into is quarantined first), and :meth:`results` reports it
         with :class:`~kvtriton.errors.RequestAbortedError`. Its local blocks hold undefined
         bytes afterwards. Returns False when no fetch of ``req_id`` is in flight."""
-        with self._lock:
+        with self._lock, self._lanes.on_device():
             return self._destination.abort(req_id)
 
     def results(self) -> list[RequestResult]:
         """Finished fetches since the last call: ``ok`` or a typed ``error``."""
-        with self._lock:
+        with self._lock, self._lanes.on_device():
             return self._destination.take_results()
 
     # ------------------------------------------------------------------ progress
     def progress(self) -> None:
         """Do whatever can be done now without blocking: handle messages, pack, post, poll,
         unpack, expire. Call it often (every engine step, or let :meth:`start` do it)."""
-        with self._lock:
+        with self._lock, self._lanes.on_device():
             if self._closed:
                 return
             self._handle_messages()
@@ -356,6 +416,8 @@ class TransferAgent:
             return
 
         def loop():
+            if self._lanes.cuda:  # UCX and Triton calls from this thread need our device's context
+                torch.cuda.set_device(self.device)
             while not self._stop.is_set():
                 try:
                     self.progress()
@@ -368,7 +430,7 @@ class TransferAgent:
 
     def idle(self) -> bool:
         """True when nothing is in flight or held."""
-        with self._lock:
+        with self._lock, self._lanes.on_device():
             return not (self._destination.fetches or self._source.serves or self._source.holds
                         or self._links.zombies or self._inbox)
 
@@ -440,12 +502,13 @@ class TransferAgent:
             self._stop.set()
             self._thread.join(timeout=5)
             self._thread = None
-        with self._lock:
+        with self._lock, self._lanes.on_device():
             if self._closed:
                 return
             self._destination.fail_all(TransportError(f"{self.engine_id}:{self.rank} was closed"))
             self._source.close("source closed")
             self._closed = True
+            self._lanes.synchronize()  # no kernel may still write staging once it is released
             self.transport.close()
 
     def __enter__(self) -> "TransferAgent":

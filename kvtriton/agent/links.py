@@ -18,6 +18,7 @@ from ..plan import CostModel, Mode, TransferPlan, build_plan, direct_runs
 from ..regions import Region, RegionSpec
 from ..staging import StagingPool
 from ..transport.nixl import XferStatus
+from .streams import Completion, Lanes
 
 logger = logging.getLogger("kvtriton.agent")
 
@@ -48,6 +49,7 @@ class Settings:
     modes: Mode | str | Mapping[str, Mode | str] | None
     cost: CostModel
     stripe: int | None
+    lanes: Lanes  # the device and the stream pack/unpack run on (see .streams)
     renew_s: float = 1.0  # a decode renews the holds of its outstanding fetches this often
 
     def planning(self) -> tuple[tuple[str, str], ...]:
@@ -98,21 +100,6 @@ class Chunk:
     xfer: object = None  # transport Xfer in flight (READ or WRITE)
     kernel: "Completion | None" = None  # the pack/unpack launched on it, until its result is used
     remote_slot: int = -1
-
-
-class Completion:
-    """A pack or unpack launched on this rank. On CPU the kernel ran synchronously, so it is
-    done at once; on CUDA it is an event on the current stream. Either way the step that needs
-    its bytes (announce, WRITE, free the slot) runs from one place: where ``done()`` is polled."""
-
-    def __init__(self, device: torch.device):
-        self._event = None
-        if device.type == "cuda":
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def done(self) -> bool:
-        return self._event is None or self._event.query()
 
 
 def slot_descs(addr: int, num_slots: int, slot_bytes: int, dev: int) -> np.ndarray:

@@ -31,7 +31,8 @@ from ..errors import KVTritonError, PlanError, ProtocolError, RequestRejectedErr
 from ..ops import pack
 from ..plan import ChunkGeometry, StagedRead, TransferPlan
 from ..token_map import TokenMap
-from .links import Chunk, Completion, Flow, Links, Peer, Settings, logger
+from .links import Chunk, Flow, Links, Peer, Settings, logger
+from .streams import event_done
 
 MAX_SERVES_PER_PEER = 4096  # transfers one peer rank may have open on this rank at once
 
@@ -55,6 +56,7 @@ class Hold:
     deadline: float  # end of the lease: a renewal from the consumer moves it
     consumer: str | None = None  # the engine entitled to it (None: the first whose pull is accepted)
     done_from: set = field(default_factory=set)  # (engine, rank) of every done received
+    ready: object = None  # torch.cuda.Event after which the engine's blocks are final (None: they are)
 
 
 @dataclass(eq=False)
@@ -79,7 +81,10 @@ class Serve:
     runs_xfer: object = None  # push: the WRITE of the DIRECT runs, until it completes
     runs_reader: bool = False  # pull: the peer reads our cache directly until it sends RunsDone
     waiting_local: bool = False  # blocked on our own staging: not the peer's silence
+    waiting_engine: bool = False  # blocked on the hold's event (the engine still writing the blocks)
     tokens: TokenMap | None = None  # block sizes differ: the request's token map (ids = its read_ids)
+    ready: object = None  # the hold's event: packs wait for it on the device, DIRECT runs on the host
+    runs_announce: bool = False  # pull: RunsReady not sent yet (the hold's event had not completed)
 
     @property
     def n_chunks(self) -> int:
@@ -113,8 +118,8 @@ class Source:
         self.peer_serves: dict[str, int] = {}  # open transfers per peer agent
 
     # ------------------------------------------------------------------ holds
-    def hold(self, req_id: str, block_ids: np.ndarray, lease_s: float, consumer: str | None) -> None:
-        self.holds[req_id] = Hold(req_id, block_ids, lease_s, time.monotonic() + lease_s, consumer)
+    def hold(self, req_id: str, block_ids: np.ndarray, lease_s: float, consumer: str | None, ready=None) -> None:
+        self.holds[req_id] = Hold(req_id, block_ids, lease_s, time.monotonic() + lease_s, consumer, ready=ready)
 
     def release(self, req_id: str) -> bool:
         hold = self.holds.get(req_id)
@@ -204,7 +209,7 @@ class Source:
                 return reject(f"chunk of {m.chunk_blocks} blocks does not fit staging chunks of "
                               f"{self.s.chunk_bytes} bytes")
         serve = Serve(xid, req, peer, flow, read, ids, chunks, self.s.timeout_s,
-                      time.monotonic() + self.s.timeout_s, tokens=tokens)
+                      time.monotonic() + self.s.timeout_s, tokens=tokens, ready=hold.ready)
         if flow is Flow.PUSH:
             dst_ids = np.asarray(m.dst_ids, dtype=np.int64)
             nb = min(r.num_blocks for r in peer.md.regions)
@@ -220,6 +225,9 @@ class Source:
         if flow is Flow.PULL and has_runs:
             # the blocks stay held (up to the hold's hard bound) until the reader sends RunsDone
             serve.runs_reader = True
+            if not event_done(serve.ready):  # the engine is still writing them: _advance_pull sends it
+                serve.runs_announce = True
+                return
             try:
                 self.links.send(peer, wire.RunsReady(xid))
             except KVTritonError:
@@ -365,6 +373,8 @@ class Source:
                 continue
             if serve.complete:
                 self._remove(serve)
+            elif serve.waiting_engine:
+                serve.touch()  # our engine's own writes, not the peer's silence (the hold's bound still applies)
             elif serve.waiting_local:
                 # queued behind staging: only its own engine's progress carries its deadline
                 last = self.engine_progress.get(serve.peer.md.engine)
@@ -373,7 +383,13 @@ class Source:
 
     def _advance_pull(self, serve: Serve) -> None:
         # announce every chunk whose pack finished, then pack the next while staging allows
-        serve.waiting_local = False
+        serve.waiting_local = serve.waiting_engine = False
+        if serve.runs_announce:  # DIRECT runs: the peer reads the cache once the engine's writes are done
+            if not event_done(serve.ready):
+                serve.waiting_engine = True
+            else:
+                serve.runs_announce = False
+                self.links.send(serve.peer, wire.RunsReady(serve.xid))
         while True:
             for ch in serve.inflight.values():
                 if ch.kernel is not None and ch.kernel.done():
@@ -387,7 +403,7 @@ class Source:
             serve.next_chunk += 1
 
     def _advance_push(self, serve: Serve) -> None:
-        if serve.runs is not None and serve.runs_xfer is None:
+        if serve.runs is not None and serve.runs_xfer is None and event_done(serve.ready):
             local, remote, count, _ = serve.runs
             serve.runs_xfer = self.links.post_runs("WRITE", local, remote, count, wire.RunsReady(serve.xid))
         if serve.runs_xfer is not None and self.links.done(serve.runs_xfer):  # ERR raises: reject
@@ -395,6 +411,7 @@ class Source:
             self.links.release_lists(*serve.runs[:2])()
             serve.runs, serve.runs_xfer = None, None
         serve.waiting_local = False
+        serve.waiting_engine = serve.runs is not None and serve.runs_xfer is None  # the engine is still writing
         while True:
             # a landed WRITE frees its slots; a finished pack is written
             for chunk, ch in list(serve.inflight.items()):
@@ -429,12 +446,13 @@ class Source:
             return None
         lo, hi = serve.chunks.bounds(chunk)
         offs = serve.read.segment_offsets(hi - lo, base=pool.offset(slot))
-        if serve.tokens is None:
-            pack(self.s.regions, serve.read.segments, offs, serve.ids[lo:hi], pool.tensor, impl=self.s.impl)
-        else:
-            pack(self.s.regions, serve.read.segments, offs, serve.tokens.src_ids, pool.tensor, impl=self.s.impl,
-                 tiles=serve.tokens.tiles[lo:hi], num_tokens=serve.tokens.num_tokens)
-        ch = Chunk(chunk, slot, pool.slots_for(nbytes), nbytes, kernel=Completion(self.s.device))
+        with self.s.lanes.launching(after=serve.ready):  # after the engine's writes, on our stream
+            if serve.tokens is None:
+                pack(self.s.regions, serve.read.segments, offs, serve.ids[lo:hi], pool.tensor, impl=self.s.impl)
+            else:
+                pack(self.s.regions, serve.read.segments, offs, serve.tokens.src_ids, pool.tensor,
+                     impl=self.s.impl, tiles=serve.tokens.tiles[lo:hi], num_tokens=serve.tokens.num_tokens)
+        ch = Chunk(chunk, slot, pool.slots_for(nbytes), nbytes, kernel=self.s.lanes.completion())
         self.engine_slots[eng] = used + ch.nslots
         serve.inflight[chunk] = ch
         return ch

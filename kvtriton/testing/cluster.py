@@ -1,4 +1,5 @@
-"""A multi-process prefill/decode cluster on this machine: real NIXL (UCX on 127.0.0.1), CPU caches.
+"""A multi-process prefill/decode cluster on this machine: real NIXL (UCX on 127.0.0.1), CPU caches
+(or CUDA ones: ``ClusterConfig.device``).
 
 The parent starts ``p_tp`` prefill and ``d_tp`` decode processes (``spawn``), routes their
 metadata all-to-all, and drives them with short commands over pipes. Every process rebuilds the
@@ -64,6 +65,8 @@ class ClusterConfig:
     modes: object = None
     max_inflight: int = 64
     impl: str = "torch"  # pack/unpack path of the agents ("auto" would use the Triton interpreter on CPU)
+    device: str = "cpu"  # where the caches and staging live ("cuda": every process on the current GPU)
+    warmup: bool = False  # TransferAgent(warmup=...): kernels compiled before the first request
 
     @property
     def dst_block_size(self) -> int:
@@ -106,12 +109,12 @@ def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
         cfg.models, rank, tp, cfg.p_blocks if role == "P" else cfg.d_blocks,
         cfg.block_size if role == "P" else cfg.dst_block_size,
         layout=cfg.p_layout if role == "P" else cfg.d_layout,
-        storage=cfg.p_storage if role == "P" else cfg.d_storage, gen=gen)
+        storage=cfg.p_storage if role == "P" else cfg.d_storage, gen=gen, device=cfg.device)
     before = snapshot(regions)
     # one agent per transfer mode, over the same cache (one process start covers pull and push)
     agents = {m: TransferAgent(_engine(role, m), rank, tp, regions, staging_bytes=cfg.staging_bytes,
                                slot_bytes=cfg.slot_bytes, mode=m, timeout_s=cfg.timeout_s, modes=cfg.modes,
-                               impl=cfg.impl)
+                               impl=cfg.impl, warmup=cfg.warmup)
               for m in cfg.transfer_modes}
     conn.send(("md", {m: a.metadata() for m, a in agents.items()}))
     outcomes: dict[str, dict] = {}

@@ -11,6 +11,10 @@ handshake side channel, and the translation of agent events into vLLM's terms.
 * A failed load is still reported in ``finished_recving``, and its local blocks in
   ``get_block_ids_with_load_errors`` (vLLM then recomputes them, with
   ``kv_load_failure_policy="recompute"``). A lost prefill engine is met again on its next request.
+* On CUDA the agent moves blocks on a stream of its own. Holds are placed after the forward, with
+  an event recorded on the engine's current stream: packs of those blocks (and reads of DIRECT
+  regions) wait for it. A load is reported finished only after the unpacks that wrote its blocks
+  completed on the device, so the next forward may read them from any stream.
 
 No vLLM import: the connector passes plain values in.
 """
@@ -22,6 +26,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
+
+import torch
 
 from ... import wire
 from ...agent import TransferAgent
@@ -108,13 +114,23 @@ class WorkerSide:
             with self._lock:
                 self._confirmed.discard(rid)
                 self._freed.discard(rid)
+        # the forward that wrote these blocks is queued on the engine's current stream: packs wait for it
+        after = self._cache_written() if msgs.holds else None
         for rid, ids in msgs.holds.items():
             try:
-                self.agent.hold(rid, ids, lease_s=self.settings.lease_s)
+                self.agent.hold(rid, ids, lease_s=self.settings.lease_s, after=after)
             except KVTritonError as e:  # a hold vLLM cannot have asked for; never fatal to the engine
                 logger.error("hold of %s failed: %s", rid, e)
         with self._lock:
             self._confirmed |= msgs.confirms
+
+    def _cache_written(self):
+        """An event on the engine's current stream of the cache's device (None on CPU)."""
+        if self.agent.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.agent.device))
+        return event
 
     def finished(self) -> tuple[set[str], set[str]]:
         """``(finished_sending, finished_recving)`` since the last call."""
