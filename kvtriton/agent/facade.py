@@ -171,6 +171,7 @@ class TransferAgent:
             agent_md=self.transport.metadata(), mem=links.mem, dev=links.dev,
             regions=tuple(self.specs), addrs=links.addrs, spans=links.spans,
             staging=wire.StagingInfo(self.pool.addr, self.pool.slot_bytes, self.pool.num_slots, self.chunk_bytes),
+            cost=links.s.cost,
         ))
 
     def add_remote(self, metadata: bytes) -> str:

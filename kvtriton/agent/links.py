@@ -54,11 +54,12 @@ class Settings:
         return f"{self.engine_id}:{self.rank}"
 
     def plan(self, dst_rank: int, dst_tp: int, dst_specs: Sequence[RegionSpec], src_tp: int,
-             src_specs: Sequence[RegionSpec]) -> TransferPlan:
+             src_specs: Sequence[RegionSpec], cost: CostModel | None = None) -> TransferPlan:
         """The plan of one (destination rank, source engine) pair under this rank's route
-        choices; both engines must compute the same one (the protocol checks its digest)."""
-        return build_plan(dst_rank, dst_tp, dst_specs, src_tp, src_specs, modes=self.modes, cost=self.cost,
-                          replicate_stripe=self.stripe)
+        choices; both engines must compute the same one (the protocol checks its digest).
+        ``cost``: the destination's model when we are the source (its metadata carries it)."""
+        return build_plan(dst_rank, dst_tp, dst_specs, src_tp, src_specs, modes=self.modes,
+                          cost=cost or self.cost, replicate_stripe=self.stripe)
 
 
 @dataclass(eq=False)
