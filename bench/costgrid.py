@@ -7,7 +7,8 @@ rank (rank 0) fetches one request from the prefill ranks its plan reads, through
 measured for this host and transport (:func:`kvtriton.costmodel.load_or_measure`, cached). Every
 timed mode is checked byte for byte once against the global-head oracle.
 
-Geometry: GQA, head_dim 128, bf16, 2,048 tokens, ``8 // heads`` layers, so a decode rank receives
+Runs of the modes are interleaved (load bursts on a shared machine hit all alike) and each mode
+alternates between two fresh agent pairs (:data:`CONNECTIONS`). Geometry: GQA, head_dim 128, bf16, 2,048 tokens, ``8 // heads`` layers, so a decode rank receives
 8 MiB in every cell; source and destination use the same layout (NHD or HND); block ids are a
 random permutation (no runs to coalesce: the case the per-block model describes).
 
@@ -40,6 +41,10 @@ BLOCKS = [16, 32, 64, 128]
 LAYOUTS = ["NHD", "HND"]
 TOKENS = 2048
 TRANSPORTS = [("shm", None), ("tcp", "tcp")]
+# Agent pairs per mode and cell: the same cell timed over fresh UCX connections varies up to ~2.5x
+# on this machine (direct 2.7 ms on one, 7 ms on the next), so each mode's runs alternate
+# between two connections and the choice is judged against what a connection costs on average.
+CONNECTIONS = 2
 
 
 def _cells(quick: bool):
@@ -129,7 +134,7 @@ def run_cells(quick: bool, transport: str) -> list[dict]:
 
     torch.set_num_threads(1)
     cost = load_or_measure("cpu", impl="torch")
-    reps = 5 if quick else 7
+    reps = 6 if quick else 8
     rows = []
     for p_tp, d_tp, h, bs, layout in _cells(quick):
         total = h * min(p_tp, d_tp)
@@ -146,15 +151,19 @@ def run_cells(quick: bool, transport: str) -> list[dict]:
                     build_plan(0, d_tp, meta[0], p_tp, meta[1], modes=mode)
                 except PlanError:
                     continue
-                fetch, check, payload = _setup_mode(mode, models, p_tp, d_tp, bs, layout, bs * 31 + h, agents)
-                fetch()  # warm-up (connection wire-up), then every mode checked byte for byte
-                check()
-                fetches[mode] = fetch
-            # modes interleaved run by run, so a burst of load on this shared machine hits all of them
+                fetches[mode] = []
+                for c in range(CONNECTIONS):
+                    fetch, check, payload = _setup_mode(mode, models, p_tp, d_tp, bs, layout, bs * 31 + h + c,
+                                                        agents)
+                    fetch()  # warm-up (connection wire-up), then every mode checked byte for byte
+                    check()
+                    fetches[mode].append(fetch)
+            # modes interleaved run by run, so a burst of load on this shared machine hits all of
+            # them; each mode's runs alternate between its connections
             samples = {m: [] for m in fetches}
-            for _ in range(reps):
-                for m, fetch in fetches.items():
-                    samples[m].append(quantiles_ms(fetch, 1, warmup=0)[1])
+            for k in range(reps):
+                for m, fs in fetches.items():
+                    samples[m].append(quantiles_ms(fs[k % len(fs)], 1, warmup=0)[1])
         finally:
             for a in agents:
                 a.close()
