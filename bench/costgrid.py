@@ -4,7 +4,9 @@ A cell is (transport, P->D pair, heads per decode rank, block size, layout). In 
 rank (rank 0) fetches one request from the prefill ranks its plan reads, through real
 :class:`~kvtriton.agent.TransferAgent` s (pull) over NIXL in one process, once per feasible mode
 (the agents built with that mode forced); the plan's own choice comes from the cost model
-measured for this host and transport (:func:`kvtriton.costmodel.load_or_measure`, cached). Every
+measured for this host and transport at the start of the run
+(:func:`kvtriton.costmodel.load_or_measure` with ``remeasure=True``, one torch thread like the
+agents here). Every
 timed mode is checked byte for byte once against the global-head oracle.
 
 Runs of the modes are interleaved (load bursts on a shared machine hit all alike) and each mode
@@ -133,7 +135,9 @@ def run_cells(quick: bool, transport: str) -> list[dict]:
     from kvtriton.testing.oracle import RegionModel, make_rank_regions
 
     torch.set_num_threads(1)
-    cost = load_or_measure("cpu", impl="torch")
+    # measured now, in this process's conditions (1 torch thread, this transport): the grid judges
+    # the measurement procedure, not a cache written under other load (it refreshes that cache)
+    cost = load_or_measure("cpu", impl="torch", remeasure=True)
     reps = 6 if quick else 8
     rows = []
     for p_tp, d_tp, h, bs, layout in _cells(quick):

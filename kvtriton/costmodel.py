@@ -51,10 +51,15 @@ def transport_key() -> str:
 
 
 def cache_path(device: str = "cpu", transport: str | None = None) -> Path:
-    """Where the model of this host, ``transport`` (default: this process's) and device lives."""
+    """Where the model of this host, ``transport`` (default: this process's) and device lives.
+    On a CPU the repack runs on torch's intra-op threads, so their count is part of the key (a
+    model measured with 2 threads overstates a 1-thread process's repack bandwidth ~1.5x)."""
+    import torch
+
     root = Path(os.environ.get("KVTRITON_CACHE_DIR") or Path.home() / ".cache" / "kvtriton")
     host = "".join(c if c.isalnum() or c in "-." else "_" for c in platform.node() or "host")
-    return root / "costmodel" / f"{host}-{transport or transport_key()}-{device}.json"
+    dev = f"{device}-t{torch.get_num_threads()}" if device == "cpu" else device
+    return root / "costmodel" / f"{host}-{transport or transport_key()}-{dev}.json"
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -148,6 +153,12 @@ def _repack_costs(device: str, impl: str, reps: int) -> tuple[float, float]:
     return nbytes / pack_ms / 1e6, nbytes / unpack_ms / 1e6
 
 
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def measure(device: str = "cpu", impl: str = "auto", reps: int = 5) -> CostModel:
     """Measure a :class:`CostModel` now (about a second on a CPU; see the module docstring)."""
     desc_us, read_gbps, write_gbps = _transport_costs(reps)
@@ -155,7 +166,7 @@ def measure(device: str = "cpu", impl: str = "auto", reps: int = 5) -> CostModel
     return CostModel(desc_us=round(desc_us, 4), pack_gbps=round(pack_gbps, 3), unpack_gbps=round(unpack_gbps, 3),
                      read_gbps=round(read_gbps, 3), write_gbps=round(write_gbps, 3),
                      source=f"measured {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {transport_key()}, "
-                            f"{device}")
+                            f"{device}, {_threads()} torch threads")
 
 
 def load_or_measure(device: str = "cpu", impl: str = "auto", *, remeasure: bool = False,
