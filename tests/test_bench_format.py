@@ -27,6 +27,10 @@ def test_costmodel_summary_line():
     rows = [dict(ratio=1.0), dict(ratio=1.2), dict(ratio=1.05), dict(transport="tcp", chosen="failed")]
     assert summary_line(rows) == "cost model: chosen/best worst 1.20, median 1.05 over 3 cells"
     assert summary_line([]) == "cost model: no cells ran"
+    from costgrid import noise_line
+
+    rows[1]["miss_beyond_noise"] = "yes"
+    assert noise_line(rows).endswith("1 of 3 cells, worst 1.20")
 
 
 def test_quantiles_of():
