@@ -111,9 +111,13 @@ step tests 300 "$PY" -m pytest -m "gpu and not nixl" -q -rs -p no:cacheprovider 
 if step sweep 180 "$PY" bench/sweep.py --quick --sections kernels --out "$OUT"; then
     "$PY" - "$OUT/sweep.csv" <<'EOF' 2>&1 | tee -a "$LOG"
 import csv, sys
+# sweep.csv is long form: one row per (measurement, metric) with p20/p50/p80
 rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["section"] == "kernels" and r["provider"] == "kvtriton"]
+got = {}
 for r in rows:
-    print(f"  {r['case']:<28} {r['op']:<7} {r['gbps']:>9} GB/s  {r['pct_of_copy']:>6} % of copy  {r['note']}")
+    got.setdefault((r["case"], r["op"], r["note"]), {})[r["metric"]] = r["p50"]
+for (case, op, note), m in got.items():
+    print(f"  {case:<28} {op:<7} {m.get('gbps', ''):>9} GB/s  {m.get('pct_of_copy', ''):>6} % of copy  {note}")
 EOF
 fi
 

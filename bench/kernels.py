@@ -13,8 +13,8 @@ written) / time for:
   staging kernel, written here from its description;
 * ``copy``: a plain device copy of as many bytes (the roofline; ``pct_of_copy`` is relative to it).
 
-On CUDA every row is ``triton.testing.do_bench`` (median). On CPU the torch rows are
-``time.perf_counter`` medians; Triton only runs under the interpreter, so its rows come from one
+Every row has p20/p50/p80 (``ms`` is the median): on CUDA ``triton.testing.do_bench`` quantiles,
+on CPU the torch rows are ``time.perf_counter`` samples; Triton only runs under the interpreter, so its rows come from one
 tiny case (2 blocks) and are labelled "interpreter: not a speed measurement" (without
 ``TRITON_INTERPRET=1`` they are skipped and one row says so).
 """
@@ -28,6 +28,8 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from timing import qfields, quantiles_ms  # bench/timing.py
 
 from kvtriton import ops
 from kvtriton.launch import INT_OF_WIDTH
@@ -161,22 +163,17 @@ class _Setup:
         return segs, offs, base
 
 
-def _time_ms(fn, device: str, quick: bool) -> float:
-    if device == "cuda":
-        return float(triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100,
-                                             return_mode="median"))
-    fn()  # warm-up: first touch of pages
-    times = []
-    for _ in range(3 if quick else 5):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(times))
+def _time_ms(fn, device: str, quick: bool) -> tuple[float, float, float]:
+    """p20/p50/p80 ms: ``do_bench`` quantiles on CUDA, perf_counter samples on CPU."""
+    return quantiles_ms(fn, 3 if quick else 7, device)
 
 
-def _row(case, op, provider, nbytes, ms, copy_ms, note):
+def _row(case, op, provider, nbytes, q, copy_ms, note):
+    if not isinstance(q, tuple):
+        q = (q, q, q)
+    ms = q[1]
     traffic = 2 * nbytes  # every payload byte is read once and written once
-    return dict(case=case, op=op, provider=provider, bytes=traffic, ms=round(ms, 4),
+    return dict(case=case, op=op, provider=provider, bytes=traffic, **qfields("ms", q, 4),
                 gbps=round(traffic / ms / 1e6, 2) if ms > 0 else None,
                 pct_of_copy=round(100 * copy_ms / ms, 1) if (ms > 0 and copy_ms) else None, note=note)
 
@@ -194,8 +191,9 @@ def _bench_case(name, setup: _Setup, device: str, quick: bool, providers: Sequen
         staging = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
         a = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
         b = torch.empty_like(a)
-        copy_ms = _time_ms(lambda: b.copy_(a), device, quick)
-        rows.append(_row(name, op, "copy", nbytes, copy_ms, copy_ms, "roofline: device copy of the same bytes"))
+        copy_q = _time_ms(lambda: b.copy_(a), device, quick)
+        copy_ms = copy_q[1]
+        rows.append(_row(name, op, "copy", nbytes, copy_q, copy_ms, "roofline: device copy of the same bytes"))
         ref = pack_reference if op == "pack" else unpack_reference
         fns = {
             "torch-ref": lambda: ref(regions, segs, offs, ids, staging),

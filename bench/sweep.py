@@ -10,7 +10,12 @@ Sections (all by default; ``--sections`` picks some):
   on the same device (bench/kernels.py; on CPU only the torch and copy rows are speed
   measurements, Triton runs only under the interpreter).
 * ``e2e``: one request end to end between processes over NIXL (bench/e2e.py), when NIXL is
-  installed.
+  installed: over UCX shared memory and ``UCX_TLS=tcp``, each with an idle host and with a
+  busy-loop neighbor process on the same cores (each configuration in fresh processes).
+* ``costmodel``: the grid that proves the plan's STAGED/DIRECT choice (bench/costgrid.py): every
+  feasible mode timed per (transport, P->D, heads per rank, block size, layout) against the mode
+  the measured cost model chose.
+* ``planning``: per-request planning cost in us for 1k- and 128k-token requests (bench/planning.py).
 * both also get block-size-change rows (bench/block_sizes.py): P4->D8 at 16->64 and 64->16
   against the same transfer with equal block sizes.
 * ``rogue``: a hostile peer with a genuine handshake against an honest request (9 scenarios)
@@ -20,7 +25,9 @@ Sections (all by default; ``--sections`` picks some):
   and vLLM's own NixlConnector side by side, P2->D1 and P1->D2, when the vLLM test bed is built
   (``make vllm-bed``; ``.venv-vllm`` or ``$KVTRITON_VLLM_PYTHON``).
 
-Writes ``bench/results/sweep.csv`` (tidy rows), ``summary.md`` and ``descriptors.png``.
+Writes ``bench/results/sweep.csv`` in long form (one row per measured quantity: the row's
+parameters, ``metric``, ``unit``, and its ``p20``/``p50``/``p80``; counts have three equal
+quantiles), ``summary.md`` and ``descriptors.png``.
 Reproduce: ``make sweep`` (or ``.venv/bin/python bench/sweep.py [--quick]``).
 """
 
@@ -109,7 +116,8 @@ def descriptor_rows(presets, pairs, block_sizes, tokens) -> list[dict]:
                         if worst is None or counts["kvtriton"] > worst["kvtriton"]:
                             worst = counts
                     row.update(worst)
-                    row["reduction_vs_vllm"] = round(worst["vllm_kv_separate"] / max(1, worst["kvtriton"]))
+                    row["vllm_packed_per_kvtriton"] = round(worst["vllm_kv_packed"] / max(1, worst["kvtriton"]))
+                    row["vllm_separate_per_kvtriton"] = round(worst["vllm_kv_separate"] / max(1, worst["kvtriton"]))
                 except KVTritonError as e:
                     row["note"] = f"skipped: {e}"
                 rows.append(row)
@@ -117,53 +125,94 @@ def descriptor_rows(presets, pairs, block_sizes, tokens) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- output
+# Numeric keys that describe a row rather than measure something (they stay columns of every
+# long-form row); every other number is a metric, with ``<metric>_p20``/``_p80`` beside it when
+# it was timed.
+PARAM_KEYS = {"p_tp", "d_tp", "block_size", "tokens", "bytes", "heads_per_rank", "prefill_tp", "decode_tp",
+              "blocks", "layers", "request", "bytes_per_descriptor"}
+UNITS = {"ms": "ms", "us": "us", "gbps": "GB/s", "pct_of_copy": "%", "ratio": "x"}
+
+
+def long_rows(rows: list[dict]) -> list[dict]:
+    """Wide in-memory rows -> one row per (row, metric) with p20/p50/p80."""
+    out = []
+    for r in rows:
+        ids = {k: v for k, v in r.items() if _is_param(k, v) and v is not None}
+        for k, v in r.items():
+            if _is_param(k, v) or k.endswith(("_p20", "_p80")) or v is None or v == "":
+                continue
+            out.append(dict(ids, metric=k, unit=_unit(k), p20=r.get(f"{k}_p20", v), p50=v, p80=r.get(f"{k}_p80", v)))
+    return out
+
+
+def _is_param(k, v) -> bool:
+    return k in PARAM_KEYS or (isinstance(v, (str, bool)) and v != "")
+
+
+def _unit(metric: str) -> str:
+    for suffix, unit in UNITS.items():
+        if metric == suffix or metric.endswith("_" + suffix):
+            return unit
+    return "count"
+
+
 def write_outputs(rows: list[dict], out_dir: Path, meta: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
+    tidy = long_rows(rows)
     keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
+    for r in tidy:
+        keys += [k for k in r if k not in keys and k not in ("metric", "unit", "p20", "p50", "p80")]
     with open(out_dir / "sweep.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys + list(meta))
+        w = csv.DictWriter(f, fieldnames=keys + ["metric", "unit", "p20", "p50", "p80"] + list(meta))
         w.writeheader()
-        for r in rows:
+        for r in tidy:
             w.writerow({**r, **meta})
     lines = [f"# kvtriton sweep ({meta['device']}, {meta['timestamp']})", "",
-             f"Reproduce: `{meta['command']}`. torch {meta['torch']}, git {meta['git_sha']}.", ""]
+             f"Reproduce: `{meta['command']}`. torch {meta['torch']}, git {meta['git_sha']}. Timings: median "
+             "with [p20-p80] of repeated runs in one process; `sweep.csv` has every quantity in long form.", ""]
     desc = [r for r in rows if r["section"] == "descriptors"]
     if desc:
         lines += ["## Descriptors per decode rank (one request of "
                   f"{desc[0]['tokens']} tokens; worst decode rank)", "",
                   "kvtriton = staged (one per source->destination pair, unchunked) + direct "
                   "(coalesced block runs of REPLICATE regions); `chunked` = staged with 64 MiB "
-                  "chunks. vLLM columns: direct head-slice reads, one per (source, layer, block), "
-                  "K/V packed or separate. Block ids come in runs of 8 consecutive blocks. Modes "
-                  "come from the default CostModel (CPU-calibrated: 2.3 us per descriptor, 10 GB/s "
-                  "repack), which sends whole-block SPLIT slices of >= ~11.5 KB direct (e.g. "
-                  "8->16 with 8 heads at block 64).", "",
-                  "| preset | P->D | block | kvtriton | staged | direct | staged, chunked | vLLM K/V packed | vLLM K/V separate | per-token | vLLM sep. / kvtriton |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "chunks. vLLM columns: direct head-slice reads; vLLM 0.33 keeps K and V together "
+                  "per (head, token), so its count is one per (source, layer, block) (`vLLM K||V`, the "
+                  "headline baseline); `K/V separate` counts K and V as two streams. Block ids come in "
+                  "runs of 8 consecutive blocks. Modes come from the default CostModel (CPU, 2.3 us "
+                  "per descriptor, 10 GB/s repack: whole-block SPLIT slices of >= ~11.5 KB go direct, "
+                  "e.g. 8->16 with 8 heads at block 64).", "",
+                  "| preset | P->D | block | kvtriton | staged | direct | staged, chunked | vLLM K\\|\\|V | vLLM K/V separate | per-token | **vLLM K\\|\\|V / kvtriton** | K/V separate / kvtriton |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in desc:
             if "note" in r:
                 lines.append(f"| {r['preset']} | {r['p_tp']}->{r['d_tp']} | {r['block_size']} | "
-                             f"{r['note']} |||||||| ")
+                             f"{r['note']} ||||||||| ")
                 continue
             lines.append(
                 f"| {r['preset']} | {r['p_tp']}->{r['d_tp']} | {r['block_size']} | {r['kvtriton']:,} | "
                 f"{r['kvtriton_staged']:,} | {r['kvtriton_direct']:,} | {r['kvtriton_staged_chunked']:,} | "
                 f"{r['vllm_kv_packed']:,} | {r['vllm_kv_separate']:,} | {r['per_token']:,} | "
-                f"{r['reduction_vs_vllm']:,}x |")
+                f"**{r['vllm_packed_per_kvtriton']:,}x** | {r['vllm_separate_per_kvtriton']:,}x |")
         lines.append("")
-    for section, title in (("kernels", "Pack/unpack throughput (GB/s = bytes read + written / time)"),
-                           ("e2e", "One request end to end over NIXL (2 processes, UCX on 127.0.0.1)")):
-        sec = [r for r in rows if r["section"] == section]
-        if not sec:
-            continue
-        cols = [k for k in sec[0] if k not in ("section",)]
-        for r in sec:
-            cols += [k for k in r if k not in cols and k != "section"]
-        lines += [f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in sec]
-        lines.append("")
+    # block-size-change rows (bench/block_sizes.py) ride in the kernels and e2e sections, in a table of their own
+    kern = [r for r in rows if r["section"] == "kernels" and "src_block" not in r]
+    if kern:
+        lines += _table("Pack/unpack throughput (GB/s = bytes read + written / time)", kern)
+    e2e = [r for r in rows if r["section"] == "e2e" and "src_block" not in r]
+    if e2e:
+        lines += _e2e_summary(e2e)
+    for sec, what in (("kernels", "pack/unpack alone"), ("e2e", "one request end to end over NIXL")):
+        bs = [r for r in rows if r["section"] == sec and "src_block" in r]
+        if bs:
+            lines += _table(f"Block-size changes, {what} (against equal block sizes; goal <= 1.2x)", bs)
+    grid = [r for r in rows if r["section"] == "costmodel"]
+    if grid:
+        lines += _costmodel_summary(grid)
+    plan = [r for r in rows if r["section"] == "planning"]
+    if plan:
+        lines += _table("Planning cost per request (us; goal <= 50, flat in block count where the work allows)",
+                        plan)
     rogue = [r for r in rows if r["section"] == "rogue"]
     if rogue:
         from rogue import summary_lines  # bench/rogue.py
@@ -174,6 +223,87 @@ def write_outputs(rows: list[dict], out_dir: Path, meta: dict) -> None:
         lines += _pd_vllm_summary(pd)
     (out_dir / "summary.md").write_text("\n".join(lines))
     _plot(desc, out_dir / "descriptors.png")
+
+
+def _fmt(r: dict, k: str) -> str:
+    v = r.get(k, "")
+    if f"{k}_p20" in r:
+        return f"{v} [{r[k + '_p20']}-{r[k + '_p80']}]"
+    return _cell(v)
+
+
+def _cell(v) -> str:
+    """A markdown table cell: pipes escaped (method names say K||V)."""
+    return str(v).replace("|", "\\|")
+
+
+def _table(title: str, sec: list[dict], drop=("section",)) -> list[str]:
+    cols: list[str] = []
+    for r in sec:
+        cols += [k for k in r if k not in cols and k not in drop and not k.endswith(("_p20", "_p80"))]
+    lines = [f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r, c) for c in cols) + " |" for r in sec]
+    return lines + [""]
+
+
+def _e2e_summary(rows: list[dict]) -> list[str]:
+    lines = ["## One request end to end over NIXL (2 processes on 127.0.0.1)", "",
+             f"{rows[0].get('case', '')}. Each (transport, host) ran in its own processes; `busy` = one "
+             "busy-loop neighbor process on the same 2 cores for the whole run. ms: median [p20-p80].", ""]
+    configs = list(dict.fromkeys((r.get("transport"), r.get("host")) for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "failed"))
+    lines += ["| method | descriptors | " + " | ".join(f"{t}, {h}" for t, h in configs) + " |",
+              "|---|---|" + "---|" * len(configs)]
+    for m in methods:
+        sel = {(r["transport"], r["host"]): r for r in rows if r["method"] == m}
+        d = next(iter(sel.values()))["descriptors"]
+        lines.append(f"| {_cell(m)} | {d:,} | " + " | ".join(_fmt(sel[c], "ms") if c in sel else "" for c in configs) + " |")
+    lines += ["", "Same-run ratios (median / median, lower is better for kvtriton):", ""]
+    for t, h in configs:
+        sel = {r["method"]: r["ms"] for r in rows if (r.get("transport"), r.get("host")) == (t, h) and "ms" in r}
+        pull = sel.get("kvtriton staged, pull, 1 chunk(s) x 1 in flight")
+        push = sel.get("kvtriton staged, push, 1 chunk(s) x 1 in flight")
+        packed = sel.get("vLLM 0.33 direct 8 KiB K||V reads")
+        sep = sel.get("direct 4 KiB reads, K/V separate")
+        if None in (pull, push, packed, sep):
+            fail = [r.get("note", "") for r in rows if (r.get("transport"), r.get("host")) == (t, h)]
+            lines.append(f"- {t}, {h}: incomplete ({'; '.join(fail)[:200]})")
+            continue
+        lines.append(f"- {t}, {h}: staged pull / vLLM K||V direct = **{pull / packed:.2f}**, staged push / vLLM "
+                     f"K||V direct = **{push / packed:.2f}**; staged pull / K/V-separate direct = {pull / sep:.2f}, "
+                     f"push / K/V-separate = {push / sep:.2f}; READ floor {sel.get('single descriptor READ (pull floor)')}"
+                     f" ms, WRITE floor {sel.get('single descriptor WRITE (push floor)')} ms")
+    return lines + [""]
+
+
+def _costmodel_summary(rows: list[dict]) -> list[str]:
+    from costgrid import noise_line, summary_line  # bench/costgrid.py
+
+    lines = ["## Cost model: the plan's choice against every mode it could have chosen (bench/costgrid.py)", "",
+             "One decode rank fetches one 8 MiB request (2,048 tokens, GQA head_dim 128 bf16, 8/heads layers, "
+             "random block ids) through real agents over NIXL in one process, once per feasible mode; `chosen` is "
+             "what build_plan picks with the model measured for this host and transport (kvtriton.costmodel). "
+             "Cells where only STAGED is feasible (the decode rank holds fewer heads than its source rank) are "
+             "not timed. ms: median [p20-p80].", "",
+             "| transport | P->D | heads/rank | block | layout | B/descriptor | chosen | chosen ms | best | best ms "
+             "| staged ms | direct ms | chosen/best | miss beyond noise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "ratio" not in r:
+            lines.append(f"| {r.get('transport')} | failed: {r.get('note', '')[:200]} |||||||||||| ")
+            continue
+        lines.append(f"| {r['transport']} | {r['p_tp']}->{r['d_tp']} | {r['heads_per_rank']} | {r['block_size']} | "
+                     f"{r['layout']} | {r['bytes_per_descriptor']:,} | {r['chosen']} | {_fmt(r, 'chosen_ms')} | "
+                     f"{r['best']} | {_fmt(r, 'best_ms')} | {_fmt(r, 'staged_ms')} | {_fmt(r, 'direct_ms')} | "
+                     f"{r['ratio']:.2f} | {r.get('miss_beyond_noise', '')} |")
+    models = list(dict.fromkeys((r.get("transport"), r.get("note")) for r in rows if "ratio" in r))
+    lines += [""] + [f"- {t}: {n}; {summary_line([r for r in rows if r.get('transport') == t])}; "
+                     f"{noise_line([r for r in rows if r.get('transport') == t])}" for t, n in models]
+    lines += ["", "The model is measured once, at the start, on a machine other processes share; the cells are "
+              "timed over the next minutes. A cell whose two modes are within each other's p20-p80 spread is a "
+              "coin toss the model cannot win reliably (it sits near the crossover); the count of misses beyond "
+              "that spread is what a better model could fix.", ""]
+    return lines + [noise_line(rows), "", summary_line(rows), ""]
 
 
 def _plot(desc: list[dict], path: Path) -> None:
@@ -218,7 +348,7 @@ def print_table(rows: list[dict]) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller payloads and fewer repetitions")
-    ap.add_argument("--sections", default="descriptors,kernels,e2e,rogue,pd_vllm")
+    ap.add_argument("--sections", default="descriptors,kernels,e2e,costmodel,planning,rogue,pd_vllm")
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
@@ -238,14 +368,23 @@ def main(argv=None) -> int:
         from block_sizes import kernel_rows  # bench/block_sizes.py: block-size changes vs equal sizes
 
         rows += [{"section": "kernels", **r} for r in kernel_rows(device, args.quick)]
-    if "e2e" in sections and (HERE / "e2e.py").exists() and importlib.util.find_spec("nixl"):
-        from e2e import run_e2e_bench  # bench/e2e.py
+    have_nixl = importlib.util.find_spec("nixl") is not None
+    if "e2e" in sections and have_nixl:
+        from e2e import run_e2e_matrix  # bench/e2e.py
 
-        rows += [{"section": "e2e", **r} for r in run_e2e_bench(quick=args.quick)]
+        rows += [{"section": "e2e", **r} for r in run_e2e_matrix(quick=args.quick)]
         from block_sizes import e2e_rows  # bench/block_sizes.py
 
         rows += [{"section": "e2e", **r} for r in e2e_rows(quick=args.quick)]
-    if "rogue" in sections and (HERE / "rogue.py").exists() and importlib.util.find_spec("nixl"):
+    if "costmodel" in sections and have_nixl:
+        from costgrid import run_costgrid  # bench/costgrid.py
+
+        rows += [{"section": "costmodel", **r} for r in run_costgrid(quick=args.quick)]
+    if "planning" in sections:
+        from planning import planning_rows  # bench/planning.py
+
+        rows += [{"section": "planning", **r} for r in planning_rows(quick=args.quick)]
+    if "rogue" in sections and have_nixl:
         from rogue import run_rogue_bench  # bench/rogue.py
 
         rows += [{"section": "rogue", **r} for r in run_rogue_bench(quick=args.quick)]

@@ -9,7 +9,12 @@ Metadata (one per rank)::
     {v, fmt, engine, rank, tp, agent, agent_md, mem, dev,
      regions: [{name, kind, layout, num_blocks, block_size, total_heads, local_heads,
                 head_dims, dtype, itemsize, strides, addrs, spans}],
-     staging: {addr, slot_bytes, num_slots, chunk_bytes}}
+     staging: {addr, slot_bytes, num_slots, chunk_bytes},
+     cost: {desc_us, pack_gbps, unpack_gbps, read_gbps, write_gbps}}   # optional
+
+``cost`` is the rank's planning :class:`~kvtriton.plan.CostModel`: a source plans a decode rank's
+transfers with the *decode rank's* model, so both sides choose the same modes even when their
+own measurements differ.
 
 Control messages ride on NIXL notifications: ``{v, t, ...}``; :func:`decode_message` turns
 each into its own frozen dataclass (:data:`MESSAGE_TYPES`), whose fields are its schema.
@@ -23,7 +28,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from .errors import ProtocolError
-from .plan import STAGED_LAYOUT_VERSION
+from .plan import STAGED_LAYOUT_VERSION, CostModel
 from .regions import Kind, Layout, RegionSpec
 
 __all__ = [
@@ -96,6 +101,10 @@ class RankMetadata:
     staging: StagingInfo
     # the settings both engines must share to plan alike: (name, canonical value) pairs
     planning: tuple[tuple[str, str], ...] = ()
+    cost: CostModel | None = None  # the planning model this rank uses as a destination
+
+
+_COST_MAX = 1e9  # us per descriptor or GB/s: far beyond any transport, still finite
 
 
 def stream_span(spec: RegionSpec, stream: int) -> int:
@@ -121,6 +130,7 @@ def encode_metadata(md: RankMetadata) -> bytes:
         staging=dict(addr=md.staging.addr, slot_bytes=md.staging.slot_bytes,
                      num_slots=md.staging.num_slots, chunk_bytes=md.staging.chunk_bytes),
         planning=[list(p) for p in md.planning],
+        **({} if md.cost is None else {"cost": md.cost.as_dict()}),
     ), use_bin_type=True)
 
 
@@ -205,7 +215,21 @@ def decode_metadata(data: bytes) -> RankMetadata:
     if len({p[0] for p in planning}) != len(planning):
         raise ProtocolError("metadata: planning names a setting twice")
     return RankMetadata(engine, rank, tp, agent, agent_md, mem, dev, tuple(specs), tuple(addrs),
-                        tuple(spans), staging, tuple(tuple(p) for p in planning))
+                        tuple(spans), staging, tuple(tuple(p) for p in planning), _cost(d))
+
+
+def _cost(d: dict) -> CostModel | None:
+    """The optional cost model: every field a finite positive number below :data:`_COST_MAX`."""
+    if "cost" not in d:
+        return None
+    c = _get(d, "cost", dict, "metadata")
+    vals = {}
+    for key in CostModel().as_dict():
+        v = c.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < _COST_MAX:
+            raise ProtocolError(f"metadata: cost.{key} must be a number in (0, {_COST_MAX:g}), got {v!r}")
+        vals[key] = float(v)
+    return CostModel(**vals, source="peer metadata")
 
 
 # --------------------------------------------------------------------------- control messages

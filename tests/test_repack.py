@@ -149,3 +149,10 @@ def test_property_any_tp_pair_layout_dtype_storage(case):
              src_blocks=n + case["src_extra"], dst_blocks=n + case["dst_extra"],
              src_pad=case["src_pad"], dst_pad=case["dst_pad"], seed=case["seed"],
              pad_ids=case["pad_ids"], modes=case["modes"])
+
+
+def test_padded_source_position_does_not_overwrite_the_last_block():
+    """Regression (hypothesis, seed 734): with every source block in use, a -1 (padding) source id
+    must not land in the last block, which another position of the request reads."""
+    models = [RegionModel("r0", Kind.SPLIT, 6, (8, 8), torch.float32), RegionModel.mla("r1", 8, torch.float32)]
+    run_case(models, 1, 1, block_size=4, n=5, src_blocks=5, dst_blocks=5, seed=734, pad_ids=True)

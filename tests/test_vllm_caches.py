@@ -137,9 +137,11 @@ def test_settings_are_checked():
     from kvtriton.integrations.vllm.settings import ConnectorSettings, SettingsError
 
     s = ConnectorSettings.from_extra_config({"port": 6000, "lease_s": 5, "mode": "push"})
-    assert s.port == 6000 and s.lease_s == 5.0 and s.mode == "push"
+    assert s.port == 6000 and s.lease_s == 5.0 and s.mode == "push" and s.cost_model == "default"
+    assert ConnectorSettings.from_extra_config({"cost_model": "measured"}).cost_model == "measured"
     for bad, match in (({"prot": 1}, "unknown keys"), ({"port": "6000"}, "must be int"), ({"port": 0}, "TCP port"),
-                       ({"mode": "both"}, "pull"), ({"lease_s": 0}, "> 0"), ({"staging_bytes": True}, "must be int")):
+                       ({"mode": "both"}, "pull"), ({"lease_s": 0}, "> 0"), ({"staging_bytes": True}, "must be int"),
+                       ({"cost_model": "guess"}, "'default' or 'measured'")):
         with pytest.raises(SettingsError, match=match):
             ConnectorSettings.from_extra_config(bad)
 

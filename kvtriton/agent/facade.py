@@ -204,14 +204,16 @@ class TransferAgent:
             regions=tuple(self.specs), addrs=links.addrs, spans=links.spans,
             staging=wire.StagingInfo(self.pool.addr, self.pool.slot_bytes, self.pool.num_slots, self.chunk_bytes),
             planning=self._links.s.planning(),
+            cost=links.s.cost,
         ))
 
     def add_remote(self, metadata: bytes) -> str:
         """Validate a peer rank's metadata and connect to it; returns its engine id.
 
         Runs the validation gate per region (count and order, kind, dtype, head_dim, block_size,
-        head counts vs TP) and checks staging compatibility and the planning settings (cost
-        model, forced modes, replicate stripe: both engines must plan alike), raising
+        head counts vs TP) and checks staging compatibility and the planning settings (forced
+        modes, replicate stripe: both engines must plan alike; the cost model may differ, a
+        source plans a destination's transfers with the model in its metadata), raising
         :class:`~kvtriton.errors.IncompatibleRemoteError` / :class:`~kvtriton.errors.ProtocolError`
         before anything is prepared. A peer that reappears (same engine and rank, new agent)
         replaces the old one; transfers in flight with the old one fail with

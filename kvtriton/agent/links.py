@@ -54,7 +54,9 @@ class Settings:
 
     def planning(self) -> tuple[tuple[str, str], ...]:
         """The settings both engines must share to compute the same plans, as (name, canonical
-        value) pairs for the handshake (:meth:`TransferAgent.add_remote` compares them)."""
+        value) pairs for the handshake (:meth:`TransferAgent.add_remote` compares them). The
+        cost model is not one of them: the destination's travels in its metadata and the source
+        plans that destination's transfers with it."""
         def mode(v) -> str:
             return v.value if isinstance(v, Mode) else str(v)
 
@@ -62,20 +64,19 @@ class Settings:
             modes = "all:" + ("auto" if self.modes is None else mode(self.modes))
         else:
             modes = ",".join(f"{k}={mode(v)}" for k, v in sorted(self.modes.items()))
-        c = self.cost
-        return (("cost", f"desc_us={c.desc_us!r},pack_gbps={c.pack_gbps!r},unpack_gbps={c.unpack_gbps!r}"),
-                ("modes", modes or "none"), ("replicate_stripe", repr(self.stripe)))
+        return (("modes", modes or "none"), ("replicate_stripe", repr(self.stripe)))
 
     @property
     def name(self) -> str:
         return f"{self.engine_id}:{self.rank}"
 
     def plan(self, dst_rank: int, dst_tp: int, dst_specs: Sequence[RegionSpec], src_tp: int,
-             src_specs: Sequence[RegionSpec]) -> TransferPlan:
+             src_specs: Sequence[RegionSpec], cost: CostModel | None = None) -> TransferPlan:
         """The plan of one (destination rank, source engine) pair under this rank's route
-        choices; both engines must compute the same one (the protocol checks its digest)."""
-        return build_plan(dst_rank, dst_tp, dst_specs, src_tp, src_specs, modes=self.modes, cost=self.cost,
-                          replicate_stripe=self.stripe)
+        choices; both engines must compute the same one (the protocol checks its digest).
+        ``cost``: the destination's model when we are the source (its metadata carries it)."""
+        return build_plan(dst_rank, dst_tp, dst_specs, src_tp, src_specs, modes=self.modes,
+                          cost=cost or self.cost, replicate_stripe=self.stripe)
 
 
 @dataclass(eq=False)

@@ -111,7 +111,9 @@ class Source:
         self.s, self.links = settings, links
         self.holds: dict[str, Hold] = {}
         self.serves: dict[tuple[str, str], Serve] = {}  # by (peer agent, transfer id)
-        self.plans: dict[tuple[str, int], TransferPlan] = {}  # per (engine, destination rank)
+        # per (engine, destination rank, its cost model): a rank that reconnects with another model
+        # is planned again
+        self.plans: dict[tuple, TransferPlan] = {}
         self.freed: list[FreedRequest] = []
         self.engine_slots: dict[str, int] = {}  # staging slots each peer engine's transfers keep
         self.engine_progress: dict[str, float] = {}  # when each peer engine last made progress
@@ -177,13 +179,14 @@ class Source:
         dst_rank, eng = m.dst_rank, peer.md.engine
         if dst_rank != peer.md.rank:
             return reject(f"dst_rank {dst_rank} does not match the sender's rank {peer.md.rank}")
-        plan = self.plans.get((eng, dst_rank))
+        plan = self.plans.get((eng, dst_rank, peer.md.cost))
         if plan is None:
             try:
-                plan = self.s.plan(dst_rank, peer.md.tp, peer.md.regions, self.s.tp, self.s.specs)
+                plan = self.s.plan(dst_rank, peer.md.tp, peer.md.regions, self.s.tp, self.s.specs,
+                                   cost=peer.md.cost)  # the destination's model decides
             except KVTritonError as e:
                 return reject(f"cannot plan for {eng}:{dst_rank}: {e}")
-            self.plans[(eng, dst_rank)] = plan
+            self.plans[(eng, dst_rank, peer.md.cost)] = plan
         if m.plan != plan.digest():
             return reject(f"{eng}:{dst_rank} planned this transfer differently from {me} "
                           "(modes, cost model or replicate stripe differ between the engines)")

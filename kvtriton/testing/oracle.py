@@ -143,13 +143,16 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def load_source(regions: Sequence[Region], rank: int, tp: int, global_kv, block_ids) -> None:
-    """Write this rank's heads of the global KV into blocks ``block_ids`` (position j <- block j)."""
-    ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
+    """Write this rank's heads of the global KV into blocks ``block_ids`` (position j <- block j;
+    -1: position j is padding and goes nowhere; as an index it would hit the last block)."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    keep = torch.as_tensor(np.flatnonzero(ids >= 0))
+    ids_t = torch.as_tensor(ids[ids >= 0])
     for region, streams in zip(regions, global_kv):
         h0, h1 = _heads(region, rank, tp)
         for j, g in enumerate(streams):
             view = _bytes(region.nhd(j))
-            view[ids] = _bytes(g[:, :, h0:h1].to(view.device))
+            view[ids_t] = _bytes(g[keep][:, :, h0:h1].to(view.device))
 
 
 def snapshot(regions: Sequence[Region]) -> list[list[torch.Tensor]]:

@@ -41,6 +41,10 @@ class ConnectorSettings:
     impl:                repack implementation (``"auto"``, ``"triton"``, ``"torch"``).
     kv_cache_layout:     layout asked of vLLM for attention caches (``"LBHNC"``: head-major
                          blocks, so a head slice of a block is contiguous); ``""`` asks for none.
+    cost_model:          ``"default"`` (the hand-calibrated CPU constants) or ``"measured"``: the
+                         decode ranks plan STAGED/DIRECT with a model measured on this host,
+                         transport and device (:mod:`kvtriton.costmodel`, ~2 s once, then cached);
+                         prefill ranks follow what each decode rank's metadata carries.
     """
 
     host: str = "127.0.0.1"
@@ -57,6 +61,7 @@ class ConnectorSettings:
     progress_interval_s: float = 0.001
     impl: str = "auto"
     kv_cache_layout: str = "LBHNC"
+    cost_model: str = "default"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
@@ -100,3 +105,5 @@ class ConnectorSettings:
             raise bad("progress_interval_s", ">= 0 seconds")
         if self.impl not in ("auto", "triton", "torch"):
             raise bad("impl", "'auto', 'triton' or 'torch'")
+        if self.cost_model not in ("default", "measured"):
+            raise bad("cost_model", "'default' or 'measured'")

@@ -33,7 +33,7 @@ from ... import wire
 from ...agent import TransferAgent
 from ...errors import KVTritonError, PeerDisconnectedError, ProtocolError, RequestRejectedError
 from ...handshake import MetadataServer, exchange_metadata
-from ...plan import required_source_ranks
+from ...plan import CostModel, required_source_ranks
 from ...regions import Region
 from .scheduler import LoadSpec, RemoteSource, StepMessages
 from .settings import ConnectorSettings
@@ -60,9 +60,15 @@ class WorkerSide:
                  regions: Sequence[Region], serve: bool):
         self.settings, self.engine_id, self.rank, self.tp_size = settings, engine_id, rank, tp_size
         s = settings
+        cost = CostModel()
+        if s.cost_model == "measured":
+            from ...costmodel import load_or_measure
+
+            cost = load_or_measure(regions[0].device.type, s.impl)
         self.agent = TransferAgent(engine_id, rank, tp_size, regions, staging_bytes=s.staging_bytes,
                                    slot_bytes=s.slot_bytes, mode=s.mode, chunk_bytes=s.chunk_bytes or None,
-                                   inflight_chunks=s.inflight_chunks, timeout_s=s.timeout_s, impl=s.impl)
+                                   inflight_chunks=s.inflight_chunks, timeout_s=s.timeout_s, impl=s.impl,
+                                   cost=cost)
         self.server: MetadataServer | None = None
         try:
             if serve:

@@ -1,0 +1,51 @@
+"""Planning cost per request: what the planner adds to every fetch, in microseconds.
+
+A plan is built once per (destination rank, source engine) at handshake; a request only adds its
+block ids. Per request a decode rank checks and compacts the ids (:func:`compact_request`), cuts
+each staged payload into chunks (:meth:`ChunkGeometry.fit`) with its segment offsets, and turns
+the DIRECT regions into coalesced runs (:func:`direct_runs`). This times exactly that, on one
+thread, for 1k- and 128k-token requests (block ids in shuffled runs of 8 blocks, as a paged
+allocator hands them out after some churn), for a staged model (Llama-3-70B, P4->D8) and a
+direct one (DeepSeek-V3 MLA, P8->D4: zero-copy runs). Goal: <= 50 us and flat in block count
+where the work allows (compaction and runs are O(blocks) numpy passes, so they cannot be flat).
+"""
+
+from __future__ import annotations
+
+from presets import PRESETS, specs_for
+from timing import qfields, quantiles_ms
+
+from kvtriton.plan import ChunkGeometry, build_plan, compact_request, direct_runs
+
+CHUNK_BYTES = 64 << 20
+
+
+def planning_rows(quick: bool = False) -> list[dict]:
+    from sweep import fragmented_block_ids  # bench/sweep.py
+
+    rows = []
+    for preset, (p_tp, d_tp) in (("llama3-70b", (4, 8)), ("deepseek-v3", (8, 4))):
+        for tokens in (1024, 131072):
+            bs = 16
+            n = tokens // bs
+            num_blocks = 2 * n
+            src = specs_for(PRESETS[preset], 0, p_tp, num_blocks, bs)
+            dst = specs_for(PRESETS[preset], 0, d_tp, num_blocks, bs)
+            plan = build_plan(0, d_tp, dst, p_tp, src)
+            src_ids = fragmented_block_ids(n, num_blocks, 8, seed=1)
+            dst_ids = fragmented_block_ids(n, num_blocks, 8, seed=2)
+            out = {}
+
+            def per_request():
+                s, t = compact_request(src_ids, dst_ids, num_blocks, num_blocks)
+                for read in plan.staged:
+                    g = ChunkGeometry.fit(read.bytes_per_block, s.size, CHUNK_BYTES)
+                    read.segment_offsets(g.bounds(0)[1] - g.bounds(0)[0])
+                out["runs"] = len(direct_runs(plan, src, dst, s, t)) if plan.direct else 0
+
+            reps = (200 if tokens < 10_000 else 20) // (4 if quick else 1)
+            q = quantiles_ms(per_request, reps)
+            rows.append(dict(preset=preset, p_tp=p_tp, d_tp=d_tp, block_size=bs, tokens=tokens, blocks=n,
+                             modes="+".join(sorted({m.value for m in plan.modes})), direct_runs=out["runs"],
+                             **qfields("us", tuple(x * 1e3 for x in q), 1)))
+    return rows

@@ -1,0 +1,210 @@
+"""Measure the planner's :class:`~kvtriton.plan.CostModel` on this host, transport and device.
+
+:func:`~kvtriton.plan.build_plan` chooses STAGED or DIRECT per region from a few numbers (the
+cost of one descriptor, pack and unpack bandwidth); this module measures them instead of assuming
+them, and caches the result on disk per (host, transport, device) so a serving process pays the
+~1 s measurement once. The planner stays pure: it is *given* a model (``build_plan(cost=...)``,
+``TransferAgent(cost=...)``); nothing here is called by it.
+
+What is measured, each the median of ``reps`` runs after one warm-up:
+
+* ``read_gbps`` / ``write_gbps``: one descriptor of :data:`PROBE_BYTES` between two NIXL agents
+  of this process over the transport UCX picks (``UCX_TLS`` is read when the first agent starts,
+  so the transport is this process's);
+* ``desc_us``: the same bytes as :data:`PROBE_DESCRIPTORS` scattered descriptors, minus the one
+  descriptor time, per descriptor;
+* ``pack_gbps`` / ``unpack_gbps``: :func:`kvtriton.ops.pack` / ``unpack`` (payload bytes / time,
+  the ``impl`` the agent uses on ``device``) for an NHD -> HND head-slice repack of that size.
+
+Both engines must plan alike: the decode rank's model is the one that counts (it travels in
+its handshake metadata and the source plans that rank's transfers with it).
+
+Re-run: ``python -m kvtriton.costmodel --remeasure [--device cuda]`` (prints the model and the
+cache file), or ``load_or_measure(remeasure=True)``. The cache directory is
+``$KVTRITON_CACHE_DIR`` or ``~/.cache/kvtriton``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .plan import CostModel
+
+__all__ = ["PROBE_BYTES", "PROBE_DESCRIPTORS", "transport_key", "cache_path", "measure", "load_or_measure"]
+
+PROBE_BYTES = 8 << 20  # big enough that a post's fixed cost is noise, small enough for ~1 s
+PROBE_DESCRIPTORS = 2048  # 4 KiB each: a vLLM-style head slice of a 16-token block
+CACHE_VERSION = 1
+
+
+def transport_key() -> str:
+    """The transport this process's NIXL agents will use, as a file-name-safe key."""
+    tls = os.environ.get("UCX_TLS", "")
+    return "ucx-" + ("".join(c if c.isalnum() else "_" for c in tls) if tls else "default")
+
+
+def cache_path(device: str = "cpu", transport: str | None = None) -> Path:
+    """Where the model of this host, ``transport`` (default: this process's) and device lives.
+    On a CPU the repack runs on torch's intra-op threads, so their count is part of the key (a
+    model measured with 2 threads overstates a 1-thread process's repack bandwidth ~1.5x)."""
+    import torch
+
+    root = Path(os.environ.get("KVTRITON_CACHE_DIR") or Path.home() / ".cache" / "kvtriton")
+    host = "".join(c if c.isalnum() or c in "-." else "_" for c in platform.node() or "host")
+    dev = f"{device}-t{torch.get_num_threads()}" if device == "cpu" else device
+    return root / "costmodel" / f"{host}-{transport or transport_key()}-{dev}.json"
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(ts))
+
+
+def _transport_costs(reps: int) -> tuple[float, float, float]:
+    """(desc_us, read_gbps, write_gbps) between two NIXL agents of this process."""
+    import torch
+
+    from .transport.nixl import NixlTransport, XferStatus
+
+    tag = f"{os.getpid()}-{time.monotonic_ns() % 10**9}"
+    a, b = NixlTransport(f"costmodel-a-{tag}"), NixlTransport(f"costmodel-b-{tag}")
+    try:
+        src = torch.randint(0, 256, (PROBE_BYTES,), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        a.register(dst)
+        b.register(src)
+        peer = a.add_remote(b.metadata())
+        b.add_remote(a.metadata())
+        piece = PROBE_BYTES // PROBE_DESCRIPTORS
+        order = np.random.default_rng(0).permutation(PROBE_DESCRIPTORS)  # never adjacent: no merging
+        one_l = a.prep_local(np.array([[dst.data_ptr(), PROBE_BYTES, 0]]), "DRAM")
+        one_r = a.prep_remote(peer, np.array([[src.data_ptr(), PROBE_BYTES, 0]]), "DRAM")
+        many = np.stack([np.arange(PROBE_DESCRIPTORS) * piece, np.full(PROBE_DESCRIPTORS, piece),
+                         np.zeros(PROBE_DESCRIPTORS, np.int64)], 1).astype(np.int64)
+        many_l = many.copy()
+        many_l[:, 0] = dst.data_ptr() + order * piece
+        many[:, 0] += src.data_ptr()
+        ml, mr = a.prep_local(many_l, "DRAM"), a.prep_remote(peer, many, "DRAM")
+        idx = np.arange(PROBE_DESCRIPTORS)
+
+        def xfer(op, local, remote, i) -> None:
+            x = a.post(op, local, i, remote, i)
+            deadline = time.monotonic() + 30
+            while a.poll(x) is not XferStatus.DONE:
+                b.poll_notifs()  # the passive side must be driven too (no progress thread)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"cost model probe: {op} did not finish in 30 s")
+            a.release(x)
+
+        read_ms = _median_ms(lambda: xfer("READ", one_l, one_r, [0]), reps)
+        write_ms = _median_ms(lambda: xfer("WRITE", one_l, one_r, [0]), reps)
+        many_ms = _median_ms(lambda: xfer("READ", ml, mr, idx), reps)
+        desc_us = max(0.01, (many_ms - read_ms) * 1e3 / (PROBE_DESCRIPTORS - 1))
+        return desc_us, PROBE_BYTES / read_ms / 1e6, PROBE_BYTES / write_ms / 1e6
+    finally:
+        a.close()
+        b.close()
+
+
+def _repack_costs(device: str, impl: str, reps: int) -> tuple[float, float]:
+    """(pack_gbps, unpack_gbps): NHD 2-head source -> HND 1-head destination, block 16, bf16."""
+    import torch
+
+    from . import ops
+    from .plan import build_plan
+    from .testing.oracle import RegionModel, make_rank_regions
+
+    layers, block = 4, 16
+    models = [RegionModel.gqa(f"l{i}", 2, 128, torch.bfloat16) for i in range(layers)]
+    n = PROBE_BYTES // (layers * 2 * block * 128 * 2)
+    num_blocks = n + 8
+    gen = torch.Generator().manual_seed(0)
+    src = make_rank_regions(models, 0, 1, num_blocks, block, layout="NHD", gen=gen, device=device)
+    dst = make_rank_regions(models, 0, 2, num_blocks, block, layout="HND", gen=gen, device=device)
+    read = build_plan(0, 2, [r.spec for r in dst], 1, [r.spec for r in src], modes="staged").staged[0]
+    rng = np.random.default_rng(0)
+    src_ids = torch.as_tensor(rng.permutation(num_blocks)[:n], device=device)
+    dst_ids = torch.as_tensor(rng.permutation(num_blocks)[:n], device=device)
+    nbytes = read.payload_bytes(n)
+    staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    offs = read.segment_offsets(n)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def run(op, regions, ids):
+        def fn():
+            getattr(ops, op)(regions, read.segments, offs, ids, staging, impl=impl)
+            sync()
+        return fn
+
+    pack_ms = _median_ms(run("pack", src, src_ids), reps)
+    unpack_ms = _median_ms(run("unpack", dst, dst_ids), reps)
+    return nbytes / pack_ms / 1e6, nbytes / unpack_ms / 1e6
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def measure(device: str = "cpu", impl: str = "auto", reps: int = 5) -> CostModel:
+    """Measure a :class:`CostModel` now (about a second on a CPU; see the module docstring)."""
+    desc_us, read_gbps, write_gbps = _transport_costs(reps)
+    pack_gbps, unpack_gbps = _repack_costs(device, impl, reps)
+    return CostModel(desc_us=round(desc_us, 4), pack_gbps=round(pack_gbps, 3), unpack_gbps=round(unpack_gbps, 3),
+                     read_gbps=round(read_gbps, 3), write_gbps=round(write_gbps, 3),
+                     source=f"measured {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {transport_key()}, "
+                            f"{device}, {_threads()} torch threads")
+
+
+def load_or_measure(device: str = "cpu", impl: str = "auto", *, remeasure: bool = False,
+                    path: Path | None = None) -> CostModel:
+    """The cached model of this host, transport and device; measured (and cached) on first use or
+    when ``remeasure``. A cache file that does not parse is measured over, not trusted."""
+    path = path or cache_path(device)
+    if not remeasure and path.exists():
+        try:
+            d = json.loads(path.read_text())
+            if d.get("version") == CACHE_VERSION:
+                vals = {k: float(d[k]) for k in CostModel().as_dict()}
+                if all(np.isfinite(v) and v > 0 for v in vals.values()):
+                    return CostModel(**vals, source=f"cached {path}")
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    model = measure(device, impl)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(dict(version=CACHE_VERSION, **model.as_dict(), source=model.source)))
+        os.replace(tmp, path)  # atomic: concurrent processes never read half a file
+    except OSError:
+        pass  # a read-only home still gets a measured model, just not a cached one
+    return model
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Measure (or show the cached) kvtriton cost model.")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--impl", default="auto")
+    ap.add_argument("--remeasure", action="store_true", help="measure again and overwrite the cache")
+    args = ap.parse_args(argv)
+    model = load_or_measure(args.device, args.impl, remeasure=args.remeasure)
+    print(json.dumps(dict(model.as_dict(), crossover_bytes=round(model.crossover_bytes()), source=model.source,
+                          cache=str(cache_path(args.device))), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""The measured cost model: the planner reads it (pure), the wire carries it (untrusted), both
+engines plan with the decode rank's, and kvtriton.costmodel measures and caches it."""
+
+import json
+import math
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from kvtriton import wire
+from kvtriton.errors import ProtocolError
+from kvtriton.plan import CostModel, Mode, build_plan
+from kvtriton.regions import Region
+from kvtriton.testing.oracle import RegionModel, check_destination
+
+DIRECT_LOVER = CostModel(desc_us=0.001)  # descriptors nearly free: every feasible region DIRECT
+STAGED_LOVER = CostModel(desc_us=1e6)  # descriptors ruinous: everything STAGED
+
+
+def _specs(block_size=16, heads=2, tp=2):
+    t = torch.empty(8, block_size, heads, 128, dtype=torch.bfloat16, device="meta")
+    return [Region.attention("l0", t, t, block_size=block_size, total_heads=heads * tp).spec]
+
+
+def test_build_plan_follows_the_injected_model():
+    specs = _specs()  # 16 x 2 x 128 x 2 B = 8 KiB per descriptor, whole blocks, same layout
+    assert build_plan(0, 2, specs, 2, specs, cost=DIRECT_LOVER).modes == (Mode.DIRECT,)
+    assert build_plan(0, 2, specs, 2, specs, cost=STAGED_LOVER).modes == (Mode.STAGED,)
+    # the crossover is what decides: just above / below 8 KiB per descriptor
+    at = CostModel(desc_us=1.0, pack_gbps=1.0, unpack_gbps=1.0)  # crossover 500 B
+    assert at.crossover_bytes() == pytest.approx(500.0)
+    assert at.prefers_direct(500) and not at.prefers_direct(499)
+
+
+def test_estimates_add_up():
+    m = CostModel(desc_us=2.0, pack_gbps=4.0, unpack_gbps=4.0, read_gbps=8.0, write_gbps=2.0)
+    assert m.direct_us(8000, 10) == pytest.approx(10 * 2.0 + 1.0)
+    assert m.staged_us(8000) == pytest.approx(2.0 + 2.0 + 2.0 + 1.0)
+    assert m.staged_us(8000, op="WRITE") == pytest.approx(2.0 + 2.0 + 2.0 + 4.0)
+
+
+def _metadata(cost):
+    spec = _specs()[0]
+    span = tuple(wire.stream_span(spec, j) for j in range(spec.num_streams))
+    return wire.RankMetadata(engine="D", rank=0, tp=2, agent="a", agent_md=b"x", mem="DRAM", dev=0,
+                             regions=(spec,), addrs=((4096, 1 << 20),), spans=(span,),
+                             staging=wire.StagingInfo(1 << 30, 1024, 4, 2048), cost=cost)
+
+
+def test_metadata_carries_the_cost_model():
+    m = CostModel(desc_us=1.5, pack_gbps=3.0, unpack_gbps=4.0, read_gbps=5.0, write_gbps=6.0)
+    got = wire.decode_metadata(wire.encode_metadata(_metadata(m)))
+    assert got.cost == m and got.cost.as_dict() == m.as_dict()
+    assert wire.decode_metadata(wire.encode_metadata(_metadata(None))).cost is None
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, 1e12, True, "2.3", None, [1.0]])
+def test_metadata_rejects_a_bad_cost_model(bad):
+    d = msgpack.unpackb(wire.encode_metadata(_metadata(CostModel())), raw=False)
+    d["cost"]["desc_us"] = bad
+    with pytest.raises(ProtocolError, match="cost.desc_us"):
+        wire.decode_metadata(msgpack.packb(d, use_bin_type=True))
+    d["cost"] = [1, 2]
+    with pytest.raises(ProtocolError, match="cost"):
+        wire.decode_metadata(msgpack.packb(d, use_bin_type=True))
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_source_plans_with_the_destinations_model(mode):
+    """Decode prefers DIRECT, prefill's own model would say STAGED: the transfer must still agree
+    (the source plans with the model the decode rank's metadata carries) and be byte-exact."""
+    pytest.importorskip("nixl")
+    from test_agent import Engines
+
+    from kvtriton.agent import TransferAgent
+
+    models = [RegionModel.gqa("l0", 4, 16)]
+    e = Engines(1, 1, models=models, mode=mode, d_layout="NHD", p_storage="separate", connect=False,
+                cost=DIRECT_LOVER)
+    try:
+        for p in e.pa:
+            p.close()
+        e.pa = [TransferAgent("P", 0, 1, e.P[0], staging_bytes=64 << 10, slot_bytes=1024, mode=mode,
+                              timeout_s=5.0, impl="torch", cost=STAGED_LOVER)]
+        e.da[0].add_remote(e.pa[0].metadata())
+        e.pa[0].add_remote(e.da[0].metadata())
+        assert e.da[0].plan_for("P").modes == (Mode.DIRECT,)
+        src, dst = np.array([9, 3, 4, 5, 40]), np.array([0, 7, 8, 2, 30])
+        kv = e.request(src)
+        e.pa[0].hold("r", src)
+        e.da[0].fetch("r", "P", src, dst)
+        got = e.drive(1)
+        assert got[0][0].ok, got
+        check_destination(e.D[0], 0, 1, kv, dst, e.before[0])
+        assert e.da[0].stats["direct_descriptors"] + e.pa[0].stats["direct_descriptors"] > 0
+        assert e.da[0].stats["staged_descriptors"] + e.pa[0].stats["staged_descriptors"] == 0
+    finally:
+        e.close()
+
+
+@pytest.mark.nixl
+def test_load_or_measure_caches_per_transport(tmp_path, monkeypatch):
+    pytest.importorskip("nixl")
+    from kvtriton import costmodel
+
+    monkeypatch.setenv("KVTRITON_CACHE_DIR", str(tmp_path))
+    path = costmodel.cache_path("cpu")
+    assert path.parent.parent == tmp_path and costmodel.transport_key() in path.name
+    m = costmodel.load_or_measure("cpu", impl="torch")
+    assert m.source.startswith("measured") and path.exists()
+    for v in m.as_dict().values():
+        assert math.isfinite(v) and v > 0
+    again = costmodel.load_or_measure("cpu", impl="torch")
+    assert again == m and again.source.startswith("cached")
+    path.write_text(json.dumps({"version": 1, "desc_us": -1}))  # a bad cache is measured over
+    assert costmodel.load_or_measure("cpu", impl="torch").source.startswith("measured")
+    assert json.loads(path.read_text())["desc_us"] > 0
