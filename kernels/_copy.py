@@ -89,14 +89,7 @@ def _copy_block_tile(staging_ptr, seg_ptr, block_ids_ptr, j, s, PACK: tl.constex
             row_ok = rows < n_rows
             in_cache = cache_ptr + _row_offsets(blk, rows, num_heads, c_blk, c_tok, c_head, VEC)
             in_staging = staging_ptr + stg_off + _row_offsets(j, rows, num_heads, t_tile, t_tok, t_head, VEC)
-            if PACK:
-                src, dst = in_cache, in_staging
-            else:
-                src, dst = in_staging, in_cache
-            for w0 in range(0, row_words, BLOCK_W):
-                w = w0 + cols
-                mask = row_ok[:, None] & (w < row_words)[None, :]
-                tl.store(dst[:, None] + w[None, :], tl.load(src[:, None] + w[None, :], mask=mask), mask=mask)
+            _copy_rows(in_cache, in_staging, row_ok, row_words, cols, PACK, BLOCK_W)
 
 
 @triton.jit
@@ -132,11 +125,18 @@ def _copy_mapped_tile(staging_ptr, seg_ptr, block_ids_ptr, tiles_ptr, num_tokens
         row_ok = row_ok & (blk >= 0)
         in_cache = cache_ptr + (blk * c_blk + (t - pos * c_bs) * c_tok + head.to(tl.int64) * c_head)
         in_staging = staging_ptr + stg_off + _row_offsets(j, rows, num_heads, t_tile, t_tok, t_head, VEC)
-        if PACK:
-            src, dst = in_cache, in_staging
-        else:
-            src, dst = in_staging, in_cache
-        for w0 in range(0, row_words, BLOCK_W):
-            w = w0 + cols
-            mask = row_ok[:, None] & (w < row_words)[None, :]
-            tl.store(dst[:, None] + w[None, :], tl.load(src[:, None] + w[None, :], mask=mask), mask=mask)
+        _copy_rows(in_cache, in_staging, row_ok, row_words, cols, PACK, BLOCK_W)
+
+
+@triton.jit
+def _copy_rows(in_cache, in_staging, row_ok, row_words, cols, PACK: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Copy ``[BLOCK_R]`` rows of ``row_words`` words between ``in_cache`` and ``in_staging`` (row
+    start pointers), ``BLOCK_W`` words at a time; rows where ``row_ok`` is false are not touched."""
+    if PACK:
+        src, dst = in_cache, in_staging
+    else:
+        src, dst = in_staging, in_cache
+    for w0 in range(0, row_words, BLOCK_W):
+        w = w0 + cols
+        mask = row_ok[:, None] & (w < row_words)[None, :]
+        tl.store(dst[:, None] + w[None, :], tl.load(src[:, None] + w[None, :], mask=mask), mask=mask)
