@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvtriton.testing.vllm_bed import EngineProcess, TinyLlama, free_port_range  # noqa: E402
+from kvtriton.testing.vllm_bed import EngineProcess, TinyLlama, engine_cpus, free_port_range  # noqa: E402
 
 DEFAULT_VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 
@@ -81,8 +81,12 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     t0 = time.time()
     # the smaller engine first: NixlConnector's NIXL progress threads busy-poll once its agent
     # exists and starve whatever starts next on a small host; fewer spinning ranks hurt least
-    specs = {"prefill": dict(tp=prefill_tp, role="kv_producer", port=free_port_range(prefill_tp), extra=p_extra),
-             "decode": dict(tp=decode_tp, role="kv_consumer", port=free_port_range(1), extra=d_extra)}
+    # and each engine on its own cores (engine_cpus): sharing a core with the other engine's spinning
+    # ranks stalled the prefill for tens of seconds on a 2-core host
+    specs = {"prefill": dict(tp=prefill_tp, role="kv_producer", port=free_port_range(prefill_tp), extra=p_extra,
+                             cpus=engine_cpus(prefill_tp, 0)),
+             "decode": dict(tp=decode_tp, role="kv_consumer", port=free_port_range(1), extra=d_extra,
+                            cpus=engine_cpus(decode_tp, 1))}
     engines: dict[str, EngineProcess] = {}
     try:
         for name in sorted(specs, key=lambda n: (specs[n]["tp"], n != "decode")):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtriton.testing.vllm_bed import EngineProcess, free_port_range
+from kvtriton.testing.vllm_bed import EngineProcess, engine_cpus, free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = os.environ.get("KVTRITON_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
@@ -60,12 +60,13 @@ class Pair:
         port = free_port_range(p_tp)
         self.prefill = EngineProcess.start(
             VLLM_PY, model_dir, tp=p_tp, connector="kvtriton", role="kv_producer", port=port, block_size=p_block,
-            extra={**P_EXTRA, **(p_extra or {})}, engine_id=f"prefill-tp{p_tp}", log_dir=log_dir, name="prefill")
+            extra={**P_EXTRA, **(p_extra or {})}, engine_id=f"prefill-tp{p_tp}", log_dir=log_dir, name="prefill",
+            cpus=engine_cpus(p_tp, 0))
         try:
             self.decode = EngineProcess.start(
                 VLLM_PY, model_dir, tp=d_tp, connector="kvtriton", role="kv_consumer", port=free_port_range(1),
                 block_size=d_block, extra={**D_EXTRA, **(d_extra or {})}, engine_id=f"decode-tp{d_tp}",
-                log_dir=log_dir, name="decode")
+                log_dir=log_dir, name="decode", cpus=engine_cpus(d_tp, 1))  # no core shared with the prefill
         except BaseException:
             self.prefill.close()
             raise

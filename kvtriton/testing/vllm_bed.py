@@ -72,6 +72,27 @@ def make_tiny_llama(path: str | os.PathLike, model: TinyLlama = TinyLlama()) -> 
     return path
 
 
+def engine_cpus(tp: int, part: int, parts: int = 2) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for engine ``part`` of ``parts`` sharing this machine: each
+    engine gets its own slice of the CPUs this process may use (its ranks split that slice), so
+    engines never share a core when there are enough.
+
+    Why: on the 2-core test machine a TP2 decode bound to cores 0|1 next to a TP1 prefill left
+    the prefill unscheduled for 30-45 s at a time while the decode's idle workers spun (the
+    kernel logged workqueue lockups), so handshakes and loads timed out; with the prefill on
+    core 0 and both decode ranks on core 1 that stopped (see README, "Known problem")."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= parts:
+        per = len(cores) // parts
+        cores = cores[part * per:(part + 1) * per]
+    if tp <= len(cores):  # contiguous groups, one per rank
+        per = len(cores) // tp
+        groups = [cores[r * per:(r + 1) * per] for r in range(tp)]
+    else:  # more ranks than cores: ranks share them round-robin
+        groups = [[cores[r % len(cores)]] for r in range(tp)]
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
 def free_port_range(n: int = 1) -> int:
     """A base port with ``n`` consecutive ports free on 127.0.0.1 now (rank r of an engine listens
     on base + r)."""
