@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["EngineProcess", "make_tiny_llama", "TinyLlama", "free_port_range"]
+__all__ = ["EngineProcess", "make_tiny_llama", "TinyLlama", "engine_cpus", "free_port_range"]
 
 
 @dataclass(frozen=True)
@@ -95,23 +95,33 @@ def engine_cpus(tp: int, part: int, parts: int = 2) -> str:
 
 def free_port_range(n: int = 1) -> int:
     """A base port with ``n`` consecutive ports free on 127.0.0.1 now (rank r of an engine listens
-    on base + r)."""
+    on base + r), chosen below the kernel's ephemeral range: an engine binds it tens of seconds
+    later, and a port from that range (what binding port 0 returns) can meanwhile be handed to
+    any process's outgoing connection or ``bind(0)`` (UCX, gloo and ZMQ listeners of other
+    engines took one in CI)."""
+    import random
     import socket
 
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65536:
-            continue
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            eph_lo = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        eph_lo = 32768
+    lo, hi = 10000, max(10001, eph_lo - n)
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(lo, hi)
+        socks = []
         try:
-            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
+            for i in range(n):
+                socks.append(socket.create_server(("127.0.0.1", base + i)))
         except OSError:
             continue
-        for s in socks:
-            s.close()
+        finally:
+            for s in socks:
+                s.close()
         return base
-    raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1")
+    raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1 in [{lo}, {hi})")
 
 
 # --------------------------------------------------------------------------- parent side
