@@ -30,7 +30,7 @@ import torch
 
 from .launch import INT_OF_WIDTH
 from .plan import Segment
-from .regions import Layout, Region
+from .regions import Layout, Region, token_parts
 
 __all__ = ["pack_reference", "unpack_reference"]
 
@@ -110,6 +110,11 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
         m = maps.get((cache_bs, bt))
         if m is None:
             m = maps[(cache_bs, bt)] = _RowMap.build(ids, tiles, num_tokens, cache_bs, bt)
+        cache_dm = region.spec.dim_major_of(seg.stream)
+        if cache_dm or seg.dim_major:
+            _mapped_parts(pack, region, seg, head, cache_dm, staging[int(off):int(off) + n * seg.tile_bytes], n, m,
+                          cache_bs)
+            continue
         cache = region.nhd(seg.stream)[:, :, head:head + nh]
         cache_w, staged_w = _bit_views(cache, staging[int(off):int(off) + n * seg.tile_bytes], seg.row_bytes)
         if seg.dst_layout is Layout.NHD:
@@ -127,6 +132,31 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
         _copy_rows(pack, _units(c_rows, m.g), _units(s_rows, m.g), m.c_unit, m.unit_sel)
         if m.rest_sel is not None:
             _copy_rows(pack, c_rows, s_rows, m.c_row_rest, m.rest_sel)
+
+
+def _mapped_parts(pack: bool, region: Region, seg: Segment, head: int, cache_dm: int, flat: torch.Tensor, n: int,
+                  m: "_RowMap", cache_bs: int) -> None:
+    """Token-mapped copy of a segment whose cache or tiles store a dim-major row part
+    (``RegionSpec.dim_major``): each row is cut where either side's order changes, and every piece
+    moves as (block, token) advanced indexing between element views (a dim-major piece's innermost
+    stride is the block size, so no wider word applies)."""
+    word = INT_OF_WIDTH[seg.itemsize]
+    nh, bt = seg.num_heads, seg.block_size
+    stream = region.streams[seg.stream].view(word)
+    cache_parts = token_parts(stream, cache_dm) if cache_dm else [(0, stream if region.spec.layout is Layout.NHD
+                                                                   else stream.transpose(1, 2))]
+    staged = flat.view(word)
+    if seg.dst_layout is Layout.NHD:
+        staged_parts = [(0, staged.view(n, bt, nh, seg.head_dim))]
+    else:
+        staged_parts = token_parts(staged.view(n, nh, bt, seg.head_dim), seg.dim_major)
+    cuts = sorted({0, cache_dm, seg.dim_major, seg.head_dim} - {seg.head_dim})
+    c_row = m.c_row[m.row_sel]
+    for lo, hi in zip(cuts, cuts[1:] + [seg.head_dim]):
+        c0, c = max((p for p in cache_parts if p[0] <= lo), key=lambda p: p[0])
+        s0, st = max((p for p in staged_parts if p[0] <= lo), key=lambda p: p[0])
+        _indexed_copy(pack, c[:, :, head:head + nh, lo - c0:hi - c0], st[..., lo - s0:hi - s0], c_row, m.row_sel,
+                      cache_bs, bt)
 
 
 @dataclass(frozen=True)
