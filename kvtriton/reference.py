@@ -102,6 +102,7 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
                             device=device)
     n = tiles.numel()
     maps: dict[tuple[int, int], _RowMap] = {}  # segments share the request: index math once per block-size pair
+    groups: dict[tuple[int, int], list | None] = {}
     for seg, off in zip(segments, offsets):
         region = regions[seg.region]
         head = seg.src_head if pack else seg.dst_head
@@ -112,8 +113,10 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
             m = maps[(cache_bs, bt)] = _RowMap.build(ids, tiles, num_tokens, cache_bs, bt)
         cache_dm = region.spec.dim_major_of(seg.stream)
         if cache_dm or seg.dim_major:
+            if (cache_bs, bt) not in groups:
+                groups[(cache_bs, bt)] = _unit_groups(m, cache_bs, bt)
             _mapped_parts(pack, region, seg, head, cache_dm, staging[int(off):int(off) + n * seg.tile_bytes], n, m,
-                          cache_bs)
+                          groups[(cache_bs, bt)], cache_bs)
             continue
         cache = region.nhd(seg.stream)[:, :, head:head + nh]
         cache_w, staged_w = _bit_views(cache, staging[int(off):int(off) + n * seg.tile_bytes], seg.row_bytes)
@@ -135,11 +138,12 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
 
 
 def _mapped_parts(pack: bool, region: Region, seg: Segment, head: int, cache_dm: int, flat: torch.Tensor, n: int,
-                  m: "_RowMap", cache_bs: int) -> None:
+                  m: "_RowMap", groups: list | None, cache_bs: int) -> None:
     """Token-mapped copy of a segment whose cache or tiles store a dim-major row part
     (``RegionSpec.dim_major``): each row is cut where either side's order changes, and every piece
-    moves as (block, token) advanced indexing between element views (a dim-major piece's innermost
-    stride is the block size, so no wider word applies)."""
+    moves between element views (a dim-major piece's innermost stride is the block size, so no
+    wider word applies): whole units of ``g`` tokens by :func:`_unit_groups` (dim-0 gathers and
+    scatters, ~3x faster than indexing single tokens), the rest of the rows one token each."""
     word = INT_OF_WIDTH[seg.itemsize]
     nh, bt = seg.num_heads, seg.block_size
     stream = region.streams[seg.stream].view(word)
@@ -151,12 +155,52 @@ def _mapped_parts(pack: bool, region: Region, seg: Segment, head: int, cache_dm:
     else:
         staged_parts = token_parts(staged.view(n, nh, bt, seg.head_dim), seg.dim_major)
     cuts = sorted({0, cache_dm, seg.dim_major, seg.head_dim} - {seg.head_dim})
-    c_row = m.c_row[m.row_sel]
+    if groups is None:
+        rows, sel = m.c_row[m.row_sel], m.row_sel
+    else:
+        rows, sel = m.c_row_rest, m.rest_sel
     for lo, hi in zip(cuts, cuts[1:] + [seg.head_dim]):
         c0, c = max((p for p in cache_parts if p[0] <= lo), key=lambda p: p[0])
         s0, st = max((p for p in staged_parts if p[0] <= lo), key=lambda p: p[0])
-        _indexed_copy(pack, c[:, :, head:head + nh, lo - c0:hi - c0], st[..., lo - s0:hi - s0], c_row, m.row_sel,
-                      cache_bs, bt)
+        c, st = c[:, :, head:head + nh, lo - c0:hi - c0], st[..., lo - s0:hi - s0]
+        if groups is not None:
+            cu = c.unflatten(1, (cache_bs // m.g, m.g))  # [blocks, units, g, heads, width]
+            su = st.unflatten(1, (bt // m.g, m.g))
+            # the cache's innermost axis last (a dim-major piece: the tokens), so gathers run along memory
+            inner = sorted((2, 3, 4), key=lambda d: -cu.stride(d))
+            cu, su = cu.permute(0, 1, *inner), su.permute(0, 1, *inner)
+            for s_unit, c_unit, tiles, blocks in groups:
+                if pack:
+                    su[:, s_unit].index_copy_(0, tiles, cu[:, c_unit].index_select(0, blocks))
+                else:
+                    cu[:, c_unit].index_copy_(0, blocks, su[:, s_unit].index_select(0, tiles))
+        if sel is not None and sel.numel():
+            _indexed_copy(pack, c, st, rows, sel, cache_bs, bt)
+
+
+_MAX_UNIT_GROUPS = 64  # (tile unit, cache unit) pairs worth one gather each; beyond, tokens one by one
+
+
+def _unit_groups(m: "_RowMap", cache_bs: int, bt: int) -> list | None:
+    """The map's whole ``g``-token units grouped by (unit slot in the tile, unit slot in the cache
+    block): ``[(s_unit, c_unit, tiles, blocks)]``, so that each group moves as one dim-0 gather;
+    ``None`` when there would be more than :data:`_MAX_UNIT_GROUPS` groups (``Bs * Bd / g**2``)."""
+    per_tile, per_block = bt // m.g, cache_bs // m.g
+    if per_tile * per_block > _MAX_UNIT_GROUPS:
+        return None
+    staged_unit = (torch.arange(m.c_unit.numel(), device=m.c_unit.device) if m.unit_sel is None else m.unit_sel)
+    tile, s_slot = torch.div(staged_unit, per_tile, rounding_mode="floor"), staged_unit % per_tile
+    block, c_slot = torch.div(m.c_unit, per_block, rounding_mode="floor"), m.c_unit % per_block
+    key = s_slot * per_block + c_slot
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=per_tile * per_block).tolist()
+    out, start = [], 0
+    for k, count in enumerate(counts):
+        if count:
+            idx = order[start:start + count]
+            out.append((k // per_block, k % per_block, tile[idx], block[idx]))
+            start += count
+    return out
 
 
 @dataclass(frozen=True)

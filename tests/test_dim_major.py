@@ -99,7 +99,8 @@ def test_region_refuses_a_dim_major_part_it_cannot_describe():
 
 
 # --------------------------------------------------------------------------- torch path: token regrouping
-@pytest.mark.parametrize("src_bs,dst_bs", [(4, 8), (8, 4), (3, 5), (6, 4), (2, 6)])
+# (9, 8): 72 (tile unit, cache unit) pairs, past the unit-gather limit: tokens move one by one
+@pytest.mark.parametrize("src_bs,dst_bs", [(4, 8), (8, 4), (3, 5), (6, 4), (2, 6), (9, 8)])
 @pytest.mark.parametrize("num_tokens", [23, 24])
 def test_dim_major_block_size_pairs(src_bs, dst_bs, num_tokens):
     stats = run_case(src_bs, dst_bs, num_tokens)
