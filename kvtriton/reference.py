@@ -126,7 +126,14 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
             staged = staged_w.view(n, nh, bt, -1).transpose(1, 2)
         c_rows, s_rows = _rows(cache_w), _rows(staged)
         if c_rows is None or s_rows is None:  # heads of a token not contiguous on one side
-            _indexed_copy(pack, cache_w, staged, m.c_row[m.row_sel], m.row_sel, cache_bs, bt)
+            if (cache_bs, bt) not in groups:
+                groups[(cache_bs, bt)] = _unit_groups(m, cache_bs, bt)
+            if groups[(cache_bs, bt)] is None:
+                _indexed_copy(pack, cache_w, staged, m.c_row[m.row_sel], m.row_sel, cache_bs, bt)
+                continue
+            _copy_units(pack, cache_w, staged, groups[(cache_bs, bt)], m.g, cache_bs, bt)
+            if m.rest_sel is not None:
+                _indexed_copy(pack, cache_w, staged, m.c_row_rest, m.rest_sel, cache_bs, bt)
             continue
         if c_rows.stride(0) != c_rows.shape[1]:  # strided rows: a unit is no single range, copy rows
             every = m.row_sel.numel() == m.c_row.numel()
@@ -164,18 +171,39 @@ def _mapped_parts(pack: bool, region: Region, seg: Segment, head: int, cache_dm:
         s0, st = max((p for p in staged_parts if p[0] <= lo), key=lambda p: p[0])
         c, st = c[:, :, head:head + nh, lo - c0:hi - c0], st[..., lo - s0:hi - s0]
         if groups is not None:
-            cu = c.unflatten(1, (cache_bs // m.g, m.g))  # [blocks, units, g, heads, width]
-            su = st.unflatten(1, (bt // m.g, m.g))
-            # the cache's innermost axis last (a dim-major piece: the tokens), so gathers run along memory
-            inner = sorted((2, 3, 4), key=lambda d: -cu.stride(d))
-            cu, su = cu.permute(0, 1, *inner), su.permute(0, 1, *inner)
-            for s_unit, c_unit, tiles, blocks in groups:
-                if pack:
-                    su[:, s_unit].index_copy_(0, tiles, cu[:, c_unit].index_select(0, blocks))
-                else:
-                    cu[:, c_unit].index_copy_(0, blocks, su[:, s_unit].index_select(0, tiles))
+            _copy_units(pack, c, st, groups, m.g, cache_bs, bt)
         if sel is not None and sel.numel():
             _indexed_copy(pack, c, st, rows, sel, cache_bs, bt)
+
+
+def _copy_units(pack: bool, c: torch.Tensor, st: torch.Tensor, groups: list, g: int, cache_bs: int, bt: int) -> None:
+    """Move whole ``g``-token units between ``[blocks, tokens, heads, width]`` views (any strides),
+    one dim-0 gather and scatter per group of :func:`_unit_groups`."""
+    cu = c.unflatten(1, (cache_bs // g, g))  # [blocks, units, g, heads, width]
+    su = st.unflatten(1, (bt // g, g))
+    # the cache's innermost axis last (a dim-major piece: the tokens), so gathers run along memory
+    inner = sorted((2, 3, 4), key=lambda d: -cu.stride(d))
+    cu, su = cu.permute(0, 1, *inner), su.permute(0, 1, *inner)
+    cu, su = _widest(cu, su)
+    for s_unit, c_unit, tiles, blocks in groups:
+        if pack:
+            su[:, s_unit].index_copy_(0, tiles, cu[:, c_unit].index_select(0, blocks))
+        else:
+            cu[:, c_unit].index_copy_(0, blocks, su[:, s_unit].index_select(0, tiles))
+
+
+def _widest(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both views as the widest integer words their innermost axis allows (the same bits; a
+    dim-major unit of ``g`` tokens is ``g * itemsize`` contiguous bytes on both sides)."""
+    item = a.element_size()
+    for width in (8, 4, 2):
+        if width <= item or (a.shape[-1] * item) % width:
+            continue
+        try:
+            return a.view(INT_OF_WIDTH[width]), b.view(INT_OF_WIDTH[width])
+        except RuntimeError:  # an outer stride, or an offset, not divisible by the width
+            continue
+    return a, b
 
 
 _MAX_UNIT_GROUPS = 64  # (tile unit, cache unit) pairs worth one gather each; beyond, tokens one by one
