@@ -16,6 +16,11 @@ is set to ``torch``, ``triton`` or ``auto``):
 * ``"triton"``: the kernels (CUDA, or CPU under the interpreter).
 * ``"torch"``: :mod:`kvtriton.reference`, on any device.
 
+A token-mapped request (``tiles=``) that touches a stream with a dim-major row part
+(``RegionSpec.dim_major``: vLLM's CPU attention cache) runs the torch path under ``"auto"`` and
+raises :class:`~kvtriton.errors.LaunchError` under ``"triton"``, before anything is launched:
+the kernels regroup whole token rows only (CUDA attention backends are token-major).
+
 Every check runs before anything is launched or written, and no check synchronises a device:
 block-id range (and, for unpack, uniqueness) is checked when the ids are given on the CPU
 (tensor, numpy array or list); ids already on a CUDA device are trusted, because the planner
