@@ -14,6 +14,8 @@ import functools
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvtriton import ops
 from kvtriton.errors import LaunchError, RegionError
@@ -48,7 +50,8 @@ def _ids(n, num_blocks, gen, prefix=0):
 
 def run_case(src_bs, dst_bs, num_tokens, *, p_tp=2, d_tp=1, impl="torch", p_storage="vllm_cpu",
              d_storage="vllm_cpu", p_layout="HND", d_layout="HND", dst_prefix=0, src_prefix=0, seed=0,
-             chunk_bytes=None):
+             chunk_bytes=None, models=MODELS):
+    MODELS = models  # noqa: N806  (the case's models)
     gen = torch.Generator().manual_seed(seed)
     P = [make_rank_regions(MODELS, r, p_tp, 24, src_bs, layout=p_layout, storage=p_storage, gen=gen, pad_blocks=3)
          for r in range(p_tp)]
@@ -188,3 +191,30 @@ def test_segment_order_must_match_the_cache_where_no_tokens_are_regrouped():
     whole = tuple(dataclasses.replace(sg, src_block_size=None, block_size=4, dim_major=0) for sg in read.segments)
     with pytest.raises(LaunchError, match="whole-block tiles keep the cache's in-block order"):
         ops.pack(P, whole, offs, [1, 2], staging)
+
+
+# --------------------------------------------------------------------------- property: any pair, any mix
+@st.composite
+def _cases(draw):
+    src_bs = draw(st.integers(1, 9))
+    dst_bs = draw(st.integers(1, 9).filter(lambda b: b != src_bs))  # equal sizes: whole blocks (tested above)
+    num_tokens = draw(st.integers(1, 20))
+    n_dst = -(-num_tokens // dst_bs)
+    dst_prefix = draw(st.integers(0, n_dst - 1))
+    src_prefix = draw(st.integers(0, dst_prefix * dst_bs // src_bs))  # only tokens no wanted block needs
+    width, dtype = draw(st.sampled_from([2, 8, 16])), draw(st.sampled_from([torch.bfloat16, torch.float32,
+                                                                            torch.float8_e4m3fn]))
+    models = [RegionModel("kv", Kind.SPLIT, 4, (width,), dtype), RegionModel.mla("mla", 6, torch.float16)]
+    sides = [draw(st.sampled_from([("vllm_cpu", "HND"), ("vllm_cpu", "HND"), ("separate", "NHD"),
+                                   ("separate", "HND")])) for _ in range(2)]
+    return dict(src_bs=src_bs, dst_bs=dst_bs, num_tokens=num_tokens, dst_prefix=dst_prefix, src_prefix=src_prefix,
+                models=models, p_storage=sides[0][0], p_layout=sides[0][1], d_storage=sides[1][0],
+                d_layout=sides[1][1], p_tp=draw(st.sampled_from([1, 2, 4])), d_tp=draw(st.sampled_from([1, 2, 4])),
+                chunk_bytes=draw(st.sampled_from([None, 200])), seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_cases())
+def test_any_block_size_pair_and_in_block_order_is_byte_exact(case):
+    src_bs, dst_bs, num_tokens = case.pop("src_bs"), case.pop("dst_bs"), case.pop("num_tokens")
+    run_case(src_bs, dst_bs, num_tokens, **case)
