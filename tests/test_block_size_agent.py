@@ -150,7 +150,7 @@ def test_source_rejects_a_token_map_that_does_not_add_up():
         e.close()
 
 
-@pytest.mark.parametrize("p_bs,d_bs,cpu_cache", [(4, 8, False), (8, 4, False), (8, 4, True)])
+@pytest.mark.parametrize("p_bs,d_bs,cpu_cache", [(4, 8, False), (8, 4, False), (4, 8, True), (8, 4, True)])
 def test_cluster_block_size_change_byte_exact(p_bs, d_bs, cpu_cache):
     storage = dict(p_storage="vllm_cpu", d_storage="vllm_cpu") if cpu_cache else dict(p_storage="joint")
     cfg = ClusterConfig(models=CPU_MODELS if cpu_cache else MODELS, p_tp=2, d_tp=4, mode="both", block_size=p_bs,
