@@ -14,6 +14,11 @@ changes), in the same process, and reported as a ratio (goal: within 1.2x):
 
 Descriptors are the READs decode rank 0 posts; a block-size change stays one per (source,
 chunk). Run alone: ``python bench/block_sizes.py [--quick]``.
+
+* :func:`cpu_cache_rows` (section ``cpu_cache``, this script only): vLLM's CPU-build cache (one
+  K‖V stream per layer, K dim-major per (block, head) tile, ``RegionSpec.dim_major``), prefill
+  TP2 -> decode TP1 at 32 -> 64 and 64 -> 32, torch path, against equal block sizes of the same
+  cache and against the same remap of a token-major cache of equal geometry.
 """
 
 from __future__ import annotations
@@ -268,10 +273,69 @@ def e2e_rows(quick: bool = False, layers: int | None = None) -> list[dict]:
     return rows
 
 
+def cpu_cache_rows(quick: bool = False, layers: int = 4) -> list[dict]:
+    """Pack/unpack times of a vLLM-CPU-like cache across block sizes (see the module docstring)."""
+    import torch
+
+    from kvtriton import ops
+    from kvtriton.plan import build_plan, compact_request
+    from kvtriton.regions import Kind
+    from kvtriton.testing.oracle import RegionModel, make_rank_regions
+    from kvtriton.token_map import compact_tokens
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tokens = 2048 if quick else 4096
+    models = [RegionModel(f"layers.{i}", Kind.SPLIT, HEADS, (2 * HEAD_DIM,), torch.bfloat16) for i in range(layers)]
+    cases = []
+    for storage, what in (("vllm_cpu", "K dim-major"), ("separate", "token-major")):
+        for bs, bd in ((32, 64), (64, 64), (64, 32), (32, 32)):
+            gen = torch.Generator().manual_seed(0)
+            ns, nd = tokens // bs, tokens // bd
+            src = make_rank_regions(models, 0, 2, ns + 8, bs, layout="HND", storage=storage, gen=gen)
+            dst = make_rank_regions(models, 0, 1, nd + 8, bd, layout="HND", storage=storage, gen=gen)
+            read = build_plan(0, 1, [r.spec for r in dst], 2, [r.spec for r in src]).staged_read(0)
+            src_ids, dst_ids = _ids(ns, ns + 8, 1), _ids(nd, nd + 8, 2)
+            if bs != bd:
+                m = compact_tokens(src_ids, dst_ids, ns + 8, nd + 8, bs, bd, tokens)
+                n, kw, p_ids, u_ids = m.num_tiles, dict(tiles=m.tiles, num_tokens=tokens), m.src_ids, m.dst_ids
+            else:
+                p_ids, u_ids = compact_request(src_ids, dst_ids, ns + 8, nd + 8)
+                n, kw = p_ids.size, {}
+            staging = torch.zeros(read.payload_bytes(n), dtype=torch.uint8)
+            offs = read.segment_offsets(n)
+            fns = {"pack": lambda src=src, read=read, offs=offs, p=torch.as_tensor(p_ids), st=staging, kw=kw:
+                   ops.pack(src, read.segments, offs, p, st, impl="torch", **kw),
+                   "unpack": lambda dst=dst, read=read, offs=offs, u=torch.as_tensor(u_ids), st=staging, kw=kw:
+                   ops.unpack(dst, read.segments, offs, u, st, impl="torch", **kw)}
+            cases.append((what, bs, bd, fns, staging.numel()))
+    times = {(w, bs, bd, op): [] for w, bs, bd, f, _ in cases for op in f}
+    for _ in range(3 if quick else 7):  # interleaved rounds, as kernel_rows
+        for w, bs, bd, f, _ in cases:
+            for op, fn in f.items():
+                times[(w, bs, bd, op)].append(_time_ms(fn, "cpu", quick=True))
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    rows = []
+    for w, bs, bd, f, nbytes in cases:
+        for op in f:
+            ms = med[(w, bs, bd, op)]
+            note = "baseline: equal block sizes"
+            if bs != bd:
+                note = f"{ms / med[(w, bd, bd, op)]:.2f}x equal blocks ({bd}->{bd})"
+                if w != "token-major":
+                    note += f", {ms / med[('token-major', bs, bd, op)]:.2f}x the token-major remap"
+            rows.append(dict(case=f"vLLM CPU cache ({w}, {layers} layers, {HEADS} heads x {HEAD_DIM}) P2->D1, {tokens} "
+                                  "tokens", op=f"{op} ({w})", provider="kvtriton (torch)", src_block=bs, dst_block=bd,
+                             bytes=2 * nbytes, ms=round(ms, 3), gbps=round(2 * nbytes / ms / 1e6, 2), descriptors=1,
+                             note=note))
+    torch.set_num_threads(threads)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sections", default="kernels,e2e")
+    ap.add_argument("--sections", default="kernels,e2e", help="any of kernels, e2e, cpu_cache")
     args = ap.parse_args()
     import torch
 
@@ -281,6 +345,8 @@ def main() -> None:
         rows += kernel_rows(device, args.quick)
     if "e2e" in args.sections:
         rows += e2e_rows(args.quick)
+    if "cpu_cache" in args.sections:
+        rows += cpu_cache_rows(args.quick)
     for r in rows:
         print(f"{r.get('op', r.get('method')):<40} {r['src_block']:>3}->{r['dst_block']:<3} {r['descriptors']:>4} desc "
               f"{r['ms']:>9.2f} ms {r['gbps']:>7} GB/s  {r['note']}")

@@ -16,6 +16,11 @@ is set to ``torch``, ``triton`` or ``auto``):
 * ``"triton"``: the kernels (CUDA, or CPU under the interpreter).
 * ``"torch"``: :mod:`kvtriton.reference`, on any device.
 
+A token-mapped request (``tiles=``) that touches a stream with a dim-major row part
+(``RegionSpec.dim_major``: vLLM's CPU attention cache) runs the torch path under ``"auto"`` and
+raises :class:`~kvtriton.errors.LaunchError` under ``"triton"``, before anything is launched:
+the kernels regroup whole token rows only (CUDA attention backends are token-major).
+
 Every check runs before anything is launched or written, and no check synchronises a device:
 block-id range (and, for unpack, uniqueness) is checked when the ids are given on the CPU
 (tensor, numpy array or list); ids already on a CUDA device are trusted, because the planner
@@ -112,6 +117,7 @@ class _Static:
     maps_tokens: bool  # some segment's cache block size differs from its tile's (pack across block sizes)
     cache_block_size: int  # fewest tokens per block among the caches the segments touch
     tile_block_size: int  # most tokens per staged tile among the segments
+    dim_major: bool  # some cache or staged tile stores a dim-major row part (RegionSpec.dim_major)
 
 
 @dataclass(frozen=True)
@@ -225,6 +231,7 @@ def _build_static(op: str, regions, segments) -> _Static:
     rows = np.zeros((n_seg, col.NUM_FIELDS), dtype=np.int64)
     tile_bytes = np.zeros(n_seg, dtype=np.int64)
     min_blocks = None
+    any_dim_major = False
     for s, seg in enumerate(segments):
         if not isinstance(seg, Segment):
             raise LaunchError(f"{op}: segments[{s}] must be a Segment; got {type(seg).__name__}")
@@ -271,6 +278,17 @@ def _build_static(op: str, regions, segments) -> _Static:
                 f"{where}: staged tiles are {seg.dst_layout.value} but the local region is "
                 f"{region.spec.layout.value}: unpack expects tiles in the local layout"
             )
+        cache_dm = region.spec.dim_major_of(seg.stream)
+        if not 0 <= seg.dim_major <= hd or (seg.dim_major and seg.dst_layout is not Layout.HND):
+            raise LaunchError(f"{where}: dim_major {seg.dim_major} needs 0 <= dim_major <= head_dim {hd} and HND "
+                              f"tiles (got {seg.dst_layout.value})")
+        if seg.dim_major != cache_dm and (op == "unpack" or cache_bs == seg.block_size):
+            raise LaunchError(
+                f"{where}: staged tiles store {seg.dim_major} row elements dim-major, the {side} cache "
+                f"{cache_dm}: " + ("unpack expects tiles in the local in-block order" if op == "unpack" else
+                                   "whole-block tiles keep the cache's in-block order")
+            )
+        any_dim_major = any_dim_major or bool(cache_dm or seg.dim_major)
         # Addressing (bytes; converted to words once the word width is known).
         rb = seg.row_bytes
         s_blk, s_tok, s_head = t.stride(0) * item, t.stride(1) * item, t.stride(2) * item
@@ -306,6 +324,7 @@ def _build_static(op: str, regions, segments) -> _Static:
         maps_tokens=bool((rows[:, col.CACHE_BLOCK_SIZE] != rows[:, col.BLOCK_SIZE]).any()),
         cache_block_size=int(rows[:, col.CACHE_BLOCK_SIZE].min(initial=1 << 62)),
         tile_block_size=int(rows[:, col.BLOCK_SIZE].max(initial=0)),
+        dim_major=any_dim_major,
     )
 
 
@@ -484,7 +503,7 @@ def _run(op: str, regions, segments, offsets, block_ids, staging, impl: str, pai
     reference. Nothing is written unless every check passed."""
     chk = _validate(op, regions, segments, offsets, block_ids, staging, pair_ids=pair_ids, tiles=tiles,
                     num_tokens=num_tokens)
-    which = _resolve_impl(impl, staging.device)
+    which = _impl_for(op, chk, impl, staging.device)
     if chk.n == 0 or len(segments) == 0:
         return
     if which == "torch":
@@ -495,6 +514,22 @@ def _run(op: str, regions, segments, offsets, block_ids, staging, impl: str, pai
             reference(regions, segments, chk.offsets, chk.ids, staging, tiles=chk.tiles, num_tokens=chk.num_tokens)
     else:
         _launch(op, chk, staging)
+
+
+def _impl_for(op: str, chk: _Checked, impl: str, device: torch.device) -> str:
+    """The implementation that runs this request: the kernels do not regroup tokens of a
+    dim-major row part (no CUDA attention backend stores one), so a token-mapped request that
+    touches one runs the torch path under ``"auto"`` and is refused under ``"triton"``."""
+    which = _resolve_impl(impl, device)
+    if which == "triton" and chk.tiles is not None and chk.static.dim_major:
+        env = os.environ.get("KVTRITON_IMPL", "").strip().lower()
+        if (env or impl) == "auto":
+            return "torch"
+        raise LaunchError(
+            f"{op}: impl='triton' cannot remap tokens of a dim-major row part (RegionSpec.dim_major, "
+            "e.g. vLLM's CPU attention cache) across block sizes: use impl='torch' or 'auto'"
+        )
+    return which
 
 
 def launch_config_for(

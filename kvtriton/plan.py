@@ -139,7 +139,9 @@ class Segment:
     ``src_head``/``dst_head`` are local head offsets on the source and destination rank;
     ``dst_layout`` is the tile layout on the wire (always the destination's layout).
     ``block_size`` is the tokens of a tile (the destination's block size); ``src_block_size``
-    the source cache's block size when it differs (``None``: equal).
+    the source cache's block size when it differs (``None``: equal). ``dim_major``: the leading
+    row elements the destination stores dim-major per (block, head) tile (HND only, see
+    :class:`~kvtriton.regions.RegionSpec`); a staged tile is in exactly that order.
     """
 
     region: int
@@ -152,6 +154,7 @@ class Segment:
     block_size: int
     dst_layout: Layout
     src_block_size: int | None = None
+    dim_major: int = 0
 
     @property
     def source_block_size(self) -> int:
@@ -344,16 +347,22 @@ def check_compatible(
                     )
         elif d.local_heads != s.local_heads:
             raise mismatch("heads of a REPLICATE region", d.local_heads, s.local_heads)
-    if any(d.block_size != s.block_size for d, s in zip(dst_specs, src_specs)):
+    resized = any(d.block_size != s.block_size for d, s in zip(dst_specs, src_specs))
+    for i, (d, s) in enumerate(zip(dst_specs, src_specs)):
+        for side, spec in (("local", d), ("remote", s)):
+            problem = spec.dim_major_problem()
+            if problem is not None:
+                raise IncompatibleRemoteError(f"region {i} ({d.name!r}) on the {side} engine: {problem}")
+        if not resized and any(d.dim_major_of(j) != s.dim_major_of(j) for j in range(d.num_streams)):
+            # whole blocks move as opaque tiles: both must order a block's bytes alike
+            raise IncompatibleRemoteError(
+                f"region {i} ({d.name!r}): the in-block order differs (dim-major row elements per stream: "
+                f"local {[d.dim_major_of(j) for j in range(d.num_streams)]}, remote "
+                f"{[s.dim_major_of(j) for j in range(s.num_streams)]}) and the block sizes are equal "
+                f"({d.block_size}): whole blocks cannot be reordered; expected the same order on both engines"
+            )
+    if resized:
         for side, specs in (("local", dst_specs), ("remote", src_specs)):
-            packed = [x.name for x in specs if not x.token_major]
-            if packed:
-                raise IncompatibleRemoteError(
-                    f"block_size differs between the engines (local {dst_specs[0].block_size}, remote "
-                    f"{src_specs[0].block_size}), but the {side} engine's regions {packed[:4]} are not "
-                    "token-major inside a block (e.g. vLLM's CPU attention keeps K dim-major): tokens cannot "
-                    "be remapped between block sizes; use equal block sizes"
-                )
             sizes = {x.block_size for x in specs}
             if len(sizes) > 1:
                 per_region = {x.name: x.block_size for x in specs}
@@ -444,7 +453,7 @@ def build_plan(
         for sl in slices:
             per_source.setdefault(sl.src_rank, []).extend(
                 Segment(i, j, sl.src_head, sl.dst_head, sl.num_heads, d.head_dims[j], d.itemsize,
-                        d.block_size, d.layout, src_bs)
+                        d.block_size, d.layout, src_bs, d.dim_major_of(j))
                 for j in range(d.num_streams)
             )
     staged = tuple(StagedRead(r, tuple(segs)) for r, segs in sorted(per_source.items()))

@@ -30,7 +30,7 @@ import torch
 
 from .launch import INT_OF_WIDTH
 from .plan import Segment
-from .regions import Layout, Region
+from .regions import Layout, Region, token_parts
 
 __all__ = ["pack_reference", "unpack_reference"]
 
@@ -102,6 +102,7 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
                             device=device)
     n = tiles.numel()
     maps: dict[tuple[int, int], _RowMap] = {}  # segments share the request: index math once per block-size pair
+    groups: dict[tuple[int, int], list | None] = {}
     for seg, off in zip(segments, offsets):
         region = regions[seg.region]
         head = seg.src_head if pack else seg.dst_head
@@ -110,6 +111,13 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
         m = maps.get((cache_bs, bt))
         if m is None:
             m = maps[(cache_bs, bt)] = _RowMap.build(ids, tiles, num_tokens, cache_bs, bt)
+        cache_dm = region.spec.dim_major_of(seg.stream)
+        if cache_dm or seg.dim_major:
+            if (cache_bs, bt) not in groups:
+                groups[(cache_bs, bt)] = _unit_groups(m, cache_bs, bt)
+            _mapped_parts(pack, region, seg, head, cache_dm, staging[int(off):int(off) + n * seg.tile_bytes], n, m,
+                          groups[(cache_bs, bt)], cache_bs)
+            continue
         cache = region.nhd(seg.stream)[:, :, head:head + nh]
         cache_w, staged_w = _bit_views(cache, staging[int(off):int(off) + n * seg.tile_bytes], seg.row_bytes)
         if seg.dst_layout is Layout.NHD:
@@ -118,7 +126,14 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
             staged = staged_w.view(n, nh, bt, -1).transpose(1, 2)
         c_rows, s_rows = _rows(cache_w), _rows(staged)
         if c_rows is None or s_rows is None:  # heads of a token not contiguous on one side
-            _indexed_copy(pack, cache_w, staged, m.c_row[m.row_sel], m.row_sel, cache_bs, bt)
+            if (cache_bs, bt) not in groups:
+                groups[(cache_bs, bt)] = _unit_groups(m, cache_bs, bt)
+            if groups[(cache_bs, bt)] is None:
+                _indexed_copy(pack, cache_w, staged, m.c_row[m.row_sel], m.row_sel, cache_bs, bt)
+                continue
+            _copy_units(pack, cache_w, staged, groups[(cache_bs, bt)], m.g, cache_bs, bt)
+            if m.rest_sel is not None:
+                _indexed_copy(pack, cache_w, staged, m.c_row_rest, m.rest_sel, cache_bs, bt)
             continue
         if c_rows.stride(0) != c_rows.shape[1]:  # strided rows: a unit is no single range, copy rows
             every = m.row_sel.numel() == m.c_row.numel()
@@ -127,6 +142,93 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
         _copy_rows(pack, _units(c_rows, m.g), _units(s_rows, m.g), m.c_unit, m.unit_sel)
         if m.rest_sel is not None:
             _copy_rows(pack, c_rows, s_rows, m.c_row_rest, m.rest_sel)
+
+
+def _mapped_parts(pack: bool, region: Region, seg: Segment, head: int, cache_dm: int, flat: torch.Tensor, n: int,
+                  m: "_RowMap", groups: list | None, cache_bs: int) -> None:
+    """Token-mapped copy of a segment whose cache or tiles store a dim-major row part
+    (``RegionSpec.dim_major``): each row is cut where either side's order changes, and every piece
+    moves between element views (a dim-major piece's innermost stride is the block size, so no
+    wider word applies): whole units of ``g`` tokens by :func:`_unit_groups` (dim-0 gathers and
+    scatters, ~3x faster than indexing single tokens), the rest of the rows one token each."""
+    word = INT_OF_WIDTH[seg.itemsize]
+    nh, bt = seg.num_heads, seg.block_size
+    stream = region.streams[seg.stream].view(word)
+    cache_parts = token_parts(stream, cache_dm) if cache_dm else [(0, stream if region.spec.layout is Layout.NHD
+                                                                   else stream.transpose(1, 2))]
+    staged = flat.view(word)
+    if seg.dst_layout is Layout.NHD:
+        staged_parts = [(0, staged.view(n, bt, nh, seg.head_dim))]
+    else:
+        staged_parts = token_parts(staged.view(n, nh, bt, seg.head_dim), seg.dim_major)
+    cuts = sorted({0, cache_dm, seg.dim_major, seg.head_dim} - {seg.head_dim})
+    if groups is None:
+        rows, sel = m.c_row[m.row_sel], m.row_sel
+    else:
+        rows, sel = m.c_row_rest, m.rest_sel
+    for lo, hi in zip(cuts, cuts[1:] + [seg.head_dim]):
+        c0, c = max((p for p in cache_parts if p[0] <= lo), key=lambda p: p[0])
+        s0, st = max((p for p in staged_parts if p[0] <= lo), key=lambda p: p[0])
+        c, st = c[:, :, head:head + nh, lo - c0:hi - c0], st[..., lo - s0:hi - s0]
+        if groups is not None:
+            _copy_units(pack, c, st, groups, m.g, cache_bs, bt)
+        if sel is not None and sel.numel():
+            _indexed_copy(pack, c, st, rows, sel, cache_bs, bt)
+
+
+def _copy_units(pack: bool, c: torch.Tensor, st: torch.Tensor, groups: list, g: int, cache_bs: int, bt: int) -> None:
+    """Move whole ``g``-token units between ``[blocks, tokens, heads, width]`` views (any strides),
+    one dim-0 gather and scatter per group of :func:`_unit_groups`."""
+    cu = c.unflatten(1, (cache_bs // g, g))  # [blocks, units, g, heads, width]
+    su = st.unflatten(1, (bt // g, g))
+    # the cache's innermost axis last (a dim-major piece: the tokens), so gathers run along memory
+    inner = sorted((2, 3, 4), key=lambda d: -cu.stride(d))
+    cu, su = cu.permute(0, 1, *inner), su.permute(0, 1, *inner)
+    cu, su = _widest(cu, su)
+    for s_unit, c_unit, tiles, blocks in groups:
+        if pack:
+            su[:, s_unit].index_copy_(0, tiles, cu[:, c_unit].index_select(0, blocks))
+        else:
+            cu[:, c_unit].index_copy_(0, blocks, su[:, s_unit].index_select(0, tiles))
+
+
+def _widest(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both views as the widest integer words their innermost axis allows (the same bits; a
+    dim-major unit of ``g`` tokens is ``g * itemsize`` contiguous bytes on both sides)."""
+    item = a.element_size()
+    for width in (8, 4, 2):
+        if width <= item or (a.shape[-1] * item) % width:
+            continue
+        try:
+            return a.view(INT_OF_WIDTH[width]), b.view(INT_OF_WIDTH[width])
+        except RuntimeError:  # an outer stride, or an offset, not divisible by the width
+            continue
+    return a, b
+
+
+_MAX_UNIT_GROUPS = 64  # (tile unit, cache unit) pairs worth one gather each; beyond, tokens one by one
+
+
+def _unit_groups(m: "_RowMap", cache_bs: int, bt: int) -> list | None:
+    """The map's whole ``g``-token units grouped by (unit slot in the tile, unit slot in the cache
+    block): ``[(s_unit, c_unit, tiles, blocks)]``, so that each group moves as one dim-0 gather;
+    ``None`` when there would be more than :data:`_MAX_UNIT_GROUPS` groups (``Bs * Bd / g**2``)."""
+    per_tile, per_block = bt // m.g, cache_bs // m.g
+    if per_tile * per_block > _MAX_UNIT_GROUPS:
+        return None
+    staged_unit = (torch.arange(m.c_unit.numel(), device=m.c_unit.device) if m.unit_sel is None else m.unit_sel)
+    tile, s_slot = torch.div(staged_unit, per_tile, rounding_mode="floor"), staged_unit % per_tile
+    block, c_slot = torch.div(m.c_unit, per_block, rounding_mode="floor"), m.c_unit % per_block
+    key = s_slot * per_block + c_slot
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=per_tile * per_block).tolist()
+    out, start = [], 0
+    for k, count in enumerate(counts):
+        if count:
+            idx = order[start:start + count]
+            out.append((k // per_block, k % per_block, tile[idx], block[idx]))
+            start += count
+    return out
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,15 @@ Streams may be separate tensors or views into one joint tensor (``[num_blocks, 2
 ``[2, num_blocks, ...]``); the block stride is whatever the tensor has (never assumed dense).
 The innermost (``head_dim``) stride must be 1.
 
+Some engines order a block's bytes otherwise behind that token-shaped view: vLLM's CPU
+attention stores, per (block, head), K *dim-major* (``[head_dim_k, block_size]``, token
+innermost) followed by V token-major (``[block_size, head_dim_v]``), inside a K‖V stream whose
+logical rows are ``head_dim_k + head_dim_v`` wide. A stream's ``dim_major`` entry ``a`` says so
+precisely: in an HND stream whose head tiles are dense (token stride = ``head_dim``), element
+``d < a`` of token ``t`` lies at ``d * block_size + t`` of the head tile, element ``d >= a`` at
+``a * block_size + t * (head_dim - a) + (d - a)``. ``a = 0`` (the default) is the plain
+token-major tile. :func:`token_parts` gives the real per-token views of such a stream.
+
 :class:`RegionSpec` is the pure, serialisable geometry (it travels in handshake metadata);
 :class:`Region` binds a spec to the rank's tensors.
 """
@@ -25,7 +34,7 @@ import torch
 
 from .errors import RegionError
 
-__all__ = ["Kind", "Layout", "RegionSpec", "Region", "classify_layer", "dtype_from_name"]
+__all__ = ["Kind", "Layout", "RegionSpec", "Region", "classify_layer", "dtype_from_name", "token_parts"]
 
 
 class Kind(str, enum.Enum):
@@ -91,11 +100,11 @@ class RegionSpec:
     itemsize:    bytes per element.
     strides:     per stream, element strides ``(block, token, head)`` of the logical
                  ``[block, token, head, dim]`` indexing (the dim stride is 1).
-    token_major: whether the logical rows are the tokens' real rows. False when an engine
-                 packs a block's bytes otherwise behind a token-shaped view (vLLM's CPU
-                 attention keeps K of a block dim-major, ``[head_size, block_size]``, inside the
-                 K‖V content): whole blocks still move exactly, but tokens cannot be remapped
-                 between block sizes (the validation gate refuses a block-size change).
+    dim_major:   per stream, how many leading elements of a token's row the engine stores
+                 dim-major at the start of each (block, head) tile (see the module docstring;
+                 vLLM's CPU attention: ``head_size``, its K). ``()`` = 0 for every stream (plain
+                 token-major rows). Whole blocks move as opaque tiles either way; a block-size
+                 change regroups the real tokens.
     """
 
     name: str
@@ -109,11 +118,35 @@ class RegionSpec:
     dtype: str
     itemsize: int
     strides: tuple[tuple[int, int, int], ...]
-    token_major: bool = True
+    dim_major: tuple[int, ...] = ()
 
     @property
     def num_streams(self) -> int:
         return len(self.head_dims)
+
+    @property
+    def token_major(self) -> bool:
+        """True when every stream's logical rows are the tokens' real rows (no dim-major part)."""
+        return not any(self.dim_major)
+
+    def dim_major_of(self, stream: int) -> int:
+        """Leading elements of a row of ``stream`` stored dim-major (0: token-major)."""
+        return self.dim_major[stream] if self.dim_major else 0
+
+    def dim_major_problem(self) -> str | None:
+        """Why ``dim_major`` does not describe this geometry (``None``: it does)."""
+        if self.dim_major and len(self.dim_major) != self.num_streams:
+            return f"dim_major has {len(self.dim_major)} entries for {self.num_streams} streams"
+        for j in range(self.num_streams):
+            a = self.dim_major_of(j)
+            if a == 0:
+                continue
+            if not 0 < a <= self.head_dims[j]:
+                return f"stream {j}: dim_major {a} is not in [0, head_dim={self.head_dims[j]}]"
+            if self.layout is not Layout.HND or (self.block_size > 1 and self.strides[j][1] != self.head_dims[j]):
+                return (f"stream {j}: a dim-major part needs an HND stream with dense head tiles (token stride = "
+                        f"head_dim {self.head_dims[j]}); got {self.layout.value}, token stride {self.strides[j][1]}")
+        return None
 
     def row_bytes(self, stream: int) -> int:
         """Bytes of one (token, head) row of ``stream``."""
@@ -165,7 +198,7 @@ class Region:
         block_size: int,
         total_heads: int,
         kind: Kind | str = Kind.SPLIT,
-        token_major: bool = True,
+        dim_major: Sequence[int] = (),
     ) -> "Region":
         """A GQA/MHA region: K and V as separate tensors, or one joint tensor.
 
@@ -179,8 +212,9 @@ class Region:
                      1: ``[num_blocks, 2, ...]``).
         block_size:  tokens per block (disambiguates NHD from HND shapes).
         total_heads: the model's KV heads for this layer (global, before TP sharding).
-        token_major: False when the tensors are a token-shaped view of bytes the engine orders
-                     otherwise inside a block (see :class:`RegionSpec`).
+        dim_major:   per stream, the leading row elements the engine stores dim-major inside each
+                     (block, head) tile (vLLM's CPU attention: ``(head_size,)`` for its K‖V
+                     stream; HND with dense head tiles only; see :class:`RegionSpec`).
 
         Example
         -------
@@ -203,7 +237,7 @@ class Region:
             if k is None:
                 raise RegionError(f"region {name!r}: no tensors given (k/v or kv=)")
             streams = (k,) if v is None else (k, v)
-        return cls._build(name, Kind(kind), layout, streams, block_size, total_heads, token_major)
+        return cls._build(name, Kind(kind), layout, streams, block_size, total_heads, dim_major)
 
     @classmethod
     def mla(cls, name: str, latent: torch.Tensor, *, block_size: int,
@@ -219,7 +253,7 @@ class Region:
 
     @classmethod
     def _build(cls, name, kind, layout, streams: Sequence[torch.Tensor], block_size: int,
-               total_heads: int, token_major: bool = True) -> "Region":
+               total_heads: int, dim_major: Sequence[int] = ()) -> "Region":
         first = streams[0]
         for i, t in enumerate(streams):
             if not isinstance(t, torch.Tensor):
@@ -273,8 +307,11 @@ class Region:
             total_heads=int(total_heads), local_heads=int(heads),
             head_dims=tuple(int(t.shape[3]) for t in streams),
             dtype=str(first.dtype).removeprefix("torch."), itemsize=first.element_size(),
-            strides=strides, token_major=bool(token_major),
+            strides=strides, dim_major=tuple(int(a) for a in dim_major) if any(dim_major) else (),
         )
+        problem = spec.dim_major_problem()
+        if problem is not None:
+            raise RegionError(f"region {name!r}: {problem}")
         return cls(spec=spec, streams=tuple(streams))
 
     # ------------------------------------------------------------------ views
@@ -286,6 +323,31 @@ class Region:
     @property
     def device(self) -> torch.device:
         return self.streams[0].device
+
+
+def token_parts(hnd: torch.Tensor, dim_major: int) -> list[tuple[int, torch.Tensor]]:
+    """The tokens' real elements of an HND stream ``[blocks, heads, block_size, head_dim]``
+    whose first ``dim_major`` row elements are stored dim-major per (block, head) tile.
+
+    Returns ``[(d0, view)]``: each ``view`` is ``[blocks, block_size, heads, width]`` (NHD
+    indexing) of row elements ``[d0, d0 + width)``; together they cover the row. ``dim_major=0``
+    gives the plain view. Views share ``hnd``'s storage (no copy); the dim-major part's innermost
+    stride is ``block_size``, so it cannot be reinterpreted as a wider dtype.
+    """
+    nhd = hnd.transpose(1, 2)
+    if dim_major == 0:
+        return [(0, nhd)]
+    nb, heads, bs, hd = hnd.shape
+    s_blk, s_head, s_tok, _ = hnd.stride()
+    if bs > 1 and s_tok != hd:
+        raise RegionError(f"a dim-major part needs dense head tiles (token stride {hd}); got {s_tok}")
+    base = hnd.storage_offset()
+    k = hnd.as_strided((nb, bs, heads, dim_major), (s_blk, 1, s_head, bs), base)
+    rest = hd - dim_major
+    if rest == 0:
+        return [(0, k)]
+    v = hnd.as_strided((nb, bs, heads, rest), (s_blk, rest, s_head, 1), base + dim_major * bs)
+    return [(0, k), (dim_major, v)]
 
 
 def _layout(name: str, layout: Layout | str) -> Layout:

@@ -122,7 +122,7 @@ def encode_metadata(md: RankMetadata) -> bytes:
             num_blocks=spec.num_blocks, block_size=spec.block_size, total_heads=spec.total_heads,
             local_heads=spec.local_heads, head_dims=list(spec.head_dims), dtype=spec.dtype,
             itemsize=spec.itemsize, strides=[list(s) for s in spec.strides],
-            addrs=list(addrs), spans=list(spans), token_major=spec.token_major,
+            addrs=list(addrs), spans=list(spans), dim_major=list(spec.dim_major),
         ))
     return msgpack.packb(dict(
         v=PROTOCOL_VERSION, fmt=STAGED_LAYOUT_VERSION, engine=md.engine, rank=md.rank, tp=md.tp,
@@ -190,8 +190,11 @@ def decode_metadata(data: bytes) -> RankMetadata:
             local_heads=_int(r, "local_heads", where, 1, 1 << 16),
             head_dims=head_dims, dtype=_get(r, "dtype", str, where),
             itemsize=_int(r, "itemsize", where, 1, 16), strides=tuple(strides),
-            token_major=_get(r, "token_major", bool, where) if "token_major" in r else True,
+            dim_major=_dim_major(r, where, n_streams),
         )
+        problem = spec.dim_major_problem()
+        if problem is not None:
+            raise ProtocolError(f"{where}: {problem}")
         a = tuple(_int_list(r, "addrs", where, 0, _MAX_U64, max_len=n_streams))
         sp = tuple(_int_list(r, "spans", where, 1, 1 << 48, max_len=n_streams))
         if len(a) != n_streams or len(sp) != n_streams:
@@ -486,3 +489,11 @@ def _int_list(d: dict, key: str, where: str, lo: int, hi: int, max_len: int) -> 
     if len(v) > max_len or not all(isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi for x in v):
         raise ProtocolError(f"{where}: field {key!r} must be at most {max_len} integers in [{lo}, {hi}]")
     return v
+
+
+def _dim_major(r: dict, where: str, n_streams: int) -> tuple[int, ...]:
+    """A region's ``dim_major`` (normalised: ``()`` when no stream has a dim-major part)."""
+    if "dim_major" not in r:
+        return ()
+    v = tuple(_int_list(r, "dim_major", where, 0, 1 << 20, max_len=n_streams))
+    return v if any(v) else ()

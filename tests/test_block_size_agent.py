@@ -11,6 +11,7 @@ import torch
 from kvtriton import wire
 from kvtriton.agent import TransferAgent
 from kvtriton.errors import PlanError
+from kvtriton.regions import Kind
 from kvtriton.testing.cluster import Cluster, ClusterConfig
 from kvtriton.testing.oracle import (
     RegionModel,
@@ -26,15 +27,21 @@ pytestmark = pytest.mark.nixl
 
 MODELS = [RegionModel.gqa("l0", 4, 16), RegionModel.mla("mla", 24, torch.float16),
           RegionModel.gqa("l1", 4, 8, torch.float32)]
+# vLLM's CPU cache: one K||V stream per layer, K dim-major per (block, head) tile
+CPU_MODELS = [RegionModel("l0", Kind.SPLIT, 4, (32,), torch.float32), RegionModel.mla("mla", 24, torch.float16),
+              RegionModel("l1", Kind.SPLIT, 4, (16,), torch.bfloat16)]
 
 
 class Pair:
-    def __init__(self, p_tp, d_tp, p_bs, d_bs, mode, seed=0, **agent_kw):
+    def __init__(self, p_tp, d_tp, p_bs, d_bs, mode, seed=0, models=MODELS, p_storage="joint", d_storage="separate",
+                 **agent_kw):
         self.gen = torch.Generator().manual_seed(seed)
-        self.p_tp, self.d_tp = p_tp, d_tp
-        self.P = [make_rank_regions(MODELS, r, p_tp, 64, p_bs, storage="joint", gen=self.gen) for r in range(p_tp)]
-        self.D = [make_rank_regions(MODELS, r, d_tp, 48, d_bs, layout="HND", gen=self.gen, pad_blocks=1)
-                  for r in range(d_tp)]
+        self.p_tp, self.d_tp, self.models = p_tp, d_tp, models
+        p_layout = "HND" if p_storage == "vllm_cpu" else "NHD"
+        self.P = [make_rank_regions(models, r, p_tp, 64, p_bs, layout=p_layout, storage=p_storage, gen=self.gen)
+                  for r in range(p_tp)]
+        self.D = [make_rank_regions(models, r, d_tp, 48, d_bs, layout="HND", storage=d_storage, gen=self.gen,
+                                    pad_blocks=1) for r in range(d_tp)]
         kw = dict(staging_bytes=64 << 10, slot_bytes=1024, chunk_bytes=4096, mode=mode, timeout_s=5.0, impl="torch")
         kw.update(agent_kw)
         self.pa = [TransferAgent("P", r, p_tp, self.P[r], **kw) for r in range(p_tp)]
@@ -84,6 +91,17 @@ def test_warmup_covers_token_mapped_launches(p_bs, d_bs):
     _move_and_check(e, 1, 2, p_bs, d_bs)
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("p_tp,d_tp,p_bs,d_bs", [(2, 1, 4, 8), (1, 2, 8, 6)])
+def test_agent_moves_dim_major_tokens_across_block_sizes(mode, p_tp, d_tp, p_bs, d_bs):
+    """vLLM's CPU cache on both sides (K dim-major per block): impl='auto' (Triton under the
+    interpreter here) runs the torch path for these token maps, warm-up included."""
+    e = Pair(p_tp, d_tp, p_bs, d_bs, mode, models=CPU_MODELS, p_storage="vllm_cpu", d_storage="vllm_cpu",
+             impl="auto", warmup=True)
+    assert e.P[0][0].spec.dim_major == (16,) and e.D[0][0].spec.dim_major == (16,)
+    _move_and_check(e, p_tp, d_tp, p_bs, d_bs)
+
+
 def _move_and_check(e, p_tp, d_tp, p_bs, d_bs):
     try:
         assert e.da[0].plan_for("P").maps_tokens
@@ -91,7 +109,7 @@ def _move_and_check(e, p_tp, d_tp, p_bs, d_bs):
         src = np.random.default_rng(1).permutation(64)[:-(-n_tok // p_bs)]
         dst = np.random.default_rng(2).permutation(48)[:-(-n_tok // d_bs)]
         dst[0] = -1  # a prefix the decode side already has
-        tokens = make_global_tokens(MODELS, n_tok, e.gen)
+        tokens = make_global_tokens(e.models, n_tok, e.gen)
         for r, regs in enumerate(e.P):
             load_source_tokens(regs, r, p_tp, tokens, src)
         for p in e.pa:
@@ -132,11 +150,12 @@ def test_source_rejects_a_token_map_that_does_not_add_up():
         e.close()
 
 
-@pytest.mark.parametrize("p_bs,d_bs", [(4, 8), (8, 4)])
-def test_cluster_block_size_change_byte_exact(p_bs, d_bs):
-    cfg = ClusterConfig(models=MODELS, p_tp=2, d_tp=4, mode="both", block_size=p_bs, d_block_size=d_bs,
-                        p_blocks=256, d_blocks=256, p_layout="NHD", p_storage="joint", d_layout="HND",
-                        staging_bytes=16 << 10, slot_bytes=1024, timeout_s=20)
+@pytest.mark.parametrize("p_bs,d_bs,cpu_cache", [(4, 8, False), (8, 4, False), (4, 8, True), (8, 4, True)])
+def test_cluster_block_size_change_byte_exact(p_bs, d_bs, cpu_cache):
+    storage = dict(p_storage="vllm_cpu", d_storage="vllm_cpu") if cpu_cache else dict(p_storage="joint")
+    cfg = ClusterConfig(models=CPU_MODELS if cpu_cache else MODELS, p_tp=2, d_tp=4, mode="both", block_size=p_bs,
+                        d_block_size=d_bs, p_blocks=256, d_blocks=256, p_layout="NHD", d_layout="HND",
+                        staging_bytes=16 << 10, slot_bytes=1024, timeout_s=20, **storage)
     with Cluster(cfg) as c:
         reqs = c.requests(8, num_tokens=23) + c.requests(2, num_tokens=150)
         c.hold(reqs)

@@ -9,12 +9,14 @@ including padded, non-contiguous blocks and the tail of a partial last block).
 
 import functools
 
+import msgpack
+
 import numpy as np
 import pytest
 import torch
 
 from kvtriton import ops
-from kvtriton.errors import IncompatibleRemoteError, LaunchError, PlanError
+from kvtriton.errors import IncompatibleRemoteError, LaunchError, PlanError, ProtocolError
 from kvtriton.plan import Mode, build_plan
 from kvtriton.regions import Region
 from kvtriton.testing.oracle import (
@@ -61,9 +63,8 @@ def run_case(src_bs, dst_bs, num_tokens, *, p_tp=2, d_tp=4, impl="torch", p_layo
     for r, regions in enumerate(D):
         check_destination_tokens(regions, r, d_tp, tokens, dst_ids, before[r])
     for r, regions in enumerate(P):  # the source is only read
-        for i, region in enumerate(regions):
-            for j in range(region.spec.num_streams):
-                assert torch.equal(region.nhd(j).view(torch.uint8), src_before[r][i][j])
+        for now, was in zip(snapshot(regions), src_before[r]):
+            assert all(torch.equal(x, y) for x, y in zip(now, was))
     return stats
 
 
@@ -226,33 +227,47 @@ def test_vllm_scheduler_pairs_blocks_of_different_sizes_by_tokens():
     assert d.get_num_new_matched_tokens(req2, 0) == (0, False)  # bad params: computed locally
 
 
-def test_gate_refuses_a_block_size_change_on_blocks_that_are_not_token_major():
+def test_gate_accepts_a_block_size_change_of_dim_major_blocks_and_refuses_malformed_ones():
     import dataclasses
 
-    local = _specs(MODELS[:1], 0, 2, 64)
-    packed = [dataclasses.replace(s, token_major=False) for s in _specs(MODELS[:1], 0, 2, 32)]
-    with pytest.raises(IncompatibleRemoteError, match=r"remote engine's regions \['attn.0'\] are not token-major"):
-        build_plan(0, 2, local, 2, packed)
-    with pytest.raises(IncompatibleRemoteError, match="local engine's regions"):
-        build_plan(0, 2, [dataclasses.replace(s, token_major=False) for s in local], 2, _specs(MODELS[:1], 0, 2, 32))
-    same = [dataclasses.replace(s, token_major=False) for s in _specs(MODELS[:1], 0, 2, 64)]
-    assert not build_plan(0, 2, local, 2, same).maps_tokens  # whole blocks still move
+    local = _specs(MODELS[:1], 0, 2, 64, layout="HND")
+    cpu = [dataclasses.replace(s, dim_major=(4, 0)) for s in _specs(MODELS[:1], 0, 2, 32, layout="HND")]
+    plan = build_plan(0, 2, local, 2, cpu)  # described precisely: tokens are regrouped
+    assert plan.maps_tokens and all(sg.dim_major == 0 for r in plan.staged for sg in r.segments)
+    plan = build_plan(0, 2, cpu, 2, local)
+    assert [sg.dim_major for sg in plan.staged[0].segments] == [4, 0]  # tiles in the destination's order
+    bad = [dataclasses.replace(s, dim_major=(9, 0)) for s in _specs(MODELS[:1], 0, 2, 32, layout="HND")]
+    with pytest.raises(IncompatibleRemoteError, match="remote engine: stream 0: dim_major 9"):
+        build_plan(0, 2, local, 2, bad)
+    nhd = [dataclasses.replace(s, dim_major=(4, 0)) for s in _specs(MODELS[:1], 0, 2, 32)]
+    with pytest.raises(IncompatibleRemoteError, match="needs an HND stream"):
+        build_plan(0, 2, local, 2, nhd)
+    same = [dataclasses.replace(s, dim_major=(4, 0)) for s in _specs(MODELS[:1], 0, 2, 64, layout="HND")]
+    with pytest.raises(IncompatibleRemoteError, match=r"in-block order differs .* local \[0, 0\], remote \[4, 0\]"):
+        build_plan(0, 2, local, 2, same)  # equal block sizes: whole tiles cannot reorder
+    assert not build_plan(0, 2, same, 2, same).maps_tokens  # whole blocks move as before
 
 
-def test_wire_carries_block_size_and_token_major():
+def test_wire_carries_block_size_and_dim_major():
     import dataclasses
 
     from kvtriton import wire
 
-    k = torch.zeros(8, 4, 2, 16, dtype=torch.float16)
-    spec = dataclasses.replace(Region.attention("l0", k, k.clone(), block_size=4, total_heads=4).spec,
-                               token_major=False)
+    k = torch.zeros(8, 2, 4, 16, dtype=torch.float16)
+    spec = Region.attention("l0", k, k.clone(), layout="HND", block_size=4, total_heads=4, dim_major=(8, 0)).spec
     spans = tuple(wire.stream_span(spec, j) for j in range(2))
     md = wire.RankMetadata(engine="P", rank=0, tp=1, agent="P:0:x", agent_md=b"x", mem="DRAM", dev=0,
                            regions=(spec,), addrs=((4096, 1 << 20),), spans=(spans,),
                            staging=wire.StagingInfo(1 << 30, 4096, 16, 8192))
     got = wire.decode_metadata(wire.encode_metadata(md))
-    assert got.regions[0].block_size == 4 and got.regions[0].token_major is False
+    assert got.regions[0].block_size == 4 and got.regions[0].dim_major == (8, 0) and not got.regions[0].token_major
+    for bad in ((17, 0), (8,), (8, 0, 0)):
+        raw = msgpack.unpackb(wire.encode_metadata(md), raw=False)
+        raw["regions"][0]["dim_major"] = list(bad)
+        with pytest.raises(ProtocolError, match="dim_major"):
+            wire.decode_metadata(msgpack.packb(raw, use_bin_type=True))
+    raw["regions"][0]["dim_major"] = [0, 0]
+    assert wire.decode_metadata(msgpack.packb(raw, use_bin_type=True)).regions[0].dim_major == ()
     for cls in (wire.Pull, wire.Push):
         m = cls(*(["x", "r", 0, (1, 2)] + ([(3,)] if cls is wire.Push else []) + [1, "d", 40, (0, 2)]))
         assert wire.decode_message(m.encode()) == m

@@ -159,3 +159,15 @@ def test_remote_params_are_checked():
         with pytest.raises(ParamsError):
             parse_remote_params({**good, field: value}, 16)
     assert parse_remote_params({**good, "remote_block_size": 32}, 16).block_size == 32  # a block-size change
+
+
+def test_cpu_attention_caches_are_described_as_k_dim_major(gen):
+    caches = vllm_caches("LBHNC", 2, pad=0, mla_layers=("mtp.mla",), gen=gen)
+    regions = regions_from_vllm_caches(caches, block_size=N, total_kv_heads=H, mla_layers=("mtp.mla",),
+                                       k_dim_major=True)
+    for r in regions:
+        want = () if r.spec.name == "mtp.mla" else (r.spec.head_dims[0] // 2,)
+        assert r.spec.dim_major == want
+    nhd = vllm_caches("LBNHC", 2, pad=0, gen=gen)
+    with pytest.raises(RegionError, match="not head-major, but k_dim_major"):
+        regions_from_vllm_caches(nhd, block_size=N, total_kv_heads=H, k_dim_major=True)

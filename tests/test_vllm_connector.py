@@ -200,23 +200,16 @@ def test_hetero_tp_tokens_identical_and_negative_control(model_dir, tmp_path, pr
         pair.close()
 
 
-def test_block_size_change_prefill_32_decode_64_is_refused_on_the_cpu_build(model_dir, tmp_path, prompts):
-    # prefill (TP2) pages its cache in 32-token blocks, decode (TP1) in 64-token blocks. vLLM's CPU
-    # attention keeps K dim-major inside a block ([head_size, block_size] per head, see the probe
-    # below), so its tokens cannot be remapped between block sizes: the validation
-    # gate refuses the pair at the handshake, naming the layout, and vLLM recomputes the prompt:
-    # tokens identical to one engine, no KV travels, nothing leaks.
-    pair = Pair(model_dir, tmp_path, 2, 1, p_block=32, d_block=64)
+@pytest.mark.parametrize("p_tp,d_tp,p_block,d_block", [(2, 1, 32, 64), (1, 1, 64, 32)])
+def test_block_size_change_moves_the_kv(model_dir, tmp_path, prompts, p_tp, d_tp, p_block, d_block):
+    # the engines page their caches with different block sizes. vLLM's CPU attention keeps K
+    # dim-major inside a block ([head_size, block_size] per head, see the probe below); the
+    # connector says so (RegionSpec.dim_major) and the pack regroups the real tokens into the
+    # decode's blocks: tokens identical to one engine, at most one prompt token computed.
+    pair = Pair(model_dir, tmp_path, p_tp, d_tp, p_block=p_block, d_block=d_block)
     try:
-        ref = pair.reference(prompts, tag="bs-ref")
-        params = pair.prefill_requests(prompts, "bs-p")
-        assert all(p["remote_block_size"] == 32 for p in params)
-        out = pair.decode_requests(prompts, params, "bs-d")
-        assert [o["tokens"] for o in out] == ref
-        assert [o["prompt_computed"] for o in out] == [len(p) for p in prompts]  # recomputed: refused
-        log = (tmp_path / "decode.log").read_text()
-        assert "not token-major" in log and "use equal block sizes" in log, log[-3000:]
-        pair.settle(pair.decode)
+        _, params = transfer_and_check(pair, prompts, "bs")
+        assert all(p["remote_block_size"] == p_block for p in params)
     finally:
         pair.close()
 
@@ -235,7 +228,7 @@ print("ok")
 
 
 def test_vllm_cpu_attention_keeps_k_dim_major_inside_a_block():
-    """Why the CPU build refuses block-size changes: its cache's K half is dim-major per block."""
+    """What the connector's k_dim_major describes: the CPU build's cache keeps K dim-major per block."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([VLLM_PY, "-c", CPU_K_PROBE], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

@@ -10,7 +10,10 @@ Between engines with different block sizes the global KV is per *token* instead
 (``[num_tokens, total_heads, head_dim]``, :func:`make_global_tokens`): a source rank holds token
 ``t`` in block ``src_ids[t // Bs]`` at ``t % Bs`` (:func:`load_source_tokens`), and
 :func:`check_destination_tokens` checks, block by block, that each wanted destination block
-holds exactly its tokens below ``num_tokens`` and nothing else changed.
+holds exactly its tokens below ``num_tokens`` and nothing else changed. Streams that store a
+dim-major row part (``RegionSpec.dim_major``, vLLM's CPU cache: ``storage="vllm_cpu"``) are read
+and written there through element indices computed from that definition (:func:`token_elements`),
+independently of the views the library uses.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ __all__ = [
     "make_global_tokens",
     "load_source_tokens",
     "check_destination_tokens",
+    "token_elements",
 ]
 
 
@@ -87,8 +91,10 @@ def make_rank_regions(
     """Allocate (random-filled) cache tensors for ``rank`` of a ``tp``-rank engine.
 
     ``storage``: ``"separate"`` (K and V tensors), ``"joint"`` (``[num_blocks, 2, ...]``) or
-    ``"joint0"`` (``[2, num_blocks, ...]``). ``pad_blocks`` > 0 makes block strides larger than a
-    block (a non-contiguous cache: every stream is a slice of a wider allocation).
+    ``"joint0"`` (``[2, num_blocks, ...]``) or ``"vllm_cpu"`` (each single-stream SPLIT region is an
+    HND K‖V stream whose first half of a row, K, is stored dim-major per (block, head) tile, as
+    vLLM's CPU attention does; other regions as ``"separate"``). ``pad_blocks`` > 0 makes block
+    strides larger than a block (a non-contiguous cache: every stream is a slice of a wider allocation).
     """
     layout = Layout(layout)
     regions = []
@@ -105,7 +111,14 @@ def make_rank_regions(
             inner = (block_size, heads, d) if layout is Layout.NHD else (heads, block_size, d)
             return inner
 
-        if storage == "separate" or m.head_dims[0] != m.head_dims[1]:
+        if storage == "vllm_cpu" and len(m.head_dims) == 1:
+            c = m.head_dims[0]
+            flat = random_bits((num_blocks, heads * block_size * c + pad_blocks), m.dtype, gen, device)
+            t = flat[:, :heads * block_size * c].unflatten(1, (heads, block_size, c))
+            regions.append(Region.attention(m.name, t, layout=Layout.HND, block_size=block_size,
+                                            total_heads=m.total_heads, dim_major=(c // 2,)))
+            continue
+        if storage in ("separate", "vllm_cpu") or len(m.head_dims) != 2 or m.head_dims[0] != m.head_dims[1]:
             streams = []
             for d in m.head_dims:
                 t = random_bits((num_blocks, *shape(d + pad_blocks)), m.dtype, gen, device)
@@ -151,13 +164,46 @@ def load_source(regions: Sequence[Region], rank: int, tp: int, global_kv, block_
     for region, streams in zip(regions, global_kv):
         h0, h1 = _heads(region, rank, tp)
         for j, g in enumerate(streams):
+            if region.spec.dim_major_of(j):  # write the tokens' real elements
+                elems, idx = token_elements(region, j)
+                elems[idx[ids_t]] = g[keep][:, :, h0:h1].to(elems.device).view(elems.dtype)
+                continue
             view = _bytes(region.nhd(j))
             view[ids_t] = _bytes(g[keep][:, :, h0:h1].to(view.device))
 
 
 def snapshot(regions: Sequence[Region]) -> list[list[torch.Tensor]]:
-    """A byte copy of every stream (the canary reference for untouched blocks)."""
-    return [[_bytes(region.nhd(j)).clone() for j in range(region.spec.num_streams)] for region in regions]
+    """A byte copy of every stream (the canary reference for untouched blocks), per (block,
+    token, head, byte) of the tokens' real elements (:func:`_token_bytes`)."""
+    return [[_token_bytes(region, j).clone() for j in range(region.spec.num_streams)] for region in regions]
+
+
+def token_elements(region: Region, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(elements, index)``: the stream's whole storage as a flat tensor of same-width integers,
+    and ``index[block, token, head, d]`` (int64) the element holding that value, computed from the
+    spec's definition (strides, and the ``dim_major`` in-block order) rather than from views."""
+    spec, t = region.spec, region.streams[stream]
+    word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[spec.itemsize]
+    elems = torch.empty(0, dtype=word, device=t.device).set_(t.untyped_storage())
+    s_blk, s_tok, s_head = spec.strides[stream]
+    bs, hd, a = spec.block_size, spec.head_dims[stream], spec.dim_major_of(stream)
+    blk = torch.arange(spec.num_blocks)[:, None, None, None]
+    tok = torch.arange(bs)[None, :, None, None]
+    head = torch.arange(spec.local_heads)[None, None, :, None]
+    d = torch.arange(hd)[None, None, None, :]
+    start = t.storage_offset() + blk * s_blk + head * s_head
+    if a == 0:
+        return elems, start + tok * s_tok + d
+    return elems, start + torch.where(d < a, d * bs + tok, a * bs + tok * (hd - a) + (d - a))
+
+
+def _token_bytes(region: Region, stream: int) -> torch.Tensor:
+    """``[blocks, block_size, heads, row bytes]`` uint8 copy (dim-major streams) or view of the
+    tokens' real rows."""
+    if not region.spec.dim_major_of(stream):
+        return _bytes(region.nhd(stream))
+    elems, idx = token_elements(region, stream)
+    return elems[idx.to(elems.device)].view(torch.uint8)
 
 
 def check_destination(regions: Sequence[Region], rank: int, tp: int, global_kv, block_ids,
@@ -172,7 +218,7 @@ def check_destination(regions: Sequence[Region], rank: int, tp: int, global_kv, 
     for i, (region, streams) in enumerate(zip(regions, global_kv)):
         h0, h1 = _heads(region, rank, tp)
         for j, g in enumerate(streams):
-            got = _bytes(region.nhd(j)).cpu()
+            got = _token_bytes(region, j).cpu()
             want = _bytes(g[pos][:, :, h0:h1])
             if before is None:
                 got, expected = got[ids_t], want
@@ -201,6 +247,13 @@ def load_source_tokens(regions: Sequence[Region], rank: int, tp: int, global_tok
         h0, h1 = _heads(region, rank, tp)
         bs = region.spec.block_size
         for j, g in enumerate(streams):
+            if region.spec.dim_major_of(j):
+                elems, idx = token_elements(region, j)
+                for p, b in enumerate(np.asarray(block_ids, dtype=np.int64).tolist()):
+                    part = g[p * bs:(p + 1) * bs, h0:h1]
+                    if b >= 0 and part.shape[0]:
+                        elems[idx[b, :part.shape[0]]] = part.to(elems.device).view(elems.dtype)
+                continue
             view = _bytes(region.nhd(j))
             for p, b in enumerate(np.asarray(block_ids, dtype=np.int64).tolist()):
                 part = g[p * bs:(p + 1) * bs, h0:h1]
@@ -219,7 +272,7 @@ def check_destination_tokens(regions: Sequence[Region], rank: int, tp: int, glob
         h0, h1 = _heads(region, rank, tp)
         bs = region.spec.block_size
         for j in range(region.spec.num_streams):
-            got = _bytes(region.nhd(j)).cpu()
+            got = _token_bytes(region, j).cpu()
             expected = (before[i][j] if before is not None else got).cpu().clone()
             mask = torch.zeros(got.shape[:2], dtype=torch.bool)
             for tokens, ids in reqs:

@@ -51,6 +51,7 @@ def regions_from_vllm_caches(
     block_size: int,
     total_kv_heads: int,
     mla_layers: Collection[str] = (),
+    k_dim_major: bool = False,
 ) -> list[Region]:
     """One :class:`Region` per layer, in model order, viewing vLLM's own tensors.
 
@@ -60,6 +61,12 @@ def regions_from_vllm_caches(
     block_size:     tokens per block of the engine's cache.
     total_kv_heads: the model's KV heads (before TP sharding) for attention layers.
     mla_layers:     names of MLA (latent) layers: REPLICATE regions, key only.
+    k_dim_major:    the attention backend fills each (block, head) tile of the 4-D view as
+                    ``[K: head_size x block_size (dim-major) | V: block_size x head_size]`` (vLLM's
+                    CPU attention, its CPU build's only GQA backend; the connector sets it for CPU
+                    caches): the regions then say so (``RegionSpec.dim_major``), so whole blocks
+                    move as tiles and a block-size change regroups the real tokens. Needs
+                    head-major caches.
 
     Raises :class:`~kvtriton.errors.RegionError` for a tensor of any other shape, naming the layer
     and the shapes accepted.
@@ -74,24 +81,25 @@ def regions_from_vllm_caches(
         if name in mla:
             regions.append(_mla_region(name, t, block_size))
         else:
-            regions.append(_attention_region(name, t, block_size, total_kv_heads))
+            regions.append(_attention_region(name, t, block_size, total_kv_heads, k_dim_major))
     return regions
 
 
-def _attention_region(name: str, t: torch.Tensor, block_size: int, total_heads: int) -> Region:
+def _attention_region(name: str, t: torch.Tensor, block_size: int, total_heads: int, k_dim_major: bool) -> Region:
     if t.dim() == 4:  # [B, H, N, C]: K||V packed in C
         if t.shape[2] != block_size:
             raise RegionError(f"layer {name!r}: cache {tuple(t.shape)} is not [num_blocks, heads, block_size="
                               f"{block_size}, head_size + head_size_v]")
-        # vLLM's CPU attention (its CPU build's only GQA backend) fills this view's bytes as
-        # [K: head_size x block_size (dim-major) | V: block_size x head_size] per (block, head):
-        # whole blocks are exact, single tokens are not (no block-size change)
-        token_major = t.device.type != "cpu"
+        # vLLM's CPU attention splits a head tile in halves (K and V of equal size)
+        dim_major = (t.shape[3] // 2,) if k_dim_major else ()
         if _head_major(t.stride(1), t.stride(2), t.shape[1], t.shape[2]):
             return Region.attention(name, t, layout=Layout.HND, block_size=block_size, total_heads=total_heads,
-                                    token_major=token_major)
+                                    dim_major=dim_major)
+        if dim_major:
+            raise RegionError(f"layer {name!r}: cache {tuple(t.shape)} with strides {t.stride()} is not head-major, "
+                              "but k_dim_major needs contiguous (block, head) tiles (as vLLM's CPU attention has)")
         return Region.attention(name, t.transpose(1, 2), layout=Layout.NHD, block_size=block_size,
-                                total_heads=total_heads, token_major=token_major)
+                                total_heads=total_heads)
     if t.dim() == 5 and 2 in (t.shape[0], t.shape[1]):  # [2, B, N, H, D] or [B, 2, N, H, D]
         # K/V outermost when that axis is 2 and strides over the blocks (num_blocks == 2 is ambiguous by shape)
         kv_dim = 0 if t.shape[0] == 2 and (t.shape[1] != 2 or t.stride(0) > t.stride(1)) else 1

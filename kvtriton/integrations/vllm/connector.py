@@ -99,13 +99,14 @@ class KVTritonConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+        first = next(iter(kv_caches.values()))
         regions = regions_from_vllm_caches(
             kv_caches, block_size=self.block_size,
             total_kv_heads=self._vllm_config.model_config.get_total_num_kv_heads(),
-            mla_layers=_mla_layer_names(self._kv_cache_config))
+            mla_layers=_mla_layer_names(self._kv_cache_config),
+            k_dim_major=first.device.type == "cpu")  # the CPU build's attention: K dim-major per block
         self._worker = WorkerSide(self.settings, engine_id=self.engine_id, rank=get_tensor_model_parallel_rank(),
                                   tp_size=self.tp_size, regions=regions, serve=self._producer)
-        first = next(iter(kv_caches.values()))
         logger.info("kvtriton: rank %d of %s registered %d regions (vLLM cache %s %s strides %s -> %s%s)%s",
                     self._worker.rank, self.engine_id, len(regions), first.dtype, tuple(first.shape), first.stride(),
                     regions[0].spec.layout.value, regions[0].spec.head_dims,
