@@ -31,6 +31,7 @@ from ..errors import KVTritonError, PlanError, ProtocolError, RequestRejectedErr
 from ..ops import pack
 from ..plan import ChunkGeometry, StagedRead, TransferPlan
 from ..token_map import TokenMap
+from .eager import EagerPacks
 from .links import Chunk, Flow, Links, Peer, Settings, logger
 from .streams import event_done
 
@@ -118,10 +119,17 @@ class Source:
         self.engine_slots: dict[str, int] = {}  # staging slots each peer engine's transfers keep
         self.engine_progress: dict[str, float] = {}  # when each peer engine last made progress
         self.peer_serves: dict[str, int] = {}  # open transfers per peer agent
+        self.eager = EagerPacks(self, settings.eager_bytes)  # holds packed before their pull
 
     # ------------------------------------------------------------------ holds
     def hold(self, req_id: str, block_ids: np.ndarray, lease_s: float, consumer: str | None, ready=None) -> None:
-        self.holds[req_id] = Hold(req_id, block_ids, lease_s, time.monotonic() + lease_s, consumer, ready=ready)
+        self.eager.release(req_id)  # a hold placed again: what was packed for the old one is stale
+        hold = self.holds[req_id] = Hold(req_id, block_ids, lease_s, time.monotonic() + lease_s, consumer,
+                                         ready=ready)
+        self.eager.placed(hold)
+
+    def serving(self, req_id: str) -> bool:
+        return any(s.req_id == req_id for s in self.serves.values())
 
     def release(self, req_id: str) -> bool:
         hold = self.holds.get(req_id)
@@ -139,6 +147,7 @@ class Source:
         completions left (e.g. a WRITE whose data already landed): they are retired quietly.
         Any other transfer of the request is told and its slots quarantined."""
         self.holds.pop(hold.req_id, None)
+        self.eager.release(hold.req_id)
         for serve in [s for s in self.serves.values() if s.req_id == hold.req_id]:
             if serve.peer.md.engine == finished_engine:
                 self.drop(serve)
@@ -179,14 +188,10 @@ class Source:
         dst_rank, eng = m.dst_rank, peer.md.engine
         if dst_rank != peer.md.rank:
             return reject(f"dst_rank {dst_rank} does not match the sender's rank {peer.md.rank}")
-        plan = self.plans.get((eng, dst_rank, peer.md.cost))
-        if plan is None:
-            try:
-                plan = self.s.plan(dst_rank, peer.md.tp, peer.md.regions, self.s.tp, self.s.specs,
-                                   cost=peer.md.cost)  # the destination's model decides
-            except KVTritonError as e:
-                return reject(f"cannot plan for {eng}:{dst_rank}: {e}")
-            self.plans[(eng, dst_rank, peer.md.cost)] = plan
+        try:
+            plan = self.plan_for(peer)
+        except KVTritonError as e:
+            return reject(f"cannot plan for {eng}:{dst_rank}: {e}")
         if m.plan != plan.digest():
             return reject(f"{eng}:{dst_rank} planned this transfer differently from {me} "
                           "(modes, cost model or replicate stripe differ between the engines)")
@@ -223,6 +228,9 @@ class Source:
                 serve.runs = self.links.prep_runs(plan, peer, ids, dst_ids, reading=False)
             except KVTritonError as e:
                 return reject(f"push: {e}")
+        elif chunks is not None:  # packed ahead for exactly this pull: Ready goes out this progress()
+            serve.inflight = self.eager.take(req, peer, plan.digest(), ids if tokens is None else None, chunks)
+            serve.next_chunk = len(serve.inflight)
         self._add(serve)
         hold.consumer = eng  # the first accepted transfer binds an unbound hold to its engine
         if flow is Flow.PULL and has_runs:
@@ -234,8 +242,18 @@ class Source:
             try:
                 self.links.send(peer, wire.RunsReady(xid))
             except KVTritonError:
-                self._remove(serve)
+                self.drop(serve)  # frees chunks it took from an eager pack too
                 raise
+
+    def plan_for(self, peer: Peer) -> TransferPlan:
+        """The plan of ``peer``'s transfers from this rank, by the destination's cost model (a
+        rank that reconnects with another model is planned again). Raises KVTritonError."""
+        key = (peer.md.engine, peer.md.rank, peer.md.cost)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = self.s.plan(peer.md.rank, peer.md.tp, peer.md.regions, self.s.tp,
+                                                 self.s.specs, cost=peer.md.cost)
+        return plan
 
     def _serve_from(self, peer: Peer, xid: str, flow: Flow, what: str) -> Serve:
         serve = self.serves.get((peer.agent, xid))  # keyed by the sender: nobody reaches another's
@@ -261,9 +279,9 @@ class Source:
 
     def _free(self, serve: Serve, ch: Chunk) -> None:
         self.s.pool.free(ch.slot, ch.nslots)
-        self._uncount(serve.peer.md.engine, ch)
+        self.uncount(serve.peer.md.engine, ch)
 
-    def _uncount(self, engine: str, ch: Chunk) -> None:
+    def uncount(self, engine: str, ch: Chunk) -> None:
         self.engine_slots[engine] -= ch.nslots
 
     def share(self) -> int:
@@ -364,6 +382,7 @@ class Source:
 
     # ------------------------------------------------------------------ progress
     def advance(self) -> None:
+        self.eager.advance()
         for serve in list(self.serves.values()):
             try:
                 if serve.flow is Flow.PULL:
@@ -438,26 +457,39 @@ class Source:
             ch.remote_slot = grant.slot
 
     def _pack(self, serve: Serve, chunk: int) -> Chunk | None:
-        """Pack chunk ``chunk`` into fresh local slots (None when staging is full)."""
-        nbytes = serve.chunks.nbytes(chunk)
-        pool, eng = self.s.pool, serve.peer.md.engine
-        used = self.engine_slots.get(eng, 0)
-        if used + pool.slots_for(nbytes) > self.share():
-            return None  # this engine has its share: a peer that never acks pins no more
+        """Pack chunk ``chunk`` of ``serve`` into fresh local slots (None when staging is full)."""
+        ch = self.pack_chunk(serve.read, serve.chunks, serve.ids, serve.tokens, serve.ready, serve.peer.md.engine,
+                             chunk, keep=serve.req_id)
+        if ch is not None:
+            serve.inflight[chunk] = ch
+        return ch
+
+    def pack_chunk(self, read: StagedRead, chunks: ChunkGeometry, ids: np.ndarray, tokens: TokenMap | None,
+                   ready, eng: str, chunk: int, evict: bool = True, keep: str | None = None) -> Chunk | None:
+        """Pack chunk ``chunk`` for engine ``eng`` into fresh local slots, after ``ready``
+        (None when its share or the pool is full). With ``evict``, eager packs of requests other
+        than ``keep`` give way first (a pull is real, they are a guess)."""
+        nbytes = chunks.nbytes(chunk)
+        pool, need = self.s.pool, self.s.pool.slots_for(nbytes)
+        while self.engine_slots.get(eng, 0) + need > self.share():
+            # this engine has its share: a peer that never acks pins no more
+            if not (evict and self.eager.evict(eng, keep)):
+                return None
         slot = pool.alloc_bytes(nbytes)
+        while slot is None and evict and self.eager.evict(None, keep):
+            slot = pool.alloc_bytes(nbytes)
         if slot is None:
             return None
-        lo, hi = serve.chunks.bounds(chunk)
-        offs = serve.read.segment_offsets(hi - lo, base=pool.offset(slot))
-        with self.s.lanes.launching(after=serve.ready):  # after the engine's writes, on our stream
-            if serve.tokens is None:
-                pack(self.s.regions, serve.read.segments, offs, serve.ids[lo:hi], pool.tensor, impl=self.s.impl)
+        lo, hi = chunks.bounds(chunk)
+        offs = read.segment_offsets(hi - lo, base=pool.offset(slot))
+        with self.s.lanes.launching(after=ready):  # after the engine's writes, on our stream
+            if tokens is None:
+                pack(self.s.regions, read.segments, offs, ids[lo:hi], pool.tensor, impl=self.s.impl)
             else:
-                pack(self.s.regions, serve.read.segments, offs, serve.tokens.src_ids, pool.tensor,
-                     impl=self.s.impl, tiles=serve.tokens.tiles[lo:hi], num_tokens=serve.tokens.num_tokens)
-        ch = Chunk(chunk, slot, pool.slots_for(nbytes), nbytes, kernel=self.s.lanes.completion())
-        self.engine_slots[eng] = used + ch.nslots
-        serve.inflight[chunk] = ch
+                pack(self.s.regions, read.segments, offs, tokens.src_ids, pool.tensor,
+                     impl=self.s.impl, tiles=tokens.tiles[lo:hi], num_tokens=tokens.num_tokens)
+        ch = Chunk(chunk, slot, need, nbytes, kernel=self.s.lanes.completion())
+        self.engine_slots[eng] = self.engine_slots.get(eng, 0) + need
         return ch
 
     # ------------------------------------------------------------------ ending transfers
@@ -471,7 +503,7 @@ class Source:
         until = time.monotonic() + (self.s.timeout_s if notify is not None else 0.0)
         # quarantined slots still count to the engine's share: dropping transfers gains it nothing
         eng = serve.peer.md.engine
-        self.links.retire_chunks(serve.inflight, until, on_free=lambda ch: self._uncount(eng, ch))
+        self.links.retire_chunks(serve.inflight, until, on_free=lambda ch: self.uncount(eng, ch))
         if serve.runs is not None:
             self.links.retire(serve.runs_xfer, self.links.release_lists(*serve.runs[:2]))
             serve.runs, serve.runs_xfer = None, None
@@ -494,6 +526,7 @@ class Source:
                 self._release_hold(hold, "lease_expired")
 
     def peer_lost(self, peer: Peer) -> None:
+        self.eager.peer_lost(peer)
         for serve in [s for s in self.serves.values() if s.peer is peer]:
             self.drop(serve)
 
