@@ -9,8 +9,9 @@ the descriptor sizes are the real ones. Methods, all moving the same bytes into 
   decode READs one descriptor per chunk and unpacks into its HND cache; control messages included.
   Timed from ``fetch`` to its result; the prefill's ``hold`` is placed before the clock starts.
 * ``kvtriton staged, pull eager``: the hold names the decode engine, so the prefill packs at hold
-  time (kvtriton.agent.eager); the clock starts once the pack is in place, as when a decode
-  asks some time after the prefill finished.
+  time and offers the pack to the decode rank (kvtriton.agent.eager); the clock starts once the
+  decode has the offer, as when it asks some time after the prefill finished: it READs at once,
+  no pull and no wait for the prefill process.
 * ``vLLM-style direct``: one 4 KiB descriptor per (layer, K/V, block) head slice, read from an
   HND copy of the cache (the layout that makes a head slice contiguous), prepared lists.
 * ``per-token``: one 256 B descriptor per (layer, K/V, token), read from the NHD cache.
@@ -95,10 +96,11 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
                     conn.send("ok")
                 elif cmd == "hold":  # (req, ids, variant, consumer or None, chunks to pack ahead)
                     a = agents[args[2]]
+                    offers = a.stats["eager_offers"]
                     a.hold(args[0], args[1], lease_s=120, consumer=args[3])
                     end = time.monotonic() + 30
-                    while args[3] and a.packed_ahead(args[0]) < args[4] and time.monotonic() < end:
-                        a.progress()
+                    while args[3] and a.stats["eager_offers"] == offers and time.monotonic() < end:
+                        a.progress()  # packed, and offered to the decode rank
                     conn.send(dict(packed=a.packed_ahead(args[0]), hits=a.stats["eager_hits"]))
                 elif cmd == "time_pack":
                     plan = build_plan(0, D_TP, args[1], P_TP, agents[0].specs)  # what the agents pack for D0
@@ -153,10 +155,11 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
     agent_kw = []
     for mode, chunks, inflight, eager in variants:
         chunk = ceil_div(payload // chunks, slot) * slot
-        staging = (chunks if eager else inflight) * chunk
+        # eager: the whole request packed ahead, plus the staging its engine's lazy pulls keep
+        staging = ((chunks + inflight) if eager else inflight) * chunk
         agent_kw.append(dict(staging_bytes=staging, slot_bytes=slot, chunk_bytes=chunk, mode=mode,
                              inflight_chunks=inflight, impl="torch", timeout_s=60,
-                             eager_bytes=staging if eager else 0))
+                             eager_bytes=chunks * chunk if eager else 0))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_prefill, args=(child, layers, num_blocks, agent_kw, reps), daemon=True)
@@ -290,13 +293,16 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         setups, held = {}, {}  # untimed: the hold (and for eager its pack) before each timed fetch
         for i, (mode, chunks, inflight, eager) in enumerate(variants):
 
-            def hold(i=i, eager=eager, chunks=chunks) -> None:
+            def hold(i=i, eager=eager, chunks=chunks, agent=agents[i]) -> None:
                 req = f"r{counter[0]}"
                 counter[0] += 1
                 parent.send(("hold", req, src_ids.tolist(), i, f"D{i}" if eager else None, chunks))
                 held[i] = dict(parent.recv(), req=req)
                 if eager and held[i]["packed"] < chunks:
                     raise AssertionError(f"eager: {held[i]['packed']} of {chunks} chunks packed at hold time")
+                end = time.monotonic() + 30
+                while eager and not agent.has_offer(f"P{i}", req) and time.monotonic() < end:
+                    agent.progress()  # the decode has the offer before it fetches
 
             def staged(i=i, agent=agents[i], ndesc=ndescs[i]) -> None:
                 req = held.pop(i)["req"]
@@ -327,8 +333,9 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         for i, v in enumerate(variants):  # every eager fetch found its pack (the source counts hits)
             if v[3]:
                 setups[f"staged{i}"]()
-                if held[i]["hits"] != reps + 1:
-                    raise AssertionError(f"eager: {held[i]['hits']} of {reps + 1} pulls were served from the pack")
+                if held[i]["hits"] < reps or agents[i].stats["offers_taken"] != reps + 1:
+                    raise AssertionError(f"eager: {agents[i].stats['offers_taken']} of {reps + 1} fetches took "
+                                         f"the offer, {held[i]['hits']} hits at the source")
         qs = {k: quantiles_of(v) for k, v in samples.items()}
         read_q, write_q, packed_q, direct_q = qs["read"], qs["write"], qs["packed"], qs["direct"]
         staged_rows = []

@@ -41,14 +41,18 @@ def _all_free(e) -> bool:
                and a._source.eager.slots == 0 for a in e.agents)
 
 
-@pytest.mark.parametrize("p_tp,d_tp,staging,nblocks", [
-    (1, 2, 64 << 10, 6),   # every chunk packed ahead, for both decode ranks
-    (2, 1, 64 << 10, 6),   # the decode reads both prefill ranks
-    (1, 1, 8 << 10, 24),   # a request larger than the eager budget: its first chunks ahead, the rest lazily
+@pytest.mark.parametrize("offer_seen", [True, False])
+@pytest.mark.parametrize("p_tp,d_tp,staging,nblocks,models", [
+    (1, 2, 64 << 10, 6, ONE),     # every chunk packed ahead (and offered), for both decode ranks
+    (1, 2, 64 << 10, 6, MODELS),  # with MLA read directly: packed ahead, never offered (DIRECT runs)
+    (2, 1, 64 << 10, 6, MODELS),  # the decode reads both prefill ranks
+    (1, 1, 8 << 10, 24, ONE),     # larger than the eager budget: the first chunks ahead, the rest lazily
 ])
-def test_a_pull_is_answered_from_the_eager_pack_byte_exact(engines, p_tp, d_tp, staging, nblocks):
-    e = engines(p_tp, d_tp, staging_bytes=staging, p_blocks=64, d_blocks=64,
-                models=MODELS if staging > 8 << 10 else ONE)
+def test_a_pull_is_answered_from_the_eager_pack_byte_exact(engines, p_tp, d_tp, staging, nblocks, models,
+                                                           offer_seen):
+    # offer_seen: the decode has the source's offer when it fetches (it READs without a pull);
+    # else its pull arrives first and is answered from the pack at once
+    e = engines(p_tp, d_tp, staging_bytes=staging, p_blocks=64, d_blocks=64, models=models)
     rng = np.random.default_rng(3)
     src, dst = rng.permutation(64)[:nblocks], rng.permutation(64)[:nblocks]
     kv = e.request(src)
@@ -58,23 +62,31 @@ def test_a_pull_is_answered_from_the_eager_pack_byte_exact(engines, p_tp, d_tp, 
         p.progress()
         assert p.packed_ahead("r") > 0 and p.stats["eager_chunks"] == p.packed_ahead("r")
         assert p._source.eager.slots <= p._source.eager.budget_slots
+    if offer_seen:
+        e.settle(0.1)
     for d in e.da:
         d.fetch("r", "P", src, dst)
     got = e.drive(1)
     assert all(v[0].ok for v in got.values()), got
     for r in range(d_tp):
         check_destination(e.D[r], r, d_tp, kv, dst, e.before[r])
+    e.settle(0.2)
     hits = sum(p.stats["eager_hits"] for p in e.pa)
     assert hits == sum(len(p._source.plans) for p in e.pa) and hits >= max(p_tp, d_tp)
     assert sum(p.stats["eager_misses"] for p in e.pa) == 0
-    e.settle(0.2)
+    offers = sum(p.stats["eager_offers"] for p in e.pa)
+    # offered: packs of every chunk whose plan reads no DIRECT runs from that source rank
+    assert offers == (0 if staging == 8 << 10 else sum(
+        1 for p in e.pa for plan in p._source.plans.values() if p.rank not in plan.direct_ranks(nblocks)))
+    assert offers > 0 or models is MODELS or staging == 8 << 10
+    assert sum(d.stats["offers_taken"] for d in e.da) == (offers if offer_seen else 0)
     assert all([(f.req_id, f.reason) for f in p.freed()] == [("r", "done")] for p in e.pa)
     assert _all_free(e)
 
 
 @pytest.mark.parametrize("ask", ["subset", "reordered"])
 def test_a_pull_that_does_not_match_the_pack_frees_it_and_is_served_lazily(engines, ask):
-    e = engines(1, 1, models=ONE)
+    e = engines(1, 1, models=ONE, timeout_s=0.5)
     src, dst = np.array([9, 3, 4, 5, 40, 41]), np.array([0, 7, 8, 2, 30, 31])
     kv = e.request(src)
     e.pa[0].hold("r", src, consumer="D")
@@ -90,9 +102,11 @@ def test_a_pull_that_does_not_match_the_pack_frees_it_and_is_served_lazily(engin
     res = e.drive(1)[0][0]
     assert res.ok, res
     check_destination(e.D[0], 0, 1, kv_want, d_ids, e.before[0])
+    # the pack was offered (every chunk, no DIRECT runs): the decode declined it and pulled
+    assert e.pa[0].stats["eager_offers"] == 1 and e.da[0].stats["offers_taken"] == 0
     assert e.pa[0].stats["eager_misses"] == 1 and e.pa[0].stats["eager_hits"] == 0
-    assert e.pa[0]._source.eager.slots == 0
-    e.settle(0.2)
+    assert e.pa[0]._source.eager.slots == 0 and not e.pa[0]._source.offered
+    e.settle(0.8)  # a withdrawn offer's slots are quarantined for timeout_s
     assert _all_free(e)
 
 
@@ -109,7 +123,12 @@ def test_a_hold_that_ends_before_its_pull_frees_its_eager_slots(engines, how):
     else:
         e.settle(0.4)
     assert [f.reason for f in p.freed()] == ["released" if how == "release" else "lease_expired"]
-    assert p.packed_ahead("r") == 0 and _all_free(e)
+    assert p.packed_ahead("r") == 0 and p._source.eager.slots == 0 and not p._source.serves
+    # the pack had been offered to D:0 (announced, as by a ready): its slots are quarantined for
+    # timeout_s, and D drops the offer when told
+    assert p.stats["eager_offers"] == 1
+    e.settle(0.5)
+    assert _all_free(e) and not e.da[0]._destination.offers.get(("P", 0))
 
 
 def test_holds_beyond_the_eager_budget_are_served_lazily(engines):
@@ -128,8 +147,8 @@ def test_holds_beyond_the_eager_budget_are_served_lazily(engines):
     assert all(r.ok for r in got), got
     for i in range(3):
         check_destination(e.D[0], 0, 1, kvs[i], dsts[i])
-    assert p.stats["eager_hits"] == 1 and p.stats["eager_misses"] == 0
     e.settle(0.2)
+    assert p.stats["eager_hits"] == 1 and p.stats["eager_misses"] == 0
     assert _all_free(e)
 
 
@@ -201,3 +220,31 @@ def test_a_rogue_engine_cannot_take_the_consumers_eager_pack():
         x.check_prefill_untouched()
     finally:
         x.close()
+
+
+@pytest.mark.parametrize("bad", ["slots outside staging", "other ids", "other chunks"])
+def test_a_forged_or_stale_offer_is_declined_and_the_fetch_pulls(engines, bad):
+    from kvtriton import wire
+    from kvtriton.agent.eager import ids_digest
+
+    e = engines(1, 1, models=ONE)
+    src, dst = np.array([7, 1, 12, 3]), np.array([5, 6, 2, 9])
+    kv = e.request(src)
+    e.pa[0].hold("r", src)  # no consumer: nothing is offered by P itself
+    plan = e.da[0].plan_for("P").digest()
+    slots, ids, cb = (0, 4), ids_digest(src), 4
+    if bad == "slots outside staging":
+        slots = (e.da[0]._links.peers[("P", 0)].md.staging.num_slots - 1, 4)
+    elif bad == "other ids":
+        ids = ids_digest(src[::-1].copy())
+    else:
+        slots, cb = (0, 2, 2, 2), 2
+    e.pa[0].transport.send_notif(e.da[0].transport.name,
+                                 wire.Offer("r|P:0>0!", "r", plan, ids, 4, cb, slots).encode())
+    e.settle(0.1)
+    assert e.da[0]._destination.offers.get(("P", 0), {}).get("r") is not None
+    e.da[0].fetch("r", "P", src, dst)
+    res = e.drive(1)[0][0]
+    assert res.ok, res
+    check_destination(e.D[0], 0, 1, kv, dst, e.before[0])
+    assert e.da[0].stats["offers_taken"] == 0 and not e.da[0]._destination.offers.get(("P", 0))

@@ -13,6 +13,15 @@ smaller of both sides' ``chunk_bytes``; the destination's travels in its metadat
 asks anything else (a subset of the blocks, another chunk size, another plan, a reconnected
 peer) frees the packed chunks and is served lazily.
 
+Offers: once every chunk of a destination rank's pack has completed, and the plan reads no
+DIRECT runs from this rank, the pack is offered to that rank (:class:`~kvtriton.wire.Offer`: a
+``ready`` ahead of the pull) as a transfer of its own; a fetch that asks exactly that READs it
+without a round trip to this process (on a busy host, the wake-up saved). An offered pack is
+announced: it is no longer evicted, lives until acked or until the hold ends (then its slots are
+quarantined for ``timeout_s``, as after any ``ready``), and a pull of the same request from that
+rank withdraws it. Offered packs keep at most the consumer's share less ``inflight_chunks``
+chunks, so the engine's lazy pulls always have staging.
+
 Bounds: packed chunks count toward the consumer engine's staging share (never more than it);
 all eager packs together stay within ``eager_bytes``; a hold that does not fit is simply served
 lazily. A pull that needs staging evicts eager packs not yet asked for (they are a guess; a pull
@@ -25,11 +34,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import hashlib
+
 import numpy as np
 
 from ..errors import KVTritonError, StagingError
 from ..plan import ChunkGeometry
 from .links import Chunk, Flow, Peer
+
+
+def ids_digest(ids: np.ndarray) -> str:
+    """What an offer says about the block ids it packed (both sides hash int64 ids alike)."""
+    return hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int64).tobytes(), digest_size=12).hexdigest()
 
 
 @dataclass(eq=False)
@@ -40,6 +56,8 @@ class Packed:
     digest: str  # the plan they were packed by
     ids: np.ndarray  # the request positions assumed (every held block, in order)
     chunks: ChunkGeometry
+    read: object = None  # the plan's StagedRead from this rank
+    offerable: bool = False  # every chunk packed and no DIRECT runs: offered once the packs completed
     inflight: dict = field(default_factory=dict)  # chunk -> Chunk, chunks 0..k-1
 
     @property
@@ -58,6 +76,7 @@ class EagerPacks:
         self.slots = 0  # slots all eager packs keep
         self.packs: OrderedDict[str, dict[int, Packed]] = OrderedDict()  # req -> dst rank -> Packed
         self.pending: list[str] = []  # holds placed since the last progress()
+        self.unoffered: list[tuple[str, int]] = []  # (req, dst rank) packed in full, not offered yet
 
     # ------------------------------------------------------------------ placing
     def placed(self, hold) -> None:
@@ -71,6 +90,24 @@ class EagerPacks:
             hold = self.src.holds.get(req)
             if hold is not None and req not in self.packs and not self.src.serving(req):
                 self._pack_hold(hold)
+        waiting = []
+        for req, rank in self.unoffered:
+            packed = self.packs.get(req, {}).get(rank)
+            if packed is None:
+                continue  # taken, freed or evicted meanwhile
+            if not all(ch.kernel is None or ch.kernel.done() for ch in packed.inflight.values()):
+                waiting.append((req, rank))
+                continue
+            src = self.src
+            reserve = src.s.inflight * src.s.pool.slots_for(src.s.chunk_bytes)
+            if src.engine_slots.get(packed.peer.md.engine, 0) > src.share() - reserve:
+                continue  # offered packs would leave the engine's lazy pulls no staging: stays evictable
+            hold = src.holds.get(req)
+            if hold is not None and src.offer(hold, packed):
+                del self.packs[req][rank]  # announced: the offered transfer owns it (slots still counted here)
+                if not self.packs[req]:
+                    del self.packs[req]
+        self.unoffered = waiting
 
     def _pack_hold(self, hold) -> None:
         src, stats = self.src, self.src.links.stats
@@ -92,7 +129,7 @@ class EagerPacks:
                                            min(src.s.chunk_bytes, peer.md.staging.chunk_bytes))
             except StagingError:
                 continue
-            packed = Packed(peer, plan.digest(), ids, chunks)
+            packed = Packed(peer, plan.digest(), ids, chunks, read)
             for c in range(chunks.count):
                 need = src.s.pool.slots_for(chunks.nbytes(c))
                 if self.slots + need > self.budget_slots:
@@ -104,6 +141,8 @@ class EagerPacks:
                 self.slots += ch.nslots
             if packed.inflight:
                 out[peer.md.rank] = packed
+                if len(packed.inflight) == chunks.count and src.s.rank not in plan.direct_ranks(ids.size):
+                    self.unoffered.append((hold.req_id, peer.md.rank))
                 stats["eager_chunks"] += len(packed.inflight)
         if not out:
             del self.packs[hold.req_id]
@@ -131,7 +170,8 @@ class EagerPacks:
     def ready_chunks(self, req: str) -> int:
         """Chunks of ``req`` packed ahead whose pack has completed."""
         return sum(1 for p in self.packs.get(req, {}).values() for ch in p.inflight.values()
-                   if ch.kernel is None or ch.kernel.done())
+                   if ch.kernel is None or ch.kernel.done()) + \
+            sum(s.n_chunks for s in self.src.offered.values() if s.req_id == req)
 
     # ------------------------------------------------------------------ freeing
     def release(self, req: str) -> None:

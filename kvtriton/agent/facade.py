@@ -145,7 +145,8 @@ class TransferAgent:
         # eager_*: chunks packed ahead of a pull, pulls that found theirs packed (hits) or not as
         # packed (misses: served lazily), packs given up for a pull that needed the staging
         self.stats = {"bad_messages": 0, "refused": 0, "staged_descriptors": 0, "direct_descriptors": 0,
-                      "eager_chunks": 0, "eager_hits": 0, "eager_misses": 0, "eager_evicted": 0}
+                      "eager_chunks": 0, "eager_hits": 0, "eager_misses": 0, "eager_evicted": 0, "eager_offers": 0,
+                      "offers_taken": 0}
         self._warmed: set = set()  # (op, LaunchConfig) compiled by warmup()
         self._warm_peers = bool(warmup)
         settings = Settings(engine_id, rank, tp, flow, tuple(self.regions), tuple(self.specs), self.device,
@@ -173,6 +174,7 @@ class TransferAgent:
             wire.Abort: self._source.on_abort,
             wire.Renew: self._source.on_renew,
             wire.Ready: self._destination.on_ready,
+            wire.Offer: self._destination.on_offer,
             wire.Data: self._destination.on_data,
             wire.RunsReady: self._destination.on_runs_ready,
             wire.Reject: self._destination.on_reject,
@@ -403,6 +405,13 @@ class TransferAgent:
         with self._lock, self._lanes.on_device():
             self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s,
                                     num_tokens, ready)
+
+    def has_offer(self, remote_engine_id: str, req_id: str) -> bool:
+        """Whether some rank of ``remote_engine_id`` has offered ``req_id`` packed ahead (its
+        hold named this engine): a :meth:`fetch` of every held block then READs at once."""
+        with self._lock, self._lanes.on_device():
+            return any(req_id in offers for (eng, _), offers in self._destination.offers.items()
+                       if eng == remote_engine_id)
 
     def abort(self, req_id: str) -> bool:
         """Cancel a fetch in flight: its source ranks are told, staging it holds is reclaimed

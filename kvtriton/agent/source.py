@@ -31,7 +31,7 @@ from ..errors import KVTritonError, PlanError, ProtocolError, RequestRejectedErr
 from ..ops import pack
 from ..plan import ChunkGeometry, StagedRead, TransferPlan
 from ..token_map import TokenMap
-from .eager import EagerPacks
+from .eager import EagerPacks, ids_digest
 from .links import Chunk, Flow, Links, Peer, Settings, logger
 from .streams import event_done
 
@@ -86,6 +86,8 @@ class Serve:
     tokens: TokenMap | None = None  # block sizes differ: the request's token map (ids = its read_ids)
     ready: object = None  # the hold's event: packs wait for it on the device, DIRECT runs on the host
     runs_announce: bool = False  # pull: RunsReady not sent yet (the hold's event had not completed)
+    offered: bool = False  # an eager pack offered ahead of the pull: nothing heard from the peer yet
+    eager_slots: int = 0  # slots of the eager budget it keeps until it ends
 
     @property
     def n_chunks(self) -> int:
@@ -120,6 +122,7 @@ class Source:
         self.engine_progress: dict[str, float] = {}  # when each peer engine last made progress
         self.peer_serves: dict[str, int] = {}  # open transfers per peer agent
         self.eager = EagerPacks(self, settings.eager_bytes)  # holds packed before their pull
+        self.offered: dict[tuple[str, str], Serve] = {}  # (peer agent, req) -> offered, untouched transfer
 
     # ------------------------------------------------------------------ holds
     def hold(self, req_id: str, block_ids: np.ndarray, lease_s: float, consumer: str | None, ready=None) -> None:
@@ -231,6 +234,19 @@ class Source:
         elif chunks is not None:  # packed ahead for exactly this pull: Ready goes out this progress()
             serve.inflight = self.eager.take(req, peer, plan.digest(), ids if tokens is None else None, chunks)
             serve.next_chunk = len(serve.inflight)
+        offered = self.offered.get((peer.agent, req))
+        if offered is not None and offered.offered:  # pulled instead of taken (e.g. the offer was late)
+            if serve.inflight or not (offered.read == read and offered.chunks == chunks and tokens is None
+                                      and np.array_equal(offered.ids, ids)):
+                self.links.stats["eager_misses"] += 1
+                self.drop(offered, notify=f"offer of {req!r} withdrawn: a pull for something else arrived")
+            else:  # exactly the offered payload: this transfer takes it over and announces it
+                self.links.stats["eager_hits"] += 1
+                serve.inflight, offered.inflight = offered.inflight, {}
+                serve.next_chunk, serve.eager_slots, offered.eager_slots = chunks.count, offered.eager_slots, 0
+                self._remove(offered)
+                for ch in serve.inflight.values():
+                    self.links.send(peer, wire.Ready(xid, ch.index, ch.slot, ch.nslots, ch.nbytes), quiet=True)
         self._add(serve)
         hold.consumer = eng  # the first accepted transfer binds an unbound hold to its engine
         if flow is Flow.PULL and has_runs:
@@ -255,6 +271,33 @@ class Source:
                                                  self.s.specs, cost=peer.md.cost)
         return plan
 
+    def offer(self, hold: Hold, packed) -> bool:
+        """Announce an eager pack to its destination rank as a transfer of its own (see
+        :mod:`.eager`); False when the peer has no room for another transfer or the send fails."""
+        peer = packed.peer
+        xid = f"{hold.req_id}|{self.s.name}>{peer.md.rank}!"
+        if (peer.agent, xid) in self.serves or self.peer_serves.get(peer.agent, 0) >= MAX_SERVES_PER_PEER:
+            return False
+        serve = Serve(xid, hold.req_id, peer, Flow.PULL, packed.read, packed.ids, packed.chunks, self.s.timeout_s,
+                      time.monotonic() + self.s.timeout_s, ready=hold.ready, offered=True,
+                      eager_slots=packed.nslots)
+        serve.inflight = dict(packed.inflight)
+        serve.next_chunk = packed.chunks.count
+        slots = []
+        for c in range(packed.chunks.count):
+            ch = serve.inflight[c]
+            ch.kernel = None  # completed: announced by the offer, not by a ready
+            slots += [ch.slot, ch.nslots]
+        try:
+            self.links.send(peer, wire.Offer(xid, hold.req_id, packed.digest, ids_digest(packed.ids),
+                                             int(packed.ids.size), packed.chunks.blocks_per_chunk, tuple(slots)))
+        except KVTritonError:
+            return False
+        self._add(serve)
+        self.offered[(peer.agent, hold.req_id)] = serve
+        self.links.stats["eager_offers"] += 1
+        return True
+
     def _serve_from(self, peer: Peer, xid: str, flow: Flow, what: str) -> Serve:
         serve = self.serves.get((peer.agent, xid))  # keyed by the sender: nobody reaches another's
         if serve is None or serve.peer is not peer or serve.flow is not flow:
@@ -267,6 +310,9 @@ class Source:
 
     def _remove(self, serve: Serve) -> None:
         if self.serves.pop(serve.key, None) is not None:
+            if self.offered.get((serve.peer.agent, serve.req_id)) is serve:
+                del self.offered[(serve.peer.agent, serve.req_id)]
+            self.eager.slots -= serve.eager_slots
             n = self.peer_serves.pop(serve.peer.agent) - 1
             if n:
                 self.peer_serves[serve.peer.agent] = n
@@ -276,6 +322,11 @@ class Source:
         start over."""
         serve.touch()
         self.engine_progress[serve.peer.md.engine] = time.monotonic()
+        if serve.offered:  # the peer took the offer: from now on its silence counts
+            self.links.stats["eager_hits"] += 1
+            serve.offered = False
+            if self.offered.get((serve.peer.agent, serve.req_id)) is serve:
+                del self.offered[(serve.peer.agent, serve.req_id)]
 
     def _free(self, serve: Serve, ch: Chunk) -> None:
         self.s.pool.free(ch.slot, ch.nslots)
@@ -372,6 +423,8 @@ class Source:
     def on_abort(self, peer: Peer, m: wire.Abort) -> None:
         serve = self.serves.get((peer.agent, m.xid))
         if serve is not None and serve.peer is peer:
+            if serve.offered:  # declined: the fetch asked something else
+                self.links.stats["eager_misses"] += 1
             self.drop(serve)
 
     def transfer_failed(self, xid: str | None, peer: Peer, error: KVTritonError) -> None:
@@ -395,7 +448,9 @@ class Source:
                 continue
             if serve.complete:
                 self._remove(serve)
-            elif serve.waiting_engine:
+            elif serve.waiting_engine or serve.offered:
+                # our engine's own writes, or an offer the decode has not fetched yet: not the
+                # peer's silence (the hold's bound still applies)
                 serve.touch()  # our engine's own writes, not the peer's silence (the hold's bound still applies)
             elif serve.waiting_local:
                 # queued behind staging: only its own engine's progress carries its deadline
@@ -518,7 +573,7 @@ class Source:
             if now > serve.deadline:
                 logger.warning("transfer %s: peer %s went silent; staging reclaimed", serve.xid, serve.peer.agent)
                 self.drop(serve, notify="no progress from the destination before the deadline")
-        serving = {s.req_id for s in self.serves.values()}
+        serving = {s.req_id for s in self.serves.values() if not s.offered}  # an offer alone: the lease rules
         for hold in list(self.holds.values()):
             # a transfer in progress keeps its blocks (it has its own silence deadline), but never
             # past the lease plus timeout_s: then the hold goes whatever its transfers do
