@@ -97,8 +97,8 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
                 elif cmd == "hold":  # (req, ids, variant, consumer or None, chunks to pack ahead)
                     a = agents[args[2]]
                     end = time.monotonic() + 30
-                    while args[3] and not a.idle() and time.monotonic() < end:
-                        a.progress()  # the last request's ack and done: its staging is back
+                    while args[3] and a.pool.free_slots < a.pool.num_slots and time.monotonic() < end:
+                        a.progress()  # the last request's ack: its staging is back
                     offers = a.stats["eager_offers"]
                     a.hold(args[0], args[1], lease_s=120, consumer=args[3])
                     end = time.monotonic() + 30
