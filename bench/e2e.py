@@ -7,6 +7,11 @@ the descriptor sizes are the real ones. Methods, all moving the same bytes into 
 
 * ``kvtriton staged``: TransferAgent pull: the prefill packs from an **NHD** cache into staging,
   decode READs one descriptor per chunk and unpacks into its HND cache; control messages included.
+  Timed from ``fetch`` to its result; the prefill's ``hold`` is placed before the clock starts.
+* ``kvtriton staged, pull eager``: the hold names the decode engine, so the prefill packs at hold
+  time and offers the pack to the decode rank (kvtriton.agent.eager); the clock starts once the
+  decode has the offer, as when it asks some time after the prefill finished: it READs at once,
+  no pull and no wait for the prefill process.
 * ``vLLM-style direct``: one 4 KiB descriptor per (layer, K/V, block) head slice, read from an
   HND copy of the cache (the layout that makes a head slice contiguous), prepared lists.
 * ``per-token``: one 256 B descriptor per (layer, K/V, token), read from the NHD cache.
@@ -89,9 +94,17 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
                         a.add_remote(md)
                     raw.add_remote(args[1])
                     conn.send("ok")
-                elif cmd == "hold":
-                    agents[args[2]].hold(args[0], args[1], lease_s=120)
-                    conn.send("ok")
+                elif cmd == "hold":  # (req, ids, variant, consumer or None, chunks to pack ahead)
+                    a = agents[args[2]]
+                    end = time.monotonic() + 30
+                    while args[3] and a.pool.free_slots < a.pool.num_slots and time.monotonic() < end:
+                        a.progress()  # the last request's ack: its staging is back
+                    offers = a.stats["eager_offers"]
+                    a.hold(args[0], args[1], lease_s=120, consumer=args[3])
+                    end = time.monotonic() + 30
+                    while args[3] and a.stats["eager_offers"] == offers and time.monotonic() < end:
+                        a.progress()  # packed, and offered to the decode rank
+                    conn.send(dict(packed=a.packed_ahead(args[0]), hits=a.stats["eager_hits"]))
                 elif cmd == "time_pack":
                     plan = build_plan(0, D_TP, args[1], P_TP, agents[0].specs)  # what the agents pack for D0
                     read = plan.staged_read(0)
@@ -117,8 +130,10 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
                   per_token: bool = True, transport: str = "") -> list[dict]:
     """One process pair, one transport (whatever ``UCX_TLS`` this process started with).
 
-    ``variants``: kvtriton configurations as (mode, chunks per request, chunks in flight);
-    default: one chunk (pull and push) and 8 pipelined chunks (pull). ``busy``: CPU-bound
+    ``variants``: kvtriton configurations as (mode, chunks per request, chunks in flight[, eager]);
+    default: one chunk (pull and push), 8 pipelined chunks (pull) and one chunk packed at hold
+    time (pull, eager: the hold names its consumer; staging and ``eager_bytes`` fit the whole
+    request). ``busy``: CPU-bound
     neighbor processes spinning on the same cores for the whole measurement (bounded: they stop
     by themselves after 300 s). ``per_token``: time the (slow) per-token baseline too.
     """
@@ -137,13 +152,17 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
     n = tokens // BLOCK
     num_blocks = n + 8
     payload = layers * 2 * n * BLOCK * HEAD_DIM * 2  # bytes decode rank 0 receives
-    variants = variants or [("pull", 1, 1), ("push", 1, 1), ("pull", 8, 2)]
+    variants = [tuple(v) + (False,) * (4 - len(v)) for v in
+                (variants or [("pull", 1, 1), ("push", 1, 1), ("pull", 8, 2), ("pull", 1, 1, True)])]
     slot = 256 << 10
     agent_kw = []
-    for mode, chunks, inflight in variants:
+    for mode, chunks, inflight, eager in variants:
         chunk = ceil_div(payload // chunks, slot) * slot
-        agent_kw.append(dict(staging_bytes=inflight * chunk, slot_bytes=slot, chunk_bytes=chunk, mode=mode,
-                             inflight_chunks=inflight, impl="torch", timeout_s=60))
+        # eager: the whole request packed ahead, plus the staging its engine's lazy pulls keep
+        staging = ((chunks + inflight) if eager else inflight) * chunk
+        agent_kw.append(dict(staging_bytes=staging, slot_bytes=slot, chunk_bytes=chunk, mode=mode,
+                             inflight_chunks=inflight, impl="torch", timeout_s=60,
+                             eager_bytes=chunks * chunk if eager else 0))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_prefill, args=(child, layers, num_blocks, agent_kw, reps), daemon=True)
@@ -274,13 +293,22 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         common = dict(case=case, transport=transport or _transport_label(),
                       host="busy" if busy else "idle", bytes=payload)
         ndescs = [[0] for _ in variants]
-        for i, (mode, chunks, inflight) in enumerate(variants):
+        setups, held = {}, {}  # untimed: the hold (and for eager its pack) before each timed fetch
+        for i, (mode, chunks, inflight, eager) in enumerate(variants):
 
-            def staged(i=i, agent=agents[i], ndesc=ndescs[i]) -> None:
+            def hold(i=i, eager=eager, chunks=chunks, agent=agents[i]) -> None:
                 req = f"r{counter[0]}"
                 counter[0] += 1
-                parent.send(("hold", req, src_ids.tolist(), i))
-                parent.recv()
+                parent.send(("hold", req, src_ids.tolist(), i, f"D{i}" if eager else None, chunks))
+                held[i] = dict(parent.recv(), req=req)
+                if eager and held[i]["packed"] < chunks:
+                    raise AssertionError(f"eager: {held[i]['packed']} of {chunks} chunks packed at hold time")
+                end = time.monotonic() + 30
+                while eager and not agent.has_offer(f"P{i}", req) and time.monotonic() < end:
+                    agent.progress()  # the decode has the offer before it fetches
+
+            def staged(i=i, agent=agents[i], ndesc=ndescs[i]) -> None:
+                req = held.pop(i)["req"]
                 agent.fetch(req, f"P{i}", src_ids, dst_ids)
                 while True:
                     agent.progress()
@@ -292,27 +320,37 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
                         return
 
             clear()
+            hold()
             staged()
-            check(f"staged {mode}")
+            check(f"staged {mode}{' eager' if eager else ''}")
             timed[f"staged{i}"] = staged
+            setups[f"staged{i}"] = hold
 
         # interleaved rounds: a burst of load on this shared machine hits every method alike
         samples: dict[str, list[float]] = {k: [] for k in timed}
         for _ in range(reps):
             for k, fn in timed.items():
+                if k in setups:
+                    setups[k]()
                 samples[k].append(quantiles_ms(fn, 1, warmup=0)[1])
+        for i, v in enumerate(variants):  # every eager fetch found its pack (the source counts hits)
+            if v[3]:
+                setups[f"staged{i}"]()
+                if held[i]["hits"] < reps or agents[i].stats["offers_taken"] != reps + 1:
+                    raise AssertionError(f"eager: {agents[i].stats['offers_taken']} of {reps + 1} fetches took "
+                                         f"the offer, {held[i]['hits']} hits at the source")
         qs = {k: quantiles_of(v) for k, v in samples.items()}
         read_q, write_q, packed_q, direct_q = qs["read"], qs["write"], qs["packed"], qs["direct"]
         staged_rows = []
-        for i, (mode, chunks, inflight) in enumerate(variants):
+        for i, (mode, chunks, inflight, eager) in enumerate(variants):
             q = qs[f"staged{i}"]
             floor = read_q[1] if mode == "pull" else write_q[1]
-            parts = pack_q[1] + floor + unpack_q[1]
+            parts = (0 if eager else pack_q[1]) + floor + unpack_q[1]
             staged_rows.append(dict(
-                common, method=f"kvtriton staged, {mode}, {chunks} chunk(s) x {inflight} in flight",
-                descriptors=ndescs[i][0], **qfields("ms", q, 2),
-                note=f"{q[1] / parts:.2f}x the sum of its parts (pack + one {'READ' if mode == 'pull' else 'WRITE'}"
-                     f" + unpack); vLLM K||V direct/this = {packed_q[1] / q[1]:.2f}x; K/V-separate direct/this = "
+                common, method=f"kvtriton staged, {mode}{' eager' if eager else ''}, {chunks} chunk(s) x {inflight}"
+                               " in flight", descriptors=ndescs[i][0], **qfields("ms", q, 2),
+                note=f"{q[1] / parts:.2f}x the sum of its parts ({'' if eager else 'pack + '}one "
+                     f"{'READ' if mode == 'pull' else 'WRITE'} + unpack); vLLM K||V direct/this = {packed_q[1] / q[1]:.2f}x; K/V-separate direct/this = "
                      f"{direct_q[1] / q[1]:.2f}x"))
         rows += staged_rows
         rows += [

@@ -263,6 +263,7 @@ def _e2e_summary(rows: list[dict]) -> list[str]:
         sel = {r["method"]: r["ms"] for r in rows if (r.get("transport"), r.get("host")) == (t, h) and "ms" in r}
         pull = sel.get("kvtriton staged, pull, 1 chunk(s) x 1 in flight")
         push = sel.get("kvtriton staged, push, 1 chunk(s) x 1 in flight")
+        eager = sel.get("kvtriton staged, pull eager, 1 chunk(s) x 1 in flight")
         packed = sel.get("vLLM 0.33 direct 8 KiB K||V reads")
         sep = sel.get("direct 4 KiB reads, K/V separate")
         if None in (pull, push, packed, sep):
@@ -270,7 +271,9 @@ def _e2e_summary(rows: list[dict]) -> list[str]:
             lines.append(f"- {t}, {h}: incomplete ({'; '.join(fail)[:200]})")
             continue
         lines.append(f"- {t}, {h}: staged pull / vLLM K||V direct = **{pull / packed:.2f}**, staged push / vLLM "
-                     f"K||V direct = **{push / packed:.2f}**; staged pull / K/V-separate direct = {pull / sep:.2f}, "
+                     f"K||V direct = **{push / packed:.2f}**"
+                     + (f", staged pull eager (packed at hold) / vLLM K||V direct = **{eager / packed:.2f}**"
+                        if eager else "") + f"; staged pull / K/V-separate direct = {pull / sep:.2f}, "
                      f"push / K/V-separate = {push / sep:.2f}; READ floor {sel.get('single descriptor READ (pull floor)')}"
                      f" ms, WRITE floor {sel.get('single descriptor WRITE (push floor)')} ms")
     return lines + [""]

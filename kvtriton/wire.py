@@ -47,6 +47,7 @@ __all__ = [
     "Abort",
     "Renew",
     "Ready",
+    "Offer",
     "Data",
     "RunsReady",
     "Reject",
@@ -354,6 +355,23 @@ class Ready(Message):
 
 
 @dataclass(frozen=True)
+class Offer(Message):
+    """Pull, before the pull: request ``req`` is packed for you (``num_blocks`` held blocks in
+    order, ``ids`` their digest, chunks of ``chunk_blocks`` by plan ``plan``) in my slot runs
+    ``slots`` (slot, nslots per chunk). A fetch asking exactly that READs them as transfer
+    ``xid`` (acks as after ``ready``) without sending a pull; a ``reject`` of ``xid`` withdraws it."""
+
+    TYPE: ClassVar[str] = "offer"
+    xid: str
+    req: str
+    plan: str
+    ids: str
+    num_blocks: int
+    chunk_blocks: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Data(Message):
     """Push: chunk ``chunk`` has landed in the granted slots (rides on the WRITE)."""
 
@@ -381,13 +399,14 @@ class Reject(Message):
     reason: str
 
 
-MESSAGE_TYPES: tuple[type[Message], ...] = (Pull, Push, Grant, Ack, RunsDone, Done, Abort, Renew, Ready, Data,
-                                             RunsReady, Reject)
+MESSAGE_TYPES: tuple[type[Message], ...] = (Pull, Push, Grant, Ack, RunsDone, Done, Abort, Renew, Ready, Offer,
+                                             Data, RunsReady, Reject)
 _RUNS_CHUNK = -1
 # the least value of an int field (default 0): counts of slots and bytes are >= 1, a tp >= 1, and
 # only an ack's chunk may be -1 (RunsDone); upper bounds are the receiver's (it knows them)
 _MIN_INT = {("ready", "nslots"): 1, ("ready", "nbytes"): 1, ("grant", "nslots"): 1, ("data", "nbytes"): 1,
-            ("done", "dst_tp"): 1, ("ack", "chunk"): _RUNS_CHUNK}
+            ("done", "dst_tp"): 1, ("ack", "chunk"): _RUNS_CHUNK, ("offer", "num_blocks"): 1,
+            ("offer", "chunk_blocks"): 1}
 # annotation of a message field -> the type msgpack decodes it to (tuples travel as arrays)
 _WIRE_TYPES = {"str": str, "int": int, "tuple[int, ...]": list}
 # t -> (class, [(field, wire type)]); RunsDone is an Ack of chunk _RUNS_CHUNK on the wire, told

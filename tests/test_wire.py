@@ -99,7 +99,8 @@ def test_staging_pool_first_fit_runs():
 def test_every_message_type_round_trips():
     msgs = [wire.Pull("x", "r", 0, (1, 2), 2, "p"), wire.Push("x", "r", 1, (1,), (3,), 1, "p"),
             wire.Grant("x", 0, 4, 2), wire.Ack("x", 0), wire.RunsDone("x"), wire.Done("r", 0, 2),
-            wire.Abort("x"), wire.Renew("r", 1), wire.Ready("x", 1, 2, 3, 4), wire.Data("x", 1, 4), wire.RunsReady("x"),
+            wire.Abort("x"), wire.Renew("r", 1), wire.Ready("x", 1, 2, 3, 4),
+            wire.Offer("x", "r", "p", "h", 3, 2, (0, 2, 2, 1)), wire.Data("x", 1, 4), wire.RunsReady("x"),
             wire.Reject("x", "why")]
     assert {type(m) for m in msgs} == set(wire.MESSAGE_TYPES)
     for m in msgs:

@@ -20,7 +20,9 @@ plus ``timeout_s``; a decode rank renews the holds of its outstanding fetches. W
 landed the decode rank sends ``done`` to *every* rank of the source engine (replicas it skipped
 included), and each source rank frees the request once all decode ranks are done or its lease
 expires. A hold belongs to one consumer engine (see :mod:`.source`): no other peer can read,
-complete or renew it.
+complete or renew it. A hold that names its consumer is packed ahead of the pull
+(:mod:`.eager`) and offered to the consumer's ranks (``offer``): a fetch asking exactly that
+READs at once, without a pull; a pull that comes first is answered with ``ready`` at once.
 
 Push: the decode rank sends ``push`` and ``grant``s staging slots of its own; the source packs and
 WRITEs each chunk into the granted slots with a ``data`` notification, and WRITEs DIRECT regions

@@ -24,7 +24,10 @@ from ..errors import (
 from ..ops import unpack
 from ..plan import ChunkGeometry, StagedRead, TransferPlan, ceil_div, compact_request
 from ..token_map import TokenMap, compact_tokens
+from .eager import ids_digest
 from .links import Chunk, Flow, Links, Peer, Settings
+
+MAX_OFFERS_PER_PEER = 1024  # offers kept per source rank (the oldest goes first)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class Part:
     runs_lists: tuple = ()
     announced: set = field(default_factory=set)  # pull: chunks a Ready arrived for
     consumed: set = field(default_factory=set)  # chunks unpacked into the cache
+    offered: bool = False  # pull: the source offered this payload ahead: READ at once, no pull sent
 
     @property
     def n_chunks(self) -> int:
@@ -106,6 +110,7 @@ class Destination:
         self.parts: dict[str, Part] = {}  # by transfer id
         self.results: list[RequestResult] = []
         self._xid = itertools.count()
+        self.offers: dict[tuple[str, int], dict[str, wire.Offer]] = {}  # source rank -> req -> its offer
 
     # ------------------------------------------------------------------ requests
     def fetch(self, req_id: str, engine: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
@@ -152,7 +157,16 @@ class Destination:
                     self.fail(f, StagingError(f"{engine}:{src_rank}: {e}"))
                     return
             xid = f"{req_id}|{self.s.name}<{src_rank}#{next(self._xid)}"
-            part = Part(xid, f, src_rank, read, chunks, src_rank in runs_ranks)
+            offer = self._offer_for(peer, req_id, plan, s_ids if tokens is None else None, chunks,
+                                    src_rank in runs_ranks)
+            part = Part(offer.xid if offer else xid, f, src_rank, read, chunks, src_rank in runs_ranks)
+            if offer is not None:  # the payload is in the source's staging already: READ it now
+                part.offered = True
+                for c in range(chunks.count):
+                    slot, nslots = offer.slots[2 * c], offer.slots[2 * c + 1]
+                    part.readies.append(wire.Ready(part.xid, c, slot, nslots, chunks.nbytes(c)))
+                    part.announced.add(c)
+                self.links.stats["offers_taken"] += 1
             f.parts[src_rank] = part
             self.parts[xid] = part
         try:
@@ -164,6 +178,8 @@ class Destination:
         ids = tuple(f.src_ids.tolist())
         tok = {} if f.tokens is None else {"tokens": f.tokens.num_tokens, "tiles": tuple(f.tokens.tiles.tolist())}
         for part in f.parts.values():
+            if part.offered:
+                continue  # nothing to ask: its acks tell the source we took the offer
             peer = self.links.peers[(f.engine, part.src_rank)]
             chunk_blocks = part.chunks.blocks_per_chunk if part.chunks is not None else 0
             if self.s.flow is Flow.PUSH:
@@ -183,6 +199,39 @@ class Destination:
     def take_results(self) -> list[RequestResult]:
         out, self.results = self.results, []
         return out
+
+    # ------------------------------------------------------------------ offers
+    def on_offer(self, peer: Peer, m: wire.Offer) -> None:
+        """Keep a source's offer until a fetch asks for it (checked then, against the fetch)."""
+        if self.s.flow is not Flow.PULL:
+            raise ProtocolError("offer received in push mode")
+        mine = self.offers.setdefault(peer.key, {})
+        mine.pop(m.req, None)
+        if len(mine) >= MAX_OFFERS_PER_PEER:
+            mine.pop(next(iter(mine)))  # the oldest: its source frees it with the hold
+        mine[m.req] = m
+
+    def _offer_for(self, peer: Peer, req: str, plan: TransferPlan, ids, chunks: ChunkGeometry | None,
+                   runs: bool) -> wire.Offer | None:
+        """``peer``'s offer of ``req`` when it is exactly this part's payload (same plan, ids and
+        chunks, slot runs inside the peer's staging, no DIRECT runs), else None; an offer that
+        does not match is declined (the source frees it)."""
+        offer = self.offers.get(peer.key, {}).pop(req, None)
+        if offer is None:
+            return None
+        st = peer.md.staging
+        ok = (chunks is not None and ids is not None and not runs and offer.xid not in self.parts
+              and offer.plan == plan.digest() and offer.num_blocks == chunks.num_blocks
+              and offer.chunk_blocks == chunks.blocks_per_chunk and len(offer.slots) == 2 * chunks.count
+              and offer.ids == ids_digest(ids))
+        if ok:
+            for c in range(chunks.count):
+                slot, nslots = offer.slots[2 * c], offer.slots[2 * c + 1]
+                ok = ok and nslots == ceil_div(chunks.nbytes(c), st.slot_bytes) and slot + nslots <= st.num_slots
+        if not ok:
+            self.links.send(peer, wire.Abort(offer.xid), quiet=True)
+            return None
+        return offer
 
     # ------------------------------------------------------------------ messages
     def _part_from(self, peer: Peer, xid: str) -> Part:
@@ -229,6 +278,10 @@ class Destination:
 
     def on_reject(self, peer: Peer, m: wire.Reject) -> None:
         part = self.parts.get(m.xid)
+        mine = self.offers.get(peer.key)
+        if mine:  # an offer withdrawn (its hold ended, or we pulled instead)
+            for req in [r for r, o in mine.items() if o.xid == m.xid]:
+                del mine[req]
         if part is not None and (part.fetch.engine, part.src_rank) == peer.key:
             self.fail(part.fetch, RequestRejectedError(
                 f"{peer.md.engine}:{peer.md.rank} rejected {part.fetch.req_id!r}: {m.reason}"))
@@ -386,6 +439,7 @@ class Destination:
                     f"source ranks {waiting}"))
 
     def peer_lost(self, peer: Peer, error: KVTritonError) -> None:
+        self.offers.pop(peer.key, None)
         for f in list(self.fetches.values()):
             if f.engine == peer.md.engine and peer.md.rank in f.parts:
                 self.fail(f, error)

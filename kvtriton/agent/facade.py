@@ -66,6 +66,11 @@ class TransferAgent:
                    (a source's lease should be well above it).
     transport:     a ready :class:`~kvtriton.transport.nixl.NixlTransport` (default: a new
                    one named ``"{engine_id}:{rank}:{random}"``).
+    eager_bytes:   staging that packs made ahead of their pull may keep, all holds together
+                   (default: half the pool; 0 disables): a :meth:`hold` that names its
+                   ``consumer`` is packed in the next :meth:`progress` for each of that
+                   engine's connected ranks that read from this one, so the pull is answered
+                   with the data in place (:mod:`kvtriton.agent.eager`). Pull mode only.
     warmup:        compile the kernel specialisations this rank will launch ahead of its first
                    request: those of a peer with this rank's own geometry now, each new peer's
                    in :meth:`add_remote` (see :meth:`warmup`). Default False.
@@ -96,6 +101,7 @@ class TransferAgent:
         transport=None,
         impl: str = "auto",
         warmup: bool = False,
+        eager_bytes: int | None = None,
     ):
         try:
             flow = Flow(mode)
@@ -136,12 +142,17 @@ class TransferAgent:
         self._closed = False
         # bad_messages: malformed or inconsistent messages; refused: well-formed ones from a peer
         # not entitled to what it asked (another engine's hold, beyond its transfer count)
-        self.stats = {"bad_messages": 0, "refused": 0, "staged_descriptors": 0, "direct_descriptors": 0}
+        # eager_*: chunks packed ahead of a pull, pulls that found theirs packed (hits) or not as
+        # packed (misses: served lazily), packs given up for a pull that needed the staging
+        self.stats = {"bad_messages": 0, "refused": 0, "staged_descriptors": 0, "direct_descriptors": 0,
+                      "eager_chunks": 0, "eager_hits": 0, "eager_misses": 0, "eager_evicted": 0, "eager_offers": 0,
+                      "offers_taken": 0}
         self._warmed: set = set()  # (op, LaunchConfig) compiled by warmup()
         self._warm_peers = bool(warmup)
         settings = Settings(engine_id, rank, tp, flow, tuple(self.regions), tuple(self.specs), self.device,
                             self.pool, self.chunk_bytes, int(inflight_chunks), self.timeout_s, impl, modes, cost,
-                            replicate_stripe, self._lanes, renew_s=float(renew_interval_s))
+                            replicate_stripe, self._lanes, renew_s=float(renew_interval_s),
+                            eager_bytes=self.pool.nbytes // 2 if eager_bytes is None else int(eager_bytes))
         self._inbox: dict[str, deque] = {}  # messages received, not handled yet, per sender
         self._links = Links(settings, transport, self.stats)
         try:
@@ -163,6 +174,7 @@ class TransferAgent:
             wire.Abort: self._source.on_abort,
             wire.Renew: self._source.on_renew,
             wire.Ready: self._destination.on_ready,
+            wire.Offer: self._destination.on_offer,
             wire.Data: self._destination.on_data,
             wire.RunsReady: self._destination.on_runs_ready,
             wire.Reject: self._destination.on_reject,
@@ -301,6 +313,8 @@ class TransferAgent:
         ``consumer``: the decode engine id entitled to read it; None binds the hold to the first
         engine whose transfer this rank accepts (trust on first use: name it when known).
         Only the consumer's ranks may read it, report it done or renew it.
+        Naming it also lets this rank pack the blocks for that engine's ranks ahead of their pull
+        (``eager_bytes``; it assumes the pull reads every held block in order).
         ``lease_s``: the hold is freed this long after it was placed or last renewed (a decode
         agent renews the holds of its outstanding fetches, see ``renew_interval_s``); transfers
         in progress keep it at most ``timeout_s`` longer.
@@ -331,6 +345,12 @@ class TransferAgent:
         ready = ready_event(self.device, after)
         with self._lock, self._lanes.on_device():
             self._source.hold(req_id, ids, float(lease_s), consumer, ready)
+
+    def packed_ahead(self, req_id: str) -> int:
+        """Chunks of held request ``req_id`` packed ahead of their pull whose pack has completed
+        (0: none, e.g. no ``consumer`` named, its ranks not connected yet, or beyond ``eager_bytes``)."""
+        with self._lock, self._lanes.on_device():
+            return self._source.eager.ready_chunks(req_id)
 
     def release(self, req_id: str) -> bool:
         """Drop a hold before its consumers are done (the engine aborted the request, or needs
@@ -385,6 +405,13 @@ class TransferAgent:
         with self._lock, self._lanes.on_device():
             self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s,
                                     num_tokens, ready)
+
+    def has_offer(self, remote_engine_id: str, req_id: str) -> bool:
+        """Whether some rank of ``remote_engine_id`` has offered ``req_id`` packed ahead (its
+        hold named this engine): a :meth:`fetch` of every held block then READs at once."""
+        with self._lock, self._lanes.on_device():
+            return any(req_id in offers for (eng, _), offers in self._destination.offers.items()
+                       if eng == remote_engine_id)
 
     def abort(self, req_id: str) -> bool:
         """Cancel a fetch in flight: its source ranks are told, staging it holds is reclaimed

@@ -31,6 +31,7 @@ from ..errors import KVTritonError, PlanError, ProtocolError, RequestRejectedErr
 from ..ops import pack
 from ..plan import ChunkGeometry, StagedRead, TransferPlan
 from ..token_map import TokenMap
+from .eager import EagerPacks, ids_digest
 from .links import Chunk, Flow, Links, Peer, Settings, logger
 from .streams import event_done
 
@@ -85,6 +86,8 @@ class Serve:
     tokens: TokenMap | None = None  # block sizes differ: the request's token map (ids = its read_ids)
     ready: object = None  # the hold's event: packs wait for it on the device, DIRECT runs on the host
     runs_announce: bool = False  # pull: RunsReady not sent yet (the hold's event had not completed)
+    offered: bool = False  # an eager pack offered ahead of the pull: nothing heard from the peer yet
+    eager_slots: int = 0  # slots of the eager budget it keeps until it ends
 
     @property
     def n_chunks(self) -> int:
@@ -118,10 +121,18 @@ class Source:
         self.engine_slots: dict[str, int] = {}  # staging slots each peer engine's transfers keep
         self.engine_progress: dict[str, float] = {}  # when each peer engine last made progress
         self.peer_serves: dict[str, int] = {}  # open transfers per peer agent
+        self.eager = EagerPacks(self, settings.eager_bytes)  # holds packed before their pull
+        self.offered: dict[tuple[str, str], Serve] = {}  # (peer agent, req) -> offered, untouched transfer
 
     # ------------------------------------------------------------------ holds
     def hold(self, req_id: str, block_ids: np.ndarray, lease_s: float, consumer: str | None, ready=None) -> None:
-        self.holds[req_id] = Hold(req_id, block_ids, lease_s, time.monotonic() + lease_s, consumer, ready=ready)
+        self.eager.release(req_id)  # a hold placed again: what was packed for the old one is stale
+        hold = self.holds[req_id] = Hold(req_id, block_ids, lease_s, time.monotonic() + lease_s, consumer,
+                                         ready=ready)
+        self.eager.placed(hold)
+
+    def serving(self, req_id: str) -> bool:
+        return any(s.req_id == req_id for s in self.serves.values())
 
     def release(self, req_id: str) -> bool:
         hold = self.holds.get(req_id)
@@ -139,6 +150,7 @@ class Source:
         completions left (e.g. a WRITE whose data already landed): they are retired quietly.
         Any other transfer of the request is told and its slots quarantined."""
         self.holds.pop(hold.req_id, None)
+        self.eager.release(hold.req_id)
         for serve in [s for s in self.serves.values() if s.req_id == hold.req_id]:
             if serve.peer.md.engine == finished_engine:
                 self.drop(serve)
@@ -179,14 +191,10 @@ class Source:
         dst_rank, eng = m.dst_rank, peer.md.engine
         if dst_rank != peer.md.rank:
             return reject(f"dst_rank {dst_rank} does not match the sender's rank {peer.md.rank}")
-        plan = self.plans.get((eng, dst_rank, peer.md.cost))
-        if plan is None:
-            try:
-                plan = self.s.plan(dst_rank, peer.md.tp, peer.md.regions, self.s.tp, self.s.specs,
-                                   cost=peer.md.cost)  # the destination's model decides
-            except KVTritonError as e:
-                return reject(f"cannot plan for {eng}:{dst_rank}: {e}")
-            self.plans[(eng, dst_rank, peer.md.cost)] = plan
+        try:
+            plan = self.plan_for(peer)
+        except KVTritonError as e:
+            return reject(f"cannot plan for {eng}:{dst_rank}: {e}")
         if m.plan != plan.digest():
             return reject(f"{eng}:{dst_rank} planned this transfer differently from {me} "
                           "(modes, cost model or replicate stripe differ between the engines)")
@@ -223,6 +231,22 @@ class Source:
                 serve.runs = self.links.prep_runs(plan, peer, ids, dst_ids, reading=False)
             except KVTritonError as e:
                 return reject(f"push: {e}")
+        elif chunks is not None:  # packed ahead for exactly this pull: Ready goes out this progress()
+            serve.inflight = self.eager.take(req, peer, plan.digest(), ids if tokens is None else None, chunks)
+            serve.next_chunk = len(serve.inflight)
+        offered = self.offered.get((peer.agent, req))
+        if offered is not None and offered.offered:  # pulled instead of taken (e.g. the offer was late)
+            if serve.inflight or not (offered.read == read and offered.chunks == chunks and tokens is None
+                                      and np.array_equal(offered.ids, ids)):
+                self.links.stats["eager_misses"] += 1
+                self.drop(offered, notify=f"offer of {req!r} withdrawn: a pull for something else arrived")
+            else:  # exactly the offered payload: this transfer takes it over and announces it
+                self.links.stats["eager_hits"] += 1
+                serve.inflight, offered.inflight = offered.inflight, {}
+                serve.next_chunk, serve.eager_slots, offered.eager_slots = chunks.count, offered.eager_slots, 0
+                self._remove(offered)
+                for ch in serve.inflight.values():
+                    self.links.send(peer, wire.Ready(xid, ch.index, ch.slot, ch.nslots, ch.nbytes), quiet=True)
         self._add(serve)
         hold.consumer = eng  # the first accepted transfer binds an unbound hold to its engine
         if flow is Flow.PULL and has_runs:
@@ -234,8 +258,45 @@ class Source:
             try:
                 self.links.send(peer, wire.RunsReady(xid))
             except KVTritonError:
-                self._remove(serve)
+                self.drop(serve)  # frees chunks it took from an eager pack too
                 raise
+
+    def plan_for(self, peer: Peer) -> TransferPlan:
+        """The plan of ``peer``'s transfers from this rank, by the destination's cost model (a
+        rank that reconnects with another model is planned again). Raises KVTritonError."""
+        key = (peer.md.engine, peer.md.rank, peer.md.cost)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = self.s.plan(peer.md.rank, peer.md.tp, peer.md.regions, self.s.tp,
+                                                 self.s.specs, cost=peer.md.cost)
+        return plan
+
+    def offer(self, hold: Hold, packed) -> bool:
+        """Announce an eager pack to its destination rank as a transfer of its own (see
+        :mod:`.eager`); False when the peer has no room for another transfer or the send fails."""
+        peer = packed.peer
+        xid = f"{hold.req_id}|{self.s.name}>{peer.md.rank}!"
+        if (peer.agent, xid) in self.serves or self.peer_serves.get(peer.agent, 0) >= MAX_SERVES_PER_PEER:
+            return False
+        serve = Serve(xid, hold.req_id, peer, Flow.PULL, packed.read, packed.ids, packed.chunks, self.s.timeout_s,
+                      time.monotonic() + self.s.timeout_s, ready=hold.ready, offered=True,
+                      eager_slots=packed.nslots)
+        serve.inflight = dict(packed.inflight)
+        serve.next_chunk = packed.chunks.count
+        slots = []
+        for c in range(packed.chunks.count):
+            ch = serve.inflight[c]
+            ch.kernel = None  # completed: announced by the offer, not by a ready
+            slots += [ch.slot, ch.nslots]
+        try:
+            self.links.send(peer, wire.Offer(xid, hold.req_id, packed.digest, ids_digest(packed.ids),
+                                             int(packed.ids.size), packed.chunks.blocks_per_chunk, tuple(slots)))
+        except KVTritonError:
+            return False
+        self._add(serve)
+        self.offered[(peer.agent, hold.req_id)] = serve
+        self.links.stats["eager_offers"] += 1
+        return True
 
     def _serve_from(self, peer: Peer, xid: str, flow: Flow, what: str) -> Serve:
         serve = self.serves.get((peer.agent, xid))  # keyed by the sender: nobody reaches another's
@@ -249,6 +310,9 @@ class Source:
 
     def _remove(self, serve: Serve) -> None:
         if self.serves.pop(serve.key, None) is not None:
+            if self.offered.get((serve.peer.agent, serve.req_id)) is serve:
+                del self.offered[(serve.peer.agent, serve.req_id)]
+            self.eager.slots -= serve.eager_slots
             n = self.peer_serves.pop(serve.peer.agent) - 1
             if n:
                 self.peer_serves[serve.peer.agent] = n
@@ -258,12 +322,17 @@ class Source:
         start over."""
         serve.touch()
         self.engine_progress[serve.peer.md.engine] = time.monotonic()
+        if serve.offered:  # the peer took the offer: from now on its silence counts
+            self.links.stats["eager_hits"] += 1
+            serve.offered = False
+            if self.offered.get((serve.peer.agent, serve.req_id)) is serve:
+                del self.offered[(serve.peer.agent, serve.req_id)]
 
     def _free(self, serve: Serve, ch: Chunk) -> None:
         self.s.pool.free(ch.slot, ch.nslots)
-        self._uncount(serve.peer.md.engine, ch)
+        self.uncount(serve.peer.md.engine, ch)
 
-    def _uncount(self, engine: str, ch: Chunk) -> None:
+    def uncount(self, engine: str, ch: Chunk) -> None:
         self.engine_slots[engine] -= ch.nslots
 
     def share(self) -> int:
@@ -354,6 +423,8 @@ class Source:
     def on_abort(self, peer: Peer, m: wire.Abort) -> None:
         serve = self.serves.get((peer.agent, m.xid))
         if serve is not None and serve.peer is peer:
+            if serve.offered:  # declined: the fetch asked something else
+                self.links.stats["eager_misses"] += 1
             self.drop(serve)
 
     def transfer_failed(self, xid: str | None, peer: Peer, error: KVTritonError) -> None:
@@ -364,6 +435,7 @@ class Source:
 
     # ------------------------------------------------------------------ progress
     def advance(self) -> None:
+        self.eager.advance()
         for serve in list(self.serves.values()):
             try:
                 if serve.flow is Flow.PULL:
@@ -376,7 +448,9 @@ class Source:
                 continue
             if serve.complete:
                 self._remove(serve)
-            elif serve.waiting_engine:
+            elif serve.waiting_engine or serve.offered:
+                # our engine's own writes, or an offer the decode has not fetched yet: not the
+                # peer's silence (the hold's bound still applies)
                 serve.touch()  # our engine's own writes, not the peer's silence (the hold's bound still applies)
             elif serve.waiting_local:
                 # queued behind staging: only its own engine's progress carries its deadline
@@ -438,26 +512,39 @@ class Source:
             ch.remote_slot = grant.slot
 
     def _pack(self, serve: Serve, chunk: int) -> Chunk | None:
-        """Pack chunk ``chunk`` into fresh local slots (None when staging is full)."""
-        nbytes = serve.chunks.nbytes(chunk)
-        pool, eng = self.s.pool, serve.peer.md.engine
-        used = self.engine_slots.get(eng, 0)
-        if used + pool.slots_for(nbytes) > self.share():
-            return None  # this engine has its share: a peer that never acks pins no more
+        """Pack chunk ``chunk`` of ``serve`` into fresh local slots (None when staging is full)."""
+        ch = self.pack_chunk(serve.read, serve.chunks, serve.ids, serve.tokens, serve.ready, serve.peer.md.engine,
+                             chunk, keep=serve.req_id)
+        if ch is not None:
+            serve.inflight[chunk] = ch
+        return ch
+
+    def pack_chunk(self, read: StagedRead, chunks: ChunkGeometry, ids: np.ndarray, tokens: TokenMap | None,
+                   ready, eng: str, chunk: int, evict: bool = True, keep: str | None = None) -> Chunk | None:
+        """Pack chunk ``chunk`` for engine ``eng`` into fresh local slots, after ``ready``
+        (None when its share or the pool is full). With ``evict``, eager packs of requests other
+        than ``keep`` give way first (a pull is real, they are a guess)."""
+        nbytes = chunks.nbytes(chunk)
+        pool, need = self.s.pool, self.s.pool.slots_for(nbytes)
+        while self.engine_slots.get(eng, 0) + need > self.share():
+            # this engine has its share: a peer that never acks pins no more
+            if not (evict and self.eager.evict(eng, keep)):
+                return None
         slot = pool.alloc_bytes(nbytes)
+        while slot is None and evict and self.eager.evict(None, keep):
+            slot = pool.alloc_bytes(nbytes)
         if slot is None:
             return None
-        lo, hi = serve.chunks.bounds(chunk)
-        offs = serve.read.segment_offsets(hi - lo, base=pool.offset(slot))
-        with self.s.lanes.launching(after=serve.ready):  # after the engine's writes, on our stream
-            if serve.tokens is None:
-                pack(self.s.regions, serve.read.segments, offs, serve.ids[lo:hi], pool.tensor, impl=self.s.impl)
+        lo, hi = chunks.bounds(chunk)
+        offs = read.segment_offsets(hi - lo, base=pool.offset(slot))
+        with self.s.lanes.launching(after=ready):  # after the engine's writes, on our stream
+            if tokens is None:
+                pack(self.s.regions, read.segments, offs, ids[lo:hi], pool.tensor, impl=self.s.impl)
             else:
-                pack(self.s.regions, serve.read.segments, offs, serve.tokens.src_ids, pool.tensor,
-                     impl=self.s.impl, tiles=serve.tokens.tiles[lo:hi], num_tokens=serve.tokens.num_tokens)
-        ch = Chunk(chunk, slot, pool.slots_for(nbytes), nbytes, kernel=self.s.lanes.completion())
-        self.engine_slots[eng] = used + ch.nslots
-        serve.inflight[chunk] = ch
+                pack(self.s.regions, read.segments, offs, tokens.src_ids, pool.tensor,
+                     impl=self.s.impl, tiles=tokens.tiles[lo:hi], num_tokens=tokens.num_tokens)
+        ch = Chunk(chunk, slot, need, nbytes, kernel=self.s.lanes.completion())
+        self.engine_slots[eng] = self.engine_slots.get(eng, 0) + need
         return ch
 
     # ------------------------------------------------------------------ ending transfers
@@ -471,7 +558,7 @@ class Source:
         until = time.monotonic() + (self.s.timeout_s if notify is not None else 0.0)
         # quarantined slots still count to the engine's share: dropping transfers gains it nothing
         eng = serve.peer.md.engine
-        self.links.retire_chunks(serve.inflight, until, on_free=lambda ch: self._uncount(eng, ch))
+        self.links.retire_chunks(serve.inflight, until, on_free=lambda ch: self.uncount(eng, ch))
         if serve.runs is not None:
             self.links.retire(serve.runs_xfer, self.links.release_lists(*serve.runs[:2]))
             serve.runs, serve.runs_xfer = None, None
@@ -486,7 +573,7 @@ class Source:
             if now > serve.deadline:
                 logger.warning("transfer %s: peer %s went silent; staging reclaimed", serve.xid, serve.peer.agent)
                 self.drop(serve, notify="no progress from the destination before the deadline")
-        serving = {s.req_id for s in self.serves.values()}
+        serving = {s.req_id for s in self.serves.values() if not s.offered}  # an offer alone: the lease rules
         for hold in list(self.holds.values()):
             # a transfer in progress keeps its blocks (it has its own silence deadline), but never
             # past the lease plus timeout_s: then the hold goes whatever its transfers do
@@ -494,6 +581,7 @@ class Source:
                 self._release_hold(hold, "lease_expired")
 
     def peer_lost(self, peer: Peer) -> None:
+        self.eager.peer_lost(peer)
         for serve in [s for s in self.serves.values() if s.peer is peer]:
             self.drop(serve)
 

@@ -1,0 +1,217 @@
+"""Eager packing: a hold whose consumer engine is named is packed before its pull arrives.
+
+Why: a lazy staged pull needs the source process scheduled between the Pull and the data
+being in place (pull -> pack -> ready); on a busy host every such wake-up costs a scheduling
+delay. When :meth:`TransferAgent.hold` names the consumer and this rank already knows that
+engine's ranks (their metadata was added), the source packs each destination rank's staged
+payload in the next ``progress()``, into staging reserved for the hold, so the Pull is
+answered with Ready at once (data already in place).
+
+What is packed is a guess at what the destination will ask: every held block, in the hold's
+order, cut into the chunks the destination derives (:meth:`ChunkGeometry.fit` over the
+smaller of both sides' ``chunk_bytes``; the destination's travels in its metadata). A Pull that
+asks anything else (a subset of the blocks, another chunk size, another plan, a reconnected
+peer) frees the packed chunks and is served lazily.
+
+Offers: once every chunk of a destination rank's pack has completed, and the plan reads no
+DIRECT runs from this rank, the pack is offered to that rank (:class:`~kvtriton.wire.Offer`: a
+``ready`` ahead of the pull) as a transfer of its own; a fetch that asks exactly that READs it
+without a round trip to this process (on a busy host, the wake-up saved). An offered pack is
+announced: it is no longer evicted, lives until acked or until the hold ends (then its slots are
+quarantined for ``timeout_s``, as after any ``ready``), and a pull of the same request from that
+rank withdraws it. Offered packs keep at most the consumer's share less ``inflight_chunks``
+chunks, so the engine's lazy pulls always have staging.
+
+Bounds: packed chunks count toward the consumer engine's staging share (never more than it);
+all eager packs together stay within ``eager_bytes``; a hold that does not fit is simply served
+lazily. A pull that needs staging evicts eager packs not yet asked for (they are a guess; a pull
+is real). Only the named consumer's rank whose plan was packed can take a pack: the pull's
+entitlement checks (:meth:`Source._open`) run first, and the pack is keyed by the peer object.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import hashlib
+
+import numpy as np
+
+from ..errors import KVTritonError, StagingError
+from ..plan import ChunkGeometry
+from .links import Chunk, Flow, Peer
+
+
+def ids_digest(ids: np.ndarray) -> str:
+    """What an offer says about the block ids it packed (both sides hash int64 ids alike)."""
+    return hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int64).tobytes(), digest_size=12).hexdigest()
+
+
+@dataclass(eq=False)
+class Packed:
+    """The chunks packed ahead for one destination rank of a hold's consumer."""
+
+    peer: Peer
+    digest: str  # the plan they were packed by
+    ids: np.ndarray  # the request positions assumed (every held block, in order)
+    chunks: ChunkGeometry
+    read: object = None  # the plan's StagedRead from this rank
+    offerable: bool = False  # every chunk packed and no DIRECT runs: offered once the packs completed
+    inflight: dict = field(default_factory=dict)  # chunk -> Chunk, chunks 0..k-1
+
+    @property
+    def nslots(self) -> int:
+        return sum(ch.nslots for ch in self.inflight.values())
+
+
+class EagerPacks:
+    """The eager packs of one source rank, per hold and destination rank, in placement order
+    (the oldest is evicted first)."""
+
+    def __init__(self, source, budget_bytes: int):
+        self.src = source
+        pool = source.s.pool
+        self.budget_slots = budget_bytes // pool.slot_bytes if budget_bytes > 0 else 0
+        self.slots = 0  # slots all eager packs keep
+        self.packs: OrderedDict[str, dict[int, Packed]] = OrderedDict()  # req -> dst rank -> Packed
+        self.pending: list[str] = []  # holds placed since the last progress()
+        self.unoffered: list[tuple[str, int]] = []  # (req, dst rank) packed in full, not offered yet
+
+    # ------------------------------------------------------------------ placing
+    def placed(self, hold) -> None:
+        """``hold`` was placed: pack it in the next ``progress()`` when it names its consumer."""
+        if hold.consumer is not None and self.budget_slots and self.src.s.flow is Flow.PULL:
+            self.pending.append(hold.req_id)
+
+    def advance(self) -> None:
+        pending, self.pending = self.pending, []
+        for req in pending:
+            hold = self.src.holds.get(req)
+            if hold is not None and req not in self.packs and not self.src.serving(req):
+                self._pack_hold(hold)
+        waiting = []
+        for req, rank in self.unoffered:
+            packed = self.packs.get(req, {}).get(rank)
+            if packed is None:
+                continue  # taken, freed or evicted meanwhile
+            if not all(ch.kernel is None or ch.kernel.done() for ch in packed.inflight.values()):
+                waiting.append((req, rank))
+                continue
+            src = self.src
+            reserve = src.s.inflight * src.s.pool.slots_for(src.s.chunk_bytes)
+            if src.engine_slots.get(packed.peer.md.engine, 0) > src.share() - reserve:
+                continue  # offered packs would leave the engine's lazy pulls no staging: stays evictable
+            hold = src.holds.get(req)
+            if hold is not None and src.offer(hold, packed):
+                del self.packs[req][rank]  # announced: the offered transfer owns it (slots still counted here)
+                if not self.packs[req]:
+                    del self.packs[req]
+        self.unoffered = waiting
+
+    def _pack_hold(self, hold) -> None:
+        src, stats = self.src, self.src.links.stats
+        ids = hold.block_ids
+        if ids.size == 0:
+            return
+        out: dict[int, Packed] = {}
+        self.packs[hold.req_id] = out
+        for peer in src.links.engine_peers(hold.consumer):
+            try:
+                plan = src.plan_for(peer)
+            except KVTritonError:
+                continue
+            read = plan.staged_read(src.s.rank)
+            if read is None or plan.maps_tokens:  # token maps: the tiles depend on the decode's ids
+                continue
+            try:
+                chunks = ChunkGeometry.fit(read.bytes_per_block, ids.size,
+                                           min(src.s.chunk_bytes, peer.md.staging.chunk_bytes))
+            except StagingError:
+                continue
+            packed = Packed(peer, plan.digest(), ids, chunks, read)
+            for c in range(chunks.count):
+                need = src.s.pool.slots_for(chunks.nbytes(c))
+                if self.slots + need > self.budget_slots:
+                    break
+                ch = src.pack_chunk(read, chunks, ids, None, hold.ready, peer.md.engine, c, evict=False)
+                if ch is None:
+                    break  # the engine's share or the pool is full: the rest goes lazily
+                packed.inflight[c] = ch
+                self.slots += ch.nslots
+            if packed.inflight:
+                out[peer.md.rank] = packed
+                if len(packed.inflight) == chunks.count and src.s.rank not in plan.direct_ranks(ids.size):
+                    self.unoffered.append((hold.req_id, peer.md.rank))
+                stats["eager_chunks"] += len(packed.inflight)
+        if not out:
+            del self.packs[hold.req_id]
+
+    # ------------------------------------------------------------------ using
+    def take(self, req: str, peer: Peer, digest: str, ids: np.ndarray, chunks: ChunkGeometry | None) -> dict:
+        """The chunks packed for ``peer``'s pull of ``req`` when they are exactly what it asks
+        (then they leave the eager budget and belong to the transfer), else {} (a pack for
+        this rank that does not match is freed)."""
+        by_rank = self.packs.get(req)
+        packed = by_rank.pop(peer.md.rank, None) if by_rank else None
+        if by_rank is not None and not by_rank:
+            del self.packs[req]
+        if packed is None:
+            return {}
+        self.slots -= packed.nslots
+        if (packed.peer is peer and packed.digest == digest and chunks == packed.chunks
+                and np.array_equal(ids, packed.ids)):
+            self.src.links.stats["eager_hits"] += 1
+            return packed.inflight
+        self.src.links.stats["eager_misses"] += 1
+        self._free(packed)
+        return {}
+
+    def ready_chunks(self, req: str) -> int:
+        """Chunks of ``req`` packed ahead whose pack has completed."""
+        return sum(1 for p in self.packs.get(req, {}).values() for ch in p.inflight.values()
+                   if ch.kernel is None or ch.kernel.done()) + \
+            sum(s.n_chunks for s in self.src.offered.values() if s.req_id == req)
+
+    # ------------------------------------------------------------------ freeing
+    def release(self, req: str) -> None:
+        """The hold went (released, expired, done): its packs are freed (never announced, so
+        no peer can be reading them)."""
+        for packed in self.packs.pop(req, {}).values():
+            self.slots -= packed.nslots
+            self._free(packed)
+
+    def peer_lost(self, peer: Peer) -> None:
+        for req in list(self.packs):
+            packed = self.packs[req].get(peer.md.rank)
+            if packed is not None and packed.peer is peer:
+                del self.packs[req][peer.md.rank]
+                self.slots -= packed.nslots
+                self._free(packed)
+                if not self.packs[req]:
+                    del self.packs[req]
+
+    def evict(self, engine: str | None, keep: str) -> bool:
+        """Free the oldest pack (of ``engine``, or any) not of request ``keep``, so a real pull
+        gets the staging; False when there is none."""
+        for req, by_rank in self.packs.items():
+            if req == keep:
+                continue
+            for rank, packed in by_rank.items():
+                if engine is None or packed.peer.md.engine == engine:
+                    del by_rank[rank]
+                    if not by_rank:
+                        del self.packs[req]
+                    self.slots -= packed.nslots
+                    self.src.links.stats["eager_evicted"] += 1
+                    self._free(packed)
+                    return True
+        return False
+
+    def _free(self, packed: Packed) -> None:
+        # a pack still running on our stream is ordered before any later pack into these slots
+        eng = packed.peer.md.engine
+        for ch in packed.inflight.values():
+            self.src.s.pool.free(ch.slot, ch.nslots)
+            self.src.uncount(eng, ch)
+        packed.inflight.clear()
