@@ -357,3 +357,25 @@ def test_warmup_compiles_what_requests_launch():
         assert _compiled(_kernel("pack")) + _compiled(_kernel("unpack")) == count
     finally:
         a.close()
+
+
+def test_retired_slots_wait_for_the_pack_still_running_into_them():
+    """A transfer dropped (or an eager pack freed) while its pack is still running on the
+    agent's stream keeps its slots until that pack completed: an unpack or a peer's WRITE into
+    them is not ordered after it."""
+    from kvtriton.agent.links import Chunk
+
+    _, a = _agent("torch")
+    try:
+        pool, links = a.pool, a._links
+        free0 = pool.free_slots
+        slot = pool.alloc(2)
+        pending, freed = ManualCompletion(), []
+        links.retire_chunks({0: Chunk(0, slot, 2, 2048, kernel=pending)}, 0.0, on_free=freed.append)
+        links.reap()
+        assert pool.free_slots == free0 - 2 and not freed  # the pack may still write there
+        pending.finished = True
+        links.reap()
+        assert pool.free_slots == free0 and len(freed) == 1
+    finally:
+        a.close()

@@ -209,9 +209,7 @@ class EagerPacks:
         return False
 
     def _free(self, packed: Packed) -> None:
-        # a pack still running on our stream is ordered before any later pack into these slots
+        # a pack still running on our stream keeps its slots until it completes: an unpack or a
+        # peer's WRITE into them would not be ordered after it
         eng = packed.peer.md.engine
-        for ch in packed.inflight.values():
-            self.src.s.pool.free(ch.slot, ch.nslots)
-            self.src.uncount(eng, ch)
-        packed.inflight.clear()
+        self.src.links.retire_chunks(packed.inflight, 0.0, on_free=lambda ch: self.src.uncount(eng, ch))

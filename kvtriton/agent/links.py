@@ -126,7 +126,8 @@ class Links:
         self.by_agent: dict[str, tuple[str, int]] = {}
         self.engine_tp: dict[str, int] = {}
         # transfers to finish before their memory is reused: (xfer, cleanup, not_before)
-        self.zombies: list[tuple[object, Callable[[], None], float]] = []
+        # (transfer, cleanup, not before, pack/unpack completion): slots retired but not free yet
+        self.zombies: list[tuple[object, Callable[[], None], float, object]] = []
         self.dead: list[Peer] = []
         self.addrs = tuple(tuple(t.data_ptr() for t in r.streams) for r in settings.regions)
         self.spans = tuple(tuple(wire.stream_span(r.spec, j) for j in range(r.spec.num_streams))
@@ -188,10 +189,11 @@ class Links:
             raise TransportError(f"{xfer.op} with {xfer.remote!r} failed")
         return st is XferStatus.DONE
 
-    def retire(self, xfer, cleanup: Callable[[], None], not_before: float = 0.0) -> None:
-        """Abort ``xfer`` (if any) and run ``cleanup`` once it can no longer touch our memory
-        and ``not_before`` has passed; until then its slots stay allocated."""
-        self.zombies.append((xfer, cleanup, not_before))
+    def retire(self, xfer, cleanup: Callable[[], None], not_before: float = 0.0, kernel=None) -> None:
+        """Abort ``xfer`` (if any) and run ``cleanup`` once it can no longer touch our memory,
+        ``not_before`` has passed and ``kernel`` (a pack/unpack still running on the agent's
+        stream into or out of the slots) has completed; until then its slots stay allocated."""
+        self.zombies.append((xfer, cleanup, not_before, kernel))
         self.reap()
 
     def retire_chunks(self, inflight: dict[int, Chunk], not_before: float,
@@ -207,14 +209,14 @@ class Links:
                 on_free(ch)
 
         for ch in inflight.values():
-            self.retire(ch.xfer, lambda ch=ch: free(ch), not_before=not_before)
+            self.retire(ch.xfer, lambda ch=ch: free(ch), not_before=not_before, kernel=ch.kernel)
         inflight.clear()
 
     def reap(self) -> None:
         """Finish retired transfers: wait for (or abort) them, then run their cleanup; release
         dead peers no transfer uses any more."""
         keep, now = [], time.monotonic()
-        for xfer, cleanup, not_before in self.zombies:
+        for xfer, cleanup, not_before, kernel in self.zombies:
             if xfer is not None:
                 try:
                     busy = self.transport.poll(xfer) is XferStatus.PROC
@@ -227,15 +229,15 @@ class Links:
                     except TransportError:
                         pass
                 if busy:
-                    keep.append((xfer, cleanup, not_before))
+                    keep.append((xfer, cleanup, not_before, kernel))
                     continue
                 if xfer is not None:
                     try:
                         self.transport.release(xfer)
                     except TransportError:
                         pass
-            if now < not_before:
-                keep.append((None, cleanup, not_before))
+            if now < not_before or (kernel is not None and not kernel.done()):
+                keep.append((None, cleanup, not_before, kernel))
                 continue
             cleanup()
         self.zombies = keep
