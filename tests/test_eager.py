@@ -82,6 +82,7 @@ def test_a_pull_is_answered_from_the_eager_pack_byte_exact(engines, p_tp, d_tp, 
     assert sum(d.stats["offers_taken"] for d in e.da) == (offers if offer_seen else 0)
     assert all([(f.req_id, f.reason) for f in p.freed()] == [("r", "done")] for p in e.pa)
     assert _all_free(e)
+    assert all(not d._destination.parts for d in e.da)  # offered parts are forgotten too
 
 
 @pytest.mark.parametrize("ask", ["subset", "reordered"])

@@ -157,6 +157,8 @@ class Destination:
                     self.fail(f, StagingError(f"{engine}:{src_rank}: {e}"))
                     return
             xid = f"{req_id}|{self.s.name}<{src_rank}#{next(self._xid)}"
+            while xid in self.parts:  # squatted by a source's offer id: never overwrite a part
+                xid = f"{req_id}|{self.s.name}<{src_rank}#{next(self._xid)}"
             offer = self._offer_for(peer, req_id, plan, s_ids if tokens is None else None, chunks,
                                     src_rank in runs_ranks)
             part = Part(offer.xid if offer else xid, f, src_rank, read, chunks, src_rank in runs_ranks)
@@ -168,7 +170,7 @@ class Destination:
                     part.announced.add(c)
                 self.links.stats["offers_taken"] += 1
             f.parts[src_rank] = part
-            self.parts[xid] = part
+            self.parts[part.xid] = part  # an offered part goes by the source's id: its messages use it
         try:
             self._start(f, plan)
         except KVTritonError as e:
