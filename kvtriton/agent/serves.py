@@ -11,6 +11,10 @@ What a peer can take is bounded (every message is untrusted, even after a good h
 * **Count.** At most :data:`MAX_SERVES_PER_PEER` transfers per peer rank; transfers are keyed by
   (peer, transfer id), so one peer cannot claim another's id.
 
+A step reserves the chunks it can, then packs them all at its end (:mod:`.packing`): the chunks
+of several destinations that read the same blocks (the decode ranks of one request) share one
+launch, and a launch refused for one destination fails only that transfer.
+
 :class:`SourceServes` is the part of :class:`~.source.Source` that runs them; the state it uses
 (``serves``, ``engine_slots``, ``engine_progress``, ``peer_serves``, ``offered``, ``eager``,
 ``holds``) is created by ``Source.__init__``.
@@ -26,10 +30,10 @@ import numpy as np
 
 from .. import wire
 from ..errors import KVTritonError, ProtocolError
-from ..ops import pack
 from ..plan import ChunkGeometry, StagedRead
 from ..token_map import TokenMap
 from .links import Chunk, Flow, Peer, logger
+from .packing import PackJob
 from .streams import event_done
 
 MAX_SERVES_PER_PEER = 4096  # transfers one peer rank may have open on this rank at once
@@ -178,31 +182,51 @@ class SourceServes:
 
     # ------------------------------------------------------------------ progress
     def advance(self) -> None:
-        self.eager.advance()
-        for serve in list(self.serves.values()):
-            try:
-                if serve.flow is Flow.PULL:
-                    self._advance_pull(serve)
-                else:
-                    self._advance_push(serve)
-            except KVTritonError as e:
-                logger.warning("transfer %s to %s failed: %s", serve.xid, serve.peer.agent, e)
-                self.drop(serve, notify=f"source failed: {e}")
-                continue
-            if serve.complete:
-                self._remove(serve)
-            elif serve.waiting_engine or serve.offered:
-                # our engine's own writes, or an offer the decode has not fetched yet: not the
-                # peer's silence (the hold's bound still applies)
-                serve.touch()  # our engine's own writes, not the peer's silence (the hold's bound still applies)
-            elif serve.waiting_local:
-                # queued behind staging: only its own engine's progress carries its deadline
-                last = self.engine_progress.get(serve.peer.md.engine)
-                if last is not None:
-                    serve.deadline = max(serve.deadline, last + serve.timeout_s)
+        """One step of every transfer: announce (pull) or WRITE (push) what was packed, reserve
+        the next chunks, then pack every chunk reserved in this step in as few launches as their
+        block ids allow (:mod:`.packing`: several decode ranks of one request, one launch) and
+        announce or WRITE what that packed."""
+        reserved = []  # transfers with chunks reserved in this step
+        try:
+            self.eager.advance()
+            for serve in list(self.serves.values()):
+                queued = len(self.batch.jobs)
+                if not self._step(serve, self._advance_pull if serve.flow is Flow.PULL else self._advance_push):
+                    continue
+                if len(self.batch.jobs) > queued:
+                    reserved.append(serve)
+                if serve.complete:
+                    self._remove(serve)
+                elif serve.waiting_engine or serve.offered:
+                    # our engine's own writes, or an offer the decode has not fetched yet: not the
+                    # peer's silence (the hold's bound still applies)
+                    serve.touch()  # our engine's own writes, not the peer's silence (the hold's bound still applies)
+                elif serve.waiting_local:
+                    # queued behind staging: only its own engine's progress carries its deadline
+                    last = self.engine_progress.get(serve.peer.md.engine)
+                    if last is not None:
+                        serve.deadline = max(serve.deadline, last + serve.timeout_s)
+        finally:
+            self.batch.launch()  # nothing reserved is left unpacked, whatever raised above
+        for serve in reserved:
+            if self.serves.get(serve.key) is serve:
+                self._step(serve, self._announce if serve.flow is Flow.PULL else self._write)
+
+    def _step(self, serve: Serve, step) -> bool:
+        """Run ``step(serve)``; False when it failed (the transfer is dropped, its peer told)."""
+        try:
+            step(serve)
+        except KVTritonError as e:
+            self.pack_failed(serve, e)
+            return False
+        return True
+
+    def pack_failed(self, serve: Serve, e: KVTritonError) -> None:
+        logger.warning("transfer %s to %s failed: %s", serve.xid, serve.peer.agent, e)
+        self.drop(serve, notify=f"source failed: {e}")
 
     def _advance_pull(self, serve: Serve) -> None:
-        # announce every chunk whose pack finished, then pack the next while staging allows
+        # announce every chunk whose pack finished, then reserve the next while staging allows
         serve.waiting_local = serve.waiting_engine = False
         if serve.runs_announce:  # DIRECT runs: the peer reads the cache once the engine's writes are done
             if not event_done(serve.ready):
@@ -210,17 +234,19 @@ class SourceServes:
             else:
                 serve.runs_announce = False
                 self.links.send(serve.peer, wire.RunsReady(serve.xid))
-        while True:
-            for ch in serve.inflight.values():
-                if ch.kernel is not None and ch.kernel.done():
-                    ch.kernel = None
-                    self.links.send(serve.peer, wire.Ready(serve.xid, ch.index, ch.slot, ch.nslots, ch.nbytes))
-            if not (serve.next_chunk < serve.n_chunks and len(serve.inflight) < self.s.inflight):
-                return
-            if self._pack(serve, serve.next_chunk) is None:
+        self._announce(serve)
+        while serve.next_chunk < serve.n_chunks and len(serve.inflight) < self.s.inflight:
+            if self._reserve(serve, serve.next_chunk) is None:
                 serve.waiting_local = True
                 return  # staging full: wait for acks (here or of other transfers)
             serve.next_chunk += 1
+
+    def _announce(self, serve: Serve) -> None:
+        """Pull: a ``ready`` for every chunk whose pack finished."""
+        for ch in serve.inflight.values():
+            if ch.kernel is not None and ch.kernel.done():
+                ch.kernel = None
+                self.links.send(serve.peer, wire.Ready(serve.xid, ch.index, ch.slot, ch.nslots, ch.nbytes))
 
     def _advance_push(self, serve: Serve) -> None:
         if serve.runs is not None and serve.runs_xfer is None and event_done(serve.ready):
@@ -232,42 +258,47 @@ class SourceServes:
             serve.runs, serve.runs_xfer = None, None
         serve.waiting_local = False
         serve.waiting_engine = serve.runs is not None and serve.runs_xfer is None  # the engine is still writing
-        while True:
-            # a landed WRITE frees its slots; a finished pack is written
-            for chunk, ch in list(serve.inflight.items()):
-                if ch.xfer is not None:
-                    if self.links.done(ch.xfer):
-                        self.links.transport.release(ch.xfer)
-                        self._free(serve, ch)
-                        del serve.inflight[chunk]
-                        serve.acked += 1
-                elif ch.kernel is not None and ch.kernel.done():
-                    ch.kernel = None
-                    ch.xfer = self.links.post_chunk("WRITE", ch, serve.peer, wire.Data(serve.xid, ch.index, ch.nbytes))
-            if not (serve.grants and len(serve.inflight) < self.s.inflight):
-                return
+        self._write(serve)
+        while serve.grants and len(serve.inflight) < self.s.inflight:
             grant = serve.grants[0]
-            ch = self._pack(serve, grant.chunk)
+            ch = self._reserve(serve, grant.chunk)
             if ch is None:
                 serve.waiting_local = True
                 return
             serve.grants.popleft()
             ch.remote_slot = grant.slot
 
-    def _pack(self, serve: Serve, chunk: int) -> Chunk | None:
-        """Pack chunk ``chunk`` of ``serve`` into fresh local slots (None when staging is full)."""
-        ch = self.pack_chunk(serve.read, serve.chunks, serve.ids, serve.tokens, serve.ready, serve.peer.md.engine,
-                             chunk, keep=serve.req_id)
+    def _write(self, serve: Serve) -> None:
+        """Push: a landed WRITE frees its slots; a finished pack is written."""
+        for chunk, ch in list(serve.inflight.items()):
+            if ch.xfer is not None:
+                if self.links.done(ch.xfer):
+                    self.links.transport.release(ch.xfer)
+                    self._free(serve, ch)
+                    del serve.inflight[chunk]
+                    serve.acked += 1
+            elif ch.kernel is not None and ch.kernel.done():
+                ch.kernel = None
+                ch.xfer = self.links.post_chunk("WRITE", ch, serve.peer, wire.Data(serve.xid, ch.index, ch.nbytes))
+
+    def _reserve(self, serve: Serve, chunk: int) -> Chunk | None:
+        """Reserve local slots for chunk ``chunk`` of ``serve`` and queue its pack in this step's
+        batch (None when staging is full)."""
+        ch = self.reserve_chunk(serve.chunks.nbytes(chunk), serve.peer.md.engine, chunk, keep=serve.req_id)
         if ch is not None:
             serve.inflight[chunk] = ch
+            self.batch.add(PackJob.for_chunk(
+                serve.read, serve.chunks, ch, serve.ids, serve.tokens, serve.ready,
+                alive=lambda: self.serves.get(serve.key) is serve and serve.inflight.get(chunk) is ch,
+                failed=lambda e: self.pack_failed(serve, e)))
         return ch
 
-    def pack_chunk(self, read: StagedRead, chunks: ChunkGeometry, ids: np.ndarray, tokens: TokenMap | None,
-                   ready, eng: str, chunk: int, evict: bool = True, keep: str | None = None) -> Chunk | None:
-        """Pack chunk ``chunk`` for engine ``eng`` into fresh local slots, after ``ready``
-        (None when its share or the pool is full). With ``evict``, eager packs of requests other
-        than ``keep`` give way first (a pull is real, they are a guess)."""
-        nbytes = chunks.nbytes(chunk)
+    def reserve_chunk(self, nbytes: int, eng: str, chunk: int, evict: bool = True,
+                      keep: str | None = None) -> Chunk | None:
+        """Fresh local slots for chunk ``chunk`` of ``nbytes`` for engine ``eng``, counted to its
+        share; nothing is packed into them yet (see :mod:`.packing`). None when its share or the
+        pool is full. With ``evict``, eager packs of requests other than ``keep`` give way first
+        (a pull is real, they are a guess)."""
         pool, need = self.s.pool, self.s.pool.slots_for(nbytes)
         while self.engine_slots.get(eng, 0) + need > self.share():
             # this engine has its share: a peer that never acks pins no more
@@ -278,17 +309,8 @@ class SourceServes:
             slot = pool.alloc_bytes(nbytes)
         if slot is None:
             return None
-        lo, hi = chunks.bounds(chunk)
-        offs = read.segment_offsets(hi - lo, base=pool.offset(slot))
-        with self.s.lanes.launching(after=ready):  # after the engine's writes, on our stream
-            if tokens is None:
-                pack(self.s.regions, read.segments, offs, ids[lo:hi], pool.tensor, impl=self.s.impl)
-            else:
-                pack(self.s.regions, read.segments, offs, tokens.src_ids, pool.tensor,
-                     impl=self.s.impl, tiles=tokens.tiles[lo:hi], num_tokens=tokens.num_tokens)
-        ch = Chunk(chunk, slot, need, nbytes, kernel=self.s.lanes.completion())
         self.engine_slots[eng] = self.engine_slots.get(eng, 0) + need
-        return ch
+        return Chunk(chunk, slot, need, nbytes)
 
     # ------------------------------------------------------------------ ending transfers
     def drop(self, serve: Serve, notify: str | None = None) -> None:

@@ -21,6 +21,7 @@ from ..token_map import TokenMap
 from .eager import EagerPacks, ids_digest
 from .holds import FreedRequest, Hold, SourceHolds
 from .links import Flow, Links, Peer, Settings
+from .packing import PackBatch
 from .serves import MAX_SERVES_PER_PEER, Serve, SourceServes
 from .streams import event_done
 
@@ -41,6 +42,7 @@ class Source(SourceHolds, SourceServes):
         self.engine_slots: dict[str, int] = {}  # staging slots each peer engine's transfers keep
         self.engine_progress: dict[str, float] = {}  # when each peer engine last made progress
         self.peer_serves: dict[str, int] = {}  # open transfers per peer agent
+        self.batch = PackBatch(settings, links.stats)  # chunks reserved in this step, packed at its end
         self.eager = EagerPacks(self, settings.eager_bytes)  # holds packed before their pull
         self.offered: dict[tuple[str, str], Serve] = {}  # (peer agent, req) -> offered, untouched transfer
 
