@@ -296,3 +296,38 @@ def test_a_rogue_in_the_batch_cannot_spoil_the_others(monkeypatch, rogue):
         x.check_prefill_untouched()
     finally:
         x.close()
+
+
+@needs_nixl
+def test_an_eager_pack_refused_for_one_rank_leaves_the_others_and_goes_lazily(monkeypatch):
+    e = _engines(1, 4, models=[RegionModel.gqa("l0", 8, 16)], staging_bytes=64 << 10, p_blocks=64, d_blocks=48)
+    try:
+        rng = np.random.default_rng(13)
+        src, dst = rng.permutation(64)[:5], rng.permutation(48)[:5]
+        kv = e.request(src)
+        p = e.pa[0]
+        real = packing.pack
+
+        def refuse_rank_2(regions, segments, *a, **kw):
+            if any(seg.src_head == 4 for seg in segments):  # decode rank 2 of 4 reads heads 4-5
+                raise LaunchError("refused for the test")
+            return real(regions, segments, *a, **kw)
+
+        monkeypatch.setattr(packing, "pack", refuse_rank_2)
+        p.hold("r", src, consumer="D")
+        p.progress()  # the joint launch is refused: ranks 0, 1, 3 one launch each, rank 2's pack freed
+        assert (p.stats["pack_launches"], p.stats["packed_chunks"]) == (3, 3)
+        assert p.packed_ahead("r") == 3  # and already offered to their ranks
+        assert sorted(s.peer.md.rank for s in p._source.serves.values() if s.offered) == [0, 1, 3]
+        monkeypatch.undo()
+        for d in e.da:
+            d.fetch("r", "P", src, dst)
+        got = e.drive(1)
+        assert all(v[0].ok for v in got.values()), got
+        for r in range(4):
+            check_destination(e.D[r], r, 4, kv, dst, e.before[r])
+        e.settle(0.2)
+        assert p.stats["eager_hits"] == 3 and p.stats["packed_chunks"] == 4  # rank 2 packed lazily
+        assert p.pool.free_slots == p.pool.num_slots and p._source.eager.slots == 0
+    finally:
+        e.close()

@@ -141,12 +141,7 @@ class EagerPacks:
                     break  # the engine's share or the pool is full: the rest goes lazily
                 packed.inflight[c] = ch
                 self.slots += ch.nslots
-                # packed with the other destination ranks' chunks of the same blocks, one launch
-                src.batch.add(PackJob.for_chunk(
-                    read, chunks, ch, ids, None, hold.ready,
-                    alive=lambda req=hold.req_id, rank=peer.md.rank, p=packed, ch=ch:
-                        self.packs.get(req, {}).get(rank) is p and p.inflight.get(ch.index) is ch,
-                    failed=lambda e, req=hold.req_id, rank=peer.md.rank, p=packed: self._pack_failed(req, rank, p, e)))
+                self._queue(hold, packed, ch)
             if packed.inflight:
                 out[peer.md.rank] = packed
                 if len(packed.inflight) == chunks.count and src.s.rank not in plan.direct_ranks(ids.size):
@@ -154,6 +149,15 @@ class EagerPacks:
                 stats["eager_chunks"] += len(packed.inflight)
         if not out:
             del self.packs[hold.req_id]
+
+    def _queue(self, hold, packed: Packed, ch: Chunk) -> None:
+        """Queue the pack of ``ch`` in the source's batch: launched with the other destination
+        ranks' chunks of the same blocks, once every pending hold has reserved its chunks."""
+        req, rank = hold.req_id, packed.peer.md.rank
+        self.src.batch.add(PackJob.for_chunk(
+            packed.read, packed.chunks, ch, packed.ids, None, hold.ready,
+            alive=lambda: self.packs.get(req, {}).get(rank) is packed and packed.inflight.get(ch.index) is ch,
+            failed=lambda e: self._pack_failed(req, rank, packed, e)))
 
     def _pack_failed(self, req: str, rank: int, packed: Packed, e: KVTritonError) -> None:
         """The launcher refused a chunk of ``packed``: the whole pack goes (served lazily)."""

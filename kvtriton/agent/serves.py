@@ -200,7 +200,7 @@ class SourceServes:
                 elif serve.waiting_engine or serve.offered:
                     # our engine's own writes, or an offer the decode has not fetched yet: not the
                     # peer's silence (the hold's bound still applies)
-                    serve.touch()  # our engine's own writes, not the peer's silence (the hold's bound still applies)
+                    serve.touch()
                 elif serve.waiting_local:
                     # queued behind staging: only its own engine's progress carries its deadline
                     last = self.engine_progress.get(serve.peer.md.engine)
@@ -217,11 +217,12 @@ class SourceServes:
         try:
             step(serve)
         except KVTritonError as e:
-            self.pack_failed(serve, e)
+            self._fail(serve, e)
             return False
         return True
 
-    def pack_failed(self, serve: Serve, e: KVTritonError) -> None:
+    def _fail(self, serve: Serve, e: KVTritonError) -> None:
+        """This side could not go on with ``serve``: drop it, its peer told."""
         logger.warning("transfer %s to %s failed: %s", serve.xid, serve.peer.agent, e)
         self.drop(serve, notify=f"source failed: {e}")
 
@@ -290,7 +291,7 @@ class SourceServes:
             self.batch.add(PackJob.for_chunk(
                 serve.read, serve.chunks, ch, serve.ids, serve.tokens, serve.ready,
                 alive=lambda: self.serves.get(serve.key) is serve and serve.inflight.get(chunk) is ch,
-                failed=lambda e: self.pack_failed(serve, e)))
+                failed=lambda e: self._fail(serve, e)))
         return ch
 
     def reserve_chunk(self, nbytes: int, eng: str, chunk: int, evict: bool = True,
