@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from timing import qfields, quantiles_ms  # bench/timing.py
+from timing import qfields, quantiles_ms, quantiles_of  # bench/timing.py
 
 from kvtriton import ops
 from kvtriton.errors import KVTritonError
@@ -276,8 +276,7 @@ def batched_pack_rows(name: str, models: Sequence[RegionModel], block_size: int,
                 fn()
                 if not torch.equal(staging, want):
                     raise AssertionError(f"bench: {fn.__name__} pack differs from the reference")
-            qb = _time_ms(batched, device, quick)
-            qp = _time_ms(per_destination, device, quick)
+            qb, qp = _interleaved_ms(batched, per_destination, device, quick)
             note = (f"{n_dst} destinations, {n_blocks} blocks, {len(segs)} segments: per-destination / batched "
                     f"= {qp[1] / qb[1]:.2f}x ({what})")
             case = f"{name} P1->D{n_dst} batched pack"
@@ -285,6 +284,21 @@ def batched_pack_rows(name: str, models: Sequence[RegionModel], block_size: int,
             rows.append(_row(case, "pack", f"per destination ({len(setup.pack_parts)} launches, {impl})", nbytes, qp,
                              None, note))
     return rows
+
+
+def _interleaved_ms(a, b, device: str, quick: bool):
+    """p20/p50/p80 ms of ``a`` and of ``b``: on CUDA ``do_bench`` each; on CPU in alternating
+    calls, so that a shared host's load falls on both alike."""
+    if device == "cuda":
+        return _time_ms(a, device, quick), _time_ms(b, device, quick)
+    a(), b()  # warm-up
+    ta, tb = [], []
+    for _ in range(5 if quick else 21):
+        for fn, ts in ((a, ta), (b, tb)):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+    return quantiles_of(ta), quantiles_of(tb)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -313,7 +327,7 @@ def run_kernel_bench(cases: Sequence[Case], device: str, quick: bool) -> list[di
         rows += _bench_case(f"{name}@2blk", tiny, device, quick=True,
                             providers=["torch-ref", "kvtriton", "naive-triton"],
                             note="interpreter: not a speed measurement; ", check=True)
-    if cases and (on_cuda or not interp):  # the interpreter's speed means nothing here
+    if cases:  # CUDA: the kernels; CPU: the torch path (the interpreter is never timed here)
         name, models, _, _, block_size, _ = cases[0]
         rows += batched_pack_rows(name, models, block_size, device, quick)
     return rows
