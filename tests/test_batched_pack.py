@@ -26,7 +26,13 @@ from kvtriton.errors import LaunchError
 from kvtriton.plan import ChunkGeometry, StagedRead
 from kvtriton.regions import Layout
 from kvtriton.staging import StagingPool
-from kvtriton.testing.oracle import RegionModel, check_destination
+from kvtriton.testing.oracle import (
+    RegionModel,
+    check_destination,
+    check_destination_tokens,
+    load_source_tokens,
+    make_global_tokens,
+)
 from kvtriton.testing.rogue import RogueRig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -330,3 +336,32 @@ def test_an_eager_pack_refused_for_one_rank_leaves_the_others_and_goes_lazily(en
     e.settle(0.2)
     assert p.stats["eager_hits"] == 3 and p.stats["packed_chunks"] == 4  # rank 2 packed lazily
     assert p.pool.free_slots == p.pool.num_slots and p._source.eager.slots == 0
+
+
+@needs_nixl
+def test_token_mapped_pulls_share_a_launch_too():
+    # block sizes differ (4 -> 6 tokens): the four decode ranks' pulls carry the same token map
+    from test_block_size_agent import Pair  # the block-size-change harness
+
+    e = Pair(1, 4, 4, 6, "pull", models=[RegionModel.gqa("l0", 8, 16)], chunk_bytes=16 << 10)
+    try:
+        n_tok = 37  # partial last block on both sides
+        src = np.random.default_rng(3).permutation(64)[:-(-n_tok // 4)]
+        dst = np.random.default_rng(4).permutation(48)[:-(-n_tok // 6)]
+        dst[0] = -1  # a prefix the decode side already has
+        tokens = make_global_tokens(e.models, n_tok, e.gen)
+        load_source_tokens(e.P[0], 0, 1, tokens, src)
+        p = e.pa[0]
+        p.hold("r", src)
+        for d in e.da:
+            d.fetch("r", "P", src, dst, num_tokens=n_tok)
+            d.progress()
+        _gather(p, 4, [d.progress for d in e.da])
+        p.progress()
+        assert (p.stats["pack_launches"], p.stats["packed_chunks"]) == (1, 4)
+        got = e.drive(1)
+        assert all(v[0].ok for v in got.values()), got
+        for r in range(4):
+            check_destination_tokens(e.D[r], r, 4, tokens, dst, e.before[r])
+    finally:
+        e.close()
