@@ -29,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from timing import qfields, quantiles_ms  # bench/timing.py
+from timing import qfields, quantiles_ms, quantiles_of  # bench/timing.py
 
 from kvtriton import ops
+from kvtriton.errors import KVTritonError
 from kvtriton.launch import INT_OF_WIDTH
 from kvtriton.plan import build_plan
 from kvtriton.reference import pack_reference, unpack_reference
@@ -154,11 +155,13 @@ class _Setup:
 
     def _pack_segments(self, src_specs, dst_rank_specs, src_tp, dst_tp, modes):
         segs, offs, base = [], [], 0
+        self.pack_parts = []  # per destination: (segments, offsets), at the same staging offsets
         for d in range(dst_tp):
             read = build_plan(d, dst_tp, dst_rank_specs[d], src_tp, src_specs, modes=modes).staged_read(0)
             if read is not None:
                 segs += read.segments
                 offs += read.segment_offsets(self.n, base).tolist()
+                self.pack_parts.append((tuple(read.segments), read.segment_offsets(self.n, base)))
                 base += read.payload_bytes(self.n)
         return segs, offs, base
 
@@ -232,6 +235,72 @@ def _check_pack_providers(regions, segs, offs, ids, nbytes, device, providers) -
             raise AssertionError(f"bench: {provider} pack differs from the reference")
 
 
+# --------------------------------------------------------------------------- batched pack
+def batched_pack_rows(name: str, models: Sequence[RegionModel], block_size: int, device: str, quick: bool,
+                      dests: Sequence[int] = (4, 8), blocks: Sequence[int] = (8, 64)) -> list[dict]:
+    """One source rank (TP1) packing a request for ``N`` decode ranks: every destination in one
+    launch (what the agent does, :mod:`kvtriton.agent.packing`) against one launch per
+    destination, same process, same bytes (checked equal first).
+
+    On CUDA (``impl="triton"``) the difference is launch overhead and per-call validation; on
+    CPU the rows time the agent's CPU path (``impl="torch"``, the reference gather), so they
+    show the per-call Python overhead only: neither Triton's launch cost nor the interpreter's
+    speed means anything there."""
+    impl = "triton" if device == "cuda" else "torch"
+    what = ("CUDA: launch-bound for small requests" if device == "cuda"
+            else "CPU torch path: per-call Python overhead only, not launch overhead")
+    rows = []
+    for n_dst in dests:
+        for n_blocks in blocks:
+            try:
+                setup = _Setup(models, 1, n_dst, block_size, n_blocks, device)
+            except KVTritonError:
+                continue  # this pair is not plannable for these heads
+            segs, offs, nbytes = setup.pack_args
+            if not segs:
+                continue
+            staging = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+            ids = setup.src_ids
+
+            def batched():
+                ops.pack(setup.src, segs, offs, ids, staging, impl=impl)
+
+            def per_destination():
+                for part_segs, part_offs in setup.pack_parts:
+                    ops.pack(setup.src, part_segs, part_offs, ids, staging, impl=impl)
+
+            want = torch.zeros_like(staging)
+            pack_reference(setup.src, segs, offs, ids, want)
+            for fn in (batched, per_destination):
+                staging.zero_()
+                fn()
+                if not torch.equal(staging, want):
+                    raise AssertionError(f"bench: {fn.__name__} pack differs from the reference")
+            qb, qp = _interleaved_ms(batched, per_destination, device, quick)
+            note = (f"{n_dst} destinations, {n_blocks} blocks, {len(segs)} segments: per-destination / batched "
+                    f"= {qp[1] / qb[1]:.2f}x ({what})")
+            case = f"{name} P1->D{n_dst} batched pack"
+            rows.append(_row(case, "pack", f"batched (1 launch, {impl})", nbytes, qb, None, note))
+            rows.append(_row(case, "pack", f"per destination ({len(setup.pack_parts)} launches, {impl})", nbytes, qp,
+                             None, note))
+    return rows
+
+
+def _interleaved_ms(a, b, device: str, quick: bool):
+    """p20/p50/p80 ms of ``a`` and of ``b``: on CUDA ``do_bench`` each; on CPU in alternating
+    calls, so that a shared host's load falls on both alike."""
+    if device == "cuda":
+        return _time_ms(a, device, quick), _time_ms(b, device, quick)
+    a(), b()  # warm-up
+    ta, tb = [], []
+    for _ in range(5 if quick else 21):
+        for fn, ts in ((a, ta), (b, tb)):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+    return quantiles_of(ta), quantiles_of(tb)
+
+
 # --------------------------------------------------------------------------- entry point
 def run_kernel_bench(cases: Sequence[Case], device: str, quick: bool) -> list[dict]:
     """Rows ``{case, op, provider, bytes, ms, gbps, pct_of_copy, note}`` for every case.
@@ -258,4 +327,19 @@ def run_kernel_bench(cases: Sequence[Case], device: str, quick: bool) -> list[di
         rows += _bench_case(f"{name}@2blk", tiny, device, quick=True,
                             providers=["torch-ref", "kvtriton", "naive-triton"],
                             note="interpreter: not a speed measurement; ", check=True)
+    if cases:  # CUDA: the kernels; CPU: the torch path (the interpreter is never timed here)
+        name, models, _, _, block_size, _ = cases[0]
+        rows += batched_pack_rows(name, models, block_size, device, quick)
     return rows
+
+
+if __name__ == "__main__":
+    # python bench/kernels.py [preset]: the batched-pack rows alone (the sweep's kernels section has them too)
+    import sys
+
+    from presets import PRESETS  # bench/presets.py
+
+    preset = PRESETS[sys.argv[1] if len(sys.argv) > 1 else "llama3-70b"].truncated(8)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for r in batched_pack_rows(preset.name, list(preset.regions), 16, dev, quick=False):
+        print(f"{r['case']:<40} {r['provider']:<34} {r['ms']:>9.4f} ms [{r['ms_p20']}-{r['ms_p80']}]  {r['note']}")

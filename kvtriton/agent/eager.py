@@ -40,7 +40,8 @@ import numpy as np
 
 from ..errors import KVTritonError, StagingError
 from ..plan import ChunkGeometry
-from .links import Chunk, Flow, Peer
+from .links import Chunk, Flow, Peer, logger
+from .packing import PackJob
 
 
 def ids_digest(ids: np.ndarray) -> str:
@@ -90,6 +91,7 @@ class EagerPacks:
             hold = self.src.holds.get(req)
             if hold is not None and req not in self.packs and not self.src.serving(req):
                 self._pack_hold(hold)
+        self.src.batch.launch()  # before anything below looks at the packs' completions
         waiting = []
         for req, rank in self.unoffered:
             packed = self.packs.get(req, {}).get(rank)
@@ -134,11 +136,12 @@ class EagerPacks:
                 need = src.s.pool.slots_for(chunks.nbytes(c))
                 if self.slots + need > self.budget_slots:
                     break
-                ch = src.pack_chunk(read, chunks, ids, None, hold.ready, peer.md.engine, c, evict=False)
+                ch = src.reserve_chunk(chunks.nbytes(c), peer.md.engine, c, evict=False)
                 if ch is None:
                     break  # the engine's share or the pool is full: the rest goes lazily
                 packed.inflight[c] = ch
                 self.slots += ch.nslots
+                self._queue(hold, packed, ch)
             if packed.inflight:
                 out[peer.md.rank] = packed
                 if len(packed.inflight) == chunks.count and src.s.rank not in plan.direct_ranks(ids.size):
@@ -146,6 +149,25 @@ class EagerPacks:
                 stats["eager_chunks"] += len(packed.inflight)
         if not out:
             del self.packs[hold.req_id]
+
+    def _queue(self, hold, packed: Packed, ch: Chunk) -> None:
+        """Queue the pack of ``ch`` in the source's batch: launched with the other destination
+        ranks' chunks of the same blocks, once every pending hold has reserved its chunks."""
+        req, rank = hold.req_id, packed.peer.md.rank
+        self.src.batch.add(PackJob.for_chunk(
+            packed.read, packed.chunks, ch, packed.ids, None, hold.ready,
+            alive=lambda: self.packs.get(req, {}).get(rank) is packed and packed.inflight.get(ch.index) is ch,
+            failed=lambda e: self._pack_failed(req, rank, packed, e)))
+
+    def _pack_failed(self, req: str, rank: int, packed: Packed, e: KVTritonError) -> None:
+        """The launcher refused a chunk of ``packed``: the whole pack goes (served lazily)."""
+        logger.warning("eager pack of %s for %s failed: %s", req, packed.peer.agent, e)
+        if self.packs.get(req, {}).get(rank) is packed:
+            del self.packs[req][rank]
+            if not self.packs[req]:
+                del self.packs[req]
+            self.slots -= packed.nslots
+            self._free(packed)
 
     # ------------------------------------------------------------------ using
     def take(self, req: str, peer: Peer, digest: str, ids: np.ndarray, chunks: ChunkGeometry | None) -> dict:

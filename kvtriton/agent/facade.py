@@ -144,9 +144,11 @@ class TransferAgent:
         # not entitled to what it asked (another engine's hold, beyond its transfer count)
         # eager_*: chunks packed ahead of a pull, pulls that found theirs packed (hits) or not as
         # packed (misses: served lazily), packs given up for a pull that needed the staging
+        # pack_launches, packed_chunks: pack launches of this rank as a source, and the chunks they
+        # packed (several destinations' chunks of one step share a launch: kvtriton.agent.packing)
         self.stats = {"bad_messages": 0, "refused": 0, "staged_descriptors": 0, "direct_descriptors": 0,
                       "eager_chunks": 0, "eager_hits": 0, "eager_misses": 0, "eager_evicted": 0, "eager_offers": 0,
-                      "offers_taken": 0}
+                      "offers_taken": 0, "pack_launches": 0, "packed_chunks": 0}
         self._warmed: set = set()  # (op, LaunchConfig) compiled by warmup()
         self._warm_peers = bool(warmup)
         settings = Settings(engine_id, rank, tp, flow, tuple(self.regions), tuple(self.specs), self.device,
