@@ -39,7 +39,7 @@ import hashlib
 import numpy as np
 
 from ..errors import KVTritonError, StagingError
-from ..plan import ChunkGeometry
+from ..plan import ChunkGeometry, Mode
 from .links import Chunk, Flow, Peer
 
 
@@ -122,8 +122,8 @@ class EagerPacks:
             except KVTritonError:
                 continue
             read = plan.staged_read(src.s.rank)
-            if read is None or plan.maps_tokens:  # token maps: the tiles depend on the decode's ids
-                continue
+            if read is None or plan.maps_tokens or read.ways == (Mode.READ_UNPACK,):
+                continue  # token maps: the tiles depend on the decode's ids; read_unpack: never packed
             try:
                 chunks = ChunkGeometry.fit(read.bytes_per_block, ids.size,
                                            min(src.s.chunk_bytes, peer.md.staging.chunk_bytes))

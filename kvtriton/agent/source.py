@@ -29,7 +29,7 @@ import numpy as np
 from .. import wire
 from ..errors import KVTritonError, PlanError, ProtocolError, RequestRejectedError
 from ..ops import pack
-from ..plan import ChunkGeometry, StagedRead, TransferPlan
+from ..plan import ChunkGeometry, Mode, StagedRead, TransferPlan
 from ..token_map import TokenMap
 from .eager import EagerPacks, ids_digest
 from .links import Chunk, Flow, Links, Peer, Settings, logger
@@ -213,6 +213,16 @@ class Source:
         has_runs = self.s.rank in plan.direct_ranks(n)
         if read is None and not has_runs:
             return reject(f"{me} has nothing to send to {eng}:{dst_rank}")
+        way = m.way if flow is Flow.PULL else Mode.STAGED.value
+        if read is not None and way not in {w.value for w in read.ways}:
+            return reject(f"{eng}:{dst_rank} asks for way {way!r}; the plan allows {[w.value for w in read.ways]}")
+        if read is None and way != Mode.STAGED.value:
+            return reject(f"{me} sends {eng}:{dst_rank} no staged payload: way {way!r} is meaningless")
+        if way == Mode.READ_UNPACK.value:  # the peer READs our cache blocks itself: nothing to pack
+            if flow is not Flow.PULL or tokens is not None:
+                return reject("read_unpack is a pull of equal block sizes only")
+            read, has_runs = None, True
+            self.eager.take(req, peer, plan.digest(), ids, None)  # a pack made ahead for it is not needed
         chunks = None
         if read is not None:
             chunks = ChunkGeometry(read.bytes_per_block, n, m.chunk_blocks)
