@@ -251,7 +251,7 @@ def _expect(src, dst):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("ids", ["runs", "random"])
 def test_agents_move_exact_bytes(way, p_tp, d_tp, layout, ids, monkeypatch):
-    import kvtriton.agent.source as source_mod
+    import kvtriton.agent.serves as source_mod
 
     packs = []
     real_pack = source_mod.pack

@@ -1,9 +1,10 @@
 """TransferAgent: the API serving code calls, one per rank (shaped like a KV connector's worker).
 
 The agent is a facade (:mod:`.facade`: handshake, progress loop, message dispatch) over two
-roles that own their own state: the source side (:mod:`.source`: holds, serving transfers,
-pack, announce or WRITE, release) and the destination side (:mod:`.destination`: fetches,
-READ or grants, unpack, ack, finish or fail), sharing the peer links (:mod:`.links`).
+roles that own their own state: the source side (:mod:`.source`, over :mod:`.holds` and
+:mod:`.serves`: holds, serving transfers, pack, announce or WRITE, release) and the destination
+side (:mod:`.destination`: fetches, READ or grants, unpack, ack, finish or fail), sharing the
+peer links (:mod:`.links`).
 
 A prefill rank ``hold()``s a request's blocks; a decode rank ``fetch()``es them. Everything moves
 when somebody calls :meth:`TransferAgent.progress` (non-blocking; call it from the engine's step
@@ -19,7 +20,7 @@ transfer is reading it (the transfer has its own silence deadline), but never ou
 plus ``timeout_s``; a decode rank renews the holds of its outstanding fetches. When everything has
 landed the decode rank sends ``done`` to *every* rank of the source engine (replicas it skipped
 included), and each source rank frees the request once all decode ranks are done or its lease
-expires. A hold belongs to one consumer engine (see :mod:`.source`): no other peer can read,
+expires. A hold belongs to one consumer engine (see :mod:`.holds`): no other peer can read,
 complete or renew it. A hold that names its consumer is packed ahead of the pull
 (:mod:`.eager`) and offered to the consumer's ranks (``offer``): a fetch asking exactly that
 READs at once, without a pull; a pull that comes first is answered with ``ready`` at once.
