@@ -12,6 +12,13 @@ the descriptor sizes are the real ones. Methods, all moving the same bytes into 
   time and offers the pack to the decode rank (kvtriton.agent.eager); the clock starts once the
   decode has the offer, as when it asks some time after the prefill finished: it READs at once,
   no pull and no wait for the prefill process.
+* ``kvtriton pack_place``: one-sided staging (:mod:`kvtriton.one_sided`): the prefill packs as for
+  staged, the decode READs the packed tiles straight into its cache blocks (its rank's one head
+  is its whole HND block), one descriptor per (layer, K/V, run of consecutive destination blocks),
+  no unpack pass; with ``eager`` the pack is done at hold time and offered. ``kvtriton auto``:
+  nothing forced: the decode's cost model picks the way per request (the row says which).
+  (read_unpack, the P > D mirror, needs a source rank whose heads all go to one decode rank;
+  this P4->D8 case has none: bench/costgrid.py times it.)
 * ``vLLM-style direct``: one 4 KiB descriptor per (layer, K/V, block) head slice, read from an
   HND copy of the cache (the layout that makes a head slice contiguous), prepared lists.
 * ``per-token``: one 256 B descriptor per (layer, K/V, token), read from the NHD cache.
@@ -19,7 +26,9 @@ the descriptor sizes are the real ones. Methods, all moving the same bytes into 
 
 Plus the staged path's parts timed alone: pack (in the prefill process), the one-descriptor
 transfer, unpack (in the decode process). Every method's result is checked byte for byte once.
-Run alone: ``python bench/e2e.py [--layers N]``.
+Block ids (``--ids``): ``random`` (a permutation: no runs, the per-block worst case) or ``runs``
+(consecutive ids on both sides, as a fresh allocation gives; every method reads the same ids).
+Run alone: ``python bench/e2e.py [--layers N] [--ids runs]``.
 """
 
 from __future__ import annotations
@@ -125,15 +134,26 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
         raw.close()
 
 
+VARIANTS = [("pull", 1, 1, False, "staged"), ("push", 1, 1, False, "staged"), ("pull", 8, 2, False, "staged"),
+            ("pull", 1, 1, True, "staged"), ("pull", 1, 1, False, "pack_place"), ("pull", 1, 1, True, "pack_place"),
+            ("pull", 1, 1, False, None)]
+
+
+def _method(mode: str, chunks: int, inflight: int, eager: bool, way: str | None) -> str:
+    return (f"kvtriton {way or 'auto'}, {mode}{' eager' if eager else ''}, {chunks} chunk(s) x {inflight}"
+            " in flight")
+
+
 def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 8192,
-                  variants: list[tuple[str, int, int]] | None = None, busy: int = 0,
-                  per_token: bool = True, transport: str = "") -> list[dict]:
+                  variants: list[tuple] | None = None, busy: int = 0,
+                  per_token: bool = True, transport: str = "", ids: str = "random") -> list[dict]:
     """One process pair, one transport (whatever ``UCX_TLS`` this process started with).
 
-    ``variants``: kvtriton configurations as (mode, chunks per request, chunks in flight[, eager]);
-    default: one chunk (pull and push), 8 pipelined chunks (pull) and one chunk packed at hold
-    time (pull, eager: the hold names its consumer; staging and ``eager_bytes`` fit the whole
-    request). ``busy``: CPU-bound
+    ``variants``: kvtriton configurations as (mode, chunks per request, chunks in flight[, eager[,
+    way]]), ``way`` the mode forced on every region (None: the cost model's choice per request);
+    default :data:`VARIANTS`: staged with one chunk (pull and push), 8 pipelined chunks (pull) and
+    one chunk packed at hold time (pull, eager: the hold names its consumer; staging and
+    ``eager_bytes`` fit the whole request), pack_place lazy and eager, and auto. ``busy``: CPU-bound
     neighbor processes spinning on the same cores for the whole measurement (bounded: they stop
     by themselves after 300 s). ``per_token``: time the (slow) per-token baseline too.
     """
@@ -152,17 +172,16 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
     n = tokens // BLOCK
     num_blocks = n + 8
     payload = layers * 2 * n * BLOCK * HEAD_DIM * 2  # bytes decode rank 0 receives
-    variants = [tuple(v) + (False,) * (4 - len(v)) for v in
-                (variants or [("pull", 1, 1), ("push", 1, 1), ("pull", 8, 2), ("pull", 1, 1, True)])]
+    variants = [tuple(v) + (False, "staged")[len(v) - 3:] for v in (variants or VARIANTS)]
     slot = 256 << 10
     agent_kw = []
-    for mode, chunks, inflight, eager in variants:
+    for mode, chunks, inflight, eager, way in variants:
         chunk = ceil_div(payload // chunks, slot) * slot
         # eager: the whole request packed ahead, plus the staging its engine's lazy pulls keep
         staging = ((chunks + inflight) if eager else inflight) * chunk
         agent_kw.append(dict(staging_bytes=staging, slot_bytes=slot, chunk_bytes=chunk, mode=mode,
                              inflight_chunks=inflight, impl="torch", timeout_s=60,
-                             eager_bytes=chunks * chunk if eager else 0))
+                             eager_bytes=chunks * chunk if eager else 0, modes=way))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_prefill, args=(child, layers, num_blocks, agent_kw, reps), daemon=True)
@@ -177,8 +196,11 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             raise TimeoutError("prefill process did not start")
         info = parent.recv()
         rng = np.random.default_rng(0)
-        src_ids = rng.permutation(num_blocks)[:n]
-        dst_ids = rng.permutation(num_blocks)[:n]
+        if ids == "runs":  # a fresh allocation: consecutive blocks on both sides
+            src_ids, dst_ids = np.arange(n) + 3, np.arange(n) + 5
+        else:
+            src_ids = rng.permutation(num_blocks)[:n]
+            dst_ids = rng.permutation(num_blocks)[:n]
         k_caches = [[torch.empty(num_blocks, 1, BLOCK, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
                     for _ in range(layers)]
         # the vLLM 0.33 layout on the decode side: K||V per (head, token), one head per rank
@@ -289,12 +311,12 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
 
         # -- kvtriton staged, end to end through the agents, per variant
         counter = [0]
-        case = f"llama3-70b-like ({layers} layers) P4->D8 block 16, NHD source, {tokens} tokens"
+        case = f"llama3-70b-like ({layers} layers) P4->D8 block 16, NHD source, {tokens} tokens, {ids} block ids"
         common = dict(case=case, transport=transport or _transport_label(),
-                      host="busy" if busy else "idle", bytes=payload)
+                      host="busy" if busy else "idle", bytes=payload, ids=ids)
         ndescs = [[0] for _ in variants]
         setups, held = {}, {}  # untimed: the hold (and for eager its pack) before each timed fetch
-        for i, (mode, chunks, inflight, eager) in enumerate(variants):
+        for i, (mode, chunks, inflight, eager, way) in enumerate(variants):
 
             def hold(i=i, eager=eager, chunks=chunks, agent=agents[i]) -> None:
                 req = f"r{counter[0]}"
@@ -322,7 +344,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             clear()
             hold()
             staged()
-            check(f"staged {mode}{' eager' if eager else ''}")
+            check(_method(mode, chunks, inflight, eager, way))
             timed[f"staged{i}"] = staged
             setups[f"staged{i}"] = hold
 
@@ -334,7 +356,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
                     setups[k]()
                 samples[k].append(quantiles_ms(fn, 1, warmup=0)[1])
         for i, v in enumerate(variants):  # every eager fetch found its pack (the source counts hits)
-            if v[3]:
+            if v[3] and v[4] != "read_unpack":
                 setups[f"staged{i}"]()
                 if held[i]["hits"] < reps or agents[i].stats["offers_taken"] != reps + 1:
                     raise AssertionError(f"eager: {agents[i].stats['offers_taken']} of {reps + 1} fetches took "
@@ -342,16 +364,21 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         qs = {k: quantiles_of(v) for k, v in samples.items()}
         read_q, write_q, packed_q, direct_q = qs["read"], qs["write"], qs["packed"], qs["direct"]
         staged_rows = []
-        for i, (mode, chunks, inflight, eager) in enumerate(variants):
+        for i, (mode, chunks, inflight, eager, way) in enumerate(variants):
             q = qs[f"staged{i}"]
             floor = read_q[1] if mode == "pull" else write_q[1]
-            parts = (0 if eager else pack_q[1]) + floor + unpack_q[1]
+            st = agents[i].stats
+            used = way or ("one-sided" if st["one_sided_descriptors"] else "staged" if st["staged_descriptors"]
+                           else "direct")
+            place = used in ("pack_place", "one-sided")
+            parts = (0 if eager else pack_q[1]) + floor + (0 if place else unpack_q[1])
             staged_rows.append(dict(
-                common, method=f"kvtriton staged, {mode}{' eager' if eager else ''}, {chunks} chunk(s) x {inflight}"
-                               " in flight", descriptors=ndescs[i][0], **qfields("ms", q, 2),
-                note=f"{q[1] / parts:.2f}x the sum of its parts ({'' if eager else 'pack + '}one "
-                     f"{'READ' if mode == 'pull' else 'WRITE'} + unpack); vLLM K||V direct/this = {packed_q[1] / q[1]:.2f}x; K/V-separate direct/this = "
-                     f"{direct_q[1] / q[1]:.2f}x"))
+                common, method=_method(mode, chunks, inflight, eager, way), descriptors=ndescs[i][0],
+                **qfields("ms", q, 2),
+                note=(f"{'' if way else f'ran {used}; '}{q[1] / parts:.2f}x the sum of its parts "
+                      f"({'' if eager else 'pack + '}one {'READ' if mode == 'pull' else 'WRITE'}"
+                      f"{'' if place else ' + unpack'}); vLLM K||V direct/this = {packed_q[1] / q[1]:.2f}x; "
+                      f"K/V-separate direct/this = {direct_q[1] / q[1]:.2f}x")))
         rows += staged_rows
         rows += [
             dict(common, method="vLLM 0.33 direct 8 KiB K||V reads", descriptors=p_l.count,
@@ -400,26 +427,28 @@ def _transport_label() -> str:
 # start with UCX_TLS limited to shared memory (it needs tcp for its wireup), so shared memory is
 # UCX's default choice on one host (cma/posix for the bytes).
 CONFIGS = [("shm", None, 0), ("tcp", "tcp", 0), ("shm", None, 1), ("tcp", "tcp", 1)]
+IDS = ("random", "runs")  # block-id patterns the matrix runs each config with
 
 
-def run_e2e_matrix(quick: bool = False, configs=CONFIGS, timeout_s: float = 240) -> list[dict]:
-    """:func:`run_e2e_bench` per (transport, host load), each in fresh processes: UCX reads
-    ``UCX_TLS`` once, when the first agent starts. Per-token reads run only in the first config."""
+def run_e2e_matrix(quick: bool = False, configs=CONFIGS, timeout_s: float = 240, ids=IDS) -> list[dict]:
+    """:func:`run_e2e_bench` per (block ids, transport, host load), each in fresh processes: UCX
+    reads ``UCX_TLS`` once, when the first agent starts. Per-token reads run only in the first."""
     import json
     import subprocess
     import sys
     import tempfile
 
     rows: list[dict] = []
-    for k, (label, tls, busy) in enumerate(configs):
+    for k, (id_kind, (label, tls, busy)) in enumerate((i, c) for i in ids for c in configs):
         env = dict(os.environ)
         env.pop("UCX_TLS", None)
         if tls:
             env["UCX_TLS"] = tls
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, os.path.abspath(__file__), "--json", f.name, "--transport", label,
-                   "--busy", str(busy)] + (["--quick"] if quick else []) + ([] if k == 0 else ["--no-per-token"])
-            print(f"e2e: {label}, {'busy' if busy else 'idle'} host ...", flush=True)
+                   "--busy", str(busy), "--ids", id_kind] + (["--quick"] if quick else []) + \
+                ([] if k == 0 else ["--no-per-token"])
+            print(f"e2e: {label}, {'busy' if busy else 'idle'} host, {id_kind} ids ...", flush=True)
             try:
                 res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
                 ok = res.returncode == 0
@@ -427,7 +456,7 @@ def run_e2e_matrix(quick: bool = False, configs=CONFIGS, timeout_s: float = 240)
             except subprocess.TimeoutExpired:
                 ok, err = False, f"timed out after {timeout_s} s"
             if not ok:
-                rows.append(dict(case="e2e", transport=label, host="busy" if busy else "idle",
+                rows.append(dict(case="e2e", transport=label, host="busy" if busy else "idle", ids=id_kind,
                                  method="failed", note=err.replace("\n", " ")))
                 continue
             rows += json.load(open(f.name))
@@ -450,10 +479,11 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=0, help="CPU-bound neighbor processes on the same cores")
     ap.add_argument("--transport", default="", help="label of this run's transport (UCX_TLS sets it)")
     ap.add_argument("--no-per-token", action="store_true")
+    ap.add_argument("--ids", default="random", choices=["random", "runs"], help="block ids: a permutation or runs")
     ap.add_argument("--json", default=None, help="write the rows here as JSON (used by the sweep)")
     args = ap.parse_args()
     rows = run_e2e_bench(args.quick, args.layers, busy=args.busy, per_token=not args.no_per_token,
-                         transport=args.transport)
+                         transport=args.transport, ids=args.ids)
     if args.json:
         import json
 
