@@ -247,6 +247,14 @@ def _table(title: str, sec: list[dict], drop=("section",)) -> list[str]:
 
 
 def _e2e_summary(rows: list[dict]) -> list[str]:
+    """One table (and its ratios) per P->D pair of bench/e2e.py."""
+    out: list[str] = []
+    for pair in dict.fromkeys(r.get("pair", "p4d8") for r in rows):
+        out += _e2e_pair_summary([r for r in rows if r.get("pair", "p4d8") == pair])
+    return out
+
+
+def _e2e_pair_summary(rows: list[dict]) -> list[str]:
     lines = ["## One request end to end over NIXL (2 processes on 127.0.0.1)", "",
              f"{rows[0].get('case', '')}. Each (transport, host) ran in its own processes; `busy` = one "
              "busy-loop neighbor process on the same 2 cores for the whole run. ms: median [p20-p80].", ""]
@@ -264,8 +272,11 @@ def _e2e_summary(rows: list[dict]) -> list[str]:
     lines += ["", "Same-run ratios (median / median, lower is better for kvtriton):", ""]
     for t, h, ids in configs:
         sel = {r["method"]: r["ms"] for r in rows if cfg(r) == (t, h, ids) and "ms" in r}
-        place = sel.get("kvtriton pack_place, pull, 1 chunk(s) x 1 in flight")
-        place_eager = sel.get("kvtriton pack_place, pull eager, 1 chunk(s) x 1 in flight")
+        place = sel.get("kvtriton pack_place, pull, 1 chunk(s) x 1 in flight") or \
+            sel.get("kvtriton read_unpack, pull, 1 chunk(s) x 1 in flight")
+        place_eager = sel.get("kvtriton pack_place, pull eager, 1 chunk(s) x 1 in flight") or \
+            sel.get("kvtriton read_unpack, pull eager, 1 chunk(s) x 1 in flight")
+        one = "pack_place" if "kvtriton pack_place, pull, 1 chunk(s) x 1 in flight" in sel else "read_unpack"
         auto = sel.get("kvtriton auto, pull, 1 chunk(s) x 1 in flight")
         pull = sel.get("kvtriton staged, pull, 1 chunk(s) x 1 in flight")
         push = sel.get("kvtriton staged, push, 1 chunk(s) x 1 in flight")
@@ -282,9 +293,9 @@ def _e2e_summary(rows: list[dict]) -> list[str]:
                         if eager else "") + f"; staged pull / K/V-separate direct = {pull / sep:.2f}, "
                      f"push / K/V-separate = {push / sep:.2f}; READ floor {sel.get('single descriptor READ (pull floor)')}"
                      f" ms, WRITE floor {sel.get('single descriptor WRITE (push floor)')} ms"
-                     + (f"; pack_place pull / vLLM K||V direct = **{place / packed:.2f}**, / staged pull = "
+                     + (f"; {one} pull / vLLM K||V direct = **{place / packed:.2f}**, / staged pull = "
                         f"{place / pull:.2f}" if place else "")
-                     + (f"; pack_place eager / vLLM K||V direct = **{place_eager / packed:.2f}**, / staged eager = "
+                     + (f"; {one} eager / vLLM K||V direct = **{place_eager / packed:.2f}**, / staged eager = "
                         f"{place_eager / eager:.2f}" if place_eager and eager else "")
                      + (f"; auto / staged pull = {auto / pull:.2f}" if auto else ""))
     return lines + [""]

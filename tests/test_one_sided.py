@@ -288,6 +288,48 @@ def test_read_unpack_across_layouts_with_one_head_per_source():
 
 
 @pytest.mark.nixl
+@pytest.mark.parametrize("forced", [True, False])
+def test_read_unpack_offer_skips_the_pull(forced, monkeypatch):
+    """A hold naming its consumer is offered for read_unpack (no pack, no slots): the decode takes
+    the offer and READs at once, without a pull to the source process; a second fetch of
+    another request with no offer pulls as usual. Bytes exact either way."""
+    from kvtriton import wire
+
+    pulls = []
+    real = wire.decode_message
+    monkeypatch.setattr(wire, "decode_message", lambda b: (lambda m: (pulls.append(m) if isinstance(
+        m, wire.Pull) else None, m)[1])(real(b)))
+    kw = dict(modes="read_unpack") if forced else dict(cost=CostModel(desc_us=1e-3), chunk_bytes=64 << 10)
+    e = Pair(4, 2, "HND", models=SPLIT_ONLY, eager_bytes=32 << 10, **kw)
+    try:
+        src, dst = _ids("runs", 20, 64, 48)
+        keep = (src >= 0) & (dst >= 0)
+        src, dst = src[keep], dst[keep]  # an offer is of every held block, in order
+        kv = make_global_kv(SPLIT_ONLY, src.size, 4, e.gen)
+        for r in range(4):
+            load_source(e.P[r], r, 4, kv, src)
+        before = [snapshot(x) for x in e.D]
+        for p in e.pa:
+            p.hold("r", src, lease_s=30, consumer="D")
+        deadline = time.monotonic() + 10
+        while not all(sum("r" in o for o in d._destination.offers.values()) == 2 for d in e.da):  # both sources
+            assert time.monotonic() < deadline, "no offers"
+            for a in e.pa + e.da:
+                a.progress()
+        for d in e.da:
+            d.fetch("r", "P", src, dst)
+        got = e.drive()  # the sources progress (UCX serves READs through them here) but get no pull
+        for i, d in enumerate(e.da):
+            assert got[i][0].ok, got[i][0].error
+            check_destination(e.D[i], i, 2, kv, _expect(src, dst), before[i])
+            assert d.stats["offers_taken"] == 2 and d.stats["one_sided_descriptors"] > 0
+        assert not any(isinstance(m, wire.Pull) for m in pulls)
+        assert len(e.settle(4)) == 4
+    finally:
+        e.close()
+
+
+@pytest.mark.nixl
 @pytest.mark.parametrize("desc_us,expect", [(1e-3, "one_sided"), (1e4, "staged")])
 def test_auto_choice_per_request(desc_us, expect):
     """No forced mode: the destination's cost model picks the way per request and source rank."""

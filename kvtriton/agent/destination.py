@@ -175,18 +175,24 @@ class Destination:
                     way = self._way(f, read, peer, chunks, src_rank in runs_ranks)
                     if way is Mode.READ_UNPACK:  # nothing in the source's staging: our chunks only
                         chunks = ChunkGeometry.fit(read.bytes_per_block, n, self.s.chunk_bytes)
-                        self._decline_offer(peer, req_id)
                 except StagingError as e:
                     self.fail(f, StagingError(f"{engine}:{src_rank}: {e}"))
                     return
             xid = f"{req_id}|{self.s.name}<{src_rank}#{next(self._xid)}"
             while xid in self.parts:  # squatted by a source's offer id: never overwrite a part
                 xid = f"{req_id}|{self.s.name}<{src_rank}#{next(self._xid)}"
-            offer = None if way is Mode.READ_UNPACK else self._offer_for(
-                peer, req_id, plan, s_ids if tokens is None else None, chunks, src_rank in runs_ranks)
+            reads_cache = self.s.flow is Flow.PULL and (src_rank in runs_ranks or way is Mode.READ_UNPACK)
+            if way is Mode.READ_UNPACK:
+                offer = self._runs_offer_for(peer, req_id, plan, s_ids)
+            else:
+                offer = self._offer_for(peer, req_id, plan, s_ids if tokens is None else None, chunks,
+                                        src_rank in runs_ranks)
             part = Part(offer.xid if offer else xid, f, src_rank, read, chunks, src_rank in runs_ranks, way=way,
-                        reads_cache=self.s.flow is Flow.PULL and (src_rank in runs_ranks or way is Mode.READ_UNPACK))
-            if offer is not None:  # the payload is in the source's staging already: READ it now
+                        reads_cache=reads_cache)
+            if offer is not None and way is Mode.READ_UNPACK:  # the source holds the blocks for us: read now
+                part.offered = part.go = True
+                self.links.stats["offers_taken"] += 1
+            elif offer is not None:  # the payload is in the source's staging already: READ it now
                 part.offered = True
                 for c in range(chunks.count):
                     slot, nslots = offer.slots[2 * c], offer.slots[2 * c + 1]
@@ -204,9 +210,11 @@ class Destination:
         ids = tuple(f.src_ids.tolist())
         tok = {} if f.tokens is None else {"tokens": f.tokens.num_tokens, "tiles": tuple(f.tokens.tiles.tolist())}
         for part in f.parts.values():
-            if part.offered:
-                continue  # nothing to ask: its acks tell the source we took the offer
             peer = self.links.peers[(f.engine, part.src_rank)]
+            if part.offered:  # nothing to ask: its acks (RunsDone) tell the source we took the offer
+                if part.go and part.runs_pending:
+                    self._read_runs(part, peer)
+                continue
             chunk_blocks = part.chunks.blocks_per_chunk if part.chunks is not None else 0
             if self.s.flow is Flow.PUSH:
                 msg = wire.Push(part.xid, f.req_id, self.s.rank, ids, tuple(f.dst_ids.tolist()), chunk_blocks,
@@ -232,14 +240,22 @@ class Destination:
         model's choice for this request (an offer the source made means it is packed already)."""
         if self.s.flow is not Flow.PULL or f.tokens is not None:
             return Mode.STAGED
-        packed = f.req_id in self.offers.get(peer.key, {})
+        offer = self.offers.get(peer.key, {}).get(f.req_id)
+        packed = offer is not None and bool(offer.slots)  # an offer without slots: read_unpack, nothing packed
         return choose_way(read, peer.md.regions, self.s.specs, f.src_ids, f.dst_ids, self.s.cost,
                           chunks=chunks.count, packed=packed)
 
-    def _decline_offer(self, peer: Peer, req: str) -> None:
+    def _runs_offer_for(self, peer: Peer, req: str, plan: TransferPlan, ids) -> wire.Offer | None:
+        """``peer``'s read_unpack offer of ``req`` (no slots: READ my cache) when it is for this
+        part's plan and ids, else None; any other offer is declined (the source frees it)."""
         offer = self.offers.get(peer.key, {}).pop(req, None)
-        if offer is not None:
+        if offer is None:
+            return None
+        if (offer.slots or offer.xid in self.parts or offer.plan != plan.digest()
+                or offer.num_blocks != ids.size or offer.ids != ids_digest(ids)):
             self.links.send(peer, wire.Abort(offer.xid), quiet=True)
+            return None
+        return offer
 
     # ------------------------------------------------------------------ offers
     def on_offer(self, peer: Peer, m: wire.Offer) -> None:

@@ -194,6 +194,26 @@ class Source(SourceHolds, SourceServes):
         self.links.stats["eager_offers"] += 1
         return True
 
+    def offer_runs(self, hold: Hold, peer: Peer, digest: str) -> bool:
+        """Offer ``peer`` to READ ``hold``'s blocks straight from our cache (read_unpack; see
+        :mod:`.eager`): an :class:`~kvtriton.wire.Offer` without slots, sent once the engine's
+        writes are done, and a transfer that keeps the blocks until the reader's RunsDone (or the
+        hold ends), as a pull's RunsReady would. Saves the pull's round trip to this process."""
+        xid = f"{hold.req_id}|{self.s.name}>{peer.md.rank}!"
+        if (peer.agent, xid) in self.serves or self.peer_serves.get(peer.agent, 0) >= MAX_SERVES_PER_PEER:
+            return False
+        serve = Serve(xid, hold.req_id, peer, Flow.PULL, None, hold.block_ids, None, self.s.timeout_s,
+                      time.monotonic() + self.s.timeout_s, ready=hold.ready, offered=True, runs_reader=True)
+        try:
+            self.links.send(peer, wire.Offer(xid, hold.req_id, digest, ids_digest(hold.block_ids),
+                                             int(hold.block_ids.size), 1, ()))
+        except KVTritonError:
+            return False
+        self._add(serve)
+        self.offered[(peer.agent, hold.req_id)] = serve
+        self.links.stats["eager_offers"] += 1
+        return True
+
     def expire(self, now: float) -> None:
         self.expire_serves(now)
         self.expire_holds(now)  # after: a transfer dropped above no longer keeps its hold
