@@ -407,3 +407,59 @@ def test_cluster_processes(way, p_tp, d_tp):
         assert all(v is None for v in c.canary().values())
         freed = c.wait_freed(len(reqs))
         assert all(len(v) == len(reqs) for v in freed.values())
+
+
+@pytest.mark.nixl
+def test_forged_way_is_refused():
+    """A pull naming a way the plan does not allow (staged forced: no read_unpack) is rejected
+    before anything is held for it; a ready for a read_unpack transfer is a protocol error."""
+    from kvtriton import wire
+
+    e = Pair(4, 2, "HND", models=SPLIT_ONLY, modes="staged")
+    try:
+        src = np.arange(4)
+        for p in e.pa:
+            p.hold("r", src, lease_s=30)
+        d, p0 = e.da[0], e.pa[0]
+        plan = d.plan_for("P")
+        peer = d._links.peers[("P", 0)]
+        d._links.send(peer, wire.Pull("x|1", "r", 0, tuple(src.tolist()), 1, plan.digest(), way="read_unpack"))
+        rejects = []
+        real = d._handlers[wire.Reject]
+        d._handlers[wire.Reject] = lambda pr, m: (rejects.append(m), real(pr, m))
+        deadline = time.monotonic() + 5
+        while not rejects:
+            assert time.monotonic() < deadline, "no reject"
+            for a in (p0, d):
+                a.progress()
+        assert "the plan allows ['staged']" in rejects[0].reason and not p0._source.serves
+    finally:
+        e.close()
+
+
+@pytest.mark.nixl
+def test_ready_for_read_unpack_fails_the_fetch():
+    """A source announcing a packed chunk for a read_unpack transfer (nothing is packed for it)
+    fails that fetch with ProtocolError; no block is reported defined."""
+    from kvtriton import wire
+    from kvtriton.errors import ProtocolError
+
+    e = Pair(4, 2, "HND", models=SPLIT_ONLY, modes="read_unpack")
+    try:
+        src, dst = np.arange(6), np.arange(10, 16)
+        for p in e.pa:
+            p.hold("r", src, lease_s=30)
+        d, p0 = e.da[0], e.pa[0]
+        d.fetch("r", "P", src, dst)
+        xid = next(x for x, part in d._destination.parts.items() if part.src_rank == 0)
+        p0._links.send(p0._links.peers[("D", 0)], wire.Ready(xid, 0, 0, 1, 1024))
+        res = []
+        deadline = time.monotonic() + 5
+        while not res:
+            assert time.monotonic() < deadline, "no result"
+            d.progress()  # the sources stay silent: the forged ready is all D hears
+            res = d.results()
+        assert not res[0].ok and isinstance(res[0].error, ProtocolError), res[0]
+        assert sorted(res[0].undefined_blocks) == dst.tolist()
+    finally:
+        e.close()
