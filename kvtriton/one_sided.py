@@ -23,7 +23,16 @@ Choice (:func:`choose_way`): feasibility is static per plan (segment geometry,
 :attr:`StagedRead.ways`); the choice is per (request, source rank) by the cost model with the
 request's real descriptor counts (one per run of consecutive ids, per segment), since that is
 what one-sided reads pay for and block runs are known only per request. One way per source
-rank's payload keeps the protocol to one decision the pull carries.
+rank's payload, not per region: the pull carries one decision, the source either packs the
+payload or does not (a per-segment mix would need per-segment announcements and a second
+payload layout), the chunking stays one geometry, and the safety rule stays the DIRECT one
+(the source's cache is read only between its RunsReady, or a slot-less offer, and our
+RunsDone, while it holds the blocks). The choice is the destination's (its cost model, its
+ids); the source only checks that the way named is one the plan allows.
+
+Offers: with eager packing on, a hold whose consumer would read it by READ_UNPACK (forced, or
+the consumer's model on the hold's ids) is offered without slots instead of packed, so a
+fetch of exactly those blocks READs at once, with no pull to the source process.
 """
 
 from __future__ import annotations
