@@ -457,7 +457,8 @@ def test_ready_for_read_unpack_fails_the_fetch():
         deadline = time.monotonic() + 5
         while not res:
             assert time.monotonic() < deadline, "no result"
-            d.progress()  # the sources stay silent: the forged ready is all D hears
+            for a in (p0, d):  # p0 flushes the forged ready before it answers the pull (one ordered stream)
+                a.progress()
             res = d.results()
         assert not res[0].ok and isinstance(res[0].error, ProtocolError), res[0]
         assert sorted(res[0].undefined_blocks) == dst.tolist()
