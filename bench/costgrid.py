@@ -14,10 +14,12 @@ alternates between two fresh agent pairs (:data:`CONNECTIONS`). Geometry: GQA, h
 8 MiB in every cell; source and destination use the same layout (NHD or HND); block ids are a
 random permutation (no runs to coalesce: the case the per-block model describes).
 
-Cells where only STAGED is feasible (the decode rank holds fewer heads than a source rank, so a
-block's slice is not a whole block) have nothing to choose and are not timed. Pairs: P2->D4 and
-P4->D2 (there only one head per rank makes DIRECT feasible: replicated heads) and P2->D2 (every
-head count). Each transport runs in its own process (UCX reads ``UCX_TLS`` once).
+The modes are STAGED, DIRECT and the one-sided READ_UNPACK (P > D: a source rank's block is
+the tile) and PACK_PLACE (D > P: the decode rank's block is the tile), each timed where the
+geometry allows it (:data:`MODES`). For STAGED regions the plan's choice is the way
+:func:`kvtriton.one_sided.choose_way` picks for this request (its run counts). Pairs: P2->D4
+and P4->D2 (DIRECT only with one head per rank: replicated heads; otherwise STAGED against one
+one-sided way) and P2->D2 (every head count). Each transport runs in its own process (UCX reads ``UCX_TLS`` once).
 Run alone: ``python bench/costgrid.py [--quick]``.
 """
 
@@ -38,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import qfields, quantiles_ms, quantiles_of  # noqa: E402  bench/timing.py
 
 PAIRS = [(2, 4), (4, 2), (2, 2)]
+MODES = ("staged", "direct", "read_unpack", "pack_place")  # every mode a cell may time (where feasible)
 HEADS = [1, 2, 4, 8]
 BLOCKS = [16, 32, 64, 128]
 LAYOUTS = ["NHD", "HND"]
@@ -52,8 +55,6 @@ CONNECTIONS = 2
 def _cells(quick: bool):
     for p_tp, d_tp in PAIRS:
         for h in HEADS:
-            if p_tp != d_tp and h != 1:
-                continue  # only STAGED is feasible: nothing to choose
             for bs in (BLOCKS[::2] if quick else BLOCKS):
                 for layout in LAYOUTS:
                     yield p_tp, d_tp, h, bs, layout
@@ -125,6 +126,19 @@ def _setup_mode(mode, models, p_tp, d_tp, bs, layout, gen_seed, agents):
     return fetch, check, payload
 
 
+def _chosen(plan, meta, bs: int, cost) -> str:
+    """The mode the plan runs a cell's request by: a STAGED region's way is chosen per request
+    (from its block runs; the grid's ids are the ones :func:`_setup_mode` draws)."""
+    from kvtriton.one_sided import choose_way
+
+    mode = plan.modes[0].value
+    if mode != "staged" or not plan.staged:
+        return mode
+    n = TOKENS // bs
+    ids = np.random.default_rng(0).permutation(n + 8)[:n]  # random: what every cell fetches
+    return choose_way(plan.staged[0], meta[1], meta[0], ids, ids, cost).value
+
+
 def run_cells(quick: bool, transport: str) -> list[dict]:
     """Every cell of this process's transport."""
     import torch
@@ -147,10 +161,10 @@ def run_cells(quick: bool, transport: str) -> list[dict]:
         gen = torch.Generator().manual_seed(0)
         meta = [[r.spec for r in make_rank_regions(models, rank, tp, 8, bs, layout=layout, gen=gen, device="meta")]
                 for rank, tp in ((0, d_tp), (0, p_tp))]
-        chosen = build_plan(0, d_tp, meta[0], p_tp, meta[1], cost=cost).modes[0].value
+        chosen = _chosen(build_plan(0, d_tp, meta[0], p_tp, meta[1], cost=cost), meta, bs, cost)
         fetches, agents = {}, []
         try:
-            for mode in ("staged", "direct"):
+            for mode in MODES:
                 try:
                     build_plan(0, d_tp, meta[0], p_tp, meta[1], modes=mode)
                 except PlanError:

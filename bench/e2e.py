@@ -12,6 +12,13 @@ the descriptor sizes are the real ones. Methods, all moving the same bytes into 
   time and offers the pack to the decode rank (kvtriton.agent.eager); the clock starts once the
   decode has the offer, as when it asks some time after the prefill finished: it READs at once,
   no pull and no wait for the prefill process.
+* ``kvtriton pack_place``: one-sided staging (:mod:`kvtriton.one_sided`): the prefill packs as for
+  staged, the decode READs the packed tiles straight into its cache blocks (its rank's one head
+  is its whole HND block), one descriptor per (layer, K/V, run of consecutive destination blocks),
+  no unpack pass; with ``eager`` the pack is done at hold time and offered. ``kvtriton auto``:
+  nothing forced: the decode's cost model picks the way per request (the row says which).
+  (read_unpack, the P > D mirror, needs a source rank whose heads all go to one decode rank;
+  this P4->D8 case has none: bench/costgrid.py times it.)
 * ``vLLM-style direct``: one 4 KiB descriptor per (layer, K/V, block) head slice, read from an
   HND copy of the cache (the layout that makes a head slice contiguous), prepared lists.
 * ``per-token``: one 256 B descriptor per (layer, K/V, token), read from the NHD cache.
@@ -19,7 +26,9 @@ the descriptor sizes are the real ones. Methods, all moving the same bytes into 
 
 Plus the staged path's parts timed alone: pack (in the prefill process), the one-descriptor
 transfer, unpack (in the decode process). Every method's result is checked byte for byte once.
-Run alone: ``python bench/e2e.py [--layers N]``.
+Block ids (``--ids``): ``random`` (a permutation: no runs, the per-block worst case) or ``runs``
+(consecutive ids on both sides, as a fresh allocation gives; every method reads the same ids).
+Run alone: ``python bench/e2e.py [--layers N] [--ids runs]``.
 """
 
 from __future__ import annotations
@@ -37,11 +46,24 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import qfields, quantiles_ms, quantiles_of  # bench/timing.py
 
-HEADS, HEAD_DIM, BLOCK, P_TP, D_TP = 8, 128, 16, 4, 8
+HEADS, HEAD_DIM, BLOCK = 8, 128, 16
+# (prefill TP, decode TP): decode rank 0 reads global heads 0..dst_heads-1, from source ranks 0..k-1.
+# p4d8: one source rank's head 0 of its two (D > P: pack_place applies); p8d4: two source ranks'
+# single heads (P > D: read_unpack applies, vLLM's P2->D1 shape)
+CASES = {"p4d8": (4, 8), "p8d4": (8, 4)}
+
+
+def _geometry(case: str) -> tuple[int, int, tuple[int, ...], int, int]:
+    """(P_TP, D_TP, source ranks read, heads per source rank, heads of decode rank 0)."""
+    p_tp, d_tp = CASES[case]
+    src_heads, dst_heads = HEADS // p_tp, HEADS // d_tp
+    ranks = tuple(range(max(1, dst_heads // src_heads)))
+    return p_tp, d_tp, ranks, src_heads, dst_heads
 
 
 def _caches(layers: int, num_blocks: int, seed: int):
-    """Prefill rank 0's caches: NHD (K, V per layer) and an HND copy with the same content."""
+    """Global heads 0-1 of the model's cache, NHD (K, V per layer): prefill rank 0's two heads
+    of P4, or ranks 0 and 1's one head each of P8."""
     import torch
 
     from kvtriton.testing.oracle import random_bits
@@ -60,7 +82,7 @@ def _busy_neighbor(deadline: float) -> None:
         x += 1
 
 
-def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int) -> None:
+def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int, case: str = "p4d8") -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
@@ -71,69 +93,102 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
     from kvtriton.plan import build_plan
     from kvtriton.transport.nixl import NixlTransport
 
-    nhd = _caches(layers, num_blocks, seed=1)
-    hnd = [[t.transpose(1, 2).contiguous() for t in kv] for kv in nhd]  # bench-only HND copy
+    p_tp, d_tp, ranks, src_heads, dst_heads = _geometry(case)
+    both = _caches(layers, num_blocks, seed=1)
+    # each source rank's own heads, contiguous (P8: one head per rank)
+    nhd = {r: [[t[:, :, r * src_heads:(r + 1) * src_heads].contiguous() for t in kv] for kv in both] for r in ranks}
+    hnd = {r: [[t.transpose(1, 2).contiguous() for t in kv] for kv in nhd[r]] for r in ranks}  # bench-only copy
     # bench-only vLLM 0.33 layout: K||V together per (head, token), head-major blocks
-    joint = [torch.cat(kv, -1).transpose(1, 2).contiguous() for kv in nhd]
-    regions = [Region.attention(f"layer.{i}", k, v, layout="NHD", block_size=BLOCK, total_heads=HEADS)
-               for i, (k, v) in enumerate(nhd)]
-    agents = [TransferAgent(f"P{i}", 0, P_TP, regions, **kw) for i, kw in enumerate(variants)]
+    joint = {r: [torch.cat(kv, -1).transpose(1, 2).contiguous() for kv in nhd[r]] for r in ranks}
+    regions = {r: [Region.attention(f"layer.{i}", k, v, layout="NHD", block_size=BLOCK, total_heads=HEADS)
+                   for i, (k, v) in enumerate(nhd[r])] for r in ranks}
+    agents = [[TransferAgent(f"P{i}", r, p_tp, regions[r], **kw) for r in ranks] for i, kw in enumerate(variants)]
+    every = [a for group in agents for a in group]
     raw = NixlTransport(f"P-raw-{os.getpid()}")
-    flat = [t for kv in nhd for t in kv] + [t for kv in hnd for t in kv] + joint
-    payload = torch.randint(0, 256, (layers * 2 * num_blocks * BLOCK * HEAD_DIM * 2,), dtype=torch.uint8)
+    flat = [t for r in ranks for kv in nhd[r] + hnd[r] for t in kv] + [t for r in ranks for t in joint[r]]
+    payload = torch.randint(0, 256, (layers * 2 * num_blocks * BLOCK * HEAD_DIM * 2 * dst_heads,), dtype=torch.uint8)
     raw.register(flat + [payload])
-    conn.send(dict(agent_md=[a.metadata() for a in agents], raw_md=raw.metadata(), raw_name=raw.name,
-                   nhd=[[t.data_ptr() for t in kv] for kv in nhd], hnd=[[t.data_ptr() for t in kv] for kv in hnd],
-                   joint=[t.data_ptr() for t in joint], payload=payload.data_ptr()))
+    conn.send(dict(agent_md=[[a.metadata() for a in group] for group in agents], raw_md=raw.metadata(),
+                   raw_name=raw.name,
+                   nhd={r: [[t.data_ptr() for t in kv] for kv in nhd[r]] for r in ranks},
+                   hnd={r: [[t.data_ptr() for t in kv] for kv in hnd[r]] for r in ranks},
+                   joint={r: [t.data_ptr() for t in joint[r]] for r in ranks}, payload=payload.data_ptr()))
     try:
         while True:
-            if conn.poll(0.0005 if all(a.idle() for a in agents) else 0):
+            if conn.poll(0.0005 if all(a.idle() for a in every) else 0):
                 cmd, *args = conn.recv()
                 if cmd == "add_remote":
-                    for a, md in zip(agents, args[0]):
-                        a.add_remote(md)
+                    for group, md in zip(agents, args[0]):
+                        for a in group:
+                            a.add_remote(md)
                     raw.add_remote(args[1])
                     conn.send("ok")
                 elif cmd == "hold":  # (req, ids, variant, consumer or None, chunks to pack ahead)
-                    a = agents[args[2]]
+                    group = agents[args[2]]
                     end = time.monotonic() + 30
-                    while args[3] and a.pool.free_slots < a.pool.num_slots and time.monotonic() < end:
-                        a.progress()  # the last request's ack: its staging is back
-                    offers = a.stats["eager_offers"]
-                    a.hold(args[0], args[1], lease_s=120, consumer=args[3])
+                    while args[3] and any(a.pool.free_slots < a.pool.num_slots for a in group) \
+                            and time.monotonic() < end:
+                        for a in group:
+                            a.progress()  # the last request's ack: its staging is back
+                    offers = [a.stats["eager_offers"] for a in group]
+                    for a in group:
+                        a.hold(args[0], args[1], lease_s=120, consumer=args[3])
                     end = time.monotonic() + 30
-                    while args[3] and a.stats["eager_offers"] == offers and time.monotonic() < end:
-                        a.progress()  # packed, and offered to the decode rank
-                    conn.send(dict(packed=a.packed_ahead(args[0]), hits=a.stats["eager_hits"]))
-                elif cmd == "time_pack":
-                    plan = build_plan(0, D_TP, args[1], P_TP, agents[0].specs)  # what the agents pack for D0
-                    read = plan.staged_read(0)
+                    while args[3] and any(a.stats["eager_offers"] == o for a, o in zip(group, offers)) \
+                            and time.monotonic() < end:
+                        for a in group:
+                            a.progress()  # packed (or, read_unpack, nothing to pack) and offered to the decode
+                    conn.send(dict(packed=sum(a.packed_ahead(args[0]) for a in group),
+                                   hits=sum(a.stats["eager_hits"] for a in group)))
+                elif cmd == "time_pack":  # every source rank's pack for D0, back to back (one process)
+                    reads = [(r, build_plan(0, d_tp, args[1], p_tp, agents[0][k].specs).staged_read(r))
+                             for k, r in enumerate(ranks)]
                     ids = np.asarray(args[0])
-                    staging = torch.empty(read.payload_bytes(ids.size), dtype=torch.uint8)
-                    offs = read.segment_offsets(ids.size)
-                    conn.send(quantiles_ms(lambda: pack(regions, read.segments, offs, ids, staging, impl="torch"),
-                                           reps))
+                    staging = torch.empty(reads[0][1].payload_bytes(ids.size), dtype=torch.uint8)
+
+                    def pack_all():
+                        for r, read in reads:
+                            pack(regions[r], read.segments, read.segment_offsets(ids.size), ids, staging,
+                                 impl="torch")
+                    conn.send(quantiles_ms(pack_all, reps))
                 elif cmd == "exit":
                     conn.send("ok")
                     break
-            for a in agents:
+            for a in every:
                 a.progress()
             raw.poll_notifs()  # the passive side of the raw READs must be driven too
     finally:
-        for a in agents:
+        for a in every:
             a.close()
         raw.close()
 
 
+VARIANTS = [("pull", 1, 1, False, "staged"), ("push", 1, 1, False, "staged"), ("pull", 8, 2, False, "staged"),
+            ("pull", 1, 1, True, "staged"), ("pull", 1, 1, False, "pack_place"), ("pull", 1, 1, True, "pack_place"),
+            ("pull", 1, 1, False, None)]
+# P > D: read_unpack instead of pack_place (lazy: the pull is answered by RunsReady, no pack; eager:
+# the hold is offered for reading straight from the cache, no pull at all)
+VARIANTS_BY_CASE = {"p4d8": VARIANTS,
+                    "p8d4": [("pull", 1, 1, False, "staged"), ("push", 1, 1, False, "staged"),
+                             ("pull", 1, 1, True, "staged"), ("pull", 1, 1, False, "read_unpack"),
+                             ("pull", 1, 1, True, "read_unpack"), ("pull", 1, 1, False, None)]}
+
+
+def _method(mode: str, chunks: int, inflight: int, eager: bool, way: str | None) -> str:
+    return (f"kvtriton {way or 'auto'}, {mode}{' eager' if eager else ''}, {chunks} chunk(s) x {inflight}"
+            " in flight")
+
+
 def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 8192,
-                  variants: list[tuple[str, int, int]] | None = None, busy: int = 0,
-                  per_token: bool = True, transport: str = "") -> list[dict]:
+                  variants: list[tuple] | None = None, busy: int = 0,
+                  per_token: bool = True, transport: str = "", ids: str = "random", case: str = "p4d8") -> list[dict]:
     """One process pair, one transport (whatever ``UCX_TLS`` this process started with).
 
-    ``variants``: kvtriton configurations as (mode, chunks per request, chunks in flight[, eager]);
-    default: one chunk (pull and push), 8 pipelined chunks (pull) and one chunk packed at hold
-    time (pull, eager: the hold names its consumer; staging and ``eager_bytes`` fit the whole
-    request). ``busy``: CPU-bound
+    ``variants``: kvtriton configurations as (mode, chunks per request, chunks in flight[, eager[,
+    way]]), ``way`` the mode forced on every region (None: the cost model's choice per request);
+    default :data:`VARIANTS`: staged with one chunk (pull and push), 8 pipelined chunks (pull) and
+    one chunk packed at hold time (pull, eager: the hold names its consumer; staging and
+    ``eager_bytes`` fit the whole request), pack_place lazy and eager, and auto. ``busy``: CPU-bound
     neighbor processes spinning on the same cores for the whole measurement (bounded: they stop
     by themselves after 300 s). ``per_token``: time the (slow) per-token baseline too.
     """
@@ -151,21 +206,22 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
     reps = 5 if quick else 9
     n = tokens // BLOCK
     num_blocks = n + 8
-    payload = layers * 2 * n * BLOCK * HEAD_DIM * 2  # bytes decode rank 0 receives
-    variants = [tuple(v) + (False,) * (4 - len(v)) for v in
-                (variants or [("pull", 1, 1), ("push", 1, 1), ("pull", 8, 2), ("pull", 1, 1, True)])]
+    p_tp, d_tp, ranks, src_heads, dst_heads = _geometry(case)
+    h_read = min(src_heads, dst_heads)  # heads decode rank 0 reads from each source rank
+    payload = layers * 2 * n * BLOCK * HEAD_DIM * 2 * dst_heads  # bytes decode rank 0 receives
+    variants = [tuple(v) + (False, "staged")[len(v) - 3:] for v in (variants or VARIANTS_BY_CASE[case])]
     slot = 256 << 10
     agent_kw = []
-    for mode, chunks, inflight, eager in variants:
-        chunk = ceil_div(payload // chunks, slot) * slot
+    for mode, chunks, inflight, eager, way in variants:
+        chunk = ceil_div(payload // len(ranks) // chunks, slot) * slot  # one source rank's payload
         # eager: the whole request packed ahead, plus the staging its engine's lazy pulls keep
         staging = ((chunks + inflight) if eager else inflight) * chunk
         agent_kw.append(dict(staging_bytes=staging, slot_bytes=slot, chunk_bytes=chunk, mode=mode,
                              inflight_chunks=inflight, impl="torch", timeout_s=60,
-                             eager_bytes=chunks * chunk if eager else 0))
+                             eager_bytes=chunks * chunk if eager else 0, modes=way))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_prefill, args=(child, layers, num_blocks, agent_kw, reps), daemon=True)
+    proc = ctx.Process(target=_prefill, args=(child, layers, num_blocks, agent_kw, reps, case), daemon=True)
     proc.start()
     neighbors = [ctx.Process(target=_busy_neighbor, args=(time.monotonic() + 300,), daemon=True)
                  for _ in range(busy)]
@@ -177,28 +233,32 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             raise TimeoutError("prefill process did not start")
         info = parent.recv()
         rng = np.random.default_rng(0)
-        src_ids = rng.permutation(num_blocks)[:n]
-        dst_ids = rng.permutation(num_blocks)[:n]
-        k_caches = [[torch.empty(num_blocks, 1, BLOCK, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
+        if ids == "runs":  # a fresh allocation: consecutive blocks on both sides
+            src_ids, dst_ids = np.arange(n) + 3, np.arange(n) + 5
+        else:
+            src_ids = rng.permutation(num_blocks)[:n]
+            dst_ids = rng.permutation(num_blocks)[:n]
+        k_caches = [[torch.empty(num_blocks, dst_heads, BLOCK, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
                     for _ in range(layers)]
-        # the vLLM 0.33 layout on the decode side: K||V per (head, token), one head per rank
-        joint = [torch.empty(num_blocks, 1, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers)]
+        # the vLLM 0.33 layout on the decode side: K||V per (head, token), head-major blocks
+        joint = [torch.empty(num_blocks, dst_heads, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers)]
         regions = [Region.attention(f"layer.{i}", k, v, layout="HND", block_size=BLOCK, total_heads=HEADS)
                    for i, (k, v) in enumerate(k_caches)]
-        agents = [TransferAgent(f"D{i}", 0, D_TP, regions, **kw) for i, kw in enumerate(agent_kw)]
+        agents = [TransferAgent(f"D{i}", 0, d_tp, regions, **kw) for i, kw in enumerate(agent_kw)]
         raw = NixlTransport(f"D-raw-{os.getpid()}")
         flat = [t for kv in k_caches for t in kv]
         landing = torch.empty(payload, dtype=torch.uint8)
         raw.register(flat + joint + [landing])
-        for a, md in zip(agents, info["agent_md"]):
-            a.add_remote(md)
+        for a, mds in zip(agents, info["agent_md"]):
+            for md in mds:
+                a.add_remote(md)
         raw_peer = raw.add_remote(info["raw_md"])
         parent.send(("add_remote", [a.metadata() for a in agents], raw.metadata()))
         parent.recv()
         for nb in neighbors:
             nb.start()
 
-        expected = _expected(layers, num_blocks, src_ids)
+        expected = _expected(layers, num_blocks, src_ids, dst_heads)
 
         def check(what: str) -> None:
             for i, (k, v) in enumerate(k_caches):
@@ -240,22 +300,26 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         timed["read"]()
         timed["write"]()
 
-        # -- vLLM 0.33 direct reads: one 8 KiB K||V head slice per (layer, block), HND joint cache
-        kv_bytes = BLOCK * 2 * HEAD_DIM * 2
-        l_rows = [descs(joint[i].data_ptr() + dst_ids * kv_bytes, kv_bytes) for i in range(layers)]
-        r_rows = [descs(info["joint"][i] + src_ids * 2 * kv_bytes, kv_bytes) for i in range(layers)]
+        # -- vLLM 0.33 direct reads: one K||V head slice per (source rank, layer, block), HND joint cache
+        kv_bytes = BLOCK * 2 * HEAD_DIM * 2  # one head's K||V tile
+        size = h_read * kv_bytes
+        l_rows = [descs(joint[i].data_ptr() + dst_ids * dst_heads * kv_bytes + k * size, size)
+                  for k in range(len(ranks)) for i in range(layers)]
+        r_rows = [descs(info["joint"][r][i] + src_ids * src_heads * kv_bytes, size) for r in ranks for i in range(layers)]
         p_l, p_r, pidx = prep(l_rows, r_rows)
         clear()
         timed["packed"] = lambda: post_and_wait("READ", p_l, pidx, p_r, pidx)
         timed["packed"]()
         check_joint()
 
-        # -- K/V as separate streams: one 4 KiB head slice per (layer, K/V, block), HND copy
-        blk_bytes = 2 * BLOCK * HEAD_DIM * 2  # one HND block of prefill rank 0 (2 heads)
-        slice_bytes = BLOCK * HEAD_DIM * 2
-        l_rows = [descs(k_caches[i][j].data_ptr() + dst_ids * slice_bytes, slice_bytes)
-                  for i in range(layers) for j in range(2)]
-        r_rows = [descs(info["hnd"][i][j] + src_ids * blk_bytes, slice_bytes) for i in range(layers) for j in range(2)]
+        # -- K/V as separate streams: one head slice per (source rank, layer, K/V, block), HND copy
+        head_bytes = BLOCK * HEAD_DIM * 2
+        blk_bytes = src_heads * head_bytes  # one HND block of a source rank
+        slice_bytes = h_read * head_bytes
+        l_rows = [descs(k_caches[i][j].data_ptr() + dst_ids * dst_heads * head_bytes + k * slice_bytes, slice_bytes)
+                  for k in range(len(ranks)) for i in range(layers) for j in range(2)]
+        r_rows = [descs(info["hnd"][r][i][j] + src_ids * blk_bytes, slice_bytes)
+                  for r in ranks for i in range(layers) for j in range(2)]
         d_l, d_r, idx = prep(l_rows, r_rows)
         clear()
         timed["direct"] = lambda: post_and_wait("READ", d_l, idx, d_r, idx)
@@ -265,15 +329,20 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         # -- per-token reads from the NHD cache: 256 B rows of head 0
         token_q = None
         if per_token:
-            row = HEAD_DIM * 2
+            row = HEAD_DIM * 2 * h_read  # a token's heads from one source rank (NHD: contiguous)
             tok = np.arange(BLOCK)
             r_rows, l_rows = [], []
-            for i in range(layers):
-                for j in range(2):
-                    src = info["nhd"][i][j] + (src_ids[:, None] * blk_bytes + tok[None, :] * 2 * row).reshape(-1)
-                    dst = k_caches[i][j].data_ptr() + (dst_ids[:, None] * slice_bytes + tok[None, :] * row).reshape(-1)
-                    r_rows.append(descs(src, row))
-                    l_rows.append(descs(dst, row))
+            for k, r in enumerate(ranks):
+                for i in range(layers):
+                    for j in range(2):
+                        src = info["nhd"][r][i][j] + (src_ids[:, None] * blk_bytes
+                                                      + tok[None, :] * src_heads * HEAD_DIM * 2).reshape(-1)
+                        for h in range(h_read):  # HND destination: one row per (token, head)
+                            dst = k_caches[i][j].data_ptr() + (dst_ids[:, None] * dst_heads * head_bytes
+                                                               + (k * h_read + h) * head_bytes
+                                                               + tok[None, :] * HEAD_DIM * 2).reshape(-1)
+                            r_rows.append(descs(src + h * HEAD_DIM * 2, HEAD_DIM * 2))
+                            l_rows.append(descs(dst, HEAD_DIM * 2))
             t_l, t_r, tidx = prep(l_rows, r_rows)
             clear()
             token_q = quantiles_ms(lambda: post_and_wait("READ", t_l, tidx, t_r, tidx), 3)
@@ -282,29 +351,32 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         # -- the staged path's parts, each alone
         parent.send(("time_pack", src_ids.tolist(), agents[0].specs))
         pack_q = parent.recv()
-        read = agents[0].plan_for("P0").staged_read(0)
-        stage = torch.empty(read.payload_bytes(n), dtype=torch.uint8)
-        offs = read.segment_offsets(n)
-        unpack_q = quantiles_ms(lambda: unpack(regions, read.segments, offs, dst_ids, stage, impl="torch"), reps)
+        reads = [agents[0].plan_for("P0").staged_read(r) for r in ranks]
+        stage = torch.empty(reads[0].payload_bytes(n), dtype=torch.uint8)
+
+        def unpack_all():
+            for read in reads:
+                unpack(regions, read.segments, read.segment_offsets(n), dst_ids, stage, impl="torch")
+        unpack_q = quantiles_ms(unpack_all, reps)
 
         # -- kvtriton staged, end to end through the agents, per variant
         counter = [0]
-        case = f"llama3-70b-like ({layers} layers) P4->D8 block 16, NHD source, {tokens} tokens"
-        common = dict(case=case, transport=transport or _transport_label(),
-                      host="busy" if busy else "idle", bytes=payload)
+        title = f"llama3-70b-like ({layers} layers) P{p_tp}->D{d_tp} block 16, NHD source, {tokens} tokens, {ids} block ids"
+        common = dict(case=title, pair=case, transport=transport or _transport_label(),
+                      host="busy" if busy else "idle", bytes=payload, ids=ids)
         ndescs = [[0] for _ in variants]
         setups, held = {}, {}  # untimed: the hold (and for eager its pack) before each timed fetch
-        for i, (mode, chunks, inflight, eager) in enumerate(variants):
+        for i, (mode, chunks, inflight, eager, way) in enumerate(variants):
 
-            def hold(i=i, eager=eager, chunks=chunks, agent=agents[i]) -> None:
+            def hold(i=i, eager=eager, chunks=chunks, way=way, agent=agents[i]) -> None:
                 req = f"r{counter[0]}"
                 counter[0] += 1
                 parent.send(("hold", req, src_ids.tolist(), i, f"D{i}" if eager else None, chunks))
                 held[i] = dict(parent.recv(), req=req)
-                if eager and held[i]["packed"] < chunks:
-                    raise AssertionError(f"eager: {held[i]['packed']} of {chunks} chunks packed at hold time")
+                if eager and way != "read_unpack" and held[i]["packed"] < chunks * len(ranks):
+                    raise AssertionError(f"eager {way}: {held[i]['packed']} of {chunks * len(ranks)} chunks packed at hold time")
                 end = time.monotonic() + 30
-                while eager and not agent.has_offer(f"P{i}", req) and time.monotonic() < end:
+                while eager and _offers(agent, req) < len(ranks) and time.monotonic() < end:
                     agent.progress()  # the decode has the offer before it fetches
 
             def staged(i=i, agent=agents[i], ndesc=ndescs[i]) -> None:
@@ -322,7 +394,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             clear()
             hold()
             staged()
-            check(f"staged {mode}{' eager' if eager else ''}")
+            check(_method(mode, chunks, inflight, eager, way))
             timed[f"staged{i}"] = staged
             setups[f"staged{i}"] = hold
 
@@ -336,22 +408,29 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         for i, v in enumerate(variants):  # every eager fetch found its pack (the source counts hits)
             if v[3]:
                 setups[f"staged{i}"]()
-                if held[i]["hits"] < reps or agents[i].stats["offers_taken"] != reps + 1:
-                    raise AssertionError(f"eager: {agents[i].stats['offers_taken']} of {reps + 1} fetches took "
+                want = (reps + 1) * len(ranks)
+                if held[i]["hits"] < reps or agents[i].stats["offers_taken"] != want:
+                    raise AssertionError(f"eager: {agents[i].stats['offers_taken']} of {want} fetch parts took "
                                          f"the offer, {held[i]['hits']} hits at the source")
         qs = {k: quantiles_of(v) for k, v in samples.items()}
         read_q, write_q, packed_q, direct_q = qs["read"], qs["write"], qs["packed"], qs["direct"]
         staged_rows = []
-        for i, (mode, chunks, inflight, eager) in enumerate(variants):
+        for i, (mode, chunks, inflight, eager, way) in enumerate(variants):
             q = qs[f"staged{i}"]
             floor = read_q[1] if mode == "pull" else write_q[1]
-            parts = (0 if eager else pack_q[1]) + floor + unpack_q[1]
+            st = agents[i].stats
+            used = way or ("one-sided" if st["one_sided_descriptors"] else "staged" if st["staged_descriptors"]
+                           else "direct")
+            one = (("pack_place" if case == "p4d8" else "read_unpack") if used == "one-sided" else used)
+            place, read_ru = one == "pack_place", one == "read_unpack"
+            parts = (0 if eager or read_ru else pack_q[1]) + floor + (0 if place else unpack_q[1])
             staged_rows.append(dict(
-                common, method=f"kvtriton staged, {mode}{' eager' if eager else ''}, {chunks} chunk(s) x {inflight}"
-                               " in flight", descriptors=ndescs[i][0], **qfields("ms", q, 2),
-                note=f"{q[1] / parts:.2f}x the sum of its parts ({'' if eager else 'pack + '}one "
-                     f"{'READ' if mode == 'pull' else 'WRITE'} + unpack); vLLM K||V direct/this = {packed_q[1] / q[1]:.2f}x; K/V-separate direct/this = "
-                     f"{direct_q[1] / q[1]:.2f}x"))
+                common, method=_method(mode, chunks, inflight, eager, way), descriptors=ndescs[i][0],
+                **qfields("ms", q, 2),
+                note=(f"{'' if way else f'ran {one}; '}{q[1] / parts:.2f}x the sum of its parts "
+                      f"({'' if eager or read_ru else 'pack + '}one {'READ' if mode == 'pull' else 'WRITE'}"
+                      f"{'' if place else ' + unpack'}); vLLM K||V direct/this = {packed_q[1] / q[1]:.2f}x; "
+                      f"K/V-separate direct/this = {direct_q[1] / q[1]:.2f}x")))
         rows += staged_rows
         rows += [
             dict(common, method="vLLM 0.33 direct 8 KiB K||V reads", descriptors=p_l.count,
@@ -400,26 +479,31 @@ def _transport_label() -> str:
 # start with UCX_TLS limited to shared memory (it needs tcp for its wireup), so shared memory is
 # UCX's default choice on one host (cma/posix for the bytes).
 CONFIGS = [("shm", None, 0), ("tcp", "tcp", 0), ("shm", None, 1), ("tcp", "tcp", 1)]
+IDS = ("random", "runs")  # block-id patterns the matrix runs each config with
+PAIRS = ("p4d8", "p8d4")  # the geometries (CASES) the matrix runs
 
 
-def run_e2e_matrix(quick: bool = False, configs=CONFIGS, timeout_s: float = 240) -> list[dict]:
-    """:func:`run_e2e_bench` per (transport, host load), each in fresh processes: UCX reads
-    ``UCX_TLS`` once, when the first agent starts. Per-token reads run only in the first config."""
+def run_e2e_matrix(quick: bool = False, configs=CONFIGS, timeout_s: float = 240, ids=IDS,
+                   pairs=PAIRS) -> list[dict]:
+    """:func:`run_e2e_bench` per (pair, block ids, transport, host load), each in fresh processes:
+    UCX reads ``UCX_TLS`` once, when the first agent starts. Per-token reads run only in the
+    first config of each pair."""
     import json
     import subprocess
     import sys
     import tempfile
 
     rows: list[dict] = []
-    for k, (label, tls, busy) in enumerate(configs):
+    for k, (pair, id_kind, (label, tls, busy)) in enumerate((p, i, c) for p in pairs for i in ids for c in configs):
         env = dict(os.environ)
         env.pop("UCX_TLS", None)
         if tls:
             env["UCX_TLS"] = tls
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, os.path.abspath(__file__), "--json", f.name, "--transport", label,
-                   "--busy", str(busy)] + (["--quick"] if quick else []) + ([] if k == 0 else ["--no-per-token"])
-            print(f"e2e: {label}, {'busy' if busy else 'idle'} host ...", flush=True)
+                   "--busy", str(busy), "--ids", id_kind, "--case", pair] + (["--quick"] if quick else []) + \
+                ([] if k % (len(ids) * len(configs)) == 0 else ["--no-per-token"])
+            print(f"e2e: {pair}, {label}, {'busy' if busy else 'idle'} host, {id_kind} ids ...", flush=True)
             try:
                 res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
                 ok = res.returncode == 0
@@ -427,20 +511,26 @@ def run_e2e_matrix(quick: bool = False, configs=CONFIGS, timeout_s: float = 240)
             except subprocess.TimeoutExpired:
                 ok, err = False, f"timed out after {timeout_s} s"
             if not ok:
-                rows.append(dict(case="e2e", transport=label, host="busy" if busy else "idle",
+                rows.append(dict(case="e2e", pair=pair, transport=label, host="busy" if busy else "idle", ids=id_kind,
                                  method="failed", note=err.replace("\n", " ")))
                 continue
             rows += json.load(open(f.name))
     return rows
 
 
-def _expected(layers: int, num_blocks: int, src_ids: np.ndarray):
-    """Head 0 of the prefill's blocks ``src_ids``, as HND tiles, per layer and stream (bytes)."""
+def _expected(layers: int, num_blocks: int, src_ids: np.ndarray, dst_heads: int = 1):
+    """Global heads ``[0, dst_heads)`` of the prefill's blocks ``src_ids``, as HND tiles, per
+    layer and stream (bytes)."""
     import torch
 
     nhd = _caches(layers, num_blocks, seed=1)  # the prefill's content, regenerated from its seed
     ids = torch.as_tensor(src_ids)
-    return [[t[ids][:, :, 0:1].transpose(1, 2).contiguous().view(torch.uint8) for t in kv] for kv in nhd]
+    return [[t[ids][:, :, 0:dst_heads].transpose(1, 2).contiguous().view(torch.uint8) for t in kv] for kv in nhd]
+
+
+def _offers(agent, req: str) -> int:
+    """Source ranks whose offer of ``req`` the decode agent holds (bench-only look inside)."""
+    return sum(req in offers for offers in agent._destination.offers.values())
 
 
 def main() -> None:
@@ -450,10 +540,12 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=0, help="CPU-bound neighbor processes on the same cores")
     ap.add_argument("--transport", default="", help="label of this run's transport (UCX_TLS sets it)")
     ap.add_argument("--no-per-token", action="store_true")
+    ap.add_argument("--ids", default="random", choices=["random", "runs"], help="block ids: a permutation or runs")
+    ap.add_argument("--case", default="p4d8", choices=sorted(CASES), help="P->D geometry (see CASES)")
     ap.add_argument("--json", default=None, help="write the rows here as JSON (used by the sweep)")
     args = ap.parse_args()
     rows = run_e2e_bench(args.quick, args.layers, busy=args.busy, per_token=not args.no_per_token,
-                         transport=args.transport)
+                         transport=args.transport, ids=args.ids, case=args.case)
     if args.json:
         import json
 

@@ -247,35 +247,57 @@ def _table(title: str, sec: list[dict], drop=("section",)) -> list[str]:
 
 
 def _e2e_summary(rows: list[dict]) -> list[str]:
+    """One table (and its ratios) per P->D pair of bench/e2e.py."""
+    out: list[str] = []
+    for pair in dict.fromkeys(r.get("pair", "p4d8") for r in rows):
+        out += _e2e_pair_summary([r for r in rows if r.get("pair", "p4d8") == pair])
+    return out
+
+
+def _e2e_pair_summary(rows: list[dict]) -> list[str]:
     lines = ["## One request end to end over NIXL (2 processes on 127.0.0.1)", "",
              f"{rows[0].get('case', '')}. Each (transport, host) ran in its own processes; `busy` = one "
              "busy-loop neighbor process on the same 2 cores for the whole run. ms: median [p20-p80].", ""]
-    configs = list(dict.fromkeys((r.get("transport"), r.get("host")) for r in rows))
+    def cfg(r):
+        return r.get("transport"), r.get("host"), r.get("ids", "random")
+
+    configs = list(dict.fromkeys(cfg(r) for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "failed"))
-    lines += ["| method | descriptors | " + " | ".join(f"{t}, {h}" for t, h in configs) + " |",
+    lines += ["| method | descriptors | " + " | ".join(f"{t}, {h}, {i} ids" for t, h, i in configs) + " |",
               "|---|---|" + "---|" * len(configs)]
     for m in methods:
-        sel = {(r["transport"], r["host"]): r for r in rows if r["method"] == m}
-        d = next(iter(sel.values()))["descriptors"]
-        lines.append(f"| {_cell(m)} | {d:,} | " + " | ".join(_fmt(sel[c], "ms") if c in sel else "" for c in configs) + " |")
+        sel = {cfg(r): r for r in rows if r["method"] == m}
+        d = ", ".join(dict.fromkeys(f"{r['descriptors']:,}" for r in sel.values()))  # runs coalesce
+        lines.append(f"| {_cell(m)} | {d} | " + " | ".join(_fmt(sel[c], "ms") if c in sel else "" for c in configs) + " |")
     lines += ["", "Same-run ratios (median / median, lower is better for kvtriton):", ""]
-    for t, h in configs:
-        sel = {r["method"]: r["ms"] for r in rows if (r.get("transport"), r.get("host")) == (t, h) and "ms" in r}
+    for t, h, ids in configs:
+        sel = {r["method"]: r["ms"] for r in rows if cfg(r) == (t, h, ids) and "ms" in r}
+        place = sel.get("kvtriton pack_place, pull, 1 chunk(s) x 1 in flight") or \
+            sel.get("kvtriton read_unpack, pull, 1 chunk(s) x 1 in flight")
+        place_eager = sel.get("kvtriton pack_place, pull eager, 1 chunk(s) x 1 in flight") or \
+            sel.get("kvtriton read_unpack, pull eager, 1 chunk(s) x 1 in flight")
+        one = "pack_place" if "kvtriton pack_place, pull, 1 chunk(s) x 1 in flight" in sel else "read_unpack"
+        auto = sel.get("kvtriton auto, pull, 1 chunk(s) x 1 in flight")
         pull = sel.get("kvtriton staged, pull, 1 chunk(s) x 1 in flight")
         push = sel.get("kvtriton staged, push, 1 chunk(s) x 1 in flight")
         eager = sel.get("kvtriton staged, pull eager, 1 chunk(s) x 1 in flight")
         packed = sel.get("vLLM 0.33 direct 8 KiB K||V reads")
         sep = sel.get("direct 4 KiB reads, K/V separate")
         if None in (pull, push, packed, sep):
-            fail = [r.get("note", "") for r in rows if (r.get("transport"), r.get("host")) == (t, h)]
-            lines.append(f"- {t}, {h}: incomplete ({'; '.join(fail)[:200]})")
+            fail = [r.get("note", "") for r in rows if cfg(r) == (t, h, ids)]
+            lines.append(f"- {t}, {h}, {ids} ids: incomplete ({'; '.join(fail)[:200]})")
             continue
-        lines.append(f"- {t}, {h}: staged pull / vLLM K||V direct = **{pull / packed:.2f}**, staged push / vLLM "
+        lines.append(f"- {t}, {h}, {ids} ids: staged pull / vLLM K||V direct = **{pull / packed:.2f}**, staged push / vLLM "
                      f"K||V direct = **{push / packed:.2f}**"
                      + (f", staged pull eager (packed at hold) / vLLM K||V direct = **{eager / packed:.2f}**"
                         if eager else "") + f"; staged pull / K/V-separate direct = {pull / sep:.2f}, "
                      f"push / K/V-separate = {push / sep:.2f}; READ floor {sel.get('single descriptor READ (pull floor)')}"
-                     f" ms, WRITE floor {sel.get('single descriptor WRITE (push floor)')} ms")
+                     f" ms, WRITE floor {sel.get('single descriptor WRITE (push floor)')} ms"
+                     + (f"; {one} pull / vLLM K||V direct = **{place / packed:.2f}**, / staged pull = "
+                        f"{place / pull:.2f}" if place else "")
+                     + (f"; {one} eager / vLLM K||V direct = **{place_eager / packed:.2f}**, / staged eager = "
+                        f"{place_eager / eager:.2f}" if place_eager and eager else "")
+                     + (f"; auto / staged pull = {auto / pull:.2f}" if auto else ""))
     return lines + [""]
 
 
@@ -286,19 +308,19 @@ def _costmodel_summary(rows: list[dict]) -> list[str]:
              "One decode rank fetches one 8 MiB request (2,048 tokens, GQA head_dim 128 bf16, 8/heads layers, "
              "random block ids) through real agents over NIXL in one process, once per feasible mode; `chosen` is "
              "what build_plan picks with the model measured for this host and transport (kvtriton.costmodel). "
-             "Cells where only STAGED is feasible (the decode rank holds fewer heads than its source rank) are "
-             "not timed. ms: median [p20-p80].", "",
+             "One-sided: read_unpack (P > D, no pack pass) or pack_place (D > P, no unpack pass), where feasible. "
+             "ms: median [p20-p80].", "",
              "| transport | P->D | heads/rank | block | layout | B/descriptor | chosen | chosen ms | best | best ms "
-             "| staged ms | direct ms | chosen/best | miss beyond noise |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| staged ms | direct ms | one-sided ms | chosen/best | miss beyond noise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "ratio" not in r:
-            lines.append(f"| {r.get('transport')} | failed: {r.get('note', '')[:200]} |||||||||||| ")
+            lines.append(f"| {r.get('transport')} | failed: {r.get('note', '')[:200]} ||||||||||||| ")
             continue
         lines.append(f"| {r['transport']} | {r['p_tp']}->{r['d_tp']} | {r['heads_per_rank']} | {r['block_size']} | "
                      f"{r['layout']} | {r['bytes_per_descriptor']:,} | {r['chosen']} | {_fmt(r, 'chosen_ms')} | "
                      f"{r['best']} | {_fmt(r, 'best_ms')} | {_fmt(r, 'staged_ms')} | {_fmt(r, 'direct_ms')} | "
-                     f"{r['ratio']:.2f} | {r.get('miss_beyond_noise', '')} |")
+                     f"{_fmt(r, 'read_unpack_ms') or _fmt(r, 'pack_place_ms')} | {r['ratio']:.2f} | {r.get('miss_beyond_noise', '')} |")
     models = list(dict.fromkeys((r.get("transport"), r.get("note")) for r in rows if "ratio" in r))
     lines += [""] + [f"- {t}: {n}; {summary_line([r for r in rows if r.get('transport') == t])}; "
                      f"{noise_line([r for r in rows if r.get('transport') == t])}" for t, n in models]

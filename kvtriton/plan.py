@@ -47,6 +47,9 @@ __all__ = [
     "STAGED_LAYOUT_VERSION",
     "ceil_div",
     "Mode",
+    "STAGED_WAYS",
+    "read_unpack_problem",
+    "pack_place_problem",
     "CostModel",
     "Segment",
     "StagedRead",
@@ -84,6 +87,13 @@ class Mode(str, enum.Enum):
 
     STAGED = "staged"  # Triton/torch pack into registered staging, few large descriptors
     DIRECT = "direct"  # zero-copy cache-to-cache, one descriptor per run of consecutive blocks
+    # one-sided staging (pull only; see kvtriton.one_sided): a source rank's whole payload
+    READ_UNPACK = "read_unpack"  # the source's tile is its whole cache block: READ runs into our staging, unpack
+    PACK_PLACE = "pack_place"  # our tile is our whole cache block: source packs, READ it straight into our blocks
+
+
+# the modes a staged payload may travel by (chosen per request and source rank among StagedRead.ways)
+STAGED_WAYS = (Mode.STAGED, Mode.READ_UNPACK, Mode.PACK_PLACE)
 
 
 @dataclass(frozen=True)
@@ -126,6 +136,24 @@ class CostModel:
     def direct_us(self, nbytes: int, descriptors: int, op: str = "READ") -> float:
         """Estimated time of ``nbytes`` moved zero-copy in ``descriptors`` pieces."""
         return descriptors * self.desc_us + self.wire_us(nbytes, op)
+
+    def read_unpack_us(self, nbytes: int, descriptors: int) -> float:
+        """Estimated time of ``nbytes`` READ from the source's cache in ``descriptors`` runs into
+        local staging, then unpacked (no pack pass)."""
+        return nbytes / 1e3 / self.unpack_gbps + descriptors * self.desc_us + self.wire_us(nbytes)
+
+    def pack_place_us(self, nbytes: int, descriptors: int) -> float:
+        """Estimated time of ``nbytes`` packed by the source, then READ from its staging straight
+        into the local cache blocks in ``descriptors`` runs (no unpack pass)."""
+        return nbytes / 1e3 / self.pack_gbps + descriptors * self.desc_us + self.wire_us(nbytes)
+
+    def way_us(self, way: "Mode", nbytes: int, descriptors: int) -> float:
+        """:meth:`staged_us`, :meth:`read_unpack_us` or :meth:`pack_place_us` by ``way``."""
+        if way is Mode.READ_UNPACK:
+            return self.read_unpack_us(nbytes, descriptors)
+        if way is Mode.PACK_PLACE:
+            return self.pack_place_us(nbytes, descriptors)
+        return self.staged_us(nbytes, descriptors)
 
     def as_dict(self) -> dict:
         return dict(desc_us=self.desc_us, pack_gbps=self.pack_gbps, unpack_gbps=self.unpack_gbps,
@@ -172,10 +200,17 @@ class Segment:
 
 @dataclass(frozen=True)
 class StagedRead:
-    """The staged payload one source rank sends this destination rank, per request."""
+    """The staged payload one source rank sends this destination rank, per request.
+
+    ``ways``: how it may travel, :data:`Mode.STAGED` (pack, one READ per chunk, unpack) and the
+    one-sided modes every segment allows (:data:`Mode.READ_UNPACK`: each segment's tile is the
+    source's whole cache block; :data:`Mode.PACK_PLACE`: the destination's). A forced mode leaves
+    just that one. The destination chooses one per request (:func:`kvtriton.one_sided.choose_way`)
+    and the pull names it; the payload's bytes are the same whichever way it travels."""
 
     src_rank: int
     segments: tuple[Segment, ...]
+    ways: tuple[Mode, ...] = (Mode.STAGED,)
 
     @property
     def bytes_per_block(self) -> int:
@@ -398,7 +433,12 @@ def build_plan(
     otherwise REPLICATE regions go DIRECT (zero-copy), SPLIT regions go STAGED unless the slice
     is a whole block in the same layout and the cost model prefers DIRECT. A forced DIRECT that
     is impossible (partial heads, other layout, non-dense blocks, different block sizes) raises
-    :class:`PlanError`. With different block sizes every region is STAGED (REPLICATE ones from
+    :class:`PlanError`. A STAGED region travels in its source rank's payload, whose way
+    (:attr:`StagedRead.ways`: STAGED, or the one-sided READ_UNPACK / PACK_PLACE where every
+    segment allows it) the destination chooses per request; forcing READ_UNPACK or PACK_PLACE
+    (``modes[i]`` is then that mode) leaves only that way and raises :class:`PlanError` naming
+    the segment when impossible, or when regions of one source rank's payload force different
+    ways; forcing STAGED leaves only the pack-READ-unpack way. With different block sizes every region is STAGED (REPLICATE ones from
     their first replica) and each segment's tiles are ``dst block_size`` tokens gathered from
     ``src_block_size``-token source blocks.
 
@@ -419,6 +459,7 @@ def build_plan(
     check_compatible(dst_specs, dst_tp, src_specs, src_tp)
     src_bs, dst_bs = _block_sizes(dst_specs, src_specs)
     forced = _forced_modes(modes, dst_specs)
+    forced_way: dict[int, Mode] = {}  # region -> the staged way forced for it
     region_modes: list[Mode] = []
     per_source: dict[int, list[Segment]] = {}
     direct: list[DirectRead] = []
@@ -431,13 +472,15 @@ def build_plan(
             sources = None
         whole = _direct_possible(d, s, slices)
         mode = forced.get(d.name)
-        if mode is None:
+        if mode is None:  # auto: DIRECT when possible and cheaper, else STAGED (its way chosen per request)
             if d.kind is Kind.REPLICATE:
                 mode = Mode.DIRECT if whole else Mode.STAGED
             else:
                 per_desc = min(d.tile_bytes(j, d.local_heads) for j in range(d.num_streams))
                 mode = Mode.DIRECT if whole and cost.prefers_direct(per_desc) else Mode.STAGED
-        elif mode is Mode.DIRECT and not whole:
+        if forced.get(d.name) in STAGED_WAYS:
+            forced_way[i] = mode  # else auto: the way is chosen per request among the feasible ones
+        if mode is Mode.DIRECT and not whole:
             raise PlanError(
                 f"region {i} ({d.name!r}): DIRECT needs whole blocks of equal block_size with equal "
                 f"layout and dense blocks on both sides (local {d.layout.value} {d.local_heads} heads "
@@ -456,8 +499,70 @@ def build_plan(
                         d.block_size, d.layout, src_bs, d.dim_major_of(j))
                 for j in range(d.num_streams)
             )
-    staged = tuple(StagedRead(r, tuple(segs)) for r, segs in sorted(per_source.items()))
+    staged = tuple(StagedRead(r, tuple(segs), _ways(r, segs, forced_way, src_specs, dst_specs))
+                   for r, segs in sorted(per_source.items()))
     return TransferPlan(dst_rank, dst_tp, src_tp, tuple(region_modes), staged, tuple(direct), src_bs, dst_bs)
+
+
+def _ways(src_rank: int, segs: Sequence[Segment], forced_way: Mapping[int, Mode],
+          src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec]) -> tuple[Mode, ...]:
+    """The ways source rank ``src_rank``'s payload may travel: one forced way (every region in it
+    that forces one must force the same, and it must be possible), else STAGED and every
+    one-sided way all its segments allow. One way per payload keeps the protocol to one
+    choice per (request, source rank)."""
+    problems = {Mode.STAGED: None,
+                Mode.READ_UNPACK: next((p for g in segs if (p := read_unpack_problem(g, src_specs[g.region]))), None),
+                Mode.PACK_PLACE: next((p for g in segs if (p := pack_place_problem(g, dst_specs[g.region]))), None)}
+    wanted = {forced_way[g.region] for g in segs if g.region in forced_way}
+    if len(wanted) > 1:
+        names = sorted({dst_specs[g.region].name for g in segs if g.region in forced_way})
+        raise PlanError(f"regions {names} force different modes {sorted(w.value for w in wanted)} but all come from "
+                        f"source rank {src_rank} in one payload, which travels one way per request; force one mode "
+                        f"for every region read from that rank")
+    if wanted:
+        way = wanted.pop()
+        if problems[way] is not None:
+            raise PlanError(f"{way.value} from source rank {src_rank} is not possible: {problems[way]}; "
+                            f"use staged")
+        return (way,)
+    return tuple(w for w in STAGED_WAYS if problems[w] is None)
+
+
+def _same_tile_order(spec: RegionSpec, seg: Segment) -> bool:
+    return spec.layout == seg.dst_layout or seg.num_heads == 1 or seg.block_size == 1
+
+
+def read_unpack_problem(seg: Segment, src: RegionSpec) -> str | None:
+    """Why segment ``seg`` cannot be READ straight out of the source's cache blocks (``src``:
+    the source's spec of its region), ``None`` when it can: the staged tile must be the source's
+    whole block, byte for byte (all its heads, equal block size, the same in-block order, the
+    block one contiguous range)."""
+    where = f"region {seg.region} ({src.name!r}) stream {seg.stream}"
+    if seg.src_block_size is not None:
+        return f"{where}: block sizes differ ({seg.src_block_size} -> {seg.block_size})"
+    if seg.src_head != 0 or seg.num_heads != src.local_heads:
+        return (f"{where}: the destination takes heads [{seg.src_head}, {seg.src_head + seg.num_heads}) of the "
+                f"source rank's {src.local_heads}, not the whole block")
+    if not _same_tile_order(src, seg):
+        return f"{where}: the source stores {src.layout.value}, the tile is {seg.dst_layout.value}"
+    if not src.block_is_dense(seg.stream):
+        return f"{where}: a source block is not one contiguous range (strides {src.strides[seg.stream]})"
+    return None
+
+
+def pack_place_problem(seg: Segment, dst: RegionSpec) -> str | None:
+    """Why segment ``seg``'s staged tiles cannot be READ straight into the destination's cache
+    blocks (``dst``: its spec), ``None`` when they can: the tile must be the destination's whole
+    block (all its heads, equal block size, the block one contiguous range)."""
+    where = f"region {seg.region} ({dst.name!r}) stream {seg.stream}"
+    if seg.src_block_size is not None:
+        return f"{where}: block sizes differ ({seg.src_block_size} -> {seg.block_size})"
+    if seg.dst_head != 0 or seg.num_heads != dst.local_heads:
+        return (f"{where}: the tile fills heads [{seg.dst_head}, {seg.dst_head + seg.num_heads}) of the "
+                f"destination's {dst.local_heads}, not the whole block")
+    if not dst.block_is_dense(seg.stream):
+        return f"{where}: a destination block is not one contiguous range (strides {dst.strides[seg.stream]})"
+    return None
 
 
 def _forced_modes(modes, specs: Sequence[RegionSpec]) -> dict[str, Mode]:
@@ -474,7 +579,8 @@ def _forced_modes(modes, specs: Sequence[RegionSpec]) -> dict[str, Mode]:
     except ValueError as e:
         if isinstance(e, PlanError):
             raise
-        raise PlanError(f"unknown transfer mode in {modes!r}: expected 'staged' or 'direct'") from None
+        raise PlanError(f"unknown transfer mode in {modes!r}: expected one of "
+                       f"{[m.value for m in Mode]}") from None
 
 
 def _direct_possible(d: RegionSpec, s: RegionSpec, slices) -> bool:

@@ -22,10 +22,11 @@ from ..errors import (
     TransferTimeoutError,
 )
 from ..ops import unpack
-from ..plan import ChunkGeometry, StagedRead, TransferPlan, ceil_div, compact_request
+from ..plan import ChunkGeometry, Mode, StagedRead, TransferPlan, ceil_div, compact_request
 from ..token_map import TokenMap, compact_tokens
 from .eager import ids_digest
 from .links import Chunk, Flow, Links, Peer, Settings
+from .one_sided_reads import OneSidedReads
 
 MAX_OFFERS_PER_PEER = 1024  # offers kept per source rank (the oldest goes first)
 
@@ -73,7 +74,14 @@ class Fetch:
 
 @dataclass(eq=False)
 class Part:
-    """What one source rank sends for one fetch: staged chunks and/or DIRECT runs."""
+    """What one source rank sends for one fetch: staged chunks and/or DIRECT runs.
+
+    ``way`` is how the staged chunks travel (:mod:`kvtriton.one_sided`): STAGED (the source
+    packs, we READ each announced chunk into our staging and unpack), READ_UNPACK (after the
+    source's RunsReady we READ its cache blocks into our staging and unpack; no pack, no Ready,
+    no Ack) or PACK_PLACE (the source packs, we READ each announced chunk straight into our cache
+    blocks; no unpack). A part that reads the source's cache (DIRECT runs or READ_UNPACK) waits
+    for RunsReady and ends with one RunsDone once every such READ has landed."""
 
     xid: str
     fetch: Fetch
@@ -90,6 +98,12 @@ class Part:
     announced: set = field(default_factory=set)  # pull: chunks a Ready arrived for
     consumed: set = field(default_factory=set)  # chunks unpacked into the cache
     offered: bool = False  # pull: the source offered this payload ahead: READ at once, no pull sent
+    way: Mode = Mode.STAGED
+    reads_cache: bool = False  # pull: we read the source's cache (DIRECT runs or READ_UNPACK)
+    go: bool = False  # pull: the source's RunsReady arrived (it holds the blocks until RunsDone)
+    next_read: int = 0  # READ_UNPACK: the next chunk to READ from the source's cache
+    reads_landed: int = 0  # READ_UNPACK: chunks whose READ has landed
+    runs_done: bool = False  # pull: RunsDone sent (nothing of the source's cache is read any more)
 
     @property
     def n_chunks(self) -> int:
@@ -97,15 +111,17 @@ class Part:
 
     @property
     def complete(self) -> bool:
-        return self.chunks_done == self.n_chunks and not self.runs_pending
+        return (self.chunks_done == self.n_chunks and not self.runs_pending
+                and (not self.reads_cache or self.runs_done))
 
 
-class Destination:
+class Destination(OneSidedReads):
     """Fetches in flight on this rank and the plans they read by (one per source engine)."""
 
     def __init__(self, settings: Settings, links: Links):
         self.s, self.links = settings, links
         self.plans: dict[str, TransferPlan] = {}  # per source engine
+        self.unplannable: dict[str, PlanError] = {}  # engines a forced mode rules out reading from
         self.fetches: dict[str, Fetch] = {}
         self.parts: dict[str, Part] = {}  # by transfer id
         self.results: list[RequestResult] = []
@@ -118,6 +134,8 @@ class Destination:
         if req_id in self.fetches:
             raise RequestRejectedError(f"fetch {req_id!r} is already in flight")
         plan = self.plans.get(engine)
+        if plan is None and engine in self.unplannable:
+            raise PlanError(f"cannot fetch from {engine!r}: {self.unplannable[engine]}")
         if plan is None:
             raise KeyError(f"unknown engine {engine!r}: add_remote() its ranks first")
         missing = [r for r in plan.source_ranks if (engine, r) not in self.links.peers]
@@ -148,21 +166,32 @@ class Destination:
         for src_rank in sorted({s.src_rank for s in plan.staged} | runs_ranks):
             read = plan.staged_read(src_rank)
             peer = self.links.peers[(engine, src_rank)]
-            chunks = None
+            chunks, way = None, Mode.STAGED
             if read is not None:
                 try:
                     chunks = ChunkGeometry.fit(read.bytes_per_block, n,
                                                min(self.s.chunk_bytes, peer.md.staging.chunk_bytes))
+                    way = self._way(f, read, peer, chunks, src_rank in runs_ranks)
+                    if way is Mode.READ_UNPACK:  # nothing in the source's staging: our chunks only
+                        chunks = ChunkGeometry.fit(read.bytes_per_block, n, self.s.chunk_bytes)
                 except StagingError as e:
                     self.fail(f, StagingError(f"{engine}:{src_rank}: {e}"))
                     return
             xid = f"{req_id}|{self.s.name}<{src_rank}#{next(self._xid)}"
             while xid in self.parts:  # squatted by a source's offer id: never overwrite a part
                 xid = f"{req_id}|{self.s.name}<{src_rank}#{next(self._xid)}"
-            offer = self._offer_for(peer, req_id, plan, s_ids if tokens is None else None, chunks,
-                                    src_rank in runs_ranks)
-            part = Part(offer.xid if offer else xid, f, src_rank, read, chunks, src_rank in runs_ranks)
-            if offer is not None:  # the payload is in the source's staging already: READ it now
+            reads_cache = self.s.flow is Flow.PULL and (src_rank in runs_ranks or way is Mode.READ_UNPACK)
+            if way is Mode.READ_UNPACK:
+                offer = self._runs_offer_for(peer, req_id, plan, s_ids)
+            else:
+                offer = self._offer_for(peer, req_id, plan, s_ids if tokens is None else None, chunks,
+                                        src_rank in runs_ranks)
+            part = Part(offer.xid if offer else xid, f, src_rank, read, chunks, src_rank in runs_ranks, way=way,
+                        reads_cache=reads_cache)
+            if offer is not None and way is Mode.READ_UNPACK:  # the source holds the blocks for us: read now
+                part.offered = part.go = True
+                self.links.stats["offers_taken"] += 1
+            elif offer is not None:  # the payload is in the source's staging already: READ it now
                 part.offered = True
                 for c in range(chunks.count):
                     slot, nslots = offer.slots[2 * c], offer.slots[2 * c + 1]
@@ -180,15 +209,18 @@ class Destination:
         ids = tuple(f.src_ids.tolist())
         tok = {} if f.tokens is None else {"tokens": f.tokens.num_tokens, "tiles": tuple(f.tokens.tiles.tolist())}
         for part in f.parts.values():
-            if part.offered:
-                continue  # nothing to ask: its acks tell the source we took the offer
             peer = self.links.peers[(f.engine, part.src_rank)]
+            if part.offered:  # nothing to ask: its acks (RunsDone) tell the source we took the offer
+                if part.go and part.runs_pending:
+                    self._read_runs(part, peer)
+                continue
             chunk_blocks = part.chunks.blocks_per_chunk if part.chunks is not None else 0
             if self.s.flow is Flow.PUSH:
                 msg = wire.Push(part.xid, f.req_id, self.s.rank, ids, tuple(f.dst_ids.tolist()), chunk_blocks,
                                 plan.digest(), **tok)
-            else:  # DIRECT runs are read only after the source confirms it holds the blocks
-                msg = wire.Pull(part.xid, f.req_id, self.s.rank, ids, chunk_blocks, plan.digest(), **tok)
+            else:  # DIRECT runs (and READ_UNPACK) are read only after the source confirms it holds the blocks
+                msg = wire.Pull(part.xid, f.req_id, self.s.rank, ids, chunk_blocks, plan.digest(), **tok,
+                                way=part.way.value)
             self.links.send(peer, msg)
 
     def abort(self, req_id: str) -> bool:
@@ -245,6 +277,8 @@ class Destination:
     def on_ready(self, peer: Peer, m: wire.Ready) -> None:
         part = self._part_from(peer, m.xid)
         st = peer.md.staging
+        if part.way is Mode.READ_UNPACK:
+            raise ProtocolError(f"ready for {m.xid!r}, which reads the source's cache (read_unpack): nothing is packed")
         if self.s.flow is not Flow.PULL or m.chunk in part.announced:
             raise ProtocolError(f"ready for chunk {m.chunk} of {m.xid!r} is unexpected (duplicate or push mode)")
         if not 0 <= m.chunk < part.n_chunks:
@@ -270,10 +304,17 @@ class Destination:
 
     def on_runs_ready(self, peer: Peer, m: wire.RunsReady) -> None:
         part = self._part_from(peer, m.xid)
-        if not part.runs_pending or part.runs_xfer is not None:
-            raise ProtocolError(f"unexpected RunsReady for {m.xid!r}: no DIRECT runs pending")
         if self.s.flow is Flow.PULL:  # go-ahead: the source holds the blocks while we read them
-            self._read_runs(part, peer)
+            if not part.reads_cache or part.go:
+                raise ProtocolError(f"unexpected RunsReady for {m.xid!r}: nothing of the source's cache to read")
+            part.go = True
+            part.fetch.touch()
+            if part.runs_pending:
+                self._read_runs(part, peer)
+            self._read_source(part, peer)
+            self._maybe_runs_done(part, peer)
+        elif not part.runs_pending:
+            raise ProtocolError(f"unexpected RunsReady for {m.xid!r}: no DIRECT runs pending")
         else:  # push: the source has written our cache
             part.runs_pending = False
             self._maybe_finish(part.fetch)
@@ -311,12 +352,13 @@ class Destination:
                     self._use_finished(part, peer)
                     if self.s.flow is Flow.PULL:
                         self._read_announced(part, peer)
+                        self._read_source(part, peer)
                     else:
                         self._grant(part, peer)
                     if part.runs_xfer is not None and self.links.done(part.runs_xfer):
                         self.links.retire(part.runs_xfer, self.links.release_lists(*part.runs_lists))
                         part.runs_xfer, part.runs_pending = None, False
-                        self.links.send(peer, wire.RunsDone(part.xid), quiet=True)
+                    self._maybe_runs_done(part, peer)
                 self._maybe_finish(f)
             except KVTritonError as e:
                 self.fail(f, e)
@@ -329,11 +371,22 @@ class Destination:
                     continue
                 self.links.transport.release(ch.xfer)
                 ch.xfer = None
+                if ch.lists:
+                    self.links.release_lists(*ch.lists)()
+                    ch.lists = ()
+                part.fetch.touch()
+                if part.way is Mode.PACK_PLACE:  # the READ placed the tiles in our cache: nothing to unpack
+                    self._consumed(part, ch, peer)
+                    continue
+                if part.way is Mode.READ_UNPACK:
+                    part.reads_landed += 1
                 self._unpack(part, ch)
             if ch.kernel is not None and ch.kernel.done():
                 self._consumed(part, ch, peer)
 
     def _read_announced(self, part: Part, peer: Peer) -> None:
+        if part.way is Mode.PACK_PLACE:
+            return self._place_announced(part, peer)
         while part.readies:
             ready = part.readies[0]
             slot = self.s.pool.alloc(ready.nslots)
@@ -376,10 +429,11 @@ class Destination:
     def _consumed(self, part: Part, ch: Chunk, peer: Peer) -> None:
         part.fetch.touch()
         part.inflight.pop(ch.index, None)
-        self.s.pool.free(ch.slot, ch.nslots)
+        if ch.nslots:  # a pack-then-place chunk has no local slot
+            self.s.pool.free(ch.slot, ch.nslots)
         part.chunks_done += 1
         part.consumed.add(ch.index)
-        if self.s.flow is Flow.PULL:
+        if self.s.flow is Flow.PULL and part.way is not Mode.READ_UNPACK:  # the source holds the chunk: ack it
             self.links.send(peer, wire.Ack(part.xid, ch.index), quiet=True)
 
     def _read_runs(self, part: Part, peer: Peer) -> None:
@@ -460,8 +514,8 @@ def _undefined_blocks(f: Fetch) -> tuple[int, ...]:
         for c in part.consumed:
             lo, hi = part.chunks.bounds(c)
             got[lo:hi] = True
-        if part.runs_pending or part.runs_xfer is not None:
-            got[:] = False
+        if part.runs_pending or part.runs_xfer is not None or (part.way is Mode.READ_UNPACK and not part.runs_done):
+            got[:] = False  # the source's cache was being read: it may have let the blocks go meanwhile
         defined &= got
     if not f.parts:
         defined[:] = False

@@ -39,9 +39,11 @@ import hashlib
 import numpy as np
 
 from ..errors import KVTritonError, StagingError
-from ..plan import ChunkGeometry
+from ..one_sided import choose_way
+from ..plan import ChunkGeometry, CostModel, Mode
 from .links import Chunk, Flow, Peer, logger
 from .packing import PackJob
+from .streams import event_done
 
 
 def ids_digest(ids: np.ndarray) -> str:
@@ -78,6 +80,7 @@ class EagerPacks:
         self.packs: OrderedDict[str, dict[int, Packed]] = OrderedDict()  # req -> dst rank -> Packed
         self.pending: list[str] = []  # holds placed since the last progress()
         self.unoffered: list[tuple[str, int]] = []  # (req, dst rank) packed in full, not offered yet
+        self.runs_offers: list[tuple[str, Peer, str]] = []  # (req, peer, plan digest): read_unpack, not offered yet
 
     # ------------------------------------------------------------------ placing
     def placed(self, hold) -> None:
@@ -92,6 +95,16 @@ class EagerPacks:
             if hold is not None and req not in self.packs and not self.src.serving(req):
                 self._pack_hold(hold)
         self.src.batch.launch()  # before anything below looks at the packs' completions
+        waiting_runs = []
+        for req, peer, digest in self.runs_offers:
+            hold = self.src.holds.get(req)
+            if hold is None or self.src.links.peers.get(peer.key) is not peer:
+                continue  # the hold ended or the peer went meanwhile
+            if not event_done(hold.ready):  # the engine still writes the blocks: not readable yet
+                waiting_runs.append((req, peer, digest))
+                continue
+            self.src.offer_runs(hold, peer, digest)
+        self.runs_offers = waiting_runs
         waiting = []
         for req, rank in self.unoffered:
             packed = self.packs.get(req, {}).get(rank)
@@ -125,6 +138,9 @@ class EagerPacks:
                 continue
             read = plan.staged_read(src.s.rank)
             if read is None or plan.maps_tokens:  # token maps: the tiles depend on the decode's ids
+                continue
+            if self._read_from_cache(read, peer, ids):  # nothing to pack: offer our cache blocks instead
+                self.runs_offers.append((hold.req_id, peer, plan.digest()))
                 continue
             try:
                 chunks = ChunkGeometry.fit(read.bytes_per_block, ids.size,
@@ -168,6 +184,21 @@ class EagerPacks:
                 del self.packs[req]
             self.slots -= packed.nslots
             self._free(packed)
+
+    def _read_from_cache(self, read, peer: Peer, ids: np.ndarray) -> bool:
+        """Whether ``peer`` will most likely READ this payload straight from our cache
+        (read_unpack): forced, or what its cost model picks for these ids (the destination's
+        own ids are not known here; its choice decides, a wrong guess costs one declined offer)."""
+        if Mode.READ_UNPACK not in read.ways:
+            return False
+        if read.ways == (Mode.READ_UNPACK,):
+            return True
+        try:
+            chunks = ChunkGeometry.fit(read.bytes_per_block, ids.size, peer.md.staging.chunk_bytes).count
+        except StagingError:
+            return False
+        return choose_way(read, self.src.s.specs, peer.md.regions, ids, ids, peer.md.cost or CostModel(),
+                          chunks=chunks) is Mode.READ_UNPACK
 
     # ------------------------------------------------------------------ using
     def take(self, req: str, peer: Peer, digest: str, ids: np.ndarray, chunks: ChunkGeometry | None) -> dict:

@@ -23,6 +23,7 @@ from .. import wire
 from ..errors import (
     IncompatibleRemoteError,
     KVTritonError,
+    PlanError,
     PeerDisconnectedError,
     ProtocolError,
     RequestRejectedError,
@@ -59,8 +60,9 @@ class TransferAgent:
     mode:          ``"pull"`` (decode READs) or ``"push"`` (prefill WRITEs); both sides must agree.
     timeout_s:     a fetch fails after this long without progress; a source reclaims
                    staging from a peer silent this long.
-    modes:         force STAGED/DIRECT for all regions or per region name (see
-                   :func:`~kvtriton.plan.build_plan`). ``modes``, ``cost`` and
+    modes:         force STAGED/DIRECT/READ_UNPACK/PACK_PLACE for all regions or per region
+                   name (see :func:`~kvtriton.plan.build_plan`; the one-sided READ_UNPACK and
+                   PACK_PLACE are pull-only: with ``mode="push"`` they raise ``PlanError``). ``modes``, ``cost`` and
                    ``replicate_stripe`` must be equal on both engines (checked at :meth:`add_remote`).
     renew_interval_s: while a fetch is outstanding, the holds it reads are renewed this often
                    (a source's lease should be well above it).
@@ -109,6 +111,10 @@ class TransferAgent:
             raise ValueError(f"mode must be 'pull' or 'push', got {mode!r}") from None
         if not regions:
             raise ValueError("a TransferAgent needs at least one region")
+        one_sided = _one_sided_forced(modes)
+        if one_sided and flow is Flow.PUSH:
+            raise PlanError(f"modes force {one_sided}, which only a pull can do (the reader skips the pass); "
+                            f"use mode='pull' or force 'staged'")
         devices = {r.device for r in regions}
         if len(devices) != 1:
             raise ValueError(f"all regions must be on one device, got {sorted(map(str, devices))}")
@@ -147,8 +153,9 @@ class TransferAgent:
         # pack_launches, packed_chunks: pack launches of this rank as a source, and the chunks they
         # packed (several destinations' chunks of one step share a launch: kvtriton.agent.packing)
         self.stats = {"bad_messages": 0, "refused": 0, "staged_descriptors": 0, "direct_descriptors": 0,
-                      "eager_chunks": 0, "eager_hits": 0, "eager_misses": 0, "eager_evicted": 0, "eager_offers": 0,
-                      "offers_taken": 0, "pack_launches": 0, "packed_chunks": 0}
+                      "one_sided_descriptors": 0, "eager_chunks": 0, "eager_hits": 0, "eager_misses": 0,
+                      "eager_evicted": 0, "eager_offers": 0, "offers_taken": 0, "pack_launches": 0,
+                      "packed_chunks": 0}
         self._warmed: set = set()  # (op, LaunchConfig) compiled by warmup()
         self._warm_peers = bool(warmup)
         settings = Settings(engine_id, rank, tp, flow, tuple(self.regions), tuple(self.specs), self.device,
@@ -256,8 +263,7 @@ class TransferAgent:
             logger.info("peer %s:%d stages in %s, we in %s", md.engine, md.rank, md.mem, links.mem)
         with self._lock, self._lanes.on_device():
             # build the plan first: a mismatch raises before anything is prepared
-            plan = self._destination.plans.get(md.engine) or self._links.s.plan(
-                self.rank, self.tp, self.specs, md.tp, md.regions)
+            plan = self._destination.plans.get(md.engine) or self._plan_reading(md)
             old = links.peers.get((md.engine, md.rank))
             if old is not None and old.agent != md.agent:
                 self._drop_peer(old, PeerDisconnectedError(
@@ -275,7 +281,10 @@ class TransferAgent:
                 self.transport.remove_remote(name)
                 raise
             links.add(Peer(md, name, staging))
-            self._destination.plans[md.engine] = plan
+            if isinstance(plan, PlanError):
+                self._destination.unplannable[md.engine] = plan
+            else:
+                self._destination.plans[md.engine] = plan
             if self._warm_peers:  # compiles under the lock: progress() waits, once per new shape
                 try:
                     warm(links.s, peer_reads(links.s, [links.peers[(md.engine, md.rank)]], self._destination.plans),
@@ -283,6 +292,22 @@ class TransferAgent:
                 except KVTritonError as e:  # the peer is connected; its first request will compile
                     logger.warning("warmup for %s:%d failed: %s", md.engine, md.rank, e)
             return md.engine
+
+    def _plan_reading(self, md: wire.RankMetadata) -> TransferPlan | PlanError:
+        """The plan of reading from ``md``'s engine. A forced one-sided mode is a property of
+        one direction (read_unpack needs source ranks with no more heads than ours): when it
+        rules out reading from the peer but not the peer reading from us (a prefill rank meeting
+        its decode engine), the error is kept for a fetch from that engine to raise."""
+        try:
+            return self._links.s.plan(self.rank, self.tp, self.specs, md.tp, md.regions)
+        except PlanError as e:
+            if not _one_sided_forced(self._links.s.modes):
+                raise
+            try:
+                self._links.s.plan(md.rank, md.tp, md.regions, self.tp, self.specs, cost=md.cost)
+            except KVTritonError:
+                raise e from None
+            return e
 
     def warmup(self, peers: bool = True) -> list:
         """Compile now the kernel specialisations this rank will launch, so that no first
@@ -547,3 +572,16 @@ class TransferAgent:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _one_sided_forced(modes) -> list[str]:
+    """The one-sided modes ``modes`` forces (pull-only), by value."""
+    if modes is None:
+        return []
+    values = [modes] if isinstance(modes, (str, Mode)) else list(modes.values()) if isinstance(modes, Mapping) else []
+    out = []
+    for v in values:
+        v = v.value if isinstance(v, Mode) else str(v)
+        if v in (Mode.READ_UNPACK.value, Mode.PACK_PLACE.value) and v not in out:
+            out.append(v)
+    return out

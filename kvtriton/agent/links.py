@@ -102,6 +102,7 @@ class Chunk:
     xfer: object = None  # transport Xfer in flight (READ or WRITE)
     kernel: "Completion | None" = None  # the pack/unpack launched on it, until its result is used
     remote_slot: int = -1
+    lists: tuple = ()  # one-sided staging: the prepared (local, remote) lists its READ uses
 
 
 def slot_descs(addr: int, num_slots: int, slot_bytes: int, dev: int) -> np.ndarray:
@@ -176,12 +177,35 @@ class Links:
         self.stats["staged_descriptors"] += 1
         return xfer
 
-    def post_runs(self, op: str, local, remote, count: int, notif: wire.Message | None = None):
-        """READ or WRITE the DIRECT runs prepared by :meth:`prep_runs`."""
+    def post_runs(self, op: str, local, remote, count: int, notif: wire.Message | None = None,
+                  stat: str = "direct_descriptors"):
+        """READ or WRITE the DIRECT runs prepared by :meth:`prep_runs` (or the pieces of
+        :meth:`prep_pieces`, counted under ``stat``)."""
         idx = np.arange(count)
         xfer = self.transport.post(op, local, idx, remote, idx, notif.encode() if notif is not None else b"")
-        self.stats["direct_descriptors"] += count
+        self.stats[stat] += count
         return xfer
+
+    def cache_addrs(self, addrs, spans, region: np.ndarray, stream: np.ndarray, offset: np.ndarray,
+                    nbytes: np.ndarray, whose: str) -> np.ndarray:
+        """Addresses of byte ranges ``[offset, offset + nbytes)`` of (region, stream) tensors
+        declared by ``addrs``/``spans`` (ours or a peer's metadata); :class:`ProtocolError`
+        when one falls outside its declared span."""
+        if (offset < 0).any() or (offset + nbytes > _gather(spans, region, stream)).any():
+            raise ProtocolError(f"one-sided pieces fall outside the regions {whose} declared")
+        return _gather(addrs, region, stream) + offset
+
+    def prep_pieces(self, peer: Peer, local_addr: np.ndarray, remote_addr: np.ndarray, nbytes: np.ndarray):
+        """Prepared (local, remote) lists of byte ranges paired one to one (callers bound them)."""
+        local = np.stack([local_addr, nbytes, np.full_like(nbytes, self.dev)], axis=1)
+        remote = np.stack([remote_addr, nbytes, np.full_like(nbytes, peer.md.dev)], axis=1)
+        ll = self.transport.prep_local(local, self.mem)
+        try:
+            rl = self.transport.prep_remote(peer.agent, remote, peer.md.mem)
+        except BaseException:
+            self.transport.release_list(ll)
+            raise
+        return ll, rl
 
     def done(self, xfer) -> bool:
         st = self.transport.poll(xfer)
@@ -204,7 +228,9 @@ class Links:
         pool = self.s.pool
 
         def free(ch: Chunk) -> None:
-            pool.free(ch.slot, ch.nslots)
+            self.release_lists(*ch.lists)()
+            if ch.nslots:  # a pack-then-place READ has no local slot
+                pool.free(ch.slot, ch.nslots)
             if on_free is not None:
                 on_free(ch)
 

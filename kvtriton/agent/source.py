@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import wire
 from ..errors import KVTritonError, PlanError
-from ..plan import ChunkGeometry, TransferPlan
+from ..plan import ChunkGeometry, Mode, TransferPlan
 from ..token_map import TokenMap
 from .eager import EagerPacks, ids_digest
 from .holds import FreedRequest, Hold, SourceHolds
@@ -101,6 +101,16 @@ class Source(SourceHolds, SourceServes):
         has_runs = self.s.rank in plan.direct_ranks(n)
         if read is None and not has_runs:
             return reject(f"{me} has nothing to send to {eng}:{dst_rank}")
+        way = m.way if flow is Flow.PULL else Mode.STAGED.value
+        if read is not None and way not in {w.value for w in read.ways}:
+            return reject(f"{eng}:{dst_rank} asks for way {way!r}; the plan allows {[w.value for w in read.ways]}")
+        if read is None and way != Mode.STAGED.value:
+            return reject(f"{me} sends {eng}:{dst_rank} no staged payload: way {way!r} is meaningless")
+        if way == Mode.READ_UNPACK.value:  # the peer READs our cache blocks itself: nothing to pack
+            if flow is not Flow.PULL or tokens is not None:
+                return reject("read_unpack is a pull of equal block sizes only")
+            read, has_runs = None, True
+            self.eager.take(req, peer, plan.digest(), ids, None)  # a pack made ahead for it is not needed
         chunks = None
         if read is not None:
             chunks = ChunkGeometry(read.bytes_per_block, n, m.chunk_blocks)
@@ -179,6 +189,26 @@ class Source(SourceHolds, SourceServes):
         try:
             self.links.send(peer, wire.Offer(xid, hold.req_id, packed.digest, ids_digest(packed.ids),
                                              int(packed.ids.size), packed.chunks.blocks_per_chunk, tuple(slots)))
+        except KVTritonError:
+            return False
+        self._add(serve)
+        self.offered[(peer.agent, hold.req_id)] = serve
+        self.links.stats["eager_offers"] += 1
+        return True
+
+    def offer_runs(self, hold: Hold, peer: Peer, digest: str) -> bool:
+        """Offer ``peer`` to READ ``hold``'s blocks straight from our cache (read_unpack; see
+        :mod:`.eager`): an :class:`~kvtriton.wire.Offer` without slots, sent once the engine's
+        writes are done, and a transfer that keeps the blocks until the reader's RunsDone (or the
+        hold ends), as a pull's RunsReady would. Saves the pull's round trip to this process."""
+        xid = f"{hold.req_id}|{self.s.name}>{peer.md.rank}!"
+        if (peer.agent, xid) in self.serves or self.peer_serves.get(peer.agent, 0) >= MAX_SERVES_PER_PEER:
+            return False
+        serve = Serve(xid, hold.req_id, peer, Flow.PULL, None, hold.block_ids, None, self.s.timeout_s,
+                      time.monotonic() + self.s.timeout_s, ready=hold.ready, offered=True, runs_reader=True)
+        try:
+            self.links.send(peer, wire.Offer(xid, hold.req_id, digest, ids_digest(hold.block_ids),
+                                             int(hold.block_ids.size), 1, ()))
         except KVTritonError:
             return False
         self._add(serve)
