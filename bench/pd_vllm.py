@@ -59,11 +59,15 @@ def _sum_stats(per_rank) -> dict:
 
 def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, layers: int = 2, head_dim: int = 32,
         hidden: int | None = None, block_size: int = 32, prompts: int = 4, prompt_len: int = 333, max_tokens: int = 8,
-        warmup: bool = True, python: str | None = None, log_dir: str | None = None, quiet: bool = False) -> dict:
+        warmup: bool = True, python: str | None = None, log_dir: str | None = None, quiet: bool = False,
+        env: dict | None = None, profile: str | None = None) -> dict:
     """Run one P/D configuration; returns a result dict (``rows`` per request, ``ok``, ``recomputed``).
 
     With ``warmup`` a first request (``request`` -1, its own prompt) goes through before the
-    measured ones: it carries the handshake and first-use costs, reported but left out of medians."""
+    measured ones: it carries the handshake and first-use costs, reported but left out of medians.
+    ``env``: extra environment for both engines (``KVTRITON_DEBUG=1``: every control message in
+    their logs). ``profile``: a folder; py-spy (``$PY_SPY`` or on ``PATH``) samples both engines,
+    their worker processes included, over the measured requests and writes one flame graph each."""
     python = python or vllm_python()
     if python is None:
         raise RuntimeError(f"no vLLM test bed at {DEFAULT_VLLM_PY}: run `make vllm-bed`")
@@ -94,7 +98,7 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     engines: dict[str, EngineProcess] = {}
     try:
         for name in sorted(specs, key=lambda n: (specs[n]["tp"], n != "decode")):
-            engines[name] = EngineProcess.start(python, model_dir, engine_id=f"{name}-{connector}",
+            engines[name] = EngineProcess.start(python, model_dir, engine_id=f"{name}-{connector}", env=env,
                                                 name=f"{name}-{connector}", timeout_s=600, **specs[name], **common)
     except BaseException:
         for e in engines.values():
@@ -106,11 +110,13 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     first = -1 if warmup else 0
     toks = [[rng.randrange(model.vocab) for _ in range(prompt_len + (i * 7) % block_size)]
             for i in range(first, prompts)]
-    rows = []
+    rows, spies = [], []
     try:
         ref = decode.call("generate", requests=[{"id": f"ref{i}", "prompt": p, "max_tokens": max_tokens}
                                                  for i, p in enumerate(toks)], timeout_s=1200)["outputs"]
         for i, p in enumerate(toks, start=first):
+            if i == 0 and profile:
+                spies = _start_profilers(profile, f"{connector}-P{prefill_tp}D{decode_tp}", engines)
             params = prefill.call("generate", requests=[{"id": f"p{i}", "prompt": p, "max_tokens": 1,
                                                          "kv_transfer_params": {"do_remote_decode": True}}]
                                   )["outputs"][0]["kv_transfer_params"]
@@ -138,6 +144,12 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
                 f"prompt tokens computed "
                 f"{row['prompt_computed']}, {'identical' if row['identical'] else 'DIFFERENT'}")
     finally:
+        for spy in spies:
+            spy.send_signal(2)  # SIGINT: py-spy writes its output and exits
+            try:
+                spy.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                spy.kill()
         prefill.close()
         decode.close()
     ok = sum(r["identical"] for r in rows)
@@ -148,6 +160,21 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
             "kv_loaded_ms_median": _median([r["kv_loaded_ms"] for r in timed]),
             "summary": f"pd_vllm: {connector}: {ok}/{len(rows)} requests token-identical to one engine; "
                        f"prompt tokens recomputed on decode: {recomputed}; P{prefill_tp}->D{decode_tp}"}
+
+
+def _start_profilers(folder: str, tag: str, engines: dict) -> list[subprocess.Popen]:
+    import shutil
+
+    spy = os.environ.get("PY_SPY") or shutil.which("py-spy")
+    if spy is None:
+        raise RuntimeError("profile needs py-spy: set PY_SPY or put it on PATH")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    procs = [subprocess.Popen([spy, "record", "--subprocesses", "--threads", "--rate", "250", "--nonblocking",
+                               "--format", "raw", "-o", str(Path(folder) / f"{tag}-{name}.txt"),
+                               "--pid", str(e.proc.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for name, e in engines.items()]
+    time.sleep(2.0)  # py-spy attaches before the first measured request
+    return procs
 
 
 def _median(values):
@@ -220,6 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=0, help="model width (0: 2 * kv heads * head dim)")
     ap.add_argument("--no-warmup", action="store_true", help="no unmeasured first request")
+    ap.add_argument("--profile", help="folder for py-spy samples of both engines over the measured requests")
+    ap.add_argument("--debug", action="store_true", help="KVTRITON_DEBUG=1 in the engines (control messages logged)")
     ap.add_argument("--block-size", type=int, default=32, help="the CPU build needs a multiple of 32")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=333)
@@ -228,7 +257,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     kw = dict(kv_heads=args.kv_heads, layers=args.layers, head_dim=args.head_dim, hidden=args.hidden or None,
               block_size=args.block_size, prompts=args.prompts, prompt_len=args.prompt_len,
-              max_tokens=args.max_tokens, warmup=not args.no_warmup)
+              max_tokens=args.max_tokens, warmup=not args.no_warmup, profile=args.profile,
+              env={"KVTRITON_DEBUG": "1"} if args.debug else None)
     if args.connector == "both":
         results = compare(**kw, say=lambda *a: print(*a, flush=True))
         if args.json:
