@@ -60,14 +60,17 @@ def _sum_stats(per_rank) -> dict:
 def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, layers: int = 2, head_dim: int = 32,
         hidden: int | None = None, block_size: int = 32, prompts: int = 4, prompt_len: int = 333, max_tokens: int = 8,
         warmup: bool = True, python: str | None = None, log_dir: str | None = None, quiet: bool = False,
-        env: dict | None = None, profile: str | None = None) -> dict:
+        env: dict | None = None, profile: str | None = None, eager: bool = True, staging_mib: int = 0) -> dict:
     """Run one P/D configuration; returns a result dict (``rows`` per request, ``ok``, ``recomputed``).
 
     With ``warmup`` a first request (``request`` -1, its own prompt) goes through before the
     measured ones: it carries the handshake and first-use costs, reported but left out of medians.
     ``env``: extra environment for both engines (``KVTRITON_DEBUG=1``: every control message in
     their logs). ``profile``: a folder; py-spy (``$PY_SPY`` or on ``PATH``) samples both engines,
-    their worker processes included, over the measured requests and writes one flame graph each."""
+    their worker processes included, over the measured requests and writes one flame graph each.
+    kvtriton only: ``eager`` names the decode engine as the consumer of the prefill's holds (a
+    fixed pairing, ``consumer`` in ConnectorSettings), so the prefill packs each request as soon
+    as it finishes; ``staging_mib`` (0: the default) sizes both engines' staging pools."""
     python = python or vllm_python()
     if python is None:
         raise RuntimeError(f"no vLLM test bed at {DEFAULT_VLLM_PY}: run `make vllm-bed`")
@@ -86,6 +89,10 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     common = dict(connector=connector, block_size=block_size, max_model_len=max_len, log_dir=work)
     p_extra = {"lease_s": 120.0} if connector == "kvtriton" else {}
     d_extra = {"timeout_s": 60.0, "handshake_timeout_s": 30.0} if connector == "kvtriton" else {}
+    if connector == "kvtriton" and eager:
+        p_extra["consumer"] = f"decode-{connector}"
+    if connector == "kvtriton" and staging_mib:
+        p_extra["staging_bytes"] = d_extra["staging_bytes"] = staging_mib << 20
     t0 = time.time()
     # the smaller engine first: NixlConnector's NIXL progress threads busy-poll once its agent
     # exists and starve whatever starts next on a small host; fewer spinning ranks hurt least
@@ -247,6 +254,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=0, help="model width (0: 2 * kv heads * head dim)")
     ap.add_argument("--no-warmup", action="store_true", help="no unmeasured first request")
+    ap.add_argument("--no-eager", action="store_true", help="kvtriton: no consumer named, packs wait for the pull")
+    ap.add_argument("--staging-mib", type=int, default=0, help="kvtriton: staging pool per rank (0: default)")
     ap.add_argument("--profile", help="folder for py-spy samples of both engines over the measured requests")
     ap.add_argument("--debug", action="store_true", help="KVTRITON_DEBUG=1 in the engines (control messages logged)")
     ap.add_argument("--block-size", type=int, default=32, help="the CPU build needs a multiple of 32")
@@ -258,6 +267,7 @@ def main(argv=None) -> int:
     kw = dict(kv_heads=args.kv_heads, layers=args.layers, head_dim=args.head_dim, hidden=args.hidden or None,
               block_size=args.block_size, prompts=args.prompts, prompt_len=args.prompt_len,
               max_tokens=args.max_tokens, warmup=not args.no_warmup, profile=args.profile,
+              eager=not args.no_eager, staging_mib=args.staging_mib,
               env={"KVTRITON_DEBUG": "1"} if args.debug else None)
     if args.connector == "both":
         results = compare(**kw, say=lambda *a: print(*a, flush=True))
