@@ -10,7 +10,9 @@ Protocol: one JSON object per line on the child's stdin, one JSON answer per lin
 tokens, ``kv_transfer_params`` and the prompt tokens the engine computed for each, counted from
 the scheduler's own outputs), ``submit``/``abort``/``drain`` (for aborts mid-load), ``scramble``
 (overwrite blocks of the registered cache with noise: the negative control), ``state`` (free
-blocks, requests, staging in use), ``exit``.
+blocks, requests, staging in use), ``transfer_stats``/``agent_stats`` (counters per rank),
+``load_times`` (per request: from ``start_load_kv`` to the load reported finished, and from
+submission to the scheduler learning it; the same hooks for any connector), ``exit``.
 
 Example (from the repository root, with the test bed built)::
 
@@ -376,6 +378,8 @@ def _child(args) -> None:
             elif op == "state":
                 _say({"free_blocks": block_pool.get_num_free_blocks(), "total_blocks": total_blocks,
                       "requests": len(sched.requests), "staging_in_use": connector_rpc("staging_in_use")})
+            elif op == "agent_stats":
+                _say({"stats": connector_rpc("agent_stats")})
             elif op == "load_times":
                 _say({"times": load_times(cmd["ids"])})
             elif op == "transfer_stats":
@@ -465,6 +469,12 @@ class _BedHooks:
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl import stats
 
         return dict(getattr(stats.NixlKVConnectorStats, "_bed_counts", {}))
+
+    @staticmethod
+    def agent_stats(conn) -> dict | None:
+        """The rank's TransferAgent counters (messages refused, eager packs, offers...)."""
+        worker = getattr(conn, "_worker", None)
+        return dict(worker.agent.stats) if worker is not None else None
 
     @staticmethod
     def time_loads(conn) -> None:
