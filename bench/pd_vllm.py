@@ -247,6 +247,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--connector", choices=["kvtriton", "nixl", "both"], default="kvtriton",
                     help="both: each connector on P2->D1 and P1->D2 (the --*-tp flags are ignored), with a table")
+    ap.add_argument("--pairs", default="2:1,1:2", help="with --connector both: P:D pairs to run")
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)
     ap.add_argument("--kv-heads", type=int, default=2)
@@ -270,7 +271,8 @@ def main(argv=None) -> int:
               eager=not args.no_eager, staging_mib=args.staging_mib,
               env={"KVTRITON_DEBUG": "1"} if args.debug else None)
     if args.connector == "both":
-        results = compare(**kw, say=lambda *a: print(*a, flush=True))
+        pairs = tuple(tuple(int(x) for x in pd.split(":")) for pd in args.pairs.split(","))
+        results = compare(pairs, **kw, say=lambda *a: print(*a, flush=True))
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
         print("\n".join(comparison_table(results)))
