@@ -22,8 +22,10 @@ Sections (all by default; ``--sections`` picks some):
   and a load run of 256 concurrent requests into 4 decode ranks with and without it
   (bench/rogue.py, ~25 s), when NIXL is installed.
 * ``pd_vllm``: prefill and decode as real vLLM engines (bench/pd_vllm.py), kvtriton's connector
-  and vLLM's own NixlConnector side by side, P2->D1 and P1->D2, when the vLLM test bed is built
-  (``make vllm-bed``; ``.venv-vllm`` or ``$KVTRITON_VLLM_PYTHON``).
+  and vLLM's own NixlConnector side by side, P2->D1 and P1->D2: time to KV loaded per request
+  (ours/theirs), time to the first decode token, descriptors; a 16-layer, 8-KV-head model with
+  2k-token prompts (``--pd-size``; ``--quick``: the 2-layer toy), ~13 min on 2 busy cores, when
+  the vLLM test bed is built (``make vllm-bed``; ``.venv-vllm`` or ``$KVTRITON_VLLM_PYTHON``).
 
 Writes ``bench/results/sweep.csv`` in long form (one row per measured quantity: the row's
 parameters, ``metric``, ``unit``, and its ``p20``/``p50``/``p80``; counts have three equal
