@@ -24,7 +24,7 @@ Sections (all by default; ``--sections`` picks some):
 * ``pd_vllm``: prefill and decode as real vLLM engines (bench/pd_vllm.py), kvtriton's connector
   and vLLM's own NixlConnector side by side, P2->D1 and P1->D2: time to KV loaded per request
   (ours/theirs), time to the first decode token, descriptors; a 16-layer, 8-KV-head model with
-  2k-token prompts (``--pd-size``; ``--quick``: the 2-layer toy), ~13 min on 2 busy cores, when
+  2k-token prompts (``--pd-size``; ``--quick``: the 2-layer toy), ~11-13 min on 2 busy cores, when
   the vLLM test bed is built (``make vllm-bed``; ``.venv-vllm`` or ``$KVTRITON_VLLM_PYTHON``).
 
 Writes ``bench/results/sweep.csv`` in long form (one row per measured quantity: the row's
@@ -417,7 +417,7 @@ def main(argv=None) -> int:
 PD_SIZES = {
     "small": dict(layers=2, kv_heads=2, head_dim=32, prompt_len=333, prompts=3),
     # kvtriton's staging sized so a request's payload can be packed ahead of its pull (eager)
-    "scaled": dict(layers=16, kv_heads=8, head_dim=64, hidden=256, prompt_len=2048, prompts=4, staging_mib=320),
+    "scaled": dict(layers=16, kv_heads=8, head_dim=64, hidden=256, prompt_len=2048, prompts=3, staging_mib=320),
     "large": dict(layers=32, kv_heads=8, head_dim=64, hidden=256, prompt_len=4096, prompts=3, staging_mib=640),
 }
 
