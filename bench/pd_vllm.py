@@ -3,8 +3,11 @@
 Starts a prefill engine and a decode engine (vLLM's CPU build, child processes; the test bed from
 ``make vllm-bed``) on a random-weight GQA Llama of the given shape, made here, and runs each prompt
 the way a P/D proxy does: prefill with ``max_tokens=1`` and ``do_remote_decode``, then decode with
-the ``kv_transfer_params`` it returned. Per request it prints the time to the first decode token
-(the KV load plus one decode step) and the descriptors the decode ranks posted for it; then checks
+the ``kv_transfer_params`` it returned. Per request it prints the time to KV loaded (the decode
+worker's ``start_load_kv`` seeing the load, first rank, to ``get_transfer_results`` reporting it,
+last rank: the same hooks for both connectors, see ``vllm_bed._BedHooks.time_loads``), the time to
+the first decode token (the KV load plus one decode step) and the descriptors the decode ranks
+posted for it; then checks
 the tokens against the decode engine computing the prompt itself, and counts the prompt tokens the
 decode engine computed (from its scheduler's own outputs: 1 per request when the KV came over).
 
@@ -16,6 +19,9 @@ Run from the repository root with kvtriton's venv (the engines use ``.venv-vllm`
 
     .venv/bin/python bench/pd_vllm.py --connector kvtriton --prefill-tp 2 --decode-tp 1
     .venv/bin/python bench/pd_vllm.py --connector nixl --prefill-tp 1 --decode-tp 2 --json out.json
+    # both connectors, P2->D1 and P1->D2, ~2k descriptors per NixlConnector load, table with ours/theirs
+    .venv/bin/python bench/pd_vllm.py --connector both --layers 16 --kv-heads 8 --head-dim 64 \
+        --hidden 256 --prompt-len 2048 --prompts 4 --staging-mib 320
 """
 
 from __future__ import annotations
