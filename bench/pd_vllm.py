@@ -3,8 +3,11 @@
 Starts a prefill engine and a decode engine (vLLM's CPU build, child processes; the test bed from
 ``make vllm-bed``) on a random-weight GQA Llama of the given shape, made here, and runs each prompt
 the way a P/D proxy does: prefill with ``max_tokens=1`` and ``do_remote_decode``, then decode with
-the ``kv_transfer_params`` it returned. Per request it prints the time to the first decode token
-(the KV load plus one decode step) and the descriptors the decode ranks posted for it; then checks
+the ``kv_transfer_params`` it returned. Per request it prints the time to KV loaded (the decode
+worker's ``start_load_kv`` seeing the load, first rank, to ``get_transfer_results`` reporting it,
+last rank: the same hooks for both connectors, see ``vllm_bed._BedHooks.time_loads``), the time to
+the first decode token (the KV load plus one decode step) and the descriptors the decode ranks
+posted for it; then checks
 the tokens against the decode engine computing the prompt itself, and counts the prompt tokens the
 decode engine computed (from its scheduler's own outputs: 1 per request when the KV came over).
 
@@ -16,6 +19,9 @@ Run from the repository root with kvtriton's venv (the engines use ``.venv-vllm`
 
     .venv/bin/python bench/pd_vllm.py --connector kvtriton --prefill-tp 2 --decode-tp 1
     .venv/bin/python bench/pd_vllm.py --connector nixl --prefill-tp 1 --decode-tp 2 --json out.json
+    # both connectors, P2->D1 and P1->D2, ~2k descriptors per NixlConnector load, table with ours/theirs
+    .venv/bin/python bench/pd_vllm.py --connector both --layers 16 --kv-heads 8 --head-dim 64 \
+        --hidden 256 --prompt-len 2048 --prompts 4 --staging-mib 320
 """
 
 from __future__ import annotations
@@ -58,18 +64,29 @@ def _sum_stats(per_rank) -> dict:
 
 
 def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, layers: int = 2, head_dim: int = 32,
-        block_size: int = 32, prompts: int = 4, prompt_len: int = 333, max_tokens: int = 8, python: str | None = None,
-        log_dir: str | None = None, quiet: bool = False) -> dict:
-    """Run one P/D configuration; returns a result dict (``rows`` per request, ``ok``, ``recomputed``)."""
+        hidden: int | None = None, block_size: int = 32, prompts: int = 4, prompt_len: int = 333, max_tokens: int = 8,
+        warmup: bool = True, python: str | None = None, log_dir: str | None = None, quiet: bool = False,
+        env: dict | None = None, profile: str | None = None, eager: bool = True, staging_mib: int = 0) -> dict:
+    """Run one P/D configuration; returns a result dict (``rows`` per request, ``ok``, ``recomputed``).
+
+    With ``warmup`` a first request (``request`` -1, its own prompt) goes through before the
+    measured ones: it carries the handshake and first-use costs, reported but left out of medians.
+    ``env``: extra environment for both engines (``KVTRITON_DEBUG=1``: every control message in
+    their logs). ``profile``: a folder; py-spy (``$PY_SPY`` or on ``PATH``) samples both engines,
+    their worker processes included, over the measured requests and writes one flame graph each.
+    kvtriton only: ``eager`` names the decode engine as the consumer of the prefill's holds (a
+    fixed pairing, ``consumer`` in ConnectorSettings), so the prefill packs each request as soon
+    as it finishes; ``staging_mib`` (0: the default) sizes both engines' staging pools."""
     python = python or vllm_python()
     if python is None:
         raise RuntimeError(f"no vLLM test bed at {DEFAULT_VLLM_PY}: run `make vllm-bed`")
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     work = Path(log_dir or tempfile.mkdtemp(prefix="pd_vllm-"))
     work.mkdir(parents=True, exist_ok=True)
+    hidden = hidden or 2 * kv_heads * head_dim
     model = TinyLlama(layers=layers, kv_heads=kv_heads, heads=2 * kv_heads, head_dim=head_dim,
-                      hidden=2 * kv_heads * head_dim, max_positions=max(4096, 2 * prompt_len))
-    model_dir = work / f"llama-l{layers}-kv{kv_heads}-d{head_dim}"
+                      hidden=hidden, max_positions=max(4096, 2 * prompt_len))
+    model_dir = work / f"llama-l{layers}-kv{kv_heads}-d{head_dim}-h{hidden}"
     subprocess.run([python, "-c", "import sys, json; from kvtriton.testing.vllm_bed import make_tiny_llama, TinyLlama; "
                     "make_tiny_llama(sys.argv[1], TinyLlama(**json.loads(sys.argv[2])))", str(model_dir),
                     json.dumps(model.__dict__)], check=True, timeout=300, stdout=subprocess.DEVNULL,
@@ -78,6 +95,10 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     common = dict(connector=connector, block_size=block_size, max_model_len=max_len, log_dir=work)
     p_extra = {"lease_s": 120.0} if connector == "kvtriton" else {}
     d_extra = {"timeout_s": 60.0, "handshake_timeout_s": 30.0} if connector == "kvtriton" else {}
+    if connector == "kvtriton" and eager:
+        p_extra["consumer"] = f"decode-{connector}"
+    if connector == "kvtriton" and staging_mib:
+        p_extra["staging_bytes"] = d_extra["staging_bytes"] = staging_mib << 20
     t0 = time.time()
     # the smaller engine first: NixlConnector's NIXL progress threads busy-poll once its agent
     # exists and starve whatever starts next on a small host; fewer spinning ranks hurt least
@@ -90,7 +111,7 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     engines: dict[str, EngineProcess] = {}
     try:
         for name in sorted(specs, key=lambda n: (specs[n]["tp"], n != "decode")):
-            engines[name] = EngineProcess.start(python, model_dir, engine_id=f"{name}-{connector}",
+            engines[name] = EngineProcess.start(python, model_dir, engine_id=f"{name}-{connector}", env=env,
                                                 name=f"{name}-{connector}", timeout_s=600, **specs[name], **common)
     except BaseException:
         for e in engines.values():
@@ -99,12 +120,16 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     prefill, decode = engines["prefill"], engines["decode"]
     say(f"engines up in {time.time() - t0:.1f} s (logs in {work})")
     rng = random.Random(11)
-    toks = [[rng.randrange(model.vocab) for _ in range(prompt_len + (i * 7) % block_size)] for i in range(prompts)]
-    rows = []
+    first = -1 if warmup else 0
+    toks = [[rng.randrange(model.vocab) for _ in range(prompt_len + (i * 7) % block_size)]
+            for i in range(first, prompts)]
+    rows, spies = [], []
     try:
         ref = decode.call("generate", requests=[{"id": f"ref{i}", "prompt": p, "max_tokens": max_tokens}
-                                                 for i, p in enumerate(toks)])["outputs"]
-        for i, p in enumerate(toks):
+                                                 for i, p in enumerate(toks)], timeout_s=1200)["outputs"]
+        for i, p in enumerate(toks, start=first):
+            if i == 0 and profile:
+                spies = _start_profilers(profile, f"{connector}-P{prefill_tp}D{decode_tp}", engines)
             params = prefill.call("generate", requests=[{"id": f"p{i}", "prompt": p, "max_tokens": 1,
                                                          "kv_transfer_params": {"do_remote_decode": True}}]
                                   )["outputs"][0]["kv_transfer_params"]
@@ -112,46 +137,155 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
             out = decode.call("generate", requests=[{"id": f"d{i}", "prompt": p, "max_tokens": max_tokens,
                                                      "kv_transfer_params": params}])["outputs"][0]
             after = _sum_stats(decode.call("transfer_stats")["stats"])
+            loaded = decode.call("load_times", ids=[f"d{i}"])["times"][f"d{i}"]
+            ms = lambda s: None if s is None else 1e3 * s  # noqa: E731
             row = {"connector": connector, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "request": i,
                    "prompt_tokens": len(p), "blocks": _num_blocks(params),
                    "ttft_ms": 1e3 * out["ttft_s"],
+                   # start_load_kv saw the load (first rank) -> get_transfer_results reported it (last rank)
+                   "kv_loaded_ms": ms(loaded["worker_s"]),
+                   # request submitted -> the scheduler learned its KV is in
+                   "kv_ready_ms": ms(loaded["scheduler_s"]),
                    # None: the connector's counters saw no load for it (not measured, not zero)
                    "descriptors": after["descriptors"] - before["descriptors"] if after["loads"] > before["loads"] else None,
                    "kv_bytes": after["bytes"] - before["bytes"], "prompt_computed": out["prompt_computed"],
-                   "identical": out["tokens"] == ref[i]["tokens"]}
+                   "identical": out["tokens"] == ref[i - first]["tokens"]}
             rows.append(row)
-            say(f"  request {i}: {row['prompt_tokens']} tokens ({row['blocks']} blocks), time to first decode token "
-                f"{row['ttft_ms']:.1f} ms, descriptors {row['descriptors'] if row['descriptors'] is not None else 'n/a'}, "
+            say(f"  request {i}{' (warm-up)' if i < 0 else ''}: {row['prompt_tokens']} tokens ({row['blocks']} blocks), "
+                f"KV loaded in {_fmt_ms(row['kv_loaded_ms'])} ms (ready at scheduler {_fmt_ms(row['kv_ready_ms'])} ms), "
+                f"time to first decode token {row['ttft_ms']:.1f} ms, descriptors {row['descriptors'] if row['descriptors'] is not None else 'n/a'}, "
                 f"prompt tokens computed "
                 f"{row['prompt_computed']}, {'identical' if row['identical'] else 'DIFFERENT'}")
     finally:
+        for spy in spies:
+            spy.send_signal(2)  # SIGINT: py-spy writes its output and exits
+            try:
+                spy.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                spy.kill()
         prefill.close()
         decode.close()
     ok = sum(r["identical"] for r in rows)
     recomputed = sum(max(0, r["prompt_computed"] - 1) for r in rows)
+    timed = [r for r in rows if r["request"] >= 0]
     return {"rows": rows, "ok": ok, "n": len(rows), "recomputed": recomputed,
-            "ttft_ms_median": statistics.median(r["ttft_ms"] for r in rows) if rows else None,
+            "ttft_ms_median": statistics.median(r["ttft_ms"] for r in timed) if timed else None,
+            "kv_loaded_ms_median": _median([r["kv_loaded_ms"] for r in timed]),
             "summary": f"pd_vllm: {connector}: {ok}/{len(rows)} requests token-identical to one engine; "
                        f"prompt tokens recomputed on decode: {recomputed}; P{prefill_tp}->D{decode_tp}"}
 
 
+def _start_profilers(folder: str, tag: str, engines: dict) -> list[subprocess.Popen]:
+    import shutil
+
+    spy = os.environ.get("PY_SPY") or shutil.which("py-spy")
+    if spy is None:
+        raise RuntimeError("profile needs py-spy: set PY_SPY or put it on PATH")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    procs = [subprocess.Popen([spy, "record", "--subprocesses", "--threads", "--rate", "250", "--nonblocking",
+                               "--format", "raw", "-o", str(Path(folder) / f"{tag}-{name}.txt"),
+                               "--pid", str(e.proc.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for name, e in engines.items()]
+    time.sleep(2.0)  # py-spy attaches before the first measured request
+    return procs
+
+
+def _median(values):
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _fmt_ms(v) -> str:
+    return "n/a" if v is None else f"{v:.1f}"
+
+
+PAIRS = ((2, 1), (1, 2))
+
+
+def compare(pairs=PAIRS, *, say=print, **kw) -> list[dict]:
+    """Both connectors on the same model and prompts, each TP pair: one result per (pair,
+    connector), as :func:`run` returns it, plus ``connector``/``prefill_tp``/``decode_tp``."""
+    out = []
+    for p_tp, d_tp in pairs:
+        for connector in ("kvtriton", "nixl"):
+            say(f"pd_vllm: {connector} P{p_tp}->D{d_tp} ...")
+            try:
+                res = run(connector, p_tp, d_tp, **kw)
+            except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others
+                res = {"rows": [], "ok": 0, "n": 0, "recomputed": 0, "error": f"{type(e).__name__}: {str(e)[:300]}",
+                       "summary": f"pd_vllm: {connector}: failed ({type(e).__name__}: {str(e)[:200]}); "
+                                  f"P{p_tp}->D{d_tp}"}
+            say(res["summary"])
+            out.append({"connector": connector, "prefill_tp": p_tp, "decode_tp": d_tp, **res})
+    return out
+
+
+def comparison_table(results: list[dict]) -> list[str]:
+    """Markdown rows: per pair and connector, medians over the measured requests (warm-up left
+    out, shown on its own), and ours/theirs for time to KV loaded and time to first decode token."""
+    lines = ["| P->D | connector | requests identical | KV loaded (ms) | KV ready at scheduler (ms) "
+             "| first decode token (ms) | warm-up KV loaded (ms) | descriptors per request | ours/theirs KV loaded "
+             "| ours/theirs first token |", "|---|---|---|---|---|---|---|---|---|---|"]
+    by = {(r["prefill_tp"], r["decode_tp"], r["connector"]): r for r in results}
+    for (p, d, c), r in by.items():
+        timed = [x for x in r["rows"] if x["request"] >= 0]
+        warm = [x for x in r["rows"] if x["request"] < 0]
+        if not timed:
+            lines.append(f"| {p}->{d} | {c} | failed: {r.get('error', '')[:80]} ||||||||")
+            continue
+        med = lambda k, rows=timed: _median([x[k] for x in rows])  # noqa: E731
+        ratio_kv = ratio_tt = ""
+        theirs = by.get((p, d, "nixl"))
+        if c == "kvtriton" and theirs and [x for x in theirs["rows"] if x["request"] >= 0]:
+            t_rows = [x for x in theirs["rows"] if x["request"] >= 0]
+            a, b = med("kv_loaded_ms"), _median([x["kv_loaded_ms"] for x in t_rows])
+            ratio_kv = f"{a / b:.2f}" if a and b else "n/a"
+            ratio_tt = f"{med('ttft_ms') / _median([x['ttft_ms'] for x in t_rows]):.2f}"
+        desc = _median([x["descriptors"] for x in timed])
+        lines.append(f"| {p}->{d} | {c} | {r['ok']}/{r['n']} | {_fmt_ms(med('kv_loaded_ms'))} | "
+                     f"{_fmt_ms(med('kv_ready_ms'))} | {_fmt_ms(med('ttft_ms'))} | "
+                     f"{_fmt_ms(warm[0]['kv_loaded_ms']) if warm else 'n/a'} | "
+                     f"{'n/a' if desc is None else int(desc)} | {ratio_kv} | {ratio_tt} |")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--connector", choices=["kvtriton", "nixl"], default="kvtriton")
+    ap.add_argument("--connector", choices=["kvtriton", "nixl", "both"], default="kvtriton",
+                    help="both: each connector on P2->D1 and P1->D2 (the --*-tp flags are ignored), with a table")
+    ap.add_argument("--pairs", default="2:1,1:2", help="with --connector both: P:D pairs to run")
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=0, help="model width (0: 2 * kv heads * head dim)")
+    ap.add_argument("--no-warmup", action="store_true", help="no unmeasured first request")
+    ap.add_argument("--no-eager", action="store_true", help="kvtriton: no consumer named, packs wait for the pull")
+    ap.add_argument("--staging-mib", type=int, default=0, help="kvtriton: staging pool per rank (0: default)")
+    ap.add_argument("--profile", help="folder for py-spy samples of both engines over the measured requests")
+    ap.add_argument("--debug", action="store_true", help="KVTRITON_DEBUG=1 in the engines (control messages logged)")
     ap.add_argument("--block-size", type=int, default=32, help="the CPU build needs a multiple of 32")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=333)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args(argv)
-    res = run(args.connector, args.prefill_tp, args.decode_tp, kv_heads=args.kv_heads, layers=args.layers,
-              head_dim=args.head_dim, block_size=args.block_size, prompts=args.prompts, prompt_len=args.prompt_len,
-              max_tokens=args.max_tokens)
+    kw = dict(kv_heads=args.kv_heads, layers=args.layers, head_dim=args.head_dim, hidden=args.hidden or None,
+              block_size=args.block_size, prompts=args.prompts, prompt_len=args.prompt_len,
+              max_tokens=args.max_tokens, warmup=not args.no_warmup, profile=args.profile,
+              eager=not args.no_eager, staging_mib=args.staging_mib,
+              env={"KVTRITON_DEBUG": "1"} if args.debug else None)
+    if args.connector == "both":
+        pairs = tuple(tuple(int(x) for x in pd.split(":")) for pd in args.pairs.split(","))
+        results = compare(pairs, **kw, say=lambda *a: print(*a, flush=True))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        print("\n".join(comparison_table(results)))
+        for r in results:
+            print(r["summary"])
+        return 0 if all(r["n"] and r["ok"] == r["n"] and r["recomputed"] == 0 for r in results) else 1
+    res = run(args.connector, args.prefill_tp, args.decode_tp, **kw)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     print(res["summary"])

@@ -22,8 +22,10 @@ Sections (all by default; ``--sections`` picks some):
   and a load run of 256 concurrent requests into 4 decode ranks with and without it
   (bench/rogue.py, ~25 s), when NIXL is installed.
 * ``pd_vllm``: prefill and decode as real vLLM engines (bench/pd_vllm.py), kvtriton's connector
-  and vLLM's own NixlConnector side by side, P2->D1 and P1->D2, when the vLLM test bed is built
-  (``make vllm-bed``; ``.venv-vllm`` or ``$KVTRITON_VLLM_PYTHON``).
+  and vLLM's own NixlConnector side by side, P2->D1 and P1->D2: time to KV loaded per request
+  (ours/theirs), time to the first decode token, descriptors; a 16-layer, 8-KV-head model with
+  2k-token prompts (``--pd-size``; ``--quick``: the 2-layer toy), ~11-13 min on 2 busy cores, when
+  the vLLM test bed is built (``make vllm-bed``; ``.venv-vllm`` or ``$KVTRITON_VLLM_PYTHON``).
 
 Writes ``bench/results/sweep.csv`` in long form (one row per measured quantity: the row's
 parameters, ``metric``, ``unit``, and its ``p20``/``p50``/``p80``; counts have three equal
@@ -376,6 +378,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", default="descriptors,kernels,e2e,costmodel,planning,rogue,pd_vllm")
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--pd-size", choices=sorted(PD_SIZES), default="scaled",
+                    help="model and prompt size of the pd_vllm section (--quick: small)")
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
     presets = [PRESETS[p] for p in args.presets.split(",")]
@@ -414,7 +418,7 @@ def main(argv=None) -> int:
 
         rows += [{"section": "rogue", **r} for r in run_rogue_bench(quick=args.quick)]
     if "pd_vllm" in sections:
-        rows += pd_vllm_rows(args.quick)
+        rows += pd_vllm_rows(args.quick, args.pd_size)
     meta = dict(
         device=torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores, {platform.machine()})",
         torch=torch.__version__, git_sha=_git_sha(),
@@ -428,47 +432,60 @@ def main(argv=None) -> int:
     return 0
 
 
-def pd_vllm_rows(quick: bool) -> list[dict]:
+#: model and prompt sizes of the pd_vllm section (bench/pd_vllm.py run() keywords). "scaled": enough
+#: layers, heads and tokens that NixlConnector posts ~2k descriptors per request (P2->D1: 2 source
+#: ranks x 16 layers x 64 blocks), what the 2-core CPU engines run in a few minutes; "large" (32
+#: layers, 4k-token prompts, 8k descriptors) only on request (--pd-size large).
+PD_SIZES = {
+    "small": dict(layers=2, kv_heads=2, head_dim=32, prompt_len=333, prompts=3),
+    # kvtriton's staging sized so a request's payload can be packed ahead of its pull (eager)
+    "scaled": dict(layers=16, kv_heads=8, head_dim=64, hidden=256, prompt_len=2048, prompts=3, staging_mib=320),
+    "large": dict(layers=32, kv_heads=8, head_dim=64, hidden=256, prompt_len=4096, prompts=3, staging_mib=640),
+}
+
+
+def pd_vllm_rows(quick: bool, size: str = "scaled") -> list[dict]:
     """Both connectors on the same engines and prompts, both TP directions (bench/pd_vllm.py)."""
     import pd_vllm  # bench/pd_vllm.py
 
     if pd_vllm.vllm_python() is None:
         print("pd_vllm: skipped, no vLLM test bed (make vllm-bed)")
         return []
+    size = "small" if quick else size
+    cfg = PD_SIZES[size]
+    results = pd_vllm.compare(**cfg, quiet=True, say=lambda *a: print(*a, flush=True))
+    print("\n".join(pd_vllm.comparison_table(results)), flush=True)
+    model = (f"{cfg['layers']} layers, {cfg['kv_heads']} KV heads, head_dim {cfg['head_dim']}, "
+             f"~{cfg['prompt_len']} tokens")
     rows = []
-    for p_tp, d_tp in ((2, 1), (1, 2)):
-        for connector in ("kvtriton", "nixl"):
-            print(f"pd_vllm: {connector} P{p_tp}->D{d_tp} ...", flush=True)
-            try:
-                res = pd_vllm.run(connector, p_tp, d_tp, prompts=3 if quick else 4, prompt_len=333, quiet=True)
-            except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the sweep
-                rows.append({"section": "pd_vllm", "connector": connector, "prefill_tp": p_tp, "decode_tp": d_tp,
-                             "summary": f"pd_vllm: {connector}: failed ({type(e).__name__}: {str(e)[:200]}); "
-                                        f"P{p_tp}->D{d_tp}"})
-                continue
-            print(res["summary"], flush=True)
-            rows += [{"section": "pd_vllm", **r, "summary": res["summary"]} for r in res["rows"]]
+    for res in results:
+        key = {"section": "pd_vllm", "connector": res["connector"], "prefill_tp": res["prefill_tp"],
+               "decode_tp": res["decode_tp"], "pd_size": size, "model": model}
+        if not res["rows"]:
+            rows.append({**key, "summary": res["summary"]})
+        rows += [{**key, **r, "summary": res["summary"]} for r in res["rows"]]
     return rows
 
 
 def _pd_vllm_summary(rows: list[dict]) -> list[str]:
+    import pd_vllm  # bench/pd_vllm.py
+
     lines = ["## Prefill/decode on real vLLM engines (bench/pd_vllm.py)", "",
-             "vLLM 0.32 CPU build, tiny random-weight GQA Llama (2 layers, 2 KV heads, head_dim 32, block 32), "
-             "prompts of ~333 tokens, 8 decode tokens. Time to the first decode token = KV load + one decode "
-             "step, per request, medians; descriptors = READs the decode ranks posted per request.", "",
-             "| connector | P->D | requests identical | prompt tokens recomputed | time to first decode token (ms) "
-             "| descriptors per request |", "|---|---|---|---|---|---|"]
-    summaries = []
+             f"vLLM 0.32 CPU build, random-weight GQA Llama ({rows[0].get('model', '?')}, fp32, block 32), "
+             "8 decode tokens, each engine on its own core. KV loaded = the decode worker's start_load_kv seeing "
+             "the load (first rank) to get_transfer_results reporting it (last rank), measured the same way for "
+             "both connectors; KV ready = request submitted to the scheduler learning it; first decode token = "
+             "KV load + one decode step. Medians over the measured requests; the first request (handshake, "
+             "first use) is a warm-up, shown on its own. Descriptors = READs the decode ranks posted per request.",
+             ""]
+    results = []
     for key in dict.fromkeys((r["connector"], r["prefill_tp"], r["decode_tp"]) for r in rows):
         sel = [r for r in rows if (r["connector"], r["prefill_tp"], r["decode_tp"]) == key]
-        summaries.append(sel[0]["summary"])
-        if "ttft_ms" not in sel[0]:
-            lines.append(f"| {key[0]} | {key[1]}->{key[2]} | failed ||||")
-            continue
-        lines.append(f"| {key[0]} | {key[1]}->{key[2]} | {sum(r['identical'] for r in sel)}/{len(sel)} | "
-                     f"{sum(max(0, r['prompt_computed'] - 1) for r in sel)} | "
-                     f"{np.median([r['ttft_ms'] for r in sel]):.1f} | {_median_or_na([r['descriptors'] for r in sel])} |")
-    return lines + [""] + [f"    {s}" for s in summaries] + [""]
+        results.append({"connector": key[0], "prefill_tp": key[1], "decode_tp": key[2], "summary": sel[0]["summary"],
+                        "rows": [r for r in sel if "ttft_ms" in r],
+                        "ok": sum(bool(r.get("identical")) for r in sel), "n": sum("ttft_ms" in r for r in sel)})
+    lines += pd_vllm.comparison_table(results)
+    return lines + [""] + [f"    {r['summary']}" for r in results] + [""]
 
 
 def _median_or_na(values) -> str:

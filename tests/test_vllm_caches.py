@@ -139,7 +139,9 @@ def test_settings_are_checked():
     s = ConnectorSettings.from_extra_config({"port": 6000, "lease_s": 5, "mode": "push"})
     assert s.port == 6000 and s.lease_s == 5.0 and s.mode == "push" and s.cost_model == "default"
     assert ConnectorSettings.from_extra_config({"cost_model": "measured"}).cost_model == "measured"
-    for bad, match in (({"prot": 1}, "unknown keys"), ({"port": "6000"}, "must be int"), ({"port": 0}, "TCP port"),
+    assert ConnectorSettings.from_extra_config({}).consumer == ""  # holds bound to the first engine that asks
+    assert ConnectorSettings.from_extra_config({"consumer": "decode-0"}).consumer == "decode-0"
+    for bad, match in (({"consumer": 3}, "must be str"), ({"prot": 1}, "unknown keys"), ({"port": "6000"}, "must be int"), ({"port": 0}, "TCP port"),
                        ({"mode": "both"}, "pull"), ({"lease_s": 0}, "> 0"), ({"staging_bytes": True}, "must be int"),
                        ({"cost_model": "guess"}, "'default' or 'measured'")):
         with pytest.raises(SettingsError, match=match):

@@ -200,6 +200,22 @@ def test_hetero_tp_tokens_identical_and_negative_control(model_dir, tmp_path, pr
         pair.close()
 
 
+def test_named_consumer_packs_ahead_and_moves_the_kv(model_dir, tmp_path, prompts):
+    """A prefill that names its decode engine (``consumer``) packs each finished request before
+    the pull and offers it: tokens stay identical, nothing is recomputed, staging all comes back."""
+    pair = Pair(model_dir, tmp_path, 2, 1, p_extra={"consumer": "decode-tp1"})
+    try:
+        transfer_and_check(pair, prompts[:1], "warm")  # the decode meets the prefill: packs need its ranks
+        transfer_and_check(pair, prompts, "e")
+        p_stats = pair.prefill.call("agent_stats")["stats"]
+        d_stats = pair.decode.call("agent_stats")["stats"]
+        assert sum(s["eager_chunks"] for s in p_stats) > 0, p_stats
+        assert sum(s["eager_hits"] for s in p_stats) + sum(s["offers_taken"] for s in d_stats) > 0, (p_stats, d_stats)
+        assert sum(s["refused"] + s["bad_messages"] for s in p_stats + d_stats) == 0, (p_stats, d_stats)
+    finally:
+        pair.close()
+
+
 @pytest.mark.parametrize("p_tp,d_tp,p_block,d_block", [(2, 1, 32, 64), (1, 1, 64, 32)])
 def test_block_size_change_moves_the_kv(model_dir, tmp_path, prompts, p_tp, d_tp, p_block, d_block):
     # the engines page their caches with different block sizes. vLLM's CPU attention keeps K

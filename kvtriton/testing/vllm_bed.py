@@ -10,7 +10,9 @@ Protocol: one JSON object per line on the child's stdin, one JSON answer per lin
 tokens, ``kv_transfer_params`` and the prompt tokens the engine computed for each, counted from
 the scheduler's own outputs), ``submit``/``abort``/``drain`` (for aborts mid-load), ``scramble``
 (overwrite blocks of the registered cache with noise: the negative control), ``state`` (free
-blocks, requests, staging in use), ``exit``.
+blocks, requests, staging in use), ``transfer_stats``/``agent_stats`` (counters per rank),
+``load_times`` (per request: from ``start_load_kv`` to the load reported finished, and from
+submission to the scheduler learning it; the same hooks for any connector), ``exit``.
 
 Example (from the repository root, with the test bed built)::
 
@@ -315,6 +317,35 @@ def _child(args) -> None:
     first_token: dict[str, float] = {}
     if args.connector == "nixl":
         connector_rpc("count_nixl_descriptors")
+    if args.connector != "none":
+        connector_rpc("time_loads")
+    kv_in: dict[str, float] = {}  # request id -> when the scheduler learned its KV is loaded
+    kv_finished = sched._update_from_kv_xfer_finished
+
+    def timed_kv_finished(kv_connector_output):
+        now = time.perf_counter()
+        for rid in kv_connector_output.finished_recving or ():
+            kv_in.setdefault(rid, now)
+        return kv_finished(kv_connector_output)
+
+    sched._update_from_kv_xfer_finished = timed_kv_finished
+
+    def load_times(ext_ids):
+        """Per request: ``worker_s`` = first start_load_kv on any rank to the last rank reporting
+        it loaded; ``scheduler_s`` = submitted to the scheduler learning it is loaded."""
+        per_rank = connector_rpc("load_times") or []
+        out = {}
+        for ext in ext_ids:
+            own = lambda rid: rid == ext or rid.rsplit("-", 1)[0] == ext  # noqa: E731
+            spans = [t for r in per_rank for rid, t in (r or {}).items() if own(rid)]
+            seen = [t for rid, t in kv_in.items() if own(rid)]
+            t_sub = submitted.get(ext, (0, None))[1]
+            out[ext] = {"worker_s": max(t[1] for t in spans) - min(t[0] for t in spans) if spans else None,
+                        "scheduler_s": seen[0] - t_sub if seen and t_sub is not None else None,
+                        "ranks": len(spans)}
+        for rid in [rid for rid in kv_in if any(rid == e or rid.rsplit("-", 1)[0] == e for e in ext_ids)]:
+            del kv_in[rid]
+        return out
     finished: dict[str, dict] = {}
     _say({"ready": True, "total_blocks": total_blocks, "engine_id": kv_config.get("engine_id") if kv_config else None,
           "pid": os.getpid(), "torch": torch.__version__})
@@ -347,6 +378,10 @@ def _child(args) -> None:
             elif op == "state":
                 _say({"free_blocks": block_pool.get_num_free_blocks(), "total_blocks": total_blocks,
                       "requests": len(sched.requests), "staging_in_use": connector_rpc("staging_in_use")})
+            elif op == "agent_stats":
+                _say({"stats": connector_rpc("agent_stats")})
+            elif op == "load_times":
+                _say({"times": load_times(cmd["ids"])})
             elif op == "transfer_stats":
                 _say({"stats": connector_rpc("transfer_stats")})
             elif op == "scramble":
@@ -434,6 +469,53 @@ class _BedHooks:
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl import stats
 
         return dict(getattr(stats.NixlKVConnectorStats, "_bed_counts", {}))
+
+    @staticmethod
+    def agent_stats(conn) -> dict | None:
+        """The rank's TransferAgent counters (messages refused, eager packs, offers...)."""
+        worker = getattr(conn, "_worker", None)
+        return dict(worker.agent.stats) if worker is not None else None
+
+    @staticmethod
+    def time_loads(conn) -> None:
+        """Timestamp every load on this rank the same way for any connector: when ``start_load_kv``
+        first sees the request in its step's metadata (NixlConnector: ``reqs_to_recv``, kvtriton:
+        ``messages.loads``) and when ``get_transfer_results`` first reports it in
+        ``finished_recving``. Wraps the connector instance's public methods, nothing of vLLM is
+        patched. ``time.perf_counter`` is CLOCK_MONOTONIC: comparable across the engine's processes."""
+        if getattr(conn, "_bed_load_times", None) is not None:
+            return
+        times = conn._bed_load_times = {}
+        start, results = conn.start_load_kv, conn.get_transfer_results
+
+        def timed_start(forward_context, **kw):
+            md = getattr(conn, "_connector_metadata", None)
+            loads = getattr(md, "reqs_to_recv", None) or getattr(getattr(md, "messages", None), "loads", None) or {}
+            now = time.perf_counter()
+            for rid in loads:
+                times.setdefault(rid, [now, None])
+            return start(forward_context, **kw)
+
+        def timed_results(finished_req_ids):
+            out = results(finished_req_ids)
+            now = time.perf_counter()
+            for rid in out.finished_recving or ():
+                t = times.get(rid)
+                if t is not None and t[1] is None:
+                    t[1] = now
+            return out
+
+        conn.start_load_kv, conn.get_transfer_results = timed_start, timed_results
+
+    @staticmethod
+    def load_times(conn) -> dict:
+        """The loads :meth:`time_loads` saw end on this rank since the last call: request id ->
+        (start_load_kv, reported loaded)."""
+        times = getattr(conn, "_bed_load_times", None) or {}
+        done = {rid: t for rid, t in times.items() if t[1] is not None}
+        for rid in done:
+            del times[rid]
+        return done
 
     @staticmethod
     def count_nixl_descriptors(conn) -> None:

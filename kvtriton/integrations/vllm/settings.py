@@ -45,6 +45,12 @@ class ConnectorSettings:
                          decode ranks plan STAGED/DIRECT with a model measured on this host,
                          transport and device (:mod:`kvtriton.costmodel`, ~2 s once, then cached);
                          prefill ranks follow what each decode rank's metadata carries.
+    consumer:            prefill side: the engine id of the decode engine every hold is for
+                         (a fixed P/D pairing). Only that engine may read the holds, and each
+                         rank packs a finished request for its ranks ahead of their pull
+                         (eager packing), so a load finds its data staged and READs it without
+                         a round trip to this engine. ``""`` (default): a hold belongs to the
+                         first engine that asks, packed when asked.
     """
 
     host: str = "127.0.0.1"
@@ -62,6 +68,7 @@ class ConnectorSettings:
     impl: str = "auto"
     kv_cache_layout: str = "LBHNC"
     cost_model: str = "default"
+    consumer: str = ""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":

@@ -36,7 +36,7 @@ from ...handshake import MetadataServer, exchange_metadata
 from ...plan import CostModel, required_source_ranks
 from ...regions import Region
 from .scheduler import LoadSpec, RemoteSource, StepMessages
-from .settings import ConnectorSettings
+from .settings import ConnectorSettings, SettingsError
 
 __all__ = ["WorkerSide"]
 
@@ -60,6 +60,9 @@ class WorkerSide:
                  regions: Sequence[Region], serve: bool):
         self.settings, self.engine_id, self.rank, self.tp_size = settings, engine_id, rank, tp_size
         s = settings
+        if s.consumer and s.consumer == engine_id:
+            raise SettingsError(f"kv_connector_extra_config['consumer'] = {s.consumer!r} is this engine's own id: "
+                                f"expected the id of the decode engine that reads this engine's holds")
         cost = CostModel()
         if s.cost_model == "measured":
             from ...costmodel import load_or_measure
@@ -124,7 +127,8 @@ class WorkerSide:
         after = self._cache_written() if msgs.holds else None
         for rid, ids in msgs.holds.items():
             try:
-                self.agent.hold(rid, ids, lease_s=self.settings.lease_s, after=after)
+                self.agent.hold(rid, ids, lease_s=self.settings.lease_s, consumer=self.settings.consumer or None,
+                                after=after)
             except KVTritonError as e:  # a hold vLLM cannot have asked for; never fatal to the engine
                 logger.error("hold of %s failed: %s", rid, e)
         with self._lock:
