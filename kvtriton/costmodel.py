@@ -11,8 +11,9 @@ What is measured, each the median of ``reps`` runs after one warm-up:
 * ``read_gbps`` / ``write_gbps``: one descriptor of :data:`PROBE_BYTES` between two NIXL agents
   of this process over the transport UCX picks (``UCX_TLS`` is read when the first agent starts,
   so the transport is this process's);
-* ``desc_us``: the same bytes as :data:`PROBE_DESCRIPTORS` scattered descriptors, minus the one
-  descriptor time, per descriptor;
+* ``desc_us``: the slope of transfer time against descriptor count, the same bytes cut into
+  each of :data:`PROBE_COUNTS` scattered descriptors, timed in interleaved rounds and fitted
+  robustly (:func:`fit_desc_us`);
 * ``pack_gbps`` / ``unpack_gbps``: :func:`kvtriton.ops.pack` / ``unpack`` (payload bytes / time,
   the ``impl`` the agent uses on ``device``) for an NHD -> HND head-slice repack of that size.
 
@@ -32,16 +33,21 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
 from .plan import CostModel
 
-__all__ = ["PROBE_BYTES", "PROBE_DESCRIPTORS", "transport_key", "cache_path", "measure", "load_or_measure"]
+__all__ = ["PROBE_BYTES", "PROBE_DESCRIPTORS", "PROBE_COUNTS", "transport_key", "cache_path", "fit_desc_us",
+           "measure", "load_or_measure"]
 
 PROBE_BYTES = 8 << 20  # big enough that a post's fixed cost is noise, small enough for ~1 s
 PROBE_DESCRIPTORS = 2048  # 4 KiB each: a vLLM-style head slice of a 16-token block
-CACHE_VERSION = 1
+PROBE_COUNTS = (1, 128, 512, PROBE_DESCRIPTORS)  # the same bytes in this many descriptors
+PROBE_BUDGET_S = 2.0  # rounds of the descriptor probe continue while this lasts
+DESC_US_FLOOR = 0.05  # a descriptor is never free: NIXL's own bookkeeping per entry
+CACHE_VERSION = 2  # 2: desc_us is a fitted slope (version 1's difference could come out 0.01 on tcp)
 
 
 def transport_key() -> str:
@@ -72,8 +78,43 @@ def _median_ms(fn, reps: int) -> float:
     return float(np.median(ts))
 
 
-def _transport_costs(reps: int) -> tuple[float, float, float]:
-    """(desc_us, read_gbps, write_gbps) between two NIXL agents of this process."""
+def fit_desc_us(counts: Sequence[int], rounds_ms: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """Per-descriptor cost from timings of the same bytes cut into ``counts`` descriptors.
+
+    ``rounds_ms[r][i]`` is round ``r``'s time (ms) of the transfer in ``counts[i]`` pieces; a
+    round times every count back to back, so a load burst or a slow connection that lasts a round
+    shifts all of its points alike and leaves its slope alone. Each round's slope is the median of
+    its pairwise slopes (Theil-Sen: one disturbed point cannot move it), and the estimate is the
+    median over rounds. Returns ``(desc_us, spread_us)``: ``spread_us`` is half the p20-p80 range
+    of the per-round slopes. Pure (unit-tested on synthetic timings); a slope that is not positive
+    (no cost resolved) is returned as is and the caller decides.
+
+    >>> round(fit_desc_us([1, 101], [[1.0, 1.2], [1.5, 1.7], [1.0, 9.0]])[0], 6)  # one outlier round
+    2.0
+    """
+    c = np.asarray(counts, dtype=np.float64)
+    t = np.asarray(rounds_ms, dtype=np.float64)
+    if c.ndim != 1 or c.size < 2 or t.ndim != 2 or t.shape[1] != c.size or t.shape[0] < 1:
+        raise ValueError(f"need >= 2 descriptor counts and rounds of one time per count; got counts {c.shape}, "
+                         f"times {t.shape}")
+    i, j = np.triu_indices(c.size, 1)
+    keep = c[j] != c[i]
+    i, j = i[keep], j[keep]
+    per_round = np.median((t[:, j] - t[:, i]) / (c[j] - c[i]), axis=1) * 1e3  # ms -> us per descriptor
+    lo, hi = np.quantile(per_round, [0.2, 0.8])
+    return float(np.median(per_round)), float(hi - lo) / 2
+
+
+def _transport_costs(reps: int, budget_s: float = PROBE_BUDGET_S) -> tuple[float, float, float]:
+    """(desc_us, read_gbps, write_gbps) between two NIXL agents of this process.
+
+    The same :data:`PROBE_BYTES` are READ as each of :data:`PROBE_COUNTS` descriptors (randomly
+    placed on the reading side, so none merge), in rounds (:func:`fit_desc_us`); at least
+    ``reps`` rounds, more while ``budget_s`` lasts (at most ``4 * reps``). Why not one large
+    against one many-piece transfer: on tcp the one-descriptor time is bimodal across runs (a
+    connection's 3.7 ms against 15 ms here), and the difference of two medians taken minutes of
+    load apart came out negative, clamped to 0.01 us; the slope within a round does not see that.
+    """
     import torch
 
     from .transport.nixl import NixlTransport, XferStatus
@@ -87,32 +128,46 @@ def _transport_costs(reps: int) -> tuple[float, float, float]:
         b.register(src)
         peer = a.add_remote(b.metadata())
         b.add_remote(a.metadata())
-        piece = PROBE_BYTES // PROBE_DESCRIPTORS
-        order = np.random.default_rng(0).permutation(PROBE_DESCRIPTORS)  # never adjacent: no merging
-        one_l = a.prep_local(np.array([[dst.data_ptr(), PROBE_BYTES, 0]]), "DRAM")
-        one_r = a.prep_remote(peer, np.array([[src.data_ptr(), PROBE_BYTES, 0]]), "DRAM")
-        many = np.stack([np.arange(PROBE_DESCRIPTORS) * piece, np.full(PROBE_DESCRIPTORS, piece),
-                         np.zeros(PROBE_DESCRIPTORS, np.int64)], 1).astype(np.int64)
-        many_l = many.copy()
-        many_l[:, 0] = dst.data_ptr() + order * piece
-        many[:, 0] += src.data_ptr()
-        ml, mr = a.prep_local(many_l, "DRAM"), a.prep_remote(peer, many, "DRAM")
-        idx = np.arange(PROBE_DESCRIPTORS)
+        lists = []
+        for count in PROBE_COUNTS:
+            piece = PROBE_BYTES // count
+            order = np.random.default_rng(count).permutation(count)  # never adjacent: no merging
+            remote = np.stack([np.arange(count) * piece, np.full(count, piece), np.zeros(count, np.int64)],
+                              1).astype(np.int64)
+            local = remote.copy()
+            local[:, 0] = dst.data_ptr() + order * piece
+            remote[:, 0] += src.data_ptr()
+            lists.append((a.prep_local(local, "DRAM"), a.prep_remote(peer, remote, "DRAM"), np.arange(count)))
 
-        def xfer(op, local, remote, i) -> None:
-            x = a.post(op, local, i, remote, i)
+        def xfer(op, local, remote, idx) -> float:
+            t0 = time.perf_counter()
+            x = a.post(op, local, idx, remote, idx)
             deadline = time.monotonic() + 30
             while a.poll(x) is not XferStatus.DONE:
                 b.poll_notifs()  # the passive side must be driven too (no progress thread)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"cost model probe: {op} did not finish in 30 s")
             a.release(x)
+            return (time.perf_counter() - t0) * 1e3
 
-        read_ms = _median_ms(lambda: xfer("READ", one_l, one_r, [0]), reps)
-        write_ms = _median_ms(lambda: xfer("WRITE", one_l, one_r, [0]), reps)
-        many_ms = _median_ms(lambda: xfer("READ", ml, mr, idx), reps)
-        desc_us = max(0.01, (many_ms - read_ms) * 1e3 / (PROBE_DESCRIPTORS - 1))
-        return desc_us, PROBE_BYTES / read_ms / 1e6, PROBE_BYTES / write_ms / 1e6
+        for lst in lists:
+            xfer("READ", *lst)  # warm-up: connection wire-up, first touch of the pages
+        rounds, writes = [], []
+        stop = time.monotonic() + budget_s
+        while len(rounds) < reps or (time.monotonic() < stop and len(rounds) < 4 * reps):
+            order = range(len(lists)) if len(rounds) % 2 == 0 else range(len(lists) - 1, -1, -1)
+            row = [0.0] * len(lists)
+            for k in order:  # alternating direction: no count always runs right after the largest
+                row[k] = xfer("READ", *lists[k])
+            rounds.append(row)
+            writes.append(xfer("WRITE", *lists[0]))
+        desc_us, spread = fit_desc_us(PROBE_COUNTS, rounds)
+        read_ms = float(np.median([r[0] for r in rounds]))
+        write_ms = float(np.median(writes))
+        if desc_us <= 0:
+            # nothing resolved above the noise: the spread bounds what a descriptor can cost
+            desc_us = max(spread, DESC_US_FLOOR)
+        return max(desc_us, DESC_US_FLOOR), PROBE_BYTES / read_ms / 1e6, PROBE_BYTES / write_ms / 1e6
     finally:
         a.close()
         b.close()
