@@ -205,6 +205,8 @@ def run_costgrid(quick: bool = False, timeout_s: float = 420) -> list[dict]:
             try:
                 res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
                 ok, err = res.returncode == 0, res.stderr[-300:]
+                print("".join(x + "\n" for x in res.stdout.splitlines() if x.startswith("costgrid ")), end="",
+                      flush=True)
             except subprocess.TimeoutExpired:
                 ok, err = False, f"timed out after {timeout_s} s"
             if not ok:

@@ -3,10 +3,11 @@
 :func:`~kvtriton.plan.build_plan` chooses STAGED or DIRECT per region from a few numbers (the
 cost of one descriptor, pack and unpack bandwidth); this module measures them instead of assuming
 them, and caches the result on disk per (host, transport, device) so a serving process pays the
-~1 s measurement once. The planner stays pure: it is *given* a model (``build_plan(cost=...)``,
+~3 s measurement once. The planner stays pure: it is *given* a model (``build_plan(cost=...)``,
 ``TransferAgent(cost=...)``); nothing here is called by it.
 
-What is measured, each the median of ``reps`` runs after one warm-up:
+What is measured, each after a warm-up, in interleaved rounds (at least ``reps``, more while a
+time budget lasts, :data:`PROBE_BUDGET_S`), medians:
 
 * ``read_gbps`` / ``write_gbps``: one descriptor of :data:`PROBE_BYTES` between two NIXL agents
   of this process over the transport UCX picks (``UCX_TLS`` is read when the first agent starts,
@@ -15,7 +16,8 @@ What is measured, each the median of ``reps`` runs after one warm-up:
   each of :data:`PROBE_COUNTS` scattered descriptors, timed in interleaved rounds and fitted
   robustly (:func:`fit_desc_us`);
 * ``pack_gbps`` / ``unpack_gbps``: :func:`kvtriton.ops.pack` / ``unpack`` (payload bytes / time,
-  the ``impl`` the agent uses on ``device``) for an NHD -> HND head-slice repack of that size.
+  the ``impl`` the agent uses on ``device``) for an NHD -> HND head-slice repack of that size,
+  pack and unpack alternating.
 
 Both engines must plan alike: the decode rank's model is the one that counts (it travels in
 its handshake metadata and the source plans that rank's transfers with it).
@@ -66,16 +68,6 @@ def cache_path(device: str = "cpu", transport: str | None = None) -> Path:
     host = "".join(c if c.isalnum() or c in "-." else "_" for c in platform.node() or "host")
     dev = f"{device}-t{torch.get_num_threads()}" if device == "cpu" else device
     return root / "costmodel" / f"{host}-{transport or transport_key()}-{dev}.json"
-
-
-def _median_ms(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(ts))
 
 
 def fit_desc_us(counts: Sequence[int], rounds_ms: Sequence[Sequence[float]]) -> tuple[float, float]:
@@ -173,7 +165,7 @@ def _transport_costs(reps: int, budget_s: float = PROBE_BUDGET_S) -> tuple[float
         b.close()
 
 
-def _repack_costs(device: str, impl: str, reps: int) -> tuple[float, float]:
+def _repack_costs(device: str, impl: str, reps: int, budget_s: float = PROBE_BUDGET_S / 2) -> tuple[float, float]:
     """(pack_gbps, unpack_gbps): NHD 2-head source -> HND 1-head destination, block 16, bf16."""
     import torch
 
@@ -203,9 +195,19 @@ def _repack_costs(device: str, impl: str, reps: int) -> tuple[float, float]:
             sync()
         return fn
 
-    pack_ms = _median_ms(run("pack", src, src_ids), reps)
-    unpack_ms = _median_ms(run("unpack", dst, dst_ids), reps)
-    return nbytes / pack_ms / 1e6, nbytes / unpack_ms / 1e6
+    pack, unpack = run("pack", src, src_ids), run("unpack", dst, dst_ids)
+    pack()
+    unpack()
+    # interleaved and as many as the budget allows (at least reps, at most 4 * reps): one load burst
+    # on a shared host must not halve one of the two numbers (the crossover moves with each)
+    times: tuple[list[float], list[float]] = ([], [])
+    stop = time.monotonic() + budget_s
+    while len(times[0]) < reps or (time.monotonic() < stop and len(times[0]) < 4 * reps):
+        for fn, ts in ((pack, times[0]), (unpack, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+    return nbytes / float(np.median(times[0])) / 1e6, nbytes / float(np.median(times[1])) / 1e6
 
 
 def _threads() -> int:
