@@ -190,7 +190,7 @@ def run_cells(quick: bool, transport: str) -> list[dict]:
     return rows
 
 
-def run_costgrid(quick: bool = False, timeout_s: float = 420) -> list[dict]:
+def run_costgrid(quick: bool = False, timeout_s: float = 900) -> list[dict]:
     """Every transport's cells, each transport in fresh processes."""
     rows: list[dict] = []
     for label, tls in TRANSPORTS:
