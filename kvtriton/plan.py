@@ -705,8 +705,8 @@ def _direct_groups(plan: TransferPlan, src_specs, dst_specs) -> tuple[_DirectGro
                                   for j in range(d.num_streams)))
         by_key.setdefault((dr.src_ranks, tuple(per_rank)), []).append(dr.region)
     groups = tuple(_DirectGroup(k[0], k[1], tuple(v)) for k, v in by_key.items())
-    if len(cache) > _GROUP_CACHE_ENTRIES:
-        cache.pop(next(k for k in cache if k != "ranks"))
+    if len(cache) > _GROUP_CACHE_ENTRIES:  # list(): a snapshot, safe if another thread plans too
+        cache.pop(next(k for k in list(cache) if k != "ranks"), None)
     cache[key] = (tuple(tuple(x) for x in lists), tuple(dst_specs), groups)
     return groups
 
