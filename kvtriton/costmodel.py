@@ -6,8 +6,8 @@ them, and caches the result on disk per (host, transport, device) so a serving p
 ~3 s measurement once. The planner stays pure: it is *given* a model (``build_plan(cost=...)``,
 ``TransferAgent(cost=...)``); nothing here is called by it.
 
-What is measured, each after a warm-up, in interleaved rounds (at least ``reps``, more while a
-time budget lasts, :data:`PROBE_BUDGET_S`), medians:
+What is measured, after a warm-up, all in the same rounds (at least ``reps``, more while a time
+budget lasts, :data:`PROBE_BUDGET_S`; the order alternating; see :func:`_measure_rounds`), medians:
 
 * ``read_gbps`` / ``write_gbps``: one descriptor of :data:`PROBE_BYTES` between two NIXL agents
   of this process over the transport UCX picks (``UCX_TLS`` is read when the first agent starts,
@@ -16,8 +16,15 @@ time budget lasts, :data:`PROBE_BUDGET_S`), medians:
   each of :data:`PROBE_COUNTS` scattered descriptors, timed in interleaved rounds and fitted
   robustly (:func:`fit_desc_us`);
 * ``pack_gbps`` / ``unpack_gbps``: :func:`kvtriton.ops.pack` / ``unpack`` (payload bytes / time,
-  the ``impl`` the agent uses on ``device``) for an NHD -> HND head-slice repack of that size,
-  pack and unpack alternating.
+  the ``impl`` the agent uses on ``device``) for an NHD -> HND head-slice repack of that size.
+
+Why one set of rounds: the plan decides by a ratio (a descriptor's cost against a byte's repack
+cost), and on a shared host the absolute numbers drift with load; probes run seconds apart (the
+first version) saw different loads, e.g. a descriptor measured at 2.7 us under load against a
+repack measured idle, which moved the crossover from ~5 to ~10 KiB and lost every 8 KiB cell of
+the grid (bench/costgrid.py) by 1.1-1.5x. Why a slope: on tcp the one-descriptor time is bimodal
+across runs (3.7 ms against 15 ms), and a difference of two medians taken at different moments
+came out negative (clamped to 0.01 us per descriptor); the slope within a round does not see it.
 
 Both engines must plan alike: the decode rank's model is the one that counts (it travels in
 its handshake metadata and the source plans that rank's transfers with it).
@@ -30,6 +37,7 @@ cache file), or ``load_or_measure(remeasure=True)``. The cache directory is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -47,7 +55,7 @@ __all__ = ["PROBE_BYTES", "PROBE_DESCRIPTORS", "PROBE_COUNTS", "transport_key", 
 PROBE_BYTES = 8 << 20  # big enough that a post's fixed cost is noise, small enough for ~1 s
 PROBE_DESCRIPTORS = 2048  # 4 KiB each: a vLLM-style head slice of a 16-token block
 PROBE_COUNTS = (1, 128, 512, PROBE_DESCRIPTORS)  # the same bytes in this many descriptors
-PROBE_BUDGET_S = 2.0  # rounds of the descriptor probe continue while this lasts
+PROBE_BUDGET_S = 3.0  # measurement rounds continue while this lasts (at least reps, at most 4 * reps)
 DESC_US_FLOOR = 0.05  # a descriptor is never free: NIXL's own bookkeeping per entry
 CACHE_VERSION = 2  # 2: desc_us is a fitted slope (version 1's difference could come out 0.01 on tcp)
 
@@ -97,16 +105,12 @@ def fit_desc_us(counts: Sequence[int], rounds_ms: Sequence[Sequence[float]]) -> 
     return float(np.median(per_round)), float(hi - lo) / 2
 
 
-def _transport_costs(reps: int, budget_s: float = PROBE_BUDGET_S) -> tuple[float, float, float]:
-    """(desc_us, read_gbps, write_gbps) between two NIXL agents of this process.
-
-    The same :data:`PROBE_BYTES` are READ as each of :data:`PROBE_COUNTS` descriptors (randomly
-    placed on the reading side, so none merge), in rounds (:func:`fit_desc_us`); at least
-    ``reps`` rounds, more while ``budget_s`` lasts (at most ``4 * reps``). Why not one large
-    against one many-piece transfer: on tcp the one-descriptor time is bimodal across runs (a
-    connection's 3.7 ms against 15 ms here), and the difference of two medians taken minutes of
-    load apart came out negative, clamped to 0.01 us; the slope within a round does not see that.
-    """
+@contextlib.contextmanager
+def _transport_probe():
+    """Two NIXL agents of this process with :data:`PROBE_BYTES` registered on each: yields
+    ``(read, write)``; ``read(k)`` times (ms) one READ of the bytes cut into ``PROBE_COUNTS[k]``
+    descriptors (randomly placed on the reading side, so none merge), ``write()`` one WRITE of
+    them as one descriptor."""
     import torch
 
     from .transport.nixl import NixlTransport, XferStatus
@@ -142,31 +146,15 @@ def _transport_costs(reps: int, budget_s: float = PROBE_BUDGET_S) -> tuple[float
             a.release(x)
             return (time.perf_counter() - t0) * 1e3
 
-        for lst in lists:
-            xfer("READ", *lst)  # warm-up: connection wire-up, first touch of the pages
-        rounds, writes = [], []
-        stop = time.monotonic() + budget_s
-        while len(rounds) < reps or (time.monotonic() < stop and len(rounds) < 4 * reps):
-            order = range(len(lists)) if len(rounds) % 2 == 0 else range(len(lists) - 1, -1, -1)
-            row = [0.0] * len(lists)
-            for k in order:  # alternating direction: no count always runs right after the largest
-                row[k] = xfer("READ", *lists[k])
-            rounds.append(row)
-            writes.append(xfer("WRITE", *lists[0]))
-        desc_us, spread = fit_desc_us(PROBE_COUNTS, rounds)
-        read_ms = float(np.median([r[0] for r in rounds]))
-        write_ms = float(np.median(writes))
-        if desc_us <= 0:
-            # nothing resolved above the noise: the spread bounds what a descriptor can cost
-            desc_us = max(spread, DESC_US_FLOOR)
-        return max(desc_us, DESC_US_FLOOR), PROBE_BYTES / read_ms / 1e6, PROBE_BYTES / write_ms / 1e6
+        yield (lambda k: xfer("READ", *lists[k])), (lambda: xfer("WRITE", *lists[0]))
     finally:
         a.close()
         b.close()
 
 
-def _repack_costs(device: str, impl: str, reps: int, budget_s: float = PROBE_BUDGET_S / 2) -> tuple[float, float]:
-    """(pack_gbps, unpack_gbps): NHD 2-head source -> HND 1-head destination, block 16, bf16."""
+def _repack_probe(device: str, impl: str):
+    """``(pack, unpack, nbytes)``: each times (ms) :func:`kvtriton.ops.pack` / ``unpack`` of an
+    NHD 2-head source -> HND 1-head destination repack (block 16, bf16) of ``nbytes`` payload."""
     import torch
 
     from . import ops
@@ -190,24 +178,48 @@ def _repack_costs(device: str, impl: str, reps: int, budget_s: float = PROBE_BUD
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def run(op, regions, ids):
-        def fn():
+        def fn() -> float:
+            t0 = time.perf_counter()
             getattr(ops, op)(regions, read.segments, offs, ids, staging, impl=impl)
             sync()
+            return (time.perf_counter() - t0) * 1e3
         return fn
 
-    pack, unpack = run("pack", src, src_ids), run("unpack", dst, dst_ids)
-    pack()
-    unpack()
-    # interleaved and as many as the budget allows (at least reps, at most 4 * reps): one load burst
-    # on a shared host must not halve one of the two numbers (the crossover moves with each)
-    times: tuple[list[float], list[float]] = ([], [])
-    stop = time.monotonic() + budget_s
-    while len(times[0]) < reps or (time.monotonic() < stop and len(times[0]) < 4 * reps):
-        for fn, ts in ((pack, times[0]), (unpack, times[1])):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-    return nbytes / float(np.median(times[0])) / 1e6, nbytes / float(np.median(times[1])) / 1e6
+    return run("pack", src, src_ids), run("unpack", dst, dst_ids), nbytes
+
+
+def _measure_rounds(device: str, impl: str, reps: int, budget_s: float) -> dict:
+    """Every probe in the same rounds: each round READs the bytes as each descriptor count, WRITEs
+    them once, packs and unpacks them, its order alternating between rounds. A load burst on a
+    shared host then lands on all of them alike, so the ratios the plan decides by (a descriptor's
+    cost against a byte's repack cost) hold even when the absolute numbers drift. At least
+    ``reps`` rounds, more while ``budget_s`` lasts, at most ``4 * reps``."""
+    pack, unpack, nbytes = _repack_probe(device, impl)
+    with _transport_probe() as (read, write):
+        steps = [("read", k) for k in range(len(PROBE_COUNTS))] + [("write", 0), ("pack", 0), ("unpack", 0)]
+        run = {"read": read, "write": lambda _k: write(), "pack": lambda _k: pack(), "unpack": lambda _k: unpack()}
+        for what, k in steps:
+            run[what](k)  # warm-up: connection wire-up, first touch of pages
+        rows: list[dict] = []
+        stop = time.monotonic() + budget_s
+        while len(rows) < reps or (time.monotonic() < stop and len(rows) < 4 * reps):
+            row: dict = {"read": [0.0] * len(PROBE_COUNTS)}
+            for what, k in (steps if len(rows) % 2 == 0 else steps[::-1]):
+                t = run[what](k)
+                if what == "read":
+                    row["read"][k] = t
+                else:
+                    row[what] = t
+            rows.append(row)
+    desc_us, spread = fit_desc_us(PROBE_COUNTS, [r["read"] for r in rows])
+    if desc_us <= 0:
+        desc_us = spread  # nothing resolved above the noise: the spread bounds what a descriptor can cost
+    med = {w: float(np.median([r[w] for r in rows])) for w in ("write", "pack", "unpack")}
+    return dict(desc_us=max(desc_us, DESC_US_FLOOR),
+                read_gbps=PROBE_BYTES / float(np.median([r["read"][0] for r in rows])) / 1e6,
+                write_gbps=PROBE_BYTES / med["write"] / 1e6,
+                pack_gbps=nbytes / med["pack"] / 1e6, unpack_gbps=nbytes / med["unpack"] / 1e6,
+                rounds=len(rows))
 
 
 def _threads() -> int:
@@ -216,14 +228,14 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def measure(device: str = "cpu", impl: str = "auto", reps: int = 5) -> CostModel:
-    """Measure a :class:`CostModel` now (about a second on a CPU; see the module docstring)."""
-    desc_us, read_gbps, write_gbps = _transport_costs(reps)
-    pack_gbps, unpack_gbps = _repack_costs(device, impl, reps)
-    return CostModel(desc_us=round(desc_us, 4), pack_gbps=round(pack_gbps, 3), unpack_gbps=round(unpack_gbps, 3),
-                     read_gbps=round(read_gbps, 3), write_gbps=round(write_gbps, 3),
+def measure(device: str = "cpu", impl: str = "auto", reps: int = 5, budget_s: float = PROBE_BUDGET_S) -> CostModel:
+    """Measure a :class:`CostModel` now (a few seconds on a CPU; see the module docstring)."""
+    m = _measure_rounds(device, impl, reps, budget_s)
+    return CostModel(desc_us=round(m["desc_us"], 4), pack_gbps=round(m["pack_gbps"], 3),
+                     unpack_gbps=round(m["unpack_gbps"], 3), read_gbps=round(m["read_gbps"], 3),
+                     write_gbps=round(m["write_gbps"], 3),
                      source=f"measured {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {transport_key()}, "
-                            f"{device}, {_threads()} torch threads")
+                            f"{device}, {_threads()} torch threads, {m['rounds']} rounds")
 
 
 def load_or_measure(device: str = "cpu", impl: str = "auto", *, remeasure: bool = False,
