@@ -46,9 +46,10 @@ LAYOUTS = ["NHD", "HND"]
 TOKENS = 2048
 TRANSPORTS = [("shm", None), ("tcp", "tcp")]
 # Agent pairs per mode and cell: the same cell timed over fresh UCX connections varies up to ~2.5x
-# on this machine (direct 2.7 ms on one, 7 ms on the next), so each mode's runs rotate over
-# three connections and the choice is judged against what a connection costs on average.
-CONNECTIONS = 3
+# on this machine (direct 2.7 ms on one, 7 ms on the next; one pair stayed at 7-10 ms for six runs
+# while another stayed at 4.1-4.8), so each mode's runs rotate over four connections and the
+# choice is judged against what a connection costs on average.
+CONNECTIONS = 4
 WARMUP_FETCHES = 2  # per connection: wire-up, first touch of staging and caches
 
 
@@ -141,7 +142,7 @@ def run_cells(quick: bool, transport: str) -> list[dict]:
     # measured now, in this process's conditions (1 torch thread, this transport): the grid judges
     # the measurement procedure, not a cache written under other load (it refreshes that cache)
     cost = load_or_measure("cpu", impl="torch", remeasure=True)
-    reps = 6 if quick else 9
+    reps = 8 if quick else 12  # whole turns over the connections
     rows = []
     for p_tp, d_tp, h, bs, layout in _cells(quick):
         total = h * min(p_tp, d_tp)
