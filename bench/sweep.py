@@ -302,10 +302,13 @@ def _costmodel_summary(rows: list[dict]) -> list[str]:
     models = list(dict.fromkeys((r.get("transport"), r.get("note")) for r in rows if "ratio" in r))
     lines += [""] + [f"- {t}: {n}; {summary_line([r for r in rows if r.get('transport') == t])}; "
                      f"{noise_line([r for r in rows if r.get('transport') == t])}" for t, n in models]
-    lines += ["", "The model is measured once, at the start, on a machine other processes share; the cells are "
-              "timed over the next minutes. A cell whose two modes are within each other's p20-p80 spread is a "
-              "coin toss the model cannot win reliably (it sits near the crossover); the count of misses beyond "
-              "that spread is what a better model could fix.", ""]
+    lines += ["", "The model is measured once per transport, at the start (every probe in the same rounds), on a "
+              "machine other processes share; the cells are timed over the next minutes, each mode's runs rotating "
+              "over warmed connections in interleaved rounds. Verdict: hit = the chosen mode has the lowest median; "
+              "tie = another mode's median is lower but the spreads overlap (the chosen mode's p20 at or below its "
+              "p80): a coin toss near the crossover that this run cannot call; miss = slower beyond that spread, "
+              "what a better model could fix. The last line is the median-based ratio over every cell regardless.",
+              ""]
     return lines + [noise_line(rows), "", tie_line(rows), "", summary_line(rows), ""]
 
 
