@@ -54,8 +54,12 @@ __all__ = ["PROBE_BYTES", "PROBE_DESCRIPTORS", "PROBE_COUNTS", "transport_key", 
 
 PROBE_BYTES = 8 << 20  # big enough that a post's fixed cost is noise, small enough for ~1 s
 PROBE_DESCRIPTORS = 2048  # 4 KiB each: a vLLM-style head slice of a 16-token block
-PROBE_COUNTS = (1, 128, 512, PROBE_DESCRIPTORS)  # the same bytes in this many descriptors
-PROBE_BUDGET_S = 3.0  # measurement rounds continue while this lasts (at least reps, at most 4 * reps)
+# the same bytes in this many descriptors: the plan's linear model is fitted where it is used (a
+# request's thousands of descriptors); on tcp the cost is concave (here ~4.6 us each over the first
+# 128, ~1.4 us each over 2,048: UCX pipelines them), so small counts would overstate it
+PROBE_COUNTS = (1, PROBE_DESCRIPTORS // 2, PROBE_DESCRIPTORS)
+PROBE_BUDGET_S = 3.0  # measurement rounds continue while this lasts (at least reps, at most MAX_ROUNDS)
+MAX_ROUNDS = 60  # a load level lasts seconds here: rounds over the whole budget average several
 DESC_US_FLOOR = 0.05  # a descriptor is never free: NIXL's own bookkeeping per entry
 CACHE_VERSION = 2  # 2: desc_us is a fitted slope (version 1's difference could come out 0.01 on tcp)
 
@@ -193,7 +197,7 @@ def _measure_rounds(device: str, impl: str, reps: int, budget_s: float) -> dict:
     them once, packs and unpacks them, its order alternating between rounds. A load burst on a
     shared host then lands on all of them alike, so the ratios the plan decides by (a descriptor's
     cost against a byte's repack cost) hold even when the absolute numbers drift. At least
-    ``reps`` rounds, more while ``budget_s`` lasts, at most ``4 * reps``."""
+    ``reps`` rounds, more while ``budget_s`` lasts, at most :data:`MAX_ROUNDS`."""
     pack, unpack, nbytes = _repack_probe(device, impl)
     with _transport_probe() as (read, write):
         steps = [("read", k) for k in range(len(PROBE_COUNTS))] + [("write", 0), ("pack", 0), ("unpack", 0)]
@@ -202,7 +206,7 @@ def _measure_rounds(device: str, impl: str, reps: int, budget_s: float) -> dict:
             run[what](k)  # warm-up: connection wire-up, first touch of pages
         rows: list[dict] = []
         stop = time.monotonic() + budget_s
-        while len(rows) < reps or (time.monotonic() < stop and len(rows) < 4 * reps):
+        while len(rows) < reps or (time.monotonic() < stop and len(rows) < MAX_ROUNDS):
             row: dict = {"read": [0.0] * len(PROBE_COUNTS)}
             for what, k in (steps if len(rows) % 2 == 0 else steps[::-1]):
                 t = run[what](k)
