@@ -304,7 +304,7 @@ def _e2e_pair_summary(rows: list[dict]) -> list[str]:
 
 
 def _costmodel_summary(rows: list[dict]) -> list[str]:
-    from costgrid import noise_line, summary_line  # bench/costgrid.py
+    from costgrid import noise_line, summary_line, tie_line  # bench/costgrid.py
 
     lines = ["## Cost model: the plan's choice against every mode it could have chosen (bench/costgrid.py)", "",
              "One decode rank fetches one 8 MiB request (2,048 tokens, GQA head_dim 128 bf16, 8/heads layers, "
@@ -313,7 +313,7 @@ def _costmodel_summary(rows: list[dict]) -> list[str]:
              "One-sided: read_unpack (P > D, no pack pass) or pack_place (D > P, no unpack pass), where feasible. "
              "ms: median [p20-p80].", "",
              "| transport | P->D | heads/rank | block | layout | B/descriptor | chosen | chosen ms | best | best ms "
-             "| staged ms | direct ms | one-sided ms | chosen/best | miss beyond noise |",
+             "| staged ms | direct ms | one-sided ms | chosen/best | verdict (hit, tie, miss beyond noise) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "ratio" not in r:
@@ -322,15 +322,19 @@ def _costmodel_summary(rows: list[dict]) -> list[str]:
         lines.append(f"| {r['transport']} | {r['p_tp']}->{r['d_tp']} | {r['heads_per_rank']} | {r['block_size']} | "
                      f"{r['layout']} | {r['bytes_per_descriptor']:,} | {r['chosen']} | {_fmt(r, 'chosen_ms')} | "
                      f"{r['best']} | {_fmt(r, 'best_ms')} | {_fmt(r, 'staged_ms')} | {_fmt(r, 'direct_ms')} | "
-                     f"{_fmt(r, 'read_unpack_ms') or _fmt(r, 'pack_place_ms')} | {r['ratio']:.2f} | {r.get('miss_beyond_noise', '')} |")
+                     f"{_fmt(r, 'read_unpack_ms') or _fmt(r, 'pack_place_ms')} | {r['ratio']:.2f} | "
+                     f"{r.get('verdict', r.get('miss_beyond_noise', ''))} |")
     models = list(dict.fromkeys((r.get("transport"), r.get("note")) for r in rows if "ratio" in r))
     lines += [""] + [f"- {t}: {n}; {summary_line([r for r in rows if r.get('transport') == t])}; "
                      f"{noise_line([r for r in rows if r.get('transport') == t])}" for t, n in models]
-    lines += ["", "The model is measured once, at the start, on a machine other processes share; the cells are "
-              "timed over the next minutes. A cell whose two modes are within each other's p20-p80 spread is a "
-              "coin toss the model cannot win reliably (it sits near the crossover); the count of misses beyond "
-              "that spread is what a better model could fix.", ""]
-    return lines + [noise_line(rows), "", summary_line(rows), ""]
+    lines += ["", "The model is measured once per transport, at the start (every probe in the same rounds), on a "
+              "machine other processes share; the cells are timed over the next minutes, each mode's runs rotating "
+              "over warmed connections in interleaved rounds. Verdict: hit = the chosen mode has the lowest median; "
+              "tie = another mode's median is lower but the spreads overlap (the chosen mode's p20 at or below its "
+              "p80): a coin toss near the crossover that this run cannot call; miss = slower beyond that spread, "
+              "what a better model could fix. The last line is the median-based ratio over every cell regardless.",
+              ""]
+    return lines + [noise_line(rows), "", tie_line(rows), "", summary_line(rows), ""]
 
 
 def _plot(desc: list[dict], path: Path) -> None:

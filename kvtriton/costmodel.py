@@ -3,18 +3,28 @@
 :func:`~kvtriton.plan.build_plan` chooses STAGED or DIRECT per region from a few numbers (the
 cost of one descriptor, pack and unpack bandwidth); this module measures them instead of assuming
 them, and caches the result on disk per (host, transport, device) so a serving process pays the
-~1 s measurement once. The planner stays pure: it is *given* a model (``build_plan(cost=...)``,
+~3 s measurement once. The planner stays pure: it is *given* a model (``build_plan(cost=...)``,
 ``TransferAgent(cost=...)``); nothing here is called by it.
 
-What is measured, each the median of ``reps`` runs after one warm-up:
+What is measured, after a warm-up, all in the same rounds (at least ``reps``, more while a time
+budget lasts, :data:`PROBE_BUDGET_S`; the order alternating; see :func:`_measure_rounds`), medians:
 
 * ``read_gbps`` / ``write_gbps``: one descriptor of :data:`PROBE_BYTES` between two NIXL agents
   of this process over the transport UCX picks (``UCX_TLS`` is read when the first agent starts,
   so the transport is this process's);
-* ``desc_us``: the same bytes as :data:`PROBE_DESCRIPTORS` scattered descriptors, minus the one
-  descriptor time, per descriptor;
+* ``desc_us``: the slope of transfer time against descriptor count, the same bytes cut into
+  each of :data:`PROBE_COUNTS` scattered descriptors, timed in interleaved rounds and fitted
+  robustly (:func:`fit_desc_us`);
 * ``pack_gbps`` / ``unpack_gbps``: :func:`kvtriton.ops.pack` / ``unpack`` (payload bytes / time,
   the ``impl`` the agent uses on ``device``) for an NHD -> HND head-slice repack of that size.
+
+Why one set of rounds: the plan decides by a ratio (a descriptor's cost against a byte's repack
+cost), and on a shared host the absolute numbers drift with load; probes run seconds apart (the
+first version) saw different loads, e.g. a descriptor measured at 2.7 us under load against a
+repack measured idle, which moved the crossover from ~5 to ~10 KiB and lost every 8 KiB cell of
+the grid (bench/costgrid.py) by 1.1-1.5x. Why a slope: on tcp the one-descriptor time is bimodal
+across runs (3.7 ms against 15 ms), and a difference of two medians taken at different moments
+came out negative (clamped to 0.01 us per descriptor); the slope within a round does not see it.
 
 Both engines must plan alike: the decode rank's model is the one that counts (it travels in
 its handshake metadata and the source plans that rank's transfers with it).
@@ -27,21 +37,31 @@ cache file), or ``load_or_measure(remeasure=True)``. The cache directory is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
 from .plan import CostModel
 
-__all__ = ["PROBE_BYTES", "PROBE_DESCRIPTORS", "transport_key", "cache_path", "measure", "load_or_measure"]
+__all__ = ["PROBE_BYTES", "PROBE_DESCRIPTORS", "PROBE_COUNTS", "transport_key", "cache_path", "fit_desc_us",
+           "measure", "load_or_measure"]
 
 PROBE_BYTES = 8 << 20  # big enough that a post's fixed cost is noise, small enough for ~1 s
 PROBE_DESCRIPTORS = 2048  # 4 KiB each: a vLLM-style head slice of a 16-token block
-CACHE_VERSION = 1
+# the same bytes in this many descriptors: the plan's linear model is fitted where it is used (a
+# request's thousands of descriptors); on tcp the cost is concave (here ~4.6 us each over the first
+# 128, ~1.4 us each over 2,048: UCX pipelines them), so small counts would overstate it
+PROBE_COUNTS = (1, PROBE_DESCRIPTORS // 2, PROBE_DESCRIPTORS)
+PROBE_BUDGET_S = 3.0  # measurement rounds continue while this lasts (at least reps, at most MAX_ROUNDS)
+MAX_ROUNDS = 60  # a load level lasts seconds here: rounds over the whole budget average several
+DESC_US_FLOOR = 0.05  # a descriptor is never free: NIXL's own bookkeeping per entry
+CACHE_VERSION = 2  # 2: desc_us is a fitted slope (version 1's difference could come out 0.01 on tcp)
 
 
 def transport_key() -> str:
@@ -62,18 +82,39 @@ def cache_path(device: str = "cpu", transport: str | None = None) -> Path:
     return root / "costmodel" / f"{host}-{transport or transport_key()}-{dev}.json"
 
 
-def _median_ms(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(ts))
+def fit_desc_us(counts: Sequence[int], rounds_ms: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """Per-descriptor cost from timings of the same bytes cut into ``counts`` descriptors.
+
+    ``rounds_ms[r][i]`` is round ``r``'s time (ms) of the transfer in ``counts[i]`` pieces; a
+    round times every count back to back, so a load burst or a slow connection that lasts a round
+    shifts all of its points alike and leaves its slope alone. Each round's slope is the median of
+    its pairwise slopes (Theil-Sen: one disturbed point cannot move it), and the estimate is the
+    median over rounds. Returns ``(desc_us, spread_us)``: ``spread_us`` is half the p20-p80 range
+    of the per-round slopes. Pure (unit-tested on synthetic timings); a slope that is not positive
+    (no cost resolved) is returned as is and the caller decides.
+
+    >>> round(fit_desc_us([1, 101], [[1.0, 1.2], [1.5, 1.7], [1.0, 9.0]])[0], 6)  # one outlier round
+    2.0
+    """
+    c = np.asarray(counts, dtype=np.float64)
+    t = np.asarray(rounds_ms, dtype=np.float64)
+    if c.ndim != 1 or c.size < 2 or t.ndim != 2 or t.shape[1] != c.size or t.shape[0] < 1:
+        raise ValueError(f"need >= 2 descriptor counts and rounds of one time per count; got counts {c.shape}, "
+                         f"times {t.shape}")
+    i, j = np.triu_indices(c.size, 1)
+    keep = c[j] != c[i]
+    i, j = i[keep], j[keep]
+    per_round = np.median((t[:, j] - t[:, i]) / (c[j] - c[i]), axis=1) * 1e3  # ms -> us per descriptor
+    lo, hi = np.quantile(per_round, [0.2, 0.8])
+    return float(np.median(per_round)), float(hi - lo) / 2
 
 
-def _transport_costs(reps: int) -> tuple[float, float, float]:
-    """(desc_us, read_gbps, write_gbps) between two NIXL agents of this process."""
+@contextlib.contextmanager
+def _transport_probe():
+    """Two NIXL agents of this process with :data:`PROBE_BYTES` registered on each: yields
+    ``(read, write)``; ``read(k)`` times (ms) one READ of the bytes cut into ``PROBE_COUNTS[k]``
+    descriptors (randomly placed on the reading side, so none merge), ``write()`` one WRITE of
+    them as one descriptor."""
     import torch
 
     from .transport.nixl import NixlTransport, XferStatus
@@ -87,39 +128,37 @@ def _transport_costs(reps: int) -> tuple[float, float, float]:
         b.register(src)
         peer = a.add_remote(b.metadata())
         b.add_remote(a.metadata())
-        piece = PROBE_BYTES // PROBE_DESCRIPTORS
-        order = np.random.default_rng(0).permutation(PROBE_DESCRIPTORS)  # never adjacent: no merging
-        one_l = a.prep_local(np.array([[dst.data_ptr(), PROBE_BYTES, 0]]), "DRAM")
-        one_r = a.prep_remote(peer, np.array([[src.data_ptr(), PROBE_BYTES, 0]]), "DRAM")
-        many = np.stack([np.arange(PROBE_DESCRIPTORS) * piece, np.full(PROBE_DESCRIPTORS, piece),
-                         np.zeros(PROBE_DESCRIPTORS, np.int64)], 1).astype(np.int64)
-        many_l = many.copy()
-        many_l[:, 0] = dst.data_ptr() + order * piece
-        many[:, 0] += src.data_ptr()
-        ml, mr = a.prep_local(many_l, "DRAM"), a.prep_remote(peer, many, "DRAM")
-        idx = np.arange(PROBE_DESCRIPTORS)
+        lists = []
+        for count in PROBE_COUNTS:
+            piece = PROBE_BYTES // count
+            order = np.random.default_rng(count).permutation(count)  # never adjacent: no merging
+            remote = np.stack([np.arange(count) * piece, np.full(count, piece), np.zeros(count, np.int64)],
+                              1).astype(np.int64)
+            local = remote.copy()
+            local[:, 0] = dst.data_ptr() + order * piece
+            remote[:, 0] += src.data_ptr()
+            lists.append((a.prep_local(local, "DRAM"), a.prep_remote(peer, remote, "DRAM"), np.arange(count)))
 
-        def xfer(op, local, remote, i) -> None:
-            x = a.post(op, local, i, remote, i)
+        def xfer(op, local, remote, idx) -> float:
+            t0 = time.perf_counter()
+            x = a.post(op, local, idx, remote, idx)
             deadline = time.monotonic() + 30
             while a.poll(x) is not XferStatus.DONE:
                 b.poll_notifs()  # the passive side must be driven too (no progress thread)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"cost model probe: {op} did not finish in 30 s")
             a.release(x)
+            return (time.perf_counter() - t0) * 1e3
 
-        read_ms = _median_ms(lambda: xfer("READ", one_l, one_r, [0]), reps)
-        write_ms = _median_ms(lambda: xfer("WRITE", one_l, one_r, [0]), reps)
-        many_ms = _median_ms(lambda: xfer("READ", ml, mr, idx), reps)
-        desc_us = max(0.01, (many_ms - read_ms) * 1e3 / (PROBE_DESCRIPTORS - 1))
-        return desc_us, PROBE_BYTES / read_ms / 1e6, PROBE_BYTES / write_ms / 1e6
+        yield (lambda k: xfer("READ", *lists[k])), (lambda: xfer("WRITE", *lists[0]))
     finally:
         a.close()
         b.close()
 
 
-def _repack_costs(device: str, impl: str, reps: int) -> tuple[float, float]:
-    """(pack_gbps, unpack_gbps): NHD 2-head source -> HND 1-head destination, block 16, bf16."""
+def _repack_probe(device: str, impl: str):
+    """``(pack, unpack, nbytes)``: each times (ms) :func:`kvtriton.ops.pack` / ``unpack`` of an
+    NHD 2-head source -> HND 1-head destination repack (block 16, bf16) of ``nbytes`` payload."""
     import torch
 
     from . import ops
@@ -143,14 +182,48 @@ def _repack_costs(device: str, impl: str, reps: int) -> tuple[float, float]:
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def run(op, regions, ids):
-        def fn():
+        def fn() -> float:
+            t0 = time.perf_counter()
             getattr(ops, op)(regions, read.segments, offs, ids, staging, impl=impl)
             sync()
+            return (time.perf_counter() - t0) * 1e3
         return fn
 
-    pack_ms = _median_ms(run("pack", src, src_ids), reps)
-    unpack_ms = _median_ms(run("unpack", dst, dst_ids), reps)
-    return nbytes / pack_ms / 1e6, nbytes / unpack_ms / 1e6
+    return run("pack", src, src_ids), run("unpack", dst, dst_ids), nbytes
+
+
+def _measure_rounds(device: str, impl: str, reps: int, budget_s: float) -> dict:
+    """Every probe in the same rounds: each round READs the bytes as each descriptor count, WRITEs
+    them once, packs and unpacks them, its order alternating between rounds. A load burst on a
+    shared host then lands on all of them alike, so the ratios the plan decides by (a descriptor's
+    cost against a byte's repack cost) hold even when the absolute numbers drift. At least
+    ``reps`` rounds, more while ``budget_s`` lasts, at most :data:`MAX_ROUNDS`."""
+    pack, unpack, nbytes = _repack_probe(device, impl)
+    with _transport_probe() as (read, write):
+        steps = [("read", k) for k in range(len(PROBE_COUNTS))] + [("write", 0), ("pack", 0), ("unpack", 0)]
+        run = {"read": read, "write": lambda _k: write(), "pack": lambda _k: pack(), "unpack": lambda _k: unpack()}
+        for what, k in steps:
+            run[what](k)  # warm-up: connection wire-up, first touch of pages
+        rows: list[dict] = []
+        stop = time.monotonic() + budget_s
+        while len(rows) < reps or (time.monotonic() < stop and len(rows) < MAX_ROUNDS):
+            row: dict = {"read": [0.0] * len(PROBE_COUNTS)}
+            for what, k in (steps if len(rows) % 2 == 0 else steps[::-1]):
+                t = run[what](k)
+                if what == "read":
+                    row["read"][k] = t
+                else:
+                    row[what] = t
+            rows.append(row)
+    desc_us, spread = fit_desc_us(PROBE_COUNTS, [r["read"] for r in rows])
+    if desc_us <= 0:
+        desc_us = spread  # nothing resolved above the noise: the spread bounds what a descriptor can cost
+    med = {w: float(np.median([r[w] for r in rows])) for w in ("write", "pack", "unpack")}
+    return dict(desc_us=max(desc_us, DESC_US_FLOOR),
+                read_gbps=PROBE_BYTES / float(np.median([r["read"][0] for r in rows])) / 1e6,
+                write_gbps=PROBE_BYTES / med["write"] / 1e6,
+                pack_gbps=nbytes / med["pack"] / 1e6, unpack_gbps=nbytes / med["unpack"] / 1e6,
+                rounds=len(rows))
 
 
 def _threads() -> int:
@@ -159,14 +232,14 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def measure(device: str = "cpu", impl: str = "auto", reps: int = 5) -> CostModel:
-    """Measure a :class:`CostModel` now (about a second on a CPU; see the module docstring)."""
-    desc_us, read_gbps, write_gbps = _transport_costs(reps)
-    pack_gbps, unpack_gbps = _repack_costs(device, impl, reps)
-    return CostModel(desc_us=round(desc_us, 4), pack_gbps=round(pack_gbps, 3), unpack_gbps=round(unpack_gbps, 3),
-                     read_gbps=round(read_gbps, 3), write_gbps=round(write_gbps, 3),
+def measure(device: str = "cpu", impl: str = "auto", reps: int = 5, budget_s: float = PROBE_BUDGET_S) -> CostModel:
+    """Measure a :class:`CostModel` now (a few seconds on a CPU; see the module docstring)."""
+    m = _measure_rounds(device, impl, reps, budget_s)
+    return CostModel(desc_us=round(m["desc_us"], 4), pack_gbps=round(m["pack_gbps"], 3),
+                     unpack_gbps=round(m["unpack_gbps"], 3), read_gbps=round(m["read_gbps"], 3),
+                     write_gbps=round(m["write_gbps"], 3),
                      source=f"measured {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {transport_key()}, "
-                            f"{device}, {_threads()} torch threads")
+                            f"{device}, {_threads()} torch threads, {m['rounds']} rounds")
 
 
 def load_or_measure(device: str = "cpu", impl: str = "auto", *, remeasure: bool = False,

@@ -32,7 +32,9 @@ tokens on both sides), so with differing block sizes every region is STAGED.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
+import operator
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -212,18 +214,24 @@ class StagedRead:
     segments: tuple[Segment, ...]
     ways: tuple[Mode, ...] = (Mode.STAGED,)
 
-    @property
+    # per-request callers read these for every chunk: computed once per plan (the plan is immutable)
+    @functools.cached_property
     def bytes_per_block(self) -> int:
         return sum(s.tile_bytes for s in self.segments)
+
+    @functools.cached_property
+    def _segment_starts(self) -> np.ndarray:
+        tiles = np.array([s.tile_bytes for s in self.segments], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(tiles)[:-1]]).astype(np.int64)
+        starts.setflags(write=False)
+        return starts
 
     def payload_bytes(self, num_blocks: int) -> int:
         return num_blocks * self.bytes_per_block
 
     def segment_offsets(self, num_blocks: int, base: int = 0) -> np.ndarray:
         """Byte offset of each segment's first tile in an ``num_blocks``-block payload (int64)."""
-        tiles = np.array([s.tile_bytes for s in self.segments], dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(tiles)[:-1]]).astype(np.int64)
-        return base + num_blocks * starts
+        return base + num_blocks * self._segment_starts
 
 
 @dataclass(frozen=True)
@@ -316,6 +324,10 @@ class TransferPlan:
     def digest(self) -> str:
         """A short fingerprint of the plan; both engines must compute the same one (equal
         modes, cost model and stripe settings), which the protocol checks per transfer."""
+        return self._digest
+
+    @functools.cached_property
+    def _digest(self) -> str:  # every request sends it: hashed once (a repr of 160 segments is ~0.4 ms)
         return hashlib.sha1(repr((self.dst_rank, self.dst_tp, self.src_tp, self.modes, self.staged,
                                   self.direct, self.src_block_size, self.dst_block_size)).encode()).hexdigest()[:16]
 
@@ -646,8 +658,9 @@ def compact_request(
     if src.shape != dst.shape:
         raise PlanError(f"request has {src.size} source block ids but {dst.size} destination ids")
     keep = (src >= 0) & (dst >= 0)
-    src, dst = src[keep], dst[keep]
-    _check_distinct(dst)
+    # copies either way: the caller may reuse its id arrays after this returns
+    src, dst = (src[keep], dst[keep]) if not keep.all() else (src.copy(), dst.copy())
+    _check_distinct(dst, dst_num_blocks)
     return src, dst
 
 
@@ -686,37 +699,126 @@ def direct_runs(
     Blocks of a region are split over its ``src_ranks`` in contiguous parts of the request (so
     runs stay long). Consecutive ids on *both* sides merge into one descriptor when both
     tensors store consecutive blocks back to back. ``src_specs`` may be one list for all source
-    ranks or a mapping rank -> list when strides differ between ranks.
+    ranks or a mapping rank -> list when strides differ between ranks. Entries are ordered by
+    region, then source rank, then stream.
+
+    Cost: regions are grouped by geometry once per (plan, spec lists) (:func:`_direct_groups`);
+    a request then finds its runs once per group with numpy and repeats them for the group's
+    regions (DeepSeek-V3's 61 MLA layers are one group), so the Python work is per group, not
+    per region or block; what remains is linear in the descriptors returned.
     """
-    cols: list[list[np.ndarray]] = [[] for _ in range(6)]
     n = src_ids.size
-    for dr in plan.direct:
-        d = dst_specs[dr.region]
-        parts = np.array_split(np.arange(n), len(dr.src_ranks))
-        for rank, part in zip(dr.src_ranks, parts):
-            if part.size == 0:
+    src_ids = np.asarray(src_ids, dtype=np.int64)
+    dst_ids = np.asarray(dst_ids, dtype=np.int64)
+    blocks: list[list[np.ndarray]] = []  # per group: its six columns
+    for group in _direct_groups(plan, src_specs, dst_specs):
+        parts = _split_bounds(n, len(group.src_ranks))
+        base: list[list[np.ndarray]] = [[] for _ in range(5)]
+        for rank, (lo, hi), streams in zip(group.src_ranks, parts, group.streams):
+            if hi == lo:
                 continue
-            s = (src_specs[rank] if isinstance(src_specs, Mapping) else src_specs)[dr.region]
-            sid, did = src_ids[part], dst_ids[part]
-            for j in range(d.num_streams):
-                block_bytes = d.tile_bytes(j, d.local_heads)
-                s_stride, d_stride = s.block_stride_bytes(j), d.block_stride_bytes(j)
+            sid, did = src_ids[lo:hi], dst_ids[lo:hi]
+            merged = None
+            for j, (block_bytes, s_stride, d_stride) in enumerate(streams):
                 if s_stride == block_bytes and d_stride == block_bytes:
-                    brk = np.flatnonzero((np.diff(sid) != 1) | (np.diff(did) != 1)) + 1
-                    starts = np.concatenate([[0], brk])
-                    lengths = np.diff(np.concatenate([starts, [sid.size]]))
+                    if merged is None:  # the same runs for every stream that coalesces
+                        brk = (sid[1:] != sid[:-1] + 1) | (did[1:] != did[:-1] + 1)
+                        starts = np.empty(int(np.count_nonzero(brk)) + 1, dtype=np.int64)
+                        starts[0] = 0
+                        starts[1:] = np.flatnonzero(brk) + 1
+                        ends = np.empty_like(starts)
+                        ends[:-1] = starts[1:]
+                        ends[-1] = sid.size
+                        merged = starts, ends - starts
+                    starts, lengths = merged
                 else:
-                    starts = np.arange(sid.size)
+                    starts = np.arange(sid.size, dtype=np.int64)
                     lengths = np.ones(sid.size, dtype=np.int64)
                 k = starts.size
-                cols[0].append(np.full(k, rank, dtype=np.int64))
-                cols[1].append(np.full(k, dr.region, dtype=np.int64))
-                cols[2].append(np.full(k, j, dtype=np.int64))
-                cols[3].append(sid[starts] * s_stride)
-                cols[4].append(did[starts] * d_stride)
-                cols[5].append(lengths.astype(np.int64) * block_bytes)
-    arrays = [np.concatenate(c).astype(np.int64) if c else np.zeros(0, np.int64) for c in cols]
+                base[0].append(np.full(k, rank, dtype=np.int64))
+                base[1].append(np.full(k, j, dtype=np.int64))
+                base[2].append(sid[starts] * s_stride)
+                base[3].append(did[starts] * d_stride)
+                base[4].append(lengths * block_bytes)
+        if not base[0]:
+            continue
+        cols = [np.concatenate(c) for c in base]
+        k, r = cols[0].size, len(group.regions)
+        out = np.empty((6, r, k), dtype=np.int64)  # region-major: each region repeats the group's runs
+        out[0] = cols[0]
+        out[1] = np.asarray(group.regions, dtype=np.int64)[:, None]
+        for i in range(1, 5):
+            out[i + 1] = cols[i]
+        blocks.append(list(out.reshape(6, r * k)))
+    if not blocks:
+        return DirectRuns(*(np.zeros(0, np.int64) for _ in range(6)))
+    arrays = [np.concatenate([b[i] for b in blocks]) if len(blocks) > 1 else blocks[0][i] for i in range(6)]
+    if len(blocks) > 1 and (np.diff(arrays[1]) < 0).any():  # groups interleave: back to region order
+        order = np.argsort(arrays[1], kind="stable")
+        arrays = [a[order] for a in arrays]
     return DirectRuns(*arrays)
+
+
+def _split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each of ``parts`` contiguous parts of ``range(n)``, as ``np.array_split``."""
+    q, r = divmod(n, parts)
+    bounds, lo = [], 0
+    for i in range(parts):
+        hi = lo + q + (1 if i < r else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+@dataclass(frozen=True)
+class _DirectGroup:
+    """DIRECT regions whose runs are byte-for-byte alike: the same source ranks, and per rank and
+    stream the same ``(block bytes, source block stride, destination block stride)``."""
+
+    src_ranks: tuple[int, ...]
+    streams: tuple[tuple[tuple[int, int, int], ...], ...]  # per src rank, per stream
+    regions: tuple[int, ...]
+
+
+_GROUP_CACHE_ENTRIES = 8
+
+
+def _direct_groups(plan: TransferPlan, src_specs, dst_specs) -> tuple[_DirectGroup, ...]:
+    """The plan's DIRECT regions grouped by geometry, memoised on the plan per spec lists.
+
+    A cache entry keeps the spec objects it was computed from and is used only while the lists
+    passed hold the very same (immutable) :class:`RegionSpec` objects: an identity check per
+    region, much cheaper than reading each spec's geometry again."""
+    mapping = isinstance(src_specs, Mapping)
+    cache = plan.__dict__.setdefault("_direct_group_cache", {})
+    ranks = cache.get("ranks")
+    if ranks is None:
+        ranks = cache["ranks"] = tuple(sorted({r for d in plan.direct for r in d.src_ranks}))
+    lists = tuple(src_specs[r] for r in ranks) if mapping else (src_specs,)
+    key = (mapping, ranks if mapping else (), tuple(map(id, lists)), id(dst_specs))
+    hit = cache.get(key)
+    if hit is not None:
+        snap_src, snap_dst, groups = hit
+        if _same_objects(snap_dst, dst_specs) and all(_same_objects(a, b) for a, b in zip(snap_src, lists)):
+            return groups
+    by_key: dict[tuple, list[int]] = {}
+    for dr in plan.direct:
+        d = dst_specs[dr.region]
+        per_rank = []
+        for rank in dr.src_ranks:
+            s = (src_specs[rank] if mapping else src_specs)[dr.region]
+            per_rank.append(tuple((d.tile_bytes(j, d.local_heads), s.block_stride_bytes(j), d.block_stride_bytes(j))
+                                  for j in range(d.num_streams)))
+        by_key.setdefault((dr.src_ranks, tuple(per_rank)), []).append(dr.region)
+    groups = tuple(_DirectGroup(k[0], k[1], tuple(v)) for k, v in by_key.items())
+    if len(cache) > _GROUP_CACHE_ENTRIES:  # list(): a snapshot, safe if another thread plans too
+        cache.pop(next(k for k in list(cache) if k != "ranks"), None)
+    cache[key] = (tuple(tuple(x) for x in lists), tuple(dst_specs), groups)
+    return groups
+
+
+def _same_objects(a: Sequence, b: Sequence) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 # --------------------------------------------------------------------------- descriptor counts

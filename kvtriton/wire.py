@@ -451,7 +451,8 @@ def decode_message(data: bytes) -> Message:
             if len(v) > _MAX_IDS:
                 raise ProtocolError(f"message {t!r}: field {name!r} has {len(v)} ids, more than the "
                                     f"{_MAX_IDS} a request may have (wire.MAX_REQUEST_BLOCKS)")
-            if not all(type(x) is int and 0 <= x < _MAX_MSG_INT for x in v):
+            # C-level passes (half the time of a per-element generator at 8k ids); bools are not ints here
+            if v and (set(map(type, v)) != {int} or min(v) < 0 or max(v) >= _MAX_MSG_INT):
                 raise ProtocolError(f"message {t!r}: field {name!r} must be a list of ints in [0, 2**48)")
             v = tuple(v)
         if typ is str and not 0 < len(v) <= _MAX_NAME:

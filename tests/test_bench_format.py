@@ -40,3 +40,40 @@ def test_quantiles_of():
     q = quantiles_of([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     assert q == pytest.approx((2.0, 3.5, 5.0))
     assert qfields("ms", q, 1) == {"ms": 3.5, "ms_p20": 2.0, "ms_p80": 5.0}
+
+
+def test_costgrid_judge_and_tie_line():
+    from costgrid import judge, tie_line
+
+    assert judge({"staged": (4.0, 5.0, 6.0), "direct": (4.5, 5.5, 6.5)}, "staged") == ("staged", 1.0, "hit")
+    best, ratio, verdict = judge({"staged": (4.0, 5.0, 6.0), "direct": (3.0, 4.0, 4.5)}, "staged")
+    assert (best, verdict) == ("direct", "tie") and ratio == pytest.approx(1.25)
+    assert judge({"staged": (4.6, 5.0, 6.0), "direct": (3.0, 4.0, 4.5)}, "staged")[2] == "miss"
+    rows = [dict(ratio=1.0, verdict="hit"), dict(ratio=1.3, verdict="tie"), dict(ratio=1.2, verdict="miss")]
+    assert tie_line(rows).endswith("worst 1.20, median 1.00 over 3 cells (1 ties)")  # a miss stays a miss
+
+
+def test_costgrid_sampling_alternates_and_extends_only_close_calls(monkeypatch):
+    import costgrid
+
+    # a fake fetch returns the ms it "took"; the sampler's timer is replaced by that value
+    monkeypatch.setattr(costgrid, "quantiles_ms", lambda fn, reps, warmup=0: (0.0, fn(), 0.0))
+    calls = []
+
+    def fetch(mode, times):
+        it = iter(times)
+
+        def fn():
+            calls.append(mode)
+            return next(it)
+        return fn
+
+    far = costgrid.sample_interleaved({"a": [fetch("a", [1.0] * 8)], "b": [fetch("b", [5.0] * 8)]}, reps=4, extra=4)
+    assert len(far["a"]) == len(far["b"]) == 4  # clearly apart: no extra rounds
+    assert calls[:4] == ["a", "b", "b", "a"]  # the order alternates between rounds
+    jitter = [1.0, 1.2, 1.1, 0.9] * 2
+    close = costgrid.sample_interleaved({"a": [fetch("a", jitter)], "b": [fetch("b", jitter[::-1])]}, reps=4, extra=4)
+    assert len(close["a"]) == len(close["b"]) == 8  # overlapping spreads: the extra rounds ran
+    rot = []
+    costgrid.sample_interleaved({"a": [lambda: rot.append(0) or 1.0, lambda: rot.append(1) or 1.0]}, reps=4)
+    assert rot == [0, 1, 0, 1]  # a mode's runs rotate over its connections

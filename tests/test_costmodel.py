@@ -118,3 +118,49 @@ def test_load_or_measure_caches_per_transport(tmp_path, monkeypatch):
     path.write_text(json.dumps({"version": 1, "desc_us": -1}))  # a bad cache is measured over
     assert costmodel.load_or_measure("cpu", impl="torch").source.startswith("measured")
     assert json.loads(path.read_text())["desc_us"] > 0
+
+
+# ------------------------------------------------------------------ the descriptor-cost fit (synthetic timings)
+COUNTS = (1, 128, 512, 2048)
+
+
+def _rounds(desc_us, base_ms, rng, jitter_ms=0.0):
+    """One row per round: base (bandwidth, per round) + desc_us per descriptor + jitter."""
+    return [[b + c * desc_us / 1e3 + rng.normal(0, jitter_ms) for c in COUNTS] for b in base_ms]
+
+
+def test_fit_desc_us_ignores_bandwidth_that_changes_between_rounds():
+    from kvtriton.costmodel import fit_desc_us
+
+    rng = np.random.default_rng(0)
+    # tcp here: the one-descriptor time is 3.7 ms on one connection state and 15 ms on another;
+    # comparing medians taken at different times can even give a negative difference
+    base = [3.7, 15.0, 3.7, 15.0, 3.8, 14.0, 3.6]
+    got, spread = fit_desc_us(COUNTS, _rounds(1.4, base, rng))
+    assert got == pytest.approx(1.4, rel=1e-9) and spread == pytest.approx(0, abs=1e-9)
+    got, spread = fit_desc_us(COUNTS, _rounds(1.4, base, rng, jitter_ms=0.05))
+    assert got == pytest.approx(1.4, abs=0.1) and 0 < spread < 0.5
+
+
+def test_fit_desc_us_survives_a_disturbed_point_per_round_and_a_bad_round():
+    from kvtriton.costmodel import fit_desc_us
+
+    rng = np.random.default_rng(1)
+    rounds = _rounds(2.0, [5.0] * 7, rng, jitter_ms=0.02)
+    for r, row in enumerate(rounds):
+        row[r % len(COUNTS)] += 8.0  # a load burst hits one transfer of every round
+    rounds[3] = [x * 4 for x in rounds[3]]  # and one whole round runs 4x slow
+    got, _ = fit_desc_us(COUNTS, rounds)
+    assert got == pytest.approx(2.0, abs=0.3)
+
+
+def test_fit_desc_us_reports_an_unresolved_slope_as_such():
+    from kvtriton.costmodel import fit_desc_us
+
+    rng = np.random.default_rng(2)
+    got, spread = fit_desc_us(COUNTS, _rounds(0.0, [4.0] * 9, rng, jitter_ms=0.3))
+    assert abs(got) < spread * 3 and spread > 0  # zero within its spread; the caller floors it
+    with pytest.raises(ValueError, match="descriptor counts"):
+        fit_desc_us([1], [[1.0]])
+    with pytest.raises(ValueError, match="descriptor counts"):
+        fit_desc_us(COUNTS, [[1.0, 2.0]])

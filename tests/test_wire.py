@@ -69,6 +69,10 @@ def test_messages_validate_types():
         (wire.encode_message("ack", xid="a", chunk="3"), "'chunk' must be int"),
         (wire.encode_message("ack", xid="a"), "'chunk' must be int"),
         (wire.encode_message("pull", xid="a", req="r", dst_rank=0, ids=[1, "x"], chunk_blocks=1), "list of ints"),
+        (wire.encode_message("pull", xid="a", req="r", dst_rank=0, ids=[1, True], chunk_blocks=1), "list of ints"),
+        (wire.encode_message("pull", xid="a", req="r", dst_rank=0, ids=[1, 2.0], chunk_blocks=1), "list of ints"),
+        (wire.encode_message("pull", xid="a", req="r", dst_rank=0, ids=[3, -1], chunk_blocks=1), "list of ints"),
+        (wire.encode_message("pull", xid="a", req="r", dst_rank=0, ids=[1 << 48], chunk_blocks=1), "list of ints"),
         (msgpack.packb({"v": 0, "t": "ack"}), "version"),
         (b"\x93", "not valid msgpack"),
     ]:
