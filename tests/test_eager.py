@@ -153,11 +153,11 @@ def test_holds_beyond_the_eager_budget_are_served_lazily(engines):
     assert _all_free(e)
 
 
-def test_eager_packing_is_off_with_zero_budget_or_without_a_consumer(engines):
+def test_eager_packing_is_off_with_zero_budget_or_unnamed_without_guessing(engines):
     e = engines(1, 1, models=ONE, eager_bytes=0)
     e.request(np.arange(4))
     e.pa[0].hold("a", np.arange(4), consumer="D")
-    f = engines(1, 1, models=ONE)
+    f = engines(1, 1, models=ONE, eager_guess=False)
     f.request(np.arange(4))
     f.pa[0].hold("a", np.arange(4))
     e.pa[0].progress()
@@ -228,10 +228,10 @@ def test_a_forged_or_stale_offer_is_declined_and_the_fetch_pulls(engines, bad):
     from kvtriton import wire
     from kvtriton.agent.eager import ids_digest
 
-    e = engines(1, 1, models=ONE)
+    e = engines(1, 1, models=ONE, eager_guess=False)
     src, dst = np.array([7, 1, 12, 3]), np.array([5, 6, 2, 9])
     kv = e.request(src)
-    e.pa[0].hold("r", src)  # no consumer: nothing is offered by P itself
+    e.pa[0].hold("r", src)  # no consumer, no guess: nothing is offered by P itself
     plan = e.da[0].plan_for("P").digest()
     slots, ids, cb = (0, 4), ids_digest(src), 4
     if bad == "slots outside staging":

@@ -217,7 +217,8 @@ class Destination:
                    runs: bool) -> wire.Offer | None:
         """``peer``'s offer of ``req`` when it is exactly this part's payload (same plan, ids and
         chunks, slot runs inside the peer's staging, no DIRECT runs), else None; an offer that
-        does not match is declined (the source frees it)."""
+        does not match is declined (the source frees it), or left to the pull that follows when
+        it may hold a suffix of this part (see :mod:`.eager`)."""
         offer = self.offers.get(peer.key, {}).pop(req, None)
         if offer is None:
             return None
@@ -231,7 +232,10 @@ class Destination:
                 slot, nslots = offer.slots[2 * c], offer.slots[2 * c + 1]
                 ok = ok and nslots == ceil_div(chunks.nbytes(c), st.slot_bytes) and slot + nslots <= st.num_slots
         if not ok:
-            self.links.send(peer, wire.Abort(offer.xid), quiet=True)
+            # an offer of more blocks by our plan may hold a suffix we ask (a -1 prefix): our pull
+            # lets the source take it over or withdraw it; any other is declined now
+            if not (chunks is not None and offer.plan == plan.digest() and offer.num_blocks > chunks.num_blocks):
+                self.links.send(peer, wire.Abort(offer.xid), quiet=True)
             return None
         return offer
 

@@ -45,6 +45,9 @@ class ConnectorSettings:
                          decode ranks plan STAGED/DIRECT with a model measured on this host,
                          transport and device (:mod:`kvtriton.costmodel`, ~2 s once, then cached);
                          prefill ranks follow what each decode rank's metadata carries.
+    eager_guess:         a prefill rank packs a finished request ahead of its pull for the only
+                         decode engine connected to it, if exactly one is (1P1D; the hold is not
+                         bound by the guess, see :mod:`kvtriton.agent.eager`). Default true.
     """
 
     host: str = "127.0.0.1"
@@ -62,6 +65,7 @@ class ConnectorSettings:
     impl: str = "auto"
     kv_cache_layout: str = "LBHNC"
     cost_model: str = "default"
+    eager_guess: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
@@ -75,7 +79,7 @@ class ConnectorSettings:
             want = type(known[name].default)
             if want is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
-            if not isinstance(value, want) or isinstance(value, bool):
+            if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
                 raise SettingsError(f"kv_connector_extra_config[{name!r}] must be {want.__name__}, "
                                     f"got {type(value).__name__} {value!r}")
             values[name] = value
