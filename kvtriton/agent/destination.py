@@ -180,9 +180,11 @@ class Destination:
         ids = tuple(f.src_ids.tolist())
         tok = {} if f.tokens is None else {"tokens": f.tokens.num_tokens, "tiles": tuple(f.tokens.tiles.tolist())}
         for part in f.parts.values():
-            if part.offered:
-                continue  # nothing to ask: its acks tell the source we took the offer
             peer = self.links.peers[(f.engine, part.src_rank)]
+            if part.offered:  # nothing to ask: its acks tell the source we took the offer
+                if part.runs_pending:  # the offer confirmed the DIRECT runs (runs=1): READ them now
+                    self._read_runs(part, peer)
+                continue
             chunk_blocks = part.chunks.blocks_per_chunk if part.chunks is not None else 0
             if self.s.flow is Flow.PUSH:
                 msg = wire.Push(part.xid, f.req_id, self.s.rank, ids, tuple(f.dst_ids.tolist()), chunk_blocks,
@@ -216,14 +218,14 @@ class Destination:
     def _offer_for(self, peer: Peer, req: str, plan: TransferPlan, ids, chunks: ChunkGeometry | None,
                    runs: bool) -> wire.Offer | None:
         """``peer``'s offer of ``req`` when it is exactly this part's payload (same plan, ids and
-        chunks, slot runs inside the peer's staging, no DIRECT runs), else None; an offer that
+        chunks, slot runs inside the peer's staging, DIRECT runs confirmed when it has any), else None; an offer that
         does not match is declined (the source frees it), or left to the pull that follows when
         it may hold a suffix of this part (see :mod:`.eager`)."""
         offer = self.offers.get(peer.key, {}).pop(req, None)
         if offer is None:
             return None
         st = peer.md.staging
-        ok = (chunks is not None and ids is not None and not runs and offer.xid not in self.parts
+        ok = (chunks is not None and ids is not None and offer.runs == int(runs) and offer.xid not in self.parts
               and offer.plan == plan.digest() and offer.num_blocks == chunks.num_blocks
               and offer.chunk_blocks == chunks.blocks_per_chunk and len(offer.slots) == 2 * chunks.count
               and offer.ids == ids_digest(ids))

@@ -13,9 +13,11 @@ smaller of both sides' ``chunk_bytes``; the destination's travels in its metadat
 asks anything else (a subset of the blocks, another chunk size, another plan, a reconnected
 peer) frees the packed chunks and is served lazily.
 
-Offers: once every chunk of a destination rank's pack has completed, and the plan reads no
-DIRECT runs from this rank, the pack is offered to that rank (:class:`~kvtriton.wire.Offer`: a
-``ready`` ahead of the pull) as a transfer of its own; a fetch that asks exactly that READs it
+Offers: once every chunk of a destination rank's pack has completed, the pack is offered to
+that rank (:class:`~kvtriton.wire.Offer`: a ``ready`` ahead of the pull) as a transfer of its
+own; when the plan also reads DIRECT runs from this rank, the offer says so (``runs``) only once
+the hold's event has completed, and is then their ``runs_ready`` as well: the offered transfer
+keeps the blocks held until the reader's ``runs_done``, as a pulled one does; a fetch that asks exactly that READs it
 without a round trip to this process (on a busy host, the wake-up saved). An offered pack is
 announced: it is no longer evicted, lives until acked or until the hold ends (then its slots are
 quarantined for ``timeout_s``, as after any ``ready``), and a pull of the same request from that
@@ -64,6 +66,7 @@ from ..errors import KVTritonError, StagingError
 from ..plan import ChunkGeometry
 from .links import Chunk, Flow, Peer, logger
 from .packing import PackJob
+from .streams import event_done
 
 
 def suffix_chunks(packed_ids: np.ndarray, packed: ChunkGeometry, inflight: dict, ids: np.ndarray,
@@ -109,7 +112,7 @@ class Packed:
     ids: np.ndarray  # the request positions assumed (every held block, in order)
     chunks: ChunkGeometry
     read: object = None  # the plan's StagedRead from this rank
-    offerable: bool = False  # every chunk packed and no DIRECT runs: offered once the packs completed
+    runs: bool = False  # the plan also reads DIRECT runs from this rank (the offer confirms them)
     inflight: dict = field(default_factory=dict)  # chunk -> Chunk, chunks 0..k-1
 
     @property
@@ -156,14 +159,15 @@ class EagerPacks:
             packed = self.packs.get(req, {}).get(rank)
             if packed is None:
                 continue  # taken, freed or evicted meanwhile
-            if not all(ch.kernel is None or ch.kernel.done() for ch in packed.inflight.values()):
-                waiting.append((req, rank))
-                continue
             src = self.src
+            hold = src.holds.get(req)
+            if not all(ch.kernel is None or ch.kernel.done() for ch in packed.inflight.values()) or \
+                    (packed.runs and hold is not None and not event_done(hold.ready)):
+                waiting.append((req, rank))  # DIRECT runs: offered once the engine's writes are done
+                continue
             reserve = src.s.inflight * src.s.pool.slots_for(src.s.chunk_bytes)
             if src.engine_slots.get(packed.peer.md.engine, 0) > src.share() - reserve:
                 continue  # offered packs would leave the engine's lazy pulls no staging: stays evictable
-            hold = src.holds.get(req)
             if hold is not None and hold.consumer in (None, packed.peer.md.engine) and src.offer(hold, packed):
                 del self.packs[req][rank]  # announced: the offered transfer owns it (slots still counted here)
                 if not self.packs[req]:
@@ -191,7 +195,7 @@ class EagerPacks:
                                            min(src.s.chunk_bytes, peer.md.staging.chunk_bytes))
             except StagingError:
                 continue
-            packed = Packed(peer, plan.digest(), ids, chunks, read)
+            packed = Packed(peer, plan.digest(), ids, chunks, read, runs=src.s.rank in plan.direct_ranks(ids.size))
             for c in range(chunks.count):
                 need = src.s.pool.slots_for(chunks.nbytes(c))
                 if self.slots + need > self.budget_slots:
@@ -204,7 +208,7 @@ class EagerPacks:
                 self._queue(hold, packed, ch)
             if packed.inflight:
                 out[peer.md.rank] = packed
-                if len(packed.inflight) == chunks.count and src.s.rank not in plan.direct_ranks(ids.size):
+                if len(packed.inflight) == chunks.count:
                     self.unoffered.append((hold.req_id, peer.md.rank))
                 stats["eager_chunks"] += len(packed.inflight)
         if not out:

@@ -182,7 +182,7 @@ class Source(SourceHolds, SourceServes):
             return False
         serve = Serve(xid, hold.req_id, peer, Flow.PULL, packed.read, packed.ids, packed.chunks, self.s.timeout_s,
                       time.monotonic() + self.s.timeout_s, ready=hold.ready, offered=True,
-                      eager_slots=packed.nslots)
+                      eager_slots=packed.nslots, runs_reader=packed.runs)  # runs: held until RunsDone
         serve.inflight = dict(packed.inflight)
         serve.next_chunk = packed.chunks.count
         slots = []
@@ -192,7 +192,8 @@ class Source(SourceHolds, SourceServes):
             slots += [ch.slot, ch.nslots]
         try:
             self.links.send(peer, wire.Offer(xid, hold.req_id, packed.digest, ids_digest(packed.ids),
-                                             int(packed.ids.size), packed.chunks.blocks_per_chunk, tuple(slots)))
+                                             int(packed.ids.size), packed.chunks.blocks_per_chunk, tuple(slots),
+                                             runs=int(packed.runs)))
         except KVTritonError:
             return False
         self._add(serve)
