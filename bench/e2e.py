@@ -12,6 +12,9 @@ the descriptor sizes are the real ones. Methods, all moving the same bytes into 
   time and offers the pack to the decode rank (kvtriton.agent.eager); the clock starts once the
   decode has the offer, as when it asks some time after the prefill finished: it READs at once,
   no pull and no wait for the prefill process.
+* ``kvtriton staged, pull eager-guess``: the same, but the hold names no consumer (as the vLLM
+  connector's holds): the prefill packs for the only decode engine connected to it
+  (``eager_guess``) and offers it; the note gives lazy pull (same chunks) / this.
 * ``vLLM-style direct``: one 4 KiB descriptor per (layer, K/V, block) head slice, read from an
   HND copy of the cache (the layout that makes a head slice contiguous), prepared lists.
 * ``per-token``: one 256 B descriptor per (layer, K/V, token), read from the NHD cache.
@@ -94,15 +97,15 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
                         a.add_remote(md)
                     raw.add_remote(args[1])
                     conn.send("ok")
-                elif cmd == "hold":  # (req, ids, variant, consumer or None, chunks to pack ahead)
-                    a = agents[args[2]]
+                elif cmd == "hold":  # (req, ids, variant, consumer or None, chunks, packed ahead)
+                    a, ahead = agents[args[2]], args[5]
                     end = time.monotonic() + 30
-                    while args[3] and a.pool.free_slots < a.pool.num_slots and time.monotonic() < end:
+                    while ahead and a.pool.free_slots < a.pool.num_slots and time.monotonic() < end:
                         a.progress()  # the last request's ack: its staging is back
                     offers = a.stats["eager_offers"]
                     a.hold(args[0], args[1], lease_s=120, consumer=args[3])
                     end = time.monotonic() + 30
-                    while args[3] and a.stats["eager_offers"] == offers and time.monotonic() < end:
+                    while ahead and a.stats["eager_offers"] == offers and time.monotonic() < end:
                         a.progress()  # packed, and offered to the decode rank
                     conn.send(dict(packed=a.packed_ahead(args[0]), hits=a.stats["eager_hits"]))
                 elif cmd == "time_pack":
@@ -132,7 +135,8 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
 
     ``variants``: kvtriton configurations as (mode, chunks per request, chunks in flight[, eager]);
     default: one chunk (pull and push), 8 pipelined chunks (pull) and one chunk packed at hold
-    time (pull, eager: the hold names its consumer; staging and ``eager_bytes`` fit the whole
+    time (pull, eager: True, the hold names its consumer; ``"guess"``, it names none and the
+    prefill guesses its only connected engine; staging and ``eager_bytes`` fit the whole
     request). ``busy``: CPU-bound
     neighbor processes spinning on the same cores for the whole measurement (bounded: they stop
     by themselves after 300 s). ``per_token``: time the (slow) per-token baseline too.
@@ -153,7 +157,8 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
     num_blocks = n + 8
     payload = layers * 2 * n * BLOCK * HEAD_DIM * 2  # bytes decode rank 0 receives
     variants = [tuple(v) + (False,) * (4 - len(v)) for v in
-                (variants or [("pull", 1, 1), ("push", 1, 1), ("pull", 8, 2), ("pull", 1, 1, True)])]
+                (variants or [("pull", 1, 1), ("push", 1, 1), ("pull", 8, 2), ("pull", 1, 1, True),
+                              ("pull", 1, 1, "guess")])]
     slot = 256 << 10
     agent_kw = []
     for mode, chunks, inflight, eager in variants:
@@ -162,7 +167,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         staging = ((chunks + inflight) if eager else inflight) * chunk
         agent_kw.append(dict(staging_bytes=staging, slot_bytes=slot, chunk_bytes=chunk, mode=mode,
                              inflight_chunks=inflight, impl="torch", timeout_s=60,
-                             eager_bytes=chunks * chunk if eager else 0))
+                             eager_bytes=chunks * chunk if eager else 0, eager_guess=eager == "guess"))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_prefill, args=(child, layers, num_blocks, agent_kw, reps), daemon=True)
@@ -299,7 +304,8 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             def hold(i=i, eager=eager, chunks=chunks, agent=agents[i]) -> None:
                 req = f"r{counter[0]}"
                 counter[0] += 1
-                parent.send(("hold", req, src_ids.tolist(), i, f"D{i}" if eager else None, chunks))
+                parent.send(("hold", req, src_ids.tolist(), i, f"D{i}" if eager is True else None, chunks,
+                             bool(eager)))
                 held[i] = dict(parent.recv(), req=req)
                 if eager and held[i]["packed"] < chunks:
                     raise AssertionError(f"eager: {held[i]['packed']} of {chunks} chunks packed at hold time")
@@ -322,7 +328,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             clear()
             hold()
             staged()
-            check(f"staged {mode}{' eager' if eager else ''}")
+            check(f"staged {mode}{_eager_label(eager)}")
             timed[f"staged{i}"] = staged
             setups[f"staged{i}"] = hold
 
@@ -346,12 +352,14 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             q = qs[f"staged{i}"]
             floor = read_q[1] if mode == "pull" else write_q[1]
             parts = (0 if eager else pack_q[1]) + floor + unpack_q[1]
+            lazy = [j for j, w in enumerate(variants) if w == (mode, chunks, inflight, False)]
+            vs_lazy = f"; lazy/this = {qs[f'staged{lazy[0]}'][1] / q[1]:.2f}x" if eager and lazy else ""
             staged_rows.append(dict(
-                common, method=f"kvtriton staged, {mode}{' eager' if eager else ''}, {chunks} chunk(s) x {inflight}"
+                common, method=f"kvtriton staged, {mode}{_eager_label(eager)}, {chunks} chunk(s) x {inflight}"
                                " in flight", descriptors=ndescs[i][0], **qfields("ms", q, 2),
                 note=f"{q[1] / parts:.2f}x the sum of its parts ({'' if eager else 'pack + '}one "
                      f"{'READ' if mode == 'pull' else 'WRITE'} + unpack); vLLM K||V direct/this = {packed_q[1] / q[1]:.2f}x; K/V-separate direct/this = "
-                     f"{direct_q[1] / q[1]:.2f}x"))
+                     f"{direct_q[1] / q[1]:.2f}x{vs_lazy}"))
         rows += staged_rows
         rows += [
             dict(common, method="vLLM 0.33 direct 8 KiB K||V reads", descriptors=p_l.count,
@@ -389,6 +397,12 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             proc.kill()
             proc.join(5)
     return rows
+
+
+def _eager_label(eager) -> str:
+    """How a variant's hold is packed: lazily (''), ahead for its named consumer, or ahead for
+    the only engine connected (no consumer named: the vLLM connector's holds)."""
+    return {False: "", True: " eager", "guess": " eager-guess"}[eager]
 
 
 def _transport_label() -> str:
