@@ -139,7 +139,8 @@ def test_settings_are_checked():
     s = ConnectorSettings.from_extra_config({"port": 6000, "lease_s": 5, "mode": "push"})
     assert s.port == 6000 and s.lease_s == 5.0 and s.mode == "push" and s.cost_model == "default"
     assert ConnectorSettings.from_extra_config({"cost_model": "measured"}).cost_model == "measured"
-    for bad, match in (({"prot": 1}, "unknown keys"), ({"port": "6000"}, "must be int"), ({"port": 0}, "TCP port"),
+    assert s.eager_guess and not ConnectorSettings.from_extra_config({"eager_guess": False}).eager_guess
+    for bad, match in (({"eager_guess": 0}, "must be bool"), ({"prot": 1}, "unknown keys"), ({"port": "6000"}, "must be int"), ({"port": 0}, "TCP port"),
                        ({"mode": "both"}, "pull"), ({"lease_s": 0}, "> 0"), ({"staging_bytes": True}, "must be int"),
                        ({"cost_model": "guess"}, "'default' or 'measured'")):
         with pytest.raises(SettingsError, match=match):
