@@ -334,7 +334,8 @@ class Abort(Message):
 @dataclass(frozen=True)
 class Renew(Message):
     """To every prefill rank of the engine, while a fetch of ``req`` is outstanding: keep its
-    hold for another lease (honoured only from the hold's consumer engine)."""
+    hold for another lease (honoured only from the hold's consumer engine, or a rank holding an
+    offer of it while it is unbound)."""
 
     TYPE: ClassVar[str] = "renew"
     req: str

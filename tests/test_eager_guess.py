@@ -230,3 +230,30 @@ def test_a_pull_skipping_a_prefix_of_whole_chunks_is_served_from_the_pack(made, 
     assert d.stats["offers_taken"] == int(offer_seen and skip == 0)
     e.settle(0.8)  # chunks before the suffix were offered: quarantined for timeout_s
     assert _free(e.agents, "D") and not p._source.serves
+
+
+def test_a_renew_keeps_an_unbound_offered_hold_only_from_the_offered_peer(made):
+    # D holds a guessed offer (it may be READing it, not acked yet): its renew keeps the lease and
+    # binds nothing; E, never offered it, is refused and cannot keep it alive
+    e = Engines(1, 1, models=ONE, p_blocks=64, d_blocks=48)
+    made.append(e)
+    p, d = e.pa[0], e.da[0]
+    src = np.array([5, 1, 7, 30])
+    kv = e.request(src)
+    p.hold("r", src, lease_s=0.4)
+    e.settle(0.1)
+    assert p.stats["eager_offers"] == 1 and d.has_offer("P", "r")
+    x, x_regs = _other(e, made, "E", seed=9)
+    for _ in range(8):  # 0.8 s: twice the lease, renewed by D every 0.1 s
+        d.transport.send_notif(p.transport.name, wire.Renew("r", 0).encode())
+        x.transport.send_notif(p.transport.name, wire.Renew("r", 0).encode())
+        _settle([p, d, x], 0.1)
+    hold = p._source.holds.get("r")
+    assert hold is not None and hold.consumer is None and p.stats["refused"] >= 8
+    dst = np.array([3, 9, 11, 40])
+    d.fetch("r", "P", src, dst)
+    res = _drive([p, d, x], 1)[0]
+    assert res.ok, res
+    check_destination(e.D[0], 0, 1, kv, dst, e.before[0])
+    _settle([p, d, x], 0.1)  # D's done
+    assert d.stats["offers_taken"] == 1 and [(f.req_id, f.reason) for f in p.freed()] == [("r", "done")]

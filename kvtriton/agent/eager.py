@@ -1,4 +1,5 @@
-"""Eager packing: a hold whose consumer engine is named is packed before its pull arrives.
+"""Eager packing: a hold is packed for its consumer engine (named, or guessed: see below) before
+its pull arrives.
 
 Why: a lazy staged pull needs the source process scheduled between the Pull and the data
 being in place (pull -> pack -> ready); on a busy host every such wake-up costs a scheduling
@@ -10,15 +11,17 @@ answered with Ready at once (data already in place).
 What is packed is a guess at what the destination will ask: every held block, in the hold's
 order, cut into the chunks the destination derives (:meth:`ChunkGeometry.fit` over the
 smaller of both sides' ``chunk_bytes``; the destination's travels in its metadata). A Pull that
-asks anything else (a subset of the blocks, another chunk size, another plan, a reconnected
-peer) frees the packed chunks and is served lazily.
+asks anything else (a subset of the blocks other than a suffix of whole chunks, see the -1
+prefix below; another chunk size, another plan, a reconnected peer) frees the packed chunks
+and is served lazily.
 
 Offers: once every chunk of a destination rank's pack has completed, the pack is offered to
 that rank (:class:`~kvtriton.wire.Offer`: a ``ready`` ahead of the pull) as a transfer of its
-own; when the plan also reads DIRECT runs from this rank, the offer says so (``runs``) only once
-the hold's event has completed, and is then their ``runs_ready`` as well: the offered transfer
-keeps the blocks held until the reader's ``runs_done``, as a pulled one does; a fetch that asks exactly that READs it
-without a round trip to this process (on a busy host, the wake-up saved). An offered pack is
+own; a fetch that asks exactly that READs it without a round trip to this process (on a busy
+host, the wake-up saved). When the plan also reads DIRECT runs from this rank, the offer is
+sent only once the hold's event has completed and says so (``runs``): it is then their
+``runs_ready`` too (the confirmation that this rank holds the blocks), and the offered
+transfer keeps them held until the reader's ``runs_done``, as a pulled one does. An offered pack is
 announced: it is no longer evicted, lives until acked or until the hold ends (then its slots are
 quarantined for ``timeout_s``, as after any ``ready``), and a pull of the same request from that
 rank withdraws it. Offered packs keep at most the consumer's share less ``inflight_chunks``

@@ -127,13 +127,17 @@ class SourceHolds:
 
     def on_renew(self, peer: Peer, m: wire.Renew) -> None:
         """The consumer still wants the request: the lease starts over. From anyone else it is
-        ignored (counted as refused): renewal never keeps alive what the sender may not read."""
+        ignored (counted as refused): renewal never keeps alive what the sender may not read
+        (a peer holding an offer of an unbound hold may read it)."""
         hold = self.holds.get(m.req)
         if m.dst_rank != peer.md.rank:
             raise ProtocolError(f"renew from {peer.agent} names rank {m.dst_rank}")
         if hold is None:
             return
-        if hold.consumer != peer.md.engine:
+        # an unbound hold offered to this peer: it may be reading the offer, not acked yet (that
+        # binds); its renewal keeps the lease as a pull's would, and binds nothing
+        offered = hold.consumer is None and (peer.agent, m.req) in self.offered
+        if hold.consumer != peer.md.engine and not offered:
             self.links.stats["refused"] += 1
             return
         hold.deadline = max(hold.deadline, time.monotonic() + hold.lease_s)
