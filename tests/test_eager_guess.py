@@ -257,3 +257,36 @@ def test_a_renew_keeps_an_unbound_offered_hold_only_from_the_offered_peer(made):
     check_destination(e.D[0], 0, 1, kv, dst, e.before[0])
     _settle([p, d, x], 0.1)  # D's done
     assert d.stats["offers_taken"] == 1 and [(f.req_id, f.reason) for f in p.freed()] == [("r", "done")]
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_prefix_pull_with_direct_runs_takes_the_offered_suffix_and_reads_the_runs(made, whole):
+    # MLA is read DIRECT from the source, the GQA layers staged: the offer confirms the runs; a
+    # fetch skipping a prefix pulls instead, takes the packed suffix (whole chunks) and reads the runs
+    e = Engines(1, 2, models=MODELS, p_blocks=64, d_blocks=64, chunk_bytes=4 << 10, timeout_s=0.5)
+    made.append(e)
+    p = e.pa[0]
+    rng = np.random.default_rng(5 + whole)
+    src, dsts = rng.permutation(64)[:12], [rng.permutation(64)[:12] for _ in e.da]
+    kv = e.request(src)
+    p.hold("r", src)
+    e.settle(0.1)
+    packs = p._source.offered
+    assert len(packs) == 2 and all(s.runs_reader for s in packs.values())  # both ranks offered, runs confirmed
+    bpc = {s.peer.md.rank: s.chunks.blocks_per_chunk for s in packs.values()}
+    skip = min(bpc.values()) if whole else 1
+    assert all(b < 12 for b in bpc.values())
+    for d, dst in zip(e.da, dsts):
+        dst[:skip] = -1
+        d.fetch("r", "P", src, dst)
+    got = e.drive(1)
+    assert all(v[0].ok for v in got.values()), got
+    for r in range(2):
+        check_destination(e.D[r], r, 2, kv, dsts[r], e.before[r])
+    e.settle(0.1)
+    hits = sum(1 for r in range(2) if whole and skip % bpc[r] == 0)
+    assert hits >= 1 or not whole
+    assert p.stats["eager_hits"] == hits and p.stats["eager_misses"] == 2 - hits
+    assert sum(d.stats["offers_taken"] for d in e.da) == 0
+    e.settle(0.8)
+    assert _free(e.agents, "D") and not p._source.serves
