@@ -19,6 +19,9 @@ the descriptor sizes are the real ones. Methods, all moving the same bytes into 
   nothing forced: the decode's cost model picks the way per request (the row says which).
   (read_unpack, the P > D mirror, needs a source rank whose heads all go to one decode rank;
   this P4->D8 case has none: bench/costgrid.py times it.)
+* ``kvtriton staged, pull eager-guess``: as ``eager``, but the hold names no consumer (as the vLLM
+  connector's holds): the prefill packs for the only decode engine connected to it
+  (``eager_guess``) and offers it; the note gives lazy pull (same chunks) / this.
 * ``vLLM-style direct``: one 4 KiB descriptor per (layer, K/V, block) head slice, read from an
   HND copy of the cache (the layout that makes a head slice contiguous), prepared lists.
 * ``per-token``: one 256 B descriptor per (layer, K/V, token), read from the NHD cache.
@@ -123,10 +126,10 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
                             a.add_remote(md)
                     raw.add_remote(args[1])
                     conn.send("ok")
-                elif cmd == "hold":  # (req, ids, variant, consumer or None, chunks to pack ahead)
-                    group = agents[args[2]]
+                elif cmd == "hold":  # (req, ids, variant, consumer or None, chunks, packed ahead)
+                    group, ahead = agents[args[2]], args[5]
                     end = time.monotonic() + 30
-                    while args[3] and any(a.pool.free_slots < a.pool.num_slots for a in group) \
+                    while ahead and any(a.pool.free_slots < a.pool.num_slots for a in group) \
                             and time.monotonic() < end:
                         for a in group:
                             a.progress()  # the last request's ack: its staging is back
@@ -134,7 +137,7 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
                     for a in group:
                         a.hold(args[0], args[1], lease_s=120, consumer=args[3])
                     end = time.monotonic() + 30
-                    while args[3] and any(a.stats["eager_offers"] == o for a, o in zip(group, offers)) \
+                    while ahead and any(a.stats["eager_offers"] == o for a, o in zip(group, offers)) \
                             and time.monotonic() < end:
                         for a in group:
                             a.progress()  # packed (or, read_unpack, nothing to pack) and offered to the decode
@@ -165,7 +168,7 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
 
 VARIANTS = [("pull", 1, 1, False, "staged"), ("push", 1, 1, False, "staged"), ("pull", 8, 2, False, "staged"),
             ("pull", 1, 1, True, "staged"), ("pull", 1, 1, False, "pack_place"), ("pull", 1, 1, True, "pack_place"),
-            ("pull", 1, 1, False, None)]
+            ("pull", 1, 1, False, None), ("pull", 1, 1, "guess", "staged")]
 # P > D: read_unpack instead of pack_place (lazy: the pull is answered by RunsReady, no pack; eager:
 # the hold is offered for reading straight from the cache, no pull at all)
 VARIANTS_BY_CASE = {"p4d8": VARIANTS,
@@ -174,9 +177,15 @@ VARIANTS_BY_CASE = {"p4d8": VARIANTS,
                              ("pull", 1, 1, True, "read_unpack"), ("pull", 1, 1, False, None)]}
 
 
-def _method(mode: str, chunks: int, inflight: int, eager: bool, way: str | None) -> str:
-    return (f"kvtriton {way or 'auto'}, {mode}{' eager' if eager else ''}, {chunks} chunk(s) x {inflight}"
+def _method(mode: str, chunks: int, inflight: int, eager, way: str | None) -> str:
+    return (f"kvtriton {way or 'auto'}, {mode}{_eager_label(eager)}, {chunks} chunk(s) x {inflight}"
             " in flight")
+
+
+def _eager_label(eager) -> str:
+    """How a variant's hold is packed: lazily (''), ahead for its named consumer, or ahead for
+    the only engine connected (no consumer named: the vLLM connector's holds)."""
+    return {False: "", True: " eager", "guess": " eager-guess"}[eager]
 
 
 def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 8192,
@@ -187,7 +196,8 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
     ``variants``: kvtriton configurations as (mode, chunks per request, chunks in flight[, eager[,
     way]]), ``way`` the mode forced on every region (None: the cost model's choice per request);
     default :data:`VARIANTS`: staged with one chunk (pull and push), 8 pipelined chunks (pull) and
-    one chunk packed at hold time (pull, eager: the hold names its consumer; staging and
+    one chunk packed at hold time (pull, eager: True, the hold names its consumer; ``"guess"``,
+    it names none and the prefill guesses its only connected engine; staging and
     ``eager_bytes`` fit the whole request), pack_place lazy and eager, and auto. ``busy``: CPU-bound
     neighbor processes spinning on the same cores for the whole measurement (bounded: they stop
     by themselves after 300 s). ``per_token``: time the (slow) per-token baseline too.
@@ -218,7 +228,8 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         staging = ((chunks + inflight) if eager else inflight) * chunk
         agent_kw.append(dict(staging_bytes=staging, slot_bytes=slot, chunk_bytes=chunk, mode=mode,
                              inflight_chunks=inflight, impl="torch", timeout_s=60,
-                             eager_bytes=chunks * chunk if eager else 0, modes=way))
+                             eager_bytes=chunks * chunk if eager else 0, eager_guess=eager == "guess",
+                             modes=way))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_prefill, args=(child, layers, num_blocks, agent_kw, reps, case), daemon=True)
@@ -371,7 +382,8 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             def hold(i=i, eager=eager, chunks=chunks, way=way, agent=agents[i]) -> None:
                 req = f"r{counter[0]}"
                 counter[0] += 1
-                parent.send(("hold", req, src_ids.tolist(), i, f"D{i}" if eager else None, chunks))
+                parent.send(("hold", req, src_ids.tolist(), i, f"D{i}" if eager is True else None, chunks,
+                             bool(eager)))
                 held[i] = dict(parent.recv(), req=req)
                 if eager and way != "read_unpack" and held[i]["packed"] < chunks * len(ranks):
                     raise AssertionError(f"eager {way}: {held[i]['packed']} of {chunks * len(ranks)} chunks packed at hold time")
@@ -424,13 +436,15 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             one = (("pack_place" if case == "p4d8" else "read_unpack") if used == "one-sided" else used)
             place, read_ru = one == "pack_place", one == "read_unpack"
             parts = (0 if eager or read_ru else pack_q[1]) + floor + (0 if place else unpack_q[1])
+            lazy = [j for j, w in enumerate(variants) if w == (mode, chunks, inflight, False, way)]
+            vs_lazy = f"; lazy/this = {qs[f'staged{lazy[0]}'][1] / q[1]:.2f}x" if eager and lazy else ""
             staged_rows.append(dict(
                 common, method=_method(mode, chunks, inflight, eager, way), descriptors=ndescs[i][0],
                 **qfields("ms", q, 2),
                 note=(f"{'' if way else f'ran {one}; '}{q[1] / parts:.2f}x the sum of its parts "
                       f"({'' if eager or read_ru else 'pack + '}one {'READ' if mode == 'pull' else 'WRITE'}"
                       f"{'' if place else ' + unpack'}); vLLM K||V direct/this = {packed_q[1] / q[1]:.2f}x; "
-                      f"K/V-separate direct/this = {direct_q[1] / q[1]:.2f}x")))
+                      f"K/V-separate direct/this = {direct_q[1] / q[1]:.2f}x{vs_lazy}")))
         rows += staged_rows
         rows += [
             dict(common, method="vLLM 0.33 direct 8 KiB K||V reads", descriptors=p_l.count,

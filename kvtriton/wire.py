@@ -337,7 +337,8 @@ class Abort(Message):
 @dataclass(frozen=True)
 class Renew(Message):
     """To every prefill rank of the engine, while a fetch of ``req`` is outstanding: keep its
-    hold for another lease (honoured only from the hold's consumer engine)."""
+    hold for another lease (honoured only from the hold's consumer engine, or a rank holding an
+    offer of it while it is unbound)."""
 
     TYPE: ClassVar[str] = "renew"
     req: str
@@ -362,7 +363,9 @@ class Offer(Message):
     """Pull, before the pull: request ``req`` is packed for you (``num_blocks`` held blocks in
     order, ``ids`` their digest, chunks of ``chunk_blocks`` by plan ``plan``) in my slot runs
     ``slots`` (slot, nslots per chunk). A fetch asking exactly that READs them as transfer
-    ``xid`` (acks as after ``ready``) without sending a pull; a ``reject`` of ``xid`` withdraws it."""
+    ``xid`` (acks as after ``ready``) without sending a pull; a ``reject`` of ``xid`` withdraws it.
+    ``runs`` 1: the plan also reads DIRECT runs from me, and this is their ``runs_ready`` too (I
+    hold the blocks, the engine's writes are done: READ them, then ``runs_done``); 0: none."""
 
     TYPE: ClassVar[str] = "offer"
     xid: str
@@ -372,6 +375,7 @@ class Offer(Message):
     num_blocks: int
     chunk_blocks: int
     slots: tuple[int, ...]
+    runs: int = 0
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,10 @@ def test_prefill_killed_before_load_is_recomputed(pair_1_1, prompts):
 def test_hetero_tp_tokens_identical_and_negative_control(model_dir, tmp_path, prompts, p_tp, d_tp):
     pair = Pair(model_dir, tmp_path, p_tp, d_tp)
     try:
-        ref, _ = transfer_and_check(pair, prompts, "h")
-        # negative control: overwrite the prefill's blocks before the decode loads them
+        # negative control first: overwrite the prefill's blocks before the decode loads them. It
+        # runs while the decode has not connected yet, so nothing was packed at hold time (an eager
+        # pack would carry the KV as it was when held, not as scrambled)
+        ref = pair.reference(prompts, tag="neg-ref")
         params = pair.prefill_requests(prompts, "neg-p")
         blocks = sorted({b for p in params for b in p["remote_block_ids"]})
         scrambled = pair.prefill.call("scramble", block_ids=blocks)["scrambled"]
@@ -196,6 +198,12 @@ def test_hetero_tp_tokens_identical_and_negative_control(model_dir, tmp_path, pr
         assert [o["tokens"] for o in out] != ref, "tokens did not change with the KV overwritten"
         assert all(o["prompt_computed"] <= 1 for o in out)
         pair.settle(pair.prefill)
+        assert not any(s["eager_guessed"] for s in pair.prefill.call("transfer_stats")["stats"])
+        # the decode is now the only engine connected: the connector's holds (no consumer named)
+        # are packed and offered to it ahead of its loads, and the tokens are those of one engine
+        transfer_and_check(pair, prompts, "h")
+        stats = pair.prefill.call("transfer_stats")["stats"]
+        assert all(s["eager_guessed"] > 0 and s["eager_hits"] > 0 for s in stats), stats
     finally:
         pair.close()
 

@@ -193,6 +193,7 @@ class Destination(OneSidedReads):
                 self.links.stats["offers_taken"] += 1
             elif offer is not None:  # the payload is in the source's staging already: READ it now
                 part.offered = True
+                part.go = bool(offer.runs)  # runs=1: the offer also confirmed our DIRECT runs (RunsReady)
                 for c in range(chunks.count):
                     slot, nslots = offer.slots[2 * c], offer.slots[2 * c + 1]
                     part.readies.append(wire.Ready(part.xid, c, slot, nslots, chunks.nbytes(c)))
@@ -211,7 +212,7 @@ class Destination(OneSidedReads):
         for part in f.parts.values():
             peer = self.links.peers[(f.engine, part.src_rank)]
             if part.offered:  # nothing to ask: its acks (RunsDone) tell the source we took the offer
-                if part.go and part.runs_pending:
+                if part.go and part.runs_pending:  # the source confirmed the blocks: READ the runs now
                     self._read_runs(part, peer)
                 continue
             chunk_blocks = part.chunks.blocks_per_chunk if part.chunks is not None else 0
@@ -248,13 +249,14 @@ class Destination(OneSidedReads):
     def _offer_for(self, peer: Peer, req: str, plan: TransferPlan, ids, chunks: ChunkGeometry | None,
                    runs: bool) -> wire.Offer | None:
         """``peer``'s offer of ``req`` when it is exactly this part's payload (same plan, ids and
-        chunks, slot runs inside the peer's staging, no DIRECT runs), else None; an offer that
-        does not match is declined (the source frees it)."""
+        chunks, slot runs inside the peer's staging, DIRECT runs confirmed when it has any), else None; an offer that
+        does not match is declined (the source frees it), or left to the pull that follows when
+        it may hold a suffix of this part (see :mod:`.eager`)."""
         offer = self.offers.get(peer.key, {}).pop(req, None)
         if offer is None:
             return None
         st = peer.md.staging
-        ok = (chunks is not None and ids is not None and not runs and offer.xid not in self.parts
+        ok = (chunks is not None and ids is not None and offer.runs == int(runs) and offer.xid not in self.parts
               and offer.plan == plan.digest() and offer.num_blocks == chunks.num_blocks
               and offer.chunk_blocks == chunks.blocks_per_chunk and len(offer.slots) == 2 * chunks.count
               and offer.ids == ids_digest(ids))
@@ -263,7 +265,10 @@ class Destination(OneSidedReads):
                 slot, nslots = offer.slots[2 * c], offer.slots[2 * c + 1]
                 ok = ok and nslots == ceil_div(chunks.nbytes(c), st.slot_bytes) and slot + nslots <= st.num_slots
         if not ok:
-            self.links.send(peer, wire.Abort(offer.xid), quiet=True)
+            # an offer of more blocks by our plan may hold a suffix we ask (a -1 prefix): our pull
+            # lets the source take it over or withdraw it; any other is declined now
+            if not (chunks is not None and offer.plan == plan.digest() and offer.num_blocks > chunks.num_blocks):
+                self.links.send(peer, wire.Abort(offer.xid), quiet=True)
             return None
         return offer
 

@@ -1,4 +1,5 @@
-"""Eager packing: a hold whose consumer engine is named is packed before its pull arrives.
+"""Eager packing: a hold is packed for its consumer engine (named, or guessed: see below) before
+its pull arrives.
 
 Why: a lazy staged pull needs the source process scheduled between the Pull and the data
 being in place (pull -> pack -> ready); on a busy host every such wake-up costs a scheduling
@@ -10,13 +11,17 @@ answered with Ready at once (data already in place).
 What is packed is a guess at what the destination will ask: every held block, in the hold's
 order, cut into the chunks the destination derives (:meth:`ChunkGeometry.fit` over the
 smaller of both sides' ``chunk_bytes``; the destination's travels in its metadata). A Pull that
-asks anything else (a subset of the blocks, another chunk size, another plan, a reconnected
-peer) frees the packed chunks and is served lazily.
+asks anything else (a subset of the blocks other than a suffix of whole chunks, see the -1
+prefix below; another chunk size, another plan, a reconnected peer) frees the packed chunks
+and is served lazily.
 
-Offers: once every chunk of a destination rank's pack has completed, and the plan reads no
-DIRECT runs from this rank, the pack is offered to that rank (:class:`~kvtriton.wire.Offer`: a
-``ready`` ahead of the pull) as a transfer of its own; a fetch that asks exactly that READs it
-without a round trip to this process (on a busy host, the wake-up saved). An offered pack is
+Offers: once every chunk of a destination rank's pack has completed, the pack is offered to
+that rank (:class:`~kvtriton.wire.Offer`: a ``ready`` ahead of the pull) as a transfer of its
+own; a fetch that asks exactly that READs it without a round trip to this process (on a busy
+host, the wake-up saved). When the plan also reads DIRECT runs from this rank, the offer is
+sent only once the hold's event has completed and says so (``runs``): it is then their
+``runs_ready`` too (the confirmation that this rank holds the blocks), and the offered
+transfer keeps them held until the reader's ``runs_done``, as a pulled one does. An offered pack is
 announced: it is no longer evicted, lives until acked or until the hold ends (then its slots are
 quarantined for ``timeout_s``, as after any ``ready``), and a pull of the same request from that
 rank withdraws it. Offered packs keep at most the consumer's share less ``inflight_chunks``
@@ -27,6 +32,28 @@ all eager packs together stay within ``eager_bytes``; a hold that does not fit i
 lazily. A pull that needs staging evicts eager packs not yet asked for (they are a guess; a pull
 is real). Only the named consumer's rank whose plan was packed can take a pack: the pull's
 entitlement checks (:meth:`Source._open`) run first, and the pack is keyed by the peer object.
+
+Guessing (``eager_guess``, default on): a hold without a consumer is packed, and offered, for
+the only peer engine connected to this rank, when exactly one is (1P1D: the vLLM connector's
+holds, whose prefill does not know its decode). The guess binds nothing: the hold still binds
+to the first engine whose transfer this rank accepts (a pull, or the first ack or RunsDone of
+an offer, see :meth:`~.holds.SourceHolds.bind`), and binding frees whatever was packed for
+another engine and withdraws its offers (quarantined for ``timeout_s``, as any withdrawn
+``ready``); an offer's acks from an engine the hold is no longer open to are refused (the
+transfer is gone). With two or more engines connected nothing is guessed: a guess between
+them could pin one engine's packs in staging the other needs, and naming the consumer is the
+way to pack for one of several. A guessed pack is bounded like a named one (the guessed
+engine's share, ``eager_bytes``), so an engine that is alone and never takes its offers pins
+at most that, and only until the hold binds elsewhere or ends.
+
+A prefix the decode already has (-1 destination ids at the start of a fetch, e.g. a
+prefix-cache hit) makes the pull ask a suffix of the held blocks. Inside a chunk the staged
+format is segment-major (every region-stream's tiles of the chunk's blocks in turn), so a
+block range of a chunk is not a byte range of it: a suffix is served from the pack (offered
+or not) exactly when it starts on a packed chunk boundary and the pull's chunks are the packed
+ones from there on (:func:`suffix_chunks`); the chunks before it are freed. Any other prefix
+is a miss (served lazily). An offered pack is not READ at once for a suffix: the decode does
+not decline it (no abort) and pulls, and the pull takes it over (one round trip, no pack).
 """
 
 from __future__ import annotations
@@ -46,6 +73,35 @@ from .packing import PackJob
 from .streams import event_done
 
 
+def suffix_chunks(packed_ids: np.ndarray, packed: ChunkGeometry, inflight: dict, ids: np.ndarray,
+                  chunks: ChunkGeometry) -> tuple[dict, dict] | None:
+    """Match a pull of ``ids`` cut into ``chunks`` with chunks ``inflight`` (chunk -> Chunk) packed
+    for ``packed_ids`` cut into ``packed``: when ``ids`` is a suffix of ``packed_ids`` starting on
+    a packed chunk boundary and every chunk of the pull is a packed chunk (same positions, hence
+    the same bytes), returns (the packed chunks the pull takes, renumbered as its chunks; the
+    packed chunks before the suffix), else None. The whole list is the suffix that skips nothing."""
+    n, skip = ids.size, packed_ids.size - ids.size
+    bpc = packed.blocks_per_chunk
+    if n == 0 or skip < 0 or skip % bpc or chunks.bytes_per_block != packed.bytes_per_block:
+        return None
+    first = skip // bpc
+    if first + chunks.count != packed.count:
+        return None
+    for j in range(chunks.count):
+        lo, hi = chunks.bounds(j)
+        if packed.bounds(first + j) != (skip + lo, skip + hi):
+            return None
+    if not np.array_equal(packed_ids[skip:], ids):
+        return None
+    taken = {}
+    for c in sorted(inflight):
+        if c >= first:
+            ch = inflight[c]
+            ch.index = c - first  # the pull's chunk number: its Ready and acks use it
+            taken[ch.index] = ch
+    return taken, {c: ch for c, ch in inflight.items() if c < first}
+
+
 def ids_digest(ids: np.ndarray) -> str:
     """What an offer says about the block ids it packed (both sides hash int64 ids alike)."""
     return hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int64).tobytes(), digest_size=12).hexdigest()
@@ -60,7 +116,7 @@ class Packed:
     ids: np.ndarray  # the request positions assumed (every held block, in order)
     chunks: ChunkGeometry
     read: object = None  # the plan's StagedRead from this rank
-    offerable: bool = False  # every chunk packed and no DIRECT runs: offered once the packs completed
+    runs: bool = False  # the plan also reads DIRECT runs from this rank (the offer confirms them)
     inflight: dict = field(default_factory=dict)  # chunk -> Chunk, chunks 0..k-1
 
     @property
@@ -84,9 +140,17 @@ class EagerPacks:
 
     # ------------------------------------------------------------------ placing
     def placed(self, hold) -> None:
-        """``hold`` was placed: pack it in the next ``progress()`` when it names its consumer."""
-        if hold.consumer is not None and self.budget_slots and self.src.s.flow is Flow.PULL:
+        """``hold`` was placed: pack it in the next ``progress()`` for its consumer (named, or
+        guessed then)."""
+        if (self.budget_slots and self.src.s.flow is Flow.PULL
+                and (hold.consumer is not None or self.src.s.eager_guess)):
             self.pending.append(hold.req_id)
+
+    def guess(self) -> str | None:
+        """The engine a hold without a consumer is packed for: the only connected peer engine,
+        else None (none or several connected)."""
+        engines = {p.md.engine for p in self.src.links.peers.values()}
+        return next(iter(engines)) if len(engines) == 1 else None
 
     def advance(self) -> None:
         pending, self.pending = self.pending, []
@@ -110,15 +174,16 @@ class EagerPacks:
             packed = self.packs.get(req, {}).get(rank)
             if packed is None:
                 continue  # taken, freed or evicted meanwhile
-            if not all(ch.kernel is None or ch.kernel.done() for ch in packed.inflight.values()):
-                waiting.append((req, rank))
-                continue
             src = self.src
+            hold = src.holds.get(req)
+            if not all(ch.kernel is None or ch.kernel.done() for ch in packed.inflight.values()) or \
+                    (packed.runs and hold is not None and not event_done(hold.ready)):
+                waiting.append((req, rank))  # DIRECT runs: offered once the engine's writes are done
+                continue
             reserve = src.s.inflight * src.s.pool.slots_for(src.s.chunk_bytes)
             if src.engine_slots.get(packed.peer.md.engine, 0) > src.share() - reserve:
                 continue  # offered packs would leave the engine's lazy pulls no staging: stays evictable
-            hold = src.holds.get(req)
-            if hold is not None and src.offer(hold, packed):
+            if hold is not None and hold.consumer in (None, packed.peer.md.engine) and src.offer(hold, packed):
                 del self.packs[req][rank]  # announced: the offered transfer owns it (slots still counted here)
                 if not self.packs[req]:
                     del self.packs[req]
@@ -127,11 +192,12 @@ class EagerPacks:
     def _pack_hold(self, hold) -> None:
         src, stats = self.src, self.src.links.stats
         ids = hold.block_ids
-        if ids.size == 0:
+        engine = hold.consumer or self.guess()
+        if ids.size == 0 or engine is None:
             return
         out: dict[int, Packed] = {}
         self.packs[hold.req_id] = out
-        for peer in src.links.engine_peers(hold.consumer):
+        for peer in src.links.engine_peers(engine):
             try:
                 plan = src.plan_for(peer)
             except KVTritonError:
@@ -147,7 +213,7 @@ class EagerPacks:
                                            min(src.s.chunk_bytes, peer.md.staging.chunk_bytes))
             except StagingError:
                 continue
-            packed = Packed(peer, plan.digest(), ids, chunks, read)
+            packed = Packed(peer, plan.digest(), ids, chunks, read, runs=src.s.rank in plan.direct_ranks(ids.size))
             for c in range(chunks.count):
                 need = src.s.pool.slots_for(chunks.nbytes(c))
                 if self.slots + need > self.budget_slots:
@@ -160,11 +226,13 @@ class EagerPacks:
                 self._queue(hold, packed, ch)
             if packed.inflight:
                 out[peer.md.rank] = packed
-                if len(packed.inflight) == chunks.count and src.s.rank not in plan.direct_ranks(ids.size):
+                if len(packed.inflight) == chunks.count:
                     self.unoffered.append((hold.req_id, peer.md.rank))
                 stats["eager_chunks"] += len(packed.inflight)
         if not out:
             del self.packs[hold.req_id]
+        elif hold.consumer is None:
+            stats["eager_guessed"] += 1
 
     def _queue(self, hold, packed: Packed, ch: Chunk) -> None:
         """Queue the pack of ``ch`` in the source's batch: launched with the other destination
@@ -201,10 +269,12 @@ class EagerPacks:
                           chunks=chunks) is Mode.READ_UNPACK
 
     # ------------------------------------------------------------------ using
-    def take(self, req: str, peer: Peer, digest: str, ids: np.ndarray, chunks: ChunkGeometry | None) -> dict:
-        """The chunks packed for ``peer``'s pull of ``req`` when they are exactly what it asks
-        (then they leave the eager budget and belong to the transfer), else {} (a pack for
-        this rank that does not match is freed)."""
+    def take(self, req: str, peer: Peer, digest: str, ids: np.ndarray | None, chunks: ChunkGeometry | None) -> dict:
+        """The chunks packed for ``peer``'s pull of ``req`` when they are exactly what it asks, or
+        the packed chunks of a suffix it asks (:func:`suffix_chunks`; the others are freed): then
+        they leave the eager budget and belong to the transfer, renumbered as its chunks. Else {}
+        (a pack for this rank that does not match is freed). ``ids`` None: a token-mapped pull
+        (never packed ahead)."""
         by_rank = self.packs.get(req)
         packed = by_rank.pop(peer.md.rank, None) if by_rank else None
         if by_rank is not None and not by_rank:
@@ -212,13 +282,17 @@ class EagerPacks:
         if packed is None:
             return {}
         self.slots -= packed.nslots
-        if (packed.peer is peer and packed.digest == digest and chunks == packed.chunks
-                and np.array_equal(ids, packed.ids)):
-            self.src.links.stats["eager_hits"] += 1
-            return packed.inflight
-        self.src.links.stats["eager_misses"] += 1
-        self._free(packed)
-        return {}
+        got = None
+        if packed.peer is peer and packed.digest == digest and chunks is not None and ids is not None:
+            got = suffix_chunks(packed.ids, packed.chunks, packed.inflight, ids, chunks)
+        if got is None or not got[0]:
+            self.src.links.stats["eager_misses"] += 1
+            self._free(packed)
+            return {}
+        taken, before = got
+        self.src.links.stats["eager_hits"] += 1
+        self._free_chunks(packed.peer.md.engine, before)
+        return taken
 
     def ready_chunks(self, req: str) -> int:
         """Chunks of ``req`` packed ahead whose pack has completed."""
@@ -261,8 +335,26 @@ class EagerPacks:
                     return True
         return False
 
+    def bound(self, req: str, engine: str) -> None:
+        """Hold ``req`` was bound to ``engine``: what was packed for another engine (a guess) is
+        freed, and its offers are withdrawn (that engine may be reading them: quarantined)."""
+        by_rank = self.packs.get(req, {})
+        for rank, packed in list(by_rank.items()):
+            if packed.peer.md.engine != engine:
+                del by_rank[rank]
+                self.slots -= packed.nslots
+                self.src.links.stats["eager_misses"] += 1
+                self._free(packed)
+        if req in self.packs and not by_rank:
+            del self.packs[req]
+        for serve in [s for s in self.src.offered.values() if s.req_id == req and s.peer.md.engine != engine]:
+            self.src.links.stats["eager_misses"] += 1
+            self.src.drop(serve, notify=f"offer of {req!r} withdrawn: the request went to engine {engine!r}")
+
     def _free(self, packed: Packed) -> None:
+        self._free_chunks(packed.peer.md.engine, packed.inflight)
+
+    def _free_chunks(self, eng: str, inflight: dict) -> None:
         # a pack still running on our stream keeps its slots until it completes: an unpack or a
         # peer's WRITE into them would not be ordered after it
-        eng = packed.peer.md.engine
-        self.src.links.retire_chunks(packed.inflight, 0.0, on_free=lambda ch: self.src.uncount(eng, ch))
+        self.src.links.retire_chunks(inflight, 0.0, on_free=lambda ch: self.src.uncount(eng, ch))

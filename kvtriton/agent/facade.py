@@ -73,6 +73,10 @@ class TransferAgent:
                    ``consumer`` is packed in the next :meth:`progress` for each of that
                    engine's connected ranks that read from this one, so the pull is answered
                    with the data in place (:mod:`kvtriton.agent.eager`). Pull mode only.
+    eager_guess:   a hold without a ``consumer`` is packed ahead for the only peer engine
+                   connected, if exactly one is (a guess: the hold still binds to the first
+                   engine whose transfer is accepted, and another engine's pull frees the
+                   guessed pack). Default True; False packs only holds that name their consumer.
     warmup:        compile the kernel specialisations this rank will launch ahead of its first
                    request: those of a peer with this rank's own geometry now, each new peer's
                    in :meth:`add_remote` (see :meth:`warmup`). Default False.
@@ -104,6 +108,7 @@ class TransferAgent:
         impl: str = "auto",
         warmup: bool = False,
         eager_bytes: int | None = None,
+        eager_guess: bool = True,
     ):
         try:
             flow = Flow(mode)
@@ -149,19 +154,21 @@ class TransferAgent:
         # bad_messages: malformed or inconsistent messages; refused: well-formed ones from a peer
         # not entitled to what it asked (another engine's hold, beyond its transfer count)
         # eager_*: chunks packed ahead of a pull, pulls that found theirs packed (hits) or not as
-        # packed (misses: served lazily), packs given up for a pull that needed the staging
+        # packed (misses: served lazily), packs given up for a pull that needed the staging;
+        # eager_guessed: holds without a consumer packed for the only connected engine
         # pack_launches, packed_chunks: pack launches of this rank as a source, and the chunks they
         # packed (several destinations' chunks of one step share a launch: kvtriton.agent.packing)
         self.stats = {"bad_messages": 0, "refused": 0, "staged_descriptors": 0, "direct_descriptors": 0,
                       "one_sided_descriptors": 0, "eager_chunks": 0, "eager_hits": 0, "eager_misses": 0,
-                      "eager_evicted": 0, "eager_offers": 0, "offers_taken": 0, "pack_launches": 0,
-                      "packed_chunks": 0}
+                      "eager_evicted": 0, "eager_offers": 0, "eager_guessed": 0, "offers_taken": 0,
+                      "pack_launches": 0, "packed_chunks": 0}
         self._warmed: set = set()  # (op, LaunchConfig) compiled by warmup()
         self._warm_peers = bool(warmup)
         settings = Settings(engine_id, rank, tp, flow, tuple(self.regions), tuple(self.specs), self.device,
                             self.pool, self.chunk_bytes, int(inflight_chunks), self.timeout_s, impl, modes, cost,
                             replicate_stripe, self._lanes, renew_s=float(renew_interval_s),
-                            eager_bytes=self.pool.nbytes // 2 if eager_bytes is None else int(eager_bytes))
+                            eager_bytes=self.pool.nbytes // 2 if eager_bytes is None else int(eager_bytes),
+                            eager_guess=bool(eager_guess))
         self._inbox: dict[str, deque] = {}  # messages received, not handled yet, per sender
         self._links = Links(settings, transport, self.stats)
         try:
@@ -341,7 +348,9 @@ class TransferAgent:
         engine whose transfer this rank accepts (trust on first use: name it when known).
         Only the consumer's ranks may read it, report it done or renew it.
         Naming it also lets this rank pack the blocks for that engine's ranks ahead of their pull
-        (``eager_bytes``; it assumes the pull reads every held block in order).
+        (``eager_bytes``; it assumes the pull reads every held block in order, or a suffix of
+        whole chunks); without it, the blocks are packed for the only connected engine, if exactly
+        one is (``eager_guess``; the hold is not bound by that guess).
         ``lease_s``: the hold is freed this long after it was placed or last renewed (a decode
         agent renews the holds of its outstanding fetches, see ``renew_interval_s``); transfers
         in progress keep it at most ``timeout_s`` longer.
@@ -375,7 +384,8 @@ class TransferAgent:
 
     def packed_ahead(self, req_id: str) -> int:
         """Chunks of held request ``req_id`` packed ahead of their pull whose pack has completed
-        (0: none, e.g. no ``consumer`` named, its ranks not connected yet, or beyond ``eager_bytes``)."""
+        (0: none, e.g. its consumer's ranks not connected yet (or, unnamed, not exactly one engine
+        connected), or beyond ``eager_bytes``)."""
         with self._lock, self._lanes.on_device():
             return self._source.eager.ready_chunks(req_id)
 

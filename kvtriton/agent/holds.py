@@ -1,7 +1,9 @@
 """The holds of a source rank: which requests' blocks it keeps, for whom, and until when.
 
 * **Entitlement.** A hold has one consumer engine: the one named at ``hold(consumer=...)``, or
-  else the first engine whose ``pull``/``push`` this rank accepts for it (trust on first use).
+  else the first engine whose ``pull``/``push`` this rank accepts for it, or whose first ack
+  (or RunsDone) of an offer made before any binding arrives (trust on first use; an eager
+  pack guessed for an engine binds nothing by itself, see :mod:`.eager`).
   Only that engine's ranks may read it, report it ``done`` or ``renew`` its lease. A replica no
   rank of an engine reads (e.g. an MLA replica its stripe skips) binds to the first engine that
   reports it done, since nothing else will ever reach it; name the consumer to close even that.
@@ -56,6 +58,14 @@ class SourceHolds:
                                          ready=ready)
         self.eager.placed(hold)
 
+    def bind(self, hold: Hold, engine: str) -> bool:
+        """Bind ``hold`` to ``engine`` if it is unbound (what was packed or offered for another
+        engine goes); whether ``engine`` is its consumer now."""
+        if hold.consumer is None:
+            hold.consumer = engine
+            self.eager.bound(hold.req_id, engine)
+        return hold.consumer == engine
+
     def serving(self, req_id: str) -> bool:
         return any(s.req_id == req_id for s in self.serves.values())
 
@@ -105,7 +115,7 @@ class SourceHolds:
             raise ProtocolError(f"done from {peer.agent} names rank {m.dst_rank}/{m.dst_tp}")
         eng = peer.md.engine
         if hold.consumer is None and not self._reads_from_me(peer, hold.block_ids.size):
-            hold.consumer = eng  # a replica this engine skips: its done is all that will come
+            self.bind(hold, eng)  # a replica this engine skips: its done is all that will come
         if hold.consumer is not None and hold.consumer != eng:
             self.links.stats["refused"] += 1
             raise ProtocolError(f"done for {m.req!r} from {peer.agent}: {self.s.name} holds it for "
@@ -117,13 +127,17 @@ class SourceHolds:
 
     def on_renew(self, peer: Peer, m: wire.Renew) -> None:
         """The consumer still wants the request: the lease starts over. From anyone else it is
-        ignored (counted as refused): renewal never keeps alive what the sender may not read."""
+        ignored (counted as refused): renewal never keeps alive what the sender may not read
+        (a peer holding an offer of an unbound hold may read it)."""
         hold = self.holds.get(m.req)
         if m.dst_rank != peer.md.rank:
             raise ProtocolError(f"renew from {peer.agent} names rank {m.dst_rank}")
         if hold is None:
             return
-        if hold.consumer != peer.md.engine:
+        # an unbound hold offered to this peer: it may be reading the offer, not acked yet (that
+        # binds); its renewal keeps the lease as a pull's would, and binds nothing
+        offered = hold.consumer is None and (peer.agent, m.req) in self.offered
+        if hold.consumer != peer.md.engine and not offered:
             self.links.stats["refused"] += 1
             return
         hold.deadline = max(hold.deadline, time.monotonic() + hold.lease_s)

@@ -52,6 +52,7 @@ class Settings:
     lanes: Lanes  # the device and the stream pack/unpack run on (see .streams)
     renew_s: float = 1.0  # a decode renews the holds of its outstanding fetches this often
     eager_bytes: int = 0  # staging all eager packs may keep (see .eager); 0: none
+    eager_guess: bool = True  # pack a hold without a consumer for the only connected engine (see .eager)
 
     def planning(self) -> tuple[tuple[str, str], ...]:
         """The settings both engines must share to compute the same plans, as (name, canonical

@@ -115,6 +115,9 @@ class SourceServes:
         serve.touch()
         self.engine_progress[serve.peer.md.engine] = time.monotonic()
         if serve.offered:  # the peer took the offer: from now on its silence counts
+            hold = self.holds.get(serve.req_id)
+            if hold is not None and not self.bind(hold, serve.peer.md.engine):
+                raise ProtocolError(f"{serve.xid!r}: {serve.req_id!r} is held for engine {hold.consumer!r}")
             self.links.stats["eager_hits"] += 1
             serve.offered = False
             if self.offered.get((serve.peer.agent, serve.req_id)) is serve:

@@ -18,7 +18,7 @@ from .. import wire
 from ..errors import KVTritonError, PlanError
 from ..plan import ChunkGeometry, Mode, TransferPlan
 from ..token_map import TokenMap
-from .eager import EagerPacks, ids_digest
+from .eager import EagerPacks, ids_digest, suffix_chunks
 from .holds import FreedRequest, Hold, SourceHolds
 from .links import Flow, Links, Peer, Settings
 from .packing import PackBatch
@@ -133,20 +133,10 @@ class Source(SourceHolds, SourceServes):
             serve.inflight = self.eager.take(req, peer, plan.digest(), ids if tokens is None else None, chunks)
             serve.next_chunk = len(serve.inflight)
         offered = self.offered.get((peer.agent, req))
-        if offered is not None and offered.offered:  # pulled instead of taken (e.g. the offer was late)
-            if serve.inflight or not (offered.read == read and offered.chunks == chunks and tokens is None
-                                      and np.array_equal(offered.ids, ids)):
-                self.links.stats["eager_misses"] += 1
-                self.drop(offered, notify=f"offer of {req!r} withdrawn: a pull for something else arrived")
-            else:  # exactly the offered payload: this transfer takes it over and announces it
-                self.links.stats["eager_hits"] += 1
-                serve.inflight, offered.inflight = offered.inflight, {}
-                serve.next_chunk, serve.eager_slots, offered.eager_slots = chunks.count, offered.eager_slots, 0
-                self._remove(offered)
-                for ch in serve.inflight.values():
-                    self.links.send(peer, wire.Ready(xid, ch.index, ch.slot, ch.nslots, ch.nbytes), quiet=True)
+        if offered is not None and offered.offered:  # pulled instead of taken (late offer, or a suffix)
+            self._take_offer(serve, offered)
         self._add(serve)
-        hold.consumer = eng  # the first accepted transfer binds an unbound hold to its engine
+        self.bind(hold, eng)  # the first accepted transfer binds an unbound hold to its engine
         if flow is Flow.PULL and has_runs:
             # the blocks stay held (up to the hold's hard bound) until the reader sends RunsDone
             serve.runs_reader = True
@@ -158,6 +148,30 @@ class Source(SourceHolds, SourceServes):
             except KVTritonError:
                 self.drop(serve)  # frees chunks it took from an eager pack too
                 raise
+
+    def _take_offer(self, serve: Serve, offered: Serve) -> None:
+        """``serve``, a pull, takes over the chunks of ``offered`` (its peer's offer of the same
+        request) when they are its payload or the packed chunks of a suffix it asks (a -1 prefix,
+        see :mod:`.eager`); the offer is withdrawn in any case."""
+        got = None
+        if not serve.inflight and serve.tokens is None and offered.read == serve.read and serve.chunks is not None:
+            got = suffix_chunks(offered.ids, offered.chunks, offered.inflight, serve.ids, serve.chunks)
+        if not got or not got[0]:
+            self.links.stats["eager_misses"] += 1
+            self.drop(offered, notify=f"offer of {serve.req_id!r} withdrawn: a pull for something else arrived")
+            return
+        taken, before = got
+        self.links.stats["eager_hits"] += 1
+        # the chunks before the suffix were announced by the offer: quarantined like any withdrawn ready
+        freed = sum(ch.nslots for ch in before.values())
+        eng = offered.peer.md.engine
+        self.links.retire_chunks(before, time.monotonic() + self.s.timeout_s, on_free=lambda ch: self.uncount(eng, ch))
+        serve.inflight, offered.inflight = taken, {}
+        serve.next_chunk, serve.eager_slots, offered.eager_slots = serve.chunks.count, offered.eager_slots - freed, 0
+        self.eager.slots -= freed
+        self._remove(offered)
+        for ch in serve.inflight.values():
+            self.links.send(serve.peer, wire.Ready(serve.xid, ch.index, ch.slot, ch.nslots, ch.nbytes), quiet=True)
 
     def plan_for(self, peer: Peer) -> TransferPlan:
         """The plan of ``peer``'s transfers from this rank, by the destination's cost model (a
@@ -178,7 +192,7 @@ class Source(SourceHolds, SourceServes):
             return False
         serve = Serve(xid, hold.req_id, peer, Flow.PULL, packed.read, packed.ids, packed.chunks, self.s.timeout_s,
                       time.monotonic() + self.s.timeout_s, ready=hold.ready, offered=True,
-                      eager_slots=packed.nslots)
+                      eager_slots=packed.nslots, runs_reader=packed.runs)  # runs: held until RunsDone
         serve.inflight = dict(packed.inflight)
         serve.next_chunk = packed.chunks.count
         slots = []
@@ -188,7 +202,8 @@ class Source(SourceHolds, SourceServes):
             slots += [ch.slot, ch.nslots]
         try:
             self.links.send(peer, wire.Offer(xid, hold.req_id, packed.digest, ids_digest(packed.ids),
-                                             int(packed.ids.size), packed.chunks.blocks_per_chunk, tuple(slots)))
+                                             int(packed.ids.size), packed.chunks.blocks_per_chunk, tuple(slots),
+                                             runs=int(packed.runs)))
         except KVTritonError:
             return False
         self._add(serve)

@@ -462,10 +462,12 @@ class _BedHooks:
 
     @staticmethod
     def transfer_stats(conn) -> dict | None:
-        """Loads finished by this rank so far: count, descriptors posted, bytes."""
+        """Loads finished by this rank so far: count, descriptors posted, bytes (kvtriton: and its
+        agent's eager-pack counters, ``eager_*`` and ``offers_taken``)."""
         worker = getattr(conn, "_worker", None)
         if worker is not None:  # kvtriton
-            return dict(worker.stats)
+            eager = {k: v for k, v in worker.agent.stats.items() if k.startswith("eager") or k == "offers_taken"}
+            return {**worker.stats, **eager}
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl import stats
 
         return dict(getattr(stats.NixlKVConnectorStats, "_bed_counts", {}))

@@ -51,6 +51,9 @@ class ConnectorSettings:
                          (eager packing), so a load finds its data staged and READs it without
                          a round trip to this engine. ``""`` (default): a hold belongs to the
                          first engine that asks, packed when asked.
+    eager_guess:         a prefill rank packs a finished request ahead of its pull for the only
+                         decode engine connected to it, if exactly one is (1P1D; the hold is not
+                         bound by the guess, see :mod:`kvtriton.agent.eager`). Default true.
     """
 
     host: str = "127.0.0.1"
@@ -69,6 +72,7 @@ class ConnectorSettings:
     kv_cache_layout: str = "LBHNC"
     cost_model: str = "default"
     consumer: str = ""
+    eager_guess: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
@@ -82,7 +86,7 @@ class ConnectorSettings:
             want = type(known[name].default)
             if want is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
-            if not isinstance(value, want) or isinstance(value, bool):
+            if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
                 raise SettingsError(f"kv_connector_extra_config[{name!r}] must be {want.__name__}, "
                                     f"got {type(value).__name__} {value!r}")
             values[name] = value

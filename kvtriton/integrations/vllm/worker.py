@@ -71,7 +71,7 @@ class WorkerSide:
         self.agent = TransferAgent(engine_id, rank, tp_size, regions, staging_bytes=s.staging_bytes,
                                    slot_bytes=s.slot_bytes, mode=s.mode, chunk_bytes=s.chunk_bytes or None,
                                    inflight_chunks=s.inflight_chunks, timeout_s=s.timeout_s, impl=s.impl,
-                                   cost=cost)
+                                   cost=cost, eager_guess=s.eager_guess)
         self.server: MetadataServer | None = None
         try:
             if serve:
