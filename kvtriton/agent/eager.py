@@ -206,7 +206,10 @@ class EagerPacks:
             if read is None or plan.maps_tokens:  # token maps: the tiles depend on the decode's ids
                 continue
             if self._read_from_cache(read, peer, ids):  # nothing to pack: offer our cache blocks instead
-                self.runs_offers.append((hold.req_id, peer, plan.digest()))
+                # only to a named consumer: a guessed engine's offer could not be withdrawn from
+                # under a read once another engine binds the hold (its pull gets RunsReady instead)
+                if hold.consumer is not None:
+                    self.runs_offers.append((hold.req_id, peer, plan.digest()))
                 continue
             try:
                 chunks = ChunkGeometry.fit(read.bytes_per_block, ids.size,
