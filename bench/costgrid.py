@@ -22,7 +22,8 @@ geometry allows it (:data:`MODES`). For STAGED regions the plan's choice is the 
 :func:`kvtriton.one_sided.choose_way` picks for this request (its run counts). Pairs: P2->D4
 and P4->D2 (DIRECT only with one head per rank: replicated heads; otherwise STAGED against one
 one-sided way) and P2->D2 (every head count). Each transport runs in its own process (UCX reads ``UCX_TLS`` once).
-Run alone: ``python bench/costgrid.py [--quick]``.
+Run alone: ``python bench/costgrid.py [--quick]`` (``--quick``: block sizes 16 and 128 only, fewer
+rounds; what ``bench/sweep.py`` runs unless ``--full-grid``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ WARMUP_FETCHES = 2  # per connection: wire-up, first touch of staging and caches
 def _cells(quick: bool):
     for p_tp, d_tp in PAIRS:
         for h in HEADS:
-            for bs in (BLOCKS[::2] if quick else BLOCKS):
+            for bs in (BLOCKS[::3] if quick else BLOCKS):  # quick: the range's ends, 16 and 128
                 for layout in LAYOUTS:
                     yield p_tp, d_tp, h, bs, layout
 
@@ -205,8 +206,9 @@ def run_cells(quick: bool, transport: str) -> list[dict]:
     return rows
 
 
-def run_costgrid(quick: bool = False, timeout_s: float = 900) -> list[dict]:
+def run_costgrid(quick: bool = False, timeout_s: float | None = None) -> list[dict]:
     """Every transport's cells, each transport in fresh processes."""
+    timeout_s = timeout_s or (1200 if quick else 2400)  # per transport (48 / 96 cells on a 2-core box)
     rows: list[dict] = []
     for label, tls in TRANSPORTS:
         env = dict(os.environ)

@@ -382,6 +382,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", default="descriptors,kernels,e2e,costmodel,planning,rogue,pd_vllm")
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--full-grid", action="store_true",
+                    help="costmodel: every block size 16-128 (192 cells, ~2x the time) instead of 16 and 128")
     ap.add_argument("--pd-size", choices=sorted(PD_SIZES), default="scaled",
                     help="model and prompt size of the pd_vllm section (--quick: small)")
     args = ap.parse_args(argv)
@@ -412,7 +414,8 @@ def main(argv=None) -> int:
     if "costmodel" in sections and have_nixl:
         from costgrid import run_costgrid  # bench/costgrid.py
 
-        rows += [{"section": "costmodel", **r} for r in run_costgrid(quick=args.quick)]
+        # the sweep times block sizes 16 and 128 (96 cells); --full-grid all of 16-128 (192 cells)
+        rows += [{"section": "costmodel", **r} for r in run_costgrid(quick=not args.full_grid)]
     if "planning" in sections:
         from planning import planning_rows  # bench/planning.py
 
