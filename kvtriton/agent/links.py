@@ -315,14 +315,7 @@ class Links:
         l_addr, l_span = _gather(self.addrs, region, stream), _gather(self.spans, region, stream)
         if (r_off + nb > r_span).any() or (l_off + nb > l_span).any():
             raise ProtocolError(f"direct runs fall outside the regions {peer.agent} declared")
-        local = np.stack([l_addr + l_off, nb, np.full_like(nb, self.dev)], axis=1)
-        remote = np.stack([r_addr + r_off, nb, np.full_like(nb, peer.md.dev)], axis=1)
-        ll = self.transport.prep_local(local, self.mem)
-        try:
-            rl = self.transport.prep_remote(peer.agent, remote, peer.md.mem)
-        except BaseException:
-            self.transport.release_list(ll)
-            raise
+        ll, rl = self.prep_pieces(peer, l_addr + l_off, r_addr + r_off, nb)
         return ll, rl, int(nb.size), int(nb.sum())
 
 

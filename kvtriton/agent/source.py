@@ -200,14 +200,18 @@ class Source(SourceHolds, SourceServes):
             ch = serve.inflight[c]
             ch.kernel = None  # completed: announced by the offer, not by a ready
             slots += [ch.slot, ch.nslots]
+        return self._send_offer(serve, wire.Offer(xid, hold.req_id, packed.digest, ids_digest(packed.ids),
+                                                  int(packed.ids.size), packed.chunks.blocks_per_chunk,
+                                                  tuple(slots), runs=int(packed.runs)))
+
+    def _send_offer(self, serve: Serve, offer: wire.Offer) -> bool:
+        """Send ``offer`` and, once it is out, keep ``serve`` as the offered transfer."""
         try:
-            self.links.send(peer, wire.Offer(xid, hold.req_id, packed.digest, ids_digest(packed.ids),
-                                             int(packed.ids.size), packed.chunks.blocks_per_chunk, tuple(slots),
-                                             runs=int(packed.runs)))
+            self.links.send(serve.peer, offer)
         except KVTritonError:
             return False
         self._add(serve)
-        self.offered[(peer.agent, hold.req_id)] = serve
+        self.offered[(serve.peer.agent, offer.req)] = serve
         self.links.stats["eager_offers"] += 1
         return True
 
@@ -221,15 +225,8 @@ class Source(SourceHolds, SourceServes):
             return False
         serve = Serve(xid, hold.req_id, peer, Flow.PULL, None, hold.block_ids, None, self.s.timeout_s,
                       time.monotonic() + self.s.timeout_s, ready=hold.ready, offered=True, runs_reader=True)
-        try:
-            self.links.send(peer, wire.Offer(xid, hold.req_id, digest, ids_digest(hold.block_ids),
-                                             int(hold.block_ids.size), 1, ()))
-        except KVTritonError:
-            return False
-        self._add(serve)
-        self.offered[(peer.agent, hold.req_id)] = serve
-        self.links.stats["eager_offers"] += 1
-        return True
+        return self._send_offer(serve, wire.Offer(xid, hold.req_id, digest, ids_digest(hold.block_ids),
+                                                  int(hold.block_ids.size), 1, ()))
 
     def expire(self, now: float) -> None:
         self.expire_serves(now)
