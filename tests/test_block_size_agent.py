@@ -158,14 +158,5 @@ def test_cluster_block_size_change_byte_exact(p_bs, d_bs, cpu_cache):
                         staging_bytes=16 << 10, slot_bytes=1024, timeout_s=20, **storage)
     with Cluster(cfg) as c:
         reqs = c.requests(8, num_tokens=23) + c.requests(2, num_tokens=150)
-        c.hold(reqs)
-        c.fetch(reqs)
-        report = c.wait(reqs, timeout_s=120)
-        for rank, outcomes in report.items():
-            for r in reqs:
-                o = outcomes[r.req_id]
-                assert o["ok"], f"decode rank {rank} {r.req_id} ({r.mode}): {o['error']}: {o['msg']}"
-                assert o["mismatch"] is None, o["mismatch"]
-        assert all(v is None for v in c.canary().values())
-        freed = c.wait_freed(len(reqs))
+        freed = c.transfer_exact(reqs)
         assert all(len(v) == len(reqs) for v in freed.values())

@@ -19,12 +19,7 @@ def mixed(heads):
             RegionModel.gqa("attn.1", heads, 8, torch.float32)]
 
 
-def assert_all_ok(report, reqs):
-    for rank, outcomes in report.items():
-        for r in reqs:
-            o = outcomes[r.req_id]
-            assert o["ok"], f"decode rank {rank} {r.req_id} ({r.mode}): {o['error']}: {o['msg']}"
-            assert o["mismatch"] is None, o["mismatch"]
+assert_all_ok = Cluster.check_outcomes
 
 
 @pytest.mark.parametrize(

@@ -392,16 +392,7 @@ def test_cluster_processes(way, p_tp, d_tp):
                         modes={"l0": way, "l1": way})
     with Cluster(cfg) as c:
         reqs = c.requests(4, 9)
-        c.hold(reqs)
-        c.fetch(reqs)
-        report = c.wait(reqs, timeout_s=120)
-        for rank, outcomes in report.items():
-            for r in reqs:
-                o = outcomes[r.req_id]
-                assert o["ok"], f"decode rank {rank} {r.req_id}: {o['error']}: {o['msg']}"
-                assert o["mismatch"] is None, o["mismatch"]
-        assert all(v is None for v in c.canary().values())
-        freed = c.wait_freed(len(reqs))
+        freed = c.transfer_exact(reqs)
         assert all(len(v) == len(reqs) for v in freed.values())
 
 

@@ -366,6 +366,30 @@ class Cluster:
                 raise TimeoutError(f"prefill ranks freed {out} after {timeout_s} s, expected {count} each")
             time.sleep(0.05)
 
+    @staticmethod
+    def check_outcomes(report: dict[int, dict], reqs: list[Request]) -> None:
+        """Raise AssertionError unless every decode rank in ``report`` (from :meth:`wait`) got every
+        request ``ok`` and byte-exact against the oracle."""
+        for rank, outcomes in report.items():
+            for r in reqs:
+                o = outcomes[r.req_id]
+                if not o["ok"]:
+                    raise AssertionError(f"decode rank {rank} {r.req_id} ({r.mode}): {o['error']}: {o['msg']}")
+                if o["mismatch"] is not None:
+                    raise AssertionError(o["mismatch"])
+
+    def transfer_exact(self, reqs: list[Request], timeout_s: float = 120.0) -> dict[int, list]:
+        """Hold and fetch ``reqs`` on every rank, check every request byte-exact on every decode
+        rank (:meth:`check_outcomes`) and no byte outside them changed (:meth:`canary`); returns
+        each prefill rank's freed holds once ``len(reqs)`` were freed (:meth:`wait_freed`)."""
+        self.hold(reqs)
+        self.fetch(reqs)
+        self.check_outcomes(self.wait(reqs, timeout_s=timeout_s), reqs)
+        changed = {rank: c for rank, c in self.canary().items() if c is not None}
+        if changed:
+            raise AssertionError(f"bytes outside the received blocks changed: {changed}")
+        return self.wait_freed(len(reqs))
+
     def canary(self) -> dict[int, str | None]:
         """Per decode rank: None if no byte outside successfully received blocks changed."""
         return {k[1]: self._call(k, "canary", timeout_s=60) for k in self.decode_ranks()}
