@@ -40,3 +40,20 @@ def device(request):
     """The device tests run on, with the ``gpu`` marker on CUDA so that ``pytest -m gpu`` runs
     every test that takes it there (on a CPU machine the interpreter runs them)."""
     return request.param
+
+
+@pytest.fixture
+def engines():
+    """``engines(...)`` makes a prefill/decode pair of agents over NIXL (test_agent.Engines, the
+    two-engine harness); every pair made is closed after the test."""
+    from test_agent import Engines  # imported lazily: it needs NIXL, most tests do not
+
+    made = []
+
+    def make(*args, **kw):
+        made.append(Engines(*args, **kw))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()

@@ -94,20 +94,6 @@ class Engines:
             a.close()
 
 
-@pytest.fixture
-def engines():
-    made = []
-
-    def make(*args, **kw):
-        e = Engines(*args, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-
-
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1)])
 def test_mixed_regions_byte_exact_and_blocks_freed(engines, mode, p_tp, d_tp):

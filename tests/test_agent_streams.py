@@ -22,7 +22,6 @@ from kvtriton.ops import launch_config_for, pack
 from kvtriton.testing.oracle import RegionModel, check_destination, make_rank_regions, snapshot
 
 pytest.importorskip("nixl", reason="the agent's transport needs NIXL: pip install 'kvtriton[nixl]'")
-from test_agent import Engines  # noqa: E402  (the same two-engine harness as test_agent.py)
 
 pytestmark = pytest.mark.nixl
 
@@ -37,19 +36,6 @@ class PendingEvent:
     def query(self) -> bool:
         self.queries += 1
         return self.complete
-
-
-@pytest.fixture
-def engines():
-    made = []
-
-    def make(*args, **kw):
-        made.append(Engines(*args, **kw))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.close()
 
 
 def _spin(e, seconds=0.3, until=None):

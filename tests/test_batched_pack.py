@@ -168,21 +168,6 @@ def needs_nixl(test):
     return pytest.mark.nixl(pytest.mark.skipif(not HAVE_NIXL, reason="needs nixl")(test))
 
 
-@pytest.fixture
-def engines():
-    from test_agent import Engines  # the two-engine harness of test_agent.py
-
-    made = []
-
-    def make(*a, **kw):
-        made.append(Engines(*a, **kw))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.close()
-
-
 def _all_exact(e, kv, dst) -> None:
     """Drive until every decode rank has its result: each ok and byte-exact, every other byte of
     its cache untouched."""

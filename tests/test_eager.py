@@ -15,25 +15,12 @@ from kvtriton.testing.oracle import RegionModel, check_destination
 from kvtriton.testing.rogue import RogueRig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_agent import MODELS, Engines  # noqa: E402  (the two-engine harness of test_agent.py)
+from test_agent import MODELS  # noqa: E402  (the engines fixture in conftest.py builds its harness)
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.nixl
 
 ONE = MODELS[:1]  # l0: 1 KiB a block at TP1, 512 B at TP2
-
-
-@pytest.fixture
-def engines():
-    made = []
-
-    def make(*a, **kw):
-        made.append(Engines(*a, **kw))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.close()
 
 
 def _all_free(e) -> bool:
