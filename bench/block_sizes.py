@@ -60,8 +60,7 @@ def kernel_rows(device: str = "cpu", quick: bool = False, layers: int | None = N
     import torch
 
     from kvtriton import ops
-    from kvtriton.plan import build_plan, compact_request, staged_descriptor_count
-    from kvtriton.token_map import compact_tokens
+    from kvtriton.plan import build_plan, compact_request, compact_tokens, staged_descriptor_count
     from kvtriton.testing.oracle import make_rank_regions
 
     layers = layers or (4 if quick else 8)
@@ -278,10 +277,9 @@ def cpu_cache_rows(quick: bool = False, layers: int = 4) -> list[dict]:
     import torch
 
     from kvtriton import ops
-    from kvtriton.plan import build_plan, compact_request
+    from kvtriton.plan import build_plan, compact_request, compact_tokens
     from kvtriton.regions import Kind
     from kvtriton.testing.oracle import RegionModel, make_rank_regions
-    from kvtriton.token_map import compact_tokens
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -19,7 +19,7 @@ random permutation (no runs to coalesce: the case the per-block model describes)
 The modes are STAGED, DIRECT and the one-sided READ_UNPACK (P > D: a source rank's block is
 the tile) and PACK_PLACE (D > P: the decode rank's block is the tile), each timed where the
 geometry allows it (:data:`MODES`). For STAGED regions the plan's choice is the way
-:func:`kvtriton.one_sided.choose_way` picks for this request (its run counts). Pairs: P2->D4
+:func:`kvtriton.plan.choose_way` picks for this request (its run counts). Pairs: P2->D4
 and P4->D2 (DIRECT only with one head per rank: replicated heads; otherwise STAGED against one
 one-sided way) and P2->D2 (every head count). Each transport runs in its own process (UCX reads ``UCX_TLS`` once).
 Run alone: ``python bench/costgrid.py [--quick]`` (``--quick``: block sizes 16 and 128 only, fewer
@@ -134,7 +134,7 @@ def _setup_mode(mode, models, p_tp, d_tp, bs, layout, gen_seed, agents):
 def _chosen(plan, meta, bs: int, cost) -> str:
     """The mode the plan runs a cell's request by: a STAGED region's way is chosen per request
     (from its block runs; the grid's ids are the ones :func:`_setup_mode` draws)."""
-    from kvtriton.one_sided import choose_way
+    from kvtriton.plan import choose_way
 
     mode = plan.modes[0].value
     if mode != "staged" or not plan.staged:

@@ -12,7 +12,7 @@ the descriptor sizes are the real ones. Methods, all moving the same bytes into 
   time and offers the pack to the decode rank (kvtriton.agent.eager); the clock starts once the
   decode has the offer, as when it asks some time after the prefill finished: it READs at once,
   no pull and no wait for the prefill process.
-* ``kvtriton pack_place``: one-sided staging (:mod:`kvtriton.one_sided`): the prefill packs as for
+* ``kvtriton pack_place``: one-sided staging (:mod:`kvtriton.plan.ways`): the prefill packs as for
   staged, the decode READs the packed tiles straight into its cache blocks (its rank's one head
   is its whole HND block), one descriptor per (layer, K/V, run of consecutive destination blocks),
   no unpack pass; with ``eager`` the pack is done at hold time and offered. ``kvtriton auto``:

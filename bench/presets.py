@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtriton.plan import head_range
 from kvtriton.regions import Kind, Layout, Region, RegionSpec
 from kvtriton.testing.oracle import RegionModel
-from kvtriton.topology import head_range
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from baselines import per_token_descriptor_count, vllm_direct_descriptor_count  # noqa: E402
 from presets import BLOCK_SIZES, PRESETS, TOKENS, TP_PAIRS, Preset, specs_for  # noqa: E402
 
 from kvtriton.errors import KVTritonError  # noqa: E402
@@ -60,9 +61,7 @@ from kvtriton.plan import (  # noqa: E402
     ceil_div,
     compact_request,
     direct_runs,
-    per_token_descriptor_count,
     staged_descriptor_count,
-    vllm_direct_descriptor_count,
 )
 
 try:

@@ -17,7 +17,7 @@ import torch
 
 from kvtriton import ops
 from kvtriton.errors import IncompatibleRemoteError, LaunchError, PlanError, ProtocolError
-from kvtriton.plan import Mode, build_plan
+from kvtriton.plan import Route, TokenMap, build_plan, compact_tokens, source_positions
 from kvtriton.regions import Region
 from kvtriton.testing.oracle import (
     RegionModel,
@@ -28,7 +28,6 @@ from kvtriton.testing.oracle import (
     make_rank_regions,
     snapshot,
 )
-from kvtriton.token_map import TokenMap, compact_tokens, source_positions
 
 MODELS = [RegionModel.gqa("attn.0", 4, 8, torch.bfloat16), RegionModel.mla("mla.0", 12, torch.float16),
           RegionModel.gqa("attn.1", 4, 8, torch.float32, v_head_dim=4)]
@@ -140,12 +139,12 @@ def _specs(models, rank, tp, bs, layout="NHD"):
 def test_plan_stages_everything_and_records_block_sizes():
     plan = build_plan(1, 4, _specs(MODELS, 1, 4, 64), 2, _specs(MODELS, 0, 2, 16))
     assert plan.maps_tokens and (plan.src_block_size, plan.dst_block_size) == (16, 64)
-    assert set(plan.modes) == {Mode.STAGED}
+    assert set(plan.modes) == {Route.STAGED}
     segs = [s for r in plan.staged for s in r.segments]
     assert all(s.block_size == 64 and s.source_block_size == 16 for s in segs)
     assert {s.region for s in segs} == {0, 1, 2}  # REPLICATE too (from one replica)
     same = build_plan(1, 4, _specs(MODELS, 1, 4, 16), 2, _specs(MODELS, 0, 2, 16))
-    assert not same.maps_tokens and same.modes[1] is Mode.DIRECT
+    assert not same.maps_tokens and same.modes[1] is Route.DIRECT
     with pytest.raises(PlanError, match="block_size 64, remote .* block_size 16"):
         build_plan(1, 4, _specs(MODELS, 1, 4, 64), 2, _specs(MODELS, 0, 2, 16), modes={"mla.0": "direct"})
 

@@ -11,7 +11,7 @@ import torch
 
 from kvtriton import wire
 from kvtriton.errors import ProtocolError
-from kvtriton.plan import CostModel, Mode, build_plan
+from kvtriton.plan import CostModel, Route, build_plan
 from kvtriton.regions import Region
 from kvtriton.testing.oracle import RegionModel, check_destination
 
@@ -26,8 +26,8 @@ def _specs(block_size=16, heads=2, tp=2):
 
 def test_build_plan_follows_the_injected_model():
     specs = _specs()  # 16 x 2 x 128 x 2 B = 8 KiB per descriptor, whole blocks, same layout
-    assert build_plan(0, 2, specs, 2, specs, cost=DIRECT_LOVER).modes == (Mode.DIRECT,)
-    assert build_plan(0, 2, specs, 2, specs, cost=STAGED_LOVER).modes == (Mode.STAGED,)
+    assert build_plan(0, 2, specs, 2, specs, cost=DIRECT_LOVER).modes == (Route.DIRECT,)
+    assert build_plan(0, 2, specs, 2, specs, cost=STAGED_LOVER).modes == (Route.STAGED,)
     # the crossover is what decides: just above / below 8 KiB per descriptor
     at = CostModel(desc_us=1.0, pack_gbps=1.0, unpack_gbps=1.0)  # crossover 500 B
     assert at.crossover_bytes() == pytest.approx(500.0)
@@ -87,7 +87,7 @@ def test_source_plans_with_the_destinations_model(mode):
                               timeout_s=5.0, impl="torch", cost=STAGED_LOVER)]
         e.da[0].add_remote(e.pa[0].metadata())
         e.pa[0].add_remote(e.da[0].metadata())
-        assert e.da[0].plan_for("P").modes == (Mode.DIRECT,)
+        assert e.da[0].plan_for("P").modes == (Route.DIRECT,)
         src, dst = np.array([9, 3, 4, 5, 40]), np.array([0, 7, 8, 2, 30])
         kv = e.request(src)
         e.pa[0].hold("r", src)

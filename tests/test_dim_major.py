@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvtriton import ops
 from kvtriton.errors import LaunchError, RegionError
-from kvtriton.plan import build_plan
+from kvtriton.plan import build_plan, compact_tokens
 from kvtriton.regions import Kind, Region, token_parts
 from kvtriton.testing.oracle import (
     RegionModel,
@@ -34,7 +34,6 @@ from kvtriton.testing.oracle import (
     snapshot,
     token_elements,
 )
-from kvtriton.token_map import compact_tokens
 
 # a K||V stream of 2 x 8 (vllm_cpu storage: K dim-major), an MLA latent, and a two-stream GQA region
 PACKED = RegionModel("attn.0", Kind.SPLIT, 4, (16,), torch.bfloat16)

@@ -24,7 +24,7 @@ import triton.language as tl
 from kvtriton import LaunchError, Layout, Region, Segment, build_plan, launch, ops
 from kvtriton.kernels import segment_table
 from kvtriton.kernels._addressing import _row_offsets
-from kvtriton.plan import Mode
+from kvtriton.plan import Route
 from kvtriton.reference import pack_reference, unpack_reference
 from kvtriton.testing.oracle import (
     RegionModel,
@@ -374,7 +374,7 @@ def test_mixed_split_and_replicate_cache(modes, device, gen):
 
     dst_specs = [r.spec for r in make_dst()]
     plan = build_plan(1, 4, dst_specs, 2, [r.spec for r in src], modes=modes)
-    want = Mode.STAGED if modes else Mode.DIRECT
+    want = Route.STAGED if modes else Route.DIRECT
     assert plan.modes[1] is want
     n = 3
     segs, offs, nbytes = unpack_request(dst_specs, [r.spec for r in src], 1, 2, 4, n, modes=modes)

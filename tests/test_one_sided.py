@@ -1,7 +1,7 @@
 """One-sided staging (READ_UNPACK: no pack pass; PACK_PLACE: no unpack pass), byte for byte.
 
 Planner: which payloads allow which way, forced modes and their typed refusals. Descriptor math
-(:func:`kvtriton.one_sided.tile_runs`): the bytes its pieces move equal what the reference pack
+(:func:`kvtriton.plan.tile_runs`): the bytes its pieces move equal what the reference pack
 writes (READ_UNPACK) or the reference unpack places (PACK_PLACE). Agents over real NIXL in one
 process: P>D and D>P, NHD and HND, runs and random ids with -1 positions, a mixed SPLIT+REPLICATE
 cache, the cost model's per-request choice, an early release; and a multi-process cluster. Every
@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from kvtriton.errors import PlanError, RequestRejectedError
-from kvtriton.one_sided import choose_way, one_sided_descriptors, tile_runs
-from kvtriton.plan import CostModel, Mode, build_plan, compact_request
+from kvtriton.plan import CostModel, Route, Way, build_plan, choose_way, one_sided_descriptors, tile_runs
 from kvtriton.reference import pack_reference, unpack_reference
 from kvtriton.testing.oracle import (
     RegionModel,
@@ -29,7 +28,7 @@ from kvtriton.testing.oracle import (
 MODELS = [RegionModel.gqa("l0", 4, 16), RegionModel.mla("mla", 24, torch.float16),
           RegionModel.gqa("l1", 4, 8, torch.float32)]
 SPLIT_ONLY = [RegionModel.gqa("l0", 4, 16), RegionModel.gqa("l1", 4, 8, torch.float32)]
-RU, PP, ST = Mode.READ_UNPACK, Mode.PACK_PLACE, Mode.STAGED
+RU, PP, ST = Way.READ_UNPACK, Way.PACK_PLACE, Way.STAGED
 
 
 def _specs(models, rank, tp, layout="NHD", pad=0, bs=4):
@@ -69,7 +68,7 @@ def test_forced_modes():
     plan = build_plan(0, 2, d, 4, p, modes="read_unpack")  # every region, MLA included (staged from replica 0)
     assert plan.modes == (RU, RU, RU) and all(s.ways == (RU,) for s in plan.staged)
     plan = build_plan(0, 2, d, 4, p, modes={"l0": "read_unpack", "l1": "read_unpack"})
-    assert plan.modes == (RU, Mode.DIRECT, RU) and all(s.ways == (RU,) for s in plan.staged)
+    assert plan.modes == (RU, Route.DIRECT, RU) and all(s.ways == (RU,) for s in plan.staged)
     assert build_plan(0, 2, d, 4, p, modes="staged").staged[0].ways == (ST,)
     with pytest.raises(PlanError, match="force different modes"):
         build_plan(0, 2, d, 4, p, modes={"l0": "read_unpack", "l1": "staged"})

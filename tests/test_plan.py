@@ -2,19 +2,18 @@ import numpy as np
 import pytest
 import torch
 
+from bench.baselines import per_token_descriptor_count, vllm_direct_descriptor_count
 from kvtriton.errors import IncompatibleRemoteError, PlanError, StagingError
 from kvtriton.plan import (
     ChunkGeometry,
-    Mode,
+    Route,
     build_plan,
     compact_request,
     direct_runs,
-    per_token_descriptor_count,
+    head_range,
     staged_descriptor_count,
-    vllm_direct_descriptor_count,
 )
 from kvtriton.regions import Layout, Region
-from kvtriton.topology import head_range
 
 
 def gqa_specs(layers, heads, head_dim, rank, tp, block_size, num_blocks=1024, layout=Layout.NHD,
@@ -76,10 +75,10 @@ def test_segment_offsets_follow_wire_format():
 
 def test_equal_tp_whole_blocks_follow_cost_model():
     big = gqa_specs(1, 8, 128, 0, 2, 64)  # 64 x 4 x 128 x 2 B = 64 KiB per block: direct
-    assert build_plan(0, 2, big, 2, big).modes == (Mode.DIRECT,)
+    assert build_plan(0, 2, big, 2, big).modes == (Route.DIRECT,)
     small = gqa_specs(1, 8, 16, 0, 2, 4)  # 512 B per block: staged beats 2.3 us per descriptor
-    assert build_plan(0, 2, small, 2, small).modes == (Mode.STAGED,)
-    assert build_plan(0, 2, small, 2, small, modes="direct").modes == (Mode.DIRECT,)
+    assert build_plan(0, 2, small, 2, small).modes == (Route.STAGED,)
+    assert build_plan(0, 2, small, 2, small, modes="direct").modes == (Route.DIRECT,)
     other = gqa_specs(1, 8, 16, 0, 2, 4, layout=Layout.HND)
     with pytest.raises(PlanError, match="DIRECT needs whole blocks"):
         build_plan(0, 2, small, 2, other, modes={"layer.0": "direct"})
@@ -93,7 +92,7 @@ def test_direct_runs_coalesce_on_both_sides():
     lat = torch.empty(64, 16, 576, dtype=torch.bfloat16, device="meta")
     spec = [Region.mla("mla", lat, block_size=16).spec]
     plan = build_plan(0, 1, spec, 1, spec)
-    assert plan.modes == (Mode.DIRECT,)
+    assert plan.modes == (Route.DIRECT,)
     src = np.array([10, 11, 12, 20, 21, 5])
     dst = np.array([0, 1, 2, 3, 4, 9])  # runs: (10-12 -> 0-2), (20-21 -> 3-4), (5 -> 9)
     runs = direct_runs(plan, spec, spec, src, dst)
@@ -185,8 +184,7 @@ def mla_specs(rank, tp, block_size, num_blocks=64):
 def test_required_source_ranks_match_the_plan(heads, p_tp, d_tp, with_mla):
     """A decode rank connects to required_source_ranks before it has any source metadata; the
     plan it builds afterwards must read from exactly those ranks (DIRECT MLA stripes included)."""
-    from kvtriton.plan import required_source_ranks
-    from kvtriton.topology import check_tp
+    from kvtriton.plan import check_tp, required_source_ranks
     try:
         check_tp(p_tp, heads), check_tp(d_tp, heads)
     except Exception:

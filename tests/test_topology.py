@@ -1,7 +1,7 @@
 import pytest
 
 from kvtriton.errors import TopologyError
-from kvtriton.topology import head_range, replicate_sources, split_sources
+from kvtriton.plan.topology import head_range, replicate_sources, split_sources
 
 
 def valid_tps(heads, limit=16):

@@ -22,8 +22,7 @@ from ..errors import (
     TransferTimeoutError,
 )
 from ..ops import unpack
-from ..plan import ChunkGeometry, Mode, StagedRead, TransferPlan, ceil_div, compact_request
-from ..token_map import TokenMap, compact_tokens
+from ..plan import ChunkGeometry, Mode, StagedRead, TokenMap, TransferPlan, ceil_div, compact_request, compact_tokens
 from .eager import ids_digest
 from .links import Chunk, Flow, Links, Peer, Settings
 from .one_sided_reads import OneSidedReads

@@ -66,8 +66,7 @@ import hashlib
 import numpy as np
 
 from ..errors import KVTritonError, StagingError
-from ..one_sided import choose_way
-from ..plan import ChunkGeometry, CostModel, Mode
+from ..plan import ChunkGeometry, CostModel, Mode, choose_way
 from .links import Chunk, Flow, Peer, logger
 from .packing import PackJob
 from .streams import event_done

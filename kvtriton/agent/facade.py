@@ -29,7 +29,7 @@ from ..errors import (
     RequestRejectedError,
     TransportError,
 )
-from ..plan import CostModel, Mode, TransferPlan, check_compatible
+from ..plan import CostModel, Mode, TransferPlan, check_compatible, parse_modes
 from ..regions import Region
 from ..staging import StagingPool
 from .destination import Destination, RequestResult
@@ -586,12 +586,4 @@ class TransferAgent:
 
 def _one_sided_forced(modes) -> list[str]:
     """The one-sided modes ``modes`` forces (pull-only), by value."""
-    if modes is None:
-        return []
-    values = [modes] if isinstance(modes, (str, Mode)) else list(modes.values()) if isinstance(modes, Mapping) else []
-    out = []
-    for v in values:
-        v = v.value if isinstance(v, Mode) else str(v)
-        if v in (Mode.READ_UNPACK.value, Mode.PACK_PLACE.value) and v not in out:
-            out.append(v)
-    return out
+    return parse_modes(modes).one_sided()

@@ -14,7 +14,7 @@ import torch
 
 from .. import wire
 from ..errors import PeerDisconnectedError, ProtocolError, TransportError
-from ..plan import CostModel, Mode, TransferPlan, build_plan, direct_runs
+from ..plan import CostModel, Mode, TransferPlan, build_plan, direct_runs, parse_modes
 from ..regions import Region, RegionSpec
 from ..staging import StagingPool
 from ..transport.nixl import XferStatus
@@ -59,14 +59,7 @@ class Settings:
         value) pairs for the handshake (:meth:`TransferAgent.add_remote` compares them). The
         cost model is not one of them: the destination's travels in its metadata and the source
         plans that destination's transfers with it."""
-        def mode(v) -> str:
-            return v.value if isinstance(v, Mode) else str(v)
-
-        if self.modes is None or isinstance(self.modes, (str, Mode)):
-            modes = "all:" + ("auto" if self.modes is None else mode(self.modes))
-        else:
-            modes = ",".join(f"{k}={mode(v)}" for k, v in sorted(self.modes.items()))
-        return (("modes", modes or "none"), ("replicate_stripe", repr(self.stripe)))
+        return (("modes", parse_modes(self.modes).canonical()), ("replicate_stripe", repr(self.stripe)))
 
     @property
     def name(self) -> str:

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from .. import wire
 from ..errors import ProtocolError
-from ..one_sided import choose_way, tile_runs
-from ..plan import ChunkGeometry, Mode, StagedRead, TransferPlan
+from ..plan import ChunkGeometry, Mode, StagedRead, TransferPlan, choose_way, tile_runs
 from .eager import ids_digest
 from .links import Chunk, Flow, Peer
 from .streams import event_done

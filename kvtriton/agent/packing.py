@@ -38,8 +38,7 @@ import numpy as np
 
 from ..errors import KVTritonError
 from ..ops import pack
-from ..plan import ChunkGeometry, StagedRead
-from ..token_map import TokenMap
+from ..plan import ChunkGeometry, StagedRead, TokenMap
 from .links import Chunk, Settings
 
 _JOINED_CACHE_SIZE = 64  # concatenated segment lists kept (the launcher's validation cache keys on them)

@@ -30,8 +30,7 @@ import numpy as np
 
 from .. import wire
 from ..errors import KVTritonError, ProtocolError
-from ..plan import ChunkGeometry, StagedRead
-from ..token_map import TokenMap
+from ..plan import ChunkGeometry, StagedRead, TokenMap
 from .links import Chunk, Flow, Peer, logger
 from .packing import PackJob
 from .streams import event_done

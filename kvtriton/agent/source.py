@@ -16,8 +16,7 @@ import numpy as np
 
 from .. import wire
 from ..errors import KVTritonError, PlanError
-from ..plan import ChunkGeometry, Mode, TransferPlan
-from ..token_map import TokenMap
+from ..plan import ChunkGeometry, Mode, TokenMap, TransferPlan
 from .eager import EagerPacks, ids_digest, suffix_chunks
 from .holds import FreedRequest, Hold, SourceHolds
 from .links import Flow, Links, Peer, Settings

@@ -24,11 +24,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..plan import build_plan, compact_request, direct_runs
-from ..token_map import compact_tokens
+from ..plan import build_plan, compact_request, compact_tokens, direct_runs, head_range
 from ..reference import pack_reference, unpack_reference
 from ..regions import Kind, Layout, Region
-from ..topology import head_range
 
 __all__ = [
     "RegionModel",
@@ -299,7 +297,7 @@ def concat_global_kv(kvs: Sequence) -> list[list[torch.Tensor]]:
 
 def stream_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of the storage under ``t``, starting at ``t``'s first element (what a
-    NIXL registration of the stream would cover; byte offsets of :class:`DirectRuns` index it)."""
+    NIXL registration of the stream would cover; byte offsets of :class:`~kvtriton.plan.Runs` index it)."""
     storage = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
     return storage[t.storage_offset() * t.element_size():]
 

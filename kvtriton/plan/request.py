@@ -1,29 +1,33 @@
-"""Token maps: a request between engines whose KV block sizes differ (pure: numpy only).
+"""Per request: checking and aligning block ids, token maps between block sizes, and which
+source ranks a destination needs.
 
-Source position ``j`` holds tokens ``[j*Bs, (j+1)*Bs)``, destination position ``k`` tokens
-``[k*Bd, (k+1)*Bd)``; the staged payload carries one tile per moved destination position (see
-:mod:`kvtriton.plan` for the wire format). :func:`compact_tokens` checks a request's ids on the
-destination and builds its :class:`TokenMap`; :meth:`TokenMap.for_source` rebuilds the same map on
-the source from what the destination sends (tiles, token count, the source ids read).
+Pure (numpy). With equal block sizes a request is block pairs (:func:`compact_request`). Between
+engines whose block sizes differ, source position ``j`` holds tokens ``[j*Bs, (j+1)*Bs)``,
+destination position ``k`` tokens ``[k*Bd, (k+1)*Bd)``; the staged payload carries one tile per
+moved destination position (see :mod:`kvtriton.plan.types` for the wire format).
+:func:`compact_tokens` checks a request's ids on the destination and builds its :class:`TokenMap`;
+:meth:`TokenMap.for_source` rebuilds the same map on the source from what the destination sends
+(tiles, token count, the source ids read). :func:`required_source_ranks` says which source ranks a
+destination connects to before any source metadata arrives.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-from .errors import PlanError
+from ..errors import PlanError
+from ..spec import Kind, RegionSpec
+from .topology import replicate_sources, split_sources
+from .types import ceil_div
 
-__all__ = ["TokenMap", "compact_tokens", "source_positions"]
+__all__ = ["TokenMap", "compact_tokens", "source_positions", "compact_request", "required_source_ranks"]
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _check_ids(src_block_ids, dst_block_ids, src_num_blocks: int, dst_num_blocks: int):
+def _check_ids(src_block_ids: Sequence[int] | np.ndarray, dst_block_ids: Sequence[int] | np.ndarray,
+               src_num_blocks: int, dst_num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
     dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
     for name, ids, nb in (("source", src, src_num_blocks), ("destination", dst, dst_num_blocks)):
@@ -89,12 +93,14 @@ class TokenMap:
 
     @property
     def tile_dst_ids(self) -> np.ndarray:
-        """Destination block of each staged tile."""
+        """Destination block of each staged tile (the destination's map only)."""
+        if self.dst_ids is None:
+            raise PlanError("a source-side token map has no destination ids (see TokenMap.for_source)")
         return self.dst_ids[self.tiles]
 
     @classmethod
     def for_source(cls, tiles: Sequence[int], read_ids: Sequence[int], num_tokens: int,
-                   src_block_size: int, dst_block_size: int, max_src_positions: int) -> "TokenMap":
+                   src_block_size: int, dst_block_size: int, max_src_positions: int) -> TokenMap:
         """The source side's map, rebuilt from what a destination sends: the tiles, the token
         count and the source ids of :func:`source_positions` (in order). :class:`PlanError` when
         they do not fit together or reach past ``max_src_positions`` source blocks (the held
@@ -109,15 +115,15 @@ class TokenMap:
                             f"{dst_block_size}); got {tiles_a[:8].tolist()}...")
         # tokens past the last tile are never read: only they may reach past the held blocks
         num_tokens = min(int(num_tokens), (int(tiles_a[-1]) + 1) * dst_block_size)
-        if _ceil_div(num_tokens, src_block_size) > max_src_positions:
+        if ceil_div(num_tokens, src_block_size) > max_src_positions:
             raise PlanError(f"tiles up to position {int(tiles_a[-1])} of {dst_block_size} tokens reach source "
-                            f"position {_ceil_div(num_tokens, src_block_size) - 1}, past the {max_src_positions} "
+                            f"position {ceil_div(num_tokens, src_block_size) - 1}, past the {max_src_positions} "
                             "blocks held")
         pos = source_positions(tiles_a, num_tokens, src_block_size, dst_block_size)
         if read.size != pos.size or (read < 0).any():
             raise PlanError(f"{tiles_a.size} tiles of {dst_block_size} tokens read {pos.size} source blocks of "
                             f"{src_block_size}; got {read.size} source ids")
-        src = np.full(_ceil_div(num_tokens, src_block_size), -1, dtype=np.int64)
+        src = np.full(ceil_div(num_tokens, src_block_size), -1, dtype=np.int64)
         src[pos] = read
         return cls(src_block_size, dst_block_size, num_tokens, src, None, tiles_a)
 
@@ -129,7 +135,7 @@ def source_positions(tiles: np.ndarray, num_tokens: int, src_block_size: int, ds
     >>> source_positions(np.array([1, 2]), 40, 16, 12).tolist()   # tokens 12..35
     [0, 1, 2]
     """
-    n_src = _ceil_div(num_tokens, src_block_size)
+    n_src = ceil_div(num_tokens, src_block_size)
     tiles = np.asarray(tiles, dtype=np.int64)
     if tiles.size == 0:
         return np.zeros(0, dtype=np.int64)
@@ -181,8 +187,8 @@ def compact_tokens(
             f"and {dst.size} destination blocks of {dst_block_size} cover {cover} tokens"
         )
     num_tokens = int(num_tokens)
-    src = src[:_ceil_div(num_tokens, src_block_size)]
-    dst = dst[:_ceil_div(num_tokens, dst_block_size)]
+    src = src[:ceil_div(num_tokens, src_block_size)]
+    dst = dst[:ceil_div(num_tokens, dst_block_size)]
     tiles = np.flatnonzero(dst >= 0).astype(np.int64)
     _check_distinct(dst[tiles], dst_num_blocks)
     needed = np.zeros(src.size, dtype=bool)
@@ -198,3 +204,57 @@ def compact_tokens(
             "-1: a source -1 must only cover tokens no wanted destination block holds"
         )
     return TokenMap(src_block_size, dst_block_size, num_tokens, np.where(needed, src, -1), dst, tiles)
+
+
+def compact_request(
+    src_block_ids: Sequence[int] | np.ndarray,
+    dst_block_ids: Sequence[int] | np.ndarray,
+    src_num_blocks: int,
+    dst_num_blocks: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Check a request's block ids and drop positions that either side pads with -1.
+
+    For engines with equal block sizes: position ``j`` of both lists holds the same tokens, and
+    whole blocks move (a partial last block moves whole: the tokens past the request's end are
+    whatever the source block holds). -1 on either side skips the position (the destination
+    already has it, e.g. a prefix-cache hit, or the source does not hold it). With different
+    block sizes use :func:`compact_tokens`.
+
+    Returns int64 arrays of equal length. Raises :class:`PlanError` on length mismatch, ids out
+    of ``[-1, num_blocks)``, or duplicate destination ids (two tiles would race for one block).
+    """
+    src, dst = _check_ids(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks)
+    if src.shape != dst.shape:
+        raise PlanError(f"request has {src.size} source block ids but {dst.size} destination ids")
+    keep = (src >= 0) & (dst >= 0)
+    # copies either way: the caller may reuse its id arrays after this returns
+    src, dst = (src[keep], dst[keep]) if not keep.all() else (src.copy(), dst.copy())
+    _check_distinct(dst, dst_num_blocks)
+    return src, dst
+
+
+def required_source_ranks(
+    dst_rank: int,
+    dst_tp: int,
+    dst_specs: Sequence[RegionSpec],
+    src_tp: int,
+    *,
+    replicate_stripe: int | None = None,
+) -> tuple[int, ...]:
+    """Source ranks ``dst_rank`` may read from, known *before* any source metadata arrives.
+
+    Which ranks serve a destination depends only on each region's kind and global head count,
+    which both engines share (the validation gate checks it), so a destination connects to
+    these ranks and no others. It equals :attr:`TransferPlan.source_ranks` of the plan that
+    :func:`build_plan` makes later, except that a REPLICATE region the plan sends STAGED reads
+    only the first of its replicas (this returns all of them).
+    """
+    if not 0 <= dst_rank < dst_tp:
+        raise PlanError(f"destination rank {dst_rank} is out of range for tp={dst_tp}")
+    ranks: set[int] = set()
+    for d in dst_specs:
+        if d.kind is Kind.REPLICATE:
+            ranks.update(replicate_sources(dst_rank, dst_tp, src_tp, replicate_stripe))
+        else:
+            ranks.update(sl.src_rank for sl in split_sources(dst_rank, dst_tp, src_tp, d.total_heads))
+    return tuple(sorted(ranks))

@@ -1,0 +1,85 @@
+"""The planner: what a destination rank reads, from whom, and where the bytes go.
+
+Pure: numpy and the standard library only (plus :mod:`kvtriton.errors` and the torch-free
+:mod:`kvtriton.spec`); no torch, no devices, no NIXL. Modules, in dependency order:
+
+* :mod:`~kvtriton.plan.types`: :class:`Route` (per region: STAGED or DIRECT), :class:`Way` (per
+  payload and request: STAGED, READ_UNPACK, PACK_PLACE), :class:`Segment`, :class:`Payload`,
+  :class:`ChunkGeometry`, :class:`TransferPlan`, the staged wire layout and :func:`ceil_div`;
+* :mod:`~kvtriton.plan.cost`: the :class:`CostModel` choices are made by;
+* :mod:`~kvtriton.plan.topology`: head ownership and which source ranks hold which heads;
+* :mod:`~kvtriton.plan.runs`: :class:`Runs`, the one descriptor table of coalesced block-id runs
+  (DIRECT and one-sided), and descriptor counts;
+* :mod:`~kvtriton.plan.ways`: one-sided feasibility and the per-request choice of a way;
+* :mod:`~kvtriton.plan.request`: per-request id checks, token maps between block sizes, and the
+  source ranks a destination needs;
+* :mod:`~kvtriton.plan.build`: the validation gate, the one parser of ``modes=`` and
+  :func:`build_plan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from .build import ForcedModes, ModesArg, build_plan, check_compatible, parse_modes
+from .cost import CostModel
+from .request import TokenMap, compact_request, compact_tokens, required_source_ranks, source_positions
+from .runs import Runs, direct_runs, id_runs, pair_runs, staged_descriptor_count, tile_runs
+from .topology import HeadSlice, check_tp, head_range, replicate_sources, split_sources
+from .types import (
+    STAGED_LAYOUT_VERSION,
+    ChunkGeometry,
+    DirectRead,
+    Payload,
+    Route,
+    Segment,
+    TransferPlan,
+    Way,
+    ceil_div,
+)
+from .ways import choose_way, one_sided_descriptors, pack_place_problem, payload_ways, read_unpack_problem
+
+__all__ = [
+    "STAGED_LAYOUT_VERSION", "ceil_div", "Route", "Way", "Segment", "Payload", "ChunkGeometry", "DirectRead",
+    "TransferPlan", "CostModel", "Runs", "id_runs", "pair_runs", "direct_runs", "tile_runs",
+    "staged_descriptor_count", "read_unpack_problem", "pack_place_problem", "payload_ways",
+    "one_sided_descriptors", "choose_way", "TokenMap", "compact_tokens", "compact_request", "source_positions",
+    "required_source_ranks", "HeadSlice", "check_tp", "head_range", "replicate_sources", "split_sources",
+    "ForcedModes", "ModesArg", "parse_modes", "check_compatible", "build_plan",
+    # old names, removed after the merge
+    "Mode", "StagedRead", "STAGED_WAYS", "DirectRuns", "TileRuns",
+]
+
+
+# ----------------------------------------------------------------- old names, removed after the merge
+# Agent code being rewritten in parallel still says Mode/StagedRead/DirectRuns/TileRuns. `Mode` was
+# one enum for the region's route and the payload's way; here it is a namespace over Route and Way
+# whose members ARE theirs, so `plan.modes[i] is Mode.DIRECT` and `way is Mode.READ_UNPACK` keep
+# holding, `Mode("staged")` still parses, and isinstance(x, Mode) accepts a Route or a Way.
+class _ModeNames(type):
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, (Route, Way))
+
+    def __call__(cls, value: object) -> Route | Way:
+        for m in _ModeNames.__iter__(cls):
+            if m == value:
+                return m
+        raise ValueError(f"{value!r} is not a valid Mode")
+
+    def __iter__(cls) -> Iterator[Route | Way]:
+        return iter((Route.STAGED, Route.DIRECT, Way.READ_UNPACK, Way.PACK_PLACE))
+
+
+class Mode(metaclass=_ModeNames):
+    """Old name: a region's :class:`Route` or a payload's :class:`Way` (removed after the merge)."""
+
+    STAGED = Route.STAGED
+    DIRECT = Route.DIRECT
+    READ_UNPACK = Way.READ_UNPACK
+    PACK_PLACE = Way.PACK_PLACE
+
+
+StagedRead = Payload
+STAGED_WAYS = tuple(Way)
+DirectRuns = Runs
+TileRuns = Runs

@@ -1,0 +1,77 @@
+"""The cost model the planner decides by: numbers it is given, never measures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .types import Way
+
+__all__ = ["CostModel"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Direct-vs-staged decision for whole-block SPLIT regions, from numbers the planner is given.
+
+    Direct costs ``desc_us`` per descriptor on top of the wire time; staged costs a pack and an
+    unpack pass over the bytes (both move the same bytes over the wire, so the wire time cancels
+    out of the choice). Direct wins once a descriptor carries more than
+    ``desc_us / (1/pack_gbps + 1/unpack_gbps)`` bytes. The defaults are CPU values measured once
+    by hand (NIXL 1.5.1 UCX/cma on a 2-core VM: 2.3 us per descriptor, ~10 GB/s torch repack);
+    :func:`kvtriton.costmodel.load_or_measure` measures this host, transport and device instead
+    (on a GPU the repack runs ~100x faster and the crossover moves to megabytes). The planner
+    never measures: it only reads these numbers. ``read_gbps``/``write_gbps`` (the transport's
+    one-descriptor bandwidth, pull and push) only feed the estimates :meth:`staged_us` and
+    :meth:`direct_us`; ``source`` says where the numbers came from.
+    """
+
+    desc_us: float = 2.3
+    pack_gbps: float = 10.0
+    unpack_gbps: float = 10.0
+    read_gbps: float = 8.0
+    write_gbps: float = 8.0
+    source: str = field(default="default (CPU, calibrated by hand)", compare=False)
+
+    def crossover_bytes(self) -> float:
+        """Bytes per descriptor above which DIRECT beats STAGED."""
+        return self.desc_us * 1e3 / (1.0 / self.pack_gbps + 1.0 / self.unpack_gbps)
+
+    def prefers_direct(self, bytes_per_descriptor: int) -> bool:
+        """Whether descriptors of ``bytes_per_descriptor`` bytes are cheaper moved DIRECT."""
+        return bytes_per_descriptor >= self.crossover_bytes()
+
+    def wire_us(self, nbytes: int, op: str = "READ") -> float:
+        """Estimated time of ``nbytes`` on the wire by ``op`` (READ or WRITE)."""
+        return nbytes / 1e3 / (self.read_gbps if op == "READ" else self.write_gbps)
+
+    def staged_us(self, nbytes: int, descriptors: int = 1, op: str = "READ") -> float:
+        """Estimated time of ``nbytes`` staged: pack + ``descriptors`` transfers + unpack."""
+        return (nbytes / 1e3 * (1.0 / self.pack_gbps + 1.0 / self.unpack_gbps)
+                + descriptors * self.desc_us + self.wire_us(nbytes, op))
+
+    def direct_us(self, nbytes: int, descriptors: int, op: str = "READ") -> float:
+        """Estimated time of ``nbytes`` moved zero-copy in ``descriptors`` pieces."""
+        return descriptors * self.desc_us + self.wire_us(nbytes, op)
+
+    def read_unpack_us(self, nbytes: int, descriptors: int) -> float:
+        """Estimated time of ``nbytes`` READ from the source's cache in ``descriptors`` runs into
+        local staging, then unpacked (no pack pass)."""
+        return nbytes / 1e3 / self.unpack_gbps + descriptors * self.desc_us + self.wire_us(nbytes)
+
+    def pack_place_us(self, nbytes: int, descriptors: int) -> float:
+        """Estimated time of ``nbytes`` packed by the source, then READ from its staging straight
+        into the local cache blocks in ``descriptors`` runs (no unpack pass)."""
+        return nbytes / 1e3 / self.pack_gbps + descriptors * self.desc_us + self.wire_us(nbytes)
+
+    def way_us(self, way: Way, nbytes: int, descriptors: int) -> float:
+        """:meth:`staged_us`, :meth:`read_unpack_us` or :meth:`pack_place_us` by ``way``."""
+        if way is Way.READ_UNPACK:
+            return self.read_unpack_us(nbytes, descriptors)
+        if way is Way.PACK_PLACE:
+            return self.pack_place_us(nbytes, descriptors)
+        return self.staged_us(nbytes, descriptors)
+
+    def as_dict(self) -> dict[str, float]:
+        """The numbers (``source`` aside), as keyword arguments of the constructor."""
+        return dict(desc_us=self.desc_us, pack_gbps=self.pack_gbps, unpack_gbps=self.unpack_gbps,
+                    read_gbps=self.read_gbps, write_gbps=self.write_gbps)

@@ -1,0 +1,268 @@
+"""Runs: coalesced ranges of consecutive block ids, and the descriptors they make.
+
+Pure (numpy). A *run* is a stretch of request positions whose block ids are consecutive (on one
+side, or on both), so that its blocks lie back to back in a cache and move as one descriptor.
+:func:`id_runs` and :func:`pair_runs` find them; :class:`Runs` is the one descriptor table every
+coalesced move uses: DIRECT reads cache to cache (:func:`direct_runs`) and the one-sided ways'
+reads between a cache and a staged chunk (:func:`tile_runs`).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..spec import RegionSpec
+from .types import ChunkGeometry, Payload, TransferPlan, Way
+
+__all__ = ["Runs", "id_runs", "pair_runs", "direct_runs", "tile_runs", "staged_descriptor_count"]
+
+_EMPTY = np.zeros(0, np.int64)  # copied into results (callers may write theirs)
+
+
+def id_runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start positions and lengths (int64) of the runs of consecutive ids in ``ids``.
+
+    >>> [a.tolist() for a in id_runs(np.array([4, 5, 6, 9, 10, 2]))]
+    [[0, 3, 5], [3, 2, 1]]
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size == 0:
+        return _EMPTY.copy(), _EMPTY.copy()
+    return _bounds(np.diff(ids) != 1, ids.size)
+
+
+def pair_runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start positions and lengths of the runs consecutive on *both* sides (equal-length id lists)."""
+    if src_ids.size == 0:
+        return _EMPTY.copy(), _EMPTY.copy()
+    return _bounds((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1), src_ids.size)
+
+
+def _bounds(breaks: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    starts = np.empty(int(np.count_nonzero(breaks)) + 1, dtype=np.int64)
+    starts[0] = 0
+    starts[1:] = np.flatnonzero(breaks) + 1
+    ends = np.empty_like(starts)
+    ends[:-1] = starts[1:]
+    ends[-1] = n
+    return starts, ends - starts
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Coalesced descriptors of one request (or chunk): parallel int64 arrays, one entry each.
+
+    Each entry moves ``nbytes`` of (``region``, ``stream``) read at ``src_offset`` and landing at
+    ``dst_offset`` (bytes, in the direction of a pull's READ). ``ends`` says what each offset
+    indexes: ``("cache", "cache")`` for DIRECT (``src_rank``'s and the destination's tensor of
+    that region and stream), ``("cache", "staging")`` for READ_UNPACK (the source's cache, the
+    destination's staged chunk) and ``("staging", "cache")`` for PACK_PLACE (the source's staged
+    chunk, the destination's cache); staging offsets count from the start of the chunk's payload.
+    """
+
+    src_rank: np.ndarray
+    region: np.ndarray
+    stream: np.ndarray
+    src_offset: np.ndarray
+    dst_offset: np.ndarray
+    nbytes: np.ndarray = field(repr=False)
+    ends: tuple[str, str] = ("cache", "cache")
+
+    def __len__(self) -> int:
+        return int(self.nbytes.size)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes every descriptor moves together."""
+        return int(self.nbytes.sum())
+
+    @property
+    def cache_offset(self) -> np.ndarray:
+        """One-sided runs: the offsets into the cache whose blocks are read or written."""
+        return self.src_offset if self.ends[0] == "cache" else self.dst_offset
+
+    @property
+    def staging_offset(self) -> np.ndarray:
+        """One-sided runs: the offsets into the staged chunk (where the packed payload has each tile)."""
+        return self.dst_offset if self.ends[0] == "cache" else self.src_offset
+
+
+def direct_runs(
+    plan: TransferPlan,
+    src_specs: Sequence[RegionSpec] | Mapping[int, Sequence[RegionSpec]],
+    dst_specs: Sequence[RegionSpec],
+    src_ids: np.ndarray,
+    dst_ids: np.ndarray,
+) -> Runs:
+    """Coalesced descriptors for every DIRECT region of a compacted request.
+
+    Blocks of a region are split over its ``src_ranks`` in contiguous parts of the request (so
+    runs stay long). Consecutive ids on *both* sides merge into one descriptor when both
+    tensors store consecutive blocks back to back. ``src_specs`` may be one list for all source
+    ranks or a mapping rank -> list when strides differ between ranks. Entries are ordered by
+    region, then source rank, then stream.
+
+    Cost: regions are grouped by geometry once per (plan, spec lists) (:func:`_direct_groups`);
+    a request then finds its runs once per group with numpy and repeats them for the group's
+    regions (DeepSeek-V3's 61 MLA layers are one group), so the Python work is per group, not
+    per region or block; what remains is linear in the descriptors returned.
+    """
+    n = src_ids.size
+    src_ids = np.asarray(src_ids, dtype=np.int64)
+    dst_ids = np.asarray(dst_ids, dtype=np.int64)
+    blocks: list[list[np.ndarray]] = []  # per group: its six columns
+    for group in _direct_groups(plan, src_specs, dst_specs):
+        parts = _split_bounds(n, len(group.src_ranks))
+        base: list[list[np.ndarray]] = [[] for _ in range(5)]
+        for rank, (lo, hi), streams in zip(group.src_ranks, parts, group.streams):
+            if hi == lo:
+                continue
+            sid, did = src_ids[lo:hi], dst_ids[lo:hi]
+            merged = None
+            for j, (block_bytes, s_stride, d_stride) in enumerate(streams):
+                if s_stride == block_bytes and d_stride == block_bytes:
+                    if merged is None:  # the same runs for every stream that coalesces
+                        merged = pair_runs(sid, did)
+                    starts, lengths = merged
+                else:
+                    starts = np.arange(sid.size, dtype=np.int64)
+                    lengths = np.ones(sid.size, dtype=np.int64)
+                k = starts.size
+                base[0].append(np.full(k, rank, dtype=np.int64))
+                base[1].append(np.full(k, j, dtype=np.int64))
+                base[2].append(sid[starts] * s_stride)
+                base[3].append(did[starts] * d_stride)
+                base[4].append(lengths * block_bytes)
+        if not base[0]:
+            continue
+        cols = [np.concatenate(c) for c in base]
+        k, r = cols[0].size, len(group.regions)
+        out = np.empty((6, r, k), dtype=np.int64)  # region-major: each region repeats the group's runs
+        out[0] = cols[0]
+        out[1] = np.asarray(group.regions, dtype=np.int64)[:, None]
+        for i in range(1, 5):
+            out[i + 1] = cols[i]
+        blocks.append(list(out.reshape(6, r * k)))
+    if not blocks:
+        e = _EMPTY
+        return Runs(e.copy(), e.copy(), e.copy(), e.copy(), e.copy(), e.copy())
+    arrays = [np.concatenate([b[i] for b in blocks]) if len(blocks) > 1 else blocks[0][i] for i in range(6)]
+    if len(blocks) > 1 and (np.diff(arrays[1]) < 0).any():  # groups interleave: back to region order
+        order = np.argsort(arrays[1], kind="stable")
+        arrays = [a[order] for a in arrays]
+    src_rank, region, stream, src_offset, dst_offset, nbytes = arrays
+    return Runs(src_rank, region, stream, src_offset, dst_offset, nbytes)
+
+
+def _split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each of ``parts`` contiguous parts of ``range(n)``, as ``np.array_split``."""
+    q, r = divmod(n, parts)
+    bounds, lo = [], 0
+    for i in range(parts):
+        hi = lo + q + (1 if i < r else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+@dataclass(frozen=True)
+class _DirectGroup:
+    """DIRECT regions whose runs are byte-for-byte alike: the same source ranks, and per rank and
+    stream the same ``(block bytes, source block stride, destination block stride)``."""
+
+    src_ranks: tuple[int, ...]
+    streams: tuple[tuple[tuple[int, int, int], ...], ...]  # per src rank, per stream
+    regions: tuple[int, ...]
+
+
+_GROUP_CACHE_ENTRIES = 8
+
+
+def _direct_groups(plan: TransferPlan, src_specs: Sequence[RegionSpec] | Mapping[int, Sequence[RegionSpec]],
+                   dst_specs: Sequence[RegionSpec]) -> tuple[_DirectGroup, ...]:
+    """The plan's DIRECT regions grouped by geometry, memoised on the plan per spec lists.
+
+    A cache entry keeps the spec objects it was computed from and is used only while the lists
+    passed hold the very same (immutable) :class:`RegionSpec` objects: an identity check per
+    region, much cheaper than reading each spec's geometry again."""
+    cache = plan.__dict__.setdefault("_direct_group_cache", {})
+    ranks = cache.get("ranks")
+    if ranks is None:
+        ranks = cache["ranks"] = tuple(sorted({r for d in plan.direct for r in d.src_ranks}))
+    if isinstance(src_specs, Mapping):
+        by_rank: Mapping[int, Sequence[RegionSpec]] | None = src_specs
+        lists: tuple[Sequence[RegionSpec], ...] = tuple(src_specs[r] for r in ranks)
+    else:
+        by_rank, lists = None, (src_specs,)
+    key = (by_rank is not None, ranks if by_rank is not None else (), tuple(map(id, lists)), id(dst_specs))
+    hit = cache.get(key)
+    if hit is not None:
+        snap_src, snap_dst, groups = hit
+        if _same_objects(snap_dst, dst_specs) and all(_same_objects(a, b) for a, b in zip(snap_src, lists)):
+            return groups
+    by_key: dict[tuple, list[int]] = {}
+    for dr in plan.direct:
+        d = dst_specs[dr.region]
+        per_rank = []
+        for rank in dr.src_ranks:
+            s = (by_rank[rank] if by_rank is not None else lists[0])[dr.region]
+            per_rank.append(tuple((d.tile_bytes(j, d.local_heads), s.block_stride_bytes(j), d.block_stride_bytes(j))
+                                  for j in range(d.num_streams)))
+        by_key.setdefault((dr.src_ranks, tuple(per_rank)), []).append(dr.region)
+    groups = tuple(_DirectGroup(k[0], k[1], tuple(v)) for k, v in by_key.items())
+    if len(cache) > _GROUP_CACHE_ENTRIES:  # list(): a snapshot, safe if another thread plans too
+        cache.pop(next(k for k in list(cache) if k != "ranks"), None)
+    cache[key] = (tuple(tuple(x) for x in lists), tuple(dst_specs), groups)
+    return groups
+
+
+def _same_objects(a: Sequence, b: Sequence) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def tile_runs(read: Payload, specs: Sequence[RegionSpec], ids: np.ndarray, way: Way = Way.READ_UNPACK) -> Runs:
+    """Descriptors that move ``read``'s payload for positions ``ids`` (one side's cache block id
+    per position, none -1) between that side's cache and a staged chunk of ``ids.size``
+    positions, one per (segment, run of consecutive ids) where consecutive blocks are back to
+    back in the cache, else one per (segment, block). ``specs``: that side's region specs (the
+    source's for ``way`` READ_UNPACK, the destination's for PACK_PLACE), and ``way`` which end
+    of the READ the cache is (:attr:`Runs.ends`)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    n = ids.size
+    segs = read.segments
+    tiles = np.array([g.tile_bytes for g in segs], np.int64)
+    seg_start = n * np.concatenate([[0], np.cumsum(tiles)[:-1]]).astype(np.int64)
+    stride = np.array([specs[g.region].block_stride_bytes(g.stream) for g in segs], np.int64)
+    region = np.array([g.region for g in segs], np.int64)
+    stream = np.array([g.stream for g in segs], np.int64)
+    coal = stride == tiles
+    cols: list[list[np.ndarray]] = [[] for _ in range(5)]
+    singles = (np.arange(n, dtype=np.int64), np.ones(n, np.int64))
+    for sel, (starts, lengths) in ((coal, id_runs(ids)), (~coal, singles)):
+        if not sel.any() or starts.size == 0:
+            continue
+        k = starts.size
+        cols[0].append(np.repeat(region[sel], k))
+        cols[1].append(np.repeat(stream[sel], k))
+        cols[2].append((ids[starts][None, :] * stride[sel][:, None]).ravel())
+        cols[3].append((seg_start[sel][:, None] + starts[None, :] * tiles[sel][:, None]).ravel())
+        cols[4].append((lengths[None, :] * tiles[sel][:, None]).ravel())
+    region_c, stream_c, cache_off, staging_off, nbytes = (np.concatenate(c) if c else _EMPTY.copy() for c in cols)
+    src_rank = np.full(nbytes.size, read.src_rank, dtype=np.int64)
+    if way is Way.PACK_PLACE:
+        return Runs(src_rank, region_c, stream_c, staging_off, cache_off, nbytes, ("staging", "cache"))
+    return Runs(src_rank, region_c, stream_c, cache_off, staging_off, nbytes, ("cache", "staging"))
+
+
+def staged_descriptor_count(plan: TransferPlan, num_blocks: int, chunk_bytes: int | None = None) -> int:
+    """Descriptors one destination rank posts for the staged part of a request: one per
+    (source rank, chunk)."""
+    if num_blocks == 0:
+        return 0
+    if chunk_bytes is None:
+        return len(plan.staged)
+    return sum(ChunkGeometry.fit(r.bytes_per_block, num_blocks, chunk_bytes).count for r in plan.staged)

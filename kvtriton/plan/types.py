@@ -1,0 +1,263 @@
+"""The planner's data: routes, ways, segments, payloads, chunk geometry and the plan itself.
+
+Pure (numpy and the standard library). A region moves by a :class:`Route` (STAGED through
+staging, or DIRECT cache to cache); the staged regions one source rank sends one destination
+rank form that rank's :class:`Payload`, which travels by one :class:`Way` per request.
+
+Staged payload layout, version :data:`STAGED_LAYOUT_VERSION` (the bytes a READ or WRITE moves;
+the control messages have their own version): the payload one source rank sends one destination
+rank for one request (or a chunk of it) is, in order, every staged (region, stream) segment in
+plan order, and inside a segment every block in request order; each block is a
+``block_size x num_heads x head_dim`` tile in the *destination's* layout. The tile of segment
+``s`` for request position ``j`` of an ``n``-block payload starts at byte
+``n * sum(tile_bytes[:s]) + j * tile_bytes[s]``.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import StagingError
+from ..spec import Layout
+
+__all__ = ["STAGED_LAYOUT_VERSION", "ceil_div", "Route", "Way", "Segment", "Payload", "ChunkGeometry",
+           "DirectRead", "TransferPlan"]
+
+STAGED_LAYOUT_VERSION = 1
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative integers, exact at any size (no float rounding).
+
+    >>> ceil_div(10_000, 4096), ceil_div(0, 7)
+    (3, 0)
+    """
+    return -(-a // b)
+
+
+class Route(str, enum.Enum):
+    """How one region moves between a rank pair (chosen per region, once per plan)."""
+
+    STAGED = "staged"  # in its source rank's payload, through registered staging (few large descriptors)
+    DIRECT = "direct"  # zero-copy cache-to-cache, one descriptor per run of consecutive blocks
+
+
+class Way(str, enum.Enum):
+    """How one source rank's staged :class:`Payload` travels (chosen per request among
+    :attr:`Payload.ways`; the payload's bytes are the same whichever way)."""
+
+    STAGED = "staged"  # the source packs, one READ (or WRITE) per chunk, the destination unpacks
+    # one-sided staging (pull only; see kvtriton.plan.ways): one of the two repack passes is a READ
+    READ_UNPACK = "read_unpack"  # the source's tile is its whole cache block: READ runs into our staging, unpack
+    PACK_PLACE = "pack_place"  # our tile is our whole cache block: source packs, READ it straight into our blocks
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One (region, stream) head slice inside a staged payload.
+
+    ``src_head``/``dst_head`` are local head offsets on the source and destination rank;
+    ``dst_layout`` is the tile layout on the wire (always the destination's layout).
+    ``block_size`` is the tokens of a tile (the destination's block size); ``src_block_size``
+    the source cache's block size when it differs (``None``: equal). ``dim_major``: the leading
+    row elements the destination stores dim-major per (block, head) tile (HND only, see
+    :class:`~kvtriton.spec.RegionSpec`); a staged tile is in exactly that order.
+    """
+
+    region: int
+    stream: int
+    src_head: int
+    dst_head: int
+    num_heads: int
+    head_dim: int
+    itemsize: int
+    block_size: int
+    dst_layout: Layout
+    src_block_size: int | None = None
+    dim_major: int = 0
+
+    @property
+    def source_block_size(self) -> int:
+        """Tokens per block of the source cache (what pack reads)."""
+        return self.block_size if self.src_block_size is None else self.src_block_size
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one (token, head) row."""
+        return self.head_dim * self.itemsize
+
+    @property
+    def tile_bytes(self) -> int:
+        """Bytes of one block's tile of this segment."""
+        return self.block_size * self.num_heads * self.row_bytes
+
+
+@dataclass(frozen=True)
+class Payload:
+    """The staged payload one source rank sends this destination rank, per request.
+
+    ``ways``: how it may travel, :data:`Way.STAGED` (pack, one READ per chunk, unpack) and the
+    one-sided ways every segment allows (:data:`Way.READ_UNPACK`: each segment's tile is the
+    source's whole cache block; :data:`Way.PACK_PLACE`: the destination's). A forced way leaves
+    just that one. The destination chooses one per request (:func:`kvtriton.plan.choose_way`)
+    and the pull names it; the payload's bytes are the same whichever way it travels."""
+
+    src_rank: int
+    segments: tuple[Segment, ...]
+    ways: tuple[Way, ...] = (Way.STAGED,)
+
+    # per-request callers read these for every chunk: computed once per plan (the plan is immutable)
+    @functools.cached_property
+    def bytes_per_block(self) -> int:
+        """Payload bytes per moved block (every segment's tile)."""
+        return sum(s.tile_bytes for s in self.segments)
+
+    @functools.cached_property
+    def _segment_starts(self) -> np.ndarray:
+        tiles = np.array([s.tile_bytes for s in self.segments], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(tiles)[:-1]]).astype(np.int64)
+        starts.setflags(write=False)
+        return starts
+
+    def payload_bytes(self, num_blocks: int) -> int:
+        """Bytes of an ``num_blocks``-block payload."""
+        return num_blocks * self.bytes_per_block
+
+    def segment_offsets(self, num_blocks: int, base: int = 0) -> np.ndarray:
+        """Byte offset of each segment's first tile in an ``num_blocks``-block payload (int64)."""
+        return base + num_blocks * self._segment_starts
+
+
+@dataclass(frozen=True)
+class ChunkGeometry:
+    """How a staged payload of ``num_blocks`` blocks is cut into staging chunks.
+
+    Chunk ``i`` holds request positions ``bounds(i)`` (``blocks_per_chunk`` of them, fewer in
+    the last chunk) and is ``nbytes(i)`` bytes of staging; both sides of a transfer derive
+    the same geometry from the ``blocks_per_chunk`` the destination sends.
+
+    >>> g = ChunkGeometry(bytes_per_block=1000, num_blocks=10, blocks_per_chunk=4)
+    >>> g.count, g.bounds(2), g.nbytes(2)
+    (3, (8, 10), 2000)
+    >>> ChunkGeometry.fit(bytes_per_block=1000, num_blocks=10, chunk_bytes=4096).blocks_per_chunk
+    4
+    """
+
+    bytes_per_block: int
+    num_blocks: int
+    blocks_per_chunk: int
+
+    @classmethod
+    def fit(cls, bytes_per_block: int, num_blocks: int, chunk_bytes: int) -> ChunkGeometry:
+        """The widest chunks that fit ``chunk_bytes``; :class:`StagingError` when one block
+        does not fit (staging is too small for this payload, whatever the request)."""
+        if bytes_per_block > chunk_bytes:
+            raise StagingError(f"one block needs {bytes_per_block} staging bytes, more than a chunk "
+                               f"({chunk_bytes} bytes)")
+        return cls(bytes_per_block, num_blocks, min(num_blocks, chunk_bytes // bytes_per_block))
+
+    def fits(self, chunk_bytes: int) -> bool:
+        """Whether every chunk is at least one block and at most ``chunk_bytes`` bytes."""
+        return self.blocks_per_chunk >= 1 and self.blocks_per_chunk * self.bytes_per_block <= chunk_bytes
+
+    @property
+    def count(self) -> int:
+        """How many chunks."""
+        return ceil_div(self.num_blocks, self.blocks_per_chunk) if self.num_blocks else 0
+
+    def bounds(self, chunk: int) -> tuple[int, int]:
+        """Request positions ``[lo, hi)`` that chunk ``chunk`` carries."""
+        lo = chunk * self.blocks_per_chunk
+        return lo, min(self.num_blocks, lo + self.blocks_per_chunk)
+
+    def nbytes(self, chunk: int) -> int:
+        """Staging bytes of chunk ``chunk``."""
+        lo, hi = self.bounds(chunk)
+        return (hi - lo) * self.bytes_per_block
+
+
+@dataclass(frozen=True)
+class DirectRead:
+    """A region moved zero-copy; blocks are striped over ``src_ranks`` in request order."""
+
+    region: int
+    src_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Everything destination rank ``dst_rank`` reads from one source engine.
+
+    ``routes[i]`` is region ``i``'s route and ``forced[i]`` the way ``modes=`` forced for it
+    (``None``: not forced); ``staged`` has one :class:`Payload` per source rank that sends one
+    (sorted by rank); ``direct`` one entry per DIRECT region.
+    ``src_block_size``/``dst_block_size`` are the engines' block sizes when they differ (a
+    request is then mapped token by token: :func:`~kvtriton.plan.compact_tokens`), ``None`` when
+    every region has equal block sizes on both sides (a request is then block pairs:
+    :func:`~kvtriton.plan.compact_request`).
+    """
+
+    dst_rank: int
+    dst_tp: int
+    src_tp: int
+    routes: tuple[Route, ...]
+    staged: tuple[Payload, ...]
+    direct: tuple[DirectRead, ...]
+    src_block_size: int | None = None
+    dst_block_size: int | None = None
+    forced: tuple[Way | None, ...] = ()
+
+    @property
+    def modes(self) -> tuple[Route | Way, ...]:
+        """Per region, what ``modes=`` would force to get this plan: :data:`Route.DIRECT`, the
+        one-sided :class:`Way` forced for it, or :data:`Route.STAGED`."""
+        forced = self.forced or (None,) * len(self.routes)
+        return tuple(w if r is Route.STAGED and w is not None and w is not Way.STAGED else r
+                     for r, w in zip(self.routes, forced))
+
+    @property
+    def maps_tokens(self) -> bool:
+        """True when the block sizes differ: requests are token maps, not block pairs."""
+        return self.src_block_size is not None
+
+    @property
+    def source_ranks(self) -> tuple[int, ...]:
+        """Every source rank this destination reads from (staged or direct)."""
+        ranks = {s.src_rank for s in self.staged}
+        for d in self.direct:
+            ranks.update(d.src_ranks)
+        return tuple(sorted(ranks))
+
+    def digest(self) -> str:
+        """A short fingerprint of the plan; both engines must compute the same one (equal
+        modes, cost model and stripe settings), which the protocol checks per transfer."""
+        return self._digest
+
+    @functools.cached_property
+    def _digest(self) -> str:  # every request sends it: hashed once (a repr of 160 segments is ~0.4 ms)
+        return hashlib.sha1(repr((self.dst_rank, self.dst_tp, self.src_tp, self.routes, self.forced, self.staged,
+                                  self.direct, self.src_block_size, self.dst_block_size)).encode()).hexdigest()[:16]
+
+    def direct_ranks(self, num_blocks: int) -> set[int]:
+        """Source ranks that send DIRECT runs for a request of ``num_blocks`` blocks (a stripe
+        wider than the request leaves the last replicas without blocks)."""
+        ranks: set[int] = set()
+        if num_blocks > 0:
+            for d in self.direct:
+                ranks.update(d.src_ranks[:num_blocks])
+        return ranks
+
+    def payload(self, src_rank: int) -> Payload | None:
+        """The payload ``src_rank`` sends, ``None`` when it sends none."""
+        for s in self.staged:
+            if s.src_rank == src_rank:
+                return s
+        return None
+
+    # old name, removed after the merge
+    staged_read = payload

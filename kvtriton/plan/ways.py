@@ -1,0 +1,152 @@
+"""Ways: how a staged payload travels, and the one-sided ways that skip a repack pass.
+
+Pure (numpy). A staged payload (:class:`~kvtriton.plan.Payload`) is, per segment and request
+position, one ``block_size x num_heads x head_dim`` tile in the destination's layout. When such a
+tile is byte for byte one side's whole cache block, that side's repack pass is a plain copy of the
+block, and a READ can do it instead:
+
+* :data:`~kvtriton.plan.Way.READ_UNPACK` (the source's tile is its whole block: the segment
+  takes every head of the source rank, same in-block order, dense blocks; typical of P_TP > D_TP):
+  the destination READs the source's cache blocks, coalesced into runs of consecutive source ids,
+  into its *own* staging at the offsets the packed payload would have had, then runs the usual
+  unpack. The source never packs: it only confirms it holds the blocks (``RunsReady``, as for
+  DIRECT runs) and frees nothing until the reader says ``RunsDone``.
+* :data:`~kvtriton.plan.Way.PACK_PLACE` (the destination's tile is its whole block: the segment
+  fills every head of the destination rank, dense blocks; typical of D_TP > P_TP): the source
+  packs as for STAGED and announces each chunk; the destination READs the chunk's tiles straight
+  into its cache blocks, one descriptor per run of consecutive destination ids, and skips unpack.
+
+Both are pull-only: the reader is the one who saves the pass (a push variant would need the
+source to know the destination's offsets and cache strides, which a push grant does not carry).
+
+Choice (:func:`choose_way`): feasibility is static per plan (segment geometry,
+:attr:`Payload.ways`, from :func:`payload_ways`); the choice is per (request, source rank) by the
+cost model with the request's real descriptor counts (one per run of consecutive ids, per
+segment), since that is what one-sided reads pay for and block runs are known only per request.
+One way per source rank's payload, not per region: the pull carries one decision, the source
+either packs the payload or does not (a per-segment mix would need per-segment announcements and
+a second payload layout), the chunking stays one geometry, and the safety rule stays the DIRECT
+one (the source's cache is read only between its RunsReady, or a slot-less offer, and our
+RunsDone, while it holds the blocks). The choice is the destination's (its cost model, its ids);
+the source only checks that the way named is one the plan allows.
+
+Offers: with eager packing on, a hold whose consumer would read it by READ_UNPACK (forced, or
+the consumer's model on the hold's ids) is offered without slots instead of packed, so a
+fetch of exactly those blocks READs at once, with no pull to the source process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ..errors import PlanError
+from ..spec import RegionSpec
+from .cost import CostModel
+from .runs import id_runs
+from .types import Payload, Segment, Way
+
+__all__ = ["read_unpack_problem", "pack_place_problem", "payload_ways", "one_sided_descriptors", "choose_way"]
+
+
+def _same_tile_order(spec: RegionSpec, seg: Segment) -> bool:
+    return spec.layout == seg.dst_layout or seg.num_heads == 1 or seg.block_size == 1
+
+
+def read_unpack_problem(seg: Segment, src: RegionSpec) -> str | None:
+    """Why segment ``seg`` cannot be READ straight out of the source's cache blocks (``src``:
+    the source's spec of its region), ``None`` when it can: the staged tile must be the source's
+    whole block, byte for byte (all its heads, equal block size, the same in-block order, the
+    block one contiguous range)."""
+    where = f"region {seg.region} ({src.name!r}) stream {seg.stream}"
+    if seg.src_block_size is not None:
+        return f"{where}: block sizes differ ({seg.src_block_size} -> {seg.block_size})"
+    if seg.src_head != 0 or seg.num_heads != src.local_heads:
+        return (f"{where}: the destination takes heads [{seg.src_head}, {seg.src_head + seg.num_heads}) of the "
+                f"source rank's {src.local_heads}, not the whole block")
+    if not _same_tile_order(src, seg):
+        return f"{where}: the source stores {src.layout.value}, the tile is {seg.dst_layout.value}"
+    if not src.block_is_dense(seg.stream):
+        return f"{where}: a source block is not one contiguous range (strides {src.strides[seg.stream]})"
+    return None
+
+
+def pack_place_problem(seg: Segment, dst: RegionSpec) -> str | None:
+    """Why segment ``seg``'s staged tiles cannot be READ straight into the destination's cache
+    blocks (``dst``: its spec), ``None`` when they can: the tile must be the destination's whole
+    block (all its heads, equal block size, the block one contiguous range)."""
+    where = f"region {seg.region} ({dst.name!r}) stream {seg.stream}"
+    if seg.src_block_size is not None:
+        return f"{where}: block sizes differ ({seg.src_block_size} -> {seg.block_size})"
+    if seg.dst_head != 0 or seg.num_heads != dst.local_heads:
+        return (f"{where}: the tile fills heads [{seg.dst_head}, {seg.dst_head + seg.num_heads}) of the "
+                f"destination's {dst.local_heads}, not the whole block")
+    if not dst.block_is_dense(seg.stream):
+        return f"{where}: a destination block is not one contiguous range (strides {dst.strides[seg.stream]})"
+    return None
+
+
+def payload_ways(src_rank: int, segs: Sequence[Segment], forced_way: Mapping[int, Way],
+                 src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec]) -> tuple[Way, ...]:
+    """The ways source rank ``src_rank``'s payload may travel: one forced way (every region in it
+    that forces one must force the same, and it must be possible), else STAGED and every
+    one-sided way all its segments allow. One way per payload keeps the protocol to one
+    choice per (request, source rank). ``forced_way``: region -> the way ``modes=`` forced."""
+    problems = {Way.STAGED: None,
+                Way.READ_UNPACK: next((p for g in segs if (p := read_unpack_problem(g, src_specs[g.region]))), None),
+                Way.PACK_PLACE: next((p for g in segs if (p := pack_place_problem(g, dst_specs[g.region]))), None)}
+    wanted = {forced_way[g.region] for g in segs if g.region in forced_way}
+    if len(wanted) > 1:
+        names = sorted({dst_specs[g.region].name for g in segs if g.region in forced_way})
+        raise PlanError(f"regions {names} force different modes {sorted(w.value for w in wanted)} but all come from "
+                        f"source rank {src_rank} in one payload, which travels one way per request; force one mode "
+                        f"for every region read from that rank")
+    if wanted:
+        way = wanted.pop()
+        if problems[way] is not None:
+            raise PlanError(f"{way.value} from source rank {src_rank} is not possible: {problems[way]}; "
+                            f"use staged")
+        return (way,)
+    return tuple(w for w in Way if problems[w] is None)
+
+
+def _coalesces(read: Payload, specs: Sequence[RegionSpec]) -> np.ndarray:
+    """Per segment: consecutive blocks lie back to back in the cache (a run is one range)."""
+    return np.array([specs[g.region].block_stride_bytes(g.stream) == g.tile_bytes for g in read.segments], bool)
+
+
+def one_sided_descriptors(read: Payload, specs: Sequence[RegionSpec], ids: np.ndarray,
+                          chunks: int = 1) -> int:
+    """How many descriptors :func:`~kvtriton.plan.tile_runs` gives for ``ids`` cut into
+    ``chunks`` chunks (a chunk boundary splits a run: at most one more descriptor per
+    coalescing segment)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    coal = _coalesces(read, specs)
+    runs = id_runs(ids)[0].size
+    n_coal = int(coal.sum())
+    return n_coal * (runs + max(0, chunks - 1)) + (coal.size - n_coal) * ids.size
+
+
+def choose_way(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec],
+               src_ids: np.ndarray, dst_ids: np.ndarray, cost: CostModel, *, chunks: int = 1,
+               packed: bool = False) -> Way:
+    """The way this request's payload from ``read.src_rank`` travels: the cheapest of
+    ``read.ways`` by ``cost`` for this request's descriptor counts (ties go to the earlier of
+    STAGED, READ_UNPACK, PACK_PLACE). ``chunks``: the staged chunks of the payload.
+    ``packed``: the source has packed it already (an offer), so READ_UNPACK would save nothing."""
+    ways = read.ways
+    if len(ways) == 1:
+        return ways[0]
+    nbytes = read.payload_bytes(int(np.asarray(dst_ids).size))
+    best, best_us = Way.STAGED, cost.staged_us(nbytes, chunks)
+    for way in ways:
+        if way is Way.READ_UNPACK and not packed:
+            us = cost.read_unpack_us(nbytes, one_sided_descriptors(read, src_specs, src_ids, chunks))
+        elif way is Way.PACK_PLACE:
+            us = cost.pack_place_us(nbytes, one_sided_descriptors(read, dst_specs, dst_ids, chunks))
+        else:
+            continue
+        if us < best_us:
+            best, best_us = way, us
+    return best
