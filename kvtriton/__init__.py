@@ -33,6 +33,7 @@ __version__ = "0.1.0"
 _LAZY = {
     **dict.fromkeys(["FreedRequest", "RequestResult", "TransferAgent"], ".agent"),
     **dict.fromkeys(["pack", "unpack"], ".ops"),
+    # Mode and StagedRead: old names (see kvtriton.plan), removed after the merge
     **dict.fromkeys(["CostModel", "Mode", "Route", "Way", "Segment", "Payload", "StagedRead", "TokenMap",
                      "TransferPlan", "build_plan", "compact_request", "compact_tokens", "direct_runs",
                      "head_range", "replicate_sources", "split_sources"], ".plan"),

@@ -23,7 +23,7 @@ from kvtriton.agent.links import Chunk
 from kvtriton.agent.packing import PackBatch, PackJob
 from kvtriton.agent.streams import Lanes
 from kvtriton.errors import LaunchError
-from kvtriton.plan import ChunkGeometry, StagedRead
+from kvtriton.plan import ChunkGeometry, Payload
 from kvtriton.regions import Layout
 from kvtriton.staging import StagingPool
 from kvtriton.testing.oracle import (
@@ -57,7 +57,7 @@ def _rig(impl: str, d_tp: int = 4, heads: int = 8, nb: int = 12):
     return s, (k, v), reads
 
 
-def _expected(kv, read: StagedRead, ids) -> torch.Tensor:
+def _expected(kv, read: Payload, ids) -> torch.Tensor:
     """The payload by torch indexing of the source cache (independent of ops and the reference)."""
     out = []
     for seg in read.segments:
@@ -116,7 +116,7 @@ def test_four_destinations_pack_in_one_launch_byte_exact(monkeypatch, impl):
 def test_a_refused_destination_fails_alone_and_writes_nothing(monkeypatch):
     s, kv, reads = _rig("torch")
     ids = [3, 11, 0, 4]
-    bad = StagedRead(0, tuple(seg.__class__(**{**seg.__dict__, "region": 5}) for seg in reads[2].segments))
+    bad = Payload(0, tuple(seg.__class__(**{**seg.__dict__, "region": 5}) for seg in reads[2].segments))
     reads = reads[:2] + [bad] + reads[3:]
     before = s.pool.tensor.clone()
     failed, calls = [], _launches(monkeypatch)

@@ -140,7 +140,7 @@ def source_positions(tiles: np.ndarray, num_tokens: int, src_block_size: int, ds
     if tiles.size == 0:
         return np.zeros(0, dtype=np.int64)
     lo = tiles * dst_block_size // src_block_size
-    hi = -(-np.minimum((tiles + 1) * dst_block_size, num_tokens) // src_block_size)
+    hi = -(-np.minimum((tiles + 1) * dst_block_size, num_tokens) // src_block_size)  # ceil_div, elementwise
     cover = np.zeros(n_src + 1, dtype=np.int64)
     np.add.at(cover, lo, 1)
     np.add.at(cover, hi, -1)
