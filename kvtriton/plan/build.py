@@ -72,11 +72,10 @@ class ForcedModes:
 
 
 def _forcible(value: object, modes: object) -> Route | Way:
-    if isinstance(value, Way):
-        return value
-    if isinstance(value, Route):
-        return Way.STAGED if value is Route.STAGED else value
-    key = value.value if isinstance(getattr(value, "value", None), str) else value  # type: ignore[attr-defined]
+    """One forced mode of ``modes``: a :class:`Route`/:class:`Way` (or any enum member, by value) or its value."""
+    if isinstance(value, (Route, Way)):
+        return Way.STAGED if value is Route.STAGED else value  # forcing STAGED forces its only way
+    key = getattr(value, "value", value)
     if isinstance(key, str) and key in _FORCIBLE:
         return _FORCIBLE[key]
     raise PlanError(f"unknown transfer mode in {modes!r}: expected one of {list(_FORCIBLE)}")
