@@ -98,9 +98,9 @@ def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from .. import wire
     from ..agent import TransferAgent
     from ..errors import KVTritonError
+    from ..protocol import wire
     from .oracle import load_source, load_source_tokens, make_rank_regions, snapshot
 
     tp = cfg.p_tp if role == "P" else cfg.d_tp
