@@ -24,10 +24,10 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..ops.reference import pack_reference, unpack_reference
 from ..plan import build_plan, compact_request, direct_runs
-from ..token_map import compact_tokens
-from ..reference import pack_reference, unpack_reference
 from ..regions import Kind, Layout, Region
+from ..token_map import compact_tokens
 from ..topology import head_range
 
 __all__ = [
