@@ -253,6 +253,7 @@ def _cost(d: dict) -> CostModel | None:
 # Each message type is a frozen dataclass; its annotations are the schema decode_message checks
 # (ints are range-checked again by the receiver, which knows the bounds: slot counts, block
 # counts, chunk counts). ``TYPE``, the ``t`` it travels under, is its class name.
+@dataclass(frozen=True)
 class Message:
     """Base of every control message: ``encode()`` gives the bytes a notification carries."""
 
@@ -415,10 +416,10 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (Pull, Push, Grant, Ack, RunsDone, Do
 _MIN_INT = {("Ready", "nslots"): 1, ("Ready", "nbytes"): 1, ("Grant", "nslots"): 1, ("Data", "nbytes"): 1,
             ("Done", "dst_tp"): 1, ("Offer", "num_blocks"): 1, ("Offer", "chunk_blocks"): 1}
 # annotation of a message field -> the type msgpack decodes it to (tuples travel as arrays)
-_WIRE_TYPES: dict[str, type] = {"str": str, "int": int, "tuple[int, ...]": list}
+_WIRE_TYPES: dict[str, type[Any]] = {"str": str, "int": int, "tuple[int, ...]": list}
 # t -> (class, [(field, wire type)]); the annotations are strings (``from __future__ import annotations``)
-_SCHEMA: dict[str, tuple[type[Message], list[tuple[str, type]]]] = {
-    cls.TYPE: (cls, [(f.name, _WIRE_TYPES[str(f.type)]) for f in fields(cls)])  # type: ignore[arg-type]
+_SCHEMA: dict[str, tuple[type[Message], list[tuple[str, type[Any]]]]] = {
+    cls.TYPE: (cls, [(f.name, _WIRE_TYPES[str(f.type)]) for f in fields(cls)])
     for cls in MESSAGE_TYPES
 }
 
@@ -440,7 +441,7 @@ def decode_message(data: bytes) -> Message:
     if not isinstance(t, str) or t not in _SCHEMA:
         raise ProtocolError(f"message: unknown type {t!r:.80}")
     cls, schema = _SCHEMA[t]
-    values = {}
+    values: dict[str, Any] = {}
     for name, typ in schema:
         v = d.get(name)
         if not isinstance(v, typ) or isinstance(v, bool):
