@@ -253,7 +253,7 @@ def test_handshake_gate(engines):
     with pytest.raises(ProtocolError, match="not valid msgpack"):
         d.add_remote(good[: len(good) // 2])
     with pytest.raises(ProtocolError, match="protocol version"):
-        d.add_remote(variant(v=2))
+        d.add_remote(variant(v=wire.PROTOCOL_VERSION + 1))
     regions = [dict(r) for r in raw["regions"]]
     regions[0]["spans"] = [1, 1]
     with pytest.raises(ProtocolError, match="cannot hold"):
