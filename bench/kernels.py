@@ -7,7 +7,7 @@ written) / time for:
 
 * ``kvtriton``: :func:`kvtriton.ops.pack` / :func:`~kvtriton.ops.unpack` with ``impl="triton"``
   (validation, table upload and launch included: what a caller pays);
-* ``torch-ref``: :mod:`kvtriton.reference` (vectorised ``index_select`` / ``index_put_``);
+* ``torch-ref``: :mod:`kvtriton.ops.reference` (vectorised ``index_select`` / ``index_put_``);
 * ``naive-triton``: an element-per-lane Triton gather/scatter that looks the block table up for
   every element, one launch per (region, stream, peer) segment: the approach of SGLang's
   staging kernel, written here from its description;
@@ -28,14 +28,13 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-
 from timing import qfields, quantiles_ms, quantiles_of  # bench/timing.py
 
 from kvtriton import ops
 from kvtriton.errors import KVTritonError
-from kvtriton.launch import INT_OF_WIDTH
+from kvtriton.ops import pack_reference, unpack_reference
+from kvtriton.ops.heuristics import INT_OF_WIDTH
 from kvtriton.plan import build_plan
-from kvtriton.reference import pack_reference, unpack_reference
 from kvtriton.regions import Layout
 from kvtriton.testing.oracle import RegionModel, make_rank_regions
 
@@ -312,7 +311,7 @@ def run_kernel_bench(cases: Sequence[Case], device: str, quick: bool) -> list[di
     device = str(torch.device(device).type)
     rows: list[dict] = []
     on_cuda = device == "cuda"
-    interp = ops._interpreting()
+    interp = ops.launch._interpreting()
     for k, (name, models, src_tp, dst_tp, block_size, n_blocks) in enumerate(cases):
         setup = _Setup(models, src_tp, dst_tp, block_size, n_blocks, device)
         providers = ["torch-ref", "kvtriton", "naive-triton"] if on_cuda else ["torch-ref"]

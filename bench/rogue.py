@@ -30,8 +30,8 @@ import msgpack
 import numpy as np
 import torch
 
-from kvtriton import wire
 from kvtriton.agent import TransferAgent
+from kvtriton.protocol import wire
 from kvtriton.testing.oracle import (
     RegionModel,
     check_destination,
@@ -140,7 +140,7 @@ class ForgedReady(Scenario):
             for xid in list(d._destination.parts):
                 for body in (dict(chunk=0, slot=0, nslots=1, nbytes=1024), dict(chunk=-1, slot=0, nslots=1, nbytes=-1),
                              dict(chunk=99, slot=0, nslots=0, nbytes=1024)):
-                    x.rogue.transport.send_notif(d.transport.name, wire.encode_message("ready", xid=xid, **body))
+                    x.rogue.transport.send_notif(d.transport.name, wire.encode_message("Ready", xid=xid, **body))
 
 
 class Garbage(Scenario):
@@ -152,9 +152,9 @@ class Garbage(Scenario):
 
     def tick(self, x, i):
         raw = [self.rng.bytes(int(self.rng.integers(1, 80))),
-               msgpack.packb({"v": True, "t": "done", "req": "honest", "dst_rank": 0, "dst_tp": 1}),
-               msgpack.packb({"v": 1, "t": "ack", "xid": "", "chunk": -7}),
-               msgpack.packb({"v": 1.0, "t": "abort", "xid": "honest|D:0<0#0"})]
+               msgpack.packb({"v": True, "t": "Done", "req": "honest", "dst_rank": 0, "dst_tp": 1}),
+               msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "Ack", "xid": "", "chunk": -7}),
+               msgpack.packb({"v": float(wire.PROTOCOL_VERSION), "t": "Abort", "xid": "honest|D:0<0#0"})]
         for p in range(x.p_tp):
             for r in raw:
                 x.forge(r, p)
@@ -165,7 +165,7 @@ class HugePull(Scenario):
     name = "pull of 4M ids"
 
     def before(self, x):
-        x.forge(msgpack.packb({"v": 1, "t": "pull", "xid": "huge", "req": "honest", "dst_rank": 0,
+        x.forge(msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "Pull", "xid": "huge", "req": "honest", "dst_rank": 0,
                                "ids": list(range(1 << 22)), "chunk_blocks": 1, "plan": "p"}))
 
 

@@ -42,8 +42,8 @@ import json
 import os
 import platform
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -156,6 +156,23 @@ def _transport_probe():
         b.close()
 
 
+def _probe_regions(layers: int, num_blocks: int, block: int, heads: int, layout: str, gen, device: str) -> list:
+    """``layers`` GQA regions of 2 KV heads in all (``heads`` of them local), head_dim 128, bf16,
+    separate K and V filled with random bits: the caches the repack probe moves between. Built
+    here rather than by ``kvtriton.testing`` (the library never imports its test support)."""
+    import torch
+
+    from .regions import Region
+
+    def stream() -> torch.Tensor:
+        inner = (block, heads, 128) if layout == "NHD" else (heads, block, 128)
+        raw = torch.randint(0, 256, (num_blocks * block * heads * 128 * 2,), dtype=torch.uint8, generator=gen)
+        return raw.view(torch.bfloat16).view(num_blocks, *inner).to(device)
+
+    return [Region.attention(f"l{i}", stream(), stream(), layout=layout, block_size=block, total_heads=2)
+            for i in range(layers)]
+
+
 def _repack_probe(device: str, impl: str):
     """``(pack, unpack, nbytes)``: each times (ms) :func:`kvtriton.ops.pack` / ``unpack`` of an
     NHD 2-head source -> HND 1-head destination repack (block 16, bf16) of ``nbytes`` payload."""
@@ -163,15 +180,13 @@ def _repack_probe(device: str, impl: str):
 
     from . import ops
     from .plan import build_plan
-    from .testing.oracle import RegionModel, make_rank_regions
 
     layers, block = 4, 16
-    models = [RegionModel.gqa(f"l{i}", 2, 128, torch.bfloat16) for i in range(layers)]
     n = PROBE_BYTES // (layers * 2 * block * 128 * 2)
     num_blocks = n + 8
     gen = torch.Generator().manual_seed(0)
-    src = make_rank_regions(models, 0, 1, num_blocks, block, layout="NHD", gen=gen, device=device)
-    dst = make_rank_regions(models, 0, 2, num_blocks, block, layout="HND", gen=gen, device=device)
+    src = _probe_regions(layers, num_blocks, block, 2, "NHD", gen, device)  # TP1: both heads
+    dst = _probe_regions(layers, num_blocks, block, 1, "HND", gen, device)  # rank 0 of TP2: one head
     read = build_plan(0, 2, [r.spec for r in dst], 1, [r.spec for r in src], modes="staged").staged[0]
     rng = np.random.default_rng(0)
     src_ids = torch.as_tensor(rng.permutation(num_blocks)[:n], device=device)

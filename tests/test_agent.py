@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvtriton import wire
 from kvtriton.agent import TransferAgent
 from kvtriton.errors import (
     IncompatibleRemoteError,
@@ -22,6 +21,7 @@ from kvtriton.errors import (
     StagingError,
     TransferTimeoutError,
 )
+from kvtriton.protocol import wire
 from kvtriton.testing.oracle import (
     RegionModel,
     check_destination,
@@ -253,7 +253,7 @@ def test_handshake_gate(engines):
     with pytest.raises(ProtocolError, match="not valid msgpack"):
         d.add_remote(good[: len(good) // 2])
     with pytest.raises(ProtocolError, match="protocol version"):
-        d.add_remote(variant(v=2))
+        d.add_remote(variant(v=wire.PROTOCOL_VERSION + 1))
     regions = [dict(r) for r in raw["regions"]]
     regions[0]["spans"] = [1, 1]
     with pytest.raises(ProtocolError, match="cannot hold"):
@@ -284,10 +284,10 @@ def test_garbage_messages_never_stop_progress(engines):
     kv = e.request(src)
     e.pa[0].hold("r", src)
     for raw in [
-        msgpack.packb({"v": 1, "t": ["pull"]}),  # unhashable type
-        msgpack.packb({"v": 1, "t": "pull", "xid": "x", "req": "r", "dst_rank": 0, "ids": [2**63],
+        msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": ["Pull"]}),  # unhashable type
+        msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "Pull", "xid": "x", "req": "r", "dst_rank": 0, "ids": [2**63],
                        "chunk_blocks": 1, "plan": "p"}),  # overflows int64
-        msgpack.packb({"v": 1, "t": "ack", "xid": "x", "chunk": 2**60}),
+        msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "Ack", "xid": "x", "chunk": 2**60}),
         b"\x00\x01garbage",
     ]:
         _deliver(e, e.da[0], e.pa[0], raw)

@@ -17,8 +17,7 @@ import torch
 
 from kvtriton.agent import TransferAgent
 from kvtriton.agent.streams import Completion, Lanes, ready_event
-from kvtriton.launch import LaunchConfig
-from kvtriton.ops import launch_config_for, pack
+from kvtriton.ops import LaunchConfig, launch_config_for, pack
 from kvtriton.testing.oracle import RegionModel, check_destination, make_rank_regions, snapshot
 
 pytest.importorskip("nixl", reason="the agent's transport needs NIXL: pip install 'kvtriton[nixl]'")
@@ -322,7 +321,8 @@ def test_unpack_on_the_agents_stream_waits_for_the_engines_last_use():
 @pytest.mark.gpu
 def test_warmup_compiles_what_requests_launch():
     """After warmup(), a request's pack and unpack compile nothing new (no stall in progress())."""
-    from kvtriton.ops import _kernel, unpack
+    from kvtriton.ops import unpack
+    from kvtriton.ops.launch import _kernel
 
     dev = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator().manual_seed(12)

@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvtriton import Region, build_plan, wire
+from kvtriton import Region, build_plan
 from kvtriton.agent import packing
 from kvtriton.agent.links import Chunk
 from kvtriton.agent.packing import PackBatch, PackJob
 from kvtriton.agent.streams import Lanes
 from kvtriton.errors import LaunchError
 from kvtriton.plan import ChunkGeometry, Payload
+from kvtriton.protocol import wire
 from kvtriton.regions import Layout
 from kvtriton.staging import StagingPool
 from kvtriton.testing.oracle import (

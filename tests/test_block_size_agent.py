@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtriton import wire
 from kvtriton.agent import TransferAgent
 from kvtriton.errors import PlanError
+from kvtriton.protocol import wire
 from kvtriton.regions import Kind
 from kvtriton.testing.cluster import Cluster, ClusterConfig
 from kvtriton.testing.oracle import (

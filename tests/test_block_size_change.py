@@ -10,7 +10,6 @@ including padded, non-contiguous blocks and the tail of a partial last block).
 import functools
 
 import msgpack
-
 import numpy as np
 import pytest
 import torch
@@ -250,7 +249,7 @@ def test_gate_accepts_a_block_size_change_of_dim_major_blocks_and_refuses_malfor
 def test_wire_carries_block_size_and_dim_major():
     import dataclasses
 
-    from kvtriton import wire
+    from kvtriton.protocol import wire
 
     k = torch.zeros(8, 2, 4, 16, dtype=torch.float16)
     spec = Region.attention("l0", k, k.clone(), layout="HND", block_size=4, total_heads=4, dim_major=(8, 0)).spec

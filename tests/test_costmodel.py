@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtriton import wire
 from kvtriton.errors import ProtocolError
 from kvtriton.plan import CostModel, Route, build_plan
+from kvtriton.protocol import wire
 from kvtriton.regions import Region
 from kvtriton.testing.oracle import RegionModel, check_destination
 

@@ -212,8 +212,8 @@ def test_a_rogue_engine_cannot_take_the_consumers_eager_pack():
 
 @pytest.mark.parametrize("bad", ["slots outside staging", "other ids", "other chunks"])
 def test_a_forged_or_stale_offer_is_declined_and_the_fetch_pulls(engines, bad):
-    from kvtriton import wire
     from kvtriton.agent.eager import ids_digest
+    from kvtriton.protocol import wire
 
     e = engines(1, 1, models=ONE, eager_guess=False)
     src, dst = np.array([7, 1, 12, 3]), np.array([5, 6, 2, 9])

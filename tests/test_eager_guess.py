@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtriton import wire
 from kvtriton.agent import TransferAgent
 from kvtriton.errors import RequestRejectedError
+from kvtriton.protocol import wire
 from kvtriton.testing.oracle import check_destination, load_source, make_global_kv, make_rank_regions, snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

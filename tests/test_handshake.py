@@ -1,4 +1,4 @@
-"""The TCP side channel that carries handshake metadata (kvtriton.handshake), on 127.0.0.1."""
+"""The TCP side channel that carries handshake metadata (kvtriton.protocol.handshake), on 127.0.0.1."""
 
 import socket
 import struct
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtriton.errors import IncompatibleRemoteError, PeerDisconnectedError, ProtocolError, RequestRejectedError
-from kvtriton.handshake import MAX_FRAME_BYTES, MetadataServer, exchange_metadata
+from kvtriton.protocol.handshake import MAX_FRAME_BYTES, MetadataServer, exchange_metadata
 
 
 class Recorder:

@@ -20,12 +20,12 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-
-from kvtriton import LaunchError, Layout, Region, Segment, build_plan, launch, ops
 from kvtriton.kernels import segment_table
 from kvtriton.kernels._addressing import _row_offsets
+
+from kvtriton import LaunchError, Layout, Region, Segment, build_plan, ops
+from kvtriton.ops import heuristics, pack_reference, unpack_reference
 from kvtriton.plan import Route
-from kvtriton.reference import pack_reference, unpack_reference
 from kvtriton.testing.oracle import (
     RegionModel,
     check_destination,
@@ -470,7 +470,7 @@ def test_row_offsets_are_int64(num_heads, s_tile, s_tok, s_head, device):
 def test_launch_config_invariants(max_rows, row_words, word, vec):
     if row_words % vec:
         pytest.skip("rows are a multiple of vec words by construction")
-    block_r, block_w, warps = launch.tile_config(max_rows, row_words, word, vec)
+    block_r, block_w, warps = heuristics.tile_config(max_rows, row_words, word, vec)
     for v in (block_r, block_w, warps):
         assert v >= 1 and v & (v - 1) == 0, (block_r, block_w, warps)
     assert vec <= block_w <= max(vec, 1024 // word)
@@ -484,17 +484,17 @@ def test_launch_config_invariants(max_rows, row_words, word, vec):
 
 def test_launch_config_typical_geometries():
     # Llama-style head_dim 128 bf16 (256 B rows = 32 int64 words), 16 tokens x 1 head.
-    assert launch.tile_config(16, 32, 8, 2) == (16, 32, 2)
+    assert heuristics.tile_config(16, 32, 8, 2) == (16, 32, 2)
     # 8 heads x 16 tokens: 8 KiB inner tiles, 4 warps.
-    assert launch.tile_config(128, 32, 8, 2) == (32, 32, 4)
+    assert heuristics.tile_config(128, 32, 8, 2) == (32, 32, 4)
     # 576-dim bf16 MLA rows (144 words) loop over 64-word chunks rather than masking 256.
-    assert launch.tile_config(16, 144, 8, 2)[1] == 64
-    assert launch.word_config(16) == (8, 2)
-    assert launch.word_config(8) == (8, 1)
-    assert launch.word_config(4) == (4, 1)
-    assert launch.word_config(1) == (1, 1)
+    assert heuristics.tile_config(16, 144, 8, 2)[1] == 64
+    assert heuristics.word_config(16) == (8, 2)
+    assert heuristics.word_config(8) == (8, 1)
+    assert heuristics.word_config(4) == (4, 1)
+    assert heuristics.word_config(1) == (1, 1)
     with pytest.raises(LaunchError):
-        launch.tile_config(0, 32, 8, 2)
+        heuristics.tile_config(0, 32, 8, 2)
 
 
 # --------------------------------------------------------------------------- GPU only

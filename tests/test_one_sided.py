@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvtriton.errors import PlanError, RequestRejectedError
+from kvtriton.ops import pack_reference, unpack_reference
 from kvtriton.plan import CostModel, Route, Way, build_plan, choose_way, one_sided_descriptors, tile_runs
-from kvtriton.reference import pack_reference, unpack_reference
 from kvtriton.testing.oracle import (
     RegionModel,
     check_destination,
@@ -288,7 +288,7 @@ def test_read_unpack_offer_skips_the_pull(forced, monkeypatch):
     """A hold naming its consumer is offered for read_unpack (no pack, no slots): the decode takes
     the offer and READs at once, without a pull to the source process; a second fetch of
     another request with no offer pulls as usual. Bytes exact either way."""
-    from kvtriton import wire
+    from kvtriton.protocol import wire
 
     pulls = []
     real = wire.decode_message
@@ -399,7 +399,7 @@ def test_cluster_processes(way, p_tp, d_tp):
 def test_forged_way_is_refused():
     """A pull naming a way the plan does not allow (staged forced: no read_unpack) is rejected
     before anything is held for it; a ready for a read_unpack transfer is a protocol error."""
-    from kvtriton import wire
+    from kvtriton.protocol import wire
 
     e = Pair(4, 2, "HND", models=SPLIT_ONLY, modes="staged")
     try:
@@ -427,8 +427,8 @@ def test_forged_way_is_refused():
 def test_ready_for_read_unpack_fails_the_fetch():
     """A source announcing a packed chunk for a read_unpack transfer (nothing is packed for it)
     fails that fetch with ProtocolError; no block is reported defined."""
-    from kvtriton import wire
     from kvtriton.errors import ProtocolError
+    from kvtriton.protocol import wire
 
     e = Pair(4, 2, "HND", models=SPLIT_ONLY, modes="read_unpack")
     try:

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from kvtriton import LaunchError, Layout, Region, Segment, build_plan, ops
+from kvtriton.ops import launch as ops_launch
+from kvtriton.ops import validate as ops_validate
 from kvtriton.testing.oracle import RegionModel, make_rank_regions
 
 NB, BS, HD = 6, 2, 8
@@ -32,7 +34,7 @@ def _no_impl_override(monkeypatch):
 def calls(monkeypatch):
     """Record every launch and reference call (they still run)."""
     seen: list[str] = []
-    real_launch, real_pack, real_unpack = ops._launch, ops.pack_reference, ops.unpack_reference
+    real_launch, real_pack, real_unpack = ops_launch._launch, ops_launch.pack_reference, ops_launch.unpack_reference
 
     def launch(op, *a, **k):
         seen.append(f"triton-{op}")
@@ -46,9 +48,9 @@ def calls(monkeypatch):
         seen.append("torch-unpack")
         return real_unpack(*a, **k)
 
-    monkeypatch.setattr(ops, "_launch", launch)
-    monkeypatch.setattr(ops, "pack_reference", pack_ref)
-    monkeypatch.setattr(ops, "unpack_reference", unpack_ref)
+    monkeypatch.setattr(ops_launch, "_launch", launch)
+    monkeypatch.setattr(ops_launch, "pack_reference", pack_ref)
+    monkeypatch.setattr(ops_launch, "unpack_reference", unpack_ref)
     return seen
 
 
@@ -340,27 +342,27 @@ def test_unknown_env_impl(case, calls, op, monkeypatch):
 
 @BOTH
 def test_triton_on_cpu_needs_the_interpreter(calls, op, monkeypatch):
-    monkeypatch.setattr(ops, "_interpreting", lambda: False)
+    monkeypatch.setattr(ops_launch, "_interpreting", lambda: False)
     expect_error(Case("cpu"), calls, op, "needs the Triton interpreter: set TRITON_INTERPRET=1", impl="triton",
                  also_torch=False)
 
 
 def test_resolve_impl_table(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    monkeypatch.setattr(ops, "_interpreting", lambda: True)
-    assert ops._resolve_impl("auto", cpu) == "triton"
-    assert ops._resolve_impl("torch", cpu) == "torch"
-    assert ops._resolve_impl("auto", cuda) == "torch"  # interpreted kernels cannot touch device memory
+    monkeypatch.setattr(ops_launch, "_interpreting", lambda: True)
+    assert ops_launch._resolve_impl("auto", cpu) == "triton"
+    assert ops_launch._resolve_impl("torch", cpu) == "torch"
+    assert ops_launch._resolve_impl("auto", cuda) == "torch"  # interpreted kernels cannot touch device memory
     with pytest.raises(LaunchError, match="decorated under TRITON_INTERPRET=1"):
-        ops._resolve_impl("triton", cuda)
-    monkeypatch.setattr(ops, "_interpreting", lambda: False)
-    assert ops._resolve_impl("auto", cpu) == "torch"
-    assert ops._resolve_impl("auto", cuda) == "triton"
-    assert ops._resolve_impl("triton", cuda) == "triton"
+        ops_launch._resolve_impl("triton", cuda)
+    monkeypatch.setattr(ops_launch, "_interpreting", lambda: False)
+    assert ops_launch._resolve_impl("auto", cpu) == "torch"
+    assert ops_launch._resolve_impl("auto", cuda) == "triton"
+    assert ops_launch._resolve_impl("triton", cuda) == "triton"
     monkeypatch.setenv("KVTRITON_IMPL", "torch")
-    assert ops._resolve_impl("triton", cuda) == "torch"  # the environment overrides the keyword
+    assert ops_launch._resolve_impl("triton", cuda) == "torch"  # the environment overrides the keyword
     monkeypatch.setenv("KVTRITON_IMPL", " Triton ")
-    assert ops._resolve_impl("torch", cuda) == "triton"
+    assert ops_launch._resolve_impl("torch", cuda) == "triton"
 
 
 @pytest.mark.parametrize("env,impl,want", [("torch", "triton", "torch"), ("triton", "torch", "triton"),
@@ -395,8 +397,8 @@ def test_tuple_segments_are_checked_once(case, calls, monkeypatch):
     """Tuples of segments (immutable, as the planner returns them) are validated once per
     (op, segments, regions); per-request checks still run on every call."""
     built = []
-    real = ops._build_static
-    monkeypatch.setattr(ops, "_build_static", lambda *a: built.append(a[0]) or real(*a))
+    real = ops_validate._build_static
+    monkeypatch.setattr(ops_validate, "_build_static", lambda *a: built.append(a[0]) or real(*a))
     segs = tuple(case.segments)
     for _ in range(3):
         ops.pack(case.src, segs, case.offsets, case.ids, case.staging, impl="triton")

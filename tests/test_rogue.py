@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvtriton import wire
 from kvtriton.errors import PlanError, ProtocolError, RequestRejectedError, TransferTimeoutError
+from kvtriton.protocol import wire
 from kvtriton.testing.oracle import RegionModel, check_destination, snapshot
 from kvtriton.testing.rogue import RogueRig
 
@@ -164,7 +164,7 @@ def test_a_ready_outside_the_transfer_is_a_protocol_error(rig, field, value, whe
     xid = next(iter(d._destination.parts))
     body = dict(xid=xid, chunk=0, slot=0, nslots=1, nbytes=1024)
     body[field] = value
-    raw = wire.encode_message("ready", **body)
+    raw = wire.encode_message("Ready", **body)
     if where == "wire":
         with pytest.raises(ProtocolError, match=field):
             wire.decode_message(raw)
@@ -180,11 +180,11 @@ def test_a_huge_pull_is_refused_by_size_and_requests_are_bounded(rig, monkeypatc
     x = rig()
     p = x.pa[0]
     p.hold("r", [1, 2])
-    huge = msgpack.packb({"v": 1, "t": "pull", "xid": "x", "req": "r", "dst_rank": 0,
+    huge = msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "Pull", "xid": "x", "req": "r", "dst_rank": 0,
                           "ids": list(range(1 << 22)), "chunk_blocks": 1, "plan": "p"})
     with pytest.raises(ProtocolError, match="bytes is more than"):
         wire.decode_message(huge)
-    too_many = wire.encode_message("pull", xid="x", req="r", dst_rank=0, ids=[1] * (wire.MAX_REQUEST_BLOCKS + 1),
+    too_many = wire.encode_message("Pull", xid="x", req="r", dst_rank=0, ids=[1] * (wire.MAX_REQUEST_BLOCKS + 1),
                                    chunk_blocks=1, plan="p")
     with pytest.raises(ProtocolError, match="MAX_REQUEST_BLOCKS"):
         wire.decode_message(too_many)

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvtriton import wire
 from kvtriton.errors import ProtocolError, StagingError
+from kvtriton.protocol import wire
 from kvtriton.regions import Region
 from kvtriton.staging import StagingPool
 
@@ -62,18 +62,18 @@ def test_bad_metadata_raises_protocol_error(data, match):
 
 
 def test_messages_validate_types():
-    m = wire.decode_message(wire.encode_message("ack", xid="a", chunk=3))
+    m = wire.decode_message(wire.encode_message("Ack", xid="a", chunk=3))
     assert m == wire.Ack(xid="a", chunk=3)
     for raw, match in [
-        (wire.encode_message("launch", xid="a"), "unknown type"),
-        (wire.encode_message("ack", xid="a", chunk="3"), "'chunk' must be int"),
-        (wire.encode_message("ack", xid="a"), "'chunk' must be int"),
-        (wire.encode_message("pull", xid="a", req="r", dst_rank=0, ids=[1, "x"], chunk_blocks=1), "list of ints"),
-        (wire.encode_message("pull", xid="a", req="r", dst_rank=0, ids=[1, True], chunk_blocks=1), "list of ints"),
-        (wire.encode_message("pull", xid="a", req="r", dst_rank=0, ids=[1, 2.0], chunk_blocks=1), "list of ints"),
-        (wire.encode_message("pull", xid="a", req="r", dst_rank=0, ids=[3, -1], chunk_blocks=1), "list of ints"),
-        (wire.encode_message("pull", xid="a", req="r", dst_rank=0, ids=[1 << 48], chunk_blocks=1), "list of ints"),
-        (msgpack.packb({"v": 0, "t": "ack"}), "version"),
+        (wire.encode_message("Launch", xid="a"), "unknown type"),
+        (wire.encode_message("Ack", xid="a", chunk="3"), "'chunk' must be int"),
+        (wire.encode_message("Ack", xid="a"), "'chunk' must be int"),
+        (wire.encode_message("Pull", xid="a", req="r", dst_rank=0, ids=[1, "x"], chunk_blocks=1), "list of ints"),
+        (wire.encode_message("Pull", xid="a", req="r", dst_rank=0, ids=[1, True], chunk_blocks=1), "list of ints"),
+        (wire.encode_message("Pull", xid="a", req="r", dst_rank=0, ids=[1, 2.0], chunk_blocks=1), "list of ints"),
+        (wire.encode_message("Pull", xid="a", req="r", dst_rank=0, ids=[3, -1], chunk_blocks=1), "list of ints"),
+        (wire.encode_message("Pull", xid="a", req="r", dst_rank=0, ids=[1 << 48], chunk_blocks=1), "list of ints"),
+        (msgpack.packb({"v": 0, "t": "Ack"}), "version"),
         (b"\x93", "not valid msgpack"),
     ]:
         with pytest.raises(ProtocolError, match=match):
@@ -109,15 +109,16 @@ def test_every_message_type_round_trips():
     assert {type(m) for m in msgs} == set(wire.MESSAGE_TYPES)
     for m in msgs:
         assert wire.decode_message(m.encode()) == m
-    # the DIRECT runs' done travels as an ack of chunk -1 (the bytes peers already exchange)
-    assert msgpack.unpackb(wire.RunsDone("x").encode()) == {"v": 1, "t": "ack", "xid": "x", "chunk": -1}
+    # every message travels under its class name (protocol version 2), RunsDone as itself
+    assert msgpack.unpackb(wire.RunsDone("x").encode()) == {"v": 2, "t": "RunsDone", "xid": "x"}
+    assert all(wire.decode_message(m.encode()).TYPE == type(m).__name__ for m in msgs)
 
 
 # --------------------------------------------------------------------------- hardening
-@pytest.mark.parametrize("v", [True, 1.0, "1", None, 2])
-def test_version_must_be_the_int_1(v):
+@pytest.mark.parametrize("v", [True, 2.0, "2", None, 1, 3])
+def test_version_must_be_the_int_2(v):
     with pytest.raises(ProtocolError, match="protocol version"):
-        wire.decode_message(msgpack.packb({"v": v, "t": "abort", "xid": "x"}))
+        wire.decode_message(msgpack.packb({"v": v, "t": "Abort", "xid": "x"}))
     with pytest.raises(ProtocolError, match="protocol version"):
         wire.decode_metadata(patched(v=v))
 
@@ -175,7 +176,7 @@ def _invalid_body(t, rng):
     elif typ is str:
         body[name] = "" if how != 4 else "x" * 1025
     else:
-        body = {**body, "v": rng.choice(np.array([True, 1.0, 0, 2, "1"], dtype=object))}
+        body = {**body, "v": rng.choice(np.array([True, 2.0, 0, 1, "2"], dtype=object))}
     return body
 
 
@@ -205,13 +206,10 @@ def test_fuzz_message_decoder():
             m, err = decode(wire.encode_message(t, **body))
             assert err is None, (t, body, err)
             cls = wire._SCHEMA[t][0]
-            if cls is wire.Ack and body["chunk"] == -1:
-                assert m == wire.RunsDone(body["xid"])
-            else:
-                assert m == cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in body.items()})
+            assert m == cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in body.items()})
             continue
         if kind == "invalid":
-            raw = msgpack.packb({"v": 1, "t": t, **_invalid_body(t, rng)}, use_bin_type=True)
+            raw = msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": t, **_invalid_body(t, rng)}, use_bin_type=True)
         elif kind == "truncated":
             full = wire.encode_message(t, **_valid_body(t, rng))
             raw = full[:int(rng.integers(0, len(full)))]

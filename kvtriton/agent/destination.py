@@ -11,7 +11,6 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import wire
 from ..errors import (
     KVTritonError,
     PlanError,
@@ -23,6 +22,7 @@ from ..errors import (
 )
 from ..ops import unpack
 from ..plan import ChunkGeometry, Mode, StagedRead, TokenMap, TransferPlan, ceil_div, compact_request, compact_tokens
+from ..protocol import wire
 from .eager import ids_digest
 from .links import Chunk, Flow, Links, Peer, Settings
 from .one_sided_reads import OneSidedReads

@@ -9,7 +9,6 @@ destination's (:mod:`.destination`), over the links both share (:mod:`.links`).
 from __future__ import annotations
 
 import logging
-
 import threading
 import time
 import uuid
@@ -19,17 +18,17 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from .. import wire
 from ..errors import (
     IncompatibleRemoteError,
     KVTritonError,
-    PlanError,
     PeerDisconnectedError,
+    PlanError,
     ProtocolError,
     RequestRejectedError,
     TransportError,
 )
 from ..plan import CostModel, Mode, TransferPlan, check_compatible, parse_modes
+from ..protocol import wire
 from ..regions import Region
 from ..staging import StagingPool
 from .destination import Destination, RequestResult

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import wire
 from ..errors import KVTritonError, ProtocolError
+from ..protocol import wire
 from .links import Peer
 
 

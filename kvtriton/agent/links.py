@@ -12,9 +12,9 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .. import wire
 from ..errors import PeerDisconnectedError, ProtocolError, TransportError
 from ..plan import CostModel, Mode, TransferPlan, build_plan, direct_runs, parse_modes
+from ..protocol import wire
 from ..regions import Region, RegionSpec
 from ..staging import StagingPool
 from ..transport.nixl import XferStatus

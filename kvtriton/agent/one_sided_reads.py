@@ -6,9 +6,9 @@ source when its cache is no longer read (RunsDone). A mixin of
 
 from __future__ import annotations
 
-from .. import wire
 from ..errors import ProtocolError
 from ..plan import ChunkGeometry, Mode, StagedRead, TransferPlan, choose_way, tile_runs
+from ..protocol import wire
 from .eager import ids_digest
 from .links import Chunk, Flow, Peer
 from .streams import event_done

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import wire
 from ..errors import KVTritonError, ProtocolError
 from ..plan import ChunkGeometry, StagedRead, TokenMap
+from ..protocol import wire
 from .links import Chunk, Flow, Peer, logger
 from .packing import PackJob
 from .streams import event_done

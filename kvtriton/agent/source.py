@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 
-from .. import wire
 from ..errors import KVTritonError, PlanError
 from ..plan import ChunkGeometry, Mode, TokenMap, TransferPlan
+from ..protocol import wire
 from .eager import EagerPacks, ids_digest, suffix_chunks
 from .holds import FreedRequest, Hold, SourceHolds
 from .links import Flow, Links, Peer, Settings

@@ -22,8 +22,8 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from ..errors import KVTritonError
-from ..launch import LaunchConfig
-from ..ops import _resolve_impl, launch_config_for, pack, unpack
+from ..ops import LaunchConfig, launch_config_for, pack, unpack
+from ..ops.launch import _resolve_impl
 from ..plan import StagedRead, TransferPlan
 from .links import Peer, Settings
 

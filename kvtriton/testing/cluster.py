@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..plan import ceil_div
 from .oracle import RegionModel
 
 __all__ = ["ClusterConfig", "Request", "Cluster"]
@@ -98,9 +99,9 @@ def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from .. import wire
     from ..agent import TransferAgent
     from ..errors import KVTritonError
+    from ..protocol import wire
     from .oracle import load_source, load_source_tokens, make_rank_regions, snapshot
 
     tp = cfg.p_tp if role == "P" else cfg.d_tp
@@ -312,7 +313,7 @@ class Cluster:
         of different block sizes) each side gets the blocks that many tokens take."""
         n_src = n_dst = n_blocks
         if num_tokens is not None:
-            n_src, n_dst = -(-num_tokens // self.cfg.block_size), -(-num_tokens // self.cfg.dst_block_size)
+            n_src, n_dst = ceil_div(num_tokens, self.cfg.block_size), ceil_div(num_tokens, self.cfg.dst_block_size)
         if count * n_src > self._free_src.size or count * n_dst > self._free_dst.size:
             raise ValueError(f"{count} x {n_src}/{n_dst} more blocks do not fit the caches ({self._free_src.size} "
                              f"source and {self._free_dst.size} destination blocks left)")

@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..ops.reference import pack_reference, unpack_reference
 from ..plan import build_plan, compact_request, compact_tokens, direct_runs, head_range
-from ..reference import pack_reference, unpack_reference
 from ..regions import Kind, Layout, Region
 
 __all__ = [

@@ -12,8 +12,8 @@ from typing import Sequence
 
 import torch
 
-from .. import wire
 from ..agent import TransferAgent
+from ..protocol import wire
 from .oracle import RegionModel, check_destination, load_source, make_global_kv, make_rank_regions, snapshot
 
 __all__ = ["RogueRig"]

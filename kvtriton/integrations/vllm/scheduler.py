@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ...errors import KVTritonError
+from ...plan import ceil_div
 
 __all__ = ["SchedulerSide", "StepMessages", "LoadSpec", "RemoteSource", "parse_remote_params", "ParamsError"]
 
@@ -171,10 +172,10 @@ class SchedulerSide:
             local = list(blocks.get_block_ids()[0])
             tokens = min(local_tokens + num_external_tokens, len(remote) * source.block_size,
                          len(local) * self.block_size)
-            n_local = -(-tokens // self.block_size)
+            n_local = ceil_div(tokens, self.block_size)
             skip = min(n_local, local_tokens // self.block_size)  # blocks vLLM already has (prefix cache)
             ids = [-1] * skip + local[skip:n_local]
-            self._next.loads[rid] = LoadSpec(rid, source, remote[:-(-tokens // source.block_size)], tuple(ids),
+            self._next.loads[rid] = LoadSpec(rid, source, remote[:ceil_div(tokens, source.block_size)], tuple(ids),
                                              num_tokens=tokens)
             self._loading.add(rid)
         elif num_external_tokens > 0:

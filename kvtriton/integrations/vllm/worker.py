@@ -3,7 +3,7 @@ handshake side channel, and the translation of agent events into vLLM's terms.
 
 * Both roles run the agent's background progress thread, so a prefill rank answers pulls while
   its engine is busy (or idle) and a decode rank's READs and unpacks go on between steps.
-* A prefill rank serves its metadata on ``port + rank`` (:class:`~kvtriton.handshake.MetadataServer`);
+* A prefill rank serves its metadata on ``port + rank`` (:class:`~kvtriton.protocol.handshake.MetadataServer`);
   a caller's metadata goes through the agent's validation gate before anything is prepared.
 * A decode rank meets a prefill engine lazily, on its first load, in a background thread, and only
   the prefill ranks its plan reads from (:func:`~kvtriton.plan.required_source_ranks`). Loads
@@ -29,11 +29,11 @@ from typing import Sequence
 
 import torch
 
-from ... import wire
 from ...agent import TransferAgent
 from ...errors import KVTritonError, PeerDisconnectedError, ProtocolError, RequestRejectedError
-from ...handshake import MetadataServer, exchange_metadata
 from ...plan import CostModel, required_source_ranks
+from ...protocol import wire
+from ...protocol.handshake import MetadataServer, exchange_metadata
 from ...regions import Region
 from .scheduler import LoadSpec, RemoteSource, StepMessages
 from .settings import ConnectorSettings, SettingsError

@@ -30,9 +30,9 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from .errors import KVTritonError, PeerDisconnectedError, ProtocolError, RequestRejectedError
+from ..errors import KVTritonError, PeerDisconnectedError, ProtocolError, RequestRejectedError
 
 __all__ = ["MetadataServer", "exchange_metadata", "MAX_FRAME_BYTES"]
 
@@ -51,7 +51,7 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     while len(buf) < n:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise socket.timeout("deadline passed")
+            raise TimeoutError("deadline passed")
         sock.settimeout(left)
         chunk = sock.recv(min(n - len(buf), 1 << 20))
         if not chunk:
@@ -73,7 +73,7 @@ def _read_frame(sock: socket.socket, deadline: float) -> tuple[int, bytes]:
 def _write_frame(sock: socket.socket, kind: int, payload: bytes, deadline: float) -> None:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise socket.timeout("deadline passed")
+        raise TimeoutError("deadline passed")
     sock.settimeout(left)
     sock.sendall(_HEADER.pack(MAGIC, VERSION, kind, len(payload)) + payload)
 
@@ -106,7 +106,7 @@ class MetadataServer:
         self._thread: threading.Thread | None = None
         self.stats = {"served": 0, "refused": 0, "failed": 0, "turned_away": 0}
 
-    def start(self) -> "MetadataServer":
+    def start(self) -> MetadataServer:
         if self._thread is None:
             self._thread = threading.Thread(target=self._accept_loop, daemon=True,
                                             name=f"kvtriton-handshake:{self.port}")
@@ -117,7 +117,7 @@ class MetadataServer:
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 continue
             except OSError:
                 return  # closed
@@ -159,7 +159,7 @@ class MetadataServer:
             self._thread.join(timeout=2)
             self._thread = None
 
-    def __enter__(self) -> "MetadataServer":
+    def __enter__(self) -> MetadataServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -1,7 +1,7 @@
 """Launch heuristics of the pack/unpack kernels: word width, vector length and tile shape.
 
 Everything here is a pure function of the geometry (no autotuning: a launch is deterministic, and
-the interpreter cannot autotune), so :mod:`kvtriton.ops` calls it per launch and the tests and
+the interpreter cannot autotune), so :mod:`kvtriton.ops.launch` calls it per launch and the tests and
 the benchmark call it directly.
 
 Every dtype moves as integers of one *word* width (:data:`INT_OF_WIDTH`), the widest the
@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from .errors import LaunchError
+from ..errors import LaunchError
+from ..plan import ceil_div
 
 __all__ = ["INT_OF_WIDTH", "LaunchConfig", "alignment", "launch_config", "tile_config", "word_config"]
 
@@ -85,7 +86,7 @@ def tile_config(max_rows: int, max_row_words: int, word_bytes: int, vec: int) ->
     best = None
     bw = widest
     while bw >= vec:
-        cost = -(-rw // bw) * (bw + ITER_OVERHEAD_WORDS)
+        cost = ceil_div(rw, bw) * (bw + ITER_OVERHEAD_WORDS)
         if best is None or cost < best[0]:
             best = (cost, bw)
         bw //= 2

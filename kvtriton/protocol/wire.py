@@ -17,7 +17,20 @@ transfers with the *decode rank's* model, so both sides choose the same modes ev
 own measurements differ.
 
 Control messages ride on NIXL notifications: ``{v, t, ...}``; :func:`decode_message` turns
-each into its own frozen dataclass (:data:`MESSAGE_TYPES`), whose fields are its schema.
+each into its own frozen dataclass (:data:`MESSAGE_TYPES`), whose fields are its schema. The tag
+``t`` of every message is its class name (protocol version 2; version 1 spelled them as lowercase
+words, sent ``RunsReady`` as ``"direct"`` and ``RunsDone`` as an ``ack`` of chunk -1, and is
+refused)::
+
+    decode -> prefill                       prefill -> decode
+    "Pull"      pack this request           "Ready"     a packed chunk: READ it (pull)
+    "Push"      pack and WRITE it to me     "Offer"     packed before any pull (eager)
+    "Grant"     slots for a chunk (push)    "Data"      a chunk landed in the grant (push)
+    "Ack"       a chunk is consumed (pull)  "RunsReady" DIRECT runs held (pull) / written (push)
+    "RunsDone"  DIRECT runs read (pull)     "Reject"    the transfer failed here
+    "Done"      finished with a request
+    "Abort"     drop a transfer
+    "Renew"     keep a hold for a lease
 """
 
 from __future__ import annotations
@@ -27,9 +40,9 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from .errors import ProtocolError
-from .plan import STAGED_LAYOUT_VERSION, CostModel
-from .regions import Kind, Layout, RegionSpec
+from ..errors import ProtocolError
+from ..plan import STAGED_LAYOUT_VERSION, CostModel
+from ..regions import Kind, Layout, RegionSpec
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -59,7 +72,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _MAX_U64 = (1 << 64) - 1
 # The largest request (in blocks, after dropping -1 positions) one fetch or hold may name: 128K
 # blocks is 2M tokens at 16 tokens a block. It bounds what one ``pull`` costs a source's
@@ -239,11 +252,17 @@ def _cost(d: dict) -> CostModel | None:
 # --------------------------------------------------------------------------- control messages
 # Each message type is a frozen dataclass; its annotations are the schema decode_message checks
 # (ints are range-checked again by the receiver, which knows the bounds: slot counts, block
-# counts, chunk counts). ``TYPE`` is the ``t`` it travels under.
+# counts, chunk counts). ``TYPE``, the ``t`` it travels under, is its class name.
+@dataclass(frozen=True)
 class Message:
     """Base of every control message: ``encode()`` gives the bytes a notification carries."""
 
     TYPE: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # the tag is the class name, set in one place so that no message travels under another
+        cls.TYPE = cls.__name__
 
     def encode(self) -> bytes:
         return encode_message(self.TYPE, **vars(self))  # a dataclass: its fields, in order
@@ -254,7 +273,6 @@ class Message:
 class Pull(Message):
     """Pack this request for me; I READ each chunk you announce."""
 
-    TYPE: ClassVar[str] = "pull"
     xid: str
     req: str
     dst_rank: int
@@ -272,7 +290,6 @@ class Pull(Message):
 class Push(Message):
     """Pack this request and WRITE it into the slots I grant, DIRECT runs into ``dst_ids``."""
 
-    TYPE: ClassVar[str] = "push"
     xid: str
     req: str
     dst_rank: int
@@ -288,7 +305,6 @@ class Push(Message):
 class Grant(Message):
     """Push: chunk ``chunk`` may be written into my slots ``[slot, slot + nslots)``."""
 
-    TYPE: ClassVar[str] = "grant"
     xid: str
     chunk: int
     slot: int
@@ -299,28 +315,22 @@ class Grant(Message):
 class Ack(Message):
     """Pull: chunk ``chunk`` is consumed; its slots may be reused."""
 
-    TYPE: ClassVar[str] = "ack"
     xid: str
     chunk: int
 
 
 @dataclass(frozen=True)
 class RunsDone(Message):
-    """Pull: I finished READing the DIRECT runs straight from your cache. Travels as an
-    ``ack`` of chunk -1 (a chunk index no staged chunk has)."""
+    """Pull: I finished READing the DIRECT runs straight from your cache (you may stop holding
+    the blocks for me)."""
 
-    TYPE: ClassVar[str] = "ack"
     xid: str
-
-    def encode(self) -> bytes:
-        return encode_message(self.TYPE, xid=self.xid, chunk=_RUNS_CHUNK)
 
 
 @dataclass(frozen=True)
 class Done(Message):
     """To every prefill rank of the engine: this consumer is finished with the request."""
 
-    TYPE: ClassVar[str] = "done"
     req: str
     dst_rank: int
     dst_tp: int
@@ -330,7 +340,6 @@ class Done(Message):
 class Abort(Message):
     """Drop a transfer's staging (the request failed on the decode side)."""
 
-    TYPE: ClassVar[str] = "abort"
     xid: str
 
 
@@ -340,7 +349,6 @@ class Renew(Message):
     hold for another lease (honoured only from the hold's consumer engine, or a rank holding an
     offer of it while it is unbound)."""
 
-    TYPE: ClassVar[str] = "renew"
     req: str
     dst_rank: int
 
@@ -350,7 +358,6 @@ class Renew(Message):
 class Ready(Message):
     """Pull: chunk ``chunk`` is packed in my slots ``[slot, slot + nslots)``: READ it."""
 
-    TYPE: ClassVar[str] = "ready"
     xid: str
     chunk: int
     slot: int
@@ -363,11 +370,10 @@ class Offer(Message):
     """Pull, before the pull: request ``req`` is packed for you (``num_blocks`` held blocks in
     order, ``ids`` their digest, chunks of ``chunk_blocks`` by plan ``plan``) in my slot runs
     ``slots`` (slot, nslots per chunk). A fetch asking exactly that READs them as transfer
-    ``xid`` (acks as after ``ready``) without sending a pull; a ``reject`` of ``xid`` withdraws it.
-    ``runs`` 1: the plan also reads DIRECT runs from me, and this is their ``runs_ready`` too (I
-    hold the blocks, the engine's writes are done: READ them, then ``runs_done``); 0: none."""
+    ``xid`` (acks as after a ``Ready``) without sending a pull; a ``Reject`` of ``xid`` withdraws it.
+    ``runs`` 1: the plan also reads DIRECT runs from me, and this is their ``RunsReady`` too (I
+    hold the blocks, the engine's writes are done: READ them, then ``RunsDone``); 0: none."""
 
-    TYPE: ClassVar[str] = "offer"
     xid: str
     req: str
     plan: str
@@ -382,7 +388,6 @@ class Offer(Message):
 class Data(Message):
     """Push: chunk ``chunk`` has landed in the granted slots (rides on the WRITE)."""
 
-    TYPE: ClassVar[str] = "data"
     xid: str
     chunk: int
     nbytes: int
@@ -393,7 +398,6 @@ class RunsReady(Message):
     """The DIRECT runs: pull: I hold the blocks, READ them from my cache; push: I have written
     them into yours."""
 
-    TYPE: ClassVar[str] = "direct"
     xid: str
 
 
@@ -401,26 +405,22 @@ class RunsReady(Message):
 class Reject(Message):
     """The transfer failed on my side: fail the request."""
 
-    TYPE: ClassVar[str] = "reject"
     xid: str
     reason: str
 
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (Pull, Push, Grant, Ack, RunsDone, Done, Abort, Renew, Ready, Offer,
                                              Data, RunsReady, Reject)
-_RUNS_CHUNK = -1
-# the least value of an int field (default 0): counts of slots and bytes are >= 1, a tp >= 1, and
-# only an ack's chunk may be -1 (RunsDone); upper bounds are the receiver's (it knows them)
-_MIN_INT = {("ready", "nslots"): 1, ("ready", "nbytes"): 1, ("grant", "nslots"): 1, ("data", "nbytes"): 1,
-            ("done", "dst_tp"): 1, ("ack", "chunk"): _RUNS_CHUNK, ("offer", "num_blocks"): 1,
-            ("offer", "chunk_blocks"): 1}
+# the least value of an int field (default 0): counts of slots and bytes are >= 1, a tp >= 1;
+# upper bounds are the receiver's (it knows them)
+_MIN_INT = {("Ready", "nslots"): 1, ("Ready", "nbytes"): 1, ("Grant", "nslots"): 1, ("Data", "nbytes"): 1,
+            ("Done", "dst_tp"): 1, ("Offer", "num_blocks"): 1, ("Offer", "chunk_blocks"): 1}
 # annotation of a message field -> the type msgpack decodes it to (tuples travel as arrays)
-_WIRE_TYPES = {"str": str, "int": int, "tuple[int, ...]": list}
-# t -> (class, [(field, wire type)]); RunsDone is an Ack of chunk _RUNS_CHUNK on the wire, told
-# apart after decoding
-_SCHEMA: dict[str, tuple[type[Message], list[tuple[str, type]]]] = {
-    cls.TYPE: (cls, [(f.name, _WIRE_TYPES[f.type]) for f in fields(cls)])
-    for cls in MESSAGE_TYPES if cls is not RunsDone
+_WIRE_TYPES: dict[str, type[Any]] = {"str": str, "int": int, "tuple[int, ...]": list}
+# t -> (class, [(field, wire type)]); the annotations are strings (``from __future__ import annotations``)
+_SCHEMA: dict[str, tuple[type[Message], list[tuple[str, type[Any]]]]] = {
+    cls.TYPE: (cls, [(f.name, _WIRE_TYPES[str(f.type)]) for f in fields(cls)])
+    for cls in MESSAGE_TYPES
 }
 
 
@@ -441,12 +441,12 @@ def decode_message(data: bytes) -> Message:
     if not isinstance(t, str) or t not in _SCHEMA:
         raise ProtocolError(f"message: unknown type {t!r:.80}")
     cls, schema = _SCHEMA[t]
-    values = {}
+    values: dict[str, Any] = {}
     for name, typ in schema:
         v = d.get(name)
         if not isinstance(v, typ) or isinstance(v, bool):
             raise ProtocolError(f"message {t!r}: field {name!r} must be {typ.__name__}, got {v!r:.80}")
-        # every int a peer sends is a count, index or size far below 2**48 (an ack's chunk may be -1)
+        # every int a peer sends is a count, index or size far below 2**48
         if typ is int:
             lo = _MIN_INT.get((t, name), 0)
             if not lo <= v < _MAX_MSG_INT:
@@ -462,8 +462,6 @@ def decode_message(data: bytes) -> Message:
         if typ is str and not 0 < len(v) <= _MAX_NAME:
             raise ProtocolError(f"message {t!r}: field {name!r} must be 1..{_MAX_NAME} characters")
         values[name] = v
-    if cls is Ack and values["chunk"] == _RUNS_CHUNK:
-        return RunsDone(values["xid"])
     return cls(**values)
 
 
@@ -485,7 +483,9 @@ def _unpack(data: bytes, what: str) -> dict:
 def _version(d: dict, what: str) -> None:
     v = d.get("v")
     if type(v) is not int or v != PROTOCOL_VERSION:  # True == 1 == 1.0: the type must be int
-        raise ProtocolError(f"{what}: protocol version {v!r} is not supported (expected {PROTOCOL_VERSION})")
+        # a version-1 peer's tags differ (see the module docstring): name it, so the fix is plain
+        older = " (a kvtriton peer of version 1: upgrade it)" if type(v) is int and v == 1 else ""
+        raise ProtocolError(f"{what}: protocol version {v!r} is not supported (expected {PROTOCOL_VERSION}){older}")
 
 
 def _get(d: dict, key: str, typ: type, where: str):

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
 
-from .launch import INT_OF_WIDTH
-from .plan import Segment
-from .regions import Layout, Region, token_parts
+from ..plan import Segment
+from ..regions import Layout, Region, token_parts
+from .heuristics import INT_OF_WIDTH
 
 __all__ = ["pack_reference", "unpack_reference"]
 
@@ -145,7 +145,7 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
 
 
 def _mapped_parts(pack: bool, region: Region, seg: Segment, head: int, cache_dm: int, flat: torch.Tensor, n: int,
-                  m: "_RowMap", groups: list | None, cache_bs: int) -> None:
+                  m: _RowMap, groups: list | None, cache_bs: int) -> None:
     """Token-mapped copy of a segment whose cache or tiles store a dim-major row part
     (``RegionSpec.dim_major``): each row is cut where either side's order changes, and every piece
     moves between element views (a dim-major piece's innermost stride is the block size, so no
@@ -209,7 +209,7 @@ def _widest(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 _MAX_UNIT_GROUPS = 64  # (tile unit, cache unit) pairs worth one gather each; beyond, tokens one by one
 
 
-def _unit_groups(m: "_RowMap", cache_bs: int, bt: int) -> list | None:
+def _unit_groups(m: _RowMap, cache_bs: int, bt: int) -> list | None:
     """The map's whole ``g``-token units grouped by (unit slot in the tile, unit slot in the cache
     block): ``[(s_unit, c_unit, tiles, blocks)]``, so that each group moves as one dim-0 gather;
     ``None`` when there would be more than :data:`_MAX_UNIT_GROUPS` groups (``Bs * Bd / g**2``)."""
@@ -250,7 +250,7 @@ class _RowMap:
     rest_sel: torch.Tensor | None
 
     @classmethod
-    def build(cls, ids: torch.Tensor, tiles: torch.Tensor, num_tokens: int, cache_bs: int, bt: int) -> "_RowMap":
+    def build(cls, ids: torch.Tensor, tiles: torch.Tensor, num_tokens: int, cache_bs: int, bt: int) -> _RowMap:
         tok = (tiles[:, None] * bt + _token_offsets(bt, tiles.device)).reshape(-1)  # request token of each row
         pos = torch.div(tok, cache_bs, rounding_mode="floor")
         ok = (tok < num_tokens) & (pos < ids.numel())
@@ -356,7 +356,7 @@ def _token_rows(view: torch.Tensor) -> torch.Tensor | None:
     return view.as_strided((nb * bs, h * w), (s_tok, 1))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _token_offsets(block_size: int, device: torch.device) -> torch.Tensor:
     return torch.arange(block_size, device=device)
 

@@ -1,0 +1,7 @@
+"""What two ranks say to each other: :mod:`.wire` (handshake metadata and the control messages
+that ride on NIXL notifications: msgpack, versioned, every field validated) and :mod:`.handshake`
+(the TCP side channel that carries the metadata before NIXL can carry anything).
+
+Import the module you need (``from kvtriton.protocol import wire``); this package imports
+neither, so that reading one costs nothing of the other.
+"""
