@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 
 def test_long_rows_one_row_per_metric_with_quantiles():
-    from sweep import long_rows
+    from report import long_rows
 
     rows = [dict(section="e2e", case="c", transport="tcp", bytes=64, method="m", descriptors=3, ms=2.0,
                  ms_p20=1.5, ms_p80=2.5, gbps="", note="")]
@@ -22,12 +22,12 @@ def test_long_rows_one_row_per_metric_with_quantiles():
 
 
 def test_costmodel_summary_line():
-    from costgrid import summary_line
+    from report import summary_line
 
     rows = [dict(ratio=1.0), dict(ratio=1.2), dict(ratio=1.05), dict(transport="tcp", chosen="failed")]
     assert summary_line(rows) == "cost model: chosen/best worst 1.20, median 1.05 over 3 cells"
     assert summary_line([]) == "cost model: no cells ran"
-    from costgrid import noise_line
+    from report import noise_line
 
     rows[1]["miss_beyond_noise"] = "yes"
     assert noise_line(rows).endswith("1 of 3 cells, worst 1.20")
@@ -43,7 +43,8 @@ def test_quantiles_of():
 
 
 def test_costgrid_judge_and_tie_line():
-    from costgrid import judge, tie_line
+    from costgrid import judge
+    from report import tie_line
 
     assert judge({"staged": (4.0, 5.0, 6.0), "direct": (4.5, 5.5, 6.5)}, "staged") == ("staged", 1.0, "hit")
     best, ratio, verdict = judge({"staged": (4.0, 5.0, 6.0), "direct": (3.0, 4.0, 4.5)}, "staged")
