@@ -64,11 +64,73 @@ except ImportError:  # pragma: no cover - bench extra not installed
         return it
 
 
+# --------------------------------------------------------------------------- sections
+# Each runner takes the parsed arguments, the chosen presets and the device, and returns the
+# section's rows, each tagged with its ``section`` (bench/report.py groups the tables by it).
+def _descriptors(args, presets, device) -> list[dict]:
+    return descriptor_rows(tqdm(presets, desc="descriptors"), TP_PAIRS, BLOCK_SIZES, TOKENS)
+
+
+def _kernels(args, presets, device) -> list[dict]:
+    from block_sizes import kernel_rows  # bench/block_sizes.py: block-size changes vs equal sizes
+    from kernel_speed import run_kernel_bench  # bench/kernel_speed.py
+
+    cases = [(p.name, list(p.truncated(4 if args.quick else 8).regions), *_pair(p), 16, TOKENS // 16)
+             for p in presets]
+    rows = [{"section": "kernels", **r} for r in run_kernel_bench(cases, device, args.quick)]
+    return rows + [{"section": "kernels", **r} for r in kernel_rows(device, args.quick)]
+
+
+def _e2e(args, presets, device) -> list[dict]:
+    from block_sizes import e2e_rows  # bench/block_sizes.py
+    from e2e import run_e2e_matrix  # bench/e2e.py
+
+    rows = [{"section": "e2e", **r} for r in run_e2e_matrix(quick=args.quick)]
+    return rows + [{"section": "e2e", **r} for r in e2e_rows(quick=args.quick)]
+
+
+def _costmodel(args, presets, device) -> list[dict]:
+    from costgrid import run_costgrid  # bench/costgrid.py
+
+    # the sweep times block sizes 16 and 128 (96 cells); --full-grid all of 16-128 (192 cells)
+    return [{"section": "costmodel", **r} for r in run_costgrid(quick=not args.full_grid)]
+
+
+def _planning(args, presets, device) -> list[dict]:
+    from planning import planning_rows  # bench/planning.py
+
+    return [{"section": "planning", **r} for r in planning_rows(quick=args.quick)]
+
+
+def _rogue(args, presets, device) -> list[dict]:
+    from rogue import run_rogue_bench  # bench/rogue.py
+
+    return [{"section": "rogue", **r} for r in run_rogue_bench(quick=args.quick)]
+
+
+def _pd_vllm(args, presets, device) -> list[dict]:
+    return pd_vllm_rows(args.quick, args.pd_size)
+
+
+#: section -> (needs NIXL, runner). They run in this order whatever order --sections names them;
+#: a section that needs NIXL is left out when NIXL is not installed.
+SECTIONS = {
+    "descriptors": (False, _descriptors),
+    "kernels": (False, _kernels),
+    "e2e": (True, _e2e),
+    "costmodel": (True, _costmodel),
+    "planning": (False, _planning),
+    "rogue": (True, _rogue),
+    "pd_vllm": (False, _pd_vllm),
+}
+
+
+# --------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     """Run the chosen sections, write sweep.csv, summary.md and descriptors.png, print a table."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller payloads and fewer repetitions")
-    ap.add_argument("--sections", default="descriptors,kernels,e2e,costmodel,planning,rogue,pd_vllm")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--full-grid", action="store_true",
@@ -79,42 +141,12 @@ def main(argv=None) -> int:
     sections = set(args.sections.split(","))
     presets = [PRESETS[p] for p in args.presets.split(",")]
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    have_nixl = importlib.util.find_spec("nixl") is not None
     t0 = time.time()
     rows: list[dict] = []
-    if "descriptors" in sections:
-        rows += descriptor_rows(tqdm(presets, desc="descriptors"), TP_PAIRS, BLOCK_SIZES, TOKENS)
-    if "kernels" in sections:
-        from kernel_speed import run_kernel_bench  # bench/kernel_speed.py
-
-        cases = [(p.name, list(p.truncated(4 if args.quick else 8).regions), *_pair(p), 16, TOKENS // 16)
-                 for p in presets]
-        rows += [{"section": "kernels", **r} for r in run_kernel_bench(cases, device, args.quick)]
-        from block_sizes import kernel_rows  # bench/block_sizes.py: block-size changes vs equal sizes
-
-        rows += [{"section": "kernels", **r} for r in kernel_rows(device, args.quick)]
-    have_nixl = importlib.util.find_spec("nixl") is not None
-    if "e2e" in sections and have_nixl:
-        from e2e import run_e2e_matrix  # bench/e2e.py
-
-        rows += [{"section": "e2e", **r} for r in run_e2e_matrix(quick=args.quick)]
-        from block_sizes import e2e_rows  # bench/block_sizes.py
-
-        rows += [{"section": "e2e", **r} for r in e2e_rows(quick=args.quick)]
-    if "costmodel" in sections and have_nixl:
-        from costgrid import run_costgrid  # bench/costgrid.py
-
-        # the sweep times block sizes 16 and 128 (96 cells); --full-grid all of 16-128 (192 cells)
-        rows += [{"section": "costmodel", **r} for r in run_costgrid(quick=not args.full_grid)]
-    if "planning" in sections:
-        from planning import planning_rows  # bench/planning.py
-
-        rows += [{"section": "planning", **r} for r in planning_rows(quick=args.quick)]
-    if "rogue" in sections and have_nixl:
-        from rogue import run_rogue_bench  # bench/rogue.py
-
-        rows += [{"section": "rogue", **r} for r in run_rogue_bench(quick=args.quick)]
-    if "pd_vllm" in sections:
-        rows += pd_vllm_rows(args.quick, args.pd_size)
+    for name, (needs_nixl, run) in SECTIONS.items():
+        if name in sections and (have_nixl or not needs_nixl):
+            rows += run(args, presets, device)
     meta = dict(
         device=(torch.cuda.get_device_name() if device == "cuda"
                 else f"cpu ({os.cpu_count()} cores, {platform.machine()})"),
