@@ -1,12 +1,15 @@
-"""Descriptor counts of other systems' transfer paths, the baselines our staged counts are set against.
+"""Descriptor counts of the systems kvtriton is measured against (not kvtriton's own planning).
 
-They describe vLLM's NixlConnector and a per-token path, not anything kvtriton does, so they live
-with the benchmarks rather than in the planner (:func:`kvtriton.plan.staged_descriptor_count` is ours).
+These formulas describe what other transfer paths post per decode rank for one request, so the
+sweep can put kvtriton's counts (``kvtriton.plan.staged_descriptor_count`` and the DIRECT runs)
+beside them. They live in bench/ because the planner never plans these paths; they are the
+baselines of docs/results.md and of the ``descriptors`` section of ``bench/sweep.py``.
+Pure arithmetic: importable as ``bench.baselines`` (tests) and as ``baselines`` (bench scripts).
 """
 
 from __future__ import annotations
 
-__all__ = ["vllm_direct_descriptor_count", "per_token_descriptor_count"]
+__all__ = ["per_token_descriptor_count", "vllm_direct_descriptor_count"]
 
 
 def vllm_direct_descriptor_count(num_sources: int, num_layers: int, num_blocks: int, kv_streams: int = 1) -> int:

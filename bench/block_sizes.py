@@ -268,7 +268,8 @@ def e2e_rows(quick: bool = False, layers: int | None = None) -> list[dict]:
     _ratios(rows, "ms")
     for r in rows:
         r["note"] = (f"{r['vs_equal_blocks']}x the time of equal blocks ({r['dst_block']}->{r['dst_block']}), "
-                     "checked per token" if "vs_equal_blocks" in r else "baseline: equal block sizes, checked per token")
+                     "checked per token" if "vs_equal_blocks" in r
+                     else "baseline: equal block sizes, checked per token")
     return rows
 
 
@@ -302,9 +303,10 @@ def cpu_cache_rows(quick: bool = False, layers: int = 4) -> list[dict]:
                 n, kw = p_ids.size, {}
             staging = torch.zeros(read.payload_bytes(n), dtype=torch.uint8)
             offs = read.segment_offsets(n)
-            fns = {"pack": lambda src=src, read=read, offs=offs, p=torch.as_tensor(p_ids), st=staging, kw=kw:
+            # defaults bind this iteration's tensors (the lambdas are timed after the loop)
+            fns = {"pack": lambda src=src, read=read, offs=offs, p=torch.as_tensor(p_ids), st=staging, kw=kw:  # noqa: B008
                    ops.pack(src, read.segments, offs, p, st, impl="torch", **kw),
-                   "unpack": lambda dst=dst, read=read, offs=offs, u=torch.as_tensor(u_ids), st=staging, kw=kw:
+                   "unpack": lambda dst=dst, read=read, offs=offs, u=torch.as_tensor(u_ids), st=staging, kw=kw:  # noqa: B008
                    ops.unpack(dst, read.segments, offs, u, st, impl="torch", **kw)}
             cases.append((what, bs, bd, fns, staging.numel()))
     times = {(w, bs, bd, op): [] for w, bs, bd, f, _ in cases for op in f}

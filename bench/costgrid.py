@@ -12,9 +12,10 @@ timed mode is checked byte for byte once against the global-head oracle.
 Runs of the modes are interleaved round by round (load bursts on a shared machine hit all alike)
 and each mode rotates over :data:`CONNECTIONS` warmed agent pairs; a cell whose two fastest modes
 still overlap after the base rounds gets as many again (:func:`sample_interleaved`). Each cell is
-judged a hit, a tie (spreads overlap) or a miss (:func:`judge`). Geometry: GQA, head_dim 128, bf16, 2,048 tokens, ``8 // heads`` layers, so a decode rank receives
-8 MiB in every cell; source and destination use the same layout (NHD or HND); block ids are a
-random permutation (no runs to coalesce: the case the per-block model describes).
+judged a hit, a tie (spreads overlap) or a miss (:func:`judge`). Geometry: GQA, head_dim 128, bf16,
+2,048 tokens, ``8 // heads`` layers, so a decode rank receives 8 MiB in every cell; source and
+destination use the same layout (NHD or HND); block ids are a random permutation (no runs to
+coalesce: the case the per-block model describes).
 
 The modes are STAGED, DIRECT and the one-sided READ_UNPACK (P > D: a source rank's block is
 the tile) and PACK_PLACE (D > P: the decode rank's block is the tile), each timed where the
@@ -40,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import summary_line  # noqa: E402  bench/report.py
 from timing import qfields, quantiles_ms, quantiles_of  # noqa: E402  bench/timing.py
 
 PAIRS = [(2, 4), (4, 2), (2, 2)]
@@ -272,32 +274,6 @@ def judge(times: dict[str, tuple[float, float, float]], chosen: str) -> tuple[st
     if best == chosen:
         return best, ratio, "hit"
     return best, ratio, ("miss" if times[chosen][0] > times[best][2] else "tie")
-
-
-def tie_line(rows: list[dict]) -> str:
-    """The summary with ties (see :func:`judge`) counted as 1.00; misses keep their ratio."""
-    r = [x for x in rows if "ratio" in x]
-    if not r:
-        return "cost model, ties as 1.00: no cells ran"
-    adj = [1.0 if x.get("verdict") == "tie" else x["ratio"] for x in r]
-    ties = sum(x.get("verdict") == "tie" for x in r)
-    return (f"cost model, ties (p20-p80 spreads overlap) counted 1.00: chosen/best worst {max(adj):.2f}, "
-            f"median {float(np.median(adj)):.2f} over {len(r)} cells ({ties} ties)")
-
-
-def noise_line(rows: list[dict]) -> str:
-    r = [x for x in rows if "ratio" in x]
-    k = [x for x in r if x.get("miss_beyond_noise") == "yes"]
-    worst = max((x["ratio"] for x in k), default=1.0)
-    return (f"misses beyond noise (chosen mode's p20 above the best mode's p80): {len(k)} of {len(r)} cells"
-            + (f", worst {worst:.2f}" if k else ""))
-
-
-def summary_line(rows: list[dict]) -> str:
-    r = [x["ratio"] for x in rows if "ratio" in x]
-    if not r:
-        return "cost model: no cells ran"
-    return f"cost model: chosen/best worst {max(r):.2f}, median {float(np.median(r)):.2f} over {len(r)} cells"
 
 
 def main() -> None:

@@ -39,9 +39,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import time
-
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -316,7 +315,8 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         size = h_read * kv_bytes
         l_rows = [descs(joint[i].data_ptr() + dst_ids * dst_heads * kv_bytes + k * size, size)
                   for k in range(len(ranks)) for i in range(layers)]
-        r_rows = [descs(info["joint"][r][i] + src_ids * src_heads * kv_bytes, size) for r in ranks for i in range(layers)]
+        r_rows = [descs(info["joint"][r][i] + src_ids * src_heads * kv_bytes, size)
+                  for r in ranks for i in range(layers)]
         p_l, p_r, pidx = prep(l_rows, r_rows)
         clear()
         timed["packed"] = lambda: post_and_wait("READ", p_l, pidx, p_r, pidx)
@@ -340,7 +340,6 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         # -- per-token reads from the NHD cache: 256 B rows of head 0
         token_q = None
         if per_token:
-            row = HEAD_DIM * 2 * h_read  # a token's heads from one source rank (NHD: contiguous)
             tok = np.arange(BLOCK)
             r_rows, l_rows = [], []
             for k, r in enumerate(ranks):
@@ -372,7 +371,8 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
 
         # -- kvtriton staged, end to end through the agents, per variant
         counter = [0]
-        title = f"llama3-70b-like ({layers} layers) P{p_tp}->D{d_tp} block 16, NHD source, {tokens} tokens, {ids} block ids"
+        title = (f"llama3-70b-like ({layers} layers) P{p_tp}->D{d_tp} block 16, NHD source, {tokens} tokens, "
+                 f"{ids} block ids")
         common = dict(case=title, pair=case, transport=transport or _transport_label(),
                       host="busy" if busy else "idle", bytes=payload, ids=ids)
         ndescs = [[0] for _ in variants]
@@ -386,7 +386,8 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
                              bool(eager)))
                 held[i] = dict(parent.recv(), req=req)
                 if eager and way != "read_unpack" and held[i]["packed"] < chunks * len(ranks):
-                    raise AssertionError(f"eager {way}: {held[i]['packed']} of {chunks * len(ranks)} chunks packed at hold time")
+                    raise AssertionError(f"eager {way}: {held[i]['packed']} of {chunks * len(ranks)} chunks "
+                                         "packed at hold time")
                 end = time.monotonic() + 30
                 while eager and _offers(agent, req) < len(ranks) and time.monotonic() < end:
                     agent.progress()  # the decode has the offer before it fetches

@@ -13,7 +13,10 @@ decode engine computed (from its scheduler's own outputs: 1 per request when the
 
 The last line is always::
 
-    pd_vllm: <connector>: <ok>/<n> requests token-identical to one engine; prompt tokens recomputed on decode: <r>; P<p>->D<d>
+    pd_vllm: <connector>: <ok>/<n> requests token-identical to one engine; prompt tokens recomputed on
+    decode: <r>; P<p>->D<d>
+
+(one line; wrapped here)
 
 Run from the repository root with kvtriton's venv (the engines use ``.venv-vllm``)::
 
@@ -39,6 +42,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from report import fmt_ms, median_known, pd_vllm_table  # noqa: E402  bench/report.py
 
 from kvtriton.testing.vllm_bed import EngineProcess, TinyLlama, engine_cpus, free_port_range  # noqa: E402
 
@@ -147,13 +152,16 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
                    # request submitted -> the scheduler learned its KV is in
                    "kv_ready_ms": ms(loaded["scheduler_s"]),
                    # None: the connector's counters saw no load for it (not measured, not zero)
-                   "descriptors": after["descriptors"] - before["descriptors"] if after["loads"] > before["loads"] else None,
+                   "descriptors": (after["descriptors"] - before["descriptors"]
+                                   if after["loads"] > before["loads"] else None),
                    "kv_bytes": after["bytes"] - before["bytes"], "prompt_computed": out["prompt_computed"],
                    "identical": out["tokens"] == ref[i - first]["tokens"]}
             rows.append(row)
-            say(f"  request {i}{' (warm-up)' if i < 0 else ''}: {row['prompt_tokens']} tokens ({row['blocks']} blocks), "
-                f"KV loaded in {_fmt_ms(row['kv_loaded_ms'])} ms (ready at scheduler {_fmt_ms(row['kv_ready_ms'])} ms), "
-                f"time to first decode token {row['ttft_ms']:.1f} ms, descriptors {row['descriptors'] if row['descriptors'] is not None else 'n/a'}, "
+            desc = row["descriptors"] if row["descriptors"] is not None else "n/a"
+            say(f"  request {i}{' (warm-up)' if i < 0 else ''}: {row['prompt_tokens']} tokens "
+                f"({row['blocks']} blocks), KV loaded in {fmt_ms(row['kv_loaded_ms'])} ms "
+                f"(ready at scheduler {fmt_ms(row['kv_ready_ms'])} ms), "
+                f"time to first decode token {row['ttft_ms']:.1f} ms, descriptors {desc}, "
                 f"prompt tokens computed "
                 f"{row['prompt_computed']}, {'identical' if row['identical'] else 'DIFFERENT'}")
     finally:
@@ -170,7 +178,7 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     timed = [r for r in rows if r["request"] >= 0]
     return {"rows": rows, "ok": ok, "n": len(rows), "recomputed": recomputed,
             "ttft_ms_median": statistics.median(r["ttft_ms"] for r in timed) if timed else None,
-            "kv_loaded_ms_median": _median([r["kv_loaded_ms"] for r in timed]),
+            "kv_loaded_ms_median": median_known([r["kv_loaded_ms"] for r in timed]),
             "summary": f"pd_vllm: {connector}: {ok}/{len(rows)} requests token-identical to one engine; "
                        f"prompt tokens recomputed on decode: {recomputed}; P{prefill_tp}->D{decode_tp}"}
 
@@ -188,15 +196,6 @@ def _start_profilers(folder: str, tag: str, engines: dict) -> list[subprocess.Po
              for name, e in engines.items()]
     time.sleep(2.0)  # py-spy attaches before the first measured request
     return procs
-
-
-def _median(values):
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
-
-
-def _fmt_ms(v) -> str:
-    return "n/a" if v is None else f"{v:.1f}"
 
 
 PAIRS = ((2, 1), (1, 2))
@@ -218,35 +217,6 @@ def compare(pairs=PAIRS, *, say=print, **kw) -> list[dict]:
             say(res["summary"])
             out.append({"connector": connector, "prefill_tp": p_tp, "decode_tp": d_tp, **res})
     return out
-
-
-def comparison_table(results: list[dict]) -> list[str]:
-    """Markdown rows: per pair and connector, medians over the measured requests (warm-up left
-    out, shown on its own), and ours/theirs for time to KV loaded and time to first decode token."""
-    lines = ["| P->D | connector | requests identical | KV loaded (ms) | KV ready at scheduler (ms) "
-             "| first decode token (ms) | warm-up KV loaded (ms) | descriptors per request | ours/theirs KV loaded "
-             "| ours/theirs first token |", "|---|---|---|---|---|---|---|---|---|---|"]
-    by = {(r["prefill_tp"], r["decode_tp"], r["connector"]): r for r in results}
-    for (p, d, c), r in by.items():
-        timed = [x for x in r["rows"] if x["request"] >= 0]
-        warm = [x for x in r["rows"] if x["request"] < 0]
-        if not timed:
-            lines.append(f"| {p}->{d} | {c} | failed: {r.get('error', '')[:80]} ||||||||")
-            continue
-        med = lambda k, rows=timed: _median([x[k] for x in rows])  # noqa: E731
-        ratio_kv = ratio_tt = ""
-        theirs = by.get((p, d, "nixl"))
-        if c == "kvtriton" and theirs and [x for x in theirs["rows"] if x["request"] >= 0]:
-            t_rows = [x for x in theirs["rows"] if x["request"] >= 0]
-            a, b = med("kv_loaded_ms"), _median([x["kv_loaded_ms"] for x in t_rows])
-            ratio_kv = f"{a / b:.2f}" if a and b else "n/a"
-            ratio_tt = f"{med('ttft_ms') / _median([x['ttft_ms'] for x in t_rows]):.2f}"
-        desc = _median([x["descriptors"] for x in timed])
-        lines.append(f"| {p}->{d} | {c} | {r['ok']}/{r['n']} | {_fmt_ms(med('kv_loaded_ms'))} | "
-                     f"{_fmt_ms(med('kv_ready_ms'))} | {_fmt_ms(med('ttft_ms'))} | "
-                     f"{_fmt_ms(warm[0]['kv_loaded_ms']) if warm else 'n/a'} | "
-                     f"{'n/a' if desc is None else int(desc)} | {ratio_kv} | {ratio_tt} |")
-    return lines
 
 
 def main(argv=None) -> int:
@@ -281,7 +251,7 @@ def main(argv=None) -> int:
         results = compare(pairs, **kw, say=lambda *a: print(*a, flush=True))
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
-        print("\n".join(comparison_table(results)))
+        print("\n".join(pd_vllm_table(results)))
         for r in results:
             print(r["summary"])
         return 0 if all(r["n"] and r["ok"] == r["n"] and r["recomputed"] == 0 for r in results) else 1

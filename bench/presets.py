@@ -1,12 +1,14 @@
-"""Model presets and TP pairs of the sweep (KV geometry only; numbers from the public configs)."""
+"""Model presets, TP pairs and block-id patterns of the sweep (KV geometry only; numbers from the
+public configs). Every benchmark that needs a model or a request shape takes it from here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kvtriton.plan import head_range
+from kvtriton.plan import ceil_div, head_range
 from kvtriton.regions import Kind, Layout, Region, RegionSpec
 from kvtriton.testing.oracle import RegionModel
 
@@ -24,7 +26,7 @@ class Preset:
     def replicate_layers(self) -> int:
         return len(self.regions) - self.split_layers
 
-    def truncated(self, layers: int) -> "Preset":
+    def truncated(self, layers: int) -> Preset:
         """The first ``layers`` regions plus the first region of any kind they lack, so a mixed
         cache stays mixed (timing runs must fit a small machine)."""
         head = list(self.regions[:layers])
@@ -78,3 +80,11 @@ PRESETS = {
 TP_PAIRS = [(1, 2), (2, 1), (4, 8), (8, 4), (2, 3), (8, 16)]
 BLOCK_SIZES = [16, 64]
 TOKENS = 8192
+
+
+def fragmented_block_ids(n: int, num_blocks: int, run: int, seed: int) -> np.ndarray:
+    """Block ids as a paged allocator hands them out after some churn: runs of ``run``
+    consecutive blocks at shuffled places."""
+    rng = np.random.default_rng(seed)
+    starts = rng.permutation(num_blocks // run)[: ceil_div(n, run)] * run
+    return (starts[:, None] + np.arange(run)[None, :]).reshape(-1)[:n]

@@ -29,13 +29,13 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import torch
+from report import rogue_summary  # bench/report.py
 
 from kvtriton.agent import TransferAgent
 from kvtriton.protocol import wire
 from kvtriton.testing.oracle import (
     RegionModel,
     check_destination,
-    concat_global_kv,
     load_source,
     make_global_kv,
     make_rank_regions,
@@ -312,7 +312,8 @@ def load_run(with_rogue: bool, n_requests: int = 256, blocks: int = 4, seed: int
         return dict(rogue=with_rogue, requests=n_requests, decode_ranks=4, fetches=4 * n_requests,
                     completed=ok, lost=4 * n_requests - ok, ranks_with_wrong_bytes=wrong, seconds=round(wall, 2),
                     requests_per_s=round(n_requests / wall, 1),
-                    p_refused=sum(p.stats["refused"] for p in pa), p_bad_messages=sum(p.stats["bad_messages"] for p in pa))
+                    p_refused=sum(p.stats["refused"] for p in pa),
+                    p_bad_messages=sum(p.stats["bad_messages"] for p in pa))
     finally:
         for a in agents + ([rogue] if rogue else []):
             a.close()
@@ -342,40 +343,13 @@ def run_rogue_bench(quick: bool = False) -> list[dict]:
     return rows
 
 
-def summary_lines(rows: list[dict]) -> list[str]:
-    sc = [r for r in rows if r["part"] == "scenario"]
-    load = [r for r in rows if r["part"] == "load"]
-    lines = ["## Rogue peer (bench/rogue.py)", "",
-             "A rogue engine with a genuine handshake attacks while an honest TP2->TP1 request (24 blocks through "
-             "an 8-slot prefill pool) runs, over real NIXL in one process. Outside bytes: decode bytes outside the "
-             "request's blocks plus any prefill byte; leaked: staging slots still taken on the honest agents after "
-             "settling (3 x timeout).", "",
-             f"Scenarios tried: {len(sc)}; honest requests completed byte-exact: {sum(r['honest_ok'] for r in sc)}/"
-             f"{len(sc)}; outside bytes changed: {sum(r['outside_bytes_changed'] for r in sc)}; staging leaked: "
-             f"{sum(r['staging_leaked_slots'] for r in sc)} slots.", "",
-             "| scenario | honest ok | outside bytes changed | staging leaked | longest progress() (ms) | bad messages | refused |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['scenario']} | {r['honest_ok']} | {r['outside_bytes_changed']} | {r['staging_leaked_slots']} | "
-              f"{r['max_progress_ms']} | {r['bad_messages']} | {r['refused']} |" for r in sc]
-    if load:
-        lines += ["", "Load: every request fetched by all 4 ranks of a TP4 decode engine from a TP2 prefill engine at "
-                  "once (two runs each, the faster kept; lost and wrong bytes summed over both); with the rogue, it first pins its share of staging (32 of 64 slots per prefill rank), then keeps pulling, forges done/renew/abort/pull for honest "
-                  "requests all along. Every byte of every decode cache is checked.", "",
-                  "| rogue | requests | fetches | completed | lost | ranks with wrong bytes | seconds | requests/s | "
-                  "slowdown |", "|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['rogue']} | {r['requests']} | {r['fetches']} | {r['completed']} | {r['lost']} | "
-                  f"{r['ranks_with_wrong_bytes']} | {r['seconds']} | {r['requests_per_s']} | "
-                  f"{r['slowdown_vs_no_rogue']} |" for r in load]
-    return lines + [""]
-
-
 def main() -> int:
     t0 = time.time()
     rows = run_rogue_bench()
     out = HERE / "results" / "rogue.md"
     out.write_text("\n".join(["# kvtriton rogue-peer stress", "",
                               f"Reproduce: `.venv/bin/python bench/rogue.py` ({time.time() - t0:.0f} s, "
-                              f"cpu, torch {torch.__version__}).", ""] + summary_lines(rows)))
+                              f"cpu, torch {torch.__version__}).", ""] + rogue_summary(rows)))
     print(f"wrote {out}")
     sc = [r for r in rows if r["part"] == "scenario"]
     load = [r for r in rows if r["part"] == "load"]

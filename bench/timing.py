@@ -9,7 +9,7 @@ this 2-core machine is shared, and one median hides whether a ratio held across 
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

@@ -54,7 +54,7 @@ class Source:
         self.files = files  # relpath -> () -> bytes
 
     @classmethod
-    def from_wheels(cls, wheels: list[Path]) -> "Source":
+    def from_wheels(cls, wheels: list[Path]) -> Source:
         files = {}
         for w in wheels:
             z = zipfile.ZipFile(w)
@@ -64,7 +64,7 @@ class Source:
         return cls(files)
 
     @classmethod
-    def from_site(cls, site: Path) -> "Source":
+    def from_site(cls, site: Path) -> Source:
         files = {}
         for top in site.iterdir():
             if top.name.startswith(("nixl", ".nixl")):

@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 
 def test_long_rows_one_row_per_metric_with_quantiles():
-    from sweep import long_rows
+    from report import long_rows
 
     rows = [dict(section="e2e", case="c", transport="tcp", bytes=64, method="m", descriptors=3, ms=2.0,
                  ms_p20=1.5, ms_p80=2.5, gbps="", note="")]
@@ -22,12 +22,12 @@ def test_long_rows_one_row_per_metric_with_quantiles():
 
 
 def test_costmodel_summary_line():
-    from costgrid import summary_line
+    from report import summary_line
 
     rows = [dict(ratio=1.0), dict(ratio=1.2), dict(ratio=1.05), dict(transport="tcp", chosen="failed")]
     assert summary_line(rows) == "cost model: chosen/best worst 1.20, median 1.05 over 3 cells"
     assert summary_line([]) == "cost model: no cells ran"
-    from costgrid import noise_line
+    from report import noise_line
 
     rows[1]["miss_beyond_noise"] = "yes"
     assert noise_line(rows).endswith("1 of 3 cells, worst 1.20")
@@ -43,7 +43,8 @@ def test_quantiles_of():
 
 
 def test_costgrid_judge_and_tie_line():
-    from costgrid import judge, tie_line
+    from costgrid import judge
+    from report import tie_line
 
     assert judge({"staged": (4.0, 5.0, 6.0), "direct": (4.5, 5.5, 6.5)}, "staged") == ("staged", 1.0, "hit")
     best, ratio, verdict = judge({"staged": (4.0, 5.0, 6.0), "direct": (3.0, 4.0, 4.5)}, "staged")
@@ -77,3 +78,25 @@ def test_costgrid_sampling_alternates_and_extends_only_close_calls(monkeypatch):
     rot = []
     costgrid.sample_interleaved({"a": [lambda: rot.append(0) or 1.0, lambda: rot.append(1) or 1.0]}, reps=4)
     assert rot == [0, 1, 0, 1]  # a mode's runs rotate over its connections
+
+
+def test_summary_writes_one_table_per_section_that_ran(tmp_path):
+    """bench/report.py formats rows only: the outputs exist and each section that ran has its heading."""
+    from report import write_outputs
+
+    rows = [dict(section="descriptors", preset="p", p_tp=4, d_tp=8, block_size=16, tokens=8192, kvtriton=1,
+                 kvtriton_staged=1, kvtriton_direct=0, kvtriton_staged_chunked=6, vllm_kv_packed=40960,
+                 vllm_kv_separate=81920, per_token=1310720, vllm_packed_per_kvtriton=40960,
+                 vllm_separate_per_kvtriton=81920),
+            dict(section="planning", preset="p", p_tp=4, d_tp=8, us=9.0, us_p20=8.0, us_p80=10.0),
+            dict(section="rogue", part="scenario", scenario="flood", honest_ok=True, outside_bytes_changed=0,
+                 staging_leaked_slots=0, max_progress_ms=10, bad_messages=3, refused=1)]
+    meta = dict(device="cpu", torch="t", git_sha="g", timestamp="ts", command="python bench/sweep.py")
+    write_outputs(rows, tmp_path, meta)
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("# kvtriton sweep (cpu, ts)") and "`python bench/sweep.py`" in summary
+    for heading in ("## Descriptors per decode rank", "## Planning cost per request", "## Rogue peer"):
+        assert heading in summary
+    assert "| p | 4->8 | 16 | 1 |" in summary and "9.0 [8.0-10.0]" in summary
+    assert "## Cost model" not in summary and "end to end" not in summary  # sections that did not run
+    assert (tmp_path / "sweep.csv").read_text().startswith("section,")

@@ -1,4 +1,4 @@
-"""The examples users copy from the README and the agent's docstring must run as written."""
+"""The examples users copy from the README, docs/*.md and the agent's docstring must run as written."""
 
 import re
 import textwrap
@@ -10,6 +10,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+
+
+def _runnable(page: Path) -> list[str]:
+    """The page's python blocks, less those marked ``# sketch`` (shown, not run)."""
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    return [code for code in blocks if not code.startswith("# sketch")]
+
+
 def test_readme_python_examples_run():
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert blocks
@@ -17,6 +26,17 @@ def test_readme_python_examples_run():
     assert runnable
     for code in runnable:
         exec(compile(code, "README.md", "exec"), {})
+
+
+def test_docs_pages_exist():
+    assert {p.name for p in DOCS} >= {"design.md", "vllm.md", "results.md", "operations.md"}
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
+def test_docs_python_examples_run(page):
+    """Every runnable python block of docs/*.md runs as written (pages without one pass)."""
+    for code in _runnable(page):
+        exec(compile(code, f"docs/{page.name}", "exec"), {})
 
 
 @pytest.mark.nixl

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tarfile
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest

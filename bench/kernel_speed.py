@@ -14,15 +14,15 @@ written) / time for:
 * ``copy``: a plain device copy of as many bytes (the roofline; ``pct_of_copy`` is relative to it).
 
 Every row has p20/p50/p80 (``ms`` is the median): on CUDA ``triton.testing.do_bench`` quantiles,
-on CPU the torch rows are ``time.perf_counter`` samples; Triton only runs under the interpreter, so its rows come from one
-tiny case (2 blocks) and are labelled "interpreter: not a speed measurement" (without
+on CPU the torch rows are ``time.perf_counter`` samples; Triton only runs under the interpreter, so
+its rows come from one tiny case (2 blocks) and are labelled "interpreter: not a speed measurement" (without
 ``TRITON_INTERPRET=1`` they are skipped and one row says so).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -333,7 +333,8 @@ def run_kernel_bench(cases: Sequence[Case], device: str, quick: bool) -> list[di
 
 
 if __name__ == "__main__":
-    # python bench/kernels.py [preset]: the batched-pack rows alone (the sweep's kernels section has them too)
+    # python bench/kernel_speed.py [preset]: the batched-pack rows alone (the sweep's kernels section has
+    # them too)
     import sys
 
     from presets import PRESETS  # bench/presets.py

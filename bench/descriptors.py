@@ -1,0 +1,71 @@
+"""Descriptors per decode rank for one request: kvtriton's plan against other systems' reads.
+
+Pure planning, no data: for every preset x TP pair x block size, the plan of every decode rank is
+built from region specs (meta tensors), a request of ``TOKENS`` tokens is laid out in fragmented
+block ids (runs of 8), and the worst decode rank's counts are kept: kvtriton staged (one per
+source->destination pair, unchunked and in 64 MiB chunks) plus its coalesced DIRECT runs, against
+vLLM-style direct head-slice reads (K||V packed, and K/V separate) and per-token slices
+(bench/baselines.py). The sweep's ``descriptors`` section; ``python bench/descriptors.py`` prints it.
+"""
+
+from __future__ import annotations
+
+from baselines import per_token_descriptor_count, vllm_direct_descriptor_count  # bench/baselines.py
+from presets import fragmented_block_ids, specs_for  # bench/presets.py
+
+from kvtriton.errors import KVTritonError
+from kvtriton.plan import build_plan, compact_request, direct_runs, staged_descriptor_count
+
+CHUNK_BYTES = 64 << 20  # the default staging chunk the "chunked" column assumes
+
+
+def descriptor_rows(presets, pairs, block_sizes, tokens) -> list[dict]:
+    """One row per (preset, TP pair, block size): the worst decode rank's counts, kvtriton's and the
+    baselines', and their ratios; a pair the planner refuses gets a ``note`` instead."""
+    rows = []
+    for preset in presets:
+        for bs in block_sizes:
+            n = tokens // bs
+            num_blocks = 4 * n
+            src_ids = fragmented_block_ids(n, num_blocks, 8, seed=1)
+            dst_ids = fragmented_block_ids(n, num_blocks, 8, seed=2)
+            for p_tp, d_tp in pairs:
+                row = dict(section="descriptors", preset=preset.name, p_tp=p_tp, d_tp=d_tp,
+                           block_size=bs, tokens=tokens)
+                try:
+                    src = specs_for(preset, 0, p_tp, num_blocks, bs)
+                    worst = None
+                    for d in range(d_tp):
+                        dst = specs_for(preset, d, d_tp, num_blocks, bs)
+                        plan = build_plan(d, d_tp, dst, p_tp, src)
+                        s, t = compact_request(src_ids, dst_ids, num_blocks, num_blocks)
+                        runs = direct_runs(plan, src, dst, s, t)
+                        k = max(1, len({x.src_rank for x in plan.staged}))
+                        counts = dict(
+                            kvtriton_staged=staged_descriptor_count(plan, n),
+                            kvtriton_direct=len(runs),
+                            kvtriton_staged_chunked=staged_descriptor_count(plan, n, CHUNK_BYTES),
+                            vllm_kv_packed=vllm_direct_descriptor_count(k, preset.split_layers, n)
+                            + vllm_direct_descriptor_count(1, preset.replicate_layers, n),
+                            vllm_kv_separate=vllm_direct_descriptor_count(k, preset.split_layers, n, 2)
+                            + vllm_direct_descriptor_count(1, preset.replicate_layers, n),
+                            per_token=per_token_descriptor_count(k, preset.split_layers, tokens)
+                            + vllm_direct_descriptor_count(1, preset.replicate_layers, n),
+                        )
+                        counts["kvtriton"] = counts["kvtriton_staged"] + counts["kvtriton_direct"]
+                        if worst is None or counts["kvtriton"] > worst["kvtriton"]:
+                            worst = counts
+                    row.update(worst)
+                    row["vllm_packed_per_kvtriton"] = round(worst["vllm_kv_packed"] / max(1, worst["kvtriton"]))
+                    row["vllm_separate_per_kvtriton"] = round(worst["vllm_kv_separate"] / max(1, worst["kvtriton"]))
+                except KVTritonError as e:
+                    row["note"] = f"skipped: {e}"
+                rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    from presets import BLOCK_SIZES, PRESETS, TOKENS, TP_PAIRS  # bench/presets.py
+    from report import print_table  # bench/report.py
+
+    print_table(descriptor_rows(PRESETS.values(), TP_PAIRS, BLOCK_SIZES, TOKENS))

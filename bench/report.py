@@ -1,0 +1,409 @@
+"""The sweep's outputs: long-form ``sweep.csv``, ``summary.md`` (one table per section) and
+``descriptors.png``, plus the tables and summary lines the benchmarks print on their own.
+
+Every bench file measures and returns rows (dicts); this module only formats them, so it imports
+no benchmark and no bench sibling (a leaf: ``sweep.py`` and the benchmarks import it, never the
+other way round). Row conventions (see ``timing.qfields``): a timed quantity ``x`` is the median,
+with ``x_p20``/``x_p80`` beside it; ``section`` names the sweep section a row came from.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+# --------------------------------------------------------------------------- sweep.csv (long form)
+# Numeric keys that describe a row rather than measure something (they stay columns of every
+# long-form row); every other number is a metric, with ``<metric>_p20``/``_p80`` beside it when
+# it was timed.
+PARAM_KEYS = {"p_tp", "d_tp", "block_size", "tokens", "bytes", "heads_per_rank", "prefill_tp", "decode_tp",
+              "blocks", "layers", "request", "bytes_per_descriptor"}
+UNITS = {"ms": "ms", "us": "us", "gbps": "GB/s", "pct_of_copy": "%", "ratio": "x"}
+
+
+def long_rows(rows: list[dict]) -> list[dict]:
+    """Wide in-memory rows -> one row per (row, metric) with p20/p50/p80."""
+    out = []
+    for r in rows:
+        ids = {k: v for k, v in r.items() if _is_param(k, v) and v is not None}
+        for k, v in r.items():
+            if _is_param(k, v) or k.endswith(("_p20", "_p80")) or v is None or v == "":
+                continue
+            out.append(dict(ids, metric=k, unit=_unit(k), p20=r.get(f"{k}_p20", v), p50=v, p80=r.get(f"{k}_p80", v)))
+    return out
+
+
+def _is_param(k, v) -> bool:
+    return k in PARAM_KEYS or (isinstance(v, (str, bool)) and v != "")
+
+
+def _unit(metric: str) -> str:
+    for suffix, unit in UNITS.items():
+        if metric == suffix or metric.endswith("_" + suffix):
+            return unit
+    return "count"
+
+
+def write_outputs(rows: list[dict], out_dir: Path, meta: dict) -> None:
+    """The sweep's three outputs in ``out_dir``: ``sweep.csv``, ``summary.md``, ``descriptors.png``
+    (``meta``: device, torch, git_sha, timestamp, command; repeated on every CSV row)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, out_dir / "sweep.csv", meta)
+    (out_dir / "summary.md").write_text("\n".join(summary_lines(rows, meta)))
+    plot_descriptors([r for r in rows if r["section"] == "descriptors"], out_dir / "descriptors.png")
+
+
+def write_csv(rows: list[dict], path: Path, meta: dict) -> None:
+    """``rows`` in long form (:func:`long_rows`), the columns of ``meta`` appended to each."""
+    tidy = long_rows(rows)
+    keys: list[str] = []
+    for r in tidy:
+        keys += [k for k in r if k not in keys and k not in ("metric", "unit", "p20", "p50", "p80")]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys + ["metric", "unit", "p20", "p50", "p80"] + list(meta))
+        w.writeheader()
+        for r in tidy:
+            w.writerow({**r, **meta})
+
+
+# --------------------------------------------------------------------------- summary.md
+def summary_lines(rows: list[dict], meta: dict) -> list[str]:
+    """summary.md: a header saying how to reproduce it, then one table per section that ran."""
+    lines = [f"# kvtriton sweep ({meta['device']}, {meta['timestamp']})", "",
+             f"Reproduce: `{meta['command']}`. torch {meta['torch']}, git {meta['git_sha']}. Timings: median "
+             "with [p20-p80] of repeated runs in one process; `sweep.csv` has every quantity in long form.", ""]
+    desc = [r for r in rows if r["section"] == "descriptors"]
+    if desc:
+        lines += descriptor_summary(desc)
+    # block-size-change rows (bench/block_sizes.py) ride in the kernels and e2e sections, in a table of their own
+    kern = [r for r in rows if r["section"] == "kernels" and "src_block" not in r]
+    if kern:
+        lines += _table("Pack/unpack throughput (GB/s = bytes read + written / time)", kern)
+    e2e = [r for r in rows if r["section"] == "e2e" and "src_block" not in r]
+    if e2e:
+        lines += _e2e_summary(e2e)
+    for sec, what in (("kernels", "pack/unpack alone"), ("e2e", "one request end to end over NIXL")):
+        bs = [r for r in rows if r["section"] == sec and "src_block" in r]
+        if bs:
+            lines += _table(f"Block-size changes, {what} (against equal block sizes; goal <= 1.2x)", bs)
+    grid = [r for r in rows if r["section"] == "costmodel"]
+    if grid:
+        lines += _costmodel_summary(grid)
+    plan = [r for r in rows if r["section"] == "planning"]
+    if plan:
+        lines += _table("Planning cost per request (us; goal <= 50, flat in block count where the work allows)",
+                        plan)
+    rogue = [r for r in rows if r["section"] == "rogue"]
+    if rogue:
+        lines += rogue_summary(rogue)
+    pd = [r for r in rows if r["section"] == "pd_vllm"]
+    if pd:
+        lines += _pd_vllm_summary(pd)
+    return lines
+
+
+def descriptor_summary(desc: list[dict]) -> list[str]:
+    """The descriptors section: kvtriton's counts against the baselines' (bench/baselines.py)."""
+    lines = ["## Descriptors per decode rank (one request of "
+             f"{desc[0]['tokens']} tokens; worst decode rank)", "",
+             "kvtriton = staged (one per source->destination pair, unchunked) + direct "
+             "(coalesced block runs of REPLICATE regions); `chunked` = staged with 64 MiB "
+             "chunks. vLLM columns: direct head-slice reads; vLLM 0.33 keeps K and V together "
+             "per (head, token), so its count is one per (source, layer, block) (`vLLM K||V`, the "
+             "headline baseline); `K/V separate` counts K and V as two streams. Block ids come in "
+             "runs of 8 consecutive blocks. Modes come from the default CostModel (CPU, 2.3 us "
+             "per descriptor, 10 GB/s repack: whole-block SPLIT slices of >= ~11.5 KB go direct, "
+             "e.g. 8->16 with 8 heads at block 64).", "",
+             "| preset | P->D | block | kvtriton | staged | direct | staged, chunked | vLLM K\\|\\|V "
+             "| vLLM K/V separate | per-token | **vLLM K\\|\\|V / kvtriton** | K/V separate / kvtriton |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in desc:
+        if "note" in r:
+            lines.append(f"| {r['preset']} | {r['p_tp']}->{r['d_tp']} | {r['block_size']} | "
+                         f"{r['note']} ||||||||| ")
+            continue
+        lines.append(
+            f"| {r['preset']} | {r['p_tp']}->{r['d_tp']} | {r['block_size']} | {r['kvtriton']:,} | "
+            f"{r['kvtriton_staged']:,} | {r['kvtriton_direct']:,} | {r['kvtriton_staged_chunked']:,} | "
+            f"{r['vllm_kv_packed']:,} | {r['vllm_kv_separate']:,} | {r['per_token']:,} | "
+            f"**{r['vllm_packed_per_kvtriton']:,}x** | {r['vllm_separate_per_kvtriton']:,}x |")
+    return lines + [""]
+
+
+def _fmt(r: dict, k: str) -> str:
+    v = r.get(k, "")
+    if f"{k}_p20" in r:
+        return f"{v} [{r[k + '_p20']}-{r[k + '_p80']}]"
+    return _cell(v)
+
+
+def _cell(v) -> str:
+    """A markdown table cell: pipes escaped (method names say K||V)."""
+    return str(v).replace("|", "\\|")
+
+
+def _table(title: str, sec: list[dict], drop=("section",)) -> list[str]:
+    cols: list[str] = []
+    for r in sec:
+        cols += [k for k in r if k not in cols and k not in drop and not k.endswith(("_p20", "_p80"))]
+    lines = [f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r, c) for c in cols) + " |" for r in sec]
+    return lines + [""]
+
+
+def _e2e_summary(rows: list[dict]) -> list[str]:
+    """One table (and its ratios) per P->D pair of bench/e2e.py."""
+    out: list[str] = []
+    for pair in dict.fromkeys(r.get("pair", "p4d8") for r in rows):
+        out += _e2e_pair_summary([r for r in rows if r.get("pair", "p4d8") == pair])
+    return out
+
+
+def _e2e_pair_summary(rows: list[dict]) -> list[str]:
+    lines = ["## One request end to end over NIXL (2 processes on 127.0.0.1)", "",
+             f"{rows[0].get('case', '')}. Each (transport, host) ran in its own processes; `busy` = one "
+             "busy-loop neighbor process on the same 2 cores for the whole run. ms: median [p20-p80].", ""]
+    def cfg(r):
+        return r.get("transport"), r.get("host"), r.get("ids", "random")
+
+    configs = list(dict.fromkeys(cfg(r) for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "failed"))
+    lines += ["| method | descriptors | " + " | ".join(f"{t}, {h}, {i} ids" for t, h, i in configs) + " |",
+              "|---|---|" + "---|" * len(configs)]
+    for m in methods:
+        sel = {cfg(r): r for r in rows if r["method"] == m}
+        d = ", ".join(dict.fromkeys(f"{r['descriptors']:,}" for r in sel.values()))  # runs coalesce
+        cells = " | ".join(_fmt(sel[c], "ms") if c in sel else "" for c in configs)
+        lines.append(f"| {_cell(m)} | {d} | {cells} |")
+    lines += ["", "Same-run ratios (median / median, lower is better for kvtriton):", ""]
+    for t, h, ids in configs:
+        sel = {r["method"]: r["ms"] for r in rows if cfg(r) == (t, h, ids) and "ms" in r}
+        place = sel.get("kvtriton pack_place, pull, 1 chunk(s) x 1 in flight") or \
+            sel.get("kvtriton read_unpack, pull, 1 chunk(s) x 1 in flight")
+        place_eager = sel.get("kvtriton pack_place, pull eager, 1 chunk(s) x 1 in flight") or \
+            sel.get("kvtriton read_unpack, pull eager, 1 chunk(s) x 1 in flight")
+        one = "pack_place" if "kvtriton pack_place, pull, 1 chunk(s) x 1 in flight" in sel else "read_unpack"
+        auto = sel.get("kvtriton auto, pull, 1 chunk(s) x 1 in flight")
+        pull = sel.get("kvtriton staged, pull, 1 chunk(s) x 1 in flight")
+        push = sel.get("kvtriton staged, push, 1 chunk(s) x 1 in flight")
+        eager = sel.get("kvtriton staged, pull eager, 1 chunk(s) x 1 in flight")
+        packed = sel.get("vLLM 0.33 direct 8 KiB K||V reads")
+        sep = sel.get("direct 4 KiB reads, K/V separate")
+        if None in (pull, push, packed, sep):
+            fail = [r.get("note", "") for r in rows if cfg(r) == (t, h, ids)]
+            lines.append(f"- {t}, {h}, {ids} ids: incomplete ({'; '.join(fail)[:200]})")
+            continue
+        lines.append(f"- {t}, {h}, {ids} ids: staged pull / vLLM K||V direct = **{pull / packed:.2f}**, "
+                     f"staged push / vLLM "
+                     f"K||V direct = **{push / packed:.2f}**"
+                     + (f", staged pull eager (packed at hold) / vLLM K||V direct = **{eager / packed:.2f}**"
+                        if eager else "") + f"; staged pull / K/V-separate direct = {pull / sep:.2f}, "
+                     f"push / K/V-separate = {push / sep:.2f}; "
+                     f"READ floor {sel.get('single descriptor READ (pull floor)')}"
+                     f" ms, WRITE floor {sel.get('single descriptor WRITE (push floor)')} ms"
+                     + (f"; {one} pull / vLLM K||V direct = **{place / packed:.2f}**, / staged pull = "
+                        f"{place / pull:.2f}" if place else "")
+                     + (f"; {one} eager / vLLM K||V direct = **{place_eager / packed:.2f}**, / staged eager = "
+                        f"{place_eager / eager:.2f}" if place_eager and eager else "")
+                     + (f"; auto / staged pull = {auto / pull:.2f}" if auto else ""))
+    return lines + [""]
+
+
+def _costmodel_summary(rows: list[dict]) -> list[str]:
+    lines = ["## Cost model: the plan's choice against every mode it could have chosen (bench/costgrid.py)", "",
+             "One decode rank fetches one 8 MiB request (2,048 tokens, GQA head_dim 128 bf16, 8/heads layers, "
+             "random block ids) through real agents over NIXL in one process, once per feasible mode; `chosen` is "
+             "what build_plan picks with the model measured for this host and transport (kvtriton.costmodel). "
+             "One-sided: read_unpack (P > D, no pack pass) or pack_place (D > P, no unpack pass), where feasible. "
+             "ms: median [p20-p80].", "",
+             "| transport | P->D | heads/rank | block | layout | B/descriptor | chosen | chosen ms | best | best ms "
+             "| staged ms | direct ms | one-sided ms | chosen/best | verdict (hit, tie, miss beyond noise) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "ratio" not in r:
+            lines.append(f"| {r.get('transport')} | failed: {r.get('note', '')[:200]} ||||||||||||| ")
+            continue
+        lines.append(f"| {r['transport']} | {r['p_tp']}->{r['d_tp']} | {r['heads_per_rank']} | {r['block_size']} | "
+                     f"{r['layout']} | {r['bytes_per_descriptor']:,} | {r['chosen']} | {_fmt(r, 'chosen_ms')} | "
+                     f"{r['best']} | {_fmt(r, 'best_ms')} | {_fmt(r, 'staged_ms')} | {_fmt(r, 'direct_ms')} | "
+                     f"{_fmt(r, 'read_unpack_ms') or _fmt(r, 'pack_place_ms')} | {r['ratio']:.2f} | "
+                     f"{r.get('verdict', r.get('miss_beyond_noise', ''))} |")
+    models = list(dict.fromkeys((r.get("transport"), r.get("note")) for r in rows if "ratio" in r))
+    lines += [""] + [f"- {t}: {n}; {summary_line([r for r in rows if r.get('transport') == t])}; "
+                     f"{noise_line([r for r in rows if r.get('transport') == t])}" for t, n in models]
+    lines += ["", "The model is measured once per transport, at the start (every probe in the same rounds), on a "
+              "machine other processes share; the cells are timed over the next minutes, each mode's runs rotating "
+              "over warmed connections in interleaved rounds. Verdict: hit = the chosen mode has the lowest median; "
+              "tie = another mode's median is lower but the spreads overlap (the chosen mode's p20 at or below its "
+              "p80): a coin toss near the crossover that this run cannot call; miss = slower beyond that spread, "
+              "what a better model could fix. The last line is the median-based ratio over every cell regardless.",
+              ""]
+    return lines + [noise_line(rows), "", tie_line(rows), "", summary_line(rows), ""]
+
+
+def plot_descriptors(desc: list[dict], path: Path) -> None:
+    """descriptors.png: kvtriton against two baselines at block 16, log scale (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return
+    rows = [r for r in desc if "note" not in r and r["block_size"] == 16]
+    if not rows:
+        return
+    labels = [f"{r['preset']}\n{r['p_tp']}->{r['d_tp']}" for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.55), 4.5))
+    for i, (key, name) in enumerate([("kvtriton", "kvtriton"), ("vllm_kv_separate", "vLLM direct (K/V separate)"),
+                                     ("per_token", "per-token slices")]):
+        ax.bar(x + (i - 1) * 0.27, [r[key] for r in rows], 0.27, label=name)
+    ax.set_yscale("log")
+    ax.set_ylabel("descriptors per decode rank")
+    ax.set_title(f"One {rows[0]['tokens']}-token request, block size 16", pad=28)
+    ax.set_xticks(x, labels, rotation=90, fontsize=7)
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1.02), ncol=3, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(rows: list[dict]) -> None:
+    """The sweep's terminal output: the descriptors table, then every other row on one line."""
+    desc = [r for r in rows if r["section"] == "descriptors" and "note" not in r]
+    print(f"{'preset':<22}{'P->D':>7}{'blk':>5}{'kvtriton':>10}{'vLLM packed':>13}{'vLLM sep':>11}{'per-token':>12}")
+    for r in desc:
+        print(f"{r['preset']:<22}{str(r['p_tp']) + '->' + str(r['d_tp']):>7}{r['block_size']:>5}"
+              f"{r['kvtriton']:>10,}{r['vllm_kv_packed']:>13,}{r['vllm_kv_separate']:>11,}{r['per_token']:>12,}")
+    for r in rows:
+        if r["section"] != "descriptors":
+            fields = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("section", "note"))
+            print(f"[{r['section']}] {fields}")
+
+
+def _pd_vllm_summary(rows: list[dict]) -> list[str]:
+    lines = ["## Prefill/decode on real vLLM engines (bench/pd_vllm.py)", "",
+             f"vLLM 0.32 CPU build, random-weight GQA Llama ({rows[0].get('model', '?')}, fp32, block 32), "
+             "8 decode tokens, each engine on its own core. KV loaded = the decode worker's start_load_kv seeing "
+             "the load (first rank) to get_transfer_results reporting it (last rank), measured the same way for "
+             "both connectors; KV ready = request submitted to the scheduler learning it; first decode token = "
+             "KV load + one decode step. Medians over the measured requests; the first request (handshake, "
+             "first use) is a warm-up, shown on its own. Descriptors = READs the decode ranks posted per request.",
+             ""]
+    results = []
+    for key in dict.fromkeys((r["connector"], r["prefill_tp"], r["decode_tp"]) for r in rows):
+        sel = [r for r in rows if (r["connector"], r["prefill_tp"], r["decode_tp"]) == key]
+        results.append({"connector": key[0], "prefill_tp": key[1], "decode_tp": key[2], "summary": sel[0]["summary"],
+                        "rows": [r for r in sel if "ttft_ms" in r],
+                        "ok": sum(bool(r.get("identical")) for r in sel), "n": sum("ttft_ms" in r for r in sel)})
+    lines += pd_vllm_table(results)
+    return lines + [""] + [f"    {r['summary']}" for r in results] + [""]
+
+
+
+
+# --------------------------------------------------------------------------- cost model (bench/costgrid.py)
+def tie_line(rows: list[dict]) -> str:
+    """The summary with ties (see :func:`judge`) counted as 1.00; misses keep their ratio."""
+    r = [x for x in rows if "ratio" in x]
+    if not r:
+        return "cost model, ties as 1.00: no cells ran"
+    adj = [1.0 if x.get("verdict") == "tie" else x["ratio"] for x in r]
+    ties = sum(x.get("verdict") == "tie" for x in r)
+    return (f"cost model, ties (p20-p80 spreads overlap) counted 1.00: chosen/best worst {max(adj):.2f}, "
+            f"median {float(np.median(adj)):.2f} over {len(r)} cells ({ties} ties)")
+
+
+def noise_line(rows: list[dict]) -> str:
+    r = [x for x in rows if "ratio" in x]
+    k = [x for x in r if x.get("miss_beyond_noise") == "yes"]
+    worst = max((x["ratio"] for x in k), default=1.0)
+    return (f"misses beyond noise (chosen mode's p20 above the best mode's p80): {len(k)} of {len(r)} cells"
+            + (f", worst {worst:.2f}" if k else ""))
+
+
+def summary_line(rows: list[dict]) -> str:
+    r = [x["ratio"] for x in rows if "ratio" in x]
+    if not r:
+        return "cost model: no cells ran"
+    return f"cost model: chosen/best worst {max(r):.2f}, median {float(np.median(r)):.2f} over {len(r)} cells"
+
+
+
+# --------------------------------------------------------------------------- rogue peer (bench/rogue.py)
+def rogue_summary(rows: list[dict]) -> list[str]:
+    sc = [r for r in rows if r["part"] == "scenario"]
+    load = [r for r in rows if r["part"] == "load"]
+    lines = ["## Rogue peer (bench/rogue.py)", "",
+             "A rogue engine with a genuine handshake attacks while an honest TP2->TP1 request (24 blocks through "
+             "an 8-slot prefill pool) runs, over real NIXL in one process. Outside bytes: decode bytes outside the "
+             "request's blocks plus any prefill byte; leaked: staging slots still taken on the honest agents after "
+             "settling (3 x timeout).", "",
+             f"Scenarios tried: {len(sc)}; honest requests completed byte-exact: {sum(r['honest_ok'] for r in sc)}/"
+             f"{len(sc)}; outside bytes changed: {sum(r['outside_bytes_changed'] for r in sc)}; staging leaked: "
+             f"{sum(r['staging_leaked_slots'] for r in sc)} slots.", "",
+             "| scenario | honest ok | outside bytes changed | staging leaked | longest progress() (ms) "
+             "| bad messages | refused |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['scenario']} | {r['honest_ok']} | {r['outside_bytes_changed']} | {r['staging_leaked_slots']} | "
+              f"{r['max_progress_ms']} | {r['bad_messages']} | {r['refused']} |" for r in sc]
+    if load:
+        lines += ["", "Load: every request fetched by all 4 ranks of a TP4 decode engine from a TP2 prefill engine at "
+                  "once (two runs each, the faster kept; lost and wrong bytes summed over both); with the rogue, "
+                  "it first pins its share of staging (32 of 64 slots per prefill rank), then keeps pulling, "
+                  "forges done/renew/abort/pull for honest "
+                  "requests all along. Every byte of every decode cache is checked.", "",
+                  "| rogue | requests | fetches | completed | lost | ranks with wrong bytes | seconds | requests/s | "
+                  "slowdown |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['rogue']} | {r['requests']} | {r['fetches']} | {r['completed']} | {r['lost']} | "
+                  f"{r['ranks_with_wrong_bytes']} | {r['seconds']} | {r['requests_per_s']} | "
+                  f"{r['slowdown_vs_no_rogue']} |" for r in load]
+    return lines + [""]
+
+
+
+# --------------------------------------------------------------------------- real vLLM engines (bench/pd_vllm.py)
+def median_known(values):
+    """The median of the values that are not None (None when there is none)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def fmt_ms(v) -> str:
+    """Milliseconds with one decimal, ``n/a`` for None."""
+    return "n/a" if v is None else f"{v:.1f}"
+
+
+def pd_vllm_table(results: list[dict]) -> list[str]:
+    """Markdown rows: per pair and connector, medians over the measured requests (warm-up left
+    out, shown on its own), and ours/theirs for time to KV loaded and time to first decode token."""
+    lines = ["| P->D | connector | requests identical | KV loaded (ms) | KV ready at scheduler (ms) "
+             "| first decode token (ms) | warm-up KV loaded (ms) | descriptors per request | ours/theirs KV loaded "
+             "| ours/theirs first token |", "|---|---|---|---|---|---|---|---|---|---|"]
+    by = {(r["prefill_tp"], r["decode_tp"], r["connector"]): r for r in results}
+    for (p, d, c), r in by.items():
+        timed = [x for x in r["rows"] if x["request"] >= 0]
+        warm = [x for x in r["rows"] if x["request"] < 0]
+        if not timed:
+            lines.append(f"| {p}->{d} | {c} | failed: {r.get('error', '')[:80]} ||||||||")
+            continue
+        med = lambda k, rows=timed: median_known([x[k] for x in rows])  # noqa: E731
+        ratio_kv = ratio_tt = ""
+        theirs = by.get((p, d, "nixl"))
+        if c == "kvtriton" and theirs and [x for x in theirs["rows"] if x["request"] >= 0]:
+            t_rows = [x for x in theirs["rows"] if x["request"] >= 0]
+            a, b = med("kv_loaded_ms"), median_known([x["kv_loaded_ms"] for x in t_rows])
+            ratio_kv = f"{a / b:.2f}" if a and b else "n/a"
+            ratio_tt = f"{med('ttft_ms') / median_known([x['ttft_ms'] for x in t_rows]):.2f}"
+        desc = median_known([x["descriptors"] for x in timed])
+        lines.append(f"| {p}->{d} | {c} | {r['ok']}/{r['n']} | {fmt_ms(med('kv_loaded_ms'))} | "
+                     f"{fmt_ms(med('kv_ready_ms'))} | {fmt_ms(med('ttft_ms'))} | "
+                     f"{fmt_ms(warm[0]['kv_loaded_ms']) if warm else 'n/a'} | "
+                     f"{'n/a' if desc is None else int(desc)} | {ratio_kv} | {ratio_tt} |")
+    return lines
+
+
