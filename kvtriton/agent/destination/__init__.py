@@ -3,7 +3,8 @@ travels, and one for DIRECT runs alone), offers received, READ (pull) or grants 
 unpack, acks, and each fetch's finish or failure. :class:`Destination` composes them."""
 
 from .core import Destination
-from .fetches import Fetch, Fetches, RequestResult
+from .fetch import Fetch
+from .fetches import Fetches, RequestResult
 from .offers import MAX_OFFERS_PER_PEER, Offers
 from .parts import DirectPart, GrantedPart, PackPlacePart, Part, PayloadPart, ReadUnpackPart, StagedPart
 

@@ -15,9 +15,10 @@ from ...one_sided import choose_way
 from ...plan import Mode, TransferPlan
 from ...request_plan import RequestPayload, RequestPlan
 from ..links import Flow, Links, Peer, Settings
-from .fetches import Fetch, Fetches, RequestResult
+from .fetch import Fetch
+from .fetches import Fetches, RequestResult
 from .offers import Offers
-from .parts import CacheLease, DirectPart, GrantedPart, PackPlacePart, Part, ReadUnpackPart, Runs, StagedPart
+from .parts import CacheLease, DirectPart, GrantedPart, PackPlacePart, Part, ReadUnpackPart, RunsTransfer, StagedPart
 
 _PULL_PARTS: dict[Mode, type[Part]] = {Mode.STAGED: StagedPart, Mode.READ_UNPACK: ReadUnpackPart,
                                        Mode.PACK_PLACE: PackPlacePart}
@@ -82,7 +83,7 @@ class Destination:
         source's offer when it is exactly this part."""
         rp, pull = f.request, self.s.flow is Flow.PULL
         payload = rp.payload(src_rank)  # StagingError: it does not fit a chunk
-        runs = Runs() if rp.sends_runs(src_rank) else None
+        runs = RunsTransfer() if rp.sends_runs(src_rank) else None
         if payload is None:
             cls: type[Part] = DirectPart
         elif not pull:

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from ... import wire
 from ...errors import KVTritonError, ProtocolError, TransferTimeoutError
-from ...request_plan import RequestPlan
-from ...token_map import TokenMap
 from ..links import Links, Peer
+from .fetch import Fetch
+from .parts import Part
 
 
 @dataclass(frozen=True)
@@ -33,44 +33,6 @@ class RequestResult:
     undefined_blocks: tuple[int, ...] = ()
 
 
-@dataclass(eq=False)
-class Fetch:
-    """One request this rank reads from one source engine."""
-
-    req_id: str
-    engine: str
-    started: float
-    timeout_s: float  # without progress for this long the fetch fails
-    deadline: float
-    request: RequestPlan  # made once, at fetch()
-    parts: dict = field(default_factory=dict)  # src_rank -> Part
-    error: object = None  # the KVTritonError it failed with
-    descriptors: int = 0
-    nbytes: int = 0
-    renew_at: float = 0.0  # when the holds this fetch reads are renewed next
-    ready: object = None  # torch.cuda.Event: the engine is done with the local blocks (unpacks wait)
-
-    @property
-    def src_ids(self) -> np.ndarray:
-        return self.request.src_ids
-
-    @property
-    def dst_ids(self) -> np.ndarray:
-        return self.request.dst_ids
-
-    @property
-    def tokens(self) -> TokenMap | None:
-        return self.request.tokens
-
-    def touch(self) -> None:
-        """Progress was made: the silence deadline starts over."""
-        self.deadline = time.monotonic() + self.timeout_s
-
-    def posted(self, descriptors: int, nbytes: int) -> None:
-        self.descriptors += descriptors
-        self.nbytes += nbytes
-
-
 class Fetches:
     """The fetches in flight (by request), their parts (by transfer id) and the results not
     taken yet. Ending a fetch (finish or fail) tells its sources and records its result."""
@@ -78,7 +40,7 @@ class Fetches:
     def __init__(self, name: str, rank: int, tp: int, links: Links):
         self.name, self.rank, self.tp, self.links = name, rank, tp, links
         self.by_req: dict[str, Fetch] = {}
-        self.parts: dict[str, object] = {}  # by transfer id
+        self.parts: dict[str, Part] = {}  # by transfer id
         self.results: list[RequestResult] = []
         self._xid = itertools.count()
 
@@ -99,19 +61,19 @@ class Fetches:
     def add(self, f: Fetch) -> None:
         self.by_req[f.req_id] = f
 
-    def add_part(self, part) -> None:
+    def add_part(self, part: Part) -> None:
         """Index ``part`` by its transfer id (an offered part goes by the source's id: its messages use it)."""
         part.fetch.parts[part.src_rank] = part
         self.parts[part.xid] = part
 
-    def part_from(self, peer: Peer, xid: str):
+    def part_from(self, peer: Peer, xid: str) -> Part:
         """The part ``xid`` that ``peer`` sends; ProtocolError when there is none."""
         part = self.parts.get(xid)
         if part is None or (part.fetch.engine, part.src_rank) != peer.key:
             raise ProtocolError(f"message for unknown transfer {xid!r}")
         return part
 
-    def part_of(self, peer: Peer, xid) -> object | None:
+    def part_of(self, peer: Peer, xid) -> Part | None:
         """The part ``xid`` from ``peer``, or None (no error: the caller fails or ignores)."""
         part = self.parts.get(xid) if isinstance(xid, str) else None
         if part is not None and (part.fetch.engine, part.src_rank) == peer.key:

@@ -10,7 +10,7 @@ travels (:mod:`kvtriton.one_sided`), or a part of DIRECT runs only.
 * :class:`GrantedPart` (push): we grant a slot per chunk, the source WRITEs it (Data), we unpack.
 * :class:`DirectPart`: no staged payload, DIRECT runs only.
 
-DIRECT runs of a part (any class) are its :class:`Runs`. In pull, a part that reads the
+DIRECT runs of a part (any class) are its :class:`RunsTransfer`. In pull, a part that reads the
 source's cache (DIRECT runs or READ_UNPACK) holds a :class:`CacheLease`: it waits for the
 source's RunsReady and ends with one RunsDone once every such READ has landed.
 """
@@ -31,11 +31,11 @@ from ...plan import Mode, ceil_div
 from ...request_plan import RequestPayload
 from ..links import Chunk, Links, Peer, Settings
 from ..streams import event_done
-from .fetches import Fetch
+from .fetch import Fetch
 
 
 @dataclass(eq=False)
-class Runs:
+class RunsTransfer:
     """A part's DIRECT runs: pending until they landed (pull: our READ; push: the source's
     WRITE, told by its RunsReady)."""
 
@@ -87,7 +87,7 @@ class Part:
     way = Mode.STAGED  # what a pull names (a part without a payload, or a push, says staged)
 
     def __init__(self, s: Settings, links: Links, xid: str, fetch: Fetch, src_rank: int,
-                 payload: RequestPayload | None, runs: Runs | None, lease: CacheLease | None):
+                 payload: RequestPayload | None, runs: RunsTransfer | None, lease: CacheLease | None):
         self.s, self.links = s, links
         self.xid, self.fetch, self.src_rank = xid, fetch, src_rank
         self.payload = payload
