@@ -227,7 +227,7 @@ def test_forged_ready_outside_staging_fails_the_request(engines):
     e = engines(1, 1, models=MODELS[:1])
     e.pa[0].hold("r", [1, 2])
     e.da[0].fetch("r", "P", [1, 2], [3, 4])
-    xid = next(iter(e.da[0]._destination.parts))
+    xid = next(iter(e.da[0]._destination.fetches.parts))
     forged = wire.Ready(xid, chunk=0, slot=10_000, nslots=1, nbytes=512).encode()
     e.pa[0].transport.send_notif(e.da[0].transport.name, forged)
     deadline, res = time.monotonic() + 5, []
@@ -303,7 +303,7 @@ def test_duplicate_ready_fails_the_request(engines):
     e = engines(1, 1, models=MODELS[:1], staging_bytes=4 << 10)
     e.pa[0].hold("r", np.arange(8))
     e.da[0].fetch("r", "P", np.arange(8), np.arange(8, 16))
-    part = next(iter(e.da[0]._destination.parts.values()))
+    part = next(iter(e.da[0]._destination.fetches.parts.values()))
     assert part.n_chunks > 1
     dup = wire.Ready(part.xid, chunk=0, slot=0, nslots=1, nbytes=1024).encode()
     _deliver(e, e.pa[0], e.da[0], dup)

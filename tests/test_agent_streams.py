@@ -139,7 +139,7 @@ def test_kernel_completions_gate_every_next_step(engines, mode):
     hold_event = e.pa[0]._source.holds["r"].ready = PendingEvent()
     hold_event.complete = True  # (only DIRECT runs query it on the host)
     e.da[0].fetch("r", "P", src, dst)
-    fetch_event = e.da[0]._destination.fetches["r"].ready = object()
+    fetch_event = e.da[0]._destination.fetches.by_req["r"].ready = object()
     p, d = lanes[e.pa[0]], lanes[e.da[0]]
     assert _spin(e, until=lambda got: got or p.launches) == [] and _spin(e) == []
     assert p.launches and all(x is hold_event for x in p.launches)  # packed, after the engine's writes

@@ -69,7 +69,7 @@ def test_a_pull_is_answered_from_the_eager_pack_byte_exact(engines, p_tp, d_tp, 
     assert sum(d.stats["offers_taken"] for d in e.da) == (offers if offer_seen else 0)
     assert all([(f.req_id, f.reason) for f in p.freed()] == [("r", "done")] for p in e.pa)
     assert _all_free(e)
-    assert all(not d._destination.parts for d in e.da)  # offered parts are forgotten too
+    assert all(not d._destination.fetches.parts for d in e.da)  # offered parts are forgotten too
 
 
 @pytest.mark.parametrize("ask", ["subset", "reordered"])
@@ -116,7 +116,7 @@ def test_a_hold_that_ends_before_its_pull_frees_its_eager_slots(engines, how):
     # timeout_s, and D drops the offer when told
     assert p.stats["eager_offers"] == 1
     e.settle(0.5)
-    assert _all_free(e) and not e.da[0]._destination.offers.get(("P", 0))
+    assert _all_free(e) and not e.da[0]._destination.offers.by_peer.get(("P", 0))
 
 
 def test_holds_beyond_the_eager_budget_are_served_lazily(engines):
@@ -231,11 +231,11 @@ def test_a_forged_or_stale_offer_is_declined_and_the_fetch_pulls(engines, bad):
                                  wire.Offer("r|P:0>0!", "r", plan, ids, 4, cb, slots).encode())
     for _ in range(50):  # up to 5 s on a loaded host
         e.settle(0.1)
-        if e.da[0]._destination.offers.get(("P", 0), {}).get("r") is not None:
+        if e.da[0]._destination.offers.by_peer.get(("P", 0), {}).get("r") is not None:
             break
-    assert e.da[0]._destination.offers.get(("P", 0), {}).get("r") is not None
+    assert e.da[0]._destination.offers.by_peer.get(("P", 0), {}).get("r") is not None
     e.da[0].fetch("r", "P", src, dst)
     res = e.drive(1)[0][0]
     assert res.ok, res
     check_destination(e.D[0], 0, 1, kv, dst, e.before[0])
-    assert e.da[0].stats["offers_taken"] == 0 and not e.da[0]._destination.offers.get(("P", 0))
+    assert e.da[0].stats["offers_taken"] == 0 and not e.da[0]._destination.offers.by_peer.get(("P", 0))

@@ -307,7 +307,7 @@ def test_read_unpack_offer_skips_the_pull(forced, monkeypatch):
         for p in e.pa:
             p.hold("r", src, lease_s=30, consumer="D")
         deadline = time.monotonic() + 10
-        while not all(sum("r" in o for o in d._destination.offers.values()) == 2 for d in e.da):  # both sources
+        while not all(sum("r" in o for o in d._destination.offers.by_peer.values()) == 2 for d in e.da):  # both sources
             assert time.monotonic() < deadline, "no offers"
             for a in e.pa + e.da:
                 a.progress()
@@ -437,7 +437,7 @@ def test_ready_for_read_unpack_fails_the_fetch():
             p.hold("r", src, lease_s=30)
         d, p0 = e.da[0], e.pa[0]
         d.fetch("r", "P", src, dst)
-        xid = next(x for x, part in d._destination.parts.items() if part.src_rank == 0)
+        xid = next(x for x, part in d._destination.fetches.parts.items() if part.src_rank == 0)
         p0._links.send(p0._links.peers[("D", 0)], wire.Ready(xid, 0, 0, 1, 1024))
         res = []
         deadline = time.monotonic() + 5

@@ -142,7 +142,7 @@ def test_a_squatted_transfer_id_does_not_reach_the_honest_transfer(rig):
     x.forge(wire.Pull(honest_xid, "bait", 0, (50, 51), 1, x.rogue.plan_for("P").digest()))
     x.settle(0.1)
     x.da[0].fetch("r", "P", src, dst)
-    assert next(iter(x.da[0]._destination.parts)) == honest_xid
+    assert next(iter(x.da[0]._destination.fetches.parts)) == honest_xid
     x.settle(0.02)
     for m in (wire.Abort(honest_xid), wire.Ack(honest_xid, 0), wire.RunsDone(honest_xid)):
         x.forge(m)  # aimed at the honest transfer: they only reach the rogue's own
@@ -161,7 +161,7 @@ def test_a_ready_outside_the_transfer_is_a_protocol_error(rig, field, value, whe
     x.pa[0].hold("r", [1, 2])
     d = x.da[0]
     d.fetch("r", "P", [1, 2], [3, 4])
-    xid = next(iter(d._destination.parts))
+    xid = next(iter(d._destination.fetches.parts))
     body = dict(xid=xid, chunk=0, slot=0, nslots=1, nbytes=1024)
     body[field] = value
     raw = wire.encode_message("Ready", **body)
@@ -216,7 +216,7 @@ def test_release_while_a_fetch_reads_fails_it_at_once_with_undefined_blocks(rig)
     x.pa[0].hold("r", src)
     d = x.da[0]
     d.fetch("r", "P", src, dst)
-    part = next(iter(d._destination.parts.values()))
+    part = next(iter(d._destination.fetches.parts.values()))
     while part.chunks_done < 2:
         x.step()
     assert x.pa[0].release("r")

@@ -446,8 +446,7 @@ class TransferAgent:
         """Whether some rank of ``remote_engine_id`` has offered ``req_id`` packed ahead (its
         hold named this engine): a :meth:`fetch` of every held block then READs at once."""
         with self._lock, self._lanes.on_device():
-            return any(req_id in offers for (eng, _), offers in self._destination.offers.items()
-                       if eng == remote_engine_id)
+            return self._destination.offers.has(remote_engine_id, req_id)
 
     def abort(self, req_id: str) -> bool:
         """Cancel a fetch in flight: its source ranks are told, staging it holds is reclaimed

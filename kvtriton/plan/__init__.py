@@ -23,7 +23,17 @@ from collections.abc import Iterator
 
 from .build import ForcedModes, ModesArg, build_plan, check_compatible, parse_modes
 from .cost import CostModel
-from .request import TokenMap, compact_request, compact_tokens, required_source_ranks, source_positions
+from .request import (
+    OfferTerms,
+    RequestPayload,
+    RequestPlan,
+    TokenMap,
+    compact_request,
+    compact_tokens,
+    ids_digest,
+    required_source_ranks,
+    source_positions,
+)
 from .runs import Runs, direct_runs, id_runs, pair_runs, staged_descriptor_count, tile_runs
 from .topology import HeadSlice, check_tp, head_range, replicate_sources, split_sources
 from .types import (
@@ -44,7 +54,8 @@ __all__ = [
     "TransferPlan", "CostModel", "Runs", "id_runs", "pair_runs", "direct_runs", "tile_runs",
     "staged_descriptor_count", "read_unpack_problem", "pack_place_problem", "payload_ways",
     "one_sided_descriptors", "choose_way", "TokenMap", "compact_tokens", "compact_request", "source_positions",
-    "required_source_ranks", "HeadSlice", "check_tp", "head_range", "replicate_sources", "split_sources",
+    "required_source_ranks", "RequestPlan", "RequestPayload", "OfferTerms", "ids_digest",
+    "HeadSlice", "check_tp", "head_range", "replicate_sources", "split_sources",
     "ForcedModes", "ModesArg", "parse_modes", "check_compatible", "build_plan",
     # old names, removed after the merge
     "Mode", "StagedRead", "STAGED_WAYS", "DirectRuns", "TileRuns",

@@ -1,0 +1,207 @@
+"""The destination side of a rank, composed: :class:`~.fetches.Fetches` (the requests in
+flight, their parts, their results), :class:`~.offers.Offers` (what sources offered ahead) and
+the plans it reads by (one per source engine). A fetch's :class:`~kvtriton.plan.RequestPlan`
+is made once, in :meth:`Destination.fetch`; each source rank's part is one class per way
+(:mod:`.parts`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from ...errors import KVTritonError, PlanError, ProtocolError, RequestAbortedError, RequestRejectedError, StagingError
+from ...plan import Mode, RequestPayload, RequestPlan, TransferPlan, choose_way
+from ...protocol import wire
+from ..links import Flow, Links, Peer, Settings
+from .fetch import Fetch
+from .fetches import Fetches, RequestResult
+from .offers import Offers
+from .parts import CacheLease, DirectPart, GrantedPart, PackPlacePart, Part, ReadUnpackPart, RunsTransfer, StagedPart
+
+_PULL_PARTS: dict[Mode, type[Part]] = {Mode.STAGED: StagedPart, Mode.READ_UNPACK: ReadUnpackPart,
+                                       Mode.PACK_PLACE: PackPlacePart}
+
+
+class Destination:
+    """Fetches in flight on this rank and the plans they read by (one per source engine)."""
+
+    def __init__(self, settings: Settings, links: Links):
+        self.s, self.links = settings, links
+        self.plans: dict[str, TransferPlan] = {}  # per source engine
+        self.unplannable: dict[str, PlanError] = {}  # engines a forced mode rules out reading from
+        self.fetches = Fetches(settings.name, settings.rank, settings.tp, links)
+        self.offers = Offers(links)
+
+    # ------------------------------------------------------------------ requests
+    def fetch(self, req_id: str, engine: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
+              timeout_s: float | None, num_tokens: int | None = None, ready=None) -> None:
+        """Start reading ``req_id`` from ``engine`` (see :meth:`TransferAgent.fetch`)."""
+        if req_id in self.fetches:
+            raise RequestRejectedError(f"fetch {req_id!r} is already in flight")
+        plan = self.plans.get(engine)
+        if plan is None and engine in self.unplannable:
+            raise PlanError(f"cannot fetch from {engine!r}: {self.unplannable[engine]}")
+        if plan is None:
+            raise KeyError(f"unknown engine {engine!r}: add_remote() its ranks first")
+        missing = [r for r in plan.source_ranks if (engine, r) not in self.links.peers]
+        if missing:
+            raise KeyError(f"engine {engine!r}: no metadata yet for ranks {missing}")
+        src_specs = self.links.engine_peers(engine)[0].md.regions
+        caps = {s.src_rank: min(self.s.chunk_bytes, self.links.peers[(engine, s.src_rank)].md.staging.chunk_bytes)
+                for s in plan.staged}  # a chunk fits both sides' staging
+        rp = RequestPlan.for_fetch(plan, remote_block_ids, local_block_ids,
+                                   src_num_blocks=min(s.num_blocks for s in src_specs),
+                                   dst_num_blocks=min(s.num_blocks for s in self.s.specs),
+                                   chunk_bytes=caps, num_tokens=num_tokens)
+        blocks = max(rp.src_ids.size, rp.dst_ids.size)
+        if blocks > wire.MAX_REQUEST_BLOCKS:
+            raise PlanError(f"fetch {req_id!r}: {blocks} blocks is more than a request may "
+                            f"have (kvtriton.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS}); split it")
+        now = time.monotonic()
+        timeout = timeout_s or self.s.timeout_s
+        f = Fetch(req_id, engine, now, timeout, now + timeout, rp, renew_at=now + self.s.renew_s, ready=ready)
+        self.fetches.add(f)
+        if rp.num_tiles == 0:
+            self.fetches.finish(f)
+            return
+        for src_rank in rp.source_ranks:
+            try:
+                part = self._part(f, self.links.peers[(engine, src_rank)], src_rank)
+            except StagingError as e:
+                self.fetches.fail(f, StagingError(f"{engine}:{src_rank}: {e}"))
+                return
+            self.fetches.add_part(part)
+        try:
+            self._start(f)
+        except KVTritonError as e:
+            self.fetches.fail(f, e)
+
+    def _part(self, f: Fetch, peer: Peer, src_rank: int) -> Part:
+        """``src_rank``'s part of ``f``: the class of the way its payload travels, taking the
+        source's offer when it is exactly this part."""
+        rp, pull = f.request, self.s.flow is Flow.PULL
+        payload = rp.payload(src_rank)  # StagingError: it does not fit a chunk
+        runs = RunsTransfer() if rp.sends_runs(src_rank) else None
+        if payload is None:
+            cls: type[Part] = DirectPart
+        elif not pull:
+            cls = GrantedPart
+        else:
+            cls = _PULL_PARTS[self._way(f, payload, peer)]
+            if cls is ReadUnpackPart:  # nothing in the source's staging: our chunks only
+                payload = payload.refit(self.s.chunk_bytes)
+        xid = self.fetches.new_xid(f.req_id, src_rank)
+        taken = self.fetches.parts.__contains__
+        if cls is ReadUnpackPart:
+            offer = self.offers.take_cache(peer, f.req_id, rp, taken)
+        else:
+            offer = self.offers.take_packed(peer, f.req_id, rp, src_rank, taken)
+        lease = CacheLease() if pull and runs is not None else None
+        part = cls(self.s, self.links, offer.xid if offer else xid, f, src_rank, payload, runs, lease)
+        if offer is not None:
+            part.take_offer(offer)
+        return part
+
+    def _way(self, f: Fetch, payload: RequestPayload, peer: Peer) -> Mode:
+        """How ``payload`` travels for a pull of ``f``: the cost model's choice for this
+        request (an offer the source made means it is packed already); STAGED with a token map."""
+        rp = f.request
+        if rp.tokens is not None:
+            return Mode.STAGED
+        return choose_way(payload.read, peer.md.regions, self.s.specs, rp.src_ids, rp.dst_ids, self.s.cost,
+                          chunks=payload.chunks.count, packed=self.offers.packed(peer, f.req_id))
+
+    def _start(self, f: Fetch) -> None:
+        """Ask each source rank for its part (an offered part asks nothing)."""
+        rp = f.request
+        ids, tok = tuple(rp.src_ids.tolist()), rp.wire_tokens()
+        for part in f.parts.values():
+            peer = self.links.peers[(f.engine, part.src_rank)]
+            if part.offered:  # nothing to ask: its acks (RunsDone) tell the source we took the offer
+                if part.lease is not None and part.lease.go:  # the source confirmed the blocks: READ the runs now
+                    part.read_runs(peer)
+                continue
+            chunk_blocks = part.chunks.blocks_per_chunk if part.payload is not None else 0
+            if self.s.flow is Flow.PUSH:
+                msg = wire.Push(part.xid, f.req_id, self.s.rank, ids, tuple(rp.dst_ids.tolist()), chunk_blocks,
+                                rp.digest, **tok)
+            else:  # DIRECT runs (and READ_UNPACK) are read only after the source confirms it holds the blocks
+                msg = wire.Pull(part.xid, f.req_id, self.s.rank, ids, chunk_blocks, rp.digest, **tok,
+                                way=part.way.value)
+            self.links.send(peer, msg)
+
+    def abort(self, req_id: str) -> bool:
+        f = self.fetches.by_req.get(req_id)
+        if f is None:
+            return False
+        self.fetches.fail(f, RequestAbortedError(f"fetch {req_id!r} from {f.engine!r} was aborted"))
+        return True
+
+    def take_results(self) -> list[RequestResult]:
+        return self.fetches.take_results()
+
+    # ------------------------------------------------------------------ messages
+    def on_offer(self, peer: Peer, m: wire.Offer) -> None:
+        """Keep a source's offer until a fetch asks for it (checked then, against the fetch)."""
+        if self.s.flow is not Flow.PULL:
+            raise ProtocolError("offer received in push mode")
+        self.offers.keep(peer, m)
+
+    def on_ready(self, peer: Peer, m: wire.Ready) -> None:
+        part = self.fetches.part_from(peer, m.xid)
+        if self.s.flow is not Flow.PULL:
+            raise ProtocolError(f"ready for chunk {m.chunk} of {m.xid!r} is unexpected (duplicate or push mode)")
+        part.on_ready(peer, m)
+
+    def on_data(self, peer: Peer, m: wire.Data) -> None:
+        self.fetches.part_from(peer, m.xid).on_data(peer, m)
+
+    def on_runs_ready(self, peer: Peer, m: wire.RunsReady) -> None:
+        part = self.fetches.part_from(peer, m.xid)
+        if self.s.flow is Flow.PULL:  # go-ahead: the source holds the blocks while we read them
+            part.go_ahead(peer)
+        else:  # push: the source has written our cache
+            part.runs_written()
+            self.fetches.maybe_finish(part.fetch)
+
+    def on_reject(self, peer: Peer, m: wire.Reject) -> None:
+        part = self.fetches.part_of(peer, m.xid)
+        self.offers.withdraw(peer, m.xid)  # an offer withdrawn (its hold ended, or we pulled instead)
+        if part is not None:
+            self.fetches.fail(part.fetch, RequestRejectedError(
+                f"{peer.md.engine}:{peer.md.rank} rejected {part.fetch.req_id!r}: {m.reason}"))
+
+    def transfer_failed(self, xid: str | None, peer: Peer, error: KVTritonError) -> None:
+        """A message about transfer ``xid`` from ``peer`` could not be handled: fail its fetch."""
+        part = self.fetches.part_of(peer, xid)
+        if part is not None:
+            self.fetches.fail(part.fetch, error)
+
+    # ------------------------------------------------------------------ progress
+    def advance(self) -> None:
+        """Renew the holds of fetches still outstanding, move every part along, finish or fail."""
+        now = time.monotonic()
+        for f in list(self.fetches.by_req.values()):
+            if f.error is not None:
+                continue
+            if now >= f.renew_at:  # still outstanding: keep the sources' holds alive
+                f.renew_at = now + self.s.renew_s
+                for part in f.parts.values():
+                    self.links.send(self.links.peers[(f.engine, part.src_rank)],
+                                    wire.Renew(f.req_id, self.s.rank), quiet=True)
+            try:
+                for part in list(f.parts.values()):
+                    part.advance(self.links.peers[(f.engine, part.src_rank)])
+                self.fetches.maybe_finish(f)
+            except KVTritonError as e:
+                self.fetches.fail(f, e)
+
+    def expire(self, now: float) -> None:
+        self.fetches.expire(now)
+
+    def peer_lost(self, peer: Peer, error: KVTritonError) -> None:
+        self.offers.peer_lost(peer)
+        self.fetches.peer_lost(peer, error)
+
+    def fail_all(self, error: KVTritonError) -> None:
+        self.fetches.fail_all(error)

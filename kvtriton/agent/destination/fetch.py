@@ -1,0 +1,49 @@
+"""One request a destination rank reads from one source engine, and its per-request plan."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...errors import KVTritonError
+from ...plan import RequestPlan, TokenMap
+
+
+@dataclass(eq=False)
+class Fetch:
+    """One request this rank reads from one source engine."""
+
+    req_id: str
+    engine: str
+    started: float
+    timeout_s: float  # without progress for this long the fetch fails
+    deadline: float
+    request: RequestPlan  # made once, at fetch()
+    parts: dict = field(default_factory=dict)  # src_rank -> Part
+    error: KVTritonError | None = None
+    descriptors: int = 0
+    nbytes: int = 0
+    renew_at: float = 0.0  # when the holds this fetch reads are renewed next
+    ready: object = None  # torch.cuda.Event: the engine is done with the local blocks (unpacks wait)
+
+    @property
+    def src_ids(self) -> np.ndarray:
+        return self.request.src_ids
+
+    @property
+    def dst_ids(self) -> np.ndarray:
+        return self.request.dst_ids
+
+    @property
+    def tokens(self) -> TokenMap | None:
+        return self.request.tokens
+
+    def touch(self) -> None:
+        """Progress was made: the silence deadline starts over."""
+        self.deadline = time.monotonic() + self.timeout_s
+
+    def posted(self, descriptors: int, nbytes: int) -> None:
+        self.descriptors += descriptors
+        self.nbytes += nbytes

@@ -1,0 +1,88 @@
+"""Offers a destination rank received: packs (or cache blocks) a source made ready for a
+request before any pull (see :mod:`kvtriton.agent.eager`), kept until a fetch asks for them."""
+
+from __future__ import annotations
+
+from ...plan import OfferTerms, RequestPlan, ceil_div
+from ...protocol import wire
+from ..links import Links, Peer
+
+MAX_OFFERS_PER_PEER = 1024  # offers kept per source rank (the oldest goes first)
+
+
+def _terms(offer: wire.Offer) -> OfferTerms:
+    return OfferTerms(offer.plan, offer.ids, offer.num_blocks, offer.chunk_blocks, offer.runs)
+
+
+class Offers:
+    """Offers received, per source rank and request; each is taken by at most one fetch, or
+    declined (the source frees it), or withdrawn by its source (a Reject naming it)."""
+
+    def __init__(self, links: Links):
+        self.links = links
+        self.by_peer: dict[tuple[str, int], dict[str, wire.Offer]] = {}  # source rank -> req -> its offer
+
+    def keep(self, peer: Peer, m: wire.Offer) -> None:
+        """Keep ``peer``'s offer ``m`` (a newer offer of the same request replaces it)."""
+        mine = self.by_peer.setdefault(peer.key, {})
+        mine.pop(m.req, None)
+        if len(mine) >= MAX_OFFERS_PER_PEER:
+            mine.pop(next(iter(mine)))  # the oldest: its source frees it with the hold
+        mine[m.req] = m
+
+    def has(self, engine: str, req: str) -> bool:
+        """Whether some rank of ``engine`` offered ``req``."""
+        return any(req in offers for (eng, _), offers in self.by_peer.items() if eng == engine)
+
+    def packed(self, peer: Peer, req: str) -> bool:
+        """Whether ``peer`` offered ``req`` packed (with slots; one without is read_unpack)."""
+        offer = self.by_peer.get(peer.key, {}).get(req)
+        return offer is not None and bool(offer.slots)
+
+    def withdraw(self, peer: Peer, xid: str) -> None:
+        """``peer`` withdrew its offer ``xid`` (its hold ended, or we pulled instead)."""
+        mine = self.by_peer.get(peer.key)
+        if mine:
+            for req in [r for r, o in mine.items() if o.xid == xid]:
+                del mine[req]
+
+    def peer_lost(self, peer: Peer) -> None:
+        self.by_peer.pop(peer.key, None)
+
+    def take_packed(self, peer: Peer, req: str, rp: RequestPlan, src_rank: int, taken) -> wire.Offer | None:
+        """``peer``'s offer of ``req`` when it is exactly ``src_rank``'s payload of ``rp`` (the
+        same terms, slot runs inside the peer's staging), else None; ``taken(xid)``: whether a
+        transfer id is in use here already. An offer that does not match is declined (the
+        source frees it), or left to the pull that follows when it may hold a suffix of this
+        request (see :mod:`kvtriton.agent.eager`)."""
+        offer = self.by_peer.get(peer.key, {}).pop(req, None)
+        if offer is None:
+            return None
+        p = rp.payloads.get(src_rank)
+        want = rp.offer_terms(src_rank)
+        ok = want is not None and _terms(offer) == want and not taken(offer.xid) \
+            and len(offer.slots) == 2 * p.chunks.count
+        if ok:
+            st = peer.md.staging
+            for c in range(p.chunks.count):
+                slot, nslots = offer.slots[2 * c], offer.slots[2 * c + 1]
+                ok = ok and nslots == ceil_div(p.chunks.nbytes(c), st.slot_bytes) and slot + nslots <= st.num_slots
+        if not ok:
+            # an offer of more blocks by our plan may hold a suffix we ask (a -1 prefix): our pull
+            # lets the source take it over or withdraw it; any other is declined now
+            if not (p is not None and offer.plan == rp.digest and offer.num_blocks > p.chunks.num_blocks):
+                self.links.send(peer, wire.Abort(offer.xid), quiet=True)
+            return None
+        return offer
+
+    def take_cache(self, peer: Peer, req: str, rp: RequestPlan, taken) -> wire.Offer | None:
+        """``peer``'s read_unpack offer of ``req`` (no slots: READ its cache) when it is for
+        ``rp``'s plan and ids, else None; any other offer is declined (the source frees it)."""
+        offer = self.by_peer.get(peer.key, {}).pop(req, None)
+        if offer is None:
+            return None
+        if offer.slots or taken(offer.xid) or not _terms(offer).same_blocks(rp.cache_offer_terms()):
+            self.links.send(peer, wire.Abort(offer.xid), quiet=True)
+            return None
+        return offer
+
