@@ -9,7 +9,8 @@ how the agent is built. Two kinds of seam:
 * :class:`Wiretap` works on the agent's public ``transport`` only: it sees the control messages
   the agent receives, can hold them back and forges messages from it.
 * The functions below reach behind the facade (one line each): :func:`set_hold_event`,
-  :func:`set_fetch_event`, :func:`replace_lanes`, :func:`retire_chunks` and :func:`reap`. When
+  :func:`set_fetch_event`, :func:`replace_lanes`, :func:`agent_lanes`, :func:`retire_chunks` and
+  :func:`reap`. When
   the agent is recut, only these bodies change.
 
 Nothing here is used by the library itself.
@@ -21,7 +22,7 @@ from collections.abc import Callable
 
 from .. import wire
 
-__all__ = ["Wiretap", "set_hold_event", "set_fetch_event", "replace_lanes", "retire_chunks", "reap"]
+__all__ = ["Wiretap", "set_hold_event", "set_fetch_event", "replace_lanes", "agent_lanes", "retire_chunks", "reap"]
 
 
 class Wiretap:
@@ -125,6 +126,12 @@ def replace_lanes(agent, lanes) -> None:
     ``on_device()``, ``synchronize()``, ``cuda``) instead of its own stream: every role reads it
     from the settings they share."""
     object.__setattr__(agent._links.s, "lanes", lanes)  # Settings is frozen; the roles share it
+
+
+def agent_lanes(agent):
+    """``agent``'s :class:`~kvtriton.agent.streams.Lanes`: its device and the CUDA stream its packs
+    and unpacks run on (to queue work exactly where the agent queues its own)."""
+    return agent._links.s.lanes
 
 
 def retire_chunks(agent, inflight: dict, not_before: float, on_free: Callable | None = None) -> None:
