@@ -121,6 +121,7 @@ class ChildProcess:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=target, args=(child, *args), daemon=True, name=f"kvtriton-{name}")
         self.process.start()
+        self._exit_sent = False
         child.close()  # ours is the other end: the child's exit shows as EOF here
 
     def is_alive(self) -> bool:
@@ -157,9 +158,10 @@ class ChildProcess:
         return self.recv(timeout_s)
 
     def request_exit(self) -> None:
-        """Ask the child to stop (best effort: it may be gone already)."""
+        """Ask the child to stop, once (best effort: it may be gone already)."""
         try:
-            if self.process.is_alive():
+            if self.process.is_alive() and not self._exit_sent:
+                self._exit_sent = True
                 self.conn.send(("exit",))
         except (OSError, BrokenPipeError):
             pass
