@@ -332,3 +332,34 @@ def test_a_block_larger_than_a_chunk_fails_the_fetch_with_a_staging_error(engine
     res = e.da[0].results()  # reported at once: nothing was sent
     assert len(res) == 1 and isinstance(res[0].error, StagingError) and "more than a chunk" in str(res[0].error)
     assert e.da[0].pool.free_slots == e.da[0].pool.num_slots
+
+
+def test_debug_state_is_plain_json_with_the_documented_keys(engines):
+    """debug_state() is the contract tests read (kvtriton.agent.debug documents every key): plain
+    JSON values only, the same keys on every agent, mid-transfer included."""
+    import json
+
+    e = engines(1, 2, staging_bytes=64 << 10)
+    src, dst = np.array([9, 3, 4]), np.array([0, 7, 8])
+    kv = e.request(src)
+    e.pa[0].hold("r", src, consumer="D")
+    e.pa[0].hold("guessed", [1, 2])
+    e.settle(0.1)  # both packed ahead and offered to both decode ranks (the second by eager_guess)
+    e.da[0].fetch("r", "P", src, dst)
+    keys = {"engine", "rank", "tp", "flow", "settings", "peers", "holds", "serves", "serve_counts", "offered", "eager",
+            "staging", "plans", "reading", "fetches", "parts", "parts_by_way", "offers", "warmed", "inbox"}
+    p, d = e.pa[0].debug_state(), e.da[0].debug_state()
+    for state in (p, d, e.da[1].debug_state()):
+        assert set(state) == keys and json.loads(json.dumps(state)) == state
+    assert p["holds"]["r"]["consumer"] == "D" and p["holds"]["guessed"]["block_ids"] == [1, 2]
+    assert sorted(p["offered"]["r"]) == ["D:0", "D:1"] and p["serve_counts"]["by_engine"] == {"D": 4}
+    assert sorted(p["peers"]) == ["D:0", "D:1"] and len(p["plans"]) == 2
+    assert all(x["staged_from_me"] for x in p["plans"])
+    assert d["fetches"]["r"]["engine"] == "P" and set(d["parts"]) == set(d["fetches"]["r"]["parts"])
+    assert sum(d["parts_by_way"].values()) == len(d["parts"]) == 1 and "P" in d["reading"]
+    end = time.monotonic() + 20
+    while not (res := e.da[0].results()) and time.monotonic() < end:
+        for a in e.agents:
+            a.progress()
+    assert res and res[0].ok, res
+    check_destination(e.D[0], 0, 2, kv, dst, e.before[0])
