@@ -2,7 +2,8 @@
 (or CUDA ones: ``ClusterConfig.device``).
 
 The parent starts ``p_tp`` prefill and ``d_tp`` decode processes (``spawn``), routes their
-metadata all-to-all, and drives them with short commands over pipes. Every process rebuilds the
+metadata all-to-all, and drives them with short commands over pipes (each process is an agent
+child of :mod:`kvtriton.testing.child`; its commands are :meth:`_Rank.commands`). Every process rebuilds the
 same global KV of each request from the seed, so the decode processes check every block they
 receive byte for byte against the global heads their rank owns, and at the end check that no
 byte outside the received blocks changed. Everything is bounded in time, and every child is
@@ -98,10 +99,10 @@ def _child(conn, role: str, rank: int, cfg: ClusterConfig) -> None:
     import torch
 
     torch.set_num_threads(1)
-    rank_ = _Rank(role, rank, cfg)
-    child = AgentChild(conn, rank_.agents.values(), rank_.commands(), step=rank_.step, busy=lambda: not rank_.idle(),
+    me = _Rank(role, rank, cfg)
+    child = AgentChild(conn, me.agents.values(), me.commands(), step=me.step, busy=lambda: not me.idle(),
                        busy_sleep_s=0.0001)
-    child.ready({m: a.metadata() for m, a in rank_.agents.items()})
+    child.ready({m: a.metadata() for m, a in me.agents.items()})
     child.run()
 
 
