@@ -24,7 +24,6 @@ chunk). Run alone: ``python bench/block_sizes.py [--quick]``.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import time
 
@@ -148,6 +147,7 @@ def _prefill(conn, layers: int, chunk: int) -> None:
 
     torch.set_num_threads(1)
     from kvtriton.agent import TransferAgent
+    from kvtriton.testing.child import AgentChild
     from kvtriton.testing.oracle import load_source_tokens, make_global_tokens, make_rank_regions
 
     models = _models(layers)
@@ -159,28 +159,18 @@ def _prefill(conn, layers: int, chunk: int) -> None:
                            _ids(TOKENS // bs, TOKENS // bs + 8, bs))
         agents[bs] = TransferAgent(f"P{bs}", 0, P_TP, regions, staging_bytes=chunk, slot_bytes=256 << 10,
                                    chunk_bytes=chunk, impl="torch", timeout_s=60)
-    conn.send({bs: a.metadata() for bs, a in agents.items()})
-    try:
-        while True:
-            if conn.poll(0.0005 if all(a.idle() for a in agents.values()) else 0):
-                cmd, *args = conn.recv()
-                if cmd == "add_remote":
-                    for a in agents.values():
-                        for md in args[0]:
-                            a.add_remote(md)
-                    conn.send("ok")
-                elif cmd == "hold":
-                    bs = args[1]
-                    agents[bs].hold(args[0], _ids(TOKENS // bs, TOKENS // bs + 8, bs), lease_s=120)
-                    conn.send("ok")
-                elif cmd == "exit":
-                    conn.send("ok")
-                    break
-            for a in agents.values():
-                a.progress()
-    finally:
+
+    def add_remote(mds) -> None:
         for a in agents.values():
-            a.close()
+            for md in mds:
+                a.add_remote(md)
+
+    def hold(req, bs) -> None:
+        agents[bs].hold(req, _ids(TOKENS // bs, TOKENS // bs + 8, bs), lease_s=120)
+
+    child = AgentChild(conn, agents.values(), {"add_remote": add_remote, "hold": hold}, idle_wait_s=0.0005)
+    child.ready({bs: a.metadata() for bs, a in agents.items()})
+    child.run()
 
 
 def e2e_rows(quick: bool = False, layers: int | None = None) -> list[dict]:
@@ -191,6 +181,7 @@ def e2e_rows(quick: bool = False, layers: int | None = None) -> list[dict]:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from kvtriton.agent import TransferAgent
     from kvtriton.plan import ceil_div
+    from kvtriton.testing.child import ChildProcess
     from kvtriton.testing.oracle import check_destination_tokens, make_global_tokens, make_rank_regions, snapshot
 
     layers = layers or (4 if quick else 16)
@@ -198,16 +189,11 @@ def e2e_rows(quick: bool = False, layers: int | None = None) -> list[dict]:
     models = _models(layers)
     payload = layers * 2 * TOKENS * HEAD_DIM * 2  # decode rank 0: one head of every layer, K and V
     chunk = ceil_div(payload, 256 << 10) * (256 << 10)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_prefill, args=(child, layers, chunk), daemon=True)
-    proc.start()
+    prefill = ChildProcess(_prefill, layers, chunk, name="prefill")
     agents: dict = {}
     rows: list[dict] = []
     try:
-        if not parent.poll(120):
-            raise TimeoutError("prefill process did not start")
-        p_md = parent.recv()
+        p_md = prefill.ready(120)
         regions = {}
         for bd in sorted({d for _, d in PAIRS}):
             regions[bd] = make_rank_regions(models, 0, D_TP, TOKENS // bd + 8, bd, layout="HND",
@@ -216,8 +202,7 @@ def e2e_rows(quick: bool = False, layers: int | None = None) -> list[dict]:
                                        chunk_bytes=chunk, impl="torch", timeout_s=60)
             for md in p_md.values():
                 agents[bd].add_remote(md)
-        parent.send(("add_remote", [a.metadata() for a in agents.values()]))
-        parent.recv()
+        prefill.call("add_remote", [a.metadata() for a in agents.values()], timeout_s=None)
         tokens = make_global_tokens(models, TOKENS, torch.Generator().manual_seed(7))
         counter = [0]
         runs = []
@@ -229,8 +214,7 @@ def e2e_rows(quick: bool = False, layers: int | None = None) -> list[dict]:
         def one(bs, bd, src_ids, dst_ids, descs) -> float:
             req = f"r{counter[0]}"
             counter[0] += 1
-            parent.send(("hold", req, bs))
-            parent.recv()
+            prefill.call("hold", req, bs, timeout_s=None)
             agent = agents[bd]
             t0 = time.perf_counter()
             agent.fetch(req, f"P{bs}", src_ids, dst_ids, num_tokens=TOKENS if bs != bd else None)
@@ -256,15 +240,11 @@ def e2e_rows(quick: bool = False, layers: int | None = None) -> list[dict]:
                              method=f"kvtriton staged pull, block {bs}->{bd}", src_block=bs, dst_block=bd,
                              bytes=payload, descriptors=descs[0], ms=round(ms, 2),
                              gbps=round(payload / ms / 1e6, 2)))
-        parent.send(("exit",))
-        parent.poll(10)
+        prefill.request_exit()
     finally:
         for a in agents.values():
             a.close()
-        proc.join(5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+        prefill.close()
     _ratios(rows, "ms")
     for r in rows:
         r["note"] = (f"{r['vs_equal_blocks']}x the time of equal blocks ({r['dst_block']}->{r['dst_block']}), "

@@ -93,6 +93,7 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
     from kvtriton.agent import TransferAgent
     from kvtriton.ops import pack
     from kvtriton.plan import build_plan
+    from kvtriton.testing.child import AgentChild
     from kvtriton.transport.nixl import NixlTransport
 
     p_tp, d_tp, ranks, src_heads, dst_heads = _geometry(case)
@@ -110,58 +111,54 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
     flat = [t for r in ranks for kv in nhd[r] + hnd[r] for t in kv] + [t for r in ranks for t in joint[r]]
     payload = torch.randint(0, 256, (layers * 2 * num_blocks * BLOCK * HEAD_DIM * 2 * dst_heads,), dtype=torch.uint8)
     raw.register(flat + [payload])
-    conn.send(dict(agent_md=[[a.metadata() for a in group] for group in agents], raw_md=raw.metadata(),
-                   raw_name=raw.name,
-                   nhd={r: [[t.data_ptr() for t in kv] for kv in nhd[r]] for r in ranks},
-                   hnd={r: [[t.data_ptr() for t in kv] for kv in hnd[r]] for r in ranks},
-                   joint={r: [t.data_ptr() for t in joint[r]] for r in ranks}, payload=payload.data_ptr()))
-    try:
-        while True:
-            if conn.poll(0.0005 if all(a.idle() for a in every) else 0):
-                cmd, *args = conn.recv()
-                if cmd == "add_remote":
-                    for group, md in zip(agents, args[0]):
-                        for a in group:
-                            a.add_remote(md)
-                    raw.add_remote(args[1])
-                    conn.send("ok")
-                elif cmd == "hold":  # (req, ids, variant, consumer or None, chunks, packed ahead)
-                    group, ahead = agents[args[2]], args[5]
-                    end = time.monotonic() + 30
-                    while ahead and any(a.pool.free_slots < a.pool.num_slots for a in group) \
-                            and time.monotonic() < end:
-                        for a in group:
-                            a.progress()  # the last request's ack: its staging is back
-                    offers = [a.stats["eager_offers"] for a in group]
-                    for a in group:
-                        a.hold(args[0], args[1], lease_s=120, consumer=args[3])
-                    end = time.monotonic() + 30
-                    while ahead and any(a.stats["eager_offers"] == o for a, o in zip(group, offers)) \
-                            and time.monotonic() < end:
-                        for a in group:
-                            a.progress()  # packed (or, read_unpack, nothing to pack) and offered to the decode
-                    conn.send(dict(packed=sum(a.packed_ahead(args[0]) for a in group),
-                                   hits=sum(a.stats["eager_hits"] for a in group)))
-                elif cmd == "time_pack":  # every source rank's pack for D0, back to back (one process)
-                    reads = [(r, build_plan(0, d_tp, args[1], p_tp, agents[0][k].specs).staged_read(r))
-                             for k, r in enumerate(ranks)]
-                    ids = np.asarray(args[0])
-                    staging = torch.empty(reads[0][1].payload_bytes(ids.size), dtype=torch.uint8)
 
-                    def pack_all():
-                        for r, read in reads:
-                            pack(regions[r], read.segments, read.segment_offsets(ids.size), ids, staging,
-                                 impl="torch")
-                    conn.send(quantiles_ms(pack_all, reps))
-                elif cmd == "exit":
-                    conn.send("ok")
-                    break
-            for a in every:
-                a.progress()
-            raw.poll_notifs()  # the passive side of the raw READs must be driven too
-    finally:
+    def add_remote(agent_mds, raw_md) -> None:
+        for group, md in zip(agents, agent_mds):
+            for a in group:
+                a.add_remote(md)
+        raw.add_remote(raw_md)
+
+    def hold(req, ids, variant, consumer, chunks, ahead) -> dict:  # consumer None: not named
+        group = agents[variant]
+        end = time.monotonic() + 30
+        while ahead and any(a.pool.free_slots < a.pool.num_slots for a in group) and time.monotonic() < end:
+            for a in group:
+                a.progress()  # the last request's ack: its staging is back
+        offers = [a.stats["eager_offers"] for a in group]
+        for a in group:
+            a.hold(req, ids, lease_s=120, consumer=consumer)
+        end = time.monotonic() + 30
+        while ahead and any(a.stats["eager_offers"] == o for a, o in zip(group, offers)) and time.monotonic() < end:
+            for a in group:
+                a.progress()  # packed (or, read_unpack, nothing to pack) and offered to the decode
+        return dict(packed=sum(a.packed_ahead(req) for a in group), hits=sum(a.stats["eager_hits"] for a in group))
+
+    def time_pack(src_ids, dst_specs) -> tuple:  # every source rank's pack for D0, back to back (one process)
+        reads = [(r, build_plan(0, d_tp, dst_specs, p_tp, agents[0][k].specs).staged_read(r))
+                 for k, r in enumerate(ranks)]
+        ids = np.asarray(src_ids)
+        staging = torch.empty(reads[0][1].payload_bytes(ids.size), dtype=torch.uint8)
+
+        def pack_all():
+            for r, read in reads:
+                pack(regions[r], read.segments, read.segment_offsets(ids.size), ids, staging, impl="torch")
+        return quantiles_ms(pack_all, reps)
+
+    def step() -> None:
         for a in every:
-            a.close()
+            a.progress()
+        raw.poll_notifs()  # the passive side of the raw READs must be driven too
+
+    child = AgentChild(conn, every, {"add_remote": add_remote, "hold": hold, "time_pack": time_pack}, step=step,
+                       idle_wait_s=0.0005)
+    child.ready(dict(agent_md=[[a.metadata() for a in group] for group in agents], raw_md=raw.metadata(),
+                     raw_name=raw.name,
+                     nhd={r: [[t.data_ptr() for t in kv] for kv in nhd[r]] for r in ranks},
+                     hnd={r: [[t.data_ptr() for t in kv] for kv in hnd[r]] for r in ranks},
+                     joint={r: [t.data_ptr() for t in joint[r]] for r in ranks}, payload=payload.data_ptr()))
+    try:
+        child.run()  # closes the agents
+    finally:
         raw.close()
 
 
@@ -209,6 +206,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
     from kvtriton.agent import TransferAgent
     from kvtriton.ops import unpack
     from kvtriton.plan import ceil_div
+    from kvtriton.testing.child import ChildProcess
     from kvtriton.transport.nixl import NixlTransport
 
     layers = layers or (4 if quick else 16)
@@ -229,19 +227,15 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
                              inflight_chunks=inflight, impl="torch", timeout_s=60,
                              eager_bytes=chunks * chunk if eager else 0, eager_guess=eager == "guess",
                              modes=way))
+    prefill = ChildProcess(_prefill, layers, num_blocks, agent_kw, reps, case, name="prefill")
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_prefill, args=(child, layers, num_blocks, agent_kw, reps, case), daemon=True)
-    proc.start()
     neighbors = [ctx.Process(target=_busy_neighbor, args=(time.monotonic() + 300,), daemon=True)
                  for _ in range(busy)]
     rows: list[dict] = []
     agents: list = []
     raw = None
     try:
-        if not parent.poll(120):
-            raise TimeoutError("prefill process did not start")
-        info = parent.recv()
+        info = prefill.ready(120)
         rng = np.random.default_rng(0)
         if ids == "runs":  # a fresh allocation: consecutive blocks on both sides
             src_ids, dst_ids = np.arange(n) + 3, np.arange(n) + 5
@@ -263,8 +257,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             for md in mds:
                 a.add_remote(md)
         raw_peer = raw.add_remote(info["raw_md"])
-        parent.send(("add_remote", [a.metadata() for a in agents], raw.metadata()))
-        parent.recv()
+        prefill.call("add_remote", [a.metadata() for a in agents], raw.metadata(), timeout_s=None)
         for nb in neighbors:
             nb.start()
 
@@ -359,8 +352,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             check("per-token")
 
         # -- the staged path's parts, each alone
-        parent.send(("time_pack", src_ids.tolist(), agents[0].specs))
-        pack_q = parent.recv()
+        pack_q = prefill.call("time_pack", src_ids.tolist(), agents[0].specs, timeout_s=None)
         reads = [agents[0].plan_for("P0").staged_read(r) for r in ranks]
         stage = torch.empty(reads[0].payload_bytes(n), dtype=torch.uint8)
 
@@ -382,9 +374,8 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             def hold(i=i, eager=eager, chunks=chunks, way=way, agent=agents[i]) -> None:
                 req = f"r{counter[0]}"
                 counter[0] += 1
-                parent.send(("hold", req, src_ids.tolist(), i, f"D{i}" if eager is True else None, chunks,
-                             bool(eager)))
-                held[i] = dict(parent.recv(), req=req)
+                held[i] = dict(prefill.call("hold", req, src_ids.tolist(), i, f"D{i}" if eager is True else None,
+                                            chunks, bool(eager), timeout_s=None), req=req)
                 if eager and way != "read_unpack" and held[i]["packed"] < chunks * len(ranks):
                     raise AssertionError(f"eager {way}: {held[i]['packed']} of {chunks * len(ranks)} chunks "
                                          "packed at hold time")
@@ -467,8 +458,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         ]
         for r in rows:
             r["gbps"] = round(r["bytes"] / r["ms"] / 1e6, 2) if r["ms"] else ""
-        parent.send(("exit",))
-        parent.poll(10)
+        prefill.request_exit()
     finally:
         for nb in neighbors:
             if nb.is_alive():
@@ -478,10 +468,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             a.close()
         if raw is not None:
             raw.close()
-        proc.join(5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+        prefill.close()
     return rows
 
 
@@ -544,8 +531,8 @@ def _expected(layers: int, num_blocks: int, src_ids: np.ndarray, dst_heads: int 
 
 
 def _offers(agent, req: str) -> int:
-    """Source ranks whose offer of ``req`` the decode agent holds (bench-only look inside)."""
-    return sum(req in offers for offers in agent._destination.offers.values())
+    """Source ranks whose offer of ``req`` the decode agent holds."""
+    return sum(req in offers for offers in agent.debug_state()["offers"].values())
 
 
 def main() -> None:

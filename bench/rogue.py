@@ -137,7 +137,7 @@ class ForgedReady(Scenario):
 
     def tick(self, x, i):
         for d in x.da:
-            for xid in list(d._destination.parts):
+            for xid in list(d.debug_state()["parts"]):
                 for body in (dict(chunk=0, slot=0, nslots=1, nbytes=1024), dict(chunk=-1, slot=0, nslots=1, nbytes=-1),
                              dict(chunk=99, slot=0, nslots=0, nbytes=1024)):
                     x.rogue.transport.send_notif(d.transport.name, wire.encode_message("Ready", xid=xid, **body))
@@ -223,7 +223,7 @@ def run_scenario(cls, seed: int) -> dict:
         outside_p = sum(_changed_bytes(snapshot(r), b) for r, b in zip(x.P, p_before))
         renew_ok = True
         if isinstance(sc, ForeignRenew):  # the bait's lease ran out on time despite the renewals
-            renew_ok = "bait" not in x.pa[0]._source.holds
+            renew_ok = "bait" not in x.pa[0].debug_state()["holds"]
         x.settle(3 * TIMEOUT_S + 0.3)  # rogue transfers expire, their slots leave quarantine
         leaked = sum(a.pool.num_slots - a.pool.free_slots for a in x.honest)
         return dict(scenario=sc.name, honest_ok=ok and exact and renew_ok, outside_bytes_changed=outside_d + outside_p,

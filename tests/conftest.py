@@ -44,8 +44,8 @@ def device(request):
 
 @pytest.fixture
 def engines():
-    """``engines(...)`` makes a prefill/decode pair of agents over NIXL (test_agent.Engines, the
-    two-engine harness); every pair made is closed after the test."""
+    """``engines(...)`` makes a prefill/decode pair of agents over NIXL (test_agent.Engines: the
+    two-engine harness kvtriton.testing.pair.EnginePair); every pair made is closed after the test."""
     from test_agent import Engines  # imported lazily: it needs NIXL, most tests do not
 
     made = []

@@ -26,11 +26,10 @@ from kvtriton.testing.oracle import (
     RegionModel,
     check_destination,
     concat_global_kv,
-    load_source,
-    make_global_kv,
     make_rank_regions,
     snapshot,
 )
+from kvtriton.testing.pair import EnginePair
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.nixl
@@ -39,59 +38,9 @@ MODELS = [RegionModel.gqa("l0", 4, 16), RegionModel.mla("mla", 24, torch.float16
           RegionModel.gqa("l1", 4, 8, torch.float32)]
 
 
-class Engines:
-    def __init__(self, p_tp, d_tp, *, models=MODELS, mode="pull", staging_bytes=64 << 10, slot_bytes=1024,
-                 p_blocks=64, d_blocks=48, block_size=4, d_layout="HND", p_storage="joint", timeout_s=5.0,
-                 seed=0, connect=True, impl="torch", **agent_kw):
-        self.gen = torch.Generator().manual_seed(seed)
-        self.models, self.p_tp, self.d_tp, self.block_size = models, p_tp, d_tp, block_size
-        self.P = [make_rank_regions(models, r, p_tp, p_blocks, block_size, storage=p_storage, gen=self.gen)
-                  for r in range(p_tp)]
-        self.D = [make_rank_regions(models, r, d_tp, d_blocks, block_size, layout=d_layout, gen=self.gen)
-                  for r in range(d_tp)]
-        # torch repack: under TRITON_INTERPRET the "auto" kernels would crawl (one test uses them)
-        kw = dict(staging_bytes=staging_bytes, slot_bytes=slot_bytes, mode=mode, timeout_s=timeout_s, impl=impl,
-                  **agent_kw)
-        self.pa = [TransferAgent("P", r, p_tp, self.P[r], **kw) for r in range(p_tp)]
-        self.da = [TransferAgent("D", r, d_tp, self.D[r], **kw) for r in range(d_tp)]
-        if connect:
-            for d in self.da:
-                for p in self.pa:
-                    d.add_remote(p.metadata())
-                    p.add_remote(d.metadata())
-        self.before = [snapshot(x) for x in self.D]
-
-    @property
-    def agents(self):
-        return self.pa + self.da
-
-    def request(self, src_ids, lease_s=30.0):
-        kv = make_global_kv(self.models, len(src_ids), self.block_size, self.gen)
-        for r, regs in enumerate(self.P):
-            load_source(regs, r, self.p_tp, kv, src_ids)
-        return kv
-
-    def drive(self, want: int, timeout_s: float = 20.0):
-        """Progress every agent until each decode rank has ``want`` results."""
-        got = {i: [] for i in range(self.d_tp)}
-        deadline = time.monotonic() + timeout_s
-        while any(len(v) < want for v in got.values()):
-            assert time.monotonic() < deadline, f"no results after {timeout_s} s: {got}"
-            for a in self.agents:
-                a.progress()
-            for i, d in enumerate(self.da):
-                got[i] += d.results()
-        return got
-
-    def settle(self, seconds=0.3):
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            for a in self.agents:
-                a.progress()
-
-    def close(self):
-        for a in self.agents:
-            a.close()
+def Engines(p_tp, d_tp, *, models=MODELS, **kw) -> EnginePair:
+    """The two-engine harness (:class:`kvtriton.testing.pair.EnginePair`), this file's models by default."""
+    return EnginePair(p_tp, d_tp, models=models, **kw)
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -227,7 +176,7 @@ def test_forged_ready_outside_staging_fails_the_request(engines):
     e = engines(1, 1, models=MODELS[:1])
     e.pa[0].hold("r", [1, 2])
     e.da[0].fetch("r", "P", [1, 2], [3, 4])
-    xid = next(iter(e.da[0]._destination.fetches.parts))
+    xid = next(iter(e.da[0].debug_state()["parts"]))
     forged = wire.Ready(xid, chunk=0, slot=10_000, nslots=1, nbytes=512).encode()
     e.pa[0].transport.send_notif(e.da[0].transport.name, forged)
     deadline, res = time.monotonic() + 5, []
@@ -268,7 +217,7 @@ def test_handshake_gate(engines):
         d.add_remote(variant(staging={**raw["staging"], "slot_bytes": 2048}))
     with pytest.raises(IncompatibleRemoteError, match="this engine"):
         d.add_remote(e.da[0].metadata())
-    assert not d._links.peers and d.transport.remotes == frozenset()  # nothing was connected
+    assert not d.debug_state()["peers"] and d.transport.remotes == frozenset()  # nothing was connected
     d.add_remote(good)
     assert d.plan_for("P").source_ranks == (0,)
 
@@ -303,9 +252,9 @@ def test_duplicate_ready_fails_the_request(engines):
     e = engines(1, 1, models=MODELS[:1], staging_bytes=4 << 10)
     e.pa[0].hold("r", np.arange(8))
     e.da[0].fetch("r", "P", np.arange(8), np.arange(8, 16))
-    part = next(iter(e.da[0]._destination.fetches.parts.values()))
-    assert part.n_chunks > 1
-    dup = wire.Ready(part.xid, chunk=0, slot=0, nslots=1, nbytes=1024).encode()
+    xid, part = next(iter(e.da[0].debug_state()["parts"].items()))
+    assert part["chunks"] > 1
+    dup = wire.Ready(xid, chunk=0, slot=0, nslots=1, nbytes=1024).encode()
     _deliver(e, e.pa[0], e.da[0], dup)
     _deliver(e, e.pa[0], e.da[0], dup)
     res = e.drive(1)[0][0]
@@ -327,7 +276,7 @@ def test_engines_with_different_planning_settings_refuse_to_connect(setting, kw)
         for a, b in ((d, p), (p, d)):
             with pytest.raises(IncompatibleRemoteError, match=f"planning setting '{setting}'"):
                 a.add_remote(b.metadata())
-            assert not a._links.peers and a.transport.remotes == frozenset()
+            assert not a.debug_state()["peers"] and a.transport.remotes == frozenset()
     finally:
         p.close()
         d.close()
@@ -354,10 +303,10 @@ def test_abort_cancels_a_fetch_and_frees_staging_on_both_sides(engines, mode):
     res = e.da[0].results()
     assert len(res) == 1 and not res[0].ok and isinstance(res[0].error, RequestAbortedError)
     e.settle(0.2)
-    assert not e.pa[0]._source.serves  # the source was told (well before its 0.5 s silence deadline)
+    assert not e.pa[0].debug_state()["serves"]  # the source was told (well before its 0.5 s silence deadline)
     e.settle(1.0)  # push quarantines granted slots for timeout_s
     assert e.da[0].results() == []  # nothing more is reported for an aborted fetch
-    assert all(a.pool.free_slots == a.pool.num_slots and not a._source.serves for a in e.agents)
+    assert all(a.pool.free_slots == a.pool.num_slots and not a.debug_state()["serves"] for a in e.agents)
     # the hold survives the abort: a retry still works
     e.da[0].fetch("r", "P", src, np.arange(8))
     assert e.drive(1)[0][0].ok
@@ -383,3 +332,34 @@ def test_a_block_larger_than_a_chunk_fails_the_fetch_with_a_staging_error(engine
     res = e.da[0].results()  # reported at once: nothing was sent
     assert len(res) == 1 and isinstance(res[0].error, StagingError) and "more than a chunk" in str(res[0].error)
     assert e.da[0].pool.free_slots == e.da[0].pool.num_slots
+
+
+def test_debug_state_is_plain_json_with_the_documented_keys(engines):
+    """debug_state() is the contract tests read (kvtriton.agent.debug documents every key): plain
+    JSON values only, the same keys on every agent, mid-transfer included."""
+    import json
+
+    e = engines(1, 2, staging_bytes=64 << 10)
+    src, dst = np.array([9, 3, 4]), np.array([0, 7, 8])
+    kv = e.request(src)
+    e.pa[0].hold("r", src, consumer="D")
+    e.pa[0].hold("guessed", [1, 2])
+    e.settle(0.1)  # both packed ahead and offered to both decode ranks (the second by eager_guess)
+    e.da[0].fetch("r", "P", src, dst)
+    keys = {"engine", "rank", "tp", "flow", "settings", "peers", "holds", "serves", "serve_counts", "offered", "eager",
+            "staging", "plans", "reading", "fetches", "parts", "parts_by_way", "offers", "warmed", "inbox"}
+    p, d = e.pa[0].debug_state(), e.da[0].debug_state()
+    for state in (p, d, e.da[1].debug_state()):
+        assert set(state) == keys and json.loads(json.dumps(state)) == state
+    assert p["holds"]["r"]["consumer"] == "D" and p["holds"]["guessed"]["block_ids"] == [1, 2]
+    assert sorted(p["offered"]["r"]) == ["D:0", "D:1"] and p["serve_counts"]["by_engine"] == {"D": 4}
+    assert sorted(p["peers"]) == ["D:0", "D:1"] and len(p["plans"]) == 2
+    assert all(x["staged_from_me"] for x in p["plans"])
+    assert d["fetches"]["r"]["engine"] == "P" and set(d["parts"]) == set(d["fetches"]["r"]["parts"])
+    assert sum(d["parts_by_way"].values()) == len(d["parts"]) == 1 and "P" in d["reading"]
+    end = time.monotonic() + 20
+    while not (res := e.da[0].results()) and time.monotonic() < end:
+        for a in e.agents:
+            a.progress()
+    assert res and res[0].ok, res
+    check_destination(e.D[0], 0, 2, kv, dst, e.before[0])

@@ -18,7 +18,16 @@ import torch
 from kvtriton.agent import TransferAgent
 from kvtriton.agent.streams import Completion, Lanes, ready_event
 from kvtriton.ops import LaunchConfig, launch_config_for, pack
+from kvtriton.plan import build_plan
 from kvtriton.testing.oracle import RegionModel, check_destination, make_rank_regions, snapshot
+from kvtriton.testing.seams import (
+    agent_lanes,
+    reap,
+    replace_lanes,
+    retire_chunks,
+    set_fetch_event,
+    set_hold_event,
+)
 
 pytest.importorskip("nixl", reason="the agent's transport needs NIXL: pip install 'kvtriton[nixl]'")
 
@@ -58,7 +67,7 @@ def test_direct_regions_wait_for_the_holds_event(engines, mode):
     kv = e.request(src)
     e.pa[0].hold("r", src)
     pending = PendingEvent()
-    e.pa[0]._source.holds["r"].ready = pending  # the engine is still writing these blocks
+    set_hold_event(e.pa[0], "r", pending)  # the engine is still writing these blocks
     e.da[0].fetch("r", "P", src, dst)
     assert _spin(e, until=lambda got: got or pending.queries) == [] and _spin(e) == []
     assert pending.queries > 0  # asked, and nothing offered or written yet: no result, the cache untouched
@@ -77,10 +86,10 @@ def test_a_wait_on_the_engine_is_not_the_peers_silence(engines, mode):
     src, dst = np.array([3]), np.array([3])
     kv = e.request(src)
     e.pa[0].hold("r", src)
-    e.pa[0]._source.holds["r"].ready = pending = PendingEvent()
+    set_hold_event(e.pa[0], "r", pending := PendingEvent())
     e.da[0].fetch("r", "P", src, dst, timeout_s=5.0)
-    assert _spin(e, until=lambda got: got or e.pa[0]._source.serves) == []
-    assert _spin(e, 0.6) == [] and e.pa[0]._source.serves  # still served after 2 deadlines
+    assert _spin(e, until=lambda got: got or e.pa[0].debug_state()["serves"]) == []
+    assert _spin(e, 0.6) == [] and e.pa[0].debug_state()["serves"]  # still served after 2 deadlines
     pending.complete = True
     got = _spin(e, until=bool)
     assert len(got) == 1 and got[0].ok, got
@@ -93,7 +102,7 @@ class RecordingLanes:
 
     def __init__(self):
         self.launches: list[object] = []  # the ``after`` of each pack/unpack, in order
-        self.pending: list["ManualCompletion"] = []
+        self.pending: list[ManualCompletion] = []
         self.cuda = False
 
     @contextlib.contextmanager
@@ -132,14 +141,14 @@ def test_kernel_completions_gate_every_next_step(engines, mode):
     e = engines(1, 1, mode=mode, models=[RegionModel.gqa("l0", 4, 16)], modes="staged")
     lanes = {a: RecordingLanes() for a in e.agents}
     for a, fake in lanes.items():
-        object.__setattr__(a._links.s, "lanes", fake)  # Settings is frozen; the roles share it
+        replace_lanes(a, fake)
     src, dst = np.array([6, 1, 7]), np.array([2, 9, 4])
     kv = e.request(src)
     e.pa[0].hold("r", src)
-    hold_event = e.pa[0]._source.holds["r"].ready = PendingEvent()
+    set_hold_event(e.pa[0], "r", hold_event := PendingEvent())
     hold_event.complete = True  # (only DIRECT runs query it on the host)
     e.da[0].fetch("r", "P", src, dst)
-    fetch_event = e.da[0]._destination.fetches.by_req["r"].ready = object()
+    set_fetch_event(e.da[0], "r", fetch_event := object())
     p, d = lanes[e.pa[0]], lanes[e.da[0]]
     assert _spin(e, until=lambda got: got or p.launches) == [] and _spin(e) == []
     assert p.launches and all(x is hold_event for x in p.launches)  # packed, after the engine's writes
@@ -160,12 +169,17 @@ def test_hold_after_is_for_cuda_agents(engines):
         e.pa[0].hold("r", [1], after=object())
     with pytest.raises(ValueError, match="CUDA agents"):
         e.da[0].fetch("r", "P", [1], [2], after=object())
-    assert not e.pa[0]._source.holds and not e.da[0]._destination.fetches  # nothing half-done
+    assert not e.pa[0].debug_state()["holds"] and not e.da[0].debug_state()["fetches"]  # nothing half-done
     assert ready_event(torch.device("cpu"), None) is None
     assert Completion(None).done() and Lanes(torch.device("cpu")).completion().done()
 
 
 # ------------------------------------------------------------------ warmup
+def _warm(op: str, cfg: LaunchConfig) -> dict:
+    """How debug_state()["warmed"] lists a compiled specialisation."""
+    return {"op": op, "config": cfg._asdict()}
+
+
 def _agent(impl, **kw):
     g = torch.Generator().manual_seed(5)
     regions = make_rank_regions([RegionModel.gqa("l0", 4, 16), RegionModel.mla("mla", 24, torch.float16)],
@@ -188,13 +202,13 @@ def test_warmup_runs_each_specialisation_once_and_moves_nothing():
         assert all(torch.equal(x, y) for r0, r1 in zip(before, snapshot(regions)) for x, y in zip(r0, r1))
         assert torch.equal(a.pool.tensor, staging)
         # every chunk size a request can have launches a warmed specialisation
-        plan = a._links.s.plan(0, 1, a.specs, 1, a.specs)
+        plan = build_plan(0, 1, a.specs, 1, a.specs)  # the agent's own geometry, its (default) settings
         read = plan.staged_read(0)
         for n in range(1, a.chunk_bytes // read.bytes_per_block + 1):
             for op in ("pack", "unpack"):
                 cfg = launch_config_for(op, regions, read.segments, read.segment_offsets(n, base=a.pool.offset(3)),
                                         np.arange(n), a.pool.tensor)
-                assert (op, cfg) in a._warmed, (op, n, cfg)
+                assert _warm(op, cfg) in a.debug_state()["warmed"], (op, n, cfg)
     finally:
         a.close()
 
@@ -202,13 +216,13 @@ def test_warmup_runs_each_specialisation_once_and_moves_nothing():
 def test_warmup_is_free_under_the_torch_path_and_opt_in_at_construction():
     _, a = _agent("torch", warmup=True)
     try:
-        assert a.warmup() == [] and not a._warmed
+        assert a.warmup() == [] and not a.debug_state()["warmed"]
     finally:
         a.close()
     if not torch.cuda.is_available():
         _, b = _agent("auto", warmup=True)  # interpreter: construction warmed the own-geometry plan
         try:
-            assert b._warmed and b.warmup(peers=False) == []
+            assert b.debug_state()["warmed"] and b.warmup(peers=False) == []
         finally:
             b.close()
 
@@ -220,15 +234,17 @@ def test_add_remote_warms_what_serving_and_fetching_that_peer_launch(engines):
         pytest.skip("the interpreter path")
     e = engines(1, 2, impl="auto", warmup=True, models=[RegionModel.gqa("l0", 4, 16)])
     p = e.pa[0]
+    p_warmed = p.debug_state()["warmed"]
     for d in e.da:
-        to_d = p._links.s.plan(d.rank, 2, d.specs, 1, p.specs).staged_read(0)
+        d_warmed = d.debug_state()["warmed"]
+        to_d = build_plan(d.rank, 2, d.specs, 1, p.specs).staged_read(0)  # what p serves d by
         from_p = d.plan_for("P").staged_read(0)
         for n in (1, 2, 3, 4):
             ids = np.arange(n)
-            assert ("pack", launch_config_for("pack", p.regions, to_d.segments, to_d.segment_offsets(n), ids,
-                                              p.pool.tensor)) in p._warmed
-            assert ("unpack", launch_config_for("unpack", d.regions, from_p.segments, from_p.segment_offsets(n),
-                                                ids, d.pool.tensor)) in d._warmed
+            assert _warm("pack", launch_config_for("pack", p.regions, to_d.segments, to_d.segment_offsets(n), ids,
+                                                   p.pool.tensor)) in p_warmed
+            assert _warm("unpack", launch_config_for("unpack", d.regions, from_p.segments,
+                                                     from_p.segment_offsets(n), ids, d.pool.tensor)) in d_warmed
 
 
 # ------------------------------------------------------------------ CUDA
@@ -250,8 +266,8 @@ def test_pack_on_the_agents_stream_waits_for_the_engines_writes():
     a = TransferAgent("P", 0, 1, regions, staging_bytes=1 << 20, slot_bytes=4096, modes="staged")
     try:
         a.warmup()  # no compile between queuing the engine's work and the pack
-        read = a._links.s.plan(0, 1, a.specs, 1, a.specs).staged_read(0)
-        lanes = a._links.s.lanes
+        read = build_plan(0, 1, a.specs, 1, a.specs, modes="staged").staged_read(0)
+        lanes = agent_lanes(a)
         streams = [regions[0].nhd(j).view(torch.uint8) for j in range(regions[0].spec.num_streams)]
         fresh = [torch.randint(0, 256, s[7].shape, dtype=torch.uint8, generator=g).to(dev) for s in streams]
         canary = torch.randint(0, 256, (a.pool.nbytes,), dtype=torch.uint8, generator=g).to(dev)
@@ -291,8 +307,8 @@ def test_unpack_on_the_agents_stream_waits_for_the_engines_last_use():
     a = TransferAgent("D", 0, 1, regions, staging_bytes=1 << 20, slot_bytes=4096, modes="staged")
     try:
         a.warmup()
-        read = a._links.s.plan(0, 1, a.specs, 1, a.specs).staged_read(0)
-        lanes = a._links.s.lanes
+        read = build_plan(0, 1, a.specs, 1, a.specs, modes="staged").staged_read(0)
+        lanes = agent_lanes(a)
         streams = [regions[0].nhd(j).view(torch.uint8) for j in range(regions[0].spec.num_streams)]
         stale = [torch.randint(0, 256, s[5].shape, dtype=torch.uint8, generator=g).to(dev) for s in streams]
         payload = torch.randint(0, 256, (a.pool.nbytes,), dtype=torch.uint8, generator=g).to(dev)
@@ -331,15 +347,15 @@ def test_warmup_compiles_what_requests_launch():
     a = TransferAgent("P", 0, 1, regions, staging_bytes=8 << 20, slot_bytes=64 << 10, warmup=True,
                       modes="staged")
     try:
-        assert a._warmed
+        assert a.debug_state()["warmed"]
         count = _compiled(_kernel("pack")) + _compiled(_kernel("unpack"))
-        read = a._links.s.plan(0, 1, a.specs, 1, a.specs).staged_read(0)
-        with a._links.s.lanes.launching():
+        read = build_plan(0, 1, a.specs, 1, a.specs, modes="staged").staged_read(0)
+        with (lanes := agent_lanes(a)).launching():
             for n in (1, 3, 6, 13):
                 offs = read.segment_offsets(n, base=a.pool.offset(2))
                 pack(regions, read.segments, offs, np.arange(n), a.pool.tensor)
                 unpack(regions, read.segments, offs, np.arange(40, 40 + n), a.pool.tensor)
-        a._links.s.lanes.synchronize()
+        lanes.synchronize()
         assert _compiled(_kernel("pack")) + _compiled(_kernel("unpack")) == count
     finally:
         a.close()
@@ -353,15 +369,15 @@ def test_retired_slots_wait_for_the_pack_still_running_into_them():
 
     _, a = _agent("torch")
     try:
-        pool, links = a.pool, a._links
+        pool = a.pool
         free0 = pool.free_slots
         slot = pool.alloc(2)
         pending, freed = ManualCompletion(), []
-        links.retire_chunks({0: Chunk(0, slot, 2, 2048, kernel=pending)}, 0.0, on_free=freed.append)
-        links.reap()
+        retire_chunks(a, {0: Chunk(0, slot, 2, 2048, kernel=pending)}, 0.0, on_free=freed.append)
+        reap(a)
         assert pool.free_slots == free0 - 2 and not freed  # the pack may still write there
         pending.finished = True
-        links.reap()
+        reap(a)
         assert pool.free_slots == free0 and len(freed) == 1
     finally:
         a.close()

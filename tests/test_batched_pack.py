@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,6 +34,7 @@ from kvtriton.testing.oracle import (
     make_global_tokens,
 )
 from kvtriton.testing.rogue import RogueRig
+from kvtriton.testing.seams import Wiretap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -196,12 +196,14 @@ def _gather(agent, n: int, drive=(), timeout_s: float = 5.0) -> None:
     (``drive``: callables run meanwhile, UCX needs both sides polled): its next progress() then
     handles them all before it packs (one step)."""
     deadline = time.monotonic() + timeout_s
-    while len(agent._inbox) < n:
+    tap = Wiretap(agent)
+    tap.hold()
+    while len(tap.held) < n:
         assert time.monotonic() < deadline, f"{agent.engine_id}:{agent.rank} heard from fewer than {n} peers"
         for step in drive:
             step()
-        for sender, msgs in agent.transport.poll_notifs().items():
-            agent._inbox.setdefault(sender, deque()).extend(msgs)
+        tap.poll()
+    tap.close()  # the agent's next poll receives everything held
 
 
 @needs_nixl
@@ -293,10 +295,10 @@ def test_a_rogue_in_the_batch_cannot_spoil_the_others(monkeypatch, rogue):
         x.check_honest(kv, dst)
         # the rogue's transfer expires (silent: 1 s) and its slots leave quarantine (1 s more)
         end = time.monotonic() + 6.0
-        while (p._source.serves or p.pool.free_slots < p.pool.num_slots) and time.monotonic() < end:
+        while (p.debug_state()["serves"] or p.pool.free_slots < p.pool.num_slots) and time.monotonic() < end:
             x.settle(0.05)
-        assert not p._source.serves
-        assert p.pool.free_slots == p.pool.num_slots and sum(p._source.engine_slots.values()) == 0
+        assert not p.debug_state()["serves"]
+        assert p.pool.free_slots == p.pool.num_slots and sum(p.debug_state()["staging"]["engine_slots"].values()) == 0
         x.check_prefill_untouched()
     finally:
         x.close()
@@ -314,14 +316,14 @@ def test_an_eager_pack_refused_for_one_rank_leaves_the_others_and_goes_lazily(en
     p.progress()  # the joint launch is refused: ranks 0, 1, 3 one launch each, rank 2's pack freed
     assert (p.stats["pack_launches"], p.stats["packed_chunks"]) == (3, 3)
     assert p.packed_ahead("r") == 3  # and already offered to their ranks
-    assert sorted(s.peer.md.rank for s in p._source.serves.values() if s.offered) == [0, 1, 3]
+    assert sorted(s["rank"] for s in p.debug_state()["serves"] if s["offered"]) == [0, 1, 3]
     monkeypatch.undo()
     for d in e.da:
         d.fetch("r", "P", src, dst)
     _all_exact(e, kv, dst)
     e.settle(0.2)
     assert p.stats["eager_hits"] == 3 and p.stats["packed_chunks"] == 4  # rank 2 packed lazily
-    assert p.pool.free_slots == p.pool.num_slots and p._source.eager.slots == 0
+    assert p.pool.free_slots == p.pool.num_slots and p.debug_state()["staging"]["eager_slots"] == 0
 
 
 @needs_nixl

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvtriton.agent import TransferAgent
 from kvtriton.errors import PlanError
 from kvtriton.protocol import wire
 from kvtriton.regions import Kind
@@ -18,9 +17,10 @@ from kvtriton.testing.oracle import (
     check_destination_tokens,
     load_source_tokens,
     make_global_tokens,
-    make_rank_regions,
     snapshot,
 )
+from kvtriton.testing.pair import EnginePair
+from kvtriton.testing.seams import Wiretap
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.nixl
@@ -32,40 +32,13 @@ CPU_MODELS = [RegionModel("l0", Kind.SPLIT, 4, (32,), torch.float32), RegionMode
               RegionModel("l1", Kind.SPLIT, 4, (16,), torch.bfloat16)]
 
 
-class Pair:
-    def __init__(self, p_tp, d_tp, p_bs, d_bs, mode, seed=0, models=MODELS, p_storage="joint", d_storage="separate",
-                 **agent_kw):
-        self.gen = torch.Generator().manual_seed(seed)
-        self.p_tp, self.d_tp, self.models = p_tp, d_tp, models
-        p_layout = "HND" if p_storage == "vllm_cpu" else "NHD"
-        self.P = [make_rank_regions(models, r, p_tp, 64, p_bs, layout=p_layout, storage=p_storage, gen=self.gen)
-                  for r in range(p_tp)]
-        self.D = [make_rank_regions(models, r, d_tp, 48, d_bs, layout="HND", storage=d_storage, gen=self.gen,
-                                    pad_blocks=1) for r in range(d_tp)]
-        kw = dict(staging_bytes=64 << 10, slot_bytes=1024, chunk_bytes=4096, mode=mode, timeout_s=5.0, impl="torch")
-        kw.update(agent_kw)
-        self.pa = [TransferAgent("P", r, p_tp, self.P[r], **kw) for r in range(p_tp)]
-        self.da = [TransferAgent("D", r, d_tp, self.D[r], **kw) for r in range(d_tp)]
-        for d in self.da:
-            for p in self.pa:
-                d.add_remote(p.metadata())
-                p.add_remote(d.metadata())
-        self.before = [snapshot(x) for x in self.D]
-
-    def drive(self, want, timeout_s=20.0):
-        got = {i: [] for i in range(self.d_tp)}
-        deadline = time.monotonic() + timeout_s
-        while any(len(v) < want for v in got.values()):
-            assert time.monotonic() < deadline, f"no results after {timeout_s} s: {got}"
-            for a in self.pa + self.da:
-                a.progress()
-            for i, d in enumerate(self.da):
-                got[i] += d.results()
-        return got
-
-    def close(self):
-        for a in self.pa + self.da:
-            a.close()
+def Pair(p_tp, d_tp, p_bs, d_bs, mode, seed=0, models=MODELS, p_storage="joint", d_storage="separate",
+         **agent_kw) -> EnginePair:
+    """The two-engine harness with block sizes ``p_bs`` -> ``d_bs`` (the decode cache padded: its
+    blocks are not contiguous), chunks of 4 KiB unless ``agent_kw`` says otherwise."""
+    return EnginePair(p_tp, d_tp, models=models, mode=mode, seed=seed, block_size=p_bs, d_block_size=d_bs,
+                      p_layout="HND" if p_storage == "vllm_cpu" else "NHD", p_storage=p_storage,
+                      d_storage=d_storage, d_pad_blocks=1, **{"chunk_bytes": 4096, **agent_kw})
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -82,7 +55,7 @@ def test_warmup_covers_token_mapped_launches(p_bs, d_bs):
         pytest.skip("the interpreter path")
     e = Pair(1, 2, p_bs, d_bs, "pull", impl="auto", warmup=True)
     try:
-        assert e.pa[0]._warmed and all(d._warmed for d in e.da)
+        assert e.pa[0].debug_state()["warmed"] and all(d.debug_state()["warmed"] for d in e.da)
         assert all(torch.equal(x, y) for r in range(2) for a, b in zip(e.before[r], snapshot(e.D[r]))
                    for x, y in zip(a, b))
     except BaseException:
@@ -136,15 +109,15 @@ def test_source_rejects_a_token_map_that_does_not_add_up():
         for p in e.pa:
             p.hold("r", src)
         plan = e.da[0].plan_for("P")
-        peer = e.da[0]._links.peers[("P", 0)]
+        tap = Wiretap(e.da[0])
         # three source ids where tiles [0, 1] of 16 tokens read four
-        e.da[0]._links.send(peer, wire.Pull("x|1", "r", 0, (0, 1, 2), 1, plan.digest(), 16, (0, 1)))
+        tap.send(e.pa[0], wire.Pull("x|1", "r", 0, (0, 1, 2), 1, plan.digest(), 16, (0, 1)))
         deadline = time.monotonic() + 5
         seen = []
-        e.da[0]._handlers[wire.Reject] = lambda peer, m: seen.append(m.reason)
         while not seen and time.monotonic() < deadline:
             for a in e.pa + e.da:
                 a.progress()
+            seen = [m.reason for m in tap.seen(wire.Reject)]
         assert seen and "token map" in seen[0] and "source ids" in seen[0], seen
     finally:
         e.close()

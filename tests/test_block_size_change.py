@@ -247,7 +247,6 @@ def test_gate_accepts_a_block_size_change_of_dim_major_blocks_and_refuses_malfor
 
 
 def test_wire_carries_block_size_and_dim_major():
-    import dataclasses
 
     from kvtriton.protocol import wire
 

@@ -24,8 +24,9 @@ ONE = MODELS[:1]  # l0: 1 KiB a block at TP1, 512 B at TP2
 
 
 def _all_free(e) -> bool:
-    return all(a.pool.free_slots == a.pool.num_slots and not a._source.engine_slots.get("D", 0)
-               and a._source.eager.slots == 0 for a in e.agents)
+    pool_state = [a.debug_state()["staging"] for a in e.agents]
+    return all(a.pool.free_slots == a.pool.num_slots and not st["engine_slots"].get("D", 0)
+               and st["eager_slots"] == 0 for a, st in zip(e.agents, pool_state))
 
 
 @pytest.mark.parametrize("offer_seen", [True, False])
@@ -48,7 +49,8 @@ def test_a_pull_is_answered_from_the_eager_pack_byte_exact(engines, p_tp, d_tp, 
         assert p.packed_ahead("r") == 0  # packed in the next progress(), not inside hold()
         p.progress()
         assert p.packed_ahead("r") > 0 and p.stats["eager_chunks"] == p.packed_ahead("r")
-        assert p._source.eager.slots <= p._source.eager.budget_slots
+        pool_state = p.debug_state()["staging"]
+        assert pool_state["eager_slots"] <= pool_state["eager_budget_slots"]
     if offer_seen:
         e.settle(0.1)
     for d in e.da:
@@ -59,17 +61,17 @@ def test_a_pull_is_answered_from_the_eager_pack_byte_exact(engines, p_tp, d_tp, 
         check_destination(e.D[r], r, d_tp, kv, dst, e.before[r])
     e.settle(0.2)
     hits = sum(p.stats["eager_hits"] for p in e.pa)
-    assert hits == sum(len(p._source.plans) for p in e.pa) and hits >= max(p_tp, d_tp)
+    assert hits == sum(len(p.debug_state()["plans"]) for p in e.pa) and hits >= max(p_tp, d_tp)
     assert sum(p.stats["eager_misses"] for p in e.pa) == 0
     offers = sum(p.stats["eager_offers"] for p in e.pa)
     # offered: packs of every chunk (with DIRECT runs too: the offer confirms them)
     assert offers == (0 if staging == 8 << 10 else sum(
-        1 for p in e.pa for plan in p._source.plans.values() if plan.staged_read(p.rank) is not None))
+        1 for p in e.pa for plan in p.debug_state()["plans"] if plan["staged_from_me"]))
     assert offers > 0 or staging == 8 << 10
     assert sum(d.stats["offers_taken"] for d in e.da) == (offers if offer_seen else 0)
     assert all([(f.req_id, f.reason) for f in p.freed()] == [("r", "done")] for p in e.pa)
     assert _all_free(e)
-    assert all(not d._destination.fetches.parts for d in e.da)  # offered parts are forgotten too
+    assert all(not d.debug_state()["parts"] for d in e.da)  # offered parts are forgotten too
 
 
 @pytest.mark.parametrize("ask", ["subset", "reordered"])
@@ -93,7 +95,7 @@ def test_a_pull_that_does_not_match_the_pack_frees_it_and_is_served_lazily(engin
     # the pack was offered (every chunk, no DIRECT runs): the decode declined it and pulled
     assert e.pa[0].stats["eager_offers"] == 1 and e.da[0].stats["offers_taken"] == 0
     assert e.pa[0].stats["eager_misses"] == 1 and e.pa[0].stats["eager_hits"] == 0
-    assert e.pa[0]._source.eager.slots == 0 and not e.pa[0]._source.offered
+    assert e.pa[0].debug_state()["staging"]["eager_slots"] == 0 and not e.pa[0].debug_state()["offered"]
     e.settle(0.8)  # a withdrawn offer's slots are quarantined for timeout_s
     assert _all_free(e)
 
@@ -111,12 +113,13 @@ def test_a_hold_that_ends_before_its_pull_frees_its_eager_slots(engines, how):
     else:
         e.settle(0.4)
     assert [f.reason for f in p.freed()] == ["released" if how == "release" else "lease_expired"]
-    assert p.packed_ahead("r") == 0 and p._source.eager.slots == 0 and not p._source.serves
+    st = p.debug_state()
+    assert p.packed_ahead("r") == 0 and st["staging"]["eager_slots"] == 0 and not st["serves"]
     # the pack had been offered to D:0 (announced, as by a ready): its slots are quarantined for
     # timeout_s, and D drops the offer when told
     assert p.stats["eager_offers"] == 1
     e.settle(0.5)
-    assert _all_free(e) and not e.da[0]._destination.offers.by_peer.get(("P", 0))
+    assert _all_free(e) and not e.da[0].debug_state()["offers"].get("P:0")
 
 
 def test_holds_beyond_the_eager_budget_are_served_lazily(engines):
@@ -186,11 +189,12 @@ def test_a_rogue_engine_cannot_take_the_consumers_eager_pack():
         p.hold("r", src, consumer="D")
         x.settle(0.05)
         packed = p.packed_ahead("r")
-        assert packed > 0 and p._source.engine_slots.get("D", 0) <= p._source.share()
-        chunk_blocks = p._source.eager.packs["r"][0].chunks.blocks_per_chunk
+        st = p.debug_state()
+        assert packed > 0 and st["staging"]["engine_slots"].get("D", 0) <= st["staging"]["share"]
+        chunk_blocks = st["eager"]["r"]["0"]["blocks_per_chunk"]
         x.rogue_pull("r", src, chunk_blocks=chunk_blocks)  # exactly what was packed, wrong engine
         x.settle(0.1)
-        assert not p._source.serves and p.stats["refused"] == 1 and p.stats["eager_misses"] == 0
+        assert not p.debug_state()["serves"] and p.stats["refused"] == 1 and p.stats["eager_misses"] == 0
         assert p.packed_ahead("r") == packed  # untouched: still the consumer's
         x.da[0].fetch("r", "P", src, dst)
         assert x.drive(1)[0].ok
@@ -200,11 +204,13 @@ def test_a_rogue_engine_cannot_take_the_consumers_eager_pack():
         for i in range(4):
             p.hold(f"bait{i}", np.arange(8 * i, 8 * i + 8), consumer="R")
         x.settle(0.05)
-        assert 0 < p._source.engine_slots.get("R", 0) <= p._source.share()
+        pool_state = p.debug_state()["staging"]
+        assert 0 < pool_state["engine_slots"].get("R", 0) <= pool_state["share"]
         x.settle(0.1)
         for i in range(4):
             p.release(f"bait{i}")
-        assert p._source.engine_slots.get("R", 0) == 0 and p._source.eager.slots == 0
+        pool_state = p.debug_state()["staging"]
+        assert pool_state["engine_slots"].get("R", 0) == 0 and pool_state["eager_slots"] == 0
         x.check_prefill_untouched()
     finally:
         x.close()
@@ -222,7 +228,7 @@ def test_a_forged_or_stale_offer_is_declined_and_the_fetch_pulls(engines, bad):
     plan = e.da[0].plan_for("P").digest()
     slots, ids, cb = (0, 4), ids_digest(src), 4
     if bad == "slots outside staging":
-        slots = (e.da[0]._links.peers[("P", 0)].md.staging.num_slots - 1, 4)
+        slots = (e.da[0].debug_state()["peers"]["P:0"]["staging_slots"] - 1, 4)
     elif bad == "other ids":
         ids = ids_digest(src[::-1].copy())
     else:
@@ -231,11 +237,11 @@ def test_a_forged_or_stale_offer_is_declined_and_the_fetch_pulls(engines, bad):
                                  wire.Offer("r|P:0>0!", "r", plan, ids, 4, cb, slots).encode())
     for _ in range(50):  # up to 5 s on a loaded host
         e.settle(0.1)
-        if e.da[0]._destination.offers.by_peer.get(("P", 0), {}).get("r") is not None:
+        if e.da[0].debug_state()["offers"].get("P:0", {}).get("r") is not None:
             break
-    assert e.da[0]._destination.offers.by_peer.get(("P", 0), {}).get("r") is not None
+    assert e.da[0].debug_state()["offers"].get("P:0", {}).get("r") is not None
     e.da[0].fetch("r", "P", src, dst)
     res = e.drive(1)[0][0]
     assert res.ok, res
     check_destination(e.D[0], 0, 1, kv, dst, e.before[0])
-    assert e.da[0].stats["offers_taken"] == 0 and not e.da[0]._destination.offers.by_peer.get(("P", 0))
+    assert e.da[0].stats["offers_taken"] == 0 and not e.da[0].debug_state()["offers"].get("P:0")

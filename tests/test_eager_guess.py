@@ -36,8 +36,9 @@ def made():
 
 
 def _free(agents, *engines) -> bool:
-    return all(a.pool.free_slots == a.pool.num_slots and a._source.eager.slots == 0
-               and not any(a._source.engine_slots.get(e, 0) for e in engines) for a in agents)
+    pool_state = [a.debug_state()["staging"] for a in agents]
+    return all(a.pool.free_slots == a.pool.num_slots and st["eager_slots"] == 0
+               and not any(st["engine_slots"].get(e, 0) for e in engines) for a, st in zip(agents, pool_state))
 
 
 def _other(e: Engines, made: list, name: str, seed: int):
@@ -88,7 +89,7 @@ def test_an_unnamed_hold_is_packed_for_the_only_engine_and_taken_byte_exact(made
         p.hold("r", src)  # no consumer: D is the only engine connected
         p.progress()
         assert p.packed_ahead("r") > 0 and p.stats["eager_guessed"] == 1
-        assert p._source.holds["r"].consumer is None  # the guess binds nothing
+        assert p.debug_state()["holds"]["r"]["consumer"] is None  # the guess binds nothing
     if offer_seen:
         e.settle(0.1)
     for d in e.da:
@@ -98,7 +99,7 @@ def test_an_unnamed_hold_is_packed_for_the_only_engine_and_taken_byte_exact(made
     for r in range(d_tp):
         check_destination(e.D[r], r, d_tp, kv, dst, e.before[r])
     e.settle(0.2)
-    assert sum(p.stats["eager_hits"] for p in e.pa) == sum(len(p._source.plans) for p in e.pa) > 0
+    assert sum(p.stats["eager_hits"] for p in e.pa) == sum(len(p.debug_state()["plans"]) for p in e.pa) > 0
     assert sum(p.stats["eager_misses"] for p in e.pa) == 0
     offers = sum(p.stats["eager_offers"] for p in e.pa)
     assert sum(d.stats["offers_taken"] for d in e.da) == (offers if offer_seen else 0)
@@ -127,8 +128,9 @@ def test_another_engine_pulling_first_is_served_lazily_and_the_guess_is_freed(ma
     got = _drive([p, x], 1)
     assert got[0].ok, got
     check_destination(x_regs, 0, 1, kv, x_dst, x_before)
-    assert p._source.holds["r"].consumer == "E" and p.stats["eager_misses"] >= 1
-    assert not p._source.offered and p._source.eager.slots == 0
+    assert p.debug_state()["holds"]["r"]["consumer"] == "E" and p.stats["eager_misses"] >= 1
+    st = p.debug_state()
+    assert not st["offered"] and st["staging"]["eager_slots"] == 0
     if not guessed_took_offer:  # the withdrawn offer is dropped; D's pull is refused (the hold is E's)
         _settle([p, d, x], 0.1)
         assert not d.has_offer("P", "r")
@@ -159,11 +161,12 @@ def test_a_rogue_cannot_use_the_guess():
         for i in range(6):  # 8 KiB each, eager budget 16 KiB: two packed and offered, the rest lazy
             p.hold(f"h{i}", src)
         p.progress()
-        src_state = p._source
-        reserve = p._source.s.inflight * p.pool.slots_for(p._source.s.chunk_bytes)
-        assert p.stats["eager_guessed"] == 2 and src_state.eager.slots <= src_state.eager.budget_slots
-        assert src_state.engine_slots.get("R", 0) <= src_state.share() - reserve
-        assert all(h.consumer is None for h in src_state.holds.values())
+        st = p.debug_state()
+        pool_state = st["staging"]
+        reserve = st["settings"]["inflight_chunks"] * p.pool.slots_for(st["settings"]["chunk_bytes"])
+        assert p.stats["eager_guessed"] == 2 and pool_state["eager_slots"] <= pool_state["eager_budget_slots"]
+        assert pool_state["engine_slots"].get("R", 0) <= pool_state["share"] - reserve
+        assert all(h["consumer"] is None for h in st["holds"].values())
         # D connects: two engines, so nothing more is guessed
         d.add_remote(p.metadata())
         p.add_remote(d.metadata())
@@ -177,19 +180,21 @@ def test_a_rogue_cannot_use_the_guess():
         got = _drive([p, d], 1)
         assert got[0].ok, got
         check_destination(regs[2], 0, 1, kv, dst, before)
-        assert src_state.holds["h0"].consumer == "D" and ("h0" not in {s.req_id for s in src_state.offered.values()})
+        st = p.debug_state()
+        assert st["holds"]["h0"]["consumer"] == "D" and ("h0" not in st["offered"])
         # D pulls h1 (also offered to R): P binds it to D and withdraws R's offer; then R acks that
         # offer and reports h1 done: neither binds, frees or counts
         d.fetch("h1", "P", src, dst)
         for _ in range(3):
             p.progress()  # D's pull handled (D itself not progressed yet: no done)
-        assert src_state.holds["h1"].consumer == "D" and not src_state.offered
+        st = p.debug_state()
+        assert st["holds"]["h1"]["consumer"] == "D" and not st["offered"]
         bad = p.stats["bad_messages"]
         r.transport.send_notif(p.transport.name, wire.Ack("h1|P:0>0!", 0).encode())
         r.transport.send_notif(p.transport.name, wire.Done("h1", 0, 1).encode())
         _settle([p], 0.2, poll=[r])
         assert p.stats["bad_messages"] >= bad + 2 and p.stats["refused"] >= 1
-        assert src_state.holds["h1"].consumer == "D"
+        assert p.debug_state()["holds"]["h1"]["consumer"] == "D"
         got = _drive([p, d], 1)
         assert got[0].ok, got
         check_destination(regs[2], 0, 1, kv, dst, before)
@@ -229,7 +234,7 @@ def test_a_pull_skipping_a_prefix_of_whole_chunks_is_served_from_the_pack(made, 
     assert p.stats["eager_hits"] == int(hit) and p.stats["eager_misses"] == int(not hit)
     assert d.stats["offers_taken"] == int(offer_seen and skip == 0)
     e.settle(0.8)  # chunks before the suffix were offered: quarantined for timeout_s
-    assert _free(e.agents, "D") and not p._source.serves
+    assert _free(e.agents, "D") and not p.debug_state()["serves"]
 
 
 def test_a_renew_keeps_an_unbound_offered_hold_only_from_the_offered_peer(made):
@@ -248,8 +253,8 @@ def test_a_renew_keeps_an_unbound_offered_hold_only_from_the_offered_peer(made):
         d.transport.send_notif(p.transport.name, wire.Renew("r", 0).encode())
         x.transport.send_notif(p.transport.name, wire.Renew("r", 0).encode())
         _settle([p, d, x], 0.1)
-    hold = p._source.holds.get("r")
-    assert hold is not None and hold.consumer is None and p.stats["refused"] >= 8
+    hold = p.debug_state()["holds"].get("r")
+    assert hold is not None and hold["consumer"] is None and p.stats["refused"] >= 8
     dst = np.array([3, 9, 11, 40])
     d.fetch("r", "P", src, dst)
     res = _drive([p, d, x], 1)[0]
@@ -271,9 +276,9 @@ def test_a_prefix_pull_with_direct_runs_takes_the_offered_suffix_and_reads_the_r
     kv = e.request(src)
     p.hold("r", src)
     e.settle(0.1)
-    packs = p._source.offered
-    assert len(packs) == 2 and all(s.runs_reader for s in packs.values())  # both ranks offered, runs confirmed
-    bpc = {s.peer.md.rank: s.chunks.blocks_per_chunk for s in packs.values()}
+    packs = [s for s in p.debug_state()["serves"] if s["offered"]]
+    assert len(packs) == 2 and all(s["reads_cache"] for s in packs)  # both ranks offered, runs confirmed
+    bpc = {s["rank"]: s["blocks_per_chunk"] for s in packs}
     skip = min(bpc.values()) if whole else 1
     assert all(b < 12 for b in bpc.values())
     for d, dst in zip(e.da, dsts):
@@ -289,4 +294,4 @@ def test_a_prefix_pull_with_direct_runs_takes_the_offered_suffix_and_reads_the_r
     assert p.stats["eager_hits"] == hits and p.stats["eager_misses"] == 2 - hits
     assert sum(d.stats["offers_taken"] for d in e.da) == 0
     e.settle(0.8)
-    assert _free(e.agents, "D") and not p._source.serves
+    assert _free(e.agents, "D") and not p.debug_state()["serves"]

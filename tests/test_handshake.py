@@ -5,7 +5,6 @@ import struct
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 

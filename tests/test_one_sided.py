@@ -167,63 +167,13 @@ def test_tile_runs_match_the_reference_repack(layout, ids):
 nixl = pytest.importorskip("nixl")
 
 
-class Pair:
-    def __init__(self, p_tp, d_tp, layout="NHD", d_layout=None, models=MODELS, seed=0, p_storage="joint", **kw):
-        from kvtriton.agent import TransferAgent
+def Pair(p_tp, d_tp, layout="NHD", d_layout=None, models=MODELS, seed=0, p_storage="joint", **kw):
+    """The two-engine harness, both caches in ``layout`` unless ``d_layout`` says otherwise,
+    chunks of 8 KiB and no eager packs unless ``kw`` says otherwise."""
+    from kvtriton.testing.pair import EnginePair
 
-        self.gen = torch.Generator().manual_seed(seed)
-        self.p_tp, self.d_tp = p_tp, d_tp
-        self.P = [make_rank_regions(models, r, p_tp, 64, 4, layout=layout, storage=p_storage, gen=self.gen)
-                  for r in range(p_tp)]
-        self.D = [make_rank_regions(models, r, d_tp, 48, 4, layout=d_layout or layout, gen=self.gen)
-                  for r in range(d_tp)]
-        args = dict(staging_bytes=64 << 10, slot_bytes=1024, chunk_bytes=8192, timeout_s=5.0, impl="torch",
-                    eager_bytes=0)
-        args.update(kw)
-        self.pa = [TransferAgent("P", r, p_tp, self.P[r], **args) for r in range(p_tp)]
-        self.da = [TransferAgent("D", r, d_tp, self.D[r], **args) for r in range(d_tp)]
-        for d in self.da:
-            for p in self.pa:
-                d.add_remote(p.metadata())
-                p.add_remote(d.metadata())
-        self.models = models
-
-    def request(self, src_ids, dst_ids, req="r"):
-        n = len(src_ids)
-        kv = make_global_kv(self.models, n, 4, self.gen)
-        for r in range(self.p_tp):
-            load_source(self.P[r], r, self.p_tp, kv, src_ids)
-        before = [snapshot(x) for x in self.D]
-        for p in self.pa:
-            p.hold(req, src_ids, lease_s=30)
-        for d in self.da:
-            d.fetch(req, "P", src_ids, dst_ids)
-        return kv, before
-
-    def drive(self, timeout_s=20.0, agents=None):
-        got = {i: [] for i in range(self.d_tp)}
-        deadline = time.monotonic() + timeout_s
-        while any(not v for v in got.values()):
-            assert time.monotonic() < deadline, f"no results after {timeout_s} s: {got}"
-            for a in agents or (self.pa + self.da):
-                a.progress()
-            for i, d in enumerate(self.da):
-                got[i] += d.results()
-        return got
-
-    def settle(self, holds, timeout_s=10.0):
-        """Progress until ``holds`` holds are freed and every staging slot is back; the freed."""
-        freed, deadline = [], time.monotonic() + timeout_s
-        while len(freed) < holds or any(a.pool.free_slots != a.pool.num_slots for a in self.pa + self.da):
-            assert time.monotonic() < deadline, f"freed {freed}; staging {[a.pool.free_slots for a in self.pa]}"
-            for a in self.pa + self.da:
-                a.progress()
-            freed += [f for p in self.pa for f in p.freed()]
-        return freed
-
-    def close(self):
-        for a in self.pa + self.da:
-            a.close()
+    return EnginePair(p_tp, d_tp, models=models, seed=seed, p_layout=layout, d_layout=d_layout or layout,
+                      p_storage=p_storage, **{"chunk_bytes": 8192, "eager_bytes": 0, **kw})
 
 
 def _ids(kind, n, nb_src, nb_dst, seed=0):
@@ -253,7 +203,7 @@ def test_agents_move_exact_bytes(way, p_tp, d_tp, layout, ids):
     e = Pair(p_tp, d_tp, layout, modes={"l0": way, "l1": way})  # the MLA region moves DIRECT alongside
     try:
         src, dst = _ids(ids, 17, 64, 48)
-        kv, before = e.request(src, dst)
+        kv, before = e.start(src, dst)
         got = e.drive()
         for i, d in enumerate(e.da):
             assert got[i][0].ok, got[i][0].error
@@ -261,7 +211,7 @@ def test_agents_move_exact_bytes(way, p_tp, d_tp, layout, ids):
             assert d.stats["one_sided_descriptors"] > 0 and d.stats["staged_descriptors"] == 0
         packs = sum(a.stats["pack_launches"] for a in e.pa)
         assert (packs == 0) == (way == "read_unpack")  # read_unpack: no source packs anything
-        freed = e.settle(p_tp)
+        freed = e.settle_freed(p_tp)
         assert len(freed) == p_tp and all(f.reason == "done" for f in freed)
     finally:
         e.close()
@@ -273,7 +223,7 @@ def test_read_unpack_across_layouts_with_one_head_per_source():
     e = Pair(4, 2, "NHD", d_layout="HND", models=SPLIT_ONLY, modes="read_unpack")
     try:
         src, dst = _ids("random", 20, 64, 48, seed=5)
-        kv, before = e.request(src, dst)
+        kv, before = e.start(src, dst)
         got = e.drive()
         for i in range(2):
             assert got[i][0].ok, got[i][0].error
@@ -307,7 +257,7 @@ def test_read_unpack_offer_skips_the_pull(forced, monkeypatch):
         for p in e.pa:
             p.hold("r", src, lease_s=30, consumer="D")
         deadline = time.monotonic() + 10
-        while not all(sum("r" in o for o in d._destination.offers.by_peer.values()) == 2 for d in e.da):  # both sources
+        while not all(sum("r" in o for o in d.debug_state()["offers"].values()) == 2 for d in e.da):  # both sources
             assert time.monotonic() < deadline, "no offers"
             for a in e.pa + e.da:
                 a.progress()
@@ -319,7 +269,7 @@ def test_read_unpack_offer_skips_the_pull(forced, monkeypatch):
             check_destination(e.D[i], i, 2, kv, _expect(src, dst), before[i])
             assert d.stats["offers_taken"] == 2 and d.stats["one_sided_descriptors"] > 0
         assert not any(isinstance(m, wire.Pull) for m in pulls)
-        assert len(e.settle(4)) == 4
+        assert len(e.settle_freed(4)) == 4
     finally:
         e.close()
 
@@ -333,7 +283,7 @@ def test_auto_choice_per_request(desc_us, expect):
         e = Pair(p_tp, d_tp, "HND", models=SPLIT_ONLY, cost=cost, chunk_bytes=64 << 10)
         try:
             src, dst = _ids("runs", 24, 64, 48)
-            kv, before = e.request(src, dst)
+            kv, before = e.start(src, dst)
             got = e.drive()
             for i, d in enumerate(e.da):
                 assert got[i][0].ok, got[i][0].error
@@ -354,7 +304,7 @@ def test_release_mid_transfer_fails_typed(way, p_tp, d_tp):
     e = Pair(p_tp, d_tp, "NHD", models=SPLIT_ONLY, modes=way, chunk_bytes=2048, inflight_chunks=1)
     try:
         src, dst = _ids("runs", 30, 64, 48)
-        kv, before = e.request(src, dst)
+        kv, before = e.start(src, dst)
         for _ in range(3):  # the pull is answered and the first pieces move
             for a in e.pa + e.da:
                 a.progress()
@@ -375,7 +325,7 @@ def test_release_mid_transfer_fails_typed(way, p_tp, d_tp):
                 for a, b in zip(x, y):
                     a[undefined] = b[undefined]
             check_destination(e.D[i], i, d_tp, kv, exp_ok, snap)
-        assert all(f.reason == "released" for f in e.settle(p_tp))
+        assert all(f.reason == "released" for f in e.settle_freed(p_tp))
     finally:
         e.close()
 
@@ -400,6 +350,7 @@ def test_forged_way_is_refused():
     """A pull naming a way the plan does not allow (staged forced: no read_unpack) is rejected
     before anything is held for it; a ready for a read_unpack transfer is a protocol error."""
     from kvtriton.protocol import wire
+    from kvtriton.testing.seams import Wiretap
 
     e = Pair(4, 2, "HND", models=SPLIT_ONLY, modes="staged")
     try:
@@ -408,17 +359,14 @@ def test_forged_way_is_refused():
             p.hold("r", src, lease_s=30)
         d, p0 = e.da[0], e.pa[0]
         plan = d.plan_for("P")
-        peer = d._links.peers[("P", 0)]
-        d._links.send(peer, wire.Pull("x|1", "r", 0, tuple(src.tolist()), 1, plan.digest(), way="read_unpack"))
-        rejects = []
-        real = d._handlers[wire.Reject]
-        d._handlers[wire.Reject] = lambda pr, m: (rejects.append(m), real(pr, m))
+        tap = Wiretap(d)  # sees the reject before d handles it
+        tap.send(p0, wire.Pull("x|1", "r", 0, tuple(src.tolist()), 1, plan.digest(), way="read_unpack"))
         deadline = time.monotonic() + 5
-        while not rejects:
+        while not (rejects := tap.seen(wire.Reject)):
             assert time.monotonic() < deadline, "no reject"
             for a in (p0, d):
                 a.progress()
-        assert "the plan allows ['staged']" in rejects[0].reason and not p0._source.serves
+        assert "the plan allows ['staged']" in rejects[0].reason and not p0.debug_state()["serves"]
     finally:
         e.close()
 
@@ -437,8 +385,8 @@ def test_ready_for_read_unpack_fails_the_fetch():
             p.hold("r", src, lease_s=30)
         d, p0 = e.da[0], e.pa[0]
         d.fetch("r", "P", src, dst)
-        xid = next(x for x, part in d._destination.fetches.parts.items() if part.src_rank == 0)
-        p0._links.send(p0._links.peers[("D", 0)], wire.Ready(xid, 0, 0, 1, 1024))
+        xid = next(x for x, part in d.debug_state()["parts"].items() if part["src_rank"] == 0)
+        p0.transport.send_notif(d.transport.name, wire.Ready(xid, 0, 0, 1, 1024).encode())
         res = []
         deadline = time.monotonic() + 5
         while not res:

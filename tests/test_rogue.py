@@ -47,7 +47,8 @@ def test_rogue_pulls_cannot_pin_staging(rig):
         p.hold(f"bait{i}", [40 + i, 52 + i % 8])
         x.rogue_pull(f"bait{i}", [40 + i, 52 + i % 8], chunk_blocks=1)
     x.settle(0.1)
-    assert p._source.engine_slots.get("R", 0) <= p._source.share() == 4  # two engines: half each
+    pool_state = p.debug_state()["staging"]
+    assert pool_state["engine_slots"].get("R", 0) <= pool_state["share"] == 4  # two engines: half each
     src, dst = np.arange(0, 24), np.arange(10, 34)  # 24 KiB: three times the pool, in chunks
     kv = x.request(src)
     p.hold("h", src)
@@ -58,8 +59,8 @@ def test_rogue_pulls_cannot_pin_staging(rig):
     # the rogue went silent: its transfers expire (waiting does not extend them), their slots are
     # quarantined for timeout_s, then everything is back
     x.settle(2.5)
-    assert not p._source.serves
-    assert p.pool.free_slots == p.pool.num_slots and sum(p._source.engine_slots.values()) == 0
+    assert not p.debug_state()["serves"]
+    assert p.pool.free_slots == p.pool.num_slots and sum(p.debug_state()["staging"]["engine_slots"].values()) == 0
     x.check_prefill_untouched()
 
 
@@ -82,7 +83,7 @@ def test_a_slowly_acking_consumer_cannot_keep_a_hold_past_its_hard_bound(rig):
     elapsed = time.monotonic() - t0
     assert [(f.req_id, f.reason) for f in freed] == [("slow", "lease_expired")]
     assert elapsed < 4.0, elapsed  # lease + timeout_s = 0.8 s; unbounded, the rogue would hold it 14 s
-    assert not p._source.serves
+    assert not p.debug_state()["serves"]
     x.settle(0.8)  # quarantine of slots the rogue may still read
     assert p.pool.free_slots == p.pool.num_slots
 
@@ -97,13 +98,13 @@ def test_done_from_an_engine_that_never_fetched_does_not_release(rig):
     for to in range(2):  # a tp=1 engine that reads from every P rank, before the honest pull
         x.forge(wire.Done("r", 0, 1), to)
     x.settle(0.1)
-    assert all("r" in p._source.holds for p in x.pa)
+    assert all("r" in p.debug_state()["holds"] for p in x.pa)
     for d in x.da:
         d.fetch("r", "P", src, dst)
-    while not all(p._source.holds["r"].consumer == "D" for p in x.pa):
+    while not all(p.debug_state()["holds"]["r"]["consumer"] == "D" for p in x.pa):
         for a in x.honest:  # one agent at a time: stop as soon as both P ranks saw D's pull
             a.progress()
-            if all(p._source.holds["r"].consumer == "D" for p in x.pa):
+            if all(p.debug_state()["holds"]["r"]["consumer"] == "D" for p in x.pa):
                 break
     for to in range(2):  # now bound to D: a done from R is a bad message
         x.forge(wire.Done("r", 0, 1), to)
@@ -124,7 +125,7 @@ def test_a_named_consumer_refuses_every_other_engine(rig):
     x.rogue_pull("r", src)
     x.forge(wire.Renew("r", 0))
     x.settle(0.1)
-    assert not p._source.serves and p.stats["refused"] == 2
+    assert not p.debug_state()["serves"] and p.stats["refused"] == 2
     x.da[0].fetch("r", "P", src, dst)
     assert x.drive(1)[0].ok
     x.check_honest(kv, dst)
@@ -142,7 +143,7 @@ def test_a_squatted_transfer_id_does_not_reach_the_honest_transfer(rig):
     x.forge(wire.Pull(honest_xid, "bait", 0, (50, 51), 1, x.rogue.plan_for("P").digest()))
     x.settle(0.1)
     x.da[0].fetch("r", "P", src, dst)
-    assert next(iter(x.da[0]._destination.fetches.parts)) == honest_xid
+    assert next(iter(x.da[0].debug_state()["parts"])) == honest_xid
     x.settle(0.02)
     for m in (wire.Abort(honest_xid), wire.Ack(honest_xid, 0), wire.RunsDone(honest_xid)):
         x.forge(m)  # aimed at the honest transfer: they only reach the rogue's own
@@ -150,7 +151,7 @@ def test_a_squatted_transfer_id_does_not_reach_the_honest_transfer(rig):
     assert res.ok, res
     x.check_honest(kv, dst)
     x.settle(0.1)  # the decode's last ack may still be on its way when its result is reported
-    assert all(s.peer.md.engine == "R" for s in p._source.serves.values())
+    assert all(s["engine"] == "R" for s in p.debug_state()["serves"])
 
 
 # --------------------------------------------------------------------------- 4. ready
@@ -161,7 +162,7 @@ def test_a_ready_outside_the_transfer_is_a_protocol_error(rig, field, value, whe
     x.pa[0].hold("r", [1, 2])
     d = x.da[0]
     d.fetch("r", "P", [1, 2], [3, 4])
-    xid = next(iter(d._destination.fetches.parts))
+    xid = next(iter(d.debug_state()["parts"]))
     body = dict(xid=xid, chunk=0, slot=0, nslots=1, nbytes=1024)
     body[field] = value
     raw = wire.encode_message("Ready", **body)
@@ -201,7 +202,7 @@ def test_hold_takes_minus_one_ids_like_fetch(rig):
     src, dst = np.array([-1, -1, 5, 6]), np.array([-1, -1, 8, 9])  # a prefix the decode has
     kv = x.request(np.array([0, 0, 5, 6]))
     x.pa[0].hold("r", src)
-    assert x.pa[0]._source.holds["r"].block_ids.tolist() == [5, 6]
+    assert x.pa[0].debug_state()["holds"]["r"]["block_ids"] == [5, 6]
     x.da[0].fetch("r", "P", src, dst)
     assert x.drive(1)[0].ok
     check_destination(x.D[0], 0, 1, kv, dst, x.before[0])
@@ -216,8 +217,8 @@ def test_release_while_a_fetch_reads_fails_it_at_once_with_undefined_blocks(rig)
     x.pa[0].hold("r", src)
     d = x.da[0]
     d.fetch("r", "P", src, dst)
-    part = next(iter(d._destination.fetches.parts.values()))
-    while part.chunks_done < 2:
+    xid = next(iter(d.debug_state()["parts"]))
+    while d.debug_state()["parts"][xid]["chunks_done"] < 2:
         x.step()
     assert x.pa[0].release("r")
     t0 = time.monotonic()
@@ -253,13 +254,14 @@ def test_an_outstanding_fetch_renews_the_hold_and_only_its_consumer_can(rig):
         x.forge(wire.Renew("bait", 0))
         x.rogue_inbox()
         time.sleep(0.01)
-    assert "r" in p0._source.holds and not p0._source.serves  # served, then kept by renewal alone
-    assert "bait" not in p0._source.holds and p0.stats["refused"] > 0
+    st = p0.debug_state()
+    assert "r" in st["holds"] and not st["serves"]  # served, then kept by renewal alone
+    assert "bait" not in p0.debug_state()["holds"] and p0.stats["refused"] > 0
     d.abort("r")  # the decode gives up (or dies): no more renewals, the lease runs out
     t1 = time.monotonic()
-    while "r" in p0._source.holds and time.monotonic() - t1 < 3:
+    while "r" in p0.debug_state()["holds"] and time.monotonic() - t1 < 3:
         p0.progress()
-    assert "r" not in p0._source.holds and time.monotonic() - t1 < 0.8 + 1.0
+    assert "r" not in p0.debug_state()["holds"] and time.monotonic() - t1 < 0.8 + 1.0
     reasons = {f.req_id: f.reason for f in p0.freed()}
     assert reasons == {"r": "lease_expired", "bait": "lease_expired"}
 

@@ -11,9 +11,9 @@ import torch
 
 from kvtriton.errors import RegionError
 from kvtriton.integrations.vllm.caches import layer_sort_key, regions_from_vllm_caches
+from kvtriton.plan import head_range
 from kvtriton.regions import Kind, Layout
 from kvtriton.testing.oracle import local_transfer
-from kvtriton.plan import head_range
 
 # stride permutations of vllm/v1/kv_cache_layout.py: physical order of the logical axes L, B, H, N, C
 LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),

@@ -5,8 +5,6 @@ tests/test_vllm_connector.py under each vLLM; prints one ``ok <version>`` line."
 
 import sys
 
-import kvtriton
-
 assert "vllm" not in sys.modules, "import kvtriton imported vLLM"
 import kvtriton.integrations.vllm as integration  # noqa: E402
 

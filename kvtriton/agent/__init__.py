@@ -4,7 +4,8 @@ The agent is a facade (:mod:`.facade`: handshake, progress loop, message dispatc
 roles that own their own state: the source side (:mod:`.source`, over :mod:`.holds` and
 :mod:`.serves`: holds, serving transfers, pack, announce or WRITE, release) and the destination
 side (:mod:`.destination`: fetches, READ or grants, unpack, ack, finish or fail), sharing the
-peer links (:mod:`.links`).
+peer links (:mod:`.links`). :meth:`TransferAgent.debug_state` is a plain snapshot of all of it
+for tests and operators (:mod:`.debug` documents its keys).
 
 A prefill rank ``hold()``s a request's blocks; a decode rank ``fetch()``es them. Everything moves
 when somebody calls :meth:`TransferAgent.progress` (non-blocking; call it from the engine's step

@@ -31,6 +31,7 @@ from ..plan import CostModel, Mode, TransferPlan, check_compatible, parse_modes
 from ..protocol import wire
 from ..regions import Region
 from ..staging import StagingPool
+from . import debug
 from .destination import Destination, RequestResult
 from .links import Flow, Links, Peer, Settings, logger, slot_descs
 from .source import FreedRequest, Source
@@ -333,6 +334,7 @@ class TransferAgent:
         """The plan this rank uses to read from ``engine_id`` (after :meth:`add_remote`)."""
         return self._destination.plans[engine_id]
 
+    debug_state = debug.debug_state  # a plain snapshot for tests (schema: kvtriton.agent.debug)
     # ------------------------------------------------------------------ prefill side
     def hold(self, req_id: str, block_ids: Sequence[int], lease_s: float = 30.0,
              consumer: str | None = None, after=None) -> None:

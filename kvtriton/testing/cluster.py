@@ -2,7 +2,8 @@
 (or CUDA ones: ``ClusterConfig.device``).
 
 The parent starts ``p_tp`` prefill and ``d_tp`` decode processes (``spawn``), routes their
-metadata all-to-all, and drives them with short commands over pipes. Every process rebuilds the
+metadata all-to-all, and drives them with short commands over pipes (each process is an agent
+child of :mod:`kvtriton.testing.child`; its commands are :meth:`_Rank.commands`). Every process rebuilds the
 same global KV of each request from the seed, so the decode processes check every block they
 receive byte for byte against the global heads their rank owns, and at the end check that no
 byte outside the received blocks changed. Everything is bounded in time, and every child is
@@ -19,7 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..plan import ceil_div
+from .child import AgentChild, ChildProcess
 from .oracle import RegionModel
 
 __all__ = ["ClusterConfig", "Request", "Cluster"]
@@ -94,124 +95,129 @@ def _engine(role: str, mode: str) -> str:
     return f"{role}-{mode}"
 
 
-def _child(role: str, rank: int, cfg: ClusterConfig, conn) -> None:
+def _child(conn, role: str, rank: int, cfg: ClusterConfig) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
     torch.set_num_threads(1)
-    from ..agent import TransferAgent
-    from ..errors import KVTritonError
-    from ..protocol import wire
-    from .oracle import load_source, load_source_tokens, make_rank_regions, snapshot
+    me = _Rank(role, rank, cfg)
+    child = AgentChild(conn, me.agents.values(), me.commands(), step=me.step, busy=lambda: not me.idle(),
+                       busy_sleep_s=0.0001)
+    child.ready({m: a.metadata() for m, a in me.agents.items()})
+    child.run()
 
-    tp = cfg.p_tp if role == "P" else cfg.d_tp
-    gen = torch.Generator().manual_seed(cfg.seed * 7919 + (0 if role == "P" else 104729) + rank)
-    regions = make_rank_regions(
-        cfg.models, rank, tp, cfg.p_blocks if role == "P" else cfg.d_blocks,
-        cfg.block_size if role == "P" else cfg.dst_block_size,
-        layout=cfg.p_layout if role == "P" else cfg.d_layout,
-        storage=cfg.p_storage if role == "P" else cfg.d_storage, gen=gen, device=cfg.device)
-    before = snapshot(regions)
-    # one agent per transfer mode, over the same cache (one process start covers pull and push)
-    agents = {m: TransferAgent(_engine(role, m), rank, tp, regions, staging_bytes=cfg.staging_bytes,
-                               slot_bytes=cfg.slot_bytes, mode=m, timeout_s=cfg.timeout_s, modes=cfg.modes,
-                               impl=cfg.impl, warmup=cfg.warmup)
-              for m in cfg.transfer_modes}
-    conn.send(("md", {m: a.metadata() for m, a in agents.items()}))
-    outcomes: dict[str, dict] = {}
-    pending: list[Request] = []
-    requests: dict[str, Request] = {}
-    inflight = 0
-    freed: list[tuple[str, str]] = []
-    announced = [0]
-    kill_after: list[int | None] = [None]
 
-    def hooked(send):
+class _Rank:
+    """One rank of the cluster in its child process: its cache, one agent per transfer mode over
+    it, the requests it fetches and their outcomes, and the commands the parent sends."""
+
+    def __init__(self, role: str, rank: int, cfg: ClusterConfig):
+        import torch
+
+        from ..agent import TransferAgent
+        from .oracle import make_rank_regions, snapshot
+
+        self.role, self.rank, self.cfg = role, rank, cfg
+        self.tp = cfg.p_tp if role == "P" else cfg.d_tp
+        gen = torch.Generator().manual_seed(cfg.seed * 7919 + (0 if role == "P" else 104729) + rank)
+        self.regions = make_rank_regions(
+            cfg.models, rank, self.tp, cfg.p_blocks if role == "P" else cfg.d_blocks,
+            cfg.block_size if role == "P" else cfg.dst_block_size,
+            layout=cfg.p_layout if role == "P" else cfg.d_layout,
+            storage=cfg.p_storage if role == "P" else cfg.d_storage, gen=gen, device=cfg.device)
+        self.before = snapshot(self.regions)
+        # one agent per transfer mode, over the same cache (one process start covers pull and push)
+        self.agents = {m: TransferAgent(_engine(role, m), rank, self.tp, self.regions,
+                                        staging_bytes=cfg.staging_bytes, slot_bytes=cfg.slot_bytes, mode=m,
+                                        timeout_s=cfg.timeout_s, modes=cfg.modes, impl=cfg.impl, warmup=cfg.warmup)
+                       for m in cfg.transfer_modes}
+        self.outcomes: dict[str, dict] = {}
+        self.pending: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.inflight = 0
+        self.freed: list[tuple[str, str]] = []
+        self.announced = 0
+        self.kill_at: int | None = None
+        for a in self.agents.values():
+            a.transport.send_notif = self._counting(a.transport.send_notif)
+
+    def _counting(self, send):
+        from ..protocol import wire
+
         def counting_send(name, msg):  # the fault hook: die after N chunk announcements
             send(name, msg)
             if isinstance(wire.decode_message(msg), (wire.Ready, wire.Data)):
-                announced[0] += 1
-                if kill_after[0] is not None and announced[0] >= kill_after[0]:
+                self.announced += 1
+                if self.kill_at is not None and self.announced >= self.kill_at:
                     os.kill(os.getpid(), signal.SIGKILL)
         return counting_send
 
-    for a in agents.values():
-        a.transport.send_notif = hooked(a.transport.send_notif)
+    def idle(self) -> bool:
+        return all(a.idle() for a in self.agents.values()) and not self.pending
 
-    def idle() -> bool:
-        return all(a.idle() for a in agents.values()) and not pending
+    def commands(self) -> dict:
+        return {"add_remote": self.add_remote, "hold": self.hold, "fetch": self.fetch, "kill_after": self.kill_after,
+                "status": self.status, "canary": self.canary}
 
-    try:
-        while True:
-            busy = not idle()
-            if conn.poll(0 if busy else 0.002):
-                try:
-                    cmd, *args = conn.recv()
-                except EOFError:
-                    break
-                if cmd == "add_remote":
-                    try:
-                        agents[args[0]].add_remote(args[1])
-                        conn.send(("ok", None))
-                    except KVTritonError as e:
-                        conn.send(("err", f"{type(e).__name__}: {e}"))
-                elif cmd == "hold":
-                    for req in args[0]:
-                        load = load_source_tokens if req.num_tokens else load_source
-                        load(regions, rank, tp, _request_kv(cfg, req), list(req.src_ids))
-                        agents[req.mode].hold(req.req_id, list(req.src_ids), lease_s=args[1])
-                    conn.send(("ok", None))
-                elif cmd == "fetch":
-                    for req in args[0]:
-                        requests[req.req_id] = req
-                        outcomes.pop(req.req_id, None)  # a retry replaces the earlier outcome
-                        pending.append(req)
-                    conn.send(("ok", None))
-                elif cmd == "kill_after":
-                    kill_after[0] = args[0]
-                    conn.send(("ok", None))
-                elif cmd == "status":
-                    conn.send(("ok", dict(
-                        outcomes=dict(outcomes), freed=list(freed), idle=idle(),
-                        free_slots=sum(a.pool.free_slots for a in agents.values()),
-                        num_slots=sum(a.pool.num_slots for a in agents.values()),
-                        stats={m: dict(a.stats) for m, a in agents.items()})))
-                elif cmd == "canary":
-                    ok_reqs = [requests[r] for r, o in outcomes.items() if o["ok"]]
-                    msg = None
-                    try:
-                        _check_all(regions, rank, tp, cfg, ok_reqs, before)
-                    except AssertionError as e:
-                        msg = str(e)
-                    conn.send(("ok", msg))
-                elif cmd == "exit":
-                    conn.send(("ok", None))
-                    break
-            while pending and inflight < cfg.max_inflight:
-                req = pending.pop(0)
-                try:
-                    agents[req.mode].fetch(req.req_id, _engine("P", req.mode), list(req.src_ids), list(req.dst_ids),
-                                           num_tokens=req.num_tokens or None)
-                    inflight += 1
-                except KVTritonError as e:
-                    outcomes[req.req_id] = dict(ok=False, error=type(e).__name__, msg=str(e), seconds=0.0)
-            for a in agents.values():
-                a.progress()
-                for res in a.results():
-                    inflight -= 1
-                    out = dict(ok=res.ok, error=type(res.error).__name__ if res.error else None,
-                               msg=str(res.error) if res.error else None, seconds=res.seconds,
-                               descriptors=res.descriptors, bytes=res.bytes)
-                    if res.ok:
-                        out["mismatch"] = _check_one(regions, rank, tp, cfg, requests[res.req_id])
-                    outcomes[res.req_id] = out
-                freed.extend((f.req_id, f.reason) for f in a.freed())
-            if busy:
-                time.sleep(0.0001)
-    finally:
-        for a in agents.values():
-            a.close()
-        conn.close()
+    # ------------------------------------------------------------------ commands
+    def add_remote(self, mode: str, md: bytes) -> None:
+        self.agents[mode].add_remote(md)
+
+    def hold(self, reqs: list[Request], lease_s: float) -> None:
+        from .oracle import load_source, load_source_tokens
+
+        for req in reqs:
+            load = load_source_tokens if req.num_tokens else load_source
+            load(self.regions, self.rank, self.tp, _request_kv(self.cfg, req), list(req.src_ids))
+            self.agents[req.mode].hold(req.req_id, list(req.src_ids), lease_s=lease_s)
+
+    def fetch(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            self.requests[req.req_id] = req
+            self.outcomes.pop(req.req_id, None)  # a retry replaces the earlier outcome
+            self.pending.append(req)
+
+    def kill_after(self, announcements: int) -> None:
+        self.kill_at = announcements
+
+    def status(self) -> dict:
+        agents = self.agents.values()
+        return dict(outcomes=dict(self.outcomes), freed=list(self.freed), idle=self.idle(),
+                    free_slots=sum(a.pool.free_slots for a in agents), num_slots=sum(a.pool.num_slots for a in agents),
+                    stats={m: dict(a.stats) for m, a in self.agents.items()})
+
+    def canary(self) -> str | None:
+        ok_reqs = [self.requests[r] for r, o in self.outcomes.items() if o["ok"]]
+        try:
+            _check_all(self.regions, self.rank, self.tp, self.cfg, ok_reqs, self.before)
+        except AssertionError as e:
+            return str(e)
+        return None
+
+    # ------------------------------------------------------------------ between commands
+    def step(self) -> None:
+        from ..errors import KVTritonError
+
+        while self.pending and self.inflight < self.cfg.max_inflight:
+            req = self.pending.pop(0)
+            try:
+                self.agents[req.mode].fetch(req.req_id, _engine("P", req.mode), list(req.src_ids), list(req.dst_ids),
+                                            num_tokens=req.num_tokens or None)
+                self.inflight += 1
+            except KVTritonError as e:
+                self.outcomes[req.req_id] = dict(ok=False, error=type(e).__name__, msg=str(e), seconds=0.0)
+        for a in self.agents.values():
+            a.progress()
+            for res in a.results():
+                self.inflight -= 1
+                out = dict(ok=res.ok, error=type(res.error).__name__ if res.error else None,
+                           msg=str(res.error) if res.error else None, seconds=res.seconds,
+                           descriptors=res.descriptors, bytes=res.bytes)
+                if res.ok:
+                    out["mismatch"] = _check_one(self.regions, self.rank, self.tp, self.cfg,
+                                                 self.requests[res.req_id])
+                self.outcomes[res.req_id] = out
+            self.freed.extend((f.req_id, f.reason) for f in a.freed())
 
 
 def _check_one(regions, rank, tp, cfg, req) -> str | None:
@@ -247,8 +253,7 @@ class Cluster:
 
     def __init__(self, cfg: ClusterConfig, start_timeout_s: float = 60.0):
         self.cfg = cfg
-        self._ctx = mp.get_context("spawn")
-        self._procs: dict[tuple[str, int], tuple] = {}
+        self._procs: dict[tuple[str, int], ChildProcess] = {}
         self._md: dict[tuple[str, int], bytes] = {}
         self._start_timeout = start_timeout_s
         self._next_req = 0
@@ -257,14 +262,14 @@ class Cluster:
         self._free_src = rng.permutation(cfg.p_blocks)
         self._free_dst = rng.permutation(cfg.d_blocks)
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         try:
             for r in range(self.cfg.p_tp):
                 self._spawn("P", r)
             for r in range(self.cfg.d_tp):
                 self._spawn("D", r)
             for key in self._procs:
-                self._md[key] = self._recv(key, self._start_timeout, expect="md")
+                self._md[key] = self._procs[key].ready(self._start_timeout)
             for key in self._procs:
                 for other, mds in self._md.items():
                     if other[0] != key[0]:
@@ -279,31 +284,10 @@ class Cluster:
         self.close()
 
     def _spawn(self, role: str, rank: int) -> None:
-        parent, child = self._ctx.Pipe()
-        p = self._ctx.Process(target=_child, args=(role, rank, self.cfg, child), daemon=True,
-                              name=f"kvtriton-{role}{rank}")
-        p.start()
-        child.close()
-        self._procs[(role, rank)] = (p, parent)
-
-    def _recv(self, key, timeout_s: float, expect: str = "ok"):
-        p, conn = self._procs[key]
-        deadline = time.monotonic() + timeout_s
-        while not conn.poll(0.05):
-            if not p.is_alive():
-                raise RuntimeError(f"{key[0]}{key[1]} died (exit code {p.exitcode})")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{key[0]}{key[1]} did not answer within {timeout_s} s")
-        tag, value = conn.recv()
-        if tag == "err":
-            raise RuntimeError(f"{key[0]}{key[1]}: {value}")
-        if tag != expect:
-            raise RuntimeError(f"{key[0]}{key[1]}: expected {expect!r}, got {tag!r}")
-        return value
+        self._procs[(role, rank)] = ChildProcess(_child, role, rank, self.cfg, name=f"{role}{rank}")
 
     def _call(self, key, cmd: str, *args, timeout_s: float = 30.0):
-        self._procs[key][1].send((cmd, *args))
-        return self._recv(key, timeout_s)
+        return self._procs[key].call(cmd, *args, timeout_s=timeout_s)
 
     # ------------------------------------------------------------------ scenario helpers
     def requests(self, count: int, n_blocks: int = 0, mode: str | None = None, *,
@@ -400,15 +384,13 @@ class Cluster:
         self._call(key, "kill_after", announcements)
 
     def is_alive(self, key) -> bool:
-        return self._procs[key][0].is_alive()
+        return self._procs[key].is_alive()
 
     def restart(self, key) -> None:
         """Start a fresh process for ``key`` (new NIXL agent) and re-run the handshake both ways."""
-        p, conn = self._procs.pop(key)
-        _kill(p)
-        conn.close()
+        self._procs.pop(key).stop(0.0)  # killed at once
         self._spawn(*key)
-        self._md[key] = self._recv(key, self._start_timeout, expect="md")
+        self._md[key] = self._procs[key].ready(self._start_timeout)
         for other, mds in self._md.items():
             if other[0] != key[0]:
                 for mode, md in mds.items():
@@ -416,22 +398,10 @@ class Cluster:
                     self._call(other, "add_remote", mode, self._md[key][mode])
 
     def close(self) -> None:
-        for key, (p, conn) in list(self._procs.items()):
-            try:
-                if p.is_alive():
-                    conn.send(("exit",))
-            except (OSError, BrokenPipeError):
-                pass
+        for child in self._procs.values():
+            child.request_exit()
         deadline = time.monotonic() + 5
-        for p, conn in self._procs.values():
-            p.join(max(0.0, deadline - time.monotonic()))
-            _kill(p)
-            conn.close()
+        for child in self._procs.values():  # one deadline for all: they stop in parallel
+            child.stop(deadline - time.monotonic())
         self._procs.clear()
-
-
-def _kill(p) -> None:
-    if p.is_alive():
-        p.kill()
-        p.join(5)
 

@@ -239,7 +239,7 @@ def _child(args) -> None:
     if os.environ.get("KVTRITON_BED_WATCHDOG"):
         _watch_agent_threads()
     if os.environ.get("KVTRITON_BED_STACKS"):  # every thread's stack every 3 s, from a C thread
-        import faulthandler                    # that runs even while the GIL is held
+        import faulthandler  # that runs even while the GIL is held
 
         faulthandler.dump_traceback_later(3, repeat=True,
                                           file=open(f"{os.environ['KVTRITON_BED_STACKS']}.{os.getpid()}", "w"))
