@@ -354,10 +354,10 @@ def test_abort_cancels_a_fetch_and_frees_staging_on_both_sides(engines, mode):
     res = e.da[0].results()
     assert len(res) == 1 and not res[0].ok and isinstance(res[0].error, RequestAbortedError)
     e.settle(0.2)
-    assert not e.pa[0]._source.serves  # the source was told (well before its 0.5 s silence deadline)
+    assert not e.pa[0]._source.serves.by_key  # the source was told (well before its 0.5 s silence deadline)
     e.settle(1.0)  # push quarantines granted slots for timeout_s
     assert e.da[0].results() == []  # nothing more is reported for an aborted fetch
-    assert all(a.pool.free_slots == a.pool.num_slots and not a._source.serves for a in e.agents)
+    assert all(a.pool.free_slots == a.pool.num_slots and not a._source.serves.by_key for a in e.agents)
     # the hold survives the abort: a retry still works
     e.da[0].fetch("r", "P", src, np.arange(8))
     assert e.drive(1)[0][0].ok

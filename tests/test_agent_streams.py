@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from kvtriton.agent import TransferAgent
-from kvtriton.agent.streams import Completion, Lanes, ready_event
+from kvtriton.agent.device import Completion, Lanes, ready_event
 from kvtriton.launch import LaunchConfig
 from kvtriton.ops import launch_config_for, pack
+from kvtriton.plan import build_plan
 from kvtriton.testing.oracle import RegionModel, check_destination, make_rank_regions, snapshot
 
 pytest.importorskip("nixl", reason="the agent's transport needs NIXL: pip install 'kvtriton[nixl]'")
@@ -59,7 +60,7 @@ def test_direct_regions_wait_for_the_holds_event(engines, mode):
     kv = e.request(src)
     e.pa[0].hold("r", src)
     pending = PendingEvent()
-    e.pa[0]._source.holds["r"].ready = pending  # the engine is still writing these blocks
+    e.pa[0]._source.holds.held["r"].ready = pending  # the engine is still writing these blocks
     e.da[0].fetch("r", "P", src, dst)
     assert _spin(e, until=lambda got: got or pending.queries) == [] and _spin(e) == []
     assert pending.queries > 0  # asked, and nothing offered or written yet: no result, the cache untouched
@@ -78,10 +79,10 @@ def test_a_wait_on_the_engine_is_not_the_peers_silence(engines, mode):
     src, dst = np.array([3]), np.array([3])
     kv = e.request(src)
     e.pa[0].hold("r", src)
-    e.pa[0]._source.holds["r"].ready = pending = PendingEvent()
+    e.pa[0]._source.holds.held["r"].ready = pending = PendingEvent()
     e.da[0].fetch("r", "P", src, dst, timeout_s=5.0)
-    assert _spin(e, until=lambda got: got or e.pa[0]._source.serves) == []
-    assert _spin(e, 0.6) == [] and e.pa[0]._source.serves  # still served after 2 deadlines
+    assert _spin(e, until=lambda got: got or e.pa[0]._source.serves.by_key) == []
+    assert _spin(e, 0.6) == [] and e.pa[0]._source.serves.by_key  # still served after 2 deadlines
     pending.complete = True
     got = _spin(e, until=bool)
     assert len(got) == 1 and got[0].ok, got
@@ -137,7 +138,7 @@ def test_kernel_completions_gate_every_next_step(engines, mode):
     src, dst = np.array([6, 1, 7]), np.array([2, 9, 4])
     kv = e.request(src)
     e.pa[0].hold("r", src)
-    hold_event = e.pa[0]._source.holds["r"].ready = PendingEvent()
+    hold_event = e.pa[0]._source.holds.held["r"].ready = PendingEvent()
     hold_event.complete = True  # (only DIRECT runs query it on the host)
     e.da[0].fetch("r", "P", src, dst)
     fetch_event = e.da[0]._destination.fetches["r"].ready = object()
@@ -161,7 +162,7 @@ def test_hold_after_is_for_cuda_agents(engines):
         e.pa[0].hold("r", [1], after=object())
     with pytest.raises(ValueError, match="CUDA agents"):
         e.da[0].fetch("r", "P", [1], [2], after=object())
-    assert not e.pa[0]._source.holds and not e.da[0]._destination.fetches  # nothing half-done
+    assert not e.pa[0]._source.holds.held and not e.da[0]._destination.fetches  # nothing half-done
     assert ready_event(torch.device("cpu"), None) is None
     assert Completion(None).done() and Lanes(torch.device("cpu")).completion().done()
 
@@ -189,7 +190,7 @@ def test_warmup_runs_each_specialisation_once_and_moves_nothing():
         assert all(torch.equal(x, y) for r0, r1 in zip(before, snapshot(regions)) for x, y in zip(r0, r1))
         assert torch.equal(a.pool.tensor, staging)
         # every chunk size a request can have launches a warmed specialisation
-        plan = a._links.s.plan(0, 1, a.specs, 1, a.specs)
+        plan = build_plan(0, 1, a.specs, 1, a.specs)
         read = plan.staged_read(0)
         for n in range(1, a.chunk_bytes // read.bytes_per_block + 1):
             for op in ("pack", "unpack"):
@@ -222,7 +223,7 @@ def test_add_remote_warms_what_serving_and_fetching_that_peer_launch(engines):
     e = engines(1, 2, impl="auto", warmup=True, models=[RegionModel.gqa("l0", 4, 16)])
     p = e.pa[0]
     for d in e.da:
-        to_d = p._links.s.plan(d.rank, 2, d.specs, 1, p.specs).staged_read(0)
+        to_d = build_plan(d.rank, 2, d.specs, 1, p.specs).staged_read(0)
         from_p = d.plan_for("P").staged_read(0)
         for n in (1, 2, 3, 4):
             ids = np.arange(n)
@@ -251,7 +252,7 @@ def test_pack_on_the_agents_stream_waits_for_the_engines_writes():
     a = TransferAgent("P", 0, 1, regions, staging_bytes=1 << 20, slot_bytes=4096, modes="staged")
     try:
         a.warmup()  # no compile between queuing the engine's work and the pack
-        read = a._links.s.plan(0, 1, a.specs, 1, a.specs).staged_read(0)
+        read = build_plan(0, 1, a.specs, 1, a.specs).staged_read(0)
         lanes = a._links.s.lanes
         streams = [regions[0].nhd(j).view(torch.uint8) for j in range(regions[0].spec.num_streams)]
         fresh = [torch.randint(0, 256, s[7].shape, dtype=torch.uint8, generator=g).to(dev) for s in streams]
@@ -292,7 +293,7 @@ def test_unpack_on_the_agents_stream_waits_for_the_engines_last_use():
     a = TransferAgent("D", 0, 1, regions, staging_bytes=1 << 20, slot_bytes=4096, modes="staged")
     try:
         a.warmup()
-        read = a._links.s.plan(0, 1, a.specs, 1, a.specs).staged_read(0)
+        read = build_plan(0, 1, a.specs, 1, a.specs).staged_read(0)
         lanes = a._links.s.lanes
         streams = [regions[0].nhd(j).view(torch.uint8) for j in range(regions[0].spec.num_streams)]
         stale = [torch.randint(0, 256, s[5].shape, dtype=torch.uint8, generator=g).to(dev) for s in streams]
@@ -333,7 +334,7 @@ def test_warmup_compiles_what_requests_launch():
     try:
         assert a._warmed
         count = _compiled(_kernel("pack")) + _compiled(_kernel("unpack"))
-        read = a._links.s.plan(0, 1, a.specs, 1, a.specs).staged_read(0)
+        read = build_plan(0, 1, a.specs, 1, a.specs).staged_read(0)
         with a._links.s.lanes.launching():
             for n in (1, 3, 6, 13):
                 offs = read.segment_offsets(n, base=a.pool.offset(2))

@@ -1,4 +1,4 @@
-"""Batched pack (kvtriton.agent.packing): a source rank serving several decode ranks of one request
+"""Batched pack (kvtriton.agent.source.packing): a source rank serving several decode ranks of one request
 packs their chunks in one launch, each destination's tiles in its own slots, byte for byte; a
 destination whose launch is refused fails alone. Launches are counted through the agent's
 ``pack_launches`` stat (and, for the batch alone, by wrapping the launcher); every payload is
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from kvtriton import Region, build_plan, wire
-from kvtriton.agent import packing
+from kvtriton.agent.source import packing
 from kvtriton.agent.links import Chunk
-from kvtriton.agent.packing import PackBatch, PackJob
-from kvtriton.agent.streams import Lanes
+from kvtriton.agent.source.packing import PackBatch, PackJob
+from kvtriton.agent.device import Lanes
 from kvtriton.errors import LaunchError
 from kvtriton.plan import ChunkGeometry, StagedRead
 from kvtriton.regions import Layout
@@ -292,10 +292,10 @@ def test_a_rogue_in_the_batch_cannot_spoil_the_others(monkeypatch, rogue):
         x.check_honest(kv, dst)
         # the rogue's transfer expires (silent: 1 s) and its slots leave quarantine (1 s more)
         end = time.monotonic() + 6.0
-        while (p._source.serves or p.pool.free_slots < p.pool.num_slots) and time.monotonic() < end:
+        while (p._source.serves.by_key or p.pool.free_slots < p.pool.num_slots) and time.monotonic() < end:
             x.settle(0.05)
-        assert not p._source.serves
-        assert p.pool.free_slots == p.pool.num_slots and sum(p._source.engine_slots.values()) == 0
+        assert not p._source.serves.by_key
+        assert p.pool.free_slots == p.pool.num_slots and sum(p._source.share.engine_slots.values()) == 0
         x.check_prefill_untouched()
     finally:
         x.close()
@@ -313,7 +313,7 @@ def test_an_eager_pack_refused_for_one_rank_leaves_the_others_and_goes_lazily(en
     p.progress()  # the joint launch is refused: ranks 0, 1, 3 one launch each, rank 2's pack freed
     assert (p.stats["pack_launches"], p.stats["packed_chunks"]) == (3, 3)
     assert p.packed_ahead("r") == 3  # and already offered to their ranks
-    assert sorted(s.peer.md.rank for s in p._source.serves.values() if s.offered) == [0, 1, 3]
+    assert sorted(s.peer.md.rank for s in p._source.serves.by_key.values() if s.offered) == [0, 1, 3]
     monkeypatch.undo()
     for d in e.da:
         d.fetch("r", "P", src, dst)

@@ -1,4 +1,4 @@
-"""Eager packing (kvtriton.agent.eager): a hold that names its consumer is packed before the pull,
+"""Eager packing (kvtriton.agent.source.eager): a hold that names its consumer is packed before the pull,
 the pull is answered from the pack when it asks exactly that, and otherwise served lazily; eager
 staging is bounded, freed with the hold, given up for real pulls, and reserved for the consumer.
 Every transfer is checked byte for byte against the oracle, bytes outside its blocks included."""
@@ -24,7 +24,7 @@ ONE = MODELS[:1]  # l0: 1 KiB a block at TP1, 512 B at TP2
 
 
 def _all_free(e) -> bool:
-    return all(a.pool.free_slots == a.pool.num_slots and not a._source.engine_slots.get("D", 0)
+    return all(a.pool.free_slots == a.pool.num_slots and not a._source.share.engine_slots.get("D", 0)
                and a._source.eager.slots == 0 for a in e.agents)
 
 
@@ -59,12 +59,12 @@ def test_a_pull_is_answered_from_the_eager_pack_byte_exact(engines, p_tp, d_tp, 
         check_destination(e.D[r], r, d_tp, kv, dst, e.before[r])
     e.settle(0.2)
     hits = sum(p.stats["eager_hits"] for p in e.pa)
-    assert hits == sum(len(p._source.plans) for p in e.pa) and hits >= max(p_tp, d_tp)
+    assert hits == sum(len(p._source.plans.served) for p in e.pa) and hits >= max(p_tp, d_tp)
     assert sum(p.stats["eager_misses"] for p in e.pa) == 0
     offers = sum(p.stats["eager_offers"] for p in e.pa)
     # offered: packs of every chunk (with DIRECT runs too: the offer confirms them)
     assert offers == (0 if staging == 8 << 10 else sum(
-        1 for p in e.pa for plan in p._source.plans.values() if plan.staged_read(p.rank) is not None))
+        1 for p in e.pa for plan in p._source.plans.served.values() if plan.staged_read(p.rank) is not None))
     assert offers > 0 or staging == 8 << 10
     assert sum(d.stats["offers_taken"] for d in e.da) == (offers if offer_seen else 0)
     assert all([(f.req_id, f.reason) for f in p.freed()] == [("r", "done")] for p in e.pa)
@@ -93,7 +93,7 @@ def test_a_pull_that_does_not_match_the_pack_frees_it_and_is_served_lazily(engin
     # the pack was offered (every chunk, no DIRECT runs): the decode declined it and pulled
     assert e.pa[0].stats["eager_offers"] == 1 and e.da[0].stats["offers_taken"] == 0
     assert e.pa[0].stats["eager_misses"] == 1 and e.pa[0].stats["eager_hits"] == 0
-    assert e.pa[0]._source.eager.slots == 0 and not e.pa[0]._source.offered
+    assert e.pa[0]._source.eager.slots == 0 and not e.pa[0]._source.serves.offered
     e.settle(0.8)  # a withdrawn offer's slots are quarantined for timeout_s
     assert _all_free(e)
 
@@ -111,7 +111,7 @@ def test_a_hold_that_ends_before_its_pull_frees_its_eager_slots(engines, how):
     else:
         e.settle(0.4)
     assert [f.reason for f in p.freed()] == ["released" if how == "release" else "lease_expired"]
-    assert p.packed_ahead("r") == 0 and p._source.eager.slots == 0 and not p._source.serves
+    assert p.packed_ahead("r") == 0 and p._source.eager.slots == 0 and not p._source.serves.by_key
     # the pack had been offered to D:0 (announced, as by a ready): its slots are quarantined for
     # timeout_s, and D drops the offer when told
     assert p.stats["eager_offers"] == 1
@@ -186,11 +186,11 @@ def test_a_rogue_engine_cannot_take_the_consumers_eager_pack():
         p.hold("r", src, consumer="D")
         x.settle(0.05)
         packed = p.packed_ahead("r")
-        assert packed > 0 and p._source.engine_slots.get("D", 0) <= p._source.share()
+        assert packed > 0 and p._source.share.engine_slots.get("D", 0) <= p._source.share.limit()
         chunk_blocks = p._source.eager.packs["r"][0].chunks.blocks_per_chunk
         x.rogue_pull("r", src, chunk_blocks=chunk_blocks)  # exactly what was packed, wrong engine
         x.settle(0.1)
-        assert not p._source.serves and p.stats["refused"] == 1 and p.stats["eager_misses"] == 0
+        assert not p._source.serves.by_key and p.stats["refused"] == 1 and p.stats["eager_misses"] == 0
         assert p.packed_ahead("r") == packed  # untouched: still the consumer's
         x.da[0].fetch("r", "P", src, dst)
         assert x.drive(1)[0].ok
@@ -200,11 +200,11 @@ def test_a_rogue_engine_cannot_take_the_consumers_eager_pack():
         for i in range(4):
             p.hold(f"bait{i}", np.arange(8 * i, 8 * i + 8), consumer="R")
         x.settle(0.05)
-        assert 0 < p._source.engine_slots.get("R", 0) <= p._source.share()
+        assert 0 < p._source.share.engine_slots.get("R", 0) <= p._source.share.limit()
         x.settle(0.1)
         for i in range(4):
             p.release(f"bait{i}")
-        assert p._source.engine_slots.get("R", 0) == 0 and p._source.eager.slots == 0
+        assert p._source.share.engine_slots.get("R", 0) == 0 and p._source.eager.slots == 0
         x.check_prefill_untouched()
     finally:
         x.close()
@@ -213,7 +213,7 @@ def test_a_rogue_engine_cannot_take_the_consumers_eager_pack():
 @pytest.mark.parametrize("bad", ["slots outside staging", "other ids", "other chunks"])
 def test_a_forged_or_stale_offer_is_declined_and_the_fetch_pulls(engines, bad):
     from kvtriton import wire
-    from kvtriton.agent.eager import ids_digest
+    from kvtriton.agent.source.request import ids_digest
 
     e = engines(1, 1, models=ONE, eager_guess=False)
     src, dst = np.array([7, 1, 12, 3]), np.array([5, 6, 2, 9])

@@ -1,4 +1,4 @@
-"""Eager packing of holds that name no consumer (kvtriton.agent.eager, ``eager_guess``): packed
+"""Eager packing of holds that name no consumer (kvtriton.agent.source.eager, ``eager_guess``): packed
 for the only connected engine without binding the hold to it; another engine that pulls first is
 served lazily and the guess freed; a rogue cannot use the guess; a pull that skips a -1 prefix of
 whole packed chunks is served from the pack. Every transfer is checked byte for byte against the
@@ -37,7 +37,7 @@ def made():
 
 def _free(agents, *engines) -> bool:
     return all(a.pool.free_slots == a.pool.num_slots and a._source.eager.slots == 0
-               and not any(a._source.engine_slots.get(e, 0) for e in engines) for a in agents)
+               and not any(a._source.share.engine_slots.get(e, 0) for e in engines) for a in agents)
 
 
 def _other(e: Engines, made: list, name: str, seed: int):
@@ -88,7 +88,7 @@ def test_an_unnamed_hold_is_packed_for_the_only_engine_and_taken_byte_exact(made
         p.hold("r", src)  # no consumer: D is the only engine connected
         p.progress()
         assert p.packed_ahead("r") > 0 and p.stats["eager_guessed"] == 1
-        assert p._source.holds["r"].consumer is None  # the guess binds nothing
+        assert p._source.holds.held["r"].consumer is None  # the guess binds nothing
     if offer_seen:
         e.settle(0.1)
     for d in e.da:
@@ -98,7 +98,7 @@ def test_an_unnamed_hold_is_packed_for_the_only_engine_and_taken_byte_exact(made
     for r in range(d_tp):
         check_destination(e.D[r], r, d_tp, kv, dst, e.before[r])
     e.settle(0.2)
-    assert sum(p.stats["eager_hits"] for p in e.pa) == sum(len(p._source.plans) for p in e.pa) > 0
+    assert sum(p.stats["eager_hits"] for p in e.pa) == sum(len(p._source.plans.served) for p in e.pa) > 0
     assert sum(p.stats["eager_misses"] for p in e.pa) == 0
     offers = sum(p.stats["eager_offers"] for p in e.pa)
     assert sum(d.stats["offers_taken"] for d in e.da) == (offers if offer_seen else 0)
@@ -127,8 +127,8 @@ def test_another_engine_pulling_first_is_served_lazily_and_the_guess_is_freed(ma
     got = _drive([p, x], 1)
     assert got[0].ok, got
     check_destination(x_regs, 0, 1, kv, x_dst, x_before)
-    assert p._source.holds["r"].consumer == "E" and p.stats["eager_misses"] >= 1
-    assert not p._source.offered and p._source.eager.slots == 0
+    assert p._source.holds.held["r"].consumer == "E" and p.stats["eager_misses"] >= 1
+    assert not p._source.serves.offered and p._source.eager.slots == 0
     if not guessed_took_offer:  # the withdrawn offer is dropped; D's pull is refused (the hold is E's)
         _settle([p, d, x], 0.1)
         assert not d.has_offer("P", "r")
@@ -162,8 +162,8 @@ def test_a_rogue_cannot_use_the_guess():
         src_state = p._source
         reserve = p._source.s.inflight * p.pool.slots_for(p._source.s.chunk_bytes)
         assert p.stats["eager_guessed"] == 2 and src_state.eager.slots <= src_state.eager.budget_slots
-        assert src_state.engine_slots.get("R", 0) <= src_state.share() - reserve
-        assert all(h.consumer is None for h in src_state.holds.values())
+        assert src_state.share.engine_slots.get("R", 0) <= src_state.share.limit() - reserve
+        assert all(h.consumer is None for h in src_state.holds.held.values())
         # D connects: two engines, so nothing more is guessed
         d.add_remote(p.metadata())
         p.add_remote(d.metadata())
@@ -177,19 +177,19 @@ def test_a_rogue_cannot_use_the_guess():
         got = _drive([p, d], 1)
         assert got[0].ok, got
         check_destination(regs[2], 0, 1, kv, dst, before)
-        assert src_state.holds["h0"].consumer == "D" and ("h0" not in {s.req_id for s in src_state.offered.values()})
+        assert src_state.holds.held["h0"].consumer == "D" and ("h0" not in {s.req_id for s in src_state.serves.offered.values()})
         # D pulls h1 (also offered to R): P binds it to D and withdraws R's offer; then R acks that
         # offer and reports h1 done: neither binds, frees or counts
         d.fetch("h1", "P", src, dst)
         for _ in range(3):
             p.progress()  # D's pull handled (D itself not progressed yet: no done)
-        assert src_state.holds["h1"].consumer == "D" and not src_state.offered
+        assert src_state.holds.held["h1"].consumer == "D" and not src_state.serves.offered
         bad = p.stats["bad_messages"]
         r.transport.send_notif(p.transport.name, wire.Ack("h1|P:0>0!", 0).encode())
         r.transport.send_notif(p.transport.name, wire.Done("h1", 0, 1).encode())
         _settle([p], 0.2, poll=[r])
         assert p.stats["bad_messages"] >= bad + 2 and p.stats["refused"] >= 1
-        assert src_state.holds["h1"].consumer == "D"
+        assert src_state.holds.held["h1"].consumer == "D"
         got = _drive([p, d], 1)
         assert got[0].ok, got
         check_destination(regs[2], 0, 1, kv, dst, before)
@@ -229,7 +229,7 @@ def test_a_pull_skipping_a_prefix_of_whole_chunks_is_served_from_the_pack(made, 
     assert p.stats["eager_hits"] == int(hit) and p.stats["eager_misses"] == int(not hit)
     assert d.stats["offers_taken"] == int(offer_seen and skip == 0)
     e.settle(0.8)  # chunks before the suffix were offered: quarantined for timeout_s
-    assert _free(e.agents, "D") and not p._source.serves
+    assert _free(e.agents, "D") and not p._source.serves.by_key
 
 
 def test_a_renew_keeps_an_unbound_offered_hold_only_from_the_offered_peer(made):
@@ -271,7 +271,7 @@ def test_a_prefix_pull_with_direct_runs_takes_the_offered_suffix_and_reads_the_r
     kv = e.request(src)
     p.hold("r", src)
     e.settle(0.1)
-    packs = p._source.offered
+    packs = p._source.serves.offered
     assert len(packs) == 2 and all(s.runs_reader for s in packs.values())  # both ranks offered, runs confirmed
     bpc = {s.peer.md.rank: s.chunks.blocks_per_chunk for s in packs.values()}
     skip = min(bpc.values()) if whole else 1
@@ -289,4 +289,4 @@ def test_a_prefix_pull_with_direct_runs_takes_the_offered_suffix_and_reads_the_r
     assert p.stats["eager_hits"] == hits and p.stats["eager_misses"] == 2 - hits
     assert sum(d.stats["offers_taken"] for d in e.da) == 0
     e.settle(0.8)
-    assert _free(e.agents, "D") and not p._source.serves
+    assert _free(e.agents, "D") and not p._source.serves.by_key

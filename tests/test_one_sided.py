@@ -419,7 +419,7 @@ def test_forged_way_is_refused():
             assert time.monotonic() < deadline, "no reject"
             for a in (p0, d):
                 a.progress()
-        assert "the plan allows ['staged']" in rejects[0].reason and not p0._source.serves
+        assert "the plan allows ['staged']" in rejects[0].reason and not p0._source.serves.by_key
     finally:
         e.close()
 

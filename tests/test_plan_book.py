@@ -37,7 +37,7 @@ DEAR_DESCRIPTORS = CostModel()  # crossover ~11.5 KB
 
 def _source_plans(agent: TransferAgent) -> list:
     """Every plan the source side of ``agent`` keeps for its peers."""
-    return list(agent._source.plans.values())
+    return list(agent._source.plans.served.values())
 
 
 @pytest.fixture

@@ -47,7 +47,7 @@ def test_rogue_pulls_cannot_pin_staging(rig):
         p.hold(f"bait{i}", [40 + i, 52 + i % 8])
         x.rogue_pull(f"bait{i}", [40 + i, 52 + i % 8], chunk_blocks=1)
     x.settle(0.1)
-    assert p._source.engine_slots.get("R", 0) <= p._source.share() == 4  # two engines: half each
+    assert p._source.share.engine_slots.get("R", 0) <= p._source.share.limit() == 4  # two engines: half each
     src, dst = np.arange(0, 24), np.arange(10, 34)  # 24 KiB: three times the pool, in chunks
     kv = x.request(src)
     p.hold("h", src)
@@ -58,8 +58,8 @@ def test_rogue_pulls_cannot_pin_staging(rig):
     # the rogue went silent: its transfers expire (waiting does not extend them), their slots are
     # quarantined for timeout_s, then everything is back
     x.settle(2.5)
-    assert not p._source.serves
-    assert p.pool.free_slots == p.pool.num_slots and sum(p._source.engine_slots.values()) == 0
+    assert not p._source.serves.by_key
+    assert p.pool.free_slots == p.pool.num_slots and sum(p._source.share.engine_slots.values()) == 0
     x.check_prefill_untouched()
 
 
@@ -82,7 +82,7 @@ def test_a_slowly_acking_consumer_cannot_keep_a_hold_past_its_hard_bound(rig):
     elapsed = time.monotonic() - t0
     assert [(f.req_id, f.reason) for f in freed] == [("slow", "lease_expired")]
     assert elapsed < 4.0, elapsed  # lease + timeout_s = 0.8 s; unbounded, the rogue would hold it 14 s
-    assert not p._source.serves
+    assert not p._source.serves.by_key
     x.settle(0.8)  # quarantine of slots the rogue may still read
     assert p.pool.free_slots == p.pool.num_slots
 
@@ -100,10 +100,10 @@ def test_done_from_an_engine_that_never_fetched_does_not_release(rig):
     assert all("r" in p._source.holds for p in x.pa)
     for d in x.da:
         d.fetch("r", "P", src, dst)
-    while not all(p._source.holds["r"].consumer == "D" for p in x.pa):
+    while not all(p._source.holds.held["r"].consumer == "D" for p in x.pa):
         for a in x.honest:  # one agent at a time: stop as soon as both P ranks saw D's pull
             a.progress()
-            if all(p._source.holds["r"].consumer == "D" for p in x.pa):
+            if all(p._source.holds.held["r"].consumer == "D" for p in x.pa):
                 break
     for to in range(2):  # now bound to D: a done from R is a bad message
         x.forge(wire.Done("r", 0, 1), to)
@@ -124,7 +124,7 @@ def test_a_named_consumer_refuses_every_other_engine(rig):
     x.rogue_pull("r", src)
     x.forge(wire.Renew("r", 0))
     x.settle(0.1)
-    assert not p._source.serves and p.stats["refused"] == 2
+    assert not p._source.serves.by_key and p.stats["refused"] == 2
     x.da[0].fetch("r", "P", src, dst)
     assert x.drive(1)[0].ok
     x.check_honest(kv, dst)
@@ -150,7 +150,7 @@ def test_a_squatted_transfer_id_does_not_reach_the_honest_transfer(rig):
     assert res.ok, res
     x.check_honest(kv, dst)
     x.settle(0.1)  # the decode's last ack may still be on its way when its result is reported
-    assert all(s.peer.md.engine == "R" for s in p._source.serves.values())
+    assert all(s.peer.md.engine == "R" for s in p._source.serves.by_key.values())
 
 
 # --------------------------------------------------------------------------- 4. ready
@@ -201,7 +201,7 @@ def test_hold_takes_minus_one_ids_like_fetch(rig):
     src, dst = np.array([-1, -1, 5, 6]), np.array([-1, -1, 8, 9])  # a prefix the decode has
     kv = x.request(np.array([0, 0, 5, 6]))
     x.pa[0].hold("r", src)
-    assert x.pa[0]._source.holds["r"].block_ids.tolist() == [5, 6]
+    assert x.pa[0]._source.holds.held["r"].block_ids.tolist() == [5, 6]
     x.da[0].fetch("r", "P", src, dst)
     assert x.drive(1)[0].ok
     check_destination(x.D[0], 0, 1, kv, dst, x.before[0])
@@ -253,7 +253,7 @@ def test_an_outstanding_fetch_renews_the_hold_and_only_its_consumer_can(rig):
         x.forge(wire.Renew("bait", 0))
         x.rogue_inbox()
         time.sleep(0.01)
-    assert "r" in p0._source.holds and not p0._source.serves  # served, then kept by renewal alone
+    assert "r" in p0._source.holds and not p0._source.serves.by_key  # served, then kept by renewal alone
     assert "bait" not in p0._source.holds and p0.stats["refused"] > 0
     d.abort("r")  # the decode gives up (or dies): no more renewals, the lease runs out
     t1 = time.monotonic()

@@ -10,9 +10,9 @@ from .. import wire
 from ..errors import ProtocolError
 from ..one_sided import choose_way, tile_runs
 from ..plan import ChunkGeometry, Mode, StagedRead, TransferPlan
-from .eager import ids_digest
+from .source.request import ids_digest
 from .links import Chunk, Flow, Peer
-from .streams import event_done
+from .device import event_done
 
 
 class OneSidedReads:
