@@ -24,10 +24,10 @@ from ..errors import (
 from ..ops import unpack
 from ..plan import ChunkGeometry, Mode, StagedRead, TransferPlan, ceil_div, compact_request
 from ..token_map import TokenMap, compact_tokens
-from .source.request import ids_digest
 from .links import Chunk, Flow, Links, Peer
-from .settings import Settings
 from .one_sided_reads import OneSidedReads
+from .settings import Settings
+from .source.request import ids_digest
 
 MAX_OFFERS_PER_PEER = 1024  # offers kept per source rank (the oldest goes first)
 

@@ -9,12 +9,11 @@ destination's (:mod:`.destination`), over the links both share (:mod:`.links`).
 from __future__ import annotations
 
 import logging
-
 import threading
 import time
 import uuid
 from collections import deque
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -23,25 +22,26 @@ from .. import wire
 from ..errors import (
     IncompatibleRemoteError,
     KVTritonError,
-    PlanError,
     PeerDisconnectedError,
+    PlanError,
     ProtocolError,
     RequestRejectedError,
     TransportError,
 )
 from ..plan import CostModel, Mode, TransferPlan, check_compatible
 from ..regions import Region
-from ..staging import StagingPool
 from .destination import Destination, RequestResult
-from .device import Lanes, ready_event
+from .device import ready_event
 from .links import Links, Peer, logger, slot_descs
 from .plan_book import PlanBook
-from .settings import Flow, Settings
+from .settings import make_settings, one_sided_forced
 from .source import FreedRequest, Source
 from .stats import Stats
 from .warmup import own_reads, peer_reads, warm
 
 __all__ = ["TransferAgent"]
+
+_DEFAULT_COST = CostModel()  # frozen: one instance serves every agent that keeps the default
 
 
 class TransferAgent:
@@ -104,7 +104,7 @@ class TransferAgent:
         inflight_chunks: int = 2,
         timeout_s: float = 30.0,
         modes: Mode | str | Mapping[str, Mode | str] | None = None,
-        cost: CostModel = CostModel(),
+        cost: CostModel = _DEFAULT_COST,
         replicate_stripe: int | None = None,
         renew_interval_s: float = 1.0,
         transport=None,
@@ -113,42 +113,15 @@ class TransferAgent:
         eager_bytes: int | None = None,
         eager_guess: bool = True,
     ):
-        try:
-            flow = Flow(mode)
-        except ValueError:
-            raise ValueError(f"mode must be 'pull' or 'push', got {mode!r}") from None
-        if not regions:
-            raise ValueError("a TransferAgent needs at least one region")
-        one_sided = _one_sided_forced(modes)
-        if one_sided and flow is Flow.PUSH:
-            raise PlanError(f"modes force {one_sided}, which only a pull can do (the reader skips the pass); "
-                            f"use mode='pull' or force 'staged'")
-        devices = {r.device for r in regions}
-        if len(devices) != 1:
-            raise ValueError(f"all regions must be on one device, got {sorted(map(str, devices))}")
-        device = devices.pop()
-        regions, specs = tuple(regions), tuple(r.spec for r in regions)
-        # validate our own geometry against our own TP once (a bad shard fails here, not later)
-        check_compatible(specs, tp, specs, tp)
-        slot_bytes = int(slot_bytes)
-        pool = StagingPool(max(1, staging_bytes // slot_bytes), slot_bytes, device)
-        if inflight_chunks < 1:
-            raise ValueError(f"inflight_chunks must be >= 1, got {inflight_chunks}")
-        # default: a quarter of the pool, so two transfers can each keep two chunks in flight
-        chunk = min(pool.nbytes, int(chunk_bytes or max(1, pool.num_slots // 4) * slot_bytes))
-        if chunk < slot_bytes:
-            raise ValueError(f"chunk_bytes {chunk} is smaller than one slot ({slot_bytes})")
-        lanes = Lanes(device)  # our stream; the device current in every call below
-        # the one copy of this rank's configuration: every role, and the properties below, read it
-        self._s = settings = Settings(
-            engine_id=engine_id, rank=rank, tp=tp, flow=flow, regions=regions, specs=specs, device=device,
-            pool=pool, chunk_bytes=chunk, inflight=int(inflight_chunks), timeout_s=float(timeout_s), impl=impl,
-            modes=modes, cost=cost, stripe=replicate_stripe, lanes=lanes, renew_s=float(renew_interval_s),
-            eager_bytes=pool.nbytes // 2 if eager_bytes is None else int(eager_bytes), eager_guess=bool(eager_guess))
+        self._s = settings = make_settings(  # the one copy of this rank's configuration
+            engine_id=engine_id, rank=rank, tp=tp, regions=regions, staging_bytes=staging_bytes,
+            slot_bytes=slot_bytes, mode=mode, chunk_bytes=chunk_bytes, inflight_chunks=inflight_chunks,
+            timeout_s=timeout_s, modes=modes, cost=cost, replicate_stripe=replicate_stripe,
+            renew_interval_s=renew_interval_s, impl=impl, eager_bytes=eager_bytes, eager_guess=eager_guess)
         if transport is None:
             from ..transport.nixl import NixlTransport
 
-            with lanes.on_device():
+            with settings.lanes.on_device():
                 transport = NixlTransport(f"{engine_id}:{rank}:{uuid.uuid4().hex[:8]}")
         self.transport = transport
         self._lock = threading.RLock()
@@ -316,7 +289,7 @@ class TransferAgent:
         try:
             return self._plans.reading(md)
         except PlanError as e:
-            if not _one_sided_forced(self._s.modes):
+            if not one_sided_forced(self._s.modes):
                 raise
             try:
                 self._plans.serving(md)
@@ -583,21 +556,9 @@ class TransferAgent:
             self._s.lanes.synchronize()  # no kernel may still write staging once it is released
             self.transport.close()
 
-    def __enter__(self) -> "TransferAgent":
+    def __enter__(self) -> TransferAgent:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _one_sided_forced(modes) -> list[str]:
-    """The one-sided modes ``modes`` forces (pull-only), by value."""
-    if modes is None:
-        return []
-    values = [modes] if isinstance(modes, (str, Mode)) else list(modes.values()) if isinstance(modes, Mapping) else []
-    out = []
-    for v in values:
-        v = v.value if isinstance(v, Mode) else str(v)
-        if v in (Mode.READ_UNPACK.value, Mode.PACK_PLACE.value) and v not in out:
-            out.append(v)
-    return out

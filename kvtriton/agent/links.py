@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -44,7 +44,7 @@ class Chunk:
     nslots: int
     nbytes: int
     xfer: object = None  # transport Xfer in flight (READ or WRITE)
-    kernel: "Completion | None" = None  # the pack/unpack launched on it, until its result is used
+    kernel: Completion | None = None  # the pack/unpack launched on it, until its result is used
     remote_slot: int = -1
     lists: tuple = ()  # one-sided staging: the prepared (local, remote) lists its READ uses
 
@@ -214,10 +214,10 @@ class Links:
         busy_with = {getattr(z[0], "remote", None) for z in keep if z[0] is not None}
         for peer in [p for p in self.dead if p.agent not in busy_with]:
             self.dead.remove(peer)
-            for release in (lambda: self.transport.release_list(peer.staging),
-                            lambda: self.transport.remove_remote(peer.agent)):
+            for release, what in ((self.transport.release_list, peer.staging),
+                                  (self.transport.remove_remote, peer.agent)):
                 try:
-                    release()
+                    release(what)
                 except TransportError:
                     pass
 

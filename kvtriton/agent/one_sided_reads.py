@@ -10,9 +10,9 @@ from .. import wire
 from ..errors import ProtocolError
 from ..one_sided import choose_way, tile_runs
 from ..plan import ChunkGeometry, Mode, StagedRead, TransferPlan
-from .source.request import ids_digest
-from .links import Chunk, Flow, Peer
 from .device import event_done
+from .links import Chunk, Flow, Peer
+from .source.request import ids_digest
 
 
 class OneSidedReads:

@@ -4,17 +4,18 @@ every role (nothing copies its fields)."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 
-from ..plan import CostModel, Mode
+from ..errors import PlanError
+from ..plan import CostModel, Mode, check_compatible
 from ..regions import Region, RegionSpec
 from ..staging import StagingPool
 from .device import Lanes
 
-__all__ = ["Flow", "Settings"]
+__all__ = ["Flow", "Settings", "make_settings", "one_sided_forced"]
 
 
 class Flow(str, enum.Enum):
@@ -66,3 +67,56 @@ class Settings:
     @property
     def name(self) -> str:
         return f"{self.engine_id}:{self.rank}"
+
+
+def make_settings(*, engine_id: str, rank: int, tp: int, regions: Sequence[Region], staging_bytes: int,
+                  slot_bytes: int, mode: str, chunk_bytes: int | None, inflight_chunks: int, timeout_s: float,
+                  modes: Mode | str | Mapping[str, Mode | str] | None, cost: CostModel, replicate_stripe: int | None,
+                  renew_interval_s: float, impl: str, eager_bytes: int | None, eager_guess: bool) -> Settings:
+    """Check :class:`~kvtriton.agent.TransferAgent`'s arguments (same names) and make its
+    settings: the staging pool, the chunk size, the device and its stream. Raises ``ValueError``
+    on bad arguments, :class:`~kvtriton.errors.PlanError` on modes a push cannot do, the
+    validation gate's errors on a geometry that does not fit ``tp``."""
+    try:
+        flow = Flow(mode)
+    except ValueError:
+        raise ValueError(f"mode must be 'pull' or 'push', got {mode!r}") from None
+    if not regions:
+        raise ValueError("a TransferAgent needs at least one region")
+    one_sided = one_sided_forced(modes)
+    if one_sided and flow is Flow.PUSH:
+        raise PlanError(f"modes force {one_sided}, which only a pull can do (the reader skips the pass); "
+                        f"use mode='pull' or force 'staged'")
+    devices = {r.device for r in regions}
+    if len(devices) != 1:
+        raise ValueError(f"all regions must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    regions, specs = tuple(regions), tuple(r.spec for r in regions)
+    # validate our own geometry against our own TP once (a bad shard fails here, not later)
+    check_compatible(specs, tp, specs, tp)
+    slot_bytes = int(slot_bytes)
+    pool = StagingPool(max(1, staging_bytes // slot_bytes), slot_bytes, device)
+    if inflight_chunks < 1:
+        raise ValueError(f"inflight_chunks must be >= 1, got {inflight_chunks}")
+    # default: a quarter of the pool, so two transfers can each keep two chunks in flight
+    chunk = min(pool.nbytes, int(chunk_bytes or max(1, pool.num_slots // 4) * slot_bytes))
+    if chunk < slot_bytes:
+        raise ValueError(f"chunk_bytes {chunk} is smaller than one slot ({slot_bytes})")
+    return Settings(
+        engine_id=engine_id, rank=rank, tp=tp, flow=flow, regions=regions, specs=specs, device=device, pool=pool,
+        chunk_bytes=chunk, inflight=int(inflight_chunks), timeout_s=float(timeout_s), impl=impl, modes=modes,
+        cost=cost, stripe=replicate_stripe, lanes=Lanes(device), renew_s=float(renew_interval_s),
+        eager_bytes=pool.nbytes // 2 if eager_bytes is None else int(eager_bytes), eager_guess=bool(eager_guess))
+
+
+def one_sided_forced(modes) -> list[str]:
+    """The one-sided modes ``modes`` forces (pull-only), by value."""
+    if modes is None:
+        return []
+    values = [modes] if isinstance(modes, (str, Mode)) else list(modes.values()) if isinstance(modes, Mapping) else []
+    out = []
+    for v in values:
+        v = v.value if isinstance(v, Mode) else str(v)
+        if v in (Mode.READ_UNPACK.value, Mode.PACK_PLACE.value) and v not in out:
+            out.append(v)
+    return out

@@ -17,7 +17,7 @@ the torch implementation there is nothing to compile and nothing is launched; un
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 

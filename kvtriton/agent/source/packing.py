@@ -9,7 +9,7 @@ table is the concatenation of their segment lists, each at its own staging offse
 chunks of one step that share their block ids become one launch.
 
 How: a step first *reserves* each chunk (:meth:`~.share.StagingShare.reserve`: slots
-allocated and counted to the engine's share, the :class:`~.links.Chunk` in its owner with no
+allocated and counted to the engine's share, the :class:`~..links.Chunk` in its owner with no
 kernel yet) and queues a :class:`PackJob`; :meth:`PackBatch.launch` then groups the queued jobs
 by what one launch shares (block ids of the chunk's positions, token map, the hold's event) and
 launches each group once. Every chunk of a group gets the same completion, so announcing it,
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from dataclasses import dataclass
 from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -63,7 +63,7 @@ class PackJob:
 
     @classmethod
     def for_chunk(cls, read: StagedRead, chunks: ChunkGeometry, ch: Chunk, ids: np.ndarray,
-                  tokens: TokenMap | None, ready, alive, failed) -> "PackJob":
+                  tokens: TokenMap | None, ready, alive, failed) -> PackJob:
         lo, hi = chunks.bounds(ch.index)
         if tokens is None:
             return cls(read, ch, hi - lo, ids[lo:hi], None, None, ready, alive, failed)

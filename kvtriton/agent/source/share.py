@@ -40,7 +40,8 @@ class StagingShare:
         reserve = self.s.inflight * self.s.pool.slots_for(self.s.chunk_bytes)
         return self.used(engine) <= self.limit() - reserve
 
-    def reserve(self, nbytes: int, engine: str, chunk: int, evict: bool = True, keep: str | None = None) -> Chunk | None:
+    def reserve(self, nbytes: int, engine: str, chunk: int, evict: bool = True,
+                keep: str | None = None) -> Chunk | None:
         """Fresh local slots for chunk ``chunk`` of ``nbytes`` for ``engine``, counted to its
         share; nothing is packed into them yet (see :mod:`.packing`). None when its share or the
         pool is full. With ``evict``, eager packs of requests other than ``keep`` give way first
