@@ -97,6 +97,19 @@ class Source:
     def on_renew(self, peer: Peer, m: wire.Renew) -> None:
         self.holds.on_renew(peer, m, offered=(peer.agent, m.req) in self.serves.offered)
 
+    # ------------------------------------------------------------------ messages of open transfers
+    def on_grant(self, peer: Peer, m: wire.Grant) -> None:
+        self.serves.on_grant(peer, m)
+
+    def on_ack(self, peer: Peer, m: wire.Ack) -> None:
+        self.serves.on_ack(peer, m)
+
+    def on_runs_done(self, peer: Peer, m: wire.RunsDone) -> None:
+        self.serves.on_runs_done(peer, m)
+
+    def on_abort(self, peer: Peer, m: wire.Abort) -> None:
+        self.serves.on_abort(peer, m)
+
     # ------------------------------------------------------------------ opening a transfer
     def on_pull(self, peer: Peer, m: wire.Pull) -> None:
         self.open(peer, m, Flow.PULL)
