@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvtriton.agent import TransferAgent
-from kvtriton.agent.streams import Completion, Lanes, ready_event
+from kvtriton.agent.device import Completion, Lanes, ready_event
 from kvtriton.ops import LaunchConfig, launch_config_for, pack
 from kvtriton.plan import build_plan
 from kvtriton.testing.oracle import RegionModel, check_destination, make_rank_regions, snapshot

@@ -1,4 +1,4 @@
-"""Batched pack (kvtriton.agent.packing): a source rank serving several decode ranks of one request
+"""Batched pack (kvtriton.agent.source.packing): a source rank serving several decode ranks of one request
 packs their chunks in one launch, each destination's tiles in its own slots, byte for byte; a
 destination whose launch is refused fails alone. Launches are counted through the agent's
 ``pack_launches`` stat (and, for the batch alone, by wrapping the launcher); every payload is
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from kvtriton import Region, build_plan
-from kvtriton.agent import packing
+from kvtriton.agent.device import Lanes
 from kvtriton.agent.links import Chunk
-from kvtriton.agent.packing import PackBatch, PackJob
-from kvtriton.agent.streams import Lanes
+from kvtriton.agent.source import packing
+from kvtriton.agent.source.packing import PackBatch, PackJob
 from kvtriton.errors import LaunchError
 from kvtriton.plan import ChunkGeometry, Payload
 from kvtriton.protocol import wire

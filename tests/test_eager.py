@@ -1,4 +1,4 @@
-"""Eager packing (kvtriton.agent.eager): a hold that names its consumer is packed before the pull,
+"""Eager packing (kvtriton.agent.source.eager): a hold that names its consumer is packed before the pull,
 the pull is answered from the pack when it asks exactly that, and otherwise served lazily; eager
 staging is bounded, freed with the hold, given up for real pulls, and reserved for the consumer.
 Every transfer is checked byte for byte against the oracle, bytes outside its blocks included."""
@@ -218,7 +218,7 @@ def test_a_rogue_engine_cannot_take_the_consumers_eager_pack():
 
 @pytest.mark.parametrize("bad", ["slots outside staging", "other ids", "other chunks"])
 def test_a_forged_or_stale_offer_is_declined_and_the_fetch_pulls(engines, bad):
-    from kvtriton.agent.eager import ids_digest
+    from kvtriton.plan import ids_digest
     from kvtriton.protocol import wire
 
     e = engines(1, 1, models=ONE, eager_guess=False)

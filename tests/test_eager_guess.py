@@ -1,4 +1,4 @@
-"""Eager packing of holds that name no consumer (kvtriton.agent.eager, ``eager_guess``): packed
+"""Eager packing of holds that name no consumer (kvtriton.agent.source.eager, ``eager_guess``): packed
 for the only connected engine without binding the hold to it; another engine that pulls first is
 served lazily and the guess freed; a rogue cannot use the guess; a pull that skips a -1 prefix of
 whole packed chunks is served from the pack. Every transfer is checked byte for byte against the

@@ -1,11 +1,13 @@
 """TransferAgent: the API serving code calls, one per rank (shaped like a KV connector's worker).
 
 The agent is a facade (:mod:`.facade`: handshake, progress loop, message dispatch) over two
-roles that own their own state: the source side (:mod:`.source`, over :mod:`.holds` and
-:mod:`.serves`: holds, serving transfers, pack, announce or WRITE, release) and the destination
-side (:mod:`.destination`: fetches, READ or grants, unpack, ack, finish or fail), sharing the
-peer links (:mod:`.links`). :meth:`TransferAgent.debug_state` is a plain snapshot of all of it
-for tests and operators (:mod:`.debug` documents its keys).
+roles that own their own state: the source side (:mod:`.source`, composed of holds, the
+staging share, serves per flow, eager packs and packing: serving transfers, pack, announce or
+WRITE, release) and the destination side (:mod:`.destination`: fetches, READ or grants,
+unpack, ack, finish or fail), sharing the peer links (:mod:`.links`), one :mod:`.settings`,
+one :mod:`.plan_book` (every plan this rank serves or reads by), typed :mod:`.stats` and the
+CUDA side (:mod:`.device`). :meth:`TransferAgent.debug_state` is a plain
+snapshot of all of it for tests and operators (:mod:`.debug` documents its keys).
 
 A prefill rank ``hold()``s a request's blocks; a decode rank ``fetch()``es them. Everything moves
 when somebody calls :meth:`TransferAgent.progress` (non-blocking; call it from the engine's step
@@ -21,9 +23,9 @@ transfer is reading it (the transfer has its own silence deadline), but never ou
 plus ``timeout_s``; a decode rank renews the holds of its outstanding fetches. When everything has
 landed the decode rank sends ``done`` to *every* rank of the source engine (replicas it skipped
 included), and each source rank frees the request once all decode ranks are done or its lease
-expires. A hold belongs to one consumer engine (see :mod:`.holds`): no other peer can read,
+expires. A hold belongs to one consumer engine (see :mod:`.source.holds`): no other peer can read,
 complete or renew it. A hold that names its consumer is packed ahead of the pull
-(:mod:`.eager`) and offered to the consumer's ranks (``offer``): a fetch asking exactly that
+(:mod:`.source.eager`) and offered to the consumer's ranks (``offer``): a fetch asking exactly that
 READs at once, without a pull; a pull that comes first is answered with ``ready`` at once.
 
 Push: the decode rank sends ``push`` and ``grant``s staging slots of its own; the source packs and

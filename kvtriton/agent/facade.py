@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -27,18 +27,22 @@ from ..errors import (
     RequestRejectedError,
     TransportError,
 )
-from ..plan import CostModel, Mode, TransferPlan, check_compatible, parse_modes
+from ..plan import CostModel, Mode, TransferPlan, check_compatible
 from ..protocol import wire
 from ..regions import Region
-from ..staging import StagingPool
 from . import debug
 from .destination import Destination, RequestResult
-from .links import Flow, Links, Peer, Settings, logger, slot_descs
+from .device import ready_event
+from .links import Links, Peer, logger, slot_descs
+from .plan_book import PlanBook
+from .settings import make_settings, one_sided_forced
 from .source import FreedRequest, Source
-from .streams import Lanes, ready_event
+from .stats import Stats
 from .warmup import own_reads, peer_reads, warm
 
 __all__ = ["TransferAgent"]
+
+_DEFAULT_COST = CostModel()  # frozen: one instance serves every agent that keeps the default
 
 
 class TransferAgent:
@@ -72,7 +76,7 @@ class TransferAgent:
                    (default: half the pool; 0 disables): a :meth:`hold` that names its
                    ``consumer`` is packed in the next :meth:`progress` for each of that
                    engine's connected ranks that read from this one, so the pull is answered
-                   with the data in place (:mod:`kvtriton.agent.eager`). Pull mode only.
+                   with the data in place (:mod:`kvtriton.agent.source.eager`). Pull mode only.
     eager_guess:   a hold without a ``consumer`` is packed ahead for the only peer engine
                    connected, if exactly one is (a guess: the hold still binds to the first
                    engine whose transfer is accepted, and another engine's pull frees the
@@ -84,7 +88,7 @@ class TransferAgent:
     On CUDA the agent queues its packs and unpacks on a stream of its own, on the regions'
     device, and every public call and the background thread run with that device current;
     :meth:`hold` says how the engine's cache writes are ordered before a transfer reads them
-    (:mod:`kvtriton.agent.streams`).
+    (:mod:`kvtriton.agent.device`).
     """
 
     def __init__(
@@ -101,7 +105,7 @@ class TransferAgent:
         inflight_chunks: int = 2,
         timeout_s: float = 30.0,
         modes: Mode | str | Mapping[str, Mode | str] | None = None,
-        cost: CostModel = CostModel(),
+        cost: CostModel = _DEFAULT_COST,
         replicate_stripe: int | None = None,
         renew_interval_s: float = 1.0,
         transport=None,
@@ -110,75 +114,35 @@ class TransferAgent:
         eager_bytes: int | None = None,
         eager_guess: bool = True,
     ):
-        try:
-            flow = Flow(mode)
-        except ValueError:
-            raise ValueError(f"mode must be 'pull' or 'push', got {mode!r}") from None
-        if not regions:
-            raise ValueError("a TransferAgent needs at least one region")
-        one_sided = _one_sided_forced(modes)
-        if one_sided and flow is Flow.PUSH:
-            raise PlanError(f"modes force {one_sided}, which only a pull can do (the reader skips the pass); "
-                            f"use mode='pull' or force 'staged'")
-        devices = {r.device for r in regions}
-        if len(devices) != 1:
-            raise ValueError(f"all regions must be on one device, got {sorted(map(str, devices))}")
-        self.engine_id, self.rank, self.tp, self.mode = engine_id, rank, tp, mode
-        self.regions = list(regions)
-        self.specs = [r.spec for r in self.regions]
-        self.device = devices.pop()
-        self._lanes = Lanes(self.device)  # our stream; the device current in every call below
-        self.timeout_s = float(timeout_s)
-        # validate our own geometry against our own TP once (a bad shard fails here, not later)
-        check_compatible(self.specs, tp, self.specs, tp)
-
-        slot_bytes = int(slot_bytes)
-        self.pool = StagingPool(max(1, staging_bytes // slot_bytes), slot_bytes, self.device)
-        if inflight_chunks < 1:
-            raise ValueError(f"inflight_chunks must be >= 1, got {inflight_chunks}")
-        # default: a quarter of the pool, so two transfers can each keep two chunks in flight
-        default_chunk = max(1, self.pool.num_slots // 4) * slot_bytes
-        self.chunk_bytes = min(self.pool.nbytes, int(chunk_bytes or default_chunk))
-        if self.chunk_bytes < slot_bytes:
-            raise ValueError(f"chunk_bytes {self.chunk_bytes} is smaller than one slot ({slot_bytes})")
+        self._s = settings = make_settings(  # the one copy of this rank's configuration
+            engine_id=engine_id, rank=rank, tp=tp, regions=regions, staging_bytes=staging_bytes,
+            slot_bytes=slot_bytes, mode=mode, chunk_bytes=chunk_bytes, inflight_chunks=inflight_chunks,
+            timeout_s=timeout_s, modes=modes, cost=cost, replicate_stripe=replicate_stripe,
+            renew_interval_s=renew_interval_s, impl=impl, eager_bytes=eager_bytes, eager_guess=eager_guess)
         if transport is None:
             from ..transport.nixl import NixlTransport
 
-            with self._lanes.on_device():
+            with settings.lanes.on_device():
                 transport = NixlTransport(f"{engine_id}:{rank}:{uuid.uuid4().hex[:8]}")
         self.transport = transport
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
-        # bad_messages: malformed or inconsistent messages; refused: well-formed ones from a peer
-        # not entitled to what it asked (another engine's hold, beyond its transfer count)
-        # eager_*: chunks packed ahead of a pull, pulls that found theirs packed (hits) or not as
-        # packed (misses: served lazily), packs given up for a pull that needed the staging;
-        # eager_guessed: holds without a consumer packed for the only connected engine
-        # pack_launches, packed_chunks: pack launches of this rank as a source, and the chunks they
-        # packed (several destinations' chunks of one step share a launch: kvtriton.agent.packing)
-        self.stats = {"bad_messages": 0, "refused": 0, "staged_descriptors": 0, "direct_descriptors": 0,
-                      "one_sided_descriptors": 0, "eager_chunks": 0, "eager_hits": 0, "eager_misses": 0,
-                      "eager_evicted": 0, "eager_offers": 0, "eager_guessed": 0, "offers_taken": 0,
-                      "pack_launches": 0, "packed_chunks": 0}
+        self._stats = Stats()  # one counter per event (see .stats)
         self._warmed: set = set()  # (op, LaunchConfig) compiled by warmup()
         self._warm_peers = bool(warmup)
-        settings = Settings(engine_id, rank, tp, flow, tuple(self.regions), tuple(self.specs), self.device,
-                            self.pool, self.chunk_bytes, int(inflight_chunks), self.timeout_s, impl, modes, cost,
-                            replicate_stripe, self._lanes, renew_s=float(renew_interval_s),
-                            eager_bytes=self.pool.nbytes // 2 if eager_bytes is None else int(eager_bytes),
-                            eager_guess=bool(eager_guess))
         self._inbox: dict[str, deque] = {}  # messages received, not handled yet, per sender
-        self._links = Links(settings, transport, self.stats)
+        self._links = Links(settings, transport, self._stats)
+        self._plans = PlanBook(settings)  # every plan this rank serves or reads by
         try:
-            with self._lanes.on_device():  # UCX registers VRAM in the current CUDA context
+            with self._s.lanes.on_device():  # UCX registers VRAM in the current CUDA context
                 self._register()
                 self._metadata = self._build_metadata()
         except BaseException:
             self.transport.close()
             raise
-        self._source = Source(settings, self._links)
+        self._source = Source(settings, self._links, self._plans, self._stats)
         self._destination = Destination(settings, self._links)
         self._handlers = {
             wire.Pull: self._source.on_pull,
@@ -201,6 +165,24 @@ class TransferAgent:
             except BaseException:
                 self.close()
                 raise
+
+    # ------------------------------------------------------------------ configuration
+    # read from the one Settings (public attributes of earlier releases, kept as they were)
+    engine_id = property(lambda self: self._s.engine_id, doc="This engine's id.")
+    rank = property(lambda self: self._s.rank, doc="This rank.")
+    tp = property(lambda self: self._s.tp, doc="The engine's TP size.")
+    mode = property(lambda self: self._s.flow.value, doc='``"pull"`` or ``"push"``.')
+    regions = property(lambda self: list(self._s.regions), doc="This rank's regions, in the model's order.")
+    specs = property(lambda self: list(self._s.specs), doc="The regions' specs.")
+    device = property(lambda self: self._s.device, doc="The regions' device.")
+    pool = property(lambda self: self._s.pool, doc="The registered staging pool.")
+    chunk_bytes = property(lambda self: self._s.chunk_bytes, doc="The largest chunk this rank packs or receives.")
+    timeout_s = property(lambda self: self._s.timeout_s, doc="Silence after which a transfer fails.")
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """This rank's counters, one per event (:class:`~kvtriton.agent.stats.Stats`; a copy)."""
+        return self._stats.as_dict()
 
     # ------------------------------------------------------------------ setup
     def _register(self) -> None:
@@ -231,8 +213,8 @@ class TransferAgent:
             agent_md=self.transport.metadata(), mem=links.mem, dev=links.dev,
             regions=tuple(self.specs), addrs=links.addrs, spans=links.spans,
             staging=wire.StagingInfo(self.pool.addr, self.pool.slot_bytes, self.pool.num_slots, self.chunk_bytes),
-            planning=self._links.s.planning(),
-            cost=links.s.cost,
+            planning=self._s.planning(),
+            cost=self._s.cost,
         ))
 
     def add_remote(self, metadata: bytes) -> str:
@@ -255,7 +237,7 @@ class TransferAgent:
             raise IncompatibleRemoteError(
                 f"engine {md.engine!r}: rank {md.rank} says tp={md.tp}, earlier ranks said tp={known_tp}")
         check_compatible(self.specs, self.tp, md.regions, md.tp)
-        ours, theirs = dict(self._links.s.planning()), dict(md.planning)
+        ours, theirs = dict(self._s.planning()), dict(md.planning)
         for name in sorted(ours.keys() | theirs.keys()):
             if ours.get(name) != theirs.get(name):
                 raise IncompatibleRemoteError(
@@ -268,7 +250,7 @@ class TransferAgent:
         links = self._links
         if md.mem != links.mem and links.mem == "VRAM":
             logger.info("peer %s:%d stages in %s, we in %s", md.engine, md.rank, md.mem, links.mem)
-        with self._lock, self._lanes.on_device():
+        with self._lock, self._s.lanes.on_device():
             # build the plan first: a mismatch raises before anything is prepared
             plan = self._destination.plans.get(md.engine) or self._plan_reading(md)
             old = links.peers.get((md.engine, md.rank))
@@ -294,8 +276,8 @@ class TransferAgent:
                 self._destination.plans[md.engine] = plan
             if self._warm_peers:  # compiles under the lock: progress() waits, once per new shape
                 try:
-                    warm(links.s, peer_reads(links.s, [links.peers[(md.engine, md.rank)]], self._destination.plans),
-                         self._warmed)
+                    warm(self._s, peer_reads(self._plans, [links.peers[(md.engine, md.rank)]],
+                                             self._destination.plans), self._warmed)
                 except KVTritonError as e:  # the peer is connected; its first request will compile
                     logger.warning("warmup for %s:%d failed: %s", md.engine, md.rank, e)
             return md.engine
@@ -306,12 +288,12 @@ class TransferAgent:
         rules out reading from the peer but not the peer reading from us (a prefill rank meeting
         its decode engine), the error is kept for a fetch from that engine to raise."""
         try:
-            return self._links.s.plan(self.rank, self.tp, self.specs, md.tp, md.regions)
+            return self._plans.reading(md)
         except PlanError as e:
-            if not _one_sided_forced(self._links.s.modes):
+            if not one_sided_forced(self._s.modes):
                 raise
             try:
-                self._links.s.plan(md.rank, md.tp, md.regions, self.tp, self.specs, cost=md.cost)
+                self._plans.serving(md)
             except KVTritonError:
                 raise e from None
             return e
@@ -324,11 +306,10 @@ class TransferAgent:
         changes). Returns the ``(op, LaunchConfig)`` pairs compiled by this call; empty under
         the torch implementation. ``warmup=True`` at construction does this then, and for each
         peer in :meth:`add_remote`."""
-        with self._lock, self._lanes.on_device():
-            s = self._links.s
-            reads = own_reads(s) + (peer_reads(s, self._links.peers.values(), self._destination.plans)
-                                    if peers else [])
-            return warm(s, reads, self._warmed)
+        with self._lock, self._s.lanes.on_device():
+            reads = own_reads(self._plans) + (
+                peer_reads(self._plans, self._links.peers.values(), self._destination.plans) if peers else [])
+            return warm(self._s, reads, self._warmed)
 
     def plan_for(self, engine_id: str) -> TransferPlan:
         """The plan this rank uses to read from ``engine_id`` (after :meth:`add_remote`)."""
@@ -380,15 +361,15 @@ class TransferAgent:
         if consumer is not None and (not isinstance(consumer, str) or not consumer or consumer == self.engine_id):
             raise ValueError(f"hold {req_id!r}: consumer must be another engine's id, got {consumer!r}")
         ready = ready_event(self.device, after)
-        with self._lock, self._lanes.on_device():
+        with self._lock, self._s.lanes.on_device():
             self._source.hold(req_id, ids, float(lease_s), consumer, ready)
 
     def packed_ahead(self, req_id: str) -> int:
         """Chunks of held request ``req_id`` packed ahead of their pull whose pack has completed
         (0: none, e.g. its consumer's ranks not connected yet (or, unnamed, not exactly one engine
         connected), or beyond ``eager_bytes``)."""
-        with self._lock, self._lanes.on_device():
-            return self._source.eager.ready_chunks(req_id)
+        with self._lock, self._s.lanes.on_device():
+            return self._source.packed_ahead(req_id)
 
     def release(self, req_id: str) -> bool:
         """Drop a hold before its consumers are done (the engine aborted the request, or needs
@@ -396,12 +377,12 @@ class TransferAgent:
         :class:`~kvtriton.errors.RequestRejectedError` at once, not at a timeout) and the staging
         slots they may still read are quarantined; :meth:`freed` reports it as ``"released"``.
         Returns False when ``req_id`` is not held (never held, or already freed)."""
-        with self._lock, self._lanes.on_device():
+        with self._lock, self._s.lanes.on_device():
             return self._source.release(req_id)
 
     def freed(self) -> list[FreedRequest]:
         """Held requests whose blocks may be reused now (drained on each call)."""
-        with self._lock, self._lanes.on_device():
+        with self._lock, self._s.lanes.on_device():
             return self._source.take_freed()
 
     # ------------------------------------------------------------------ decode side
@@ -440,14 +421,14 @@ class TransferAgent:
         if not isinstance(req_id, str) or not 0 < len(req_id) <= 512:
             raise ValueError(f"req_id must be a non-empty string of at most 512 characters, got {req_id!r:.80}")
         ready = ready_event(self.device, after)
-        with self._lock, self._lanes.on_device():
+        with self._lock, self._s.lanes.on_device():
             self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s,
                                     num_tokens, ready)
 
     def has_offer(self, remote_engine_id: str, req_id: str) -> bool:
         """Whether some rank of ``remote_engine_id`` has offered ``req_id`` packed ahead (its
         hold named this engine): a :meth:`fetch` of every held block then READs at once."""
-        with self._lock, self._lanes.on_device():
+        with self._lock, self._s.lanes.on_device():
             return self._destination.offers.has(remote_engine_id, req_id)
 
     def abort(self, req_id: str) -> bool:
@@ -455,19 +436,19 @@ class TransferAgent:
         (a slot a peer may still WRITE into is quarantined first), and :meth:`results` reports it
         with :class:`~kvtriton.errors.RequestAbortedError`. Its local blocks hold undefined
         bytes afterwards. Returns False when no fetch of ``req_id`` is in flight."""
-        with self._lock, self._lanes.on_device():
+        with self._lock, self._s.lanes.on_device():
             return self._destination.abort(req_id)
 
     def results(self) -> list[RequestResult]:
         """Finished fetches since the last call: ``ok`` or a typed ``error``."""
-        with self._lock, self._lanes.on_device():
+        with self._lock, self._s.lanes.on_device():
             return self._destination.take_results()
 
     # ------------------------------------------------------------------ progress
     def progress(self) -> None:
         """Do whatever can be done now without blocking: handle messages, pack, post, poll,
         unpack, expire. Call it often (every engine step, or let :meth:`start` do it)."""
-        with self._lock, self._lanes.on_device():
+        with self._lock, self._s.lanes.on_device():
             if self._closed:
                 return
             self._handle_messages()
@@ -482,7 +463,7 @@ class TransferAgent:
             return
 
         def loop():
-            if self._lanes.cuda:  # UCX and Triton calls from this thread need our device's context
+            if self._s.lanes.cuda:  # UCX and Triton calls from this thread need our device's context
                 torch.cuda.set_device(self.device)
             while not self._stop.is_set():
                 try:
@@ -496,9 +477,8 @@ class TransferAgent:
 
     def idle(self) -> bool:
         """True when nothing is in flight or held."""
-        with self._lock, self._lanes.on_device():
-            return not (self._destination.fetches or self._source.serves or self._source.holds
-                        or self._links.zombies or self._inbox)
+        with self._lock, self._s.lanes.on_device():
+            return not (self._destination.fetches or self._source.busy() or self._links.zombies or self._inbox)
 
     # one progress() call handles at most this many bytes of messages (at least one message),
     # each counted with a fixed overhead (so at most ~512 small ones), taken round-robin across
@@ -513,7 +493,7 @@ class TransferAgent:
             q = self._inbox.setdefault(sender, deque())
             for raw in msgs:
                 if len(q) >= self._INBOX_MAX:
-                    self.stats["bad_messages"] += 1  # flooding: dropped unread
+                    self._stats.bad_messages += 1  # flooding: dropped unread
                     continue
                 q.append(raw)
         budget = self._MESSAGE_BUDGET_BYTES
@@ -531,7 +511,7 @@ class TransferAgent:
     def _on_message(self, sender: str, raw: bytes) -> None:
         peer = self._links.sender(sender)
         if peer is None:
-            self.stats["bad_messages"] += 1
+            self._stats.bad_messages += 1
             logger.warning("message from unknown agent %r dropped", sender)
             return
         m = None
@@ -544,7 +524,7 @@ class TransferAgent:
             if not isinstance(e, KVTritonError):
                 e = ProtocolError(f"message from {sender} could not be handled: {type(e).__name__}: {e}")
             if isinstance(e, ProtocolError):
-                self.stats["bad_messages"] += 1
+                self._stats.bad_messages += 1
             logger.warning("message from %s failed: %s", sender, e)
             xid = getattr(m, "xid", None)
             self._destination.transfer_failed(xid, peer, e)
@@ -568,22 +548,18 @@ class TransferAgent:
             self._stop.set()
             self._thread.join(timeout=5)
             self._thread = None
-        with self._lock, self._lanes.on_device():
+        with self._lock, self._s.lanes.on_device():
             if self._closed:
                 return
             self._destination.fail_all(TransportError(f"{self.engine_id}:{self.rank} was closed"))
             self._source.close("source closed")
             self._closed = True
-            self._lanes.synchronize()  # no kernel may still write staging once it is released
+            self._s.lanes.synchronize()  # no kernel may still write staging once it is released
             self.transport.close()
 
-    def __enter__(self) -> "TransferAgent":
+    def __enter__(self) -> TransferAgent:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _one_sided_forced(modes) -> list[str]:
-    """The one-sided modes ``modes`` forces (pull-only), by value."""
-    return parse_modes(modes).one_sided()

@@ -1,77 +1,27 @@
-"""What both roles of a rank share: its settings, the peer table, sending, posting and retiring
-transfers, kernel completions, and the prepared descriptor lists of DIRECT runs."""
+"""What both roles of a rank share: the peer table, sending, posting and retiring transfers,
+kernel completions, and the prepared descriptor lists of DIRECT runs (its settings are
+:mod:`.settings`, its counters :mod:`.stats`)."""
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 import numpy as np
-import torch
 
 from ..errors import PeerDisconnectedError, ProtocolError, TransportError
-from ..plan import CostModel, Mode, TransferPlan, build_plan, direct_runs, parse_modes
+from ..plan import TransferPlan, direct_runs
 from ..protocol import wire
-from ..regions import Region, RegionSpec
-from ..staging import StagingPool
 from ..transport.nixl import XferStatus
-from .streams import Completion, Lanes
+from .device import Completion
+from .settings import Flow, Settings
+from .stats import Stats
+
+__all__ = ["Chunk", "Flow", "Links", "Peer", "Settings", "logger", "slot_descs"]
 
 logger = logging.getLogger("kvtriton.agent")
-
-
-class Flow(str, enum.Enum):
-    """Which side moves the staged bytes (the agent's ``mode=``; both engines must agree)."""
-
-    PULL = "pull"  # the destination READs what the source announces
-    PUSH = "push"  # the source WRITEs into slots the destination grants
-
-
-@dataclass(frozen=True)
-class Settings:
-    """This rank's fixed configuration, read by every role."""
-
-    engine_id: str
-    rank: int
-    tp: int
-    flow: Flow
-    regions: tuple[Region, ...]
-    specs: tuple[RegionSpec, ...]
-    device: torch.device
-    pool: StagingPool
-    chunk_bytes: int  # the largest chunk this rank packs or receives
-    inflight: int  # chunks of one transfer in flight at once
-    timeout_s: float
-    impl: str
-    modes: Mode | str | Mapping[str, Mode | str] | None
-    cost: CostModel
-    stripe: int | None
-    lanes: Lanes  # the device and the stream pack/unpack run on (see .streams)
-    renew_s: float = 1.0  # a decode renews the holds of its outstanding fetches this often
-    eager_bytes: int = 0  # staging all eager packs may keep (see .eager); 0: none
-    eager_guess: bool = True  # pack a hold without a consumer for the only connected engine (see .eager)
-
-    def planning(self) -> tuple[tuple[str, str], ...]:
-        """The settings both engines must share to compute the same plans, as (name, canonical
-        value) pairs for the handshake (:meth:`TransferAgent.add_remote` compares them). The
-        cost model is not one of them: the destination's travels in its metadata and the source
-        plans that destination's transfers with it."""
-        return (("modes", parse_modes(self.modes).canonical()), ("replicate_stripe", repr(self.stripe)))
-
-    @property
-    def name(self) -> str:
-        return f"{self.engine_id}:{self.rank}"
-
-    def plan(self, dst_rank: int, dst_tp: int, dst_specs: Sequence[RegionSpec], src_tp: int,
-             src_specs: Sequence[RegionSpec], cost: CostModel | None = None) -> TransferPlan:
-        """The plan of one (destination rank, source engine) pair under this rank's route
-        choices; both engines must compute the same one (the protocol checks its digest).
-        ``cost``: the destination's model when we are the source (its metadata carries it)."""
-        return build_plan(dst_rank, dst_tp, dst_specs, src_tp, src_specs, modes=self.modes,
-                          cost=cost or self.cost, replicate_stripe=self.stripe)
 
 
 @dataclass(eq=False)
@@ -94,7 +44,7 @@ class Chunk:
     nslots: int
     nbytes: int
     xfer: object = None  # transport Xfer in flight (READ or WRITE)
-    kernel: "Completion | None" = None  # the pack/unpack launched on it, until its result is used
+    kernel: Completion | None = None  # the pack/unpack launched on it, until its result is used
     remote_slot: int = -1
     lists: tuple = ()  # one-sided staging: the prepared (local, remote) lists its READ uses
 
@@ -111,7 +61,7 @@ def slot_descs(addr: int, num_slots: int, slot_bytes: int, dev: int) -> np.ndarr
 class Links:
     """The peer table and everything that talks to the transport on behalf of both roles."""
 
-    def __init__(self, settings: Settings, transport, stats: dict[str, int]):
+    def __init__(self, settings: Settings, transport, stats: Stats):
         self.s = settings
         self.transport = transport
         self.stats = stats
@@ -168,7 +118,7 @@ class Links:
         idx = np.arange(ch.nslots)
         xfer = self.transport.post(op, self.local_staging, ch.slot + idx, peer.staging, ch.remote_slot + idx,
                                    notif.encode() if notif is not None else b"")
-        self.stats["staged_descriptors"] += 1
+        self.stats.staged_descriptors += 1
         return xfer
 
     def post_runs(self, op: str, local, remote, count: int, notif: wire.Message | None = None,
@@ -177,7 +127,7 @@ class Links:
         :meth:`prep_pieces`, counted under ``stat``)."""
         idx = np.arange(count)
         xfer = self.transport.post(op, local, idx, remote, idx, notif.encode() if notif is not None else b"")
-        self.stats[stat] += count
+        self.stats.count(stat, count)
         return xfer
 
     def cache_addrs(self, addrs, spans, region: np.ndarray, stream: np.ndarray, offset: np.ndarray,
@@ -264,10 +214,10 @@ class Links:
         busy_with = {getattr(z[0], "remote", None) for z in keep if z[0] is not None}
         for peer in [p for p in self.dead if p.agent not in busy_with]:
             self.dead.remove(peer)
-            for release in (lambda: self.transport.release_list(peer.staging),
-                            lambda: self.transport.remove_remote(peer.agent)):
+            for release, what in ((self.transport.release_list, peer.staging),
+                                  (self.transport.remove_remote, peer.agent)):
                 try:
-                    release()
+                    release(what)
                 except TransportError:
                     pass
 

@@ -17,7 +17,7 @@ the torch implementation there is nothing to compile and nothing is launched; un
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -25,28 +25,30 @@ from ..errors import KVTritonError
 from ..ops import LaunchConfig, launch_config_for, pack, unpack
 from ..ops.launch import _resolve_impl
 from ..plan import StagedRead, TransferPlan
-from .links import Peer, Settings
+from .links import Peer
+from .plan_book import PlanBook
+from .settings import Settings
 
 __all__ = ["own_reads", "peer_reads", "warm"]
 
 _BLOCK_COUNTS = (1, 2, 4, 8, 16)  # one of each power of two: every staging-offset alignment
 
 
-def own_reads(s: Settings) -> list[tuple[str, StagedRead]]:
+def own_reads(book: PlanBook) -> list[tuple[str, StagedRead]]:
     """What a peer engine with this rank's own geometry (same TP, same regions) makes it launch."""
-    own = s.plan(s.rank, s.tp, s.specs, s.tp, s.specs)
-    reads = [("pack", own.staged_read(s.rank))] + [("unpack", r) for r in own.staged]
+    own = book.own_geometry()
+    reads = [("pack", own.staged_read(book.s.rank))] + [("unpack", r) for r in own.staged]
     return [(op, r) for op, r in reads if r is not None]
 
 
-def peer_reads(s: Settings, peers: Iterable[Peer],
+def peer_reads(book: PlanBook, peers: Iterable[Peer],
                plans_from: Mapping[str, TransferPlan]) -> list[tuple[str, StagedRead]]:
-    """What serving ``peers`` (pack) and fetching from them (unpack, by ``plans_from[engine]``)
-    makes this rank launch."""
+    """What serving ``peers`` (pack, by the plan each is served by: the peer's cost model) and
+    fetching from them (unpack, by ``plans_from[engine]``) makes this rank launch."""
     reads = []
     for p in peers:
         try:
-            reads.append(("pack", s.plan(p.md.rank, p.md.tp, p.md.regions, s.tp, s.specs).staged_read(s.rank)))
+            reads.append(("pack", book.serving(p.md).staged_read(book.s.rank)))
         except KVTritonError:  # this pairing cannot be served; a request for it is rejected anyway
             pass
         if p.md.engine in plans_from:

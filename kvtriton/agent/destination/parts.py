@@ -27,8 +27,8 @@ from ...errors import ProtocolError
 from ...ops import unpack
 from ...plan import Mode, RequestPayload, ceil_div, tile_runs
 from ...protocol import wire
+from ..device import event_done
 from ..links import Chunk, Links, Peer, Settings
-from ..streams import event_done
 from .fetch import Fetch
 
 

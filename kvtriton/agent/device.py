@@ -25,7 +25,7 @@ On CPU every kernel runs synchronously: nothing here does anything, completions 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -37,7 +37,7 @@ class Completion:
     (None on CPU, where the kernel already ran). The step that needs its bytes runs from one
     place: where :meth:`done` is polled."""
 
-    def __init__(self, stream: "torch.cuda.Stream | None"):
+    def __init__(self, stream: torch.cuda.Stream | None):
         self._event = None
         if stream is not None:
             self._event = torch.cuda.Event()
@@ -52,7 +52,7 @@ def event_done(event) -> bool:
     return event is None or event.query()
 
 
-def ready_event(device: torch.device, after) -> "torch.cuda.Event | None":
+def ready_event(device: torch.device, after) -> torch.cuda.Event | None:
     """The event after which the engine is done with some blocks, from what
     :meth:`TransferAgent.hold` or :meth:`TransferAgent.fetch` was given: a ``torch.cuda.Event``
     (used as it is), a ``torch.cuda.Stream`` (an event recorded on it now), or None (an event

@@ -31,13 +31,13 @@ Bounds: packed chunks count toward the consumer engine's staging share (never mo
 all eager packs together stay within ``eager_bytes``; a hold that does not fit is simply served
 lazily. A pull that needs staging evicts eager packs not yet asked for (they are a guess; a pull
 is real). Only the named consumer's rank whose plan was packed can take a pack: the pull's
-entitlement checks (:meth:`Source._open`) run first, and the pack is keyed by the peer object.
+entitlement checks (:meth:`~kvtriton.agent.source.Source.open`) run first, and the pack is keyed by the peer object.
 
 Guessing (``eager_guess``, default on): a hold without a consumer is packed, and offered, for
 the only peer engine connected to this rank, when exactly one is (1P1D: the vLLM connector's
 holds, whose prefill does not know its decode). The guess binds nothing: the hold still binds
 to the first engine whose transfer this rank accepts (a pull, or the first ack or RunsDone of
-an offer, see :meth:`~.holds.SourceHolds.bind`), and binding frees whatever was packed for
+an offer, see :meth:`~.holds.Holds.bind`), and binding frees whatever was packed for
 another engine and withdraws its offers (quarantined for ``timeout_s``, as any withdrawn
 ``ready``); an offer's acks from an engine the hold is no longer open to are refused (the
 transfer is gone). With two or more engines connected nothing is guessed: a guess between
@@ -59,17 +59,24 @@ not decline it (no abort) and pulls, and the pull takes it over (one round trip,
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import hashlib
 
 import numpy as np
 
-from ..errors import KVTritonError, StagingError
-from ..plan import ChunkGeometry, CostModel, Mode, choose_way
-from .links import Chunk, Flow, Peer, logger
-from .packing import PackJob
-from .streams import event_done
+from ...errors import KVTritonError, StagingError
+from ...plan import ChunkGeometry, CostModel, Mode, choose_way
+from ..device import event_done
+from ..links import Chunk, Flow, Links, Peer, logger
+from ..plan_book import PlanBook
+from ..settings import Settings
+from ..stats import Stats
+from .holds import Hold, Holds
+from .packing import PackBatch, PackJob
+from .request import SourceRequest, request_plan
+from .share import StagingShare
+
+__all__ = ["EagerPacks", "Packed", "suffix_chunks"]
 
 
 def suffix_chunks(packed_ids: np.ndarray, packed: ChunkGeometry, inflight: dict, ids: np.ndarray,
@@ -101,22 +108,31 @@ def suffix_chunks(packed_ids: np.ndarray, packed: ChunkGeometry, inflight: dict,
     return taken, {c: ch for c, ch in inflight.items() if c < first}
 
 
-def ids_digest(ids: np.ndarray) -> str:
-    """What an offer says about the block ids it packed (both sides hash int64 ids alike)."""
-    return hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int64).tobytes(), digest_size=12).hexdigest()
-
-
 @dataclass(eq=False)
 class Packed:
     """The chunks packed ahead for one destination rank of a hold's consumer."""
 
     peer: Peer
     digest: str  # the plan they were packed by
-    ids: np.ndarray  # the request positions assumed (every held block, in order)
-    chunks: ChunkGeometry
-    read: object = None  # the plan's StagedRead from this rank
-    runs: bool = False  # the plan also reads DIRECT runs from this rank (the offer confirms them)
+    request: SourceRequest  # what was assumed: every held block, in order, in the widest chunks that fit
     inflight: dict = field(default_factory=dict)  # chunk -> Chunk, chunks 0..k-1
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self.request.ids
+
+    @property
+    def chunks(self) -> ChunkGeometry:
+        return self.request.chunks
+
+    @property
+    def read(self):
+        return self.request.read
+
+    @property
+    def runs(self) -> bool:
+        """The plan also reads DIRECT runs from this rank (the offer confirms them)."""
+        return self.request.runs
 
     @property
     def nslots(self) -> int:
@@ -125,102 +141,113 @@ class Packed:
 
 class EagerPacks:
     """The eager packs of one source rank, per hold and destination rank, in placement order
-    (the oldest is evicted first)."""
+    (the oldest is evicted first). What it needs of the rest of the source comes in as objects
+    it only asks (holds, the plan book, the staging share, the pack batch) and as callbacks:
+    ``serving(req)`` (a transfer serves ``req`` already), ``offer(hold, packed)`` and
+    ``offer_runs(hold, peer, digest)`` (announce a pack, or the cache blocks, as a transfer of
+    its own: False when that could not be done), ``withdraw_offers(req, engine)`` (the offers of
+    ``req`` to engines other than ``engine`` go; returns how many)."""
 
-    def __init__(self, source, budget_bytes: int):
-        self.src = source
-        pool = source.s.pool
-        self.budget_slots = budget_bytes // pool.slot_bytes if budget_bytes > 0 else 0
-        self.slots = 0  # slots all eager packs keep
+    def __init__(self, settings: Settings, links: Links, stats: Stats, holds: Holds, plans: PlanBook,
+                 share: StagingShare, batch: PackBatch, *, serving: Callable[[str], bool],
+                 offer: Callable[[Hold, Packed], bool], offer_runs: Callable[[Hold, Peer, str], bool],
+                 withdraw_offers: Callable[[str, str], int]):
+        self.s, self.links, self.stats = settings, links, stats
+        self.holds, self.plans, self.share, self.batch = holds, plans, share, batch
+        self.serving, self.offer, self.offer_runs, self.withdraw_offers = serving, offer, offer_runs, withdraw_offers
+        pool = settings.pool
+        self.budget_slots = settings.eager_bytes // pool.slot_bytes if settings.eager_bytes > 0 else 0
+        self.slots = 0  # slots all eager packs keep (offered ones too, until their transfer ends)
         self.packs: OrderedDict[str, dict[int, Packed]] = OrderedDict()  # req -> dst rank -> Packed
         self.pending: list[str] = []  # holds placed since the last progress()
         self.unoffered: list[tuple[str, int]] = []  # (req, dst rank) packed in full, not offered yet
         self.runs_offers: list[tuple[str, Peer, str]] = []  # (req, peer, plan digest): read_unpack, not offered yet
 
+    def returned(self, nslots: int) -> None:
+        """Slots of the eager budget an offered transfer kept are free again."""
+        self.slots -= nslots
+
     # ------------------------------------------------------------------ placing
-    def placed(self, hold) -> None:
+    def placed(self, hold: Hold) -> None:
         """``hold`` was placed: pack it in the next ``progress()`` for its consumer (named, or
         guessed then)."""
-        if (self.budget_slots and self.src.s.flow is Flow.PULL
-                and (hold.consumer is not None or self.src.s.eager_guess)):
+        if (self.budget_slots and self.s.flow is Flow.PULL
+                and (hold.consumer is not None or self.s.eager_guess)):
             self.pending.append(hold.req_id)
 
     def guess(self) -> str | None:
         """The engine a hold without a consumer is packed for: the only connected peer engine,
         else None (none or several connected)."""
-        engines = {p.md.engine for p in self.src.links.peers.values()}
+        engines = {p.md.engine for p in self.links.peers.values()}
         return next(iter(engines)) if len(engines) == 1 else None
 
     def advance(self) -> None:
         pending, self.pending = self.pending, []
         for req in pending:
-            hold = self.src.holds.get(req)
-            if hold is not None and req not in self.packs and not self.src.serving(req):
+            hold = self.holds.get(req)
+            if hold is not None and req not in self.packs and not self.serving(req):
                 self._pack_hold(hold)
-        self.src.batch.launch()  # before anything below looks at the packs' completions
+        self.batch.launch()  # before anything below looks at the packs' completions
         waiting_runs = []
         for req, peer, digest in self.runs_offers:
-            hold = self.src.holds.get(req)
-            if hold is None or self.src.links.peers.get(peer.key) is not peer:
+            hold = self.holds.get(req)
+            if hold is None or self.links.peers.get(peer.key) is not peer:
                 continue  # the hold ended or the peer went meanwhile
             if not event_done(hold.ready):  # the engine still writes the blocks: not readable yet
                 waiting_runs.append((req, peer, digest))
                 continue
-            self.src.offer_runs(hold, peer, digest)
+            self.offer_runs(hold, peer, digest)
         self.runs_offers = waiting_runs
         waiting = []
         for req, rank in self.unoffered:
             packed = self.packs.get(req, {}).get(rank)
             if packed is None:
                 continue  # taken, freed or evicted meanwhile
-            src = self.src
-            hold = src.holds.get(req)
+            hold = self.holds.get(req)
             if not all(ch.kernel is None or ch.kernel.done() for ch in packed.inflight.values()) or \
                     (packed.runs and hold is not None and not event_done(hold.ready)):
                 waiting.append((req, rank))  # DIRECT runs: offered once the engine's writes are done
                 continue
-            reserve = src.s.inflight * src.s.pool.slots_for(src.s.chunk_bytes)
-            if src.engine_slots.get(packed.peer.md.engine, 0) > src.share() - reserve:
+            if not self.share.room_for_offers(packed.peer.md.engine):
                 continue  # offered packs would leave the engine's lazy pulls no staging: stays evictable
-            if hold is not None and hold.consumer in (None, packed.peer.md.engine) and src.offer(hold, packed):
+            if hold is not None and hold.consumer in (None, packed.peer.md.engine) and self.offer(hold, packed):
                 del self.packs[req][rank]  # announced: the offered transfer owns it (slots still counted here)
                 if not self.packs[req]:
                     del self.packs[req]
         self.unoffered = waiting
 
-    def _pack_hold(self, hold) -> None:
-        src, stats = self.src, self.src.links.stats
+    def _pack_hold(self, hold: Hold) -> None:
         ids = hold.block_ids
         engine = hold.consumer or self.guess()
         if ids.size == 0 or engine is None:
             return
         out: dict[int, Packed] = {}
         self.packs[hold.req_id] = out
-        for peer in src.links.engine_peers(engine):
+        for peer in self.links.engine_peers(engine):
             try:
-                plan = src.plan_for(peer)
+                plan = self.plans.serving(peer.md)
             except KVTritonError:
                 continue
-            read = plan.staged_read(src.s.rank)
-            if read is None or plan.maps_tokens:  # token maps: the tiles depend on the decode's ids
+            if plan.maps_tokens or plan.staged_read(self.s.rank) is None:
+                continue  # token maps: the tiles depend on the decode's ids
+            try:  # the chunks the destination derives: the smaller of both sides' chunk sizes
+                request = request_plan(plan, self.s.rank, ids,
+                                       chunk_bytes=min(self.s.chunk_bytes, peer.md.staging.chunk_bytes))
+            except StagingError:
                 continue
-            if self._read_from_cache(read, peer, ids):  # nothing to pack: offer our cache blocks instead
+            if self._read_from_cache(request, peer):  # nothing to pack: offer our cache blocks instead
                 # only to a named consumer: a guessed engine's offer could not be withdrawn from
                 # under a read once another engine binds the hold (its pull gets RunsReady instead)
                 if hold.consumer is not None:
                     self.runs_offers.append((hold.req_id, peer, plan.digest()))
                 continue
-            try:
-                chunks = ChunkGeometry.fit(read.bytes_per_block, ids.size,
-                                           min(src.s.chunk_bytes, peer.md.staging.chunk_bytes))
-            except StagingError:
-                continue
-            packed = Packed(peer, plan.digest(), ids, chunks, read, runs=src.s.rank in plan.direct_ranks(ids.size))
+            packed = Packed(peer, plan.digest(), request)
+            chunks = request.chunks
             for c in range(chunks.count):
-                need = src.s.pool.slots_for(chunks.nbytes(c))
+                need = self.s.pool.slots_for(chunks.nbytes(c))
                 if self.slots + need > self.budget_slots:
                     break
-                ch = src.reserve_chunk(chunks.nbytes(c), peer.md.engine, c, evict=False)
+                ch = self.share.reserve(chunks.nbytes(c), peer.md.engine, c, evict=False)
                 if ch is None:
                     break  # the engine's share or the pool is full: the rest goes lazily
                 packed.inflight[c] = ch
@@ -230,17 +257,17 @@ class EagerPacks:
                 out[peer.md.rank] = packed
                 if len(packed.inflight) == chunks.count:
                     self.unoffered.append((hold.req_id, peer.md.rank))
-                stats["eager_chunks"] += len(packed.inflight)
+                self.stats.eager_chunks += len(packed.inflight)
         if not out:
             del self.packs[hold.req_id]
         elif hold.consumer is None:
-            stats["eager_guessed"] += 1
+            self.stats.eager_guessed += 1
 
-    def _queue(self, hold, packed: Packed, ch: Chunk) -> None:
+    def _queue(self, hold: Hold, packed: Packed, ch: Chunk) -> None:
         """Queue the pack of ``ch`` in the source's batch: launched with the other destination
         ranks' chunks of the same blocks, once every pending hold has reserved its chunks."""
         req, rank = hold.req_id, packed.peer.md.rank
-        self.src.batch.add(PackJob.for_chunk(
+        self.batch.add(PackJob.for_chunk(
             packed.read, packed.chunks, ch, packed.ids, None, hold.ready,
             alive=lambda: self.packs.get(req, {}).get(rank) is packed and packed.inflight.get(ch.index) is ch,
             failed=lambda e: self._pack_failed(req, rank, packed, e)))
@@ -255,20 +282,18 @@ class EagerPacks:
             self.slots -= packed.nslots
             self._free(packed)
 
-    def _read_from_cache(self, read, peer: Peer, ids: np.ndarray) -> bool:
+    def _read_from_cache(self, request: SourceRequest, peer: Peer) -> bool:
         """Whether ``peer`` will most likely READ this payload straight from our cache
-        (read_unpack): forced, or what its cost model picks for these ids (the destination's
-        own ids are not known here; its choice decides, a wrong guess costs one declined offer)."""
+        (read_unpack): forced, or what its cost model picks for these ids, in the chunks it
+        derives (the destination's own ids are not known here; its choice decides, a wrong guess
+        costs one declined offer)."""
+        read = request.read
         if Mode.READ_UNPACK not in read.ways:
             return False
         if read.ways == (Mode.READ_UNPACK,):
             return True
-        try:
-            chunks = ChunkGeometry.fit(read.bytes_per_block, ids.size, peer.md.staging.chunk_bytes).count
-        except StagingError:
-            return False
-        return choose_way(read, self.src.s.specs, peer.md.regions, ids, ids, peer.md.cost or CostModel(),
-                          chunks=chunks) is Mode.READ_UNPACK
+        return choose_way(read, self.s.specs, peer.md.regions, request.ids, request.ids, peer.md.cost or CostModel(),
+                          chunks=request.chunks.count) is Mode.READ_UNPACK
 
     # ------------------------------------------------------------------ using
     def take(self, req: str, peer: Peer, digest: str, ids: np.ndarray | None, chunks: ChunkGeometry | None) -> dict:
@@ -288,19 +313,18 @@ class EagerPacks:
         if packed.peer is peer and packed.digest == digest and chunks is not None and ids is not None:
             got = suffix_chunks(packed.ids, packed.chunks, packed.inflight, ids, chunks)
         if got is None or not got[0]:
-            self.src.links.stats["eager_misses"] += 1
+            self.stats.eager_misses += 1
             self._free(packed)
             return {}
         taken, before = got
-        self.src.links.stats["eager_hits"] += 1
-        self._free_chunks(packed.peer.md.engine, before)
+        self.stats.eager_pull_hits += 1
+        self.share.retire(packed.peer.md.engine, before, 0.0)
         return taken
 
     def ready_chunks(self, req: str) -> int:
-        """Chunks of ``req`` packed ahead whose pack has completed."""
+        """Chunks of ``req`` packed ahead, not offered yet, whose pack has completed."""
         return sum(1 for p in self.packs.get(req, {}).values() for ch in p.inflight.values()
-                   if ch.kernel is None or ch.kernel.done()) + \
-            sum(s.n_chunks for s in self.src.offered.values() if s.req_id == req)
+                   if ch.kernel is None or ch.kernel.done())
 
     # ------------------------------------------------------------------ freeing
     def release(self, req: str) -> None:
@@ -320,7 +344,7 @@ class EagerPacks:
                 if not self.packs[req]:
                     del self.packs[req]
 
-    def evict(self, engine: str | None, keep: str) -> bool:
+    def evict(self, engine: str | None, keep: str | None) -> bool:
         """Free the oldest pack (of ``engine``, or any) not of request ``keep``, so a real pull
         gets the staging; False when there is none."""
         for req, by_rank in self.packs.items():
@@ -332,7 +356,7 @@ class EagerPacks:
                     if not by_rank:
                         del self.packs[req]
                     self.slots -= packed.nslots
-                    self.src.links.stats["eager_evicted"] += 1
+                    self.stats.eager_evicted += 1
                     self._free(packed)
                     return True
         return False
@@ -345,18 +369,13 @@ class EagerPacks:
             if packed.peer.md.engine != engine:
                 del by_rank[rank]
                 self.slots -= packed.nslots
-                self.src.links.stats["eager_misses"] += 1
+                self.stats.eager_misses += 1
                 self._free(packed)
         if req in self.packs and not by_rank:
             del self.packs[req]
-        for serve in [s for s in self.src.offered.values() if s.req_id == req and s.peer.md.engine != engine]:
-            self.src.links.stats["eager_misses"] += 1
-            self.src.drop(serve, notify=f"offer of {req!r} withdrawn: the request went to engine {engine!r}")
+        self.stats.eager_misses += self.withdraw_offers(req, engine)
 
     def _free(self, packed: Packed) -> None:
-        self._free_chunks(packed.peer.md.engine, packed.inflight)
-
-    def _free_chunks(self, eng: str, inflight: dict) -> None:
         # a pack still running on our stream keeps its slots until it completes: an unpack or a
         # peer's WRITE into them would not be ordered after it
-        self.src.links.retire_chunks(inflight, 0.0, on_free=lambda ch: self.src.uncount(eng, ch))
+        self.share.retire(packed.peer.md.engine, packed.inflight, 0.0)

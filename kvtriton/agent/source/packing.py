@@ -8,12 +8,12 @@ requests are launch-bound. The kernel's grid already covers several destinations
 table is the concatenation of their segment lists, each at its own staging offset), so the
 chunks of one step that share their block ids become one launch.
 
-How: a step first *reserves* each chunk (:meth:`~.serves.SourceServes.reserve_chunk`: slots
-allocated and counted to the engine's share, the :class:`~.links.Chunk` in its owner with no
+How: a step first *reserves* each chunk (:meth:`~.share.StagingShare.reserve`: slots
+allocated and counted to the engine's share, the :class:`~..links.Chunk` in its owner with no
 kernel yet) and queues a :class:`PackJob`; :meth:`PackBatch.launch` then groups the queued jobs
 by what one launch shares (block ids of the chunk's positions, token map, the hold's event) and
 launches each group once. Every chunk of a group gets the same completion, so announcing it,
-WRITing it and retiring its slots (:meth:`~.links.Links.retire` with ``kernel=``) all wait for
+WRITing it and retiring its slots (:meth:`~..links.Links.retire` with ``kernel=``) all wait for
 the launch that wrote it.
 
 Failures stay per destination: :func:`~kvtriton.ops.pack` validates a whole launch before it
@@ -31,15 +31,17 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from ..errors import KVTritonError
-from ..ops import pack
-from ..plan import ChunkGeometry, StagedRead, TokenMap
-from .links import Chunk, Settings
+from ...errors import KVTritonError
+from ...ops import pack
+from ...plan import ChunkGeometry, StagedRead, TokenMap
+from ..links import Chunk
+from ..settings import Settings
+from ..stats import Stats
 
 _JOINED_CACHE_SIZE = 64  # concatenated segment lists kept (the launcher's validation cache keys on them)
 
@@ -60,7 +62,7 @@ class PackJob:
 
     @classmethod
     def for_chunk(cls, read: StagedRead, chunks: ChunkGeometry, ch: Chunk, ids: np.ndarray,
-                  tokens: TokenMap | None, ready, alive, failed) -> "PackJob":
+                  tokens: TokenMap | None, ready, alive, failed) -> PackJob:
         lo, hi = chunks.bounds(ch.index)
         if tokens is None:
             return cls(read, ch, hi - lo, ids[lo:hi], None, None, ready, alive, failed)
@@ -76,7 +78,8 @@ class PackJob:
 class PackBatch:
     """The pack jobs of one source rank queued in the current step."""
 
-    def __init__(self, settings: Settings, stats: dict):
+    def __init__(self, settings: Settings, stats: Stats | MutableMapping[str, int]):
+        # counted by name: the agent's Stats, or a plain dict of the two counters (tests)
         self.s, self.stats = settings, stats
         self.jobs: list[PackJob] = []
         self._joined: OrderedDict[tuple, tuple] = OrderedDict()  # ids of reads' segments -> (reads, joined)

@@ -1,0 +1,61 @@
+"""The one place a rank's plans are made.
+
+A plan pairs one destination rank with one source engine; both engines must compute the same
+one (a pull carries its digest, the source rejects another). The destination plans by its own
+cost model, and its model travels in its metadata, so a source plans every transfer it serves a
+peer by *that peer's* model: with ``cost_model: "measured"`` two hosts' models differ, and a
+plan made with the source's own model would be another plan (DIRECT where the peer reads
+STAGED, or the reverse). Serving, warming up and judging holds all ask :meth:`PlanBook.serving`,
+keyed by (engine, rank, the peer's cost model): a rank that reconnects with another model is
+planned again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..plan import CostModel, TransferPlan, build_plan
+from ..protocol import wire
+from ..regions import RegionSpec
+from .settings import Settings
+
+__all__ = ["PlanBook"]
+
+
+class PlanBook:
+    """This rank's plans: those it serves its peers by, and those it reads from peers by."""
+
+    def __init__(self, settings: Settings):
+        self.s = settings
+        self.served: dict[tuple[str, int, CostModel], TransferPlan] = {}  # (engine, rank, its model) -> plan
+        self._own: TransferPlan | None = None
+
+    def serving(self, md: wire.RankMetadata, rank: int | None = None) -> TransferPlan:
+        """The plan of transfers from this rank to the rank ``md`` describes (or to rank
+        ``rank`` of its engine, which shares its geometry), by ``md``'s cost model; made once
+        per (engine, rank, model). Raises KVTritonError when the pair cannot be planned."""
+        rank = md.rank if rank is None else rank
+        key = (md.engine, rank, md.cost)
+        plan = self.served.get(key)
+        if plan is None:
+            plan = self.served[key] = self._build(rank, md.tp, md.regions, self.s.tp, self.s.specs,
+                                                  md.cost or self.s.cost)
+        return plan
+
+    def reading(self, md: wire.RankMetadata) -> TransferPlan:
+        """The plan this rank reads from ``md``'s engine by, by this rank's own cost model (the
+        destination keeps it per engine). Raises KVTritonError."""
+        return self._build(self.s.rank, self.s.tp, self.s.specs, md.tp, md.regions, self.s.cost)
+
+    def own_geometry(self) -> TransferPlan:
+        """The plan of a peer with this rank's own geometry and model (same TP, same regions):
+        what warmup compiles before any peer is known."""
+        if self._own is None:
+            s = self.s
+            self._own = self._build(s.rank, s.tp, s.specs, s.tp, s.specs, s.cost)
+        return self._own
+
+    def _build(self, dst_rank: int, dst_tp: int, dst_specs: Sequence[RegionSpec], src_tp: int,
+               src_specs: Sequence[RegionSpec], cost: CostModel) -> TransferPlan:
+        return build_plan(dst_rank, dst_tp, dst_specs, src_tp, src_specs, modes=self.s.modes, cost=cost,
+                          replicate_stripe=self.s.stripe)

@@ -1,0 +1,79 @@
+"""What a rank counts: one counter per event (:attr:`TransferAgent.stats` reports them)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+__all__ = ["Stats"]
+
+
+@dataclass
+class Stats:
+    """The counters of one rank, each one kind of event. :meth:`as_dict` is what
+    :attr:`TransferAgent.stats` returns: these names, plus ``eager_hits``, the sum of the three
+    kinds of eager hit (its meaning before they were told apart)."""
+
+    bad_messages: int = 0
+    """Malformed or inconsistent messages (and messages from unknown agents, or beyond a
+    sender's inbox bound)."""
+    refused: int = 0
+    """Well-formed requests from a peer not entitled to them: another engine's hold, beyond its
+    transfer count, a done or renew for what it may not read."""
+    staged_descriptors: int = 0
+    """Staged chunks posted (one descriptor each), READ or WRITE."""
+    direct_descriptors: int = 0
+    """DIRECT runs posted (zero-copy, cache to cache)."""
+    one_sided_descriptors: int = 0
+    """Pieces posted by a one-sided way (read_unpack, pack_place)."""
+    eager_chunks: int = 0
+    """Chunks packed ahead of their pull (:mod:`.source.eager`)."""
+    eager_pull_hits: int = 0
+    """A pull found its payload packed ahead, not offered yet: answered with ready at once."""
+    eager_offer_pulls: int = 0
+    """A pull took over the chunks its peer had been offered (a late offer, or a suffix)."""
+    eager_offer_reads: int = 0
+    """An offer was read by its destination without a pull (its first ack or RunsDone)."""
+    eager_misses: int = 0
+    """A pack made ahead was not what came: a pull asking something else, an offer declined or
+    withdrawn, a guessed pack freed because the hold bound to another engine."""
+    eager_evicted: int = 0
+    """Packs made ahead given up so that a pull gets the staging."""
+    eager_offers: int = 0
+    """Offers sent (packs made ahead, and read_unpack offers of the cache blocks)."""
+    eager_guessed: int = 0
+    """Holds without a consumer packed for the only connected engine."""
+    offers_taken: int = 0
+    """Destination side: offers this rank READ without pulling."""
+    pack_launches: int = 0
+    """Pack launches of this rank as a source."""
+    packed_chunks: int = 0
+    """Chunks those launches packed (several destinations' chunks of one step share a launch:
+    :mod:`.source.packing`)."""
+
+    @property
+    def eager_hits(self) -> int:
+        """Every pull or offer served by a pack made ahead (the three kinds of hit)."""
+        return self.eager_pull_hits + self.eager_offer_pulls + self.eager_offer_reads
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "eager_hits": self.eager_hits}
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the counter ``name`` (for callers that pick the counter at run time)."""
+        self[name] += n
+
+    # By name: the pack batch counts with ``stats["name"] += n`` so that it also takes a plain
+    # dict of its two counters (its tests); the destination side still does too, until it names
+    # its counters (``stats.offers_taken += 1``).
+    def __getitem__(self, name: str) -> int:
+        if name not in _NAMES and name != "eager_hits":
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __setitem__(self, name: str, value: int) -> None:
+        if name not in _NAMES:
+            raise KeyError(name)
+        setattr(self, name, value)
+
+
+_NAMES = frozenset(f.name for f in fields(Stats))
