@@ -90,20 +90,20 @@ def debug_state(agent) -> dict[str, Any]:
 
 
 def _snapshot(agent) -> dict[str, Any]:
-    src, dst, links, s = agent._source, agent._destination, agent._links, agent._links.s
+    src, dst, links, s = agent._source, agent._destination, agent._links, agent._s
     now = time.monotonic()
     serves = [{"xid": v.xid, "req": v.req_id, "peer": _name(*v.peer.key), "engine": v.peer.md.engine,
-               "rank": v.peer.md.rank, "flow": v.flow.value, "offered": v.offered, "staged": v.read is not None,
+               "rank": v.peer.md.rank, "flow": v.flow.value, "offered": getattr(v, "offered", False), "staged": v.read is not None,
                "chunks": v.n_chunks, "blocks_per_chunk": v.chunks.blocks_per_chunk if v.chunks is not None else 0,
                "next_chunk": v.next_chunk, "acked": v.acked, "inflight": len(v.inflight),
-               "reads_cache": v.runs_reader, "waiting_local": v.waiting_local, "waiting_engine": v.waiting_engine}
-              for v in src.serves.values()]
+               "reads_cache": getattr(v, "runs_reader", False), "waiting_local": v.waiting_local, "waiting_engine": v.waiting_engine}
+              for v in src.serves.by_key.values()]
     counts: dict[str, dict[str, int]] = {"by_peer": {}, "by_engine": {}, "by_flow": {}}
     for v in serves:
         for key, what in (("by_peer", v["peer"]), ("by_engine", v["engine"]), ("by_flow", v["flow"])):
             counts[key][what] = counts[key].get(what, 0) + 1
     offered: dict[str, list[str]] = {}
-    for (_, req), v in src.offered.items():
+    for (_, req), v in src.serves.offered.items():
         offered.setdefault(req, []).append(_name(*v.peer.key))
     parts = {xid: {"req": p.fetch.req_id, "src_rank": p.src_rank, "way": p.way.value, "chunks": p.n_chunks,
                    "chunks_done": p.chunks_done, "offered": p.offered, "reads_cache": p.lease is not None,
@@ -124,7 +124,7 @@ def _snapshot(agent) -> dict[str, Any]:
                   for key, p in links.peers.items()},
         "holds": {req: {"block_ids": h.block_ids.tolist(), "consumer": h.consumer, "lease_s": h.lease_s,
                         "expires_in_s": h.deadline - now, "done_from": sorted(_name(*k) for k in h.done_from)}
-                  for req, h in src.holds.items()},
+                  for req, h in src.holds.held.items()},
         "serves": serves,
         "serve_counts": counts,
         "offered": offered,
@@ -133,12 +133,12 @@ def _snapshot(agent) -> dict[str, Any]:
                                     "slots": pk.nslots}
                         for rank, pk in by_rank.items()}
                   for req, by_rank in src.eager.packs.items()},
-        "staging": {"num_slots": s.pool.num_slots, "free_slots": s.pool.free_slots, "share": src.share(),
-                    "engine_slots": dict(src.engine_slots), "eager_slots": src.eager.slots,
+        "staging": {"num_slots": s.pool.num_slots, "free_slots": s.pool.free_slots, "share": src.share.limit(),
+                    "engine_slots": dict(src.share.engine_slots), "eager_slots": src.eager.slots,
                     "eager_budget_slots": src.eager.budget_slots, "retired": len(links.zombies)},
         "plans": [{"engine": key[0], "rank": key[1], "cost": _cost(key[2]) if len(key) > 2 else None, **_plan(plan),
                    "staged_from_me": plan.staged_read(s.rank) is not None}
-                  for key, plan in src.plans.items()],
+                  for key, plan in agent._plans.served.items()],
         "reading": reading,
         "fetches": {req: {"engine": f.engine, "parts": [p.xid for p in f.parts.values()],
                           "error": None if f.error is None else str(f.error)}

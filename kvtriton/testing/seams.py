@@ -112,7 +112,7 @@ def set_hold_event(agent, req_id: str, event) -> None:
     ``req_id``'s blocks are final, as ``hold(after=event)`` does on a CUDA agent: DIRECT regions
     are offered or written only once it reports completion. For CPU tests (a CPU agent's ``hold``
     takes no event)."""
-    agent._source.holds[req_id].ready = event
+    agent._source.holds.held[req_id].ready = event
 
 
 def set_fetch_event(agent, req_id: str, event) -> None:
@@ -125,13 +125,13 @@ def replace_lanes(agent, lanes) -> None:
     :class:`kvtriton.agent.streams.Lanes`: ``launching(after)``, ``completion()``,
     ``on_device()``, ``synchronize()``, ``cuda``) instead of its own stream: every role reads it
     from the settings they share."""
-    object.__setattr__(agent._links.s, "lanes", lanes)  # Settings is frozen; the roles share it
+    object.__setattr__(agent._s, "lanes", lanes)  # Settings is frozen; the roles share it
 
 
 def agent_lanes(agent):
     """``agent``'s :class:`~kvtriton.agent.streams.Lanes`: its device and the CUDA stream its packs
     and unpacks run on (to queue work exactly where the agent queues its own)."""
-    return agent._links.s.lanes
+    return agent._s.lanes
 
 
 def retire_chunks(agent, inflight: dict, not_before: float, on_free: Callable | None = None) -> None:
