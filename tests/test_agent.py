@@ -363,3 +363,19 @@ def test_debug_state_is_plain_json_with_the_documented_keys(engines):
             a.progress()
     assert res and res[0].ok, res
     check_destination(e.D[0], 0, 2, kv, dst, e.before[0])
+
+
+def test_flow_is_the_name_and_mode_its_alias():
+    """``flow=`` names pull/push; ``mode=`` (its old name) still works for one release, and the
+    two may not disagree. Checked before any NIXL agent is made (transport given)."""
+    from kvtriton.agent.settings import Flow, flow_of
+
+    assert flow_of(None, None) is Flow.PULL
+    assert flow_of("push", None) is Flow.PUSH and flow_of(None, "push") is Flow.PUSH
+    assert flow_of("pull", "pull") is Flow.PULL
+    with pytest.raises(ValueError, match="disagree"):
+        flow_of("pull", "push")
+    with pytest.raises(ValueError, match="flow must be 'pull' or 'push'"):
+        flow_of("sideways", None)
+    with pytest.raises(ValueError, match="mode must be 'pull' or 'push'"):
+        flow_of(None, "sideways")

@@ -175,3 +175,15 @@ def test_cpu_attention_caches_are_described_as_k_dim_major(gen):
     nhd = vllm_caches("LBNHC", 2, pad=0, gen=gen)
     with pytest.raises(RegionError, match="not head-major, but k_dim_major"):
         regions_from_vllm_caches(nhd, block_size=N, total_kv_heads=H, k_dim_major=True)
+
+
+def test_connector_flow_and_its_old_name_mode():
+    from kvtriton.integrations.vllm.settings import ConnectorSettings, SettingsError
+
+    assert ConnectorSettings.from_extra_config({}).transfer_flow == "pull"
+    assert ConnectorSettings.from_extra_config({"flow": "push"}).transfer_flow == "push"
+    assert ConnectorSettings.from_extra_config({"mode": "push"}).transfer_flow == "push"
+    with pytest.raises(SettingsError, match="old name of 'flow'"):
+        ConnectorSettings.from_extra_config({"flow": "pull", "mode": "push"})
+    with pytest.raises(SettingsError, match="'pull' or 'push'"):
+        ConnectorSettings.from_extra_config({"flow": "both"})

@@ -61,12 +61,13 @@ class TransferAgent:
     chunk_bytes:   largest chunk (default: a quarter of the pool); a transfer uses the smaller of
                    both sides' values.
     inflight_chunks: chunks of one transfer in flight at once (pack i+1 while i is on the wire).
-    mode:          ``"pull"`` (decode READs) or ``"push"`` (prefill WRITEs); both sides must agree.
+    flow:          ``"pull"`` (decode READs) or ``"push"`` (prefill WRITEs); both sides must agree.
+    mode:          the old name of ``flow`` (kept for one release).
     timeout_s:     a fetch fails after this long without progress; a source reclaims
                    staging from a peer silent this long.
     modes:         force STAGED/DIRECT/READ_UNPACK/PACK_PLACE for all regions or per region
                    name (see :func:`~kvtriton.plan.build_plan`; the one-sided READ_UNPACK and
-                   PACK_PLACE are pull-only: with ``mode="push"`` they raise ``PlanError``). ``modes``, ``cost`` and
+                   PACK_PLACE are pull-only: with ``flow="push"`` they raise ``PlanError``). ``modes``, ``cost`` and
                    ``replicate_stripe`` must be equal on both engines (checked at :meth:`add_remote`).
     renew_interval_s: while a fetch is outstanding, the holds it reads are renewed this often
                    (a source's lease should be well above it).
@@ -100,7 +101,8 @@ class TransferAgent:
         *,
         staging_bytes: int = 64 << 20,
         slot_bytes: int = 256 << 10,
-        mode: str = "pull",
+        flow: str | None = None,
+        mode: str | None = None,
         chunk_bytes: int | None = None,
         inflight_chunks: int = 2,
         timeout_s: float = 30.0,
@@ -116,7 +118,7 @@ class TransferAgent:
     ):
         self._s = settings = make_settings(  # the one copy of this rank's configuration
             engine_id=engine_id, rank=rank, tp=tp, regions=regions, staging_bytes=staging_bytes,
-            slot_bytes=slot_bytes, mode=mode, chunk_bytes=chunk_bytes, inflight_chunks=inflight_chunks,
+            slot_bytes=slot_bytes, flow=flow, mode=mode, chunk_bytes=chunk_bytes, inflight_chunks=inflight_chunks,
             timeout_s=timeout_s, modes=modes, cost=cost, replicate_stripe=replicate_stripe,
             renew_interval_s=renew_interval_s, impl=impl, eager_bytes=eager_bytes, eager_guess=eager_guess)
         if transport is None:
@@ -171,7 +173,8 @@ class TransferAgent:
     engine_id = property(lambda self: self._s.engine_id, doc="This engine's id.")
     rank = property(lambda self: self._s.rank, doc="This rank.")
     tp = property(lambda self: self._s.tp, doc="The engine's TP size.")
-    mode = property(lambda self: self._s.flow.value, doc='``"pull"`` or ``"push"``.')
+    flow = property(lambda self: self._s.flow.value, doc='``"pull"`` or ``"push"``.')
+    mode = flow  # the old name of flow, kept for one release
     regions = property(lambda self: list(self._s.regions), doc="This rank's regions, in the model's order.")
     specs = property(lambda self: list(self._s.specs), doc="The regions' specs.")
     device = property(lambda self: self._s.device, doc="The regions' device.")

@@ -19,7 +19,7 @@ __all__ = ["Flow", "Settings", "make_settings", "one_sided_forced"]
 
 
 class Flow(str, enum.Enum):
-    """Which side moves the staged bytes (the agent's ``mode=``; both engines must agree)."""
+    """Which side moves the staged bytes (the agent's ``flow=``; both engines must agree)."""
 
     PULL = "pull"  # the destination READs what the source announces
     PUSH = "push"  # the source WRITEs into slots the destination grants
@@ -63,23 +63,21 @@ class Settings:
 
 
 def make_settings(*, engine_id: str, rank: int, tp: int, regions: Sequence[Region], staging_bytes: int,
-                  slot_bytes: int, mode: str, chunk_bytes: int | None, inflight_chunks: int, timeout_s: float,
+                  slot_bytes: int, flow: str | None, mode: str | None, chunk_bytes: int | None,
+                  inflight_chunks: int, timeout_s: float,
                   modes: ModesArg, cost: CostModel, replicate_stripe: int | None,
                   renew_interval_s: float, impl: str, eager_bytes: int | None, eager_guess: bool) -> Settings:
     """Check :class:`~kvtriton.agent.TransferAgent`'s arguments (same names) and make its
     settings: the staging pool, the chunk size, the device and its stream. Raises ``ValueError``
     on bad arguments, :class:`~kvtriton.errors.PlanError` on modes a push cannot do, the
     validation gate's errors on a geometry that does not fit ``tp``."""
-    try:
-        flow = Flow(mode)
-    except ValueError:
-        raise ValueError(f"mode must be 'pull' or 'push', got {mode!r}") from None
+    flow = flow_of(flow, mode)
     if not regions:
         raise ValueError("a TransferAgent needs at least one region")
     one_sided = one_sided_forced(modes)
     if one_sided and flow is Flow.PUSH:
         raise PlanError(f"modes force {one_sided}, which only a pull can do (the reader skips the pass); "
-                        f"use mode='pull' or force 'staged'")
+                        f"use flow='pull' or force 'staged'")
     devices = {r.device for r in regions}
     if len(devices) != 1:
         raise ValueError(f"all regions must be on one device, got {sorted(map(str, devices))}")
@@ -100,6 +98,19 @@ def make_settings(*, engine_id: str, rank: int, tp: int, regions: Sequence[Regio
         chunk_bytes=chunk, inflight=int(inflight_chunks), timeout_s=float(timeout_s), impl=impl, modes=modes,
         cost=cost, stripe=replicate_stripe, lanes=Lanes(device), renew_s=float(renew_interval_s),
         eager_bytes=pool.nbytes // 2 if eager_bytes is None else int(eager_bytes), eager_guess=bool(eager_guess))
+
+
+def flow_of(flow: str | None, mode: str | None) -> Flow:
+    """The :class:`Flow` of ``flow=``, or of ``mode=`` (its name before release 0.2, kept as an
+    alias for one release); ``"pull"`` when neither is given. ``ValueError`` when both are given
+    and differ, or the value is neither ``"pull"`` nor ``"push"``."""
+    if flow is not None and mode is not None and flow != mode:
+        raise ValueError(f"flow={flow!r} and mode={mode!r} disagree: mode is the old name of flow, give one")
+    name, value = ("flow", flow) if flow is not None else ("mode", mode if mode is not None else "pull")
+    try:
+        return Flow(value)
+    except ValueError:
+        raise ValueError(f"{name} must be 'pull' or 'push', got {value!r}") from None
 
 
 def one_sided_forced(modes) -> list[str]:

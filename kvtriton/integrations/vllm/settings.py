@@ -26,8 +26,9 @@ class ConnectorSettings:
                          decode engines (prefill side).
     port:                base handshake port: rank ``r`` of the prefill engine listens on
                          ``port + r``; give each prefill engine on a host its own range.
-    mode:                ``"pull"`` (decode READs; default) or ``"push"`` (prefill WRITEs);
+    flow:                ``"pull"`` (decode READs; default) or ``"push"`` (prefill WRITEs);
                          both engines must agree.
+    mode:                the old name of ``flow`` (kept for one release; give one of them).
     staging_bytes:       registered staging pool per rank.
     slot_bytes:          staging slot size (equal on both engines).
     chunk_bytes:         largest staged chunk (default: a quarter of the pool).
@@ -58,7 +59,8 @@ class ConnectorSettings:
 
     host: str = "127.0.0.1"
     port: int = 5710
-    mode: str = "pull"
+    flow: str = ""
+    mode: str = ""
     staging_bytes: int = 64 << 20
     slot_bytes: int = 256 << 10
     chunk_bytes: int = 0
@@ -73,6 +75,11 @@ class ConnectorSettings:
     cost_model: str = "default"
     consumer: str = ""
     eager_guess: bool = True
+
+    @property
+    def transfer_flow(self) -> str:
+        """``flow``, or its old name ``mode``, or ``"pull"``."""
+        return self.flow or self.mode or "pull"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
@@ -98,8 +105,11 @@ class ConnectorSettings:
         def bad(name: str, expected: str) -> SettingsError:
             return SettingsError(f"kv_connector_extra_config[{name!r}] = {getattr(self, name)!r}: expected {expected}")
 
-        if self.mode not in ("pull", "push"):
-            raise bad("mode", "'pull' or 'push'")
+        for name in ("flow", "mode"):
+            if getattr(self, name) not in ("", "pull", "push"):
+                raise bad(name, "'pull' or 'push'")
+        if self.flow and self.mode and self.flow != self.mode:
+            raise bad("mode", f"the old name of 'flow', equal to it ({self.flow!r}) or absent")
         if not 0 < self.port < 65536:
             raise bad("port", "a TCP port in 1..65535 (rank r listens on port + r)")
         if not self.host:

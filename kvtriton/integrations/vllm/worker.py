@@ -69,7 +69,7 @@ class WorkerSide:
 
             cost = load_or_measure(regions[0].device.type, s.impl)
         self.agent = TransferAgent(engine_id, rank, tp_size, regions, staging_bytes=s.staging_bytes,
-                                   slot_bytes=s.slot_bytes, mode=s.mode, chunk_bytes=s.chunk_bytes or None,
+                                   slot_bytes=s.slot_bytes, flow=s.transfer_flow, chunk_bytes=s.chunk_bytes or None,
                                    inflight_chunks=s.inflight_chunks, timeout_s=s.timeout_s, impl=s.impl,
                                    cost=cost, eager_guess=s.eager_guess)
         self.server: MetadataServer | None = None
