@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import (
     IncompatibleRemoteError,
+    IntegrityError,
     KVTritonError,
     LaunchError,
     PeerDisconnectedError,
@@ -48,7 +49,7 @@ __all__ = [
     "RequestAbortedError", "RequestRejectedError", "Segment", "StagedRead", "StagingError", "TopologyError",
     "TokenMap", "TransferPlan", "TransferTimeoutError", "TransportError", "build_plan", "classify_layer",
     "compact_request", "compact_tokens", "direct_runs", "head_range", "replicate_sources", "split_sources",
-    "Route", "Way", "Payload",
+    "Route", "Way", "Payload", "IntegrityError",
 ]
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "TransferTimeoutError",
     "RequestRejectedError",
     "RequestAbortedError",
+    "IntegrityError",
 ]
 
 
@@ -76,3 +77,9 @@ class RequestRejectedError(KVTritonError):
 class RequestAbortedError(KVTritonError):
     """The request was cancelled locally (:meth:`~kvtriton.agent.TransferAgent.abort`) or its
     hold was released by the source engine before the transfer finished."""
+
+
+class IntegrityError(KVTritonError):
+    """A staged chunk's bytes differ from the digest its source took after packing it
+    (``TransferAgent(integrity=True)``): changed in flight or in staging. The fetch fails and
+    its blocks are reported undefined (to be recomputed); nothing of the chunk is unpacked."""

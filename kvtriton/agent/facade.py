@@ -82,6 +82,15 @@ class TransferAgent:
                    connected, if exactly one is (a guess: the hold still binds to the first
                    engine whose transfer is accepted, and another engine's pull frees the
                    guessed pack). Default True; False packs only holds that name their consumer.
+    register:      what this rank registers with NIXL: ``"all"`` (default: cache and staging) or
+                   ``"staging"`` (the staging pool only: no peer can READ or WRITE the cache,
+                   the metadata carries no cache address, every region is STAGED, no one-sided
+                   way; ``modes`` forcing DIRECT or one-sided raise ``PlanError``). Both engines
+                   must agree (checked at :meth:`add_remote`). See docs/security.md.
+    integrity:     digest each staged chunk after its pack (blake2b) and check it before unpack: a
+                   chunk changed in flight or in staging fails its fetch with
+                   :class:`~kvtriton.errors.IntegrityError`, its blocks undefined. Every region is
+                   then STAGED (every byte travels in a digested chunk). Both engines must agree.
     warmup:        compile the kernel specialisations this rank will launch ahead of its first
                    request: those of a peer with this rank's own geometry now, each new peer's
                    in :meth:`add_remote` (see :meth:`warmup`). Default False.
@@ -115,12 +124,15 @@ class TransferAgent:
         warmup: bool = False,
         eager_bytes: int | None = None,
         eager_guess: bool = True,
+        register: str = "all",
+        integrity: bool = False,
     ):
         self._s = settings = make_settings(  # the one copy of this rank's configuration
             engine_id=engine_id, rank=rank, tp=tp, regions=regions, staging_bytes=staging_bytes,
             slot_bytes=slot_bytes, flow=flow, mode=mode, chunk_bytes=chunk_bytes, inflight_chunks=inflight_chunks,
             timeout_s=timeout_s, modes=modes, cost=cost, replicate_stripe=replicate_stripe,
-            renew_interval_s=renew_interval_s, impl=impl, eager_bytes=eager_bytes, eager_guess=eager_guess)
+            renew_interval_s=renew_interval_s, impl=impl, eager_bytes=eager_bytes, eager_guess=eager_guess,
+            register=register, integrity=integrity)
         if transport is None:
             from ..transport.nixl import NixlTransport
 
@@ -191,10 +203,9 @@ class TransferAgent:
     def _register(self) -> None:
         links = self._links
         storages = {}
-        for r in self.regions:
-            for t in r.streams:
-                s = t.untyped_storage()
-                storages[s.data_ptr()] = s.nbytes()
+        for t in (t for r in self.regions for t in r.streams) if self._s.cache_registered else ():
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
         descs = [(addr, n, links.dev) for addr, n in sorted(storages.items())]
         descs.append((self.pool.addr, self.pool.nbytes, links.dev))
         self._registration = self.transport.register(descs, links.mem)
@@ -214,7 +225,7 @@ class TransferAgent:
         return wire.encode_metadata(wire.RankMetadata(
             engine=self.engine_id, rank=self.rank, tp=self.tp, agent=self.transport.name,
             agent_md=self.transport.metadata(), mem=links.mem, dev=links.dev,
-            regions=tuple(self.specs), addrs=links.addrs, spans=links.spans,
+            regions=tuple(self.specs), addrs=links.exposed(links.addrs), spans=links.exposed(links.spans),
             staging=wire.StagingInfo(self.pool.addr, self.pool.slot_bytes, self.pool.num_slots, self.chunk_bytes),
             planning=self._s.planning(),
             cost=self._s.cost,

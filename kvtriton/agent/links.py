@@ -47,6 +47,7 @@ class Chunk:
     kernel: Completion | None = None  # the pack/unpack launched on it, until its result is used
     remote_slot: int = -1
     lists: tuple = ()  # one-sided staging: the prepared (local, remote) lists its READ uses
+    digest: bytes = b""  # integrity=True: the source's digest of the packed bytes (see .integrity)
 
 
 def slot_descs(addr: int, num_slots: int, slot_bytes: int, dev: int) -> np.ndarray:
@@ -78,6 +79,11 @@ class Links:
         self.spans = tuple(tuple(wire.stream_span(r.spec, j) for j in range(r.spec.num_streams))
                            for r in settings.regions)
         self.local_staging = None  # PreppedList over our slots, once registered
+
+    def exposed(self, per_stream: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+        """What the metadata tells peers of our cache (addresses or spans, per region and stream):
+        nothing (an empty tuple per region) when only staging is registered (``register="staging"``)."""
+        return per_stream if self.s.cache_registered else tuple(() for _ in per_stream)
 
     # ------------------------------------------------------------------ peer table
     def add(self, peer: Peer) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..plan import CostModel, TransferPlan, build_plan
+from ..errors import IncompatibleRemoteError
+from ..plan import CostModel, Route, TransferPlan, Way, build_plan
 from ..protocol import wire
 from ..regions import RegionSpec
 from .settings import Settings
@@ -38,14 +39,17 @@ class PlanBook:
         key = (md.engine, rank, md.cost)
         plan = self.served.get(key)
         if plan is None:
-            plan = self.served[key] = self._build(rank, md.tp, md.regions, self.s.tp, self.s.specs,
-                                                  md.cost or self.s.cost)
+            plan = self._build(rank, md.tp, md.regions, self.s.tp, self.s.specs, md.cost or self.s.cost)
+            check_reach(plan, md, source=self.s.cache_registered, destination=bool(md.addrs and all(md.addrs)))
+            self.served[key] = plan
         return plan
 
     def reading(self, md: wire.RankMetadata) -> TransferPlan:
         """The plan this rank reads from ``md``'s engine by, by this rank's own cost model (the
         destination keeps it per engine). Raises KVTritonError."""
-        return self._build(self.s.rank, self.s.tp, self.s.specs, md.tp, md.regions, self.s.cost)
+        plan = self._build(self.s.rank, self.s.tp, self.s.specs, md.tp, md.regions, self.s.cost)
+        check_reach(plan, md, source=bool(md.addrs and all(md.addrs)), destination=self.s.cache_registered)
+        return plan
 
     def own_geometry(self) -> TransferPlan:
         """The plan of a peer with this rank's own geometry and model (same TP, same regions):
@@ -59,3 +63,27 @@ class PlanBook:
                src_specs: Sequence[RegionSpec], cost: CostModel) -> TransferPlan:
         return build_plan(dst_rank, dst_tp, dst_specs, src_tp, src_specs, modes=self.s.modes, cost=cost,
                           replicate_stripe=self.s.stripe)
+
+
+def check_reach(plan: TransferPlan, md: wire.RankMetadata, *, source: bool, destination: bool) -> None:
+    """Refuse a plan that would reach a cache NIXL does not expose (``register="staging"``, see
+    docs/security.md): a DIRECT region touches both caches, a READ_UNPACK way the source's,
+    a PACK_PLACE way the destination's. ``source``/``destination``: whether that side's cache is
+    registered (for the peer: whether its metadata carries cache addresses).
+    :class:`~kvtriton.errors.IncompatibleRemoteError` naming the option and what needed it."""
+    needs = []
+    for i, route in enumerate(plan.routes):
+        if route is Route.DIRECT:
+            needs.append((f"region {i} is DIRECT", True, True))
+    for payload in plan.staged:
+        if Way.READ_UNPACK in payload.ways:
+            needs.append((f"source rank {payload.src_rank}'s payload may travel read_unpack", True, False))
+        if Way.PACK_PLACE in payload.ways:
+            needs.append((f"source rank {payload.src_rank}'s payload may travel pack_place", False, True))
+    for what, src, dst in needs:
+        for side, needed, exposed in (("source", src, source), ("destination", dst, destination)):
+            if needed and not exposed:
+                raise IncompatibleRemoteError(
+                    f"engine {md.engine!r} rank {md.rank}: {what}, which reaches the {side}'s cache, but that "
+                    f"cache is not registered (register='staging'); expected both engines built with the same "
+                    f"register= (with 'staging' every region is STAGED)")

@@ -42,20 +42,29 @@ class Settings:
     inflight: int  # chunks of one transfer in flight at once
     timeout_s: float
     impl: str
-    modes: ModesArg
+    modes: ModesArg  # what the planner forces: the caller's modes, or "staged" under register/integrity
     cost: CostModel  # this rank's own model: its reading plans (a source serves by the peer's)
     stripe: int | None
     lanes: Lanes  # the device and the stream pack/unpack run on (see .device)
     renew_s: float = 1.0  # a decode renews the holds of its outstanding fetches this often
     eager_bytes: int = 0  # staging all eager packs may keep (see .source.eager); 0: none
     eager_guess: bool = True  # pack a hold without a consumer for the only connected engine
+    register: str = "all"  # what NIXL may reach: "all" (cache and staging) or "staging" (see docs/security.md)
+    integrity: bool = False  # digest each staged chunk after its pack, check it before unpack
+    modes_arg: ModesArg = None  # the caller's modes= (compared at the handshake; ``modes`` is what plans)
+
+    @property
+    def cache_registered(self) -> bool:
+        """Whether this rank's cache is registered with NIXL (peers may then READ/WRITE it)."""
+        return self.register == "all"
 
     def planning(self) -> tuple[tuple[str, str], ...]:
         """The settings both engines must share to compute the same plans, as (name, canonical
         value) pairs for the handshake (:meth:`TransferAgent.add_remote` compares them). The
         cost model is not one of them: the destination's travels in its metadata and the source
         plans that destination's transfers with it (:class:`~.plan_book.PlanBook`)."""
-        return (("modes", parse_modes(self.modes).canonical()), ("replicate_stripe", repr(self.stripe)))
+        return (("modes", parse_modes(self.modes_arg).canonical()), ("replicate_stripe", repr(self.stripe)),
+                ("register", self.register), ("integrity", "on" if self.integrity else "off"))
 
     @property
     def name(self) -> str:
@@ -66,12 +75,14 @@ def make_settings(*, engine_id: str, rank: int, tp: int, regions: Sequence[Regio
                   slot_bytes: int, flow: str | None, mode: str | None, chunk_bytes: int | None,
                   inflight_chunks: int, timeout_s: float,
                   modes: ModesArg, cost: CostModel, replicate_stripe: int | None,
-                  renew_interval_s: float, impl: str, eager_bytes: int | None, eager_guess: bool) -> Settings:
+                  renew_interval_s: float, impl: str, eager_bytes: int | None, eager_guess: bool,
+                  register: str = "all", integrity: bool = False) -> Settings:
     """Check :class:`~kvtriton.agent.TransferAgent`'s arguments (same names) and make its
     settings: the staging pool, the chunk size, the device and its stream. Raises ``ValueError``
     on bad arguments, :class:`~kvtriton.errors.PlanError` on modes a push cannot do, the
     validation gate's errors on a geometry that does not fit ``tp``."""
     flow = flow_of(flow, mode)
+    modes_arg, modes = modes, restricted_modes(modes, register, integrity)
     if not regions:
         raise ValueError("a TransferAgent needs at least one region")
     one_sided = one_sided_forced(modes)
@@ -97,7 +108,33 @@ def make_settings(*, engine_id: str, rank: int, tp: int, regions: Sequence[Regio
         engine_id=engine_id, rank=rank, tp=tp, flow=flow, regions=regions, specs=specs, device=device, pool=pool,
         chunk_bytes=chunk, inflight=int(inflight_chunks), timeout_s=float(timeout_s), impl=impl, modes=modes,
         cost=cost, stripe=replicate_stripe, lanes=Lanes(device), renew_s=float(renew_interval_s),
-        eager_bytes=pool.nbytes // 2 if eager_bytes is None else int(eager_bytes), eager_guess=bool(eager_guess))
+        eager_bytes=pool.nbytes // 2 if eager_bytes is None else int(eager_bytes), eager_guess=bool(eager_guess),
+        register=register, integrity=bool(integrity), modes_arg=modes_arg)
+
+
+def restricted_modes(modes: ModesArg, register: str, integrity: bool) -> ModesArg:
+    """The modes the planner forces given ``register=`` and ``integrity=``: with
+    ``register="staging"`` no peer can reach the cache (no DIRECT region, no one-sided way) and
+    with ``integrity=True`` every byte must travel in a digested staged chunk, so both force
+    ``"staged"`` everywhere; ``modes`` forcing anything else then raises
+    :class:`~kvtriton.errors.PlanError` naming the option. ``ValueError`` on a ``register``
+    that is neither ``"all"`` nor ``"staging"``."""
+    if register not in ("all", "staging"):
+        raise ValueError(f"register must be 'all' (cache and staging) or 'staging' (staging only), got {register!r}")
+    if not isinstance(integrity, bool):
+        raise ValueError(f"integrity must be True or False, got {integrity!r}")
+    option = "register='staging'" if register == "staging" else "integrity=True" if integrity else None
+    if option is None:
+        return modes
+    forced = parse_modes(modes)
+    values = [forced.every] if forced.every is not None else [m for _, m in forced.by_name or ()]
+    other = sorted({m.value for m in values if m is not None and m.value != "staged"})
+    if other:
+        why = ("peers may reach only the staging pool" if register == "staging"
+               else "every byte must travel in a digested staged chunk")
+        raise PlanError(f"modes force {other}, which {option} rules out ({why}: every region is STAGED, "
+                        f"packed and unpacked); drop modes= or force 'staged'")
+    return "staged"
 
 
 def flow_of(flow: str | None, mode: str | None) -> Flow:

@@ -49,6 +49,11 @@ class Stats:
     packed_chunks: int = 0
     """Chunks those launches packed (several destinations' chunks of one step share a launch:
     :mod:`.source.packing`)."""
+    digested_chunks: int = 0
+    """``integrity=True``: staged chunks digested (as a source after packing, as a destination
+    before unpacking)."""
+    integrity_failures: int = 0
+    """Destination side: chunks whose bytes did not match their source's digest (fetch failed)."""
 
     @property
     def eager_hits(self) -> int:

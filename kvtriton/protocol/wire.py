@@ -70,6 +70,7 @@ __all__ = [
     "stream_span",
     "MAX_REQUEST_BLOCKS",
     "MAX_MESSAGE_BYTES",
+    "DIGEST_BYTES",
 ]
 
 PROTOCOL_VERSION = 2
@@ -84,6 +85,8 @@ MAX_MESSAGE_BYTES = 2 * 9 * MAX_REQUEST_BLOCKS + (16 << 10)
 _MAX_IDS = MAX_REQUEST_BLOCKS
 _MAX_MSG_INT = 1 << 48
 _MAX_NAME = 1024  # engine, agent, request and transfer ids
+# a staged chunk's integrity digest (blake2b, TransferAgent(integrity=True)): 256 bits
+DIGEST_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ class RankMetadata:
     mem: str  # "DRAM" or "VRAM"
     dev: int
     regions: tuple[RegionSpec, ...]
-    addrs: tuple[tuple[int, ...], ...]  # per region, per stream: address of element 0
+    addrs: tuple[tuple[int, ...], ...]  # per region, per stream: address of element 0 (none: not registered)
     spans: tuple[tuple[int, ...], ...]  # per region, per stream: bytes from addr the peer may touch
     staging: StagingInfo
     # the settings both engines must share to plan alike: (name, canonical value) pairs
@@ -211,9 +214,11 @@ def decode_metadata(data: bytes) -> RankMetadata:
             raise ProtocolError(f"{where}: {problem}")
         a = tuple(_int_list(r, "addrs", where, 0, _MAX_U64, max_len=n_streams))
         sp = tuple(_int_list(r, "spans", where, 1, 1 << 48, max_len=n_streams))
-        if len(a) != n_streams or len(sp) != n_streams:
-            raise ProtocolError(f"{where}: need one address and one span per stream ({n_streams})")
-        for j in range(n_streams):
+        exposed = bool(a or sp)  # none of either: the cache is not registered (register="staging")
+        if exposed and (len(a) != n_streams or len(sp) != n_streams) or bool(specs) and exposed != bool(addrs[0]):
+            raise ProtocolError(f"{where}: need one address and one span per stream ({n_streams}), in every "
+                                f"region, or none in any (only staging registered)")
+        for j in range(n_streams if exposed else 0):
             need = stream_span(spec, j)
             if sp[j] < need:
                 raise ProtocolError(
@@ -363,6 +368,7 @@ class Ready(Message):
     slot: int
     nslots: int
     nbytes: int
+    digest: bytes = b""  # integrity=True: DIGEST_BYTES of blake2b over the packed bytes; else empty
 
 
 @dataclass(frozen=True)
@@ -382,6 +388,7 @@ class Offer(Message):
     chunk_blocks: int
     slots: tuple[int, ...]
     runs: int = 0
+    digests: bytes = b""  # integrity=True: DIGEST_BYTES per chunk, in chunk order (as Ready's); else empty
 
 
 @dataclass(frozen=True)
@@ -391,6 +398,7 @@ class Data(Message):
     xid: str
     chunk: int
     nbytes: int
+    digest: bytes = b""  # as in Ready
 
 
 @dataclass(frozen=True)
@@ -416,7 +424,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (Pull, Push, Grant, Ack, RunsDone, Do
 _MIN_INT = {("Ready", "nslots"): 1, ("Ready", "nbytes"): 1, ("Grant", "nslots"): 1, ("Data", "nbytes"): 1,
             ("Done", "dst_tp"): 1, ("Offer", "num_blocks"): 1, ("Offer", "chunk_blocks"): 1}
 # annotation of a message field -> the type msgpack decodes it to (tuples travel as arrays)
-_WIRE_TYPES: dict[str, type[Any]] = {"str": str, "int": int, "tuple[int, ...]": list}
+_WIRE_TYPES: dict[str, type[Any]] = {"str": str, "int": int, "tuple[int, ...]": list, "bytes": bytes}
 # t -> (class, [(field, wire type)]); the annotations are strings (``from __future__ import annotations``)
 _SCHEMA: dict[str, tuple[type[Message], list[tuple[str, type[Any]]]]] = {
     cls.TYPE: (cls, [(f.name, _WIRE_TYPES[str(f.type)]) for f in fields(cls)])
@@ -461,6 +469,10 @@ def decode_message(data: bytes) -> Message:
             v = tuple(v)
         if typ is str and not 0 < len(v) <= _MAX_NAME:
             raise ProtocolError(f"message {t!r}: field {name!r} must be 1..{_MAX_NAME} characters")
+        # digests: empty (integrity off) or DIGEST_BYTES each (Offer: one per chunk of its slot runs)
+        if typ is bytes and (len(v) % DIGEST_BYTES or len(v) > DIGEST_BYTES * (_MAX_IDS if t == "Offer" else 1)):
+            raise ProtocolError(f"message {t!r}: field {name!r} must be empty or {DIGEST_BYTES} bytes a chunk, "
+                                f"got {len(v)} bytes")
         values[name] = v
     return cls(**values)
 

@@ -61,7 +61,8 @@ class Offers:
         p = rp.payloads.get(src_rank)
         want = rp.offer_terms(src_rank)
         ok = want is not None and _terms(offer) == want and not taken(offer.xid) \
-            and len(offer.slots) == 2 * p.chunks.count
+            and len(offer.slots) == 2 * p.chunks.count \
+            and len(offer.digests) in (0, wire.DIGEST_BYTES * p.chunks.count)  # none, or one per chunk
         if ok:
             st = peer.md.staging
             for c in range(p.chunks.count):

@@ -28,6 +28,7 @@ from ...ops import unpack
 from ...plan import Mode, RequestPayload, ceil_div, tile_runs
 from ...protocol import wire
 from ..device import event_done
+from ..integrity import verify
 from ..links import Chunk, Links, Peer, Settings
 from .fetch import Fetch
 
@@ -287,8 +288,10 @@ class _Announced:
     def offered(self, part: Part, offer: wire.Offer) -> None:
         """The source's offer announced every chunk at once (slot runs checked by the offers)."""
         chunks = part.payload.chunks
+        n = wire.DIGEST_BYTES
         for c in range(chunks.count):
-            self.readies.append(wire.Ready(part.xid, c, offer.slots[2 * c], offer.slots[2 * c + 1], chunks.nbytes(c)))
+            self.readies.append(wire.Ready(part.xid, c, offer.slots[2 * c], offer.slots[2 * c + 1], chunks.nbytes(c),
+                                           offer.digests[c * n:(c + 1) * n]))
             self.chunks.add(c)
 
 
@@ -317,10 +320,14 @@ class StagedPart(PayloadPart):
                 f.touch()  # our own staging is full: not the source's silence
                 return
             readies.popleft()
-            ch = Chunk(ready.chunk, slot, ready.nslots, ready.nbytes, remote_slot=ready.slot)
+            ch = Chunk(ready.chunk, slot, ready.nslots, ready.nbytes, remote_slot=ready.slot, digest=ready.digest)
             self.inflight[ch.index] = ch
             ch.xfer = self.links.post_chunk("READ", ch, peer)
             f.posted(1, ready.nbytes)
+
+    def _landed(self, ch: Chunk, peer: Peer) -> None:
+        verify(self.s, self.links.stats, ch, f"{self.fetch.req_id!r} from {peer.md.engine}:{peer.md.rank}")
+        self._unpack(ch)
 
     def _ack(self, ch: Chunk, peer: Peer) -> None:
         self.links.send(peer, wire.Ack(self.xid, ch.index), quiet=True)
@@ -456,6 +463,8 @@ class GrantedPart(PayloadPart):
             raise ProtocolError(f"data for chunk {m.chunk} that was not granted")
         if m.nbytes != ch.nbytes:
             raise ProtocolError(f"data for chunk {m.chunk}: {m.nbytes} bytes, expected {ch.nbytes}")
+        ch.digest = m.digest
+        verify(self.s, self.links.stats, ch, f"{self.fetch.req_id!r} from {peer.md.engine}:{peer.md.rank}")
         self._unpack(ch)
 
     def _post(self, peer: Peer) -> None:

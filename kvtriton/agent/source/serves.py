@@ -35,6 +35,7 @@ from ...errors import KVTritonError, ProtocolError
 from ...plan import ChunkGeometry, StagedRead, TokenMap
 from ...protocol import wire
 from ..device import event_done
+from ..integrity import seal
 from ..links import Chunk, Flow, Links, Peer, logger
 from ..settings import Settings
 from ..stats import Stats
@@ -135,7 +136,8 @@ class PullServe(Serve):
         for ch in self.inflight.values():
             if ch.kernel is not None and ch.kernel.done():
                 ch.kernel = None
-                serves.links.send(self.peer, wire.Ready(self.xid, ch.index, ch.slot, ch.nslots, ch.nbytes))
+                serves.links.send(self.peer, wire.Ready(self.xid, ch.index, ch.slot, ch.nslots, ch.nbytes,
+                                                        seal(serves.s, serves.stats, ch)))
 
     def ended(self, serves: Serves, told: bool, until: float) -> None:
         if self.runs_reader and told:  # the peer may still be reading our cache: keep the blocks a while
@@ -190,7 +192,8 @@ class PushServe(Serve):
                     self.acked += 1
             elif ch.kernel is not None and ch.kernel.done():
                 ch.kernel = None
-                ch.xfer = links.post_chunk("WRITE", ch, self.peer, wire.Data(self.xid, ch.index, ch.nbytes))
+                ch.xfer = links.post_chunk("WRITE", ch, self.peer, wire.Data(self.xid, ch.index, ch.nbytes,
+                                                                              seal(serves.s, serves.stats, ch)))
 
     def ended(self, serves: Serves, told: bool, until: float) -> None:
         if self.runs is not None:
@@ -382,14 +385,15 @@ class Serves:
                           eager_slots=packed.nslots, runs_reader=packed.runs)  # runs: held until RunsDone
         serve.inflight = dict(packed.inflight)
         serve.next_chunk = packed.chunks.count
-        slots = []
+        slots, digests = [], []
         for c in range(packed.chunks.count):
             ch = serve.inflight[c]
             ch.kernel = None  # completed: announced by the offer, not by a ready
             slots += [ch.slot, ch.nslots]
+            digests.append(seal(self.s, self.stats, ch))
         return self._send_offer(serve, wire.Offer(xid, hold.req_id, packed.digest, packed.request.digest(),
                                                   int(packed.ids.size), packed.chunks.blocks_per_chunk,
-                                                  tuple(slots), runs=int(packed.runs)))
+                                                  tuple(slots), runs=int(packed.runs), digests=b"".join(digests)))
 
     def offer_runs(self, hold: Hold, peer: Peer, digest: str) -> bool:
         """Offer ``peer`` to READ ``hold``'s blocks straight from our cache (read_unpack): an
@@ -436,7 +440,8 @@ class Serves:
         self.eager_returned(freed)
         self._remove(offered)
         for ch in serve.inflight.values():
-            self.links.send(serve.peer, wire.Ready(serve.xid, ch.index, ch.slot, ch.nslots, ch.nbytes), quiet=True)
+            self.links.send(serve.peer, wire.Ready(serve.xid, ch.index, ch.slot, ch.nslots, ch.nbytes,
+                                                   seal(self.s, self.stats, ch)), quiet=True)
 
     def withdraw_offers(self, req_id: str, engine: str) -> int:
         """Withdraw the offers of ``req_id`` to engines other than ``engine`` (it was bound to
