@@ -150,6 +150,9 @@ def _valid_body(t, rng):
             body[name] = int(rng.choice([lo, lo + 1, int(rng.integers(lo, 1 << 20)), hi - 1]))
         elif typ is list:
             body[name] = [int(x) for x in rng.integers(0, 1 << 40, size=int(rng.integers(0, 6)))]
+        elif typ is bytes:  # integrity digests: none, or DIGEST_BYTES each (an Offer: one per chunk)
+            n = int(rng.integers(0, 4 if t == "Offer" else 2)) * wire.DIGEST_BYTES
+            body[name] = rng.integers(0, 256, size=n, dtype=np.uint8).tobytes()
         else:
             body[name] = "".join(rng.choice(list("abc|<#:é"), size=int(rng.integers(1, 12))))
     return body
@@ -171,6 +174,8 @@ def _invalid_body(t, rng):
     elif how == 2 and typ is int:
         lo, hi = _int_range(t, name)
         body[name] = int(rng.choice([lo - 1, lo - 2, hi, hi + 5]))
+    elif how == 2 and typ is bytes:
+        body[name] = b"\1" * (wire.DIGEST_BYTES + 1)
     elif how == 3 and typ is list:
         body[name] = list(body[name]) + [rng.choice(np.array([-1, True, 1.0, "1", None, 1 << 48], dtype=object))]
     elif typ is str:
