@@ -275,5 +275,7 @@ def test_integrity_digest_field_is_validated():
             wire.decode_message(wire.Ready("x", 0, 0, 1, 10, bad).encode())
     with pytest.raises(ProtocolError, match="digest"):
         wire.decode_message(wire.encode_message("Data", xid="x", chunk=0, nbytes=1, digest="not bytes"))
+    # absent: none (a peer without integrity); the destination with integrity on then refuses the chunk
+    assert wire.decode_message(wire.encode_message("Ready", xid="x", chunk=0, slot=0, nslots=1, nbytes=1)).digest == b""
     offer = wire.Offer("x", "r", "p", "i", 2, 1, (0, 1, 1, 1), digests=b"\1" * (2 * wire.DIGEST_BYTES))
     assert wire.decode_message(offer.encode()) == offer

@@ -142,10 +142,14 @@ def test_settings_are_checked():
     assert ConnectorSettings.from_extra_config({}).consumer == ""  # holds bound to the first engine that asks
     assert ConnectorSettings.from_extra_config({"consumer": "decode-0"}).consumer == "decode-0"
     assert s.eager_guess and not ConnectorSettings.from_extra_config({"eager_guess": False}).eager_guess
+    assert (s.register, s.integrity) == ("all", False)
+    hardened = ConnectorSettings.from_extra_config({"register": "staging", "integrity": True})
+    assert (hardened.register, hardened.integrity) == ("staging", True)
     for bad, match in (({"consumer": 3}, "must be str"), ({"eager_guess": 0}, "must be bool"),
                        ({"prot": 1}, "unknown keys"), ({"port": "6000"}, "must be int"), ({"port": 0}, "TCP port"),
                        ({"mode": "both"}, "pull"), ({"lease_s": 0}, "> 0"), ({"staging_bytes": True}, "must be int"),
-                       ({"cost_model": "guess"}, "'default' or 'measured'")):
+                       ({"cost_model": "guess"}, "'default' or 'measured'"), ({"register": "cache"}, "'staging'"),
+                       ({"integrity": 1}, "must be bool")):
         with pytest.raises(SettingsError, match=match):
             ConnectorSettings.from_extra_config(bad)
 

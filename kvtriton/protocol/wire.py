@@ -451,7 +451,8 @@ def decode_message(data: bytes) -> Message:
     cls, schema = _SCHEMA[t]
     values: dict[str, Any] = {}
     for name, typ in schema:
-        v = d.get(name)
+        # a digest is optional on the wire (absent: none, as from a peer without integrity)
+        v = d.get(name, b"" if typ is bytes else None)
         if not isinstance(v, typ) or isinstance(v, bool):
             raise ProtocolError(f"message {t!r}: field {name!r} must be {typ.__name__}, got {v!r:.80}")
         # every int a peer sends is a count, index or size far below 2**48

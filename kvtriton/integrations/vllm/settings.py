@@ -55,6 +55,13 @@ class ConnectorSettings:
     eager_guess:         a prefill rank packs a finished request ahead of its pull for the only
                          decode engine connected to it, if exactly one is (1P1D; the hold is not
                          bound by the guess, see :mod:`kvtriton.agent.eager`). Default true.
+    register:            ``"all"`` (default: cache and staging registered with NIXL) or
+                         ``"staging"``: only the staging pool, so a peer holding this rank's
+                         metadata can read only what was packed for a transfer; every region is
+                         STAGED (docs/security.md). Both engines must agree.
+    integrity:           digest each staged chunk after its pack and check it before unpack; a
+                         chunk changed in flight or in staging fails its load (recomputed).
+                         Every region is STAGED. Both engines must agree. Default false.
     """
 
     host: str = "127.0.0.1"
@@ -75,6 +82,8 @@ class ConnectorSettings:
     cost_model: str = "default"
     consumer: str = ""
     eager_guess: bool = True
+    register: str = "all"
+    integrity: bool = False
 
     @property
     def transfer_flow(self) -> str:
@@ -128,3 +137,5 @@ class ConnectorSettings:
             raise bad("impl", "'auto', 'triton' or 'torch'")
         if self.cost_model not in ("default", "measured"):
             raise bad("cost_model", "'default' or 'measured'")
+        if self.register not in ("all", "staging"):
+            raise bad("register", "'all' (cache and staging) or 'staging' (staging only)")

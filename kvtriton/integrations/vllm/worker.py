@@ -71,7 +71,7 @@ class WorkerSide:
         self.agent = TransferAgent(engine_id, rank, tp_size, regions, staging_bytes=s.staging_bytes,
                                    slot_bytes=s.slot_bytes, flow=s.transfer_flow, chunk_bytes=s.chunk_bytes or None,
                                    inflight_chunks=s.inflight_chunks, timeout_s=s.timeout_s, impl=s.impl,
-                                   cost=cost, eager_guess=s.eager_guess)
+                                   cost=cost, eager_guess=s.eager_guess, register=s.register, integrity=s.integrity)
         self.server: MetadataServer | None = None
         try:
             if serve:
