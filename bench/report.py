@@ -99,6 +99,10 @@ def summary_lines(rows: list[dict], meta: dict) -> list[str]:
     rogue = [r for r in rows if r["section"] == "rogue"]
     if rogue:
         lines += rogue_summary(rogue)
+    sec = [r for r in rows if r["section"] == "security_cost"]
+    if sec:
+        lines += _table("Memory-model options, one request end to end (ratio: p50 / the default's p50, same "
+                        "case and run; docs/security.md)", sec)
     pd = [r for r in rows if r["section"] == "pd_vllm"]
     if pd:
         lines += _pd_vllm_summary(pd)

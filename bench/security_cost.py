@@ -14,8 +14,9 @@ timed in the same run, interleaved rep by rep:
 
 Cases: ``same-layout`` (HND on both sides: the default reads whole blocks DIRECT from the
 source's cache, zero-copy, so the STAGED options add a pack and an unpack pass) and
-``relayout`` (NHD prefill, HND decode: the default is STAGED already, so ``staging`` costs
-nothing and ``integrity`` only its hashing). Timed from ``fetch`` to its result, the hold
+``relayout`` (NHD prefill, HND decode: the default region route is STAGED, and its cost model
+may pick the one-sided ``pack_place`` way, READ straight into the cache blocks with no unpack,
+which both options rule out). Timed from ``fetch`` to its result, the hold
 placed before the clock starts; no eager packing (``eager_bytes=0``), so every variant packs
 after the pull. Each variant's bytes are checked against the oracle once. Ratios are p50 over
 the default's p50, same case, same run.
@@ -134,11 +135,19 @@ def run_security_cost(layers: int = 4, tokens: int = 1024, reps: int = 7, cases=
                     rows.append(dict(section="security_cost", case=case, variant=name, layers=layers, tokens=tokens,
                                      mib=round(nbytes / 2**20, 1), ms=q[1], ms_p20=q[0], ms_p80=q[2],
                                      ratio=q[1] / base, routes="+".join(sorted({r.value for r in plan.routes})),
-                                     digested=d.stats["digested_chunks"]))
+                                     path=_path(d.stats), digested=d.stats["digested_chunks"]))
             finally:
                 for d in decodes.values():
                     d.close()
     return rows
+
+
+def _path(stats: dict) -> str:
+    """How the bytes moved, from the decode's counters: zero-copy DIRECT runs, a one-sided way
+    (pack_place here: the READ lands in the cache, no unpack) or pack-READ-unpack."""
+    if stats["direct_descriptors"]:
+        return "direct"
+    return "one-sided" if stats["one_sided_descriptors"] else "staged"
 
 
 def _wait(agent, timeout_s: float):
@@ -153,9 +162,9 @@ def _wait(agent, timeout_s: float):
 
 
 def format_rows(rows: list[dict]) -> str:
-    out = ["| case | variant | routes | MiB | ms p50 (p20-p80) | / default |", "|---|---|---|---|---|---|"]
+    out = ["| case | variant | path | MiB | ms p50 (p20-p80) | / default |", "|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['case']} | {r['variant']} | {r['routes']} | {r['mib']} | {r['ms']:.1f} "
+        out.append(f"| {r['case']} | {r['variant']} | {r['path']} | {r['mib']} | {r['ms']:.1f} "
                    f"({r['ms_p20']:.1f}-{r['ms_p80']:.1f}) | {r['ratio']:.2f}x |")
     return "\n".join(out)
 

@@ -22,6 +22,8 @@ Sections (all by default; ``--sections`` picks some):
 * ``rogue``: a hostile peer with a genuine handshake against an honest request (9 scenarios)
   and a load run of 256 concurrent requests into 4 decode ranks with and without it
   (bench/rogue.py, ~25 s), when NIXL is installed.
+* ``security_cost``: one request end to end with ``register="staging"`` and ``integrity=True``
+  against the default, same run, as ratios (bench/security_cost.py, ~1 min), when NIXL is installed.
 * ``pd_vllm``: prefill and decode as real vLLM engines (bench/pd_vllm.py), kvtriton's connector
   and vLLM's own NixlConnector side by side, P2->D1 and P1->D2: time to KV loaded per request
   (ours/theirs), time to the first decode token, descriptors; a 16-layer, 8-KV-head model with
@@ -108,6 +110,12 @@ def _rogue(args, presets, device) -> list[dict]:
     return [{"section": "rogue", **r} for r in run_rogue_bench(quick=args.quick)]
 
 
+def _security_cost(args, presets, device) -> list[dict]:
+    from security_cost import run_security_cost  # bench/security_cost.py
+
+    return run_security_cost(layers=2, tokens=512, reps=3) if args.quick else run_security_cost()
+
+
 def _pd_vllm(args, presets, device) -> list[dict]:
     return pd_vllm_rows(args.quick, args.pd_size)
 
@@ -121,6 +129,7 @@ SECTIONS = {
     "costmodel": (True, _costmodel),
     "planning": (False, _planning),
     "rogue": (True, _rogue),
+    "security_cost": (True, _security_cost),
     "pd_vllm": (False, _pd_vllm),
 }
 

@@ -100,3 +100,13 @@ def test_summary_writes_one_table_per_section_that_ran(tmp_path):
     assert "| p | 4->8 | 16 | 1 |" in summary and "9.0 [8.0-10.0]" in summary
     assert "## Cost model" not in summary and "end to end" not in summary  # sections that did not run
     assert (tmp_path / "sweep.csv").read_text().startswith("section,")
+
+
+def test_security_cost_rows_get_their_table():
+    from report import summary_lines
+
+    rows = [dict(section="security_cost", case="same-layout", variant=v, layers=1, tokens=16, mib=0.1, ms=ms,
+                 ms_p20=ms, ms_p80=ms, ratio=ms / 2.0, routes="staged", digested=0)
+            for v, ms in (("default", 2.0), ("staging", 3.0))]
+    text = "\n".join(summary_lines(rows, dict(device="cpu", timestamp="t", command="c", torch="t", git_sha="g")))
+    assert "Memory-model options" in text and "| same-layout | staging |" in text and "| 1.5 |" in text
