@@ -279,3 +279,35 @@ def test_integrity_digest_field_is_validated():
     assert wire.decode_message(wire.encode_message("Ready", xid="x", chunk=0, slot=0, nslots=1, nbytes=1)).digest == b""
     offer = wire.Offer("x", "r", "p", "i", 2, 1, (0, 1, 1, 1), digests=b"\1" * (2 * wire.DIGEST_BYTES))
     assert wire.decode_message(offer.encode()) == offer
+
+
+def test_integrity_refuses_a_chunk_announced_without_digest():
+    # the source's real Ready is dropped and one without a digest is sent in its place: the
+    # destination READs the (intact) bytes but will not unpack what it cannot check
+    with EnginePair(1, 1, models=MODELS, integrity=True, staging_bytes=8 << 10, eager_bytes=0, timeout_s=1.0,
+                    seed=10) as e:
+        src, dst = np.array([5, 6, 7]), np.array([1, 2, 3])
+        tap, forger = Wiretap(e.da[0]), Wiretap(e.pa[0])
+        tap.hold()
+        e.request(src)
+        e.pa[0].hold("r", src, lease_s=2.0)
+        e.da[0].fetch("r", "P", src, dst)
+        deadline = time.monotonic() + 10
+        while not tap.seen(wire.Ready):
+            assert time.monotonic() < deadline
+            e.pa[0].progress()
+            e.da[0].progress()
+            tap.poll()
+        real = tap.seen(wire.Ready)[0]
+        tap.held.clear()  # the real announcement never reaches the agent
+        forger.send(e.da[0], wire.Ready(real.xid, real.chunk, real.slot, real.nslots, real.nbytes))
+        while len(tap.seen(wire.Ready)) < 2:
+            assert time.monotonic() < deadline
+            tap.poll()
+        tap.release()
+        res = e.drive(1, timeout_s=15)[0][0]
+        assert not res.ok and isinstance(res.error, IntegrityError) and "without a digest" in str(res.error)
+        assert sorted(res.undefined_blocks) == sorted(dst.tolist())
+        tap.close()
+        forger.close()
+        _no_leak(e)
