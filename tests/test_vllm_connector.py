@@ -255,3 +255,20 @@ def test_vllm_cpu_attention_keeps_k_dim_major_inside_a_block():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([VLLM_PY, "-c", CPU_K_PROBE], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_staging_only_and_integrity_move_the_kv(model_dir, tmp_path, prompts):
+    """Both engines with ``register: staging`` (only staging registered with NIXL, every region
+    STAGED) and ``integrity: true`` (each chunk digested after its pack and checked before
+    unpack): tokens identical to one engine, nothing recomputed, every chunk checked, none failed."""
+    hardened = {"register": "staging", "integrity": True}
+    pair = Pair(model_dir, tmp_path, 2, 1, p_extra=hardened, d_extra=hardened)
+    try:
+        transfer_and_check(pair, prompts, "iso")
+        p_stats = pair.prefill.call("agent_stats")["stats"]
+        d_stats = pair.decode.call("agent_stats")["stats"]
+        assert all(s["digested_chunks"] > 0 for s in p_stats + d_stats), (p_stats, d_stats)
+        assert sum(s["integrity_failures"] + s["direct_descriptors"] + s["one_sided_descriptors"]
+                   for s in d_stats) == 0, d_stats
+    finally:
+        pair.close()

@@ -31,6 +31,11 @@ refused)::
     "Done"      finished with a request
     "Abort"     drop a transfer
     "Renew"     keep a hold for a lease
+
+With ``TransferAgent(integrity=True)`` a ``Ready``/``Data`` carries the chunk's digest and an
+``Offer`` one per chunk (``digest``/``digests``: bytes, :data:`DIGEST_BYTES` each; empty or
+absent: none). Metadata of a rank that registers only staging carries no cache address: every
+region's ``addrs`` and ``spans`` are empty (in every region, or in none).
 """
 
 from __future__ import annotations
