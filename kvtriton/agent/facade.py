@@ -82,15 +82,12 @@ class TransferAgent:
                    connected, if exactly one is (a guess: the hold still binds to the first
                    engine whose transfer is accepted, and another engine's pull frees the
                    guessed pack). Default True; False packs only holds that name their consumer.
-    register:      what this rank registers with NIXL: ``"all"`` (default: cache and staging) or
-                   ``"staging"`` (the staging pool only: no peer can READ or WRITE the cache,
-                   the metadata carries no cache address, every region is STAGED, no one-sided
-                   way; ``modes`` forcing DIRECT or one-sided raise ``PlanError``). Both engines
-                   must agree (checked at :meth:`add_remote`). See docs/security.md.
-    integrity:     digest each staged chunk after its pack (blake2b) and check it before unpack: a
-                   chunk changed in flight or in staging fails its fetch with
-                   :class:`~kvtriton.errors.IntegrityError`, its blocks undefined. Every region is
-                   then STAGED (every byte travels in a digested chunk). Both engines must agree.
+    register:      ``"all"`` (default) registers cache and staging with NIXL; ``"staging"`` only
+                   the staging pool (no cache address in the metadata, every region STAGED).
+    integrity:     digest each staged chunk after its pack, check it before unpack (a mismatch:
+                   :class:`~kvtriton.errors.IntegrityError`; every region STAGED). Both options:
+                   equal on both engines, ``PlanError`` with forced DIRECT/one-sided modes
+                   (docs/security.md, :mod:`kvtriton.agent.integrity`).
     warmup:        compile the kernel specialisations this rank will launch ahead of its first
                    request: those of a peer with this rank's own geometry now, each new peer's
                    in :meth:`add_remote` (see :meth:`warmup`). Default False.
