@@ -183,7 +183,9 @@ def decode_metadata(data: bytes) -> RankMetadata:
         raise ProtocolError(f"staging: chunk_bytes {staging.chunk_bytes} exceeds the pool ({staging.nbytes})")
     if staging.addr + staging.nbytes > _MAX_U64:
         raise ProtocolError("staging: addr + size overflows the address space")
-    specs, addrs, spans = [], [], []
+    specs: list[RegionSpec] = []
+    addrs: list[tuple[int, ...]] = []
+    spans: list[tuple[int, ...]] = []
     for i, r in enumerate(_get(d, "regions", list, "metadata")):
         where = f"region {i}"
         if not isinstance(r, dict):
