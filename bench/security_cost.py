@@ -134,7 +134,8 @@ def run_security_cost(layers: int = 4, tokens: int = 1024, reps: int = 7, cases=
                     plan = d.plan_for(f"P-{name}")
                     rows.append(dict(section="security_cost", case=case, variant=name, layers=layers, tokens=tokens,
                                      mib=round(nbytes / 2**20, 1), ms=round(q[1], 2), ms_p20=round(q[0], 2),
-                                     ms_p80=round(q[2], 2), ratio=round(q[1] / base, 2), routes="+".join(sorted({r.value for r in plan.routes})),
+                                     ms_p80=round(q[2], 2), ratio=round(q[1] / base, 2),
+                                     routes="+".join(sorted({r.value for r in plan.routes})),
                                      path=_path(d.stats), digested=d.stats["digested_chunks"]))
             finally:
                 for d in decodes.values():
