@@ -93,10 +93,12 @@ def _snapshot(agent) -> dict[str, Any]:
     src, dst, links, s = agent._source, agent._destination, agent._links, agent._s
     now = time.monotonic()
     serves = [{"xid": v.xid, "req": v.req_id, "peer": _name(*v.peer.key), "engine": v.peer.md.engine,
-               "rank": v.peer.md.rank, "flow": v.flow.value, "offered": getattr(v, "offered", False), "staged": v.read is not None,
+               "rank": v.peer.md.rank, "flow": v.flow.value, "offered": getattr(v, "offered", False),
+               "staged": v.read is not None,
                "chunks": v.n_chunks, "blocks_per_chunk": v.chunks.blocks_per_chunk if v.chunks is not None else 0,
                "next_chunk": v.next_chunk, "acked": v.acked, "inflight": len(v.inflight),
-               "reads_cache": getattr(v, "runs_reader", False), "waiting_local": v.waiting_local, "waiting_engine": v.waiting_engine}
+               "reads_cache": getattr(v, "runs_reader", False), "waiting_local": v.waiting_local,
+               "waiting_engine": v.waiting_engine}
               for v in src.serves.by_key.values()]
     counts: dict[str, dict[str, int]] = {"by_peer": {}, "by_engine": {}, "by_flow": {}}
     for v in serves:
@@ -112,8 +114,8 @@ def _snapshot(agent) -> dict[str, Any]:
     by_way: dict[str, int] = {}
     for p in parts.values():
         by_way[p["way"]] = by_way.get(p["way"], 0) + 1
-    reading: dict[str, dict] = {eng: _plan(plan) for eng, plan in dst.plans.items()}
-    reading.update({eng: {"error": str(e)} for eng, e in dst.unplannable.items()})
+    reading: dict[str, dict] = {eng: _plan(plan) for eng, plan in agent._plans.reads.items()}
+    reading.update({eng: {"error": str(e)} for eng, e in agent._plans.unreadable.items()})
     return {
         "engine": agent.engine_id, "rank": agent.rank, "tp": agent.tp, "flow": s.flow.value,
         "settings": {"chunk_bytes": s.chunk_bytes, "inflight_chunks": s.inflight, "slot_bytes": s.pool.slot_bytes,
