@@ -157,7 +157,7 @@ class Source:
                                       chunk_blocks=m.chunk_blocks, num_tokens=m.tokens, tiles=m.tiles)
         except PlanError as e:
             return reject(f"token map of {req!r}: {e}" if plan.maps_tokens else str(e))
-        payload, has_runs = r.payloads.get(self.s.rank), r.sends_runs(self.s.rank)
+        payload, has_runs = r.payload(self.s.rank), r.sends_runs(self.s.rank)
         if payload is None and not has_runs:
             return reject(f"{me} has nothing to send to {eng}:{dst_rank}")
         read, chunks = (payload.read, payload.chunks) if payload is not None else (None, None)
@@ -170,7 +170,7 @@ class Source:
             if flow is not Flow.PULL or r.tokens is not None:
                 return reject("read_unpack is a pull of equal block sizes only")
             read, chunks, has_runs = None, None, True
-            self.eager.take(req, peer, plan.digest(), ids, None)  # a pack made ahead for it is not needed
+            self.eager.take(req, peer, r.digest, ids, None)  # a pack made ahead for it is not needed
         if chunks is not None and not chunks.fits(self.s.chunk_bytes):
             return reject(f"chunk of {m.chunk_blocks} blocks does not fit staging chunks of "
                           f"{self.s.chunk_bytes} bytes")
@@ -189,7 +189,7 @@ class Source:
             except KVTritonError as e:
                 return reject(f"push: {e}")
         elif chunks is not None:  # packed ahead for exactly this pull: Ready goes out this progress()
-            serve.inflight = self.eager.take(req, peer, plan.digest(), ids if r.tokens is None else None, chunks)
+            serve.inflight = self.eager.take(req, peer, r.digest, ids if r.tokens is None else None, chunks)
             serve.next_chunk = len(serve.inflight)
         offered = self.serves.offered.get((peer.agent, req))
         if isinstance(serve, PullServe) and offered is not None and offered.offered:
