@@ -7,14 +7,14 @@ me?) must look at that plan, never at one made with the source's own model.
 
 Here the prefill's model finds a descriptor nearly free (it would read the one SPLIT region
 DIRECT, zero-copy) while the decode's default model finds it dear (STAGED: pack, READ, unpack).
-Real NIXL agents over UCX in one process, as in test_agent.py.
+Real NIXL agents over UCX in one process, as in test_agent.py. The source's plans and warmed
+kernels are read through ``debug_state()`` (its ``plans`` and ``warmed``), never its internals.
 """
 
 import numpy as np
 import pytest
 import torch
 
-from kvtriton import wire
 from kvtriton.agent import TransferAgent
 from kvtriton.ops import launch_config_for
 from kvtriton.plan import CostModel, Mode
@@ -35,9 +35,13 @@ CHEAP_DESCRIPTORS = CostModel(desc_us=0.01, source="test: descriptors nearly fre
 DEAR_DESCRIPTORS = CostModel()  # crossover ~11.5 KB
 
 
-def _source_plans(agent: TransferAgent) -> list:
-    """Every plan the source side of ``agent`` keeps for its peers."""
-    return list(agent._source.plans.served.values())
+def _source_plans(agent: TransferAgent) -> list[dict]:
+    """Every plan the source side of ``agent`` keeps for its peers (``debug_state()["plans"]``:
+    routes per region, digest)."""
+    return agent.debug_state()["plans"]
+
+
+STAGED = [Mode.STAGED.value]  # a plan's routes in debug_state(): the one region STAGED
 
 
 @pytest.fixture
@@ -90,7 +94,7 @@ def test_source_serves_by_the_destinations_model(pair):
     check_destination(D, 0, 1, kv, dst, before)
     assert p.stats["staged_descriptors"] == 0 and d.stats["staged_descriptors"] > 0
     assert p.stats["direct_descriptors"] == 0 and d.stats["direct_descriptors"] == 0
-    assert all(plan.modes == (Mode.STAGED,) for plan in _source_plans(p))
+    assert all(plan["routes"] == STAGED for plan in _source_plans(p))
 
 
 def test_source_warmup_compiles_the_served_plans_packs(pair):
@@ -104,7 +108,7 @@ def test_source_warmup_compiles_the_served_plans_packs(pair):
     for n in (1, 2, 3, 4):
         cfg = launch_config_for("pack", p.regions, served.segments, served.segment_offsets(n), np.arange(n),
                                 p.pool.tensor)
-        assert ("pack", cfg) in p._warmed, n
+        assert {"op": "pack", "config": cfg._asdict()} in p.debug_state()["warmed"], n
 
 
 def test_hold_judgement_uses_the_destinations_model(pair):
@@ -112,9 +116,8 @@ def test_hold_judgement_uses_the_destinations_model(pair):
     plan it judges by is the decode's, and no plan made by the prefill's own model is kept."""
     p, d, *_ = pair
     p.hold("r", np.array([1, 2]))  # no consumer: unbound
-    peer = d._links.peers[("P", 0)]
-    d._links.send(peer, wire.Done("r", 0, 1))
+    d.fetch("r", "P", [1, 2], [-1, -1])  # the decode has every block: nothing moves, its done goes out
     _drive(p, d, until=lambda got: False, seconds=0.3)
     plans = _source_plans(p)
-    assert plans and all(plan.modes == (Mode.STAGED,) for plan in plans), [plan.modes for plan in plans]
-    assert all(plan.digest() == d.plan_for("P").digest() for plan in plans)
+    assert plans and all(plan["routes"] == STAGED for plan in plans), [plan["routes"] for plan in plans]
+    assert all(plan["digest"] == d.plan_for("P").digest() for plan in plans)

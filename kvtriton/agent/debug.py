@@ -114,8 +114,8 @@ def _snapshot(agent) -> dict[str, Any]:
     by_way: dict[str, int] = {}
     for p in parts.values():
         by_way[p["way"]] = by_way.get(p["way"], 0) + 1
-    reading: dict[str, dict] = {eng: _plan(plan) for eng, plan in dst.plans.items()}
-    reading.update({eng: {"error": str(e)} for eng, e in dst.unplannable.items()})
+    reading: dict[str, dict] = {eng: _plan(plan) for eng, plan in agent._plans.reads.items()}
+    reading.update({eng: {"error": str(e)} for eng, e in agent._plans.unreadable.items()})
     return {
         "engine": agent.engine_id, "rank": agent.rank, "tp": agent.tp, "flow": s.flow.value,
         "settings": {"chunk_bytes": s.chunk_bytes, "inflight_chunks": s.inflight, "slot_bytes": s.pool.slot_bytes,

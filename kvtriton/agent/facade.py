@@ -22,7 +22,6 @@ from ..errors import (
     IncompatibleRemoteError,
     KVTritonError,
     PeerDisconnectedError,
-    PlanError,
     ProtocolError,
     RequestRejectedError,
     TransportError,
@@ -35,7 +34,7 @@ from .destination import Destination, RequestResult
 from .device import ready_event
 from .links import Links, Peer, logger, slot_descs
 from .plan_book import PlanBook
-from .settings import make_settings, one_sided_forced
+from .settings import make_settings
 from .source import FreedRequest, Source
 from .stats import Stats
 from .warmup import own_reads, peer_reads, warm
@@ -145,7 +144,7 @@ class TransferAgent:
             self.transport.close()
             raise
         self._source = Source(settings, self._links, self._plans, self._stats)
-        self._destination = Destination(settings, self._links)
+        self._destination = Destination(settings, self._links, self._plans)
         self._handlers = {
             wire.Pull: self._source.on_pull,
             wire.Push: self._source.on_push,
@@ -255,7 +254,7 @@ class TransferAgent:
             logger.info("peer %s:%d stages in %s, we in %s", md.engine, md.rank, md.mem, links.mem)
         with self._lock, self._s.lanes.on_device():
             # build the plan first: a mismatch raises before anything is prepared
-            plan = self._destination.plans.get(md.engine) or self._plan_reading(md)
+            plan = self._plans.plan_reading(md)  # the kept one, else a new one
             old = links.peers.get((md.engine, md.rank))
             if old is not None and old.agent != md.agent:
                 self._drop_peer(old, PeerDisconnectedError(
@@ -273,33 +272,13 @@ class TransferAgent:
                 self.transport.remove_remote(name)
                 raise
             links.add(Peer(md, name, staging))
-            if isinstance(plan, PlanError):
-                self._destination.unplannable[md.engine] = plan
-            else:
-                self._destination.plans[md.engine] = plan
+            self._plans.keep_reading(md.engine, plan)
             if self._warm_peers:  # compiles under the lock: progress() waits, once per new shape
                 try:
-                    warm(self._s, peer_reads(self._plans, [links.peers[(md.engine, md.rank)]],
-                                             self._destination.plans), self._warmed)
+                    warm(self._s, peer_reads(self._plans, [links.peers[(md.engine, md.rank)]]), self._warmed)
                 except KVTritonError as e:  # the peer is connected; its first request will compile
                     logger.warning("warmup for %s:%d failed: %s", md.engine, md.rank, e)
             return md.engine
-
-    def _plan_reading(self, md: wire.RankMetadata) -> TransferPlan | PlanError:
-        """The plan of reading from ``md``'s engine. A forced one-sided mode is a property of
-        one direction (read_unpack needs source ranks with no more heads than ours): when it
-        rules out reading from the peer but not the peer reading from us (a prefill rank meeting
-        its decode engine), the error is kept for a fetch from that engine to raise."""
-        try:
-            return self._plans.reading(md)
-        except PlanError as e:
-            if not one_sided_forced(self._s.modes):
-                raise
-            try:
-                self._plans.serving(md)
-            except KVTritonError:
-                raise e from None
-            return e
 
     def warmup(self, peers: bool = True) -> list:
         """Compile now the kernel specialisations this rank will launch, so that no first
@@ -311,12 +290,12 @@ class TransferAgent:
         peer in :meth:`add_remote`."""
         with self._lock, self._s.lanes.on_device():
             reads = own_reads(self._plans) + (
-                peer_reads(self._plans, self._links.peers.values(), self._destination.plans) if peers else [])
+                peer_reads(self._plans, self._links.peers.values()) if peers else [])
             return warm(self._s, reads, self._warmed)
 
     def plan_for(self, engine_id: str) -> TransferPlan:
         """The plan this rank uses to read from ``engine_id`` (after :meth:`add_remote`)."""
-        return self._destination.plans[engine_id]
+        return self._plans.reads[engine_id]
 
     debug_state = debug.debug_state  # a plain snapshot for tests (schema: kvtriton.agent.debug)
     # ------------------------------------------------------------------ prefill side

@@ -121,13 +121,17 @@ class Links:
         self.stats.staged_descriptors += 1
         return xfer
 
-    def post_runs(self, op: str, local, remote, count: int, notif: wire.Message | None = None,
-                  stat: str = "direct_descriptors"):
-        """READ or WRITE the DIRECT runs prepared by :meth:`prep_runs` (or the pieces of
-        :meth:`prep_pieces`, counted under ``stat``)."""
+    def post_runs(self, op: str, local, remote, count: int, notif: wire.Message | None = None, *,
+                  one_sided: bool = False):
+        """READ or WRITE the DIRECT runs prepared by :meth:`prep_runs` (counted as
+        ``direct_descriptors``), or with ``one_sided`` the pieces of :meth:`prep_pieces`
+        (``one_sided_descriptors``)."""
         idx = np.arange(count)
         xfer = self.transport.post(op, local, idx, remote, idx, notif.encode() if notif is not None else b"")
-        self.stats.count(stat, count)
+        if one_sided:
+            self.stats.one_sided_descriptors += count
+        else:
+            self.stats.direct_descriptors += count
         return xfer
 
     def cache_addrs(self, addrs, spans, region: np.ndarray, stream: np.ndarray, offset: np.ndarray,

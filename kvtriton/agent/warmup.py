@@ -17,14 +17,14 @@ the torch implementation there is nothing to compile and nothing is launched; un
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import numpy as np
 
 from ..errors import KVTritonError
 from ..ops import LaunchConfig, launch_config_for, pack, unpack
 from ..ops.launch import _resolve_impl
-from ..plan import StagedRead, TransferPlan
+from ..plan import StagedRead
 from .links import Peer
 from .plan_book import PlanBook
 from .settings import Settings
@@ -41,10 +41,11 @@ def own_reads(book: PlanBook) -> list[tuple[str, StagedRead]]:
     return [(op, r) for op, r in reads if r is not None]
 
 
-def peer_reads(book: PlanBook, peers: Iterable[Peer],
-               plans_from: Mapping[str, TransferPlan]) -> list[tuple[str, StagedRead]]:
+def peer_reads(book: PlanBook, peers: Iterable[Peer]) -> list[tuple[str, StagedRead]]:
     """What serving ``peers`` (pack, by the plan each is served by: the peer's cost model) and
-    fetching from them (unpack, by ``plans_from[engine]``) makes this rank launch."""
+    fetching from them (unpack, by the plan the book keeps for reading their engine) makes this
+    rank launch."""
+    plans_from = book.reads
     reads = []
     for p in peers:
         try:

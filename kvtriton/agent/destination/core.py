@@ -1,8 +1,8 @@
 """The destination side of a rank, composed: :class:`~.fetches.Fetches` (the requests in
-flight, their parts, their results), :class:`~.offers.Offers` (what sources offered ahead) and
-the plans it reads by (one per source engine). A fetch's :class:`~kvtriton.plan.RequestPlan`
-is made once, in :meth:`Destination.fetch`; each source rank's part is one class per way
-(:mod:`.parts`)."""
+flight, their parts, their results) and :class:`~.offers.Offers` (what sources offered ahead);
+the plans it reads by (one per source engine) are the rank's :class:`~..plan_book.PlanBook`'s.
+A fetch's :class:`~kvtriton.plan.RequestPlan` is made once, in :meth:`Destination.fetch`; each
+source rank's part is one class per way (:mod:`.parts`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import time
 from collections.abc import Sequence
 
 from ...errors import KVTritonError, PlanError, ProtocolError, RequestAbortedError, RequestRejectedError, StagingError
-from ...plan import Mode, RequestPayload, RequestPlan, TransferPlan, choose_way
+from ...plan import Mode, RequestPayload, RequestPlan, choose_way
 from ...protocol import wire
 from ..links import Flow, Links, Peer, Settings
+from ..plan_book import PlanBook
 from .fetch import Fetch
 from .fetches import Fetches, RequestResult
 from .offers import Offers
@@ -23,12 +24,11 @@ _PULL_PARTS: dict[Mode, type[Part]] = {Mode.STAGED: StagedPart, Mode.READ_UNPACK
 
 
 class Destination:
-    """Fetches in flight on this rank and the plans they read by (one per source engine)."""
+    """Fetches in flight on this rank; the plans they read by come from ``plans`` (the rank's
+    :class:`~..plan_book.PlanBook`, one per source engine)."""
 
-    def __init__(self, settings: Settings, links: Links):
-        self.s, self.links = settings, links
-        self.plans: dict[str, TransferPlan] = {}  # per source engine
-        self.unplannable: dict[str, PlanError] = {}  # engines a forced mode rules out reading from
+    def __init__(self, settings: Settings, links: Links, plans: PlanBook):
+        self.s, self.links, self.plans = settings, links, plans
         self.fetches = Fetches(settings.name, settings.rank, settings.tp, links)
         self.offers = Offers(links)
 
@@ -38,11 +38,7 @@ class Destination:
         """Start reading ``req_id`` from ``engine`` (see :meth:`TransferAgent.fetch`)."""
         if req_id in self.fetches:
             raise RequestRejectedError(f"fetch {req_id!r} is already in flight")
-        plan = self.plans.get(engine)
-        if plan is None and engine in self.unplannable:
-            raise PlanError(f"cannot fetch from {engine!r}: {self.unplannable[engine]}")
-        if plan is None:
-            raise KeyError(f"unknown engine {engine!r}: add_remote() its ranks first")
+        plan = self.plans.read_by(engine)  # KeyError / PlanError as before
         missing = [r for r in plan.source_ranks if (engine, r) not in self.links.peers]
         if missing:
             raise KeyError(f"engine {engine!r}: no metadata yet for ranks {missing}")

@@ -136,7 +136,7 @@ class Part:
         self.offered = True
         if self.lease is not None:
             self.lease.go = bool(offer.runs)
-        self.links.stats["offers_taken"] += 1
+        self.links.stats.offers_taken += 1
 
     def on_ready(self, peer: Peer, m: wire.Ready) -> None:
         raise ProtocolError(f"ready for chunk {m.chunk} of {m.xid!r} is outside the transfer's "
@@ -364,7 +364,7 @@ class PackPlacePart(PayloadPart):
             ch = Chunk(ready.chunk, -1, 0, ready.nbytes, remote_slot=ready.slot)
             ch.lists = links.prep_pieces(peer, local, remote, runs.nbytes)
             self.inflight[ch.index] = ch
-            ch.xfer = links.post_runs("READ", *ch.lists, len(runs), stat="one_sided_descriptors")
+            ch.xfer = links.post_runs("READ", *ch.lists, len(runs), one_sided=True)
             f.posted(len(runs), ready.nbytes)
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:
@@ -428,7 +428,7 @@ class ReadUnpackPart(PayloadPart):
                 raise
             self.inflight[c] = ch
             self.next_read += 1
-            ch.xfer = self.links.post_runs("READ", *ch.lists, len(runs), stat="one_sided_descriptors")
+            ch.xfer = self.links.post_runs("READ", *ch.lists, len(runs), one_sided=True)
             f.posted(len(runs), nbytes)
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:

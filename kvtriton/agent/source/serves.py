@@ -32,7 +32,7 @@ from typing import ClassVar
 import numpy as np
 
 from ...errors import KVTritonError, ProtocolError
-from ...plan import ChunkGeometry, StagedRead, TokenMap
+from ...plan import ChunkGeometry, OfferTerms, RequestPlan, StagedRead, TokenMap
 from ...protocol import wire
 from ..device import event_done
 from ..links import Chunk, Flow, Links, Peer, logger
@@ -41,7 +41,6 @@ from ..stats import Stats
 from .eager import Packed, suffix_chunks
 from .holds import Hold, Holds
 from .packing import PackBatch, PackJob
-from .request import ids_digest
 from .share import StagingShare
 
 __all__ = ["MAX_SERVES_PER_PEER", "PullServe", "PushServe", "Serve", "Serves"]
@@ -196,6 +195,11 @@ class PushServe(Serve):
         if self.runs is not None:
             serves.links.retire(self.runs_xfer, serves.links.release_lists(*self.runs[:2]))
             self.runs, self.runs_xfer = None, None
+
+
+def _offer(xid: str, req: str, terms: OfferTerms, slots: tuple[int, ...]) -> wire.Offer:
+    """The offer of transfer ``xid`` of ``req`` on ``terms`` (:class:`~kvtriton.plan.OfferTerms`)."""
+    return wire.Offer(xid, req, terms.plan, terms.ids, terms.num_blocks, terms.chunk_blocks, slots, runs=terms.runs)
 
 
 def _offered(serve: Serve) -> bool:
@@ -387,22 +391,23 @@ class Serves:
             ch = serve.inflight[c]
             ch.kernel = None  # completed: announced by the offer, not by a ready
             slots += [ch.slot, ch.nslots]
-        return self._send_offer(serve, wire.Offer(xid, hold.req_id, packed.digest, packed.request.digest(),
-                                                  int(packed.ids.size), packed.chunks.blocks_per_chunk,
-                                                  tuple(slots), runs=int(packed.runs)))
+        terms = packed.request.offer_terms(packed.payload.src_rank)
+        if terms is None:  # never: a pack is made only of a payload that fits, equal block sizes
+            return False
+        return self._send_offer(serve, _offer(xid, hold.req_id, terms, tuple(slots)))
 
-    def offer_runs(self, hold: Hold, peer: Peer, digest: str) -> bool:
+    def offer_runs(self, hold: Hold, peer: Peer, request: RequestPlan) -> bool:
         """Offer ``peer`` to READ ``hold``'s blocks straight from our cache (read_unpack): an
         :class:`~kvtriton.wire.Offer` without slots, sent once the engine's writes are done, and
         a transfer that keeps the blocks until the reader's RunsDone (or the hold ends), as a
-        pull's RunsReady would. Saves the pull's round trip to this process."""
+        pull's RunsReady would. Saves the pull's round trip to this process. ``request``: the
+        hold's :meth:`RequestPlan.for_hold` (its terms are the offer's)."""
         xid = f"{hold.req_id}|{self.s.name}>{peer.md.rank}!"
         if (peer.agent, xid) in self.by_key or not self.room(peer):
             return False
         serve = PullServe(xid, hold.req_id, peer, None, hold.block_ids, None, self.s.timeout_s,
                           time.monotonic() + self.s.timeout_s, ready=hold.ready, offered=True, runs_reader=True)
-        return self._send_offer(serve, wire.Offer(xid, hold.req_id, digest, ids_digest(hold.block_ids),
-                                                  int(hold.block_ids.size), 1, ()))
+        return self._send_offer(serve, _offer(xid, hold.req_id, request.cache_offer_terms(), ()))
 
     def _send_offer(self, serve: PullServe, offer: wire.Offer) -> bool:
         """Send ``offer`` and, once it is out, keep ``serve`` as the offered transfer."""
