@@ -17,7 +17,7 @@ import torch
 
 from kvtriton.agent import TransferAgent
 from kvtriton.ops import launch_config_for
-from kvtriton.plan import CostModel, Mode
+from kvtriton.plan import CostModel, Route
 from kvtriton.testing.oracle import (
     RegionModel,
     check_destination,
@@ -41,7 +41,7 @@ def _source_plans(agent: TransferAgent) -> list[dict]:
     return agent.debug_state()["plans"]
 
 
-STAGED = [Mode.STAGED.value]  # a plan's routes in debug_state(): the one region STAGED
+STAGED = [Route.STAGED.value]  # a plan's routes in debug_state(): the one region STAGED
 
 
 @pytest.fixture
@@ -76,13 +76,13 @@ def test_the_two_models_pick_different_routes():
     from kvtriton.plan import build_plan
 
     specs = [r.spec for r in make_rank_regions(MODELS, 0, 1, 8, 4, gen=torch.Generator())]
-    assert build_plan(0, 1, specs, 1, specs, cost=CHEAP_DESCRIPTORS).modes == (Mode.DIRECT,)
-    assert build_plan(0, 1, specs, 1, specs, cost=DEAR_DESCRIPTORS).modes == (Mode.STAGED,)
+    assert build_plan(0, 1, specs, 1, specs, cost=CHEAP_DESCRIPTORS).modes == (Route.DIRECT,)
+    assert build_plan(0, 1, specs, 1, specs, cost=DEAR_DESCRIPTORS).modes == (Route.STAGED,)
 
 
 def test_source_serves_by_the_destinations_model(pair):
     p, d, P, D, gen = pair
-    assert d.plan_for("P").modes == (Mode.STAGED,)  # the decode planned by its own (dear) model
+    assert d.plan_for("P").modes == (Route.STAGED,)  # the decode planned by its own (dear) model
     src, dst = np.array([3, 9, 4]), np.array([0, 5, 2])
     kv = make_global_kv(MODELS, src.size, 4, gen)
     load_source(P, 0, 1, kv, src)
@@ -103,7 +103,7 @@ def test_source_warmup_compiles_the_served_plans_packs(pair):
     if torch.cuda.is_available():
         pytest.skip("the interpreter path")
     p, d, *_ = pair
-    served = d.plan_for("P").staged_read(0)
+    served = d.plan_for("P").payload(0)
     assert served is not None
     for n in (1, 2, 3, 4):
         cfg = launch_config_for("pack", p.regions, served.segments, served.segment_offsets(n), np.arange(n),

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 
 from ...errors import KVTritonError, PlanError, ProtocolError, RequestAbortedError, RequestRejectedError, StagingError
-from ...plan import Mode, RequestPayload, RequestPlan, choose_way
+from ...plan import RequestPayload, RequestPlan, Way, choose_way
 from ...protocol import wire
 from ..links import Flow, Links, Peer, Settings
 from ..plan_book import PlanBook
@@ -19,8 +19,8 @@ from .fetches import Fetches, RequestResult
 from .offers import Offers
 from .parts import CacheLease, DirectPart, GrantedPart, PackPlacePart, Part, ReadUnpackPart, RunsTransfer, StagedPart
 
-_PULL_PARTS: dict[Mode, type[Part]] = {Mode.STAGED: StagedPart, Mode.READ_UNPACK: ReadUnpackPart,
-                                       Mode.PACK_PLACE: PackPlacePart}
+_PULL_PARTS: dict[Way, type[Part]] = {Way.STAGED: StagedPart, Way.READ_UNPACK: ReadUnpackPart,
+                                       Way.PACK_PLACE: PackPlacePart}
 
 
 class Destination:
@@ -52,7 +52,7 @@ class Destination:
         blocks = max(rp.src_ids.size, rp.dst_ids.size)
         if blocks > wire.MAX_REQUEST_BLOCKS:
             raise PlanError(f"fetch {req_id!r}: {blocks} blocks is more than a request may "
-                            f"have (kvtriton.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS}); split it")
+                            f"have (kvtriton.protocol.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS}); split it")
         now = time.monotonic()
         timeout = timeout_s or self.s.timeout_s
         f = Fetch(req_id, engine, now, timeout, now + timeout, rp, renew_at=now + self.s.renew_s, ready=ready)
@@ -98,12 +98,12 @@ class Destination:
             part.take_offer(offer)
         return part
 
-    def _way(self, f: Fetch, payload: RequestPayload, peer: Peer) -> Mode:
+    def _way(self, f: Fetch, payload: RequestPayload, peer: Peer) -> Way:
         """How ``payload`` travels for a pull of ``f``: the cost model's choice for this
         request (an offer the source made means it is packed already); STAGED with a token map."""
         rp = f.request
         if rp.tokens is not None:
-            return Mode.STAGED
+            return Way.STAGED
         return choose_way(payload.read, peer.md.regions, self.s.specs, rp.src_ids, rp.dst_ids, self.s.cost,
                           chunks=payload.chunks.count, packed=self.offers.packed(peer, f.req_id))
 

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from ...errors import KVTritonError, PlanError
-from ...plan import Mode, RequestPlan
+from ...plan import RequestPlan, Way
 from ...protocol import wire
 from ..device import event_done
 from ..links import Flow, Links, Peer
@@ -161,12 +161,12 @@ class Source:
         if payload is None and not has_runs:
             return reject(f"{me} has nothing to send to {eng}:{dst_rank}")
         read, chunks = (payload.read, payload.chunks) if payload is not None else (None, None)
-        way = m.way if flow is Flow.PULL else Mode.STAGED.value
+        way = m.way if flow is Flow.PULL else Way.STAGED.value
         if read is not None and way not in {w.value for w in read.ways}:
             return reject(f"{eng}:{dst_rank} asks for way {way!r}; the plan allows {[w.value for w in read.ways]}")
-        if read is None and way != Mode.STAGED.value:
+        if read is None and way != Way.STAGED.value:
             return reject(f"{me} sends {eng}:{dst_rank} no staged payload: way {way!r} is meaningless")
-        if way == Mode.READ_UNPACK.value:  # the peer READs our cache blocks itself: nothing to pack
+        if way == Way.READ_UNPACK.value:  # the peer READs our cache blocks itself: nothing to pack
             if flow is not Flow.PULL or r.tokens is not None:
                 return reject("read_unpack is a pull of equal block sizes only")
             read, chunks, has_runs = None, None, True
