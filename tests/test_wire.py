@@ -105,7 +105,7 @@ def test_every_message_type_round_trips():
             wire.Grant("x", 0, 4, 2), wire.Ack("x", 0), wire.RunsDone("x"), wire.Done("r", 0, 2),
             wire.Abort("x"), wire.Renew("r", 1), wire.Ready("x", 1, 2, 3, 4),
             wire.Offer("x", "r", "p", "h", 3, 2, (0, 2, 2, 1)), wire.Data("x", 1, 4), wire.RunsReady("x"),
-            wire.Reject("x", "why")]
+            wire.Reject("x", "why"), wire.Ping(7), wire.Pong(7)]
     assert {type(m) for m in msgs} == set(wire.MESSAGE_TYPES)
     for m in msgs:
         assert wire.decode_message(m.encode()) == m
