@@ -79,9 +79,20 @@ class TransferAgent:
                    engine's connected ranks that read from this one, so the pull is answered
                    with the data in place (:mod:`kvtriton.agent.source.eager`). Pull mode only.
     eager_guess:   a hold without a ``consumer`` is packed ahead for the only peer engine
-                   connected, if exactly one is (a guess: the hold still binds to the first
-                   engine whose transfer is accepted, and another engine's pull frees the
-                   guessed pack). Default True; False packs only holds that name their consumer.
+                   connected, if exactly one is, else the only one that read from this rank
+                   lately (a guess: the hold still binds to the first engine whose transfer is
+                   accepted, and another engine's pull frees the guessed pack). Default True;
+                   False packs only holds that name their consumer.
+    require_authenticated_peers: a cluster credential is configured: only peers added with
+                   ``add_remote(..., authenticated=True)`` are trusted. An unauthenticated peer
+                   reads only holds that name its engine; it never binds an unbound hold, is
+                   never guessed, never replaces a silent restart, and its refusals say only
+                   "refused" (the reason is logged here). Default False: every peer is trusted.
+    max_peers, max_peer_engines: bounds of the peer table (ranks, engines); a registration
+                   beyond either raises :class:`~kvtriton.errors.PeerRefusedError`.
+    peer_expiry_s: a peer silent this long is dropped (its transfers fail, its staging returns);
+                   one silent a third of it is pinged first, which a live peer answers from its
+                   progress loop. Default ``max(4 * timeout_s, 60)``. See :mod:`kvtriton.agent.peers`.
     warmup:        compile the kernel specialisations this rank will launch ahead of its first
                    request: those of a peer with this rank's own geometry now, each new peer's
                    in :meth:`add_remote` (see :meth:`warmup`). Default False.
@@ -260,25 +271,38 @@ class TransferAgent:
                 if seen is Admission.KNOWN:
                     return md.engine
                 old = self._links.peers[(md.engine, md.rank)] if seen is Admission.CONTESTED else None
-                heard, sent = (old.heard, peers.probe(old)) if old is not None else (0.0, None)
-            if old is not None and sent is not None:  # outside the lock: the answer comes through progress()
-                deadline = sent + peers.probe_s
-                while not peers.answered(old, sent) and time.monotonic() < deadline:
-                    if self._thread is None:
-                        self.progress()
-                    time.sleep(0.001)
+                heard, nonce = (old.heard, peers.probe(old)) if old is not None else (0.0, None)
+            if old is not None and nonce is not None:  # outside the lock: the answer comes through progress()
+                nonce = self._await_answer(old, nonce)
             with self._lock, self._s.lanes.on_device():
                 def drop(p: Peer) -> None:
                     self._drop_peer(p, PeerDisconnectedError(f"peer {p.md.engine}:{p.md.rank} was replaced by "
                                                              f"its restart ({md.agent})"))
 
-                if old is not None and peers.verdict(md, old, sent, heard, authenticated, drop) is Admission.KNOWN:
+                if old is not None and peers.verdict(md, old, nonce, heard, authenticated, drop) is Admission.KNOWN:
                     return md.engine  # the same agent registered meanwhile
                 return self._connect(md, plan, authenticated)
         except KVTritonError as e:
             if peers.generic(authenticated):
                 raise peers.outward(e, authenticated) from None
             raise
+
+    def _await_answer(self, old: Peer, nonce: int) -> int | None:
+        """Wait up to ``probe_s`` for ``old``'s answer to check ``nonce``, checking again every
+        0.1 s (UCX may take a moment to notice a closed agent: a send to it then fails); the
+        nonce, or None once a check could not be sent."""
+        peers = self._peers
+        deadline, again = time.monotonic() + peers.probe_s, time.monotonic() + 0.1
+        while not peers.answered(old, nonce) and time.monotonic() < deadline:
+            if self._thread is None:
+                self.progress()
+            if time.monotonic() > again:
+                with self._lock:
+                    if peers.probe(old) is None:
+                        return None
+                again = time.monotonic() + 0.1
+            time.sleep(0.001)
+        return nonce
 
     def _connect(self, md: wire.RankMetadata, plan, authenticated: bool) -> str:
         peer = self._peers.connect(md, authenticated)

@@ -32,6 +32,7 @@ class Peer:
     authenticated: bool = False  # its metadata came over an authenticated exchange (see .peers)
     heard: float = 0.0  # time.monotonic() of its last message (or of its registration)
     pinged: float = 0.0  # when it was last sent a liveness check
+    pong: int = 0  # the nonce of the last liveness check it answered
     served_at: float = 0.0  # when this rank last accepted a transfer from it (see .source.eager)
 
     @property

@@ -12,8 +12,9 @@ reads (``links.peers``, ``links.by_agent``).
 * **Identity pinned.** An (engine, rank) belongs to the agent that registered it, at its
   registration generation (``RankMetadata.generation``, the time the agent was made: a restart
   registers a higher one). Another agent claiming it is refused unless its generation is newer
-  and the old agent is gone. "Gone" is decided by a liveness check: a ``Ping`` to the old agent
-  (:meth:`probe`), and a wait of up to ``probe_s`` for any message from it:
+  and the old agent is gone. "Gone" is decided by a liveness check: a ``Ping`` with a fresh
+  nonce to the old agent (:meth:`probe`), and a wait of up to ``probe_s`` for its ``Pong`` of
+  that nonce (messages it sent before, still in flight, prove nothing):
 
   - the ping cannot be sent (UCX reports the agent disconnected): gone, replaced;
   - it answers: alive, the newcomer is refused (a live peer is never replaced);
@@ -153,35 +154,35 @@ class PeerTable:
             raise self._refuse(f"{self.s.name} knows {len(engines)} peer engines, its limit (max_peer_engines)")
         return Admission.NEW
 
-    def probe(self, old: Peer) -> float | None:
-        """Send ``old`` a liveness check; the time it was sent, or None when it cannot be sent
-        (the agent is gone)."""
+    def probe(self, old: Peer) -> int | None:
+        """Send ``old`` a liveness check; its nonce, or None when it cannot be sent (the agent
+        is gone)."""
         self.nonce += 1
         try:
             self.links.send(old, wire.Ping(self.nonce))
         except PeerDisconnectedError:
             return None
-        old.pinged = now = time.monotonic()
-        return now
+        old.pinged = time.monotonic()
+        return self.nonce
 
-    def answered(self, old: Peer, sent: float) -> bool:
-        """Whether ``old`` has said anything since the check sent at ``sent``."""
-        return old.heard >= sent
+    def answered(self, old: Peer, nonce: int) -> bool:
+        """Whether ``old`` has answered the check of ``nonce`` (or a later one)."""
+        return old.pong >= nonce
 
-    def verdict(self, md: wire.RankMetadata, old: Peer, sent: float | None, heard_before: float,
+    def verdict(self, md: wire.RankMetadata, old: Peer, nonce: int | None, heard_before: float,
                 authenticated: bool, drop: Callable[[Peer], None]) -> Admission:
-        """After the liveness check of ``old`` (``sent``: when, None: it could not be sent;
+        """After the liveness check ``nonce`` of ``old`` (None: it could not be sent;
         ``heard_before``: when ``old`` had last been heard before it): raises
         :class:`~kvtriton.errors.PeerRefusedError` when ``md`` may not replace it, else drops it
         (``drop``) and admits ``md`` again (NEW, or KNOWN: that agent registered meanwhile)."""
         who = f"{md.engine}:{md.rank}"
-        if sent is not None and self.links.peers.get(old.key) is old:
-            if self.answered(old, sent):
+        if nonce is not None and self.links.peers.get(old.key) is old:
+            if self.answered(old, nonce):
                 raise self._refuse(f"{who} is registered to live agent {old.agent!r} (it answered a liveness "
                                    f"check); agent {md.agent!r} cannot take it over")
-            if not authenticated and sent - heard_before < self.s.timeout_s:
+            if not authenticated and old.pinged - heard_before < self.s.timeout_s:
                 raise self._refuse(f"{who} is registered to agent {old.agent!r}, heard from "
-                                   f"{sent - heard_before:.1f} s ago; an unauthenticated agent replaces it only "
+                                   f"{old.pinged - heard_before:.1f} s ago; an unauthenticated agent replaces it only "
                                    f"once it has been silent for timeout_s ({self.s.timeout_s} s)")
         if self.links.peers.get(old.key) is old:
             self.stats.peers_replaced += 1
@@ -223,7 +224,9 @@ class PeerTable:
         self.links.send(peer, wire.Pong(m.nonce), quiet=True)
 
     def on_pong(self, peer: Peer, m: wire.Pong) -> None:
-        """Nothing beyond being heard (every message refreshes ``peer.heard``)."""
+        # a nonce never sent proves nothing (it may be a guess at the next one): ignored
+        if m.nonce <= self.nonce:
+            peer.pong = max(peer.pong, m.nonce)
 
     def expire(self, now: float) -> list[Peer]:
         """Ping peers silent for a third of ``expiry_s``; the peers to drop: silent for
