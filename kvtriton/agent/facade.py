@@ -273,7 +273,7 @@ class TransferAgent:
                 old = self._links.peers[(md.engine, md.rank)] if seen is Admission.CONTESTED else None
                 heard, nonce = (old.heard, peers.probe(old)) if old is not None else (0.0, None)
             if old is not None and nonce is not None:  # outside the lock: the answer comes through progress()
-                nonce = self._await_answer(old, nonce)
+                nonce = peers.await_answer(old, nonce, self._lock, self.progress if self._thread is None else None)
             with self._lock, self._s.lanes.on_device():
                 def drop(p: Peer) -> None:
                     self._drop_peer(p, PeerDisconnectedError(f"peer {p.md.engine}:{p.md.rank} was replaced by "
@@ -286,23 +286,6 @@ class TransferAgent:
             if peers.generic(authenticated):
                 raise peers.outward(e, authenticated) from None
             raise
-
-    def _await_answer(self, old: Peer, nonce: int) -> int | None:
-        """Wait up to ``probe_s`` for ``old``'s answer to check ``nonce``, checking again every
-        0.1 s (UCX may take a moment to notice a closed agent: a send to it then fails); the
-        nonce, or None once a check could not be sent."""
-        peers = self._peers
-        deadline, again = time.monotonic() + peers.probe_s, time.monotonic() + 0.1
-        while not peers.answered(old, nonce) and time.monotonic() < deadline:
-            if self._thread is None:
-                self.progress()
-            if time.monotonic() > again:
-                with self._lock:
-                    if peers.probe(old) is None:
-                        return None
-                again = time.monotonic() + 0.1
-            time.sleep(0.001)
-        return nonce
 
     def _connect(self, md: wire.RankMetadata, plan, authenticated: bool) -> str:
         peer = self._peers.connect(md, authenticated)

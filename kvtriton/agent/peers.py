@@ -30,7 +30,10 @@ reads (``links.peers``, ``links.by_agent``).
 * **Expiry.** A peer silent for a third of ``expiry_s`` is pinged (an idle honest peer answers
   from its progress loop); one silent for ``expiry_s``, or whose ping cannot be sent, is dropped:
   its transfers fail with :class:`~kvtriton.errors.PeerDisconnectedError` and the staging they
-  kept returns to the pool (quarantined first, as after any failure).
+  kept returns to the pool (quarantined first, as after any failure). A peer whose metadata has
+  no generation (an older kvtriton, protocol version 2 without ``Ping``) is never pinged nor
+  expired: it would drop the pings as unknown and look silent. The protocol version stays 2
+  (``gen`` is optional, ``Ping``/``Pong`` are sent only to peers that declared a generation).
 * **What a refusal says.** With a credential configured (``require_authenticated_peers``), a
   peer added unauthenticated gets only "refused" (its errors keep their type); the full reason is
   logged here. Otherwise, and to authenticated peers, the reason is the full one.
@@ -165,6 +168,24 @@ class PeerTable:
         old.pinged = time.monotonic()
         return self.nonce
 
+    def await_answer(self, old: Peer, nonce: int, lock, progress: Callable[[], None] | None) -> int | None:
+        """Wait up to ``probe_s`` for ``old``'s answer to check ``nonce`` (the caller does not hold
+        ``lock``, the agent's: answers arrive through ``progress()``, which this calls when given,
+        i.e. when no progress thread runs), checking again every 0.1 s: UCX may take a moment to
+        notice a closed agent, a send to it then fails. The nonce, or None once a check could
+        not be sent (the agent is gone)."""
+        deadline, again = time.monotonic() + self.probe_s, time.monotonic() + 0.1
+        while not self.answered(old, nonce) and time.monotonic() < deadline:
+            if progress is not None:
+                progress()
+            if time.monotonic() > again:
+                with lock:
+                    if self.probe(old) is None:
+                        return None
+                again = time.monotonic() + 0.1
+            time.sleep(0.001)
+        return nonce
+
     def answered(self, old: Peer, nonce: int) -> bool:
         """Whether ``old`` has answered the check of ``nonce`` (or a later one)."""
         return old.pong >= nonce
@@ -236,6 +257,8 @@ class PeerTable:
         self.next_scan = now + min(_SCAN_S, self.expiry_s / 10)
         gone, ping_after = [], self.expiry_s / 3
         for peer in list(self.links.peers.values()):
+            if not peer.md.generation:
+                continue  # an older kvtriton (no generation): it knows no Ping; never expired by silence
             silent = now - peer.heard
             if silent > self.expiry_s:
                 gone.append(peer)

@@ -191,7 +191,7 @@ def decode_metadata(data: bytes) -> RankMetadata:
     regions = _get(d, "regions", list, "metadata")
     if not 0 < len(regions) <= _MAX_REGIONS:
         raise ProtocolError(f"metadata: field 'regions' must list 1..{_MAX_REGIONS} regions, got {len(regions)}")
-    specs, addrs, spans = [], [], []
+    specs, addrs, spans = [], [], []  # type: list[RegionSpec], list[tuple[int, ...]], list[tuple[int, ...]]
     for i, r in enumerate(regions):
         spec, a, sp = _region(r, f"region {i}", rank, tp)
         if any(s.name == spec.name for s in specs):
@@ -212,8 +212,7 @@ def decode_metadata(data: bytes) -> RankMetadata:
 
 
 def _region(r: Any, where: str, rank: int, tp: int) -> tuple[RegionSpec, tuple[int, ...], tuple[int, ...]]:
-    """One region of a rank's metadata: its spec, per-stream addresses and spans, each field
-    checked alone and against the others (and against the rank's ``rank``/``tp``)."""
+    """A region's spec, addresses and spans; each field checked alone, with the others and ``rank``/``tp``."""
     if not isinstance(r, dict):
         raise ProtocolError(f"{where}: expected a map, got {type(r).__name__}")
     try:
