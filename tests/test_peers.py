@@ -163,6 +163,34 @@ def test_a_genuine_restart_replaces_its_old_self_and_a_replay_is_refused(rig):
     x.check_honest(kv, dst)
 
 
+def test_a_silent_live_agent_is_replaced_only_by_an_authenticated_restart(rig):
+    # the old D:0 agent still exists but does not answer (its progress never runs while P waits):
+    # an unauthenticated claim is refused (it was heard from within timeout_s); an authenticated
+    # one (it proved the credential) replaces it once the liveness check goes unanswered
+    x = rig()
+    p, old = x.pa[0], x.da[0]
+    new = TransferAgent("D", 0, 1, x.D[0], timeout_s=5.0, **KW)
+    x.da.append(new)
+    new.add_remote(p.metadata())
+    t0 = time.monotonic()
+    with pytest.raises(PeerRefusedError, match="silent for timeout_s"):
+        p.add_remote(new.metadata())
+    assert p.debug_state()["peers"]["D:0"]["agent"] == old.transport.name
+    p.add_remote(new.metadata(), authenticated=True)
+    assert time.monotonic() - t0 < 8  # two checks of min(timeout_s, 2) s each
+    state = p.debug_state()["peers"]["D:0"]
+    assert state["agent"] == new.transport.name and state["authenticated"] and p.stats["peers_replaced"] == 1
+    x.da.remove(old)
+    old.close()
+    src, dst = np.arange(6), np.arange(12, 18)
+    kv = x.request(src)
+    p.hold("r", src, consumer="D")
+    new.fetch("r", "P", src, dst)
+    res = x.drive(1)[0]
+    assert res.ok, res
+    x.check_honest(kv, dst)
+
+
 def test_an_older_generation_is_refused_even_for_a_free_identity(made):
     p, _ = _agent(made, "P", 1)
     d, _ = _agent(made, "D", 2)

@@ -268,18 +268,18 @@ class TransferAgent:
                 # build the plan first: a mismatch raises before anything is prepared
                 plan = self._destination.plans.get(md.engine) or self._plan_reading(md)
                 seen = peers.admit(md, authenticated)
-                if seen is Admission.KNOWN:
-                    return md.engine
-                old = self._links.peers[(md.engine, md.rank)] if seen is Admission.CONTESTED else None
-                heard, nonce = (old.heard, peers.probe(old)) if old is not None else (0.0, None)
-            if old is not None and nonce is not None:  # outside the lock: the answer comes through progress()
+                if seen is not Admission.CONTESTED:
+                    return md.engine if seen is Admission.KNOWN else self._connect(md, plan, authenticated)
+                old = self._links.peers[(md.engine, md.rank)]  # a live agent holds it: is it still there?
+                heard, nonce = old.heard, peers.probe(old)
+            if nonce is not None:  # outside the lock: the answer comes through progress()
                 nonce = peers.await_answer(old, nonce, self._lock, self.progress if self._thread is None else None)
             with self._lock, self._s.lanes.on_device():
                 def drop(p: Peer) -> None:
                     self._drop_peer(p, PeerDisconnectedError(f"peer {p.md.engine}:{p.md.rank} was replaced by "
                                                              f"its restart ({md.agent})"))
 
-                if old is not None and peers.verdict(md, old, nonce, heard, authenticated, drop) is Admission.KNOWN:
+                if peers.verdict(md, old, nonce, heard, authenticated, drop) is Admission.KNOWN:
                     return md.engine  # the same agent registered meanwhile
                 return self._connect(md, plan, authenticated)
         except KVTritonError as e:
