@@ -1,8 +1,9 @@
 """Who may be a peer of this rank: admission, identity, bounds and expiry of the peer table.
 
 :class:`PeerTable` decides what :meth:`TransferAgent.add_remote` does with a peer's metadata and
-keeps the table honest afterwards; it is the only writer of the table :class:`~.links.Links`
-reads (``links.peers``, ``links.by_agent``).
+keeps the table honest afterwards: it alone enters peers in the table :class:`~.links.Links`
+holds (``links.peers``, ``links.by_agent``), and decides which ones leave it (replaced, expired;
+the facade's drop path fails their transfers and forgets them).
 
 * **The gate.** Geometry, planning settings and staging are checked against ours before anything
   is prepared (:meth:`PeerTable.check`).
