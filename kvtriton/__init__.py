@@ -16,6 +16,7 @@ from .errors import (
     KVTritonError,
     LaunchError,
     PeerDisconnectedError,
+    PeerRefusedError,
     PlanError,
     ProtocolError,
     RegionError,
@@ -44,7 +45,7 @@ _LAZY = {
 __all__ = [
     "FreedRequest", "RequestResult", "TransferAgent", "pack", "unpack",
     "CostModel", "IncompatibleRemoteError", "KVTritonError", "Kind", "LaunchError", "Layout", "Mode",
-    "PeerDisconnectedError", "PlanError", "ProtocolError", "Region", "RegionError", "RegionSpec",
+    "PeerDisconnectedError", "PeerRefusedError", "PlanError", "ProtocolError", "Region", "RegionError", "RegionSpec",
     "RequestAbortedError", "RequestRejectedError", "Segment", "StagedRead", "StagingError", "TopologyError",
     "TokenMap", "TransferPlan", "TransferTimeoutError", "TransportError", "build_plan", "classify_layer",
     "compact_request", "compact_tokens", "direct_runs", "head_range", "replicate_sources", "split_sources",

@@ -4,7 +4,8 @@ The agent is a facade (:mod:`.facade`: handshake, progress loop, message dispatc
 roles that own their own state: the source side (:mod:`.source`, composed of holds, the
 staging share, serves per flow, eager packs and packing: serving transfers, pack, announce or
 WRITE, release) and the destination side (:mod:`.destination`: fetches, READ or grants,
-unpack, ack, finish or fail), sharing the peer links (:mod:`.links`), one :mod:`.settings`,
+unpack, ack, finish or fail), sharing the peer links (:mod:`.links`, admitted and kept by
+:mod:`.peers`: identity, bounds, expiry), one :mod:`.settings`,
 one :mod:`.plan_book` (every plan this rank serves or reads by), typed :mod:`.stats` and the
 CUDA side (:mod:`.device`). :meth:`TransferAgent.debug_state` is a plain
 snapshot of all of it for tests and operators (:mod:`.debug` documents its keys).

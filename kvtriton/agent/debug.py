@@ -14,7 +14,9 @@ Schema (top level)::
                            "eager_bytes", "eager_guess"}: the values the agent runs with
     peers                 {"E:r": {"engine", "rank", "tp", "agent" (NIXL name),
                            "staging_slots", "slot_bytes", "chunk_bytes" (the peer's largest chunk),
-                           "cost" (its cost model as a dict, or None)}}: ranks connected now
+                           "cost" (its cost model as a dict, or None), "authenticated" (added
+                           with authenticated=True), "generation" (its registration generation),
+                           "silent_s" (seconds since its last message)}}: ranks connected now
     holds                 {req: {"block_ids" (held ids, in order), "consumer" (the engine the hold
                            is bound to, named or bound on first use; None: unbound),
                            "lease_s", "expires_in_s" (seconds to the end of the lease, < 0: past
@@ -122,7 +124,9 @@ def _snapshot(agent) -> dict[str, Any]:
                      "timeout_s": s.timeout_s, "eager_bytes": s.eager_bytes, "eager_guess": s.eager_guess},
         "peers": {_name(*key): {"engine": p.md.engine, "rank": p.md.rank, "tp": p.md.tp, "agent": p.agent,
                                 "staging_slots": p.md.staging.num_slots, "slot_bytes": p.md.staging.slot_bytes,
-                                "chunk_bytes": p.md.staging.chunk_bytes, "cost": _cost(p.md.cost)}
+                                "chunk_bytes": p.md.staging.chunk_bytes, "cost": _cost(p.md.cost),
+                                "authenticated": p.authenticated, "generation": p.md.generation,
+                                "silent_s": now - p.heard}
                   for key, p in links.peers.items()},
         "holds": {req: {"block_ids": h.block_ids.tolist(), "consumer": h.consumer, "lease_s": h.lease_s,
                         "expires_in_s": h.deadline - now, "done_from": sorted(_name(*k) for k in h.done_from)}

@@ -29,6 +29,11 @@ class Peer:
     md: wire.RankMetadata
     agent: str
     staging: object  # PreppedList over the peer's staging slots
+    authenticated: bool = False  # its metadata came over an authenticated exchange (see .peers)
+    heard: float = 0.0  # time.monotonic() of its last message (or of its registration)
+    pinged: float = 0.0  # when it was last sent a liveness check
+    pong: int = 0  # the nonce of the last liveness check it answered
+    served_at: float = 0.0  # when this rank last accepted a transfer from it (see .source.eager)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -84,6 +89,19 @@ class Links:
         self.peers[peer.key] = peer
         self.by_agent[peer.agent] = peer.key
         self.engine_tp[peer.md.engine] = peer.md.tp
+
+    def trusted(self, peer: Peer) -> bool:
+        """Whether ``peer`` may be trusted beyond what names it: bind an unbound hold, receive a
+        guess, read full refusal reasons. Everyone, unless a credential is configured."""
+        return peer.authenticated or not self.s.require_authenticated
+
+    def reason(self, peer: Peer, text: str) -> str:
+        """What a refusal tells ``peer``: the reason for a trusted one; an untrusted one learns
+        only that it was refused (the reason is logged here)."""
+        if self.trusted(peer):
+            return text
+        logger.info("refusal to untrusted %s: %s", peer.agent, text)
+        return f"refused by {self.s.name}"
 
     def sender(self, agent: str) -> Peer | None:
         key = self.by_agent.get(agent)

@@ -49,6 +49,9 @@ class Settings:
     renew_s: float = 1.0  # a decode renews the holds of its outstanding fetches this often
     eager_bytes: int = 0  # staging all eager packs may keep (see .source.eager); 0: none
     eager_guess: bool = True  # pack a hold without a consumer for the only connected engine
+    # a credential is configured: only peers added with authenticated=True are trusted (bind an
+    # unbound hold, get an eager guess, replace a silent restart, read full refusal reasons)
+    require_authenticated: bool = False
 
     def planning(self) -> tuple[tuple[str, str], ...]:
         """The settings both engines must share to compute the same plans, as (name, canonical
@@ -66,7 +69,8 @@ def make_settings(*, engine_id: str, rank: int, tp: int, regions: Sequence[Regio
                   slot_bytes: int, flow: str | None, mode: str | None, chunk_bytes: int | None,
                   inflight_chunks: int, timeout_s: float,
                   modes: ModesArg, cost: CostModel, replicate_stripe: int | None,
-                  renew_interval_s: float, impl: str, eager_bytes: int | None, eager_guess: bool) -> Settings:
+                  renew_interval_s: float, impl: str, eager_bytes: int | None, eager_guess: bool,
+                  require_authenticated_peers: bool = False) -> Settings:
     """Check :class:`~kvtriton.agent.TransferAgent`'s arguments (same names) and make its
     settings: the staging pool, the chunk size, the device and its stream. Raises ``ValueError``
     on bad arguments, :class:`~kvtriton.errors.PlanError` on modes a push cannot do, the
@@ -97,7 +101,8 @@ def make_settings(*, engine_id: str, rank: int, tp: int, regions: Sequence[Regio
         engine_id=engine_id, rank=rank, tp=tp, flow=flow, regions=regions, specs=specs, device=device, pool=pool,
         chunk_bytes=chunk, inflight=int(inflight_chunks), timeout_s=float(timeout_s), impl=impl, modes=modes,
         cost=cost, stripe=replicate_stripe, lanes=Lanes(device), renew_s=float(renew_interval_s),
-        eager_bytes=pool.nbytes // 2 if eager_bytes is None else int(eager_bytes), eager_guess=bool(eager_guess))
+        eager_bytes=pool.nbytes // 2 if eager_bytes is None else int(eager_bytes), eager_guess=bool(eager_guess),
+        require_authenticated=bool(require_authenticated_peers))
 
 
 def flow_of(flow: str | None, mode: str | None) -> Flow:

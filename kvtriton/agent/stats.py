@@ -20,6 +20,13 @@ class Stats:
     refused: int = 0
     """Well-formed requests from a peer not entitled to them: another engine's hold, beyond its
     transfer count, a done or renew for what it may not read."""
+    peers_refused: int = 0
+    """Registrations :meth:`TransferAgent.add_remote` refused (:mod:`.peers`: an identity held by
+    a live agent, an agent standing for a second engine or rank, a stale generation, a full table)."""
+    peers_replaced: int = 0
+    """Peers replaced by their restart (a newer generation, the old agent gone)."""
+    peers_expired: int = 0
+    """Peers dropped because they stopped answering (silent past the expiry, or unreachable)."""
     staged_descriptors: int = 0
     """Staged chunks posted (one descriptor each), READ or WRITE."""
     direct_descriptors: int = 0

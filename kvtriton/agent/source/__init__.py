@@ -122,7 +122,7 @@ class Source:
         xid, req, me = m.xid, m.req, self.s.name
 
         def reject(reason: str) -> None:
-            self.links.send(peer, wire.Reject(xid, reason), quiet=True)
+            self.links.send(peer, wire.Reject(xid, self.links.reason(peer, reason)), quiet=True)
 
         if (peer.agent, xid) in self.serves.by_key:
             return reject(f"transfer id {xid!r} is already in use")
@@ -134,6 +134,10 @@ class Source:
         if hold.consumer is not None and hold.consumer != peer.md.engine:
             self.stats.refused += 1
             return reject(f"request {req!r} is held by {me} for engine {hold.consumer!r}, not {peer.md.engine!r}")
+        if hold.consumer is None and not self.links.trusted(peer):
+            self.stats.refused += 1  # trust on first use, among authenticated engines only
+            return reject(f"request {req!r} is not bound to an engine yet and {peer.agent} did not authenticate: "
+                          "an unbound hold binds only to an authenticated engine")
         if not self.serves.room(peer):
             self.stats.refused += 1
             return reject(f"{peer.agent} already has {MAX_SERVES_PER_PEER} transfers open on {me}")
@@ -195,7 +199,8 @@ class Source:
         if isinstance(serve, PullServe) and offered is not None and offered.offered:
             self.serves.take_offer(serve, offered)  # pulled instead of taken (late offer, or a suffix)
         self.serves.add(serve)
-        self.holds.bind(hold, eng)  # the first accepted transfer binds an unbound hold to its engine
+        self.holds.bind(hold, peer)  # the first accepted transfer binds an unbound hold to its engine
+        peer.served_at = time.monotonic()  # an engine that reads from us is not idle (see .eager.guess)
         if isinstance(serve, PullServe) and has_runs:
             # the blocks stay held (up to the hold's hard bound) until the reader sends RunsDone
             serve.runs_reader = True

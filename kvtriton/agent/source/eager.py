@@ -35,10 +35,13 @@ entitlement checks (:meth:`~kvtriton.agent.source.Source.open`) run first, and t
 
 Guessing (``eager_guess``, default on): a hold without a consumer is packed, and offered, for
 the only peer engine connected to this rank, when exactly one is (1P1D: the vLLM connector's
-holds, whose prefill does not know its decode). The guess binds nothing: the hold still binds
-to the first engine whose transfer this rank accepts (a pull, or the first ack or RunsDone of
-an offer, see :meth:`~.holds.Holds.bind`), and binding frees whatever was packed for
-another engine and withdraws its offers (quarantined for ``timeout_s``, as any withdrawn
+holds, whose prefill does not know its decode), or else for the only one that read from this
+rank lately (:meth:`EagerPacks.guess`: an engine that connects and stays idle does not turn
+the guess off). With a credential configured only authenticated engines are guessed (and only
+their authenticated ranks offered to): a pack offered is readable by its receiver. The guess
+binds nothing: the hold still binds to the first engine whose transfer this rank accepts (a
+pull, or the first ack or RunsDone of an offer, see :meth:`~.holds.Holds.bind`), and binding
+frees whatever was packed for another engine and withdraws its offers (quarantined for ``timeout_s``, as any withdrawn
 ``ready``); an offer's acks from an engine the hold is no longer open to are refused (the
 transfer is gone). With two or more engines connected nothing is guessed: a guess between
 them could pin one engine's packs in staging the other needs, and naming the consumer is the
@@ -58,6 +61,7 @@ not decline it (no abort) and pulls, and the pull takes it over (one round trip,
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -180,10 +184,18 @@ class EagerPacks:
             self.pending.append(hold.req_id)
 
     def guess(self) -> str | None:
-        """The engine a hold without a consumer is packed for: the only connected peer engine,
-        else None (none or several connected)."""
-        engines = {p.md.engine for p in self.links.peers.values()}
-        return next(iter(engines)) if len(engines) == 1 else None
+        """The engine a hold without a consumer is packed for: the only trusted peer engine
+        connected, else the only one of them that had a transfer accepted in the last
+        ``10 * timeout_s`` (an idle engine does not turn the guess off), else None."""
+        last: dict[str, float] = {}  # trusted engine -> when one of its ranks last read from us
+        for p in self.links.peers.values():
+            if self.links.trusted(p):
+                last[p.md.engine] = max(last.get(p.md.engine, 0.0), p.served_at)
+        if len(last) == 1:
+            return next(iter(last))
+        since = time.monotonic() - 10 * self.s.timeout_s
+        active = [e for e, t in last.items() if t and t > since]
+        return active[0] if len(active) == 1 else None
 
     def advance(self) -> None:
         pending, self.pending = self.pending, []
@@ -228,6 +240,8 @@ class EagerPacks:
         out: dict[int, Packed] = {}
         self.packs[hold.req_id] = out
         for peer in self.links.engine_peers(engine):
+            if hold.consumer is None and not self.links.trusted(peer):
+                continue  # a guess goes to authenticated ranks only (a named consumer was chosen)
             try:
                 plan = self.plans.serving(peer.md)
             except KVTritonError:

@@ -261,7 +261,7 @@ class Serves:
         self.engine_progress[serve.peer.md.engine] = time.monotonic()
         if _offered(serve):  # the peer took the offer: from now on its silence counts
             hold = self.holds.get(serve.req_id)
-            if hold is not None and not self.holds.bind(hold, serve.peer.md.engine):
+            if hold is not None and not self.holds.bind(hold, serve.peer):
                 raise ProtocolError(f"{serve.xid!r}: {serve.req_id!r} is held for engine {hold.consumer!r}")
             self.stats.eager_offer_reads += 1
             serve.offered = False
@@ -462,7 +462,7 @@ class Serves:
         sees another request's bytes."""
         self._remove(serve)
         if notify is not None:
-            self.links.send(serve.peer, wire.Reject(serve.xid, notify), quiet=True)
+            self.links.send(serve.peer, wire.Reject(serve.xid, self.links.reason(serve.peer, notify)), quiet=True)
         until = time.monotonic() + (self.s.timeout_s if notify is not None else 0.0)
         # quarantined slots still count to the engine's share: dropping transfers gains it nothing
         self.share.retire(serve.peer.md.engine, serve.inflight, until)
