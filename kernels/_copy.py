@@ -38,7 +38,7 @@ from ._addressing import _row_offsets, _segment_row, _vec_multiple
 def _copy_tile(
     staging_ptr,  # [staging_words] int8/16/32/64 words: the payloads, tiles in the staged layout
     seg_ptr,  # [n_segments, segment_table.NUM_FIELDS] int64: per-segment addresses and strides
-    block_ids_ptr,  # [n_blocks] int32/int64: cache block of request position j (token map: of cache position), -1 = skip
+    block_ids_ptr,  # [n_blocks] int32/int64: cache block of request (token map: cache) position j, -1 = skip
     tiles_ptr,  # TOKEN_MAP: [n_tiles] int64 destination position of tile j (else unused)
     num_tokens,  # TOKEN_MAP: tokens of the request; rows at or past it are not copied (else unused)
     PACK: tl.constexpr,  # True: cache -> staging (pack); False: staging -> cache (unpack)

@@ -27,4 +27,5 @@ def _pack_kernel(
     VEC: tl.constexpr,  # every row start and row length is a multiple of VEC words
     ALIGN: tl.constexpr,  # every cache base address is a multiple of ALIGN bytes
 ):
-    _copy_tile(staging_ptr, seg_ptr, block_ids_ptr, tiles_ptr, num_tokens, True, TOKEN_MAP, BLOCK_R, BLOCK_W, VEC, ALIGN)
+    _copy_tile(staging_ptr, seg_ptr, block_ids_ptr, tiles_ptr, num_tokens, True, TOKEN_MAP,
+               BLOCK_R, BLOCK_W, VEC, ALIGN)

@@ -17,6 +17,7 @@ from .errors import (
     KVTritonError,
     LaunchError,
     PeerDisconnectedError,
+    PeerRefusedError,
     PlanError,
     ProtocolError,
     RegionError,
@@ -34,7 +35,7 @@ __version__ = "0.1.0"
 _LAZY = {
     **dict.fromkeys(["FreedRequest", "RequestResult", "TransferAgent"], ".agent"),
     **dict.fromkeys(["pack", "unpack"], ".ops"),
-    # Mode and StagedRead: old names (see kvtriton.plan), removed after the merge
+    # Mode and StagedRead: release 0.1's names (see kvtriton.plan), kept for one release
     **dict.fromkeys(["CostModel", "Mode", "Route", "Way", "Segment", "Payload", "StagedRead", "TokenMap",
                      "TransferPlan", "build_plan", "compact_request", "compact_tokens", "direct_runs",
                      "head_range", "replicate_sources", "split_sources"], ".plan"),
@@ -45,7 +46,7 @@ _LAZY = {
 __all__ = [
     "FreedRequest", "RequestResult", "TransferAgent", "pack", "unpack",
     "CostModel", "IncompatibleRemoteError", "KVTritonError", "Kind", "LaunchError", "Layout", "Mode",
-    "PeerDisconnectedError", "PlanError", "ProtocolError", "Region", "RegionError", "RegionSpec",
+    "PeerDisconnectedError", "PeerRefusedError", "PlanError", "ProtocolError", "Region", "RegionError", "RegionSpec",
     "RequestAbortedError", "RequestRejectedError", "Segment", "StagedRead", "StagingError", "TopologyError",
     "TokenMap", "TransferPlan", "TransferTimeoutError", "TransportError", "build_plan", "classify_layer",
     "compact_request", "compact_tokens", "direct_runs", "head_range", "replicate_sources", "split_sources",
@@ -56,7 +57,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        # a submodule (kvtriton.ops, kvtriton.wire, ...): the eager __init__ used to import them all
+        # a submodule (kvtriton.ops, kvtriton.plan, ...): the eager __init__ used to import them all
         if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
             raise AttributeError(f"module 'kvtriton' has no attribute {name!r}")
         return importlib.import_module(f"{__name__}.{name}")

@@ -16,6 +16,7 @@ __all__ = [
     "StagingError",
     "ProtocolError",
     "IncompatibleRemoteError",
+    "PeerRefusedError",
     "TransportError",
     "PeerDisconnectedError",
     "TransferTimeoutError",
@@ -56,6 +57,12 @@ class ProtocolError(KVTritonError, ValueError):
 
 class IncompatibleRemoteError(ProtocolError):
     """A remote engine's regions cannot be paired with ours (count, kind, dtype, geometry...)."""
+
+
+class PeerRefusedError(ProtocolError):
+    """A peer's registration was refused (:meth:`~kvtriton.agent.TransferAgent.add_remote`): its
+    (engine, rank) belongs to a live agent, its agent already stands for another engine or rank,
+    its generation is not newer than the one it would replace, or the peer table is full."""
 
 
 class TransportError(KVTritonError):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .errors import RegionError
 
-__all__ = ["Kind", "Layout", "RegionSpec", "classify_layer"]
+__all__ = ["DTYPE_ITEMSIZE", "Kind", "Layout", "RegionSpec", "classify_layer"]
 
 
 class Kind(str, enum.Enum):
@@ -30,6 +30,18 @@ class Layout(str, enum.Enum):
     NHD = "NHD"  # [block, token, head, dim]
     HND = "HND"  # [block, head, token, dim]
 
+
+# Every dtype name a region may declare (torch's spelling, as kvtriton.regions writes it) and its
+# itemsize: a peer's metadata naming anything else,
+# or another width, is refused at decode (kvtriton.protocol.wire)
+# (tests/test_wire.py checks the table against torch).
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "uint32": 4, "int32": 4, "uint64": 8, "int64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex32": 4, "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1, "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
+    "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
+}
 
 # Layer types as serving frameworks name them; anything else must be classified explicitly.
 _LAYER_KINDS = {

@@ -151,7 +151,8 @@ def test_plan_stages_everything_and_records_block_sizes():
 def test_gate_names_each_sides_block_sizes():
     local = _specs(MODELS[:2], 0, 2, 32)
     mixed = _specs(MODELS[:1], 0, 2, 16) + _specs(MODELS[1:2], 0, 2, 64)
-    with pytest.raises(IncompatibleRemoteError, match=r"local 32, remote 16.*remote engine .*'attn.0': 16, 'mla.0': 64"):
+    with pytest.raises(IncompatibleRemoteError,
+                       match=r"local 32, remote 16.*remote engine .*'attn.0': 16, 'mla.0': 64"):
         build_plan(0, 2, local, 2, mixed)
     with pytest.raises(IncompatibleRemoteError, match="local engine pages its regions with several"):
         build_plan(0, 2, mixed, 2, local)

@@ -7,17 +7,17 @@ me?) must look at that plan, never at one made with the source's own model.
 
 Here the prefill's model finds a descriptor nearly free (it would read the one SPLIT region
 DIRECT, zero-copy) while the decode's default model finds it dear (STAGED: pack, READ, unpack).
-Real NIXL agents over UCX in one process, as in test_agent.py.
+Real NIXL agents over UCX in one process, as in test_agent.py. The source's plans and warmed
+kernels are read through ``debug_state()`` (its ``plans`` and ``warmed``), never its internals.
 """
 
 import numpy as np
 import pytest
 import torch
 
-from kvtriton import wire
 from kvtriton.agent import TransferAgent
 from kvtriton.ops import launch_config_for
-from kvtriton.plan import CostModel, Mode
+from kvtriton.plan import CostModel, Route
 from kvtriton.testing.oracle import (
     RegionModel,
     check_destination,
@@ -35,9 +35,13 @@ CHEAP_DESCRIPTORS = CostModel(desc_us=0.01, source="test: descriptors nearly fre
 DEAR_DESCRIPTORS = CostModel()  # crossover ~11.5 KB
 
 
-def _source_plans(agent: TransferAgent) -> list:
-    """Every plan the source side of ``agent`` keeps for its peers."""
-    return list(agent._source.plans.served.values())
+def _source_plans(agent: TransferAgent) -> list[dict]:
+    """Every plan the source side of ``agent`` keeps for its peers (``debug_state()["plans"]``:
+    routes per region, digest)."""
+    return agent.debug_state()["plans"]
+
+
+STAGED = [Route.STAGED.value]  # a plan's routes in debug_state(): the one region STAGED
 
 
 @pytest.fixture
@@ -72,13 +76,13 @@ def test_the_two_models_pick_different_routes():
     from kvtriton.plan import build_plan
 
     specs = [r.spec for r in make_rank_regions(MODELS, 0, 1, 8, 4, gen=torch.Generator())]
-    assert build_plan(0, 1, specs, 1, specs, cost=CHEAP_DESCRIPTORS).modes == (Mode.DIRECT,)
-    assert build_plan(0, 1, specs, 1, specs, cost=DEAR_DESCRIPTORS).modes == (Mode.STAGED,)
+    assert build_plan(0, 1, specs, 1, specs, cost=CHEAP_DESCRIPTORS).modes == (Route.DIRECT,)
+    assert build_plan(0, 1, specs, 1, specs, cost=DEAR_DESCRIPTORS).modes == (Route.STAGED,)
 
 
 def test_source_serves_by_the_destinations_model(pair):
     p, d, P, D, gen = pair
-    assert d.plan_for("P").modes == (Mode.STAGED,)  # the decode planned by its own (dear) model
+    assert d.plan_for("P").modes == (Route.STAGED,)  # the decode planned by its own (dear) model
     src, dst = np.array([3, 9, 4]), np.array([0, 5, 2])
     kv = make_global_kv(MODELS, src.size, 4, gen)
     load_source(P, 0, 1, kv, src)
@@ -90,7 +94,7 @@ def test_source_serves_by_the_destinations_model(pair):
     check_destination(D, 0, 1, kv, dst, before)
     assert p.stats["staged_descriptors"] == 0 and d.stats["staged_descriptors"] > 0
     assert p.stats["direct_descriptors"] == 0 and d.stats["direct_descriptors"] == 0
-    assert all(plan.modes == (Mode.STAGED,) for plan in _source_plans(p))
+    assert all(plan["routes"] == STAGED for plan in _source_plans(p))
 
 
 def test_source_warmup_compiles_the_served_plans_packs(pair):
@@ -99,12 +103,12 @@ def test_source_warmup_compiles_the_served_plans_packs(pair):
     if torch.cuda.is_available():
         pytest.skip("the interpreter path")
     p, d, *_ = pair
-    served = d.plan_for("P").staged_read(0)
+    served = d.plan_for("P").payload(0)
     assert served is not None
     for n in (1, 2, 3, 4):
         cfg = launch_config_for("pack", p.regions, served.segments, served.segment_offsets(n), np.arange(n),
                                 p.pool.tensor)
-        assert ("pack", cfg) in p._warmed, n
+        assert {"op": "pack", "config": cfg._asdict()} in p.debug_state()["warmed"], n
 
 
 def test_hold_judgement_uses_the_destinations_model(pair):
@@ -112,9 +116,8 @@ def test_hold_judgement_uses_the_destinations_model(pair):
     plan it judges by is the decode's, and no plan made by the prefill's own model is kept."""
     p, d, *_ = pair
     p.hold("r", np.array([1, 2]))  # no consumer: unbound
-    peer = d._links.peers[("P", 0)]
-    d._links.send(peer, wire.Done("r", 0, 1))
+    d.fetch("r", "P", [1, 2], [-1, -1])  # the decode has every block: nothing moves, its done goes out
     _drive(p, d, until=lambda got: False, seconds=0.3)
     plans = _source_plans(p)
-    assert plans and all(plan.modes == (Mode.STAGED,) for plan in plans), [plan.modes for plan in plans]
-    assert all(plan.digest() == d.plan_for("P").digest() for plan in plans)
+    assert plans and all(plan["routes"] == STAGED for plan in plans), [plan["routes"] for plan in plans]
+    assert all(plan["digest"] == d.plan_for("P").digest() for plan in plans)

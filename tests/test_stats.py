@@ -25,12 +25,14 @@ def test_the_three_kinds_of_eager_hit_are_counted_apart_and_summed_as_before():
     assert d["eager_hits"] == 7
 
 
-def test_counting_by_name():
+def test_counters_are_attributes_not_names():
+    """Counted by attribute (a typo is an AttributeError at once); names are only the report's."""
     s = Stats()
-    s["offers_taken"] += 1
-    s.count("one_sided_descriptors", 3)
-    assert s.offers_taken == 1 and s["one_sided_descriptors"] == 3 and s["eager_hits"] == 0
-    with pytest.raises(KeyError):
-        s["no_such_counter"] += 1
-    with pytest.raises(KeyError):
-        s["eager_hits"] = 1  # a sum, not a counter
+    s.offers_taken += 1
+    s.one_sided_descriptors += 3
+    s.packed(4)  # one pack launch of four chunks
+    d = s.as_dict()
+    assert s.offers_taken == 1 and d["one_sided_descriptors"] == 3 and d["eager_hits"] == 0
+    assert (d["pack_launches"], d["packed_chunks"]) == (1, 4)
+    with pytest.raises(TypeError):
+        s["offers_taken"] += 1  # no counting by name any more

@@ -105,7 +105,7 @@ def test_every_message_type_round_trips():
             wire.Grant("x", 0, 4, 2), wire.Ack("x", 0), wire.RunsDone("x"), wire.Done("r", 0, 2),
             wire.Abort("x"), wire.Renew("r", 1), wire.Ready("x", 1, 2, 3, 4),
             wire.Offer("x", "r", "p", "h", 3, 2, (0, 2, 2, 1)), wire.Data("x", 1, 4), wire.RunsReady("x"),
-            wire.Reject("x", "why")]
+            wire.Reject("x", "why"), wire.Ping(7), wire.Pong(7)]
     assert {type(m) for m in msgs} == set(wire.MESSAGE_TYPES)
     for m in msgs:
         assert wire.decode_message(m.encode()) == m
@@ -261,4 +261,101 @@ def test_fuzz_metadata_decoder():
             pass
         except Exception as e:  # noqa: BLE001
             untyped.append((path, value, repr(e)))
+    assert untyped == [] and accepted == []
+
+
+def _md_dict(**over):
+    d = msgpack.unpackb(wire.encode_metadata(sample_md(**over)), raw=False)
+    return d
+
+
+def _mla_md():
+    from kvtriton.regions import Region as R
+
+    lat = torch.zeros(8, 4, 32, dtype=torch.bfloat16)
+    r = R.mla("m0", lat, block_size=4)
+    return sample_md(regions=(r.spec,), addrs=((4096,),), spans=((wire.stream_span(r.spec, 0),),))
+
+
+@pytest.mark.parametrize("case,mutate,match", [
+    ("dtype not a dtype", lambda d: d["regions"][0].update(dtype="float17"), "'dtype' 'float17' is not a dtype"),
+    ("dtype a torch attribute", lambda d: d["regions"][0].update(dtype="Tensor"), "is not a dtype"),
+    ("itemsize not the dtype's", lambda d: d["regions"][0].update(itemsize=4), r"'itemsize' 4 is not float16's \(2\)"),
+    ("itemsize 1 for float16", lambda d: d["regions"][0].update(itemsize=1), "'itemsize' 1"),
+    ("local_heads > total_heads", lambda d: d["regions"][0].update(local_heads=8), "'local_heads' 8 exceeds total"),
+    ("local_heads not rank's shard", lambda d: d["regions"][0].update(local_heads=1), "'local_heads' 1 is not the 2"),
+    ("total_heads tp cannot shard", lambda d: d["regions"][0].update(total_heads=3, local_heads=1), "'total_heads'"),
+    ("duplicate region names", lambda d: d["regions"].append(dict(d["regions"][0])), "names an earlier region"),
+    ("no regions", lambda d: d.update(regions=[]), "1..4096 regions"),
+    ("zero block stride", lambda d: d["regions"][0].update(strides=[[0, 32, 16], [0, 32, 16]]), "block stride 0"),
+    ("zero head stride", lambda d: d["regions"][0].update(strides=[[256, 32, 0], [256, 32, 0]]), "head stride 0"),
+    ("slot not a multiple of 256", lambda d: d["staging"].update(slot_bytes=1000, chunk_bytes=2000), "multiple of 256"),
+    ("chunk smaller than a slot", lambda d: d["staging"].update(chunk_bytes=100), "at least one slot"),
+    ("gen not an int", lambda d: d.update(gen="1"), "'gen' must be int"),
+    ("gen negative", lambda d: d.update(gen=-1), "'gen' = -1"),
+])
+def test_decode_metadata_rejects_inconsistent_specs(case, mutate, match):
+    # before: each of these decoded fine and only the validation gate (or nothing) caught it later
+    d = _md_dict()
+    mutate(d)
+    with pytest.raises(ProtocolError, match=match):
+        wire.decode_metadata(msgpack.packb(d, use_bin_type=True))
+
+
+def test_replicate_local_heads_must_equal_total():
+    md = _mla_md()
+    assert wire.decode_metadata(wire.encode_metadata(md)) == md
+    d = msgpack.unpackb(wire.encode_metadata(md), raw=False)
+    d["regions"][0].update(total_heads=2)
+    with pytest.raises(ProtocolError, match="replicate region must equal total_heads 2"):
+        wire.decode_metadata(msgpack.packb(d, use_bin_type=True))
+
+
+def test_generation_round_trips_and_defaults_to_zero():
+    md = sample_md(generation=1_764_000_000_000_000_000)
+    assert wire.decode_metadata(wire.encode_metadata(md)).generation == md.generation
+    d = msgpack.unpackb(wire.encode_metadata(md), raw=False)
+    del d["gen"]  # an older peer
+    assert wire.decode_metadata(msgpack.packb(d, use_bin_type=True)).generation == 0
+
+
+def test_dtype_table_matches_torch():
+    from kvtriton.regions import dtype_from_name
+    from kvtriton.spec import DTYPE_ITEMSIZE
+
+    for name, size in DTYPE_ITEMSIZE.items():
+        assert dtype_from_name(name).itemsize == size, name
+    for name in ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8", "int8"):
+        t = torch.zeros(8, 4, 2, 16, dtype=getattr(torch, name))
+        r = Region.attention("l0", t, t.clone(), block_size=4, total_heads=4)
+        spans = tuple(wire.stream_span(r.spec, j) for j in range(2))
+        md = sample_md(regions=(r.spec,), spans=(spans,))
+        assert wire.decode_metadata(wire.encode_metadata(md)) == md  # every dtype a cache uses decodes
+
+
+def test_fuzz_inconsistent_region_fields():
+    """2,000 seeded corruptions of the fields decode_metadata now checks against each other: each
+    raises ProtocolError (never another exception, never accepted)."""
+    rng = np.random.default_rng(18)
+    choices = {"dtype": ["float17", "torch.float16", "Tensor", "bfloat", "FLOAT16", "int128", " float16"],
+               "itemsize": [1, 3, 4, 8, 16],
+               "local_heads": [1, 3, 4, 5, 8, 1 << 16],
+               "total_heads": [3, 5, 7, 1 << 16],
+               "name": ["l0"]}
+    untyped, accepted = [], []
+    for i in range(2_000):
+        d = _md_dict()
+        field = list(choices)[i % len(choices)]
+        value = choices[field][int(rng.integers(len(choices[field])))]
+        if field == "name":  # a second region with the same name
+            d["regions"].append(dict(d["regions"][0]))
+        else:
+            d["regions"][0][field] = value
+        try:
+            wire.decode_metadata(msgpack.packb(d, use_bin_type=True))
+            accepted.append((field, value))
+        except ProtocolError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            untyped.append((field, value, repr(e)))
     assert untyped == [] and accepted == []

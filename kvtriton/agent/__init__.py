@@ -4,7 +4,8 @@ The agent is a facade (:mod:`.facade`: handshake, progress loop, message dispatc
 roles that own their own state: the source side (:mod:`.source`, composed of holds, the
 staging share, serves per flow, eager packs and packing: serving transfers, pack, announce or
 WRITE, release) and the destination side (:mod:`.destination`: fetches, READ or grants,
-unpack, ack, finish or fail), sharing the peer links (:mod:`.links`), one :mod:`.settings`,
+unpack, ack, finish or fail), sharing the peer links (:mod:`.links`, admitted and kept by
+:mod:`.peers`: identity, bounds, expiry), one :mod:`.settings`,
 one :mod:`.plan_book` (every plan this rank serves or reads by), typed :mod:`.stats` and the
 CUDA side (:mod:`.device`). :meth:`TransferAgent.debug_state` is a plain
 snapshot of all of it for tests and operators (:mod:`.debug` documents its keys).
@@ -18,8 +19,8 @@ a chunk of its staged payload into a staging slot run and answers ``ready``; the
 it (one descriptor), unpacks it into its cache and answers ``ack`` so the source reuses the slots
 for the next chunk (two chunks in flight per transfer: pack i+1 while i is on the wire). DIRECT
 regions are READ straight from the source's cache in coalesced block runs, once the source has
-confirmed (:class:`~kvtriton.wire.RunsReady`) that it holds those blocks; a held request does not expire while a
-transfer is reading it (the transfer has its own silence deadline), but never outlives its lease
+confirmed (:class:`~kvtriton.protocol.wire.RunsReady`) that it holds those blocks; a held request
+does not expire while a transfer is reading it (the transfer has its own silence deadline), but never outlives its lease
 plus ``timeout_s``; a decode rank renews the holds of its outstanding fetches. When everything has
 landed the decode rank sends ``done`` to *every* rank of the source engine (replicas it skipped
 included), and each source rank frees the request once all decode ranks are done or its lease
@@ -30,7 +31,7 @@ READs at once, without a pull; a pull that comes first is answered with ``ready`
 
 Push: the decode rank sends ``push`` and ``grant``s staging slots of its own; the source packs and
 WRITEs each chunk into the granted slots with a ``data`` notification, and WRITEs DIRECT regions
-straight into the decode rank's cache (:class:`~kvtriton.wire.RunsReady` notification).
+straight into the decode rank's cache (:class:`~kvtriton.protocol.wire.RunsReady` notification).
 
 Failures are per request: a dead peer, a rejection or a deadline makes :meth:`results` report a
 typed error for that request only; staging is reclaimed, other requests go on.

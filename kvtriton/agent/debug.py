@@ -14,7 +14,9 @@ Schema (top level)::
                            "eager_bytes", "eager_guess"}: the values the agent runs with
     peers                 {"E:r": {"engine", "rank", "tp", "agent" (NIXL name),
                            "staging_slots", "slot_bytes", "chunk_bytes" (the peer's largest chunk),
-                           "cost" (its cost model as a dict, or None)}}: ranks connected now
+                           "cost" (its cost model as a dict, or None), "authenticated" (added
+                           with authenticated=True), "generation" (its registration generation),
+                           "silent_s" (seconds since its last message)}}: ranks connected now
     holds                 {req: {"block_ids" (held ids, in order), "consumer" (the engine the hold
                            is bound to, named or bound on first use; None: unbound),
                            "lease_s", "expires_in_s" (seconds to the end of the lease, < 0: past
@@ -114,15 +116,17 @@ def _snapshot(agent) -> dict[str, Any]:
     by_way: dict[str, int] = {}
     for p in parts.values():
         by_way[p["way"]] = by_way.get(p["way"], 0) + 1
-    reading: dict[str, dict] = {eng: _plan(plan) for eng, plan in dst.plans.items()}
-    reading.update({eng: {"error": str(e)} for eng, e in dst.unplannable.items()})
+    reading: dict[str, dict] = {eng: _plan(plan) for eng, plan in agent._plans.reads.items()}
+    reading.update({eng: {"error": str(e)} for eng, e in agent._plans.unreadable.items()})
     return {
         "engine": agent.engine_id, "rank": agent.rank, "tp": agent.tp, "flow": s.flow.value,
         "settings": {"chunk_bytes": s.chunk_bytes, "inflight_chunks": s.inflight, "slot_bytes": s.pool.slot_bytes,
                      "timeout_s": s.timeout_s, "eager_bytes": s.eager_bytes, "eager_guess": s.eager_guess},
         "peers": {_name(*key): {"engine": p.md.engine, "rank": p.md.rank, "tp": p.md.tp, "agent": p.agent,
                                 "staging_slots": p.md.staging.num_slots, "slot_bytes": p.md.staging.slot_bytes,
-                                "chunk_bytes": p.md.staging.chunk_bytes, "cost": _cost(p.md.cost)}
+                                "chunk_bytes": p.md.staging.chunk_bytes, "cost": _cost(p.md.cost),
+                                "authenticated": p.authenticated, "generation": p.md.generation,
+                                "silent_s": now - p.heard}
                   for key, p in links.peers.items()},
         "holds": {req: {"block_ids": h.block_ids.tolist(), "consumer": h.consumer, "lease_s": h.lease_s,
                         "expires_in_s": h.deadline - now, "done_from": sorted(_name(*k) for k in h.done_from)}
@@ -139,7 +143,7 @@ def _snapshot(agent) -> dict[str, Any]:
                     "engine_slots": dict(src.share.engine_slots), "eager_slots": src.eager.slots,
                     "eager_budget_slots": src.eager.budget_slots, "retired": len(links.zombies)},
         "plans": [{"engine": key[0], "rank": key[1], "cost": _cost(key[2]) if len(key) > 2 else None, **_plan(plan),
-                   "staged_from_me": plan.staged_read(s.rank) is not None}
+                   "staged_from_me": plan.payload(s.rank) is not None}
                   for key, plan in agent._plans.served.items()],
         "reading": reading,
         "fetches": {req: {"engine": f.engine, "parts": [p.xid for p in f.parts.values()],

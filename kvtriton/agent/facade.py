@@ -13,29 +13,28 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from ..errors import (
-    IncompatibleRemoteError,
     KVTritonError,
     PeerDisconnectedError,
-    PlanError,
     ProtocolError,
     RequestRejectedError,
     TransportError,
 )
-from ..plan import CostModel, Mode, TransferPlan, check_compatible
+from ..plan import CostModel, ModesArg, TransferPlan
 from ..protocol import wire
 from ..regions import Region
 from . import debug
 from .destination import Destination, RequestResult
 from .device import ready_event
 from .links import Links, Peer, logger, slot_descs
+from .peers import MAX_PEER_ENGINES, MAX_PEERS, Admission, PeerTable
 from .plan_book import PlanBook
-from .settings import make_settings, one_sided_forced
+from .settings import make_settings
 from .source import FreedRequest, Source
 from .stats import Stats
 from .warmup import own_reads, peer_reads, warm
@@ -79,9 +78,20 @@ class TransferAgent:
                    engine's connected ranks that read from this one, so the pull is answered
                    with the data in place (:mod:`kvtriton.agent.source.eager`). Pull mode only.
     eager_guess:   a hold without a ``consumer`` is packed ahead for the only peer engine
-                   connected, if exactly one is (a guess: the hold still binds to the first
-                   engine whose transfer is accepted, and another engine's pull frees the
-                   guessed pack). Default True; False packs only holds that name their consumer.
+                   connected, if exactly one is, else the only one that read from this rank
+                   lately (a guess: the hold still binds to the first engine whose transfer is
+                   accepted, and another engine's pull frees the guessed pack). Default True;
+                   False packs only holds that name their consumer.
+    require_authenticated_peers: a cluster credential is configured: only peers added with
+                   ``add_remote(..., authenticated=True)`` are trusted. An unauthenticated peer
+                   reads only holds that name its engine; it never binds an unbound hold, is
+                   never guessed, never replaces a silent restart, and its refusals say only
+                   "refused" (the reason is logged here). Default False: every peer is trusted.
+    max_peers, max_peer_engines: bounds of the peer table (ranks, engines); a registration
+                   beyond either raises :class:`~kvtriton.errors.PeerRefusedError`.
+    peer_expiry_s: a peer silent this long is dropped (its transfers fail, its staging returns);
+                   one silent a third of it is pinged first, which a live peer answers from its
+                   progress loop. Default ``max(4 * timeout_s, 60)``. See :mod:`kvtriton.agent.peers`.
     register:      ``"all"`` (default) registers cache and staging with NIXL; ``"staging"`` only
                    the staging pool (no cache address in the metadata, every region STAGED).
     integrity:     digest each staged chunk after its pack, check it before unpack (a mismatch:
@@ -112,7 +122,7 @@ class TransferAgent:
         chunk_bytes: int | None = None,
         inflight_chunks: int = 2,
         timeout_s: float = 30.0,
-        modes: Mode | str | Mapping[str, Mode | str] | None = None,
+        modes: ModesArg = None,
         cost: CostModel = _DEFAULT_COST,
         replicate_stripe: int | None = None,
         renew_interval_s: float = 1.0,
@@ -123,13 +133,17 @@ class TransferAgent:
         eager_guess: bool = True,
         register: str = "all",
         integrity: bool = False,
+        require_authenticated_peers: bool = False,
+        max_peers: int = MAX_PEERS,
+        max_peer_engines: int = MAX_PEER_ENGINES,
+        peer_expiry_s: float | None = None,
     ):
         self._s = settings = make_settings(  # the one copy of this rank's configuration
             engine_id=engine_id, rank=rank, tp=tp, regions=regions, staging_bytes=staging_bytes,
             slot_bytes=slot_bytes, flow=flow, mode=mode, chunk_bytes=chunk_bytes, inflight_chunks=inflight_chunks,
             timeout_s=timeout_s, modes=modes, cost=cost, replicate_stripe=replicate_stripe,
             renew_interval_s=renew_interval_s, impl=impl, eager_bytes=eager_bytes, eager_guess=eager_guess,
-            register=register, integrity=integrity)
+            require_authenticated_peers=require_authenticated_peers, register=register, integrity=integrity)
         if transport is None:
             from ..transport.nixl import NixlTransport
 
@@ -146,6 +160,8 @@ class TransferAgent:
         self._inbox: dict[str, deque] = {}  # messages received, not handled yet, per sender
         self._links = Links(settings, transport, self._stats)
         self._plans = PlanBook(settings)  # every plan this rank serves or reads by
+        self._peers = PeerTable(settings, self._links, self._stats, max_peers=max_peers,
+                                max_peer_engines=max_peer_engines, expiry_s=peer_expiry_s)
         try:
             with self._s.lanes.on_device():  # UCX registers VRAM in the current CUDA context
                 self._register()
@@ -154,7 +170,7 @@ class TransferAgent:
             self.transport.close()
             raise
         self._source = Source(settings, self._links, self._plans, self._stats)
-        self._destination = Destination(settings, self._links)
+        self._destination = Destination(settings, self._links, self._plans)
         self._handlers = {
             wire.Pull: self._source.on_pull,
             wire.Push: self._source.on_push,
@@ -169,6 +185,8 @@ class TransferAgent:
             wire.Data: self._destination.on_data,
             wire.RunsReady: self._destination.on_runs_ready,
             wire.Reject: self._destination.on_reject,
+            wire.Ping: self._peers.on_ping,
+            wire.Pong: self._peers.on_pong,
         }
         if warmup:
             try:
@@ -226,9 +244,10 @@ class TransferAgent:
             staging=wire.StagingInfo(self.pool.addr, self.pool.slot_bytes, self.pool.num_slots, self.chunk_bytes),
             planning=self._s.planning(),
             cost=self._s.cost,
+            generation=time.time_ns(),  # made once per agent: a restart registers a newer one
         ))
 
-    def add_remote(self, metadata: bytes) -> str:
+    def add_remote(self, metadata: bytes, *, authenticated: bool = False) -> str:
         """Validate a peer rank's metadata and connect to it; returns its engine id.
 
         Runs the validation gate per region (count and order, kind, dtype, head_dim, block_size,
@@ -236,78 +255,53 @@ class TransferAgent:
         modes, replicate stripe: both engines must plan alike; the cost model may differ, a
         source plans a destination's transfers with the model in its metadata), raising
         :class:`~kvtriton.errors.IncompatibleRemoteError` / :class:`~kvtriton.errors.ProtocolError`
-        before anything is prepared. A peer that reappears (same engine and rank, new agent)
-        replaces the old one; transfers in flight with the old one fail with
-        :class:`~kvtriton.errors.PeerDisconnectedError`.
-        """
-        md = wire.decode_metadata(metadata)
-        if md.engine == self.engine_id:
-            raise IncompatibleRemoteError(f"metadata is from this engine ({md.engine!r}), not a peer")
-        known_tp = self._links.engine_tp.get(md.engine)
-        if known_tp is not None and known_tp != md.tp:
-            raise IncompatibleRemoteError(
-                f"engine {md.engine!r}: rank {md.rank} says tp={md.tp}, earlier ranks said tp={known_tp}")
-        check_compatible(self.specs, self.tp, md.regions, md.tp)
-        ours, theirs = dict(self._s.planning()), dict(md.planning)
-        for name in sorted(ours.keys() | theirs.keys()):
-            if ours.get(name) != theirs.get(name):
-                raise IncompatibleRemoteError(
-                    f"engine {md.engine!r}: planning setting {name!r} is {theirs.get(name)!r}, ours is "
-                    f"{ours.get(name)!r}; both engines must be built with the same {name}")
-        if md.staging.slot_bytes != self.pool.slot_bytes:
-            raise IncompatibleRemoteError(
-                f"engine {md.engine!r}: staging slot_bytes {md.staging.slot_bytes} differs from ours "
-                f"({self.pool.slot_bytes}); both engines must use the same slot size")
-        links = self._links
-        if md.mem != links.mem and links.mem == "VRAM":
-            logger.info("peer %s:%d stages in %s, we in %s", md.engine, md.rank, md.mem, links.mem)
-        with self._lock, self._s.lanes.on_device():
-            # build the plan first: a mismatch raises before anything is prepared
-            plan = self._destination.plans.get(md.engine) or self._plan_reading(md)
-            old = links.peers.get((md.engine, md.rank))
-            if old is not None and old.agent != md.agent:
-                self._drop_peer(old, PeerDisconnectedError(
-                    f"peer {md.engine}:{md.rank} was replaced by a new agent ({md.agent})"))
-            elif old is not None:
-                return md.engine
-            name = self.transport.add_remote(md.agent_md)
-            if name != md.agent:
-                self.transport.remove_remote(name)
-                raise ProtocolError(f"metadata names agent {md.agent!r} but its NIXL metadata is {name!r}")
-            try:
-                staging = self.transport.prep_remote(
-                    name, slot_descs(md.staging.addr, md.staging.num_slots, md.staging.slot_bytes, md.dev), md.mem)
-            except BaseException:
-                self.transport.remove_remote(name)
-                raise
-            links.add(Peer(md, name, staging))
-            if isinstance(plan, PlanError):
-                self._destination.unplannable[md.engine] = plan
-            else:
-                self._destination.plans[md.engine] = plan
-            if self._warm_peers:  # compiles under the lock: progress() waits, once per new shape
-                try:
-                    warm(self._s, peer_reads(self._plans, [links.peers[(md.engine, md.rank)]],
-                                             self._destination.plans), self._warmed)
-                except KVTritonError as e:  # the peer is connected; its first request will compile
-                    logger.warning("warmup for %s:%d failed: %s", md.engine, md.rank, e)
-            return md.engine
+        before anything is prepared. ``authenticated``: the caller says ``metadata`` came over an
+        exchange that proved the cluster credential (see ``require_authenticated_peers``).
 
-    def _plan_reading(self, md: wire.RankMetadata) -> TransferPlan | PlanError:
-        """The plan of reading from ``md``'s engine. A forced one-sided mode is a property of
-        one direction (read_unpack needs source ranks with no more heads than ours): when it
-        rules out reading from the peer but not the peer reading from us (a prefill rank meeting
-        its decode engine), the error is kept for a fetch from that engine to raise."""
+        Identity (:mod:`kvtriton.agent.peers`): an (engine, rank) is pinned to the agent that
+        registered it. Another agent claiming it (a restart: a newer registration generation)
+        replaces it only once the old agent is gone: this call sends it a liveness check and waits
+        up to ``min(timeout_s, 2)`` s for an answer; transfers in flight with the old agent then
+        fail with :class:`~kvtriton.errors.PeerDisconnectedError`. A live peer is never replaced:
+        :class:`~kvtriton.errors.PeerRefusedError`, as for an agent that already stands for another
+        engine or rank, a stale generation, or a full table (``max_peers``, ``max_peer_engines``).
+        """
+        peers = self._peers
         try:
-            return self._plans.reading(md)
-        except PlanError as e:
-            if not one_sided_forced(self._s.modes):
-                raise
+            md = wire.decode_metadata(metadata)
+            peers.check(md)
+            with self._lock, self._s.lanes.on_device():
+                # build the plan first: a mismatch raises before anything is prepared
+                plan = self._plans.plan_reading(md)  # the kept one, else a new one
+                seen = peers.admit(md, authenticated)
+                if seen is not Admission.CONTESTED:
+                    return md.engine if seen is Admission.KNOWN else self._connect(md, plan, authenticated)
+                old = self._links.peers[(md.engine, md.rank)]  # a live agent holds it: is it still there?
+                heard, nonce = old.heard, peers.probe(old)
+            if nonce is not None:  # outside the lock: the answer comes through progress()
+                nonce = peers.await_answer(old, nonce, self._lock, self.progress if self._thread is None else None)
+            with self._lock, self._s.lanes.on_device():
+                def drop(p: Peer) -> None:
+                    self._drop_peer(p, PeerDisconnectedError(f"peer {p.md.engine}:{p.md.rank} was replaced by "
+                                                             f"its restart ({md.agent})"))
+
+                if peers.verdict(md, old, nonce, heard, authenticated, drop) is Admission.KNOWN:
+                    return md.engine  # the same agent registered meanwhile
+                return self._connect(md, plan, authenticated)
+        except KVTritonError as e:
+            if peers.generic(authenticated):
+                raise peers.outward(e, authenticated) from None
+            raise
+
+    def _connect(self, md: wire.RankMetadata, plan, authenticated: bool) -> str:
+        peer = self._peers.connect(md, authenticated)
+        self._plans.keep_reading(md.engine, plan)
+        if self._warm_peers:  # compiles under the lock: progress() waits, once per new shape
             try:
-                self._plans.serving(md)
-            except KVTritonError:
-                raise e from None
-            return e
+                warm(self._s, peer_reads(self._plans, [peer]), self._warmed)
+            except KVTritonError as e:  # the peer is connected; its first request will compile
+                logger.warning("warmup for %s:%d failed: %s", md.engine, md.rank, e)
+        return md.engine
 
     def warmup(self, peers: bool = True) -> list:
         """Compile now the kernel specialisations this rank will launch, so that no first
@@ -319,12 +313,12 @@ class TransferAgent:
         peer in :meth:`add_remote`."""
         with self._lock, self._s.lanes.on_device():
             reads = own_reads(self._plans) + (
-                peer_reads(self._plans, self._links.peers.values(), self._destination.plans) if peers else [])
+                peer_reads(self._plans, self._links.peers.values()) if peers else [])
             return warm(self._s, reads, self._warmed)
 
     def plan_for(self, engine_id: str) -> TransferPlan:
         """The plan this rank uses to read from ``engine_id`` (after :meth:`add_remote`)."""
-        return self._destination.plans[engine_id]
+        return self._plans.reads[engine_id]
 
     debug_state = debug.debug_state  # a plain snapshot for tests (schema: kvtriton.agent.debug)
     # ------------------------------------------------------------------ prefill side
@@ -348,7 +342,7 @@ class TransferAgent:
         agent renews the holds of its outstanding fetches, see ``renew_interval_s``); transfers
         in progress keep it at most ``timeout_s`` longer.
         Raises :class:`~kvtriton.errors.RequestRejectedError` on ids outside ``[-1, num_blocks)``
-        or more than :data:`kvtriton.wire.MAX_REQUEST_BLOCKS` held blocks.
+        or more than :data:`kvtriton.protocol.wire.MAX_REQUEST_BLOCKS` held blocks.
 
         ``after`` (CUDA agents): when the blocks are final, i.e. the engine's cache writes are
         done. A ``torch.cuda.Event`` (recorded by the engine after its last write), a
@@ -366,7 +360,7 @@ class TransferAgent:
         ids = ids[ids >= 0]
         if ids.size > wire.MAX_REQUEST_BLOCKS:
             raise RequestRejectedError(f"hold {req_id!r}: {ids.size} blocks is more than a request may have "
-                                       f"(kvtriton.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS})")
+                                       f"(kvtriton.protocol.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS})")
         if not float(lease_s) > 0:
             raise ValueError(f"hold {req_id!r}: lease_s must be > 0, got {lease_s!r}")
         if consumer is not None and (not isinstance(consumer, str) or not consumer or consumer == self.engine_id):
@@ -417,7 +411,7 @@ class TransferAgent:
         position ``j`` holds tokens ``[j*Bs, (j+1)*Bs)``, local position ``k`` tokens
         ``[k*Bd, (k+1)*Bd)``; a local -1 skips that block's tokens, a remote -1 is allowed only
         for tokens no wanted local block holds, and only tokens below ``num_tokens`` are written
-        (:func:`kvtriton.token_map.compact_tokens`; with equal block sizes ``num_tokens`` is
+        (:func:`kvtriton.plan.request.compact_tokens`; with equal block sizes ``num_tokens`` is
         ignored). Raises at once on bad ids or an
         unknown engine (:class:`~kvtriton.errors.PlanError`, ``KeyError``); everything later is
         reported by :meth:`results`. After a failed fetch the local blocks hold undefined bytes;
@@ -525,6 +519,7 @@ class TransferAgent:
             self._stats.bad_messages += 1
             logger.warning("message from unknown agent %r dropped", sender)
             return
+        peer.heard = time.monotonic()
         m = None
         try:
             m = wire.decode_message(raw)
@@ -544,6 +539,10 @@ class TransferAgent:
     # ------------------------------------------------------------------ across roles
     def _expire(self) -> None:
         now = time.monotonic()
+        for peer in self._peers.expire(now):  # stopped answering: its transfers fail, its staging returns
+            logger.warning("peer %s:%d (%s) stopped answering; dropped", *peer.key, peer.agent)
+            self._drop_peer(peer, PeerDisconnectedError(
+                f"peer {peer.md.engine}:{peer.md.rank} stopped answering (silent past {self._peers.expiry_s} s)"))
         self._destination.expire(now)
         self._source.expire(now)
 

@@ -29,6 +29,11 @@ class Peer:
     md: wire.RankMetadata
     agent: str
     staging: object  # PreppedList over the peer's staging slots
+    authenticated: bool = False  # its metadata came over an authenticated exchange (see .peers)
+    heard: float = 0.0  # time.monotonic() of its last message (or of its registration)
+    pinged: float = 0.0  # when it was last sent a liveness check
+    pong: int = 0  # the nonce of the last liveness check it answered
+    served_at: float = 0.0  # when this rank last accepted a transfer from it (see .source.eager)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -91,6 +96,19 @@ class Links:
         self.by_agent[peer.agent] = peer.key
         self.engine_tp[peer.md.engine] = peer.md.tp
 
+    def trusted(self, peer: Peer) -> bool:
+        """Whether ``peer`` may be trusted beyond what names it: bind an unbound hold, receive a
+        guess, read full refusal reasons. Everyone, unless a credential is configured."""
+        return peer.authenticated or not self.s.require_authenticated
+
+    def reason(self, peer: Peer, text: str) -> str:
+        """What a refusal tells ``peer``: the reason for a trusted one; an untrusted one learns
+        only that it was refused (the reason is logged here)."""
+        if self.trusted(peer):
+            return text
+        logger.info("refusal to untrusted %s: %s", peer.agent, text)
+        return f"refused by {self.s.name}"
+
     def sender(self, agent: str) -> Peer | None:
         key = self.by_agent.get(agent)
         return None if key is None else self.peers[key]
@@ -127,13 +145,17 @@ class Links:
         self.stats.staged_descriptors += 1
         return xfer
 
-    def post_runs(self, op: str, local, remote, count: int, notif: wire.Message | None = None,
-                  stat: str = "direct_descriptors"):
-        """READ or WRITE the DIRECT runs prepared by :meth:`prep_runs` (or the pieces of
-        :meth:`prep_pieces`, counted under ``stat``)."""
+    def post_runs(self, op: str, local, remote, count: int, notif: wire.Message | None = None, *,
+                  one_sided: bool = False):
+        """READ or WRITE the DIRECT runs prepared by :meth:`prep_runs` (counted as
+        ``direct_descriptors``), or with ``one_sided`` the pieces of :meth:`prep_pieces`
+        (``one_sided_descriptors``)."""
         idx = np.arange(count)
         xfer = self.transport.post(op, local, idx, remote, idx, notif.encode() if notif is not None else b"")
-        self.stats.count(stat, count)
+        if one_sided:
+            self.stats.one_sided_descriptors += count
+        else:
+            self.stats.direct_descriptors += count
         return xfer
 
     def cache_addrs(self, addrs, spans, region: np.ndarray, stream: np.ndarray, offset: np.ndarray,

@@ -8,17 +8,22 @@ plan made with the source's own model would be another plan (DIRECT where the pe
 STAGED, or the reverse). Serving, warming up and judging holds all ask :meth:`PlanBook.serving`,
 keyed by (engine, rank, the peer's cost model): a rank that reconnects with another model is
 planned again.
+
+The plans this rank reads by (as a destination, one per source engine, by its own cost model)
+are made and kept here too: :meth:`PlanBook.plan_reading` makes one when a peer's metadata is
+added, :meth:`PlanBook.keep_reading` keeps it once the peer is connected, and a fetch asks
+:meth:`PlanBook.read_by` (``TransferAgent.plan_for`` is that plan).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..errors import IncompatibleRemoteError
+from ..errors import IncompatibleRemoteError, KVTritonError, PlanError
 from ..plan import CostModel, Route, TransferPlan, Way, build_plan
 from ..protocol import wire
 from ..regions import RegionSpec
-from .settings import Settings
+from .settings import Settings, one_sided_forced
 
 __all__ = ["PlanBook"]
 
@@ -29,6 +34,8 @@ class PlanBook:
     def __init__(self, settings: Settings):
         self.s = settings
         self.served: dict[tuple[str, int, CostModel], TransferPlan] = {}  # (engine, rank, its model) -> plan
+        self.reads: dict[str, TransferPlan] = {}  # source engine -> the plan this rank reads it by
+        self.unreadable: dict[str, PlanError] = {}  # source engines a forced mode rules out reading from
         self._own: TransferPlan | None = None
 
     def serving(self, md: wire.RankMetadata, rank: int | None = None) -> TransferPlan:
@@ -45,10 +52,46 @@ class PlanBook:
         return plan
 
     def reading(self, md: wire.RankMetadata) -> TransferPlan:
-        """The plan this rank reads from ``md``'s engine by, by this rank's own cost model (the
-        destination keeps it per engine). Raises KVTritonError."""
-        plan = self._build(self.s.rank, self.s.tp, self.s.specs, md.tp, md.regions, self.s.cost)
+        """The plan this rank reads from ``md``'s engine by, by this rank's own cost model: the
+        one kept for that engine, else a new one (kept by :meth:`keep_reading`). Raises
+        KVTritonError."""
+        plan = self.reads.get(md.engine)
+        if plan is None:
+            plan = self._build(self.s.rank, self.s.tp, self.s.specs, md.tp, md.regions, self.s.cost)
         check_reach(plan, md, source=bool(md.addrs and all(md.addrs)), destination=self.s.cache_registered)
+        return plan
+
+    def plan_reading(self, md: wire.RankMetadata) -> TransferPlan | PlanError:
+        """:meth:`reading`, except that a forced one-sided mode is a property of one direction
+        (read_unpack needs source ranks with no more heads than ours): when it rules out reading
+        from the peer but not the peer reading from us (a prefill rank meeting its decode
+        engine), the error is returned, for a fetch from that engine to raise."""
+        try:
+            return self.reading(md)
+        except PlanError as e:
+            if not one_sided_forced(self.s.modes):
+                raise
+            try:
+                self.serving(md)
+            except KVTritonError:
+                raise e from None
+            return e
+
+    def keep_reading(self, engine: str, plan: TransferPlan | PlanError) -> None:
+        """Keep what :meth:`plan_reading` gave for ``engine`` (its peer is connected now)."""
+        if isinstance(plan, PlanError):
+            self.unreadable[engine] = plan
+        else:
+            self.reads[engine] = plan
+
+    def read_by(self, engine: str) -> TransferPlan:
+        """The plan this rank reads from ``engine`` by: :class:`PlanError` when a forced mode
+        rules it out, KeyError when the engine was never added."""
+        plan = self.reads.get(engine)
+        if plan is None and engine in self.unreadable:
+            raise PlanError(f"cannot fetch from {engine!r}: {self.unreadable[engine]}")
+        if plan is None:
+            raise KeyError(f"unknown engine {engine!r}: add_remote() its ranks first")
         return plan
 
     def own_geometry(self) -> TransferPlan:

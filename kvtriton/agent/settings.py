@@ -52,6 +52,9 @@ class Settings:
     register: str = "all"  # what NIXL may reach: "all" (cache and staging) or "staging" (see docs/security.md)
     integrity: bool = False  # digest each staged chunk after its pack, check it before unpack
     modes_arg: ModesArg = None  # the caller's modes= (compared at the handshake; ``modes`` is what plans)
+    # a credential is configured: only peers added with authenticated=True are trusted (bind an
+    # unbound hold, get an eager guess, replace a silent restart, read full refusal reasons)
+    require_authenticated: bool = False
 
     @property
     def cache_registered(self) -> bool:
@@ -76,7 +79,8 @@ def make_settings(*, engine_id: str, rank: int, tp: int, regions: Sequence[Regio
                   inflight_chunks: int, timeout_s: float,
                   modes: ModesArg, cost: CostModel, replicate_stripe: int | None,
                   renew_interval_s: float, impl: str, eager_bytes: int | None, eager_guess: bool,
-                  register: str = "all", integrity: bool = False) -> Settings:
+                  require_authenticated_peers: bool = False, register: str = "all",
+                  integrity: bool = False) -> Settings:
     """Check :class:`~kvtriton.agent.TransferAgent`'s arguments (same names) and make its
     settings: the staging pool, the chunk size, the device and its stream. Raises ``ValueError``
     on bad arguments, :class:`~kvtriton.errors.PlanError` on modes a push cannot do, the
@@ -109,7 +113,8 @@ def make_settings(*, engine_id: str, rank: int, tp: int, regions: Sequence[Regio
         chunk_bytes=chunk, inflight=int(inflight_chunks), timeout_s=float(timeout_s), impl=impl, modes=modes,
         cost=cost, stripe=replicate_stripe, lanes=Lanes(device), renew_s=float(renew_interval_s),
         eager_bytes=pool.nbytes // 2 if eager_bytes is None else int(eager_bytes), eager_guess=bool(eager_guess),
-        register=register, integrity=bool(integrity), modes_arg=modes_arg)
+        register=register, integrity=bool(integrity), modes_arg=modes_arg,
+        require_authenticated=bool(require_authenticated_peers))
 
 
 def restricted_modes(modes: ModesArg, register: str, integrity: bool) -> ModesArg:

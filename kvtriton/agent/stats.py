@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 __all__ = ["Stats"]
 
 
 @dataclass
 class Stats:
-    """The counters of one rank, each one kind of event. :meth:`as_dict` is what
-    :attr:`TransferAgent.stats` returns: these names, plus ``eager_hits``, the sum of the three
-    kinds of eager hit (its meaning before they were told apart)."""
+    """The counters of one rank, each one kind of event, counted by attribute
+    (``stats.offers_taken += 1``). :meth:`as_dict` is what :attr:`TransferAgent.stats` returns:
+    these names, plus ``eager_hits``, the sum of the three kinds of eager hit (its meaning before
+    they were told apart)."""
 
     bad_messages: int = 0
     """Malformed or inconsistent messages (and messages from unknown agents, or beyond a
@@ -19,6 +20,13 @@ class Stats:
     refused: int = 0
     """Well-formed requests from a peer not entitled to them: another engine's hold, beyond its
     transfer count, a done or renew for what it may not read."""
+    peers_refused: int = 0
+    """Registrations :meth:`TransferAgent.add_remote` refused (:mod:`.peers`: an identity held by
+    a live agent, an agent standing for a second engine or rank, a stale generation, a full table)."""
+    peers_replaced: int = 0
+    """Peers replaced by their restart (a newer generation, the old agent gone)."""
+    peers_expired: int = 0
+    """Peers dropped because they stopped answering (silent past the expiry, or unreachable)."""
     staged_descriptors: int = 0
     """Staged chunks posted (one descriptor each), READ or WRITE."""
     direct_descriptors: int = 0
@@ -63,22 +71,7 @@ class Stats:
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "eager_hits": self.eager_hits}
 
-    def count(self, name: str, n: int = 1) -> None:
-        """Add ``n`` to the counter ``name`` (for callers that pick the counter at run time)."""
-        self[name] += n
-
-    # By name: the pack batch counts with ``stats["name"] += n`` so that it also takes a plain
-    # dict of its two counters (its tests); the destination side still does too, until it names
-    # its counters (``stats.offers_taken += 1``).
-    def __getitem__(self, name: str) -> int:
-        if name not in _NAMES and name != "eager_hits":
-            raise KeyError(name)
-        return getattr(self, name)
-
-    def __setitem__(self, name: str, value: int) -> None:
-        if name not in _NAMES:
-            raise KeyError(name)
-        setattr(self, name, value)
-
-
-_NAMES = frozenset(f.name for f in fields(Stats))
+    def packed(self, chunks: int) -> None:
+        """One pack launch of ``chunks`` chunks (:class:`~.source.packing.PackBatch`)."""
+        self.pack_launches += 1
+        self.packed_chunks += chunks

@@ -57,14 +57,14 @@ __all__ = [
     "required_source_ranks", "RequestPlan", "RequestPayload", "OfferTerms", "ids_digest",
     "HeadSlice", "check_tp", "head_range", "replicate_sources", "split_sources",
     "ForcedModes", "ModesArg", "parse_modes", "check_compatible", "build_plan",
-    # old names, removed after the merge
-    "Mode", "StagedRead", "STAGED_WAYS", "DirectRuns", "TileRuns",
+    # release 0.1's public names, kept for one release (nothing in kvtriton uses them)
+    "Mode", "StagedRead",
 ]
 
 
-# ----------------------------------------------------------------- old names, removed after the merge
-# Agent code being rewritten in parallel still says Mode/StagedRead/DirectRuns/TileRuns. `Mode` was
-# one enum for the region's route and the payload's way; here it is a namespace over Route and Way
+# ----------------------------------------------------------------- release 0.1's names, for one release
+# Users of 0.1 may say Mode (in `modes=`) or StagedRead. `Mode` was one enum for the region's route
+# and the payload's way; here it is a namespace over Route and Way
 # whose members ARE theirs, so `plan.modes[i] is Mode.DIRECT` and `way is Mode.READ_UNPACK` keep
 # holding, `Mode("staged")` still parses, and isinstance(x, Mode) accepts a Route or a Way.
 class _ModeNames(type):
@@ -82,7 +82,8 @@ class _ModeNames(type):
 
 
 class Mode(metaclass=_ModeNames):
-    """Old name: a region's :class:`Route` or a payload's :class:`Way` (removed after the merge)."""
+    """Release 0.1's name for a region's :class:`Route` or a payload's :class:`Way` (kept for one
+    release; ``modes=`` takes Route and Way members or their strings)."""
 
     STAGED = Route.STAGED
     DIRECT = Route.DIRECT
@@ -90,7 +91,4 @@ class Mode(metaclass=_ModeNames):
     PACK_PLACE = Way.PACK_PLACE
 
 
-StagedRead = Payload
-STAGED_WAYS = tuple(Way)
-DirectRuns = Runs
-TileRuns = Runs
+StagedRead = Payload  # release 0.1's name of Payload

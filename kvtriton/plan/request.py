@@ -123,7 +123,7 @@ class TokenMap:
         return self.dst_ids[self.tiles]
 
     @classmethod
-    def for_source(cls, tiles: Sequence[int], read_ids: Sequence[int], num_tokens: int,
+    def for_source(cls, tiles: Sequence[int], read_ids: Sequence[int] | np.ndarray, num_tokens: int,
                    src_block_size: int, dst_block_size: int, max_src_positions: int) -> TokenMap:
         """The source side's map, rebuilt from what a destination sends: the tiles, the token
         count and the source ids of :func:`source_positions` (in order). :class:`PlanError` when
@@ -293,7 +293,7 @@ def ids_digest(ids: np.ndarray) -> str:
 
 
 class OfferTerms(NamedTuple):
-    """What an offer (:class:`~kvtriton.wire.Offer`) claims, besides its slots: the plan's
+    """What an offer (:class:`~kvtriton.protocol.wire.Offer`) claims, besides its slots: the plan's
     digest, the digest of the source ids, their count, the blocks per chunk and whether the
     offer also confirms DIRECT runs (1) or not (0). An offer is taken only when its terms equal
     those of the request the destination makes."""
@@ -374,8 +374,8 @@ class RequestPlan:
         kept in :attr:`unfit` (the request fails when that rank's payload is asked for)."""
         tokens = None
         if plan.maps_tokens:
-            tokens = compact_tokens(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks,
-                                    plan.src_block_size, plan.dst_block_size, num_tokens)
+            bs, bd = _block_sizes(plan)
+            tokens = compact_tokens(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks, bs, bd, num_tokens)
             src, dst = tokens.read_ids, tokens.tile_dst_ids
         else:
             src, dst = compact_request(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks)
@@ -396,11 +396,11 @@ class RequestPlan:
         tokens = None
         n = int(ids.size)
         if plan.maps_tokens:
-            tokens = TokenMap.for_source(tiles, ids, num_tokens, plan.src_block_size, plan.dst_block_size,
-                                         held_blocks)
+            bs, bd = _block_sizes(plan)
+            tokens = TokenMap.for_source(tiles, ids, num_tokens, bs, bd, held_blocks)
             n = tokens.num_tiles
         payloads = {}
-        read = plan.staged_read(src_rank)
+        read = plan.payload(src_rank)
         if read is not None:
             payloads[src_rank] = RequestPayload(read, ChunkGeometry(read.bytes_per_block, n, chunk_blocks))
         return cls(plan, ids, None, tokens, n, payloads, {})
@@ -481,3 +481,12 @@ class RequestPlan:
         """The terms of a read_unpack offer (READ the source's cache blocks) of this request:
         no chunks (``chunk_blocks`` 1) and no DIRECT runs claimed."""
         return OfferTerms(self.digest, self.ids_digest, int(self.src_ids.size), 1, 0)
+
+
+def _block_sizes(plan: TransferPlan) -> tuple[int, int]:
+    """A token-mapping plan's (source, destination) block sizes (a plan maps tokens only when
+    both engines page every region with one block size each)."""
+    bs, bd = plan.src_block_size, plan.dst_block_size
+    if bs is None or bd is None:
+        raise PlanError("the plan maps tokens but does not know both engines' block sizes")
+    return bs, bd

@@ -6,11 +6,14 @@ slots) and raises :class:`~kvtriton.errors.ProtocolError` naming the field. No p
 
 Metadata (one per rank)::
 
-    {v, fmt, engine, rank, tp, agent, agent_md, mem, dev,
+    {v, fmt, engine, rank, tp, agent, agent_md, mem, dev, gen,
      regions: [{name, kind, layout, num_blocks, block_size, total_heads, local_heads,
                 head_dims, dtype, itemsize, strides, addrs, spans}],
      staging: {addr, slot_bytes, num_slots, chunk_bytes},
      cost: {desc_us, pack_gbps, unpack_gbps, read_gbps, write_gbps}}   # optional
+
+``gen`` (optional, 0 if absent): the registration generation; a restarted rank registers a higher
+one, and replaces its old self only once that one is gone (:mod:`kvtriton.agent.peers`).
 
 ``cost`` is the rank's planning :class:`~kvtriton.plan.CostModel`: a source plans a decode rank's
 transfers with the *decode rank's* model, so both sides choose the same modes even when their
@@ -31,6 +34,7 @@ refused)::
     "Done"      finished with a request
     "Abort"     drop a transfer
     "Renew"     keep a hold for a lease
+    either way: "Ping" are you there (a liveness check), "Pong" yes (same nonce)
 
 With ``TransferAgent(integrity=True)`` a ``Ready``/``Data`` carries the chunk's digest and an
 ``Offer`` one per chunk (``digest``/``digests``: bytes, :data:`DIGEST_BYTES` each; empty or
@@ -45,37 +49,16 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from ..errors import ProtocolError
-from ..plan import STAGED_LAYOUT_VERSION, CostModel
+from ..errors import ProtocolError, TopologyError
+from ..plan import STAGED_LAYOUT_VERSION, CostModel, head_range
 from ..regions import Kind, Layout, RegionSpec
+from ..spec import DTYPE_ITEMSIZE
 
 __all__ = [
-    "PROTOCOL_VERSION",
-    "RankMetadata",
-    "StagingInfo",
-    "encode_metadata",
-    "decode_metadata",
-    "Message",
-    "Pull",
-    "Push",
-    "Grant",
-    "Ack",
-    "RunsDone",
-    "Done",
-    "Abort",
-    "Renew",
-    "Ready",
-    "Offer",
-    "Data",
-    "RunsReady",
-    "Reject",
-    "MESSAGE_TYPES",
-    "encode_message",
-    "decode_message",
-    "stream_span",
-    "MAX_REQUEST_BLOCKS",
-    "MAX_MESSAGE_BYTES",
-    "DIGEST_BYTES",
+    "PROTOCOL_VERSION", "RankMetadata", "StagingInfo", "encode_metadata", "decode_metadata", "Message", "Pull",
+    "Push", "Grant", "Ack", "RunsDone", "Done", "Abort", "Renew", "Ready", "Offer", "Data", "RunsReady", "Reject",
+    "Ping", "Pong", "MESSAGE_TYPES", "encode_message", "decode_message", "stream_span", "MAX_REQUEST_BLOCKS",
+    "MAX_MESSAGE_BYTES", "DIGEST_BYTES",
 ]
 
 PROTOCOL_VERSION = 2
@@ -90,8 +73,8 @@ MAX_MESSAGE_BYTES = 2 * 9 * MAX_REQUEST_BLOCKS + (16 << 10)
 _MAX_IDS = MAX_REQUEST_BLOCKS
 _MAX_MSG_INT = 1 << 48
 _MAX_NAME = 1024  # engine, agent, request and transfer ids
-# a staged chunk's integrity digest (blake2b, TransferAgent(integrity=True)): 256 bits
-DIGEST_BYTES = 32
+DIGEST_BYTES = 32  # a staged chunk's digest (Ready, Data; Offer: one per chunk): blake2b-256, integrity=True
+_MAX_REGIONS = 4096  # far beyond any model's layers (each region is validated: bound the work)
 
 
 @dataclass(frozen=True)
@@ -124,6 +107,7 @@ class RankMetadata:
     # the settings both engines must share to plan alike: (name, canonical value) pairs
     planning: tuple[tuple[str, str], ...] = ()
     cost: CostModel | None = None  # the planning model this rank uses as a destination
+    generation: int = 0  # registration generation: a restart registers with a higher one
 
 
 _COST_MAX = 1e9  # us per descriptor or GB/s: far beyond any transport, still finite
@@ -151,7 +135,7 @@ def encode_metadata(md: RankMetadata) -> bytes:
         agent=md.agent, agent_md=md.agent_md, mem=md.mem, dev=md.dev, regions=regions,
         staging=dict(addr=md.staging.addr, slot_bytes=md.staging.slot_bytes,
                      num_slots=md.staging.num_slots, chunk_bytes=md.staging.chunk_bytes),
-        planning=[list(p) for p in md.planning],
+        planning=[list(p) for p in md.planning], gen=md.generation,
         **({} if md.cost is None else {"cost": md.cost.as_dict()}),
     ), use_bin_type=True)
 
@@ -181,59 +165,23 @@ def decode_metadata(data: bytes) -> RankMetadata:
                           _int(st, "chunk_bytes", "staging", 1, 1 << 48))
     if staging.chunk_bytes > staging.nbytes:
         raise ProtocolError(f"staging: chunk_bytes {staging.chunk_bytes} exceeds the pool ({staging.nbytes})")
+    if staging.slot_bytes % 256 or staging.chunk_bytes < staging.slot_bytes:
+        raise ProtocolError(f"staging: slot_bytes {staging.slot_bytes} must be a multiple of 256 and chunk_bytes "
+                            f"{staging.chunk_bytes} at least one slot (a chunk is a run of whole slots)")
     if staging.addr + staging.nbytes > _MAX_U64:
         raise ProtocolError("staging: addr + size overflows the address space")
-    specs: list[RegionSpec] = []
-    addrs: list[tuple[int, ...]] = []
-    spans: list[tuple[int, ...]] = []
-    for i, r in enumerate(_get(d, "regions", list, "metadata")):
-        where = f"region {i}"
-        if not isinstance(r, dict):
-            raise ProtocolError(f"{where}: expected a map, got {type(r).__name__}")
-        try:
-            kind, layout = Kind(_get(r, "kind", str, where)), Layout(_get(r, "layout", str, where))
-        except ValueError as e:
-            raise ProtocolError(f"{where}: {e}") from None
-        head_dims = tuple(_int_list(r, "head_dims", where, 1, 1 << 20, max_len=8))
-        n_streams = len(head_dims)
-        if n_streams == 0:
-            raise ProtocolError(f"{where}: no streams")
-        strides_raw = _get(r, "strides", list, where)
-        if len(strides_raw) != n_streams or not all(isinstance(s, list) and len(s) == 3 for s in strides_raw):
-            raise ProtocolError(f"{where}: strides must be {n_streams} triples (block, token, head)")
-        strides = []
-        for s in strides_raw:
-            if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 48) for x in s):
-                raise ProtocolError(f"{where}: strides must be non-negative integers, got {s}")
-            strides.append(tuple(s))
-        spec = RegionSpec(
-            name=_name(r, "name", where), kind=kind, layout=layout,
-            num_blocks=_int(r, "num_blocks", where, 1, 1 << 40),
-            block_size=_int(r, "block_size", where, 1, 1 << 20),
-            total_heads=_int(r, "total_heads", where, 1, 1 << 16),
-            local_heads=_int(r, "local_heads", where, 1, 1 << 16),
-            head_dims=head_dims, dtype=_get(r, "dtype", str, where),
-            itemsize=_int(r, "itemsize", where, 1, 16), strides=tuple(strides),
-            dim_major=_dim_major(r, where, n_streams),
-        )
-        problem = spec.dim_major_problem()
-        if problem is not None:
-            raise ProtocolError(f"{where}: {problem}")
-        a = tuple(_int_list(r, "addrs", where, 0, _MAX_U64, max_len=n_streams))
-        sp = tuple(_int_list(r, "spans", where, 1, 1 << 48, max_len=n_streams))
-        exposed = bool(a or sp)  # none of either: the cache is not registered (register="staging")
-        if exposed and (len(a) != n_streams or len(sp) != n_streams) or bool(specs) and exposed != bool(addrs[0]):
-            raise ProtocolError(f"{where}: need one address and one span per stream ({n_streams}), in every "
-                                f"region, or none in any (only staging registered)")
-        for j in range(n_streams if exposed else 0):
-            need = stream_span(spec, j)
-            if sp[j] < need:
-                raise ProtocolError(
-                    f"{where} ({spec.name!r}) stream {j}: declared span {sp[j]} bytes cannot hold "
-                    f"{spec.num_blocks} blocks at strides {spec.strides[j]} (needs {need})"
-                )
-            if a[j] + sp[j] > _MAX_U64:
-                raise ProtocolError(f"{where} stream {j}: address + span overflows")
+    regions = _get(d, "regions", list, "metadata")
+    if not 0 < len(regions) <= _MAX_REGIONS:
+        raise ProtocolError(f"metadata: field 'regions' must list 1..{_MAX_REGIONS} regions, got {len(regions)}")
+    specs, addrs, spans = [], [], []  # type: list[RegionSpec], list[tuple[int, ...]], list[tuple[int, ...]]
+    for i, r in enumerate(regions):
+        spec, a, sp = _region(r, f"region {i}", rank, tp)
+        if specs and bool(a) != bool(addrs[0]):
+            raise ProtocolError(f"region {i}: cache addresses in some regions only; expected them in every "
+                                "region, or none in any")
+        if any(s.name == spec.name for s in specs):
+            raise ProtocolError(f"region {i}: field 'name' {spec.name!r:.80} names an earlier region too; "
+                                "region names must be distinct")
         specs.append(spec)
         addrs.append(a)
         spans.append(sp)
@@ -243,8 +191,91 @@ def decode_metadata(data: bytes) -> RankMetadata:
         raise ProtocolError("metadata: planning must be at most 16 [name, value] string pairs")
     if len({p[0] for p in planning}) != len(planning):
         raise ProtocolError("metadata: planning names a setting twice")
+    gen = _int(d, "gen", "metadata", 0, _MAX_U64) if "gen" in d else 0
     return RankMetadata(engine, rank, tp, agent, agent_md, mem, dev, tuple(specs), tuple(addrs),
-                        tuple(spans), staging, tuple(tuple(p) for p in planning), _cost(d))
+                        tuple(spans), staging, tuple(tuple(p) for p in planning), _cost(d), gen)
+
+
+def _region(r: Any, where: str, rank: int, tp: int) -> tuple[RegionSpec, tuple[int, ...], tuple[int, ...]]:
+    """A region's spec, addresses and spans; each field checked alone, with the others and ``rank``/``tp``."""
+    if not isinstance(r, dict):
+        raise ProtocolError(f"{where}: expected a map, got {type(r).__name__}")
+    try:
+        kind, layout = Kind(_get(r, "kind", str, where)), Layout(_get(r, "layout", str, where))
+    except ValueError as e:
+        raise ProtocolError(f"{where}: {e}") from None
+    head_dims = tuple(_int_list(r, "head_dims", where, 1, 1 << 20, max_len=8))
+    n_streams = len(head_dims)
+    if n_streams == 0:
+        raise ProtocolError(f"{where}: no streams")
+    strides_raw = _get(r, "strides", list, where)
+    if len(strides_raw) != n_streams or not all(isinstance(s, list) and len(s) == 3 for s in strides_raw):
+        raise ProtocolError(f"{where}: strides must be {n_streams} triples (block, token, head)")
+    strides = []
+    for s in strides_raw:
+        if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 48) for x in s):
+            raise ProtocolError(f"{where}: strides must be non-negative integers, got {s}")
+        strides.append(tuple(s))
+    dtype = _get(r, "dtype", str, where)
+    if dtype not in DTYPE_ITEMSIZE:
+        raise ProtocolError(f"{where}: field 'dtype' {dtype!r:.80} is not a dtype name (expected one of "
+                            f"kvtriton.spec.DTYPE_ITEMSIZE, e.g. 'bfloat16')")
+    spec = RegionSpec(
+        name=_name(r, "name", where), kind=kind, layout=layout,
+        num_blocks=_int(r, "num_blocks", where, 1, 1 << 40),
+        block_size=_int(r, "block_size", where, 1, 1 << 20),
+        total_heads=_int(r, "total_heads", where, 1, 1 << 16),
+        local_heads=_int(r, "local_heads", where, 1, 1 << 16),
+        head_dims=head_dims, dtype=dtype,
+        itemsize=_int(r, "itemsize", where, 1, 16), strides=tuple(strides),
+        dim_major=_dim_major(r, where, n_streams),
+    )
+    where = f"{where} ({spec.name!r:.80})"
+    if spec.itemsize != DTYPE_ITEMSIZE[dtype]:
+        raise ProtocolError(f"{where}: field 'itemsize' {spec.itemsize} is not {dtype}'s ({DTYPE_ITEMSIZE[dtype]})")
+    _check_heads(spec, where, rank, tp)
+    for j, (s_blk, s_tok, s_head) in enumerate(spec.strides):
+        # a zero stride over more than one element folds distinct blocks/tokens/heads onto the same bytes
+        for name, stride, extent in (("block", s_blk, spec.num_blocks), ("token", s_tok, spec.block_size),
+                                     ("head", s_head, spec.local_heads)):
+            if stride == 0 and extent > 1:
+                raise ProtocolError(f"{where} stream {j}: field 'strides' has {name} stride 0 over {extent} "
+                                    f"{name}s (they would share their bytes)")
+    problem = spec.dim_major_problem()
+    if problem is not None:
+        raise ProtocolError(f"{where}: {problem}")
+    a = tuple(_int_list(r, "addrs", where, 0, _MAX_U64, max_len=n_streams))
+    sp = tuple(_int_list(r, "spans", where, 1, 1 << 48, max_len=n_streams))
+    if (a or sp) and (len(a) != n_streams or len(sp) != n_streams):  # none: only staging is registered
+        raise ProtocolError(f"{where}: need one address and one span per stream ({n_streams}), or none")
+    for j in range(len(a)):
+        need = stream_span(spec, j)
+        if sp[j] < need:
+            raise ProtocolError(
+                f"{where} stream {j}: declared span {sp[j]} bytes cannot hold "
+                f"{spec.num_blocks} blocks at strides {spec.strides[j]} (needs {need})"
+            )
+        if a[j] + sp[j] > _MAX_U64:
+            raise ProtocolError(f"{where} stream {j}: address + span overflows")
+    return spec, a, sp
+
+
+def _check_heads(spec: RegionSpec, where: str, rank: int, tp: int) -> None:
+    """Head counts consistent with each other and with the rank: never more than the model has; a
+    REPLICATE region holds all of them, a SPLIT one the shard ``rank`` of ``tp`` owns."""
+    if spec.local_heads > spec.total_heads or (spec.kind is Kind.REPLICATE and spec.local_heads != spec.total_heads):
+        raise ProtocolError(f"{where}: field 'local_heads' {spec.local_heads} exceeds total_heads {spec.total_heads}"
+                            if spec.local_heads > spec.total_heads else f"{where}: field 'local_heads' "
+                            f"{spec.local_heads} of a replicate region must equal total_heads {spec.total_heads}")
+    if spec.kind is Kind.REPLICATE:
+        return
+    try:
+        lo, hi = head_range(rank, tp, spec.total_heads)
+    except TopologyError as e:
+        raise ProtocolError(f"{where}: field 'total_heads': {e}") from None
+    if spec.local_heads != hi - lo:
+        raise ProtocolError(f"{where}: field 'local_heads' {spec.local_heads} is not the {hi - lo} heads rank "
+                            f"{rank} of tp={tp} holds of {spec.total_heads}")
 
 
 def _cost(d: dict) -> CostModel | None:
@@ -293,7 +324,7 @@ class Pull(Message):
     plan: str
     tokens: int = 0  # block sizes differ: the request's tokens (0: block pairs); see plan.TokenMap
     tiles: tuple[int, ...] = ()  # block sizes differ: destination positions staged; ids = TokenMap.read_ids
-    # how the staged payload travels (a plan.Mode of StagedRead.ways): "read_unpack": do not pack,
+    # how the staged payload travels (a plan.Way of Payload.ways): "read_unpack": do not pack,
     # answer RunsReady and keep the blocks until RunsDone (I READ them from your cache)
     way: str = "staged"
 
@@ -424,8 +455,23 @@ class Reject(Message):
     reason: str
 
 
+# either way -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ping(Message):
+    """Are you there? A liveness check (:mod:`kvtriton.agent.peers`): answer ``Pong(nonce)``."""
+
+    nonce: int
+
+
+@dataclass(frozen=True)
+class Pong(Message):
+    """The answer to ``Ping(nonce)``."""
+
+    nonce: int
+
+
 MESSAGE_TYPES: tuple[type[Message], ...] = (Pull, Push, Grant, Ack, RunsDone, Done, Abort, Renew, Ready, Offer,
-                                             Data, RunsReady, Reject)
+                                             Data, RunsReady, Reject, Ping, Pong)
 # the least value of an int field (default 0): counts of slots and bytes are >= 1, a tp >= 1;
 # upper bounds are the receiver's (it knows them)
 _MIN_INT = {("Ready", "nslots"): 1, ("Ready", "nbytes"): 1, ("Grant", "nslots"): 1, ("Data", "nbytes"): 1,
@@ -458,8 +504,7 @@ def decode_message(data: bytes) -> Message:
     cls, schema = _SCHEMA[t]
     values: dict[str, Any] = {}
     for name, typ in schema:
-        # a digest is optional on the wire (absent: none, as from a peer without integrity)
-        v = d.get(name, b"" if typ is bytes else None)
+        v = d.get(name, b"" if typ is bytes else None)  # a digest may be absent (a peer without integrity)
         if not isinstance(v, typ) or isinstance(v, bool):
             raise ProtocolError(f"message {t!r}: field {name!r} must be {typ.__name__}, got {v!r:.80}")
         # every int a peer sends is a count, index or size far below 2**48
@@ -477,10 +522,8 @@ def decode_message(data: bytes) -> Message:
             v = tuple(v)
         if typ is str and not 0 < len(v) <= _MAX_NAME:
             raise ProtocolError(f"message {t!r}: field {name!r} must be 1..{_MAX_NAME} characters")
-        # digests: empty (integrity off) or DIGEST_BYTES each (Offer: one per chunk of its slot runs)
         if typ is bytes and (len(v) % DIGEST_BYTES or len(v) > DIGEST_BYTES * (_MAX_IDS if t == "Offer" else 1)):
-            raise ProtocolError(f"message {t!r}: field {name!r} must be empty or {DIGEST_BYTES} bytes a chunk, "
-                                f"got {len(v)} bytes")
+            raise ProtocolError(f"message {t!r}: field {name!r} has {len(v)} bytes, not 0 or {DIGEST_BYTES} a chunk")
         values[name] = v
     return cls(**values)
 

@@ -18,8 +18,8 @@ independently of the views the library uses.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -105,7 +105,7 @@ def make_rank_regions(
         h0, h1 = head_range(rank, tp, m.total_heads)
         heads = h1 - h0
 
-        def shape(d):
+        def shape(d, heads=heads):
             inner = (block_size, heads, d) if layout is Layout.NHD else (heads, block_size, d)
             return inner
 
@@ -232,7 +232,8 @@ def check_destination(regions: Sequence[Region], rank: int, tp: int, global_kv, 
                 )
 
 
-def make_global_tokens(models: Sequence[RegionModel], num_tokens: int, gen: torch.Generator) -> list[list[torch.Tensor]]:
+def make_global_tokens(models: Sequence[RegionModel], num_tokens: int,
+                       gen: torch.Generator) -> list[list[torch.Tensor]]:
     """Per region, per stream: ``[num_tokens, total_heads, head_dim]`` random bits."""
     return [[random_bits((num_tokens, m.total_heads, d), m.dtype, gen) for d in m.head_dims] for m in models]
 

@@ -8,7 +8,7 @@ thread; nothing here is used by the library itself."""
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -31,7 +31,8 @@ class RogueRig:
         self.p_tp, self.d_tp, self.models = p_tp, d_tp, list(models)
         base = dict(staging_bytes=staging_bytes, slot_bytes=slot_bytes, timeout_s=timeout_s, impl="torch", **kw)
         self.P = [make_rank_regions(self.models, r, p_tp, p_blocks, BS, gen=self.gen) for r in range(p_tp)]
-        self.D = [make_rank_regions(self.models, r, d_tp, d_blocks, BS, layout="HND", gen=self.gen) for r in range(d_tp)]
+        self.D = [make_rank_regions(self.models, r, d_tp, d_blocks, BS, layout="HND", gen=self.gen)
+                  for r in range(d_tp)]
         self.R = make_rank_regions(self.models, 0, 1, d_blocks, BS, gen=self.gen)
         self.pa = [TransferAgent("P", r, p_tp, self.P[r], **base) for r in range(p_tp)]
         self.da = [TransferAgent("D", r, d_tp, self.D[r], **{**base, **(d_kw or {})}) for r in range(d_tp)]

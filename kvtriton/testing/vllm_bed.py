@@ -138,7 +138,7 @@ class EngineProcess:
               role: str = "kv_both", port: int = 0, extra: dict | None = None, block_size: int = 32,
               engine_id: str | None = None, max_model_len: int = 2048, log_dir: str | os.PathLike = ".",
               name: str = "engine", env: dict | None = None, cpus: str | None = None,
-              timeout_s: float = 240.0) -> "EngineProcess":
+              timeout_s: float = 240.0) -> EngineProcess:
         log_path = Path(log_dir) / f"{name}.log"
         cmd = [python, "-m", "kvtriton.testing.vllm_bed", "--model", str(model_dir), "--tp", str(tp),
                "--connector", connector, "--role", role, "--port", str(port), "--block-size", str(block_size),
@@ -336,7 +336,7 @@ def _child(args) -> None:
         per_rank = connector_rpc("load_times") or []
         out = {}
         for ext in ext_ids:
-            own = lambda rid: rid == ext or rid.rsplit("-", 1)[0] == ext  # noqa: E731
+            own = lambda rid, ext=ext: rid == ext or rid.rsplit("-", 1)[0] == ext  # noqa: E731
             spans = [t for r in per_rank for rid, t in (r or {}).items() if own(rid)]
             seen = [t for rid, t in kv_in.items() if own(rid)]
             t_sub = submitted.get(ext, (0, None))[1]

@@ -1,8 +1,8 @@
 """The destination side of a rank, composed: :class:`~.fetches.Fetches` (the requests in
-flight, their parts, their results), :class:`~.offers.Offers` (what sources offered ahead) and
-the plans it reads by (one per source engine). A fetch's :class:`~kvtriton.plan.RequestPlan`
-is made once, in :meth:`Destination.fetch`; each source rank's part is one class per way
-(:mod:`.parts`)."""
+flight, their parts, their results) and :class:`~.offers.Offers` (what sources offered ahead);
+the plans it reads by (one per source engine) are the rank's :class:`~..plan_book.PlanBook`'s.
+A fetch's :class:`~kvtriton.plan.RequestPlan` is made once, in :meth:`Destination.fetch`; each
+source rank's part is one class per way (:mod:`.parts`)."""
 
 from __future__ import annotations
 
@@ -10,25 +10,25 @@ import time
 from collections.abc import Sequence
 
 from ...errors import KVTritonError, PlanError, ProtocolError, RequestAbortedError, RequestRejectedError, StagingError
-from ...plan import Mode, RequestPayload, RequestPlan, TransferPlan, choose_way
+from ...plan import RequestPayload, RequestPlan, Way, choose_way
 from ...protocol import wire
 from ..links import Flow, Links, Peer, Settings
+from ..plan_book import PlanBook
 from .fetch import Fetch
 from .fetches import Fetches, RequestResult
 from .offers import Offers
 from .parts import CacheLease, DirectPart, GrantedPart, PackPlacePart, Part, ReadUnpackPart, RunsTransfer, StagedPart
 
-_PULL_PARTS: dict[Mode, type[Part]] = {Mode.STAGED: StagedPart, Mode.READ_UNPACK: ReadUnpackPart,
-                                       Mode.PACK_PLACE: PackPlacePart}
+_PULL_PARTS: dict[Way, type[Part]] = {Way.STAGED: StagedPart, Way.READ_UNPACK: ReadUnpackPart,
+                                       Way.PACK_PLACE: PackPlacePart}
 
 
 class Destination:
-    """Fetches in flight on this rank and the plans they read by (one per source engine)."""
+    """Fetches in flight on this rank; the plans they read by come from ``plans`` (the rank's
+    :class:`~..plan_book.PlanBook`, one per source engine)."""
 
-    def __init__(self, settings: Settings, links: Links):
-        self.s, self.links = settings, links
-        self.plans: dict[str, TransferPlan] = {}  # per source engine
-        self.unplannable: dict[str, PlanError] = {}  # engines a forced mode rules out reading from
+    def __init__(self, settings: Settings, links: Links, plans: PlanBook):
+        self.s, self.links, self.plans = settings, links, plans
         self.fetches = Fetches(settings.name, settings.rank, settings.tp, links)
         self.offers = Offers(links)
 
@@ -38,11 +38,7 @@ class Destination:
         """Start reading ``req_id`` from ``engine`` (see :meth:`TransferAgent.fetch`)."""
         if req_id in self.fetches:
             raise RequestRejectedError(f"fetch {req_id!r} is already in flight")
-        plan = self.plans.get(engine)
-        if plan is None and engine in self.unplannable:
-            raise PlanError(f"cannot fetch from {engine!r}: {self.unplannable[engine]}")
-        if plan is None:
-            raise KeyError(f"unknown engine {engine!r}: add_remote() its ranks first")
+        plan = self.plans.read_by(engine)  # KeyError / PlanError as before
         missing = [r for r in plan.source_ranks if (engine, r) not in self.links.peers]
         if missing:
             raise KeyError(f"engine {engine!r}: no metadata yet for ranks {missing}")
@@ -56,7 +52,7 @@ class Destination:
         blocks = max(rp.src_ids.size, rp.dst_ids.size)
         if blocks > wire.MAX_REQUEST_BLOCKS:
             raise PlanError(f"fetch {req_id!r}: {blocks} blocks is more than a request may "
-                            f"have (kvtriton.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS}); split it")
+                            f"have (kvtriton.protocol.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS}); split it")
         now = time.monotonic()
         timeout = timeout_s or self.s.timeout_s
         f = Fetch(req_id, engine, now, timeout, now + timeout, rp, renew_at=now + self.s.renew_s, ready=ready)
@@ -102,12 +98,12 @@ class Destination:
             part.take_offer(offer)
         return part
 
-    def _way(self, f: Fetch, payload: RequestPayload, peer: Peer) -> Mode:
+    def _way(self, f: Fetch, payload: RequestPayload, peer: Peer) -> Way:
         """How ``payload`` travels for a pull of ``f``: the cost model's choice for this
         request (an offer the source made means it is packed already); STAGED with a token map."""
         rp = f.request
         if rp.tokens is not None:
-            return Mode.STAGED
+            return Way.STAGED
         return choose_way(payload.read, peer.md.regions, self.s.specs, rp.src_ids, rp.dst_ids, self.s.cost,
                           chunks=payload.chunks.count, packed=self.offers.packed(peer, f.req_id))
 

@@ -1,5 +1,5 @@
 """What one source rank sends for one fetch: a part, one class per way its staged payload
-travels (:mod:`kvtriton.one_sided`), or a part of DIRECT runs only.
+travels (:mod:`kvtriton.plan.ways`), or a part of DIRECT runs only.
 
 * :class:`StagedPart` (pull): the source packs and announces each chunk (Ready); we READ it
   into our staging, unpack it, and Ack it.
@@ -25,7 +25,7 @@ import numpy as np
 
 from ...errors import ProtocolError
 from ...ops import unpack
-from ...plan import Mode, RequestPayload, ceil_div, tile_runs
+from ...plan import RequestPayload, Way, ceil_div, tile_runs
 from ...protocol import wire
 from ..device import event_done
 from ..integrity import verify
@@ -83,7 +83,7 @@ class Part:
     """The common state of a part: its transfer id, fetch, source rank, chunks in flight and
     consumed, DIRECT runs and lease of the source's cache; subclasses move the payload."""
 
-    way = Mode.STAGED  # what a pull names (a part without a payload, or a push, says staged)
+    way = Way.STAGED  # what a pull names (a part without a payload, or a push, says staged)
 
     def __init__(self, s: Settings, links: Links, xid: str, fetch: Fetch, src_rank: int,
                  payload: RequestPayload | None, runs: RunsTransfer | None, lease: CacheLease | None):
@@ -137,7 +137,7 @@ class Part:
         self.offered = True
         if self.lease is not None:
             self.lease.go = bool(offer.runs)
-        self.links.stats["offers_taken"] += 1
+        self.links.stats.offers_taken += 1
 
     def on_ready(self, peer: Peer, m: wire.Ready) -> None:
         raise ProtocolError(f"ready for chunk {m.chunk} of {m.xid!r} is outside the transfer's "
@@ -298,7 +298,7 @@ class _Announced:
 class StagedPart(PayloadPart):
     """Pull, STAGED: READ each announced chunk into our staging, unpack, Ack."""
 
-    way = Mode.STAGED
+    way = Way.STAGED
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -341,7 +341,7 @@ class PackPlacePart(PayloadPart):
     """Pull, PACK_PLACE: READ each announced chunk's tiles straight into our cache blocks, one
     descriptor per (segment, run of consecutive destination ids), then Ack; nothing to unpack."""
 
-    way = Mode.PACK_PLACE
+    way = Way.PACK_PLACE
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -371,7 +371,7 @@ class PackPlacePart(PayloadPart):
             ch = Chunk(ready.chunk, -1, 0, ready.nbytes, remote_slot=ready.slot)
             ch.lists = links.prep_pieces(peer, local, remote, runs.nbytes)
             self.inflight[ch.index] = ch
-            ch.xfer = links.post_runs("READ", *ch.lists, len(runs), stat="one_sided_descriptors")
+            ch.xfer = links.post_runs("READ", *ch.lists, len(runs), one_sided=True)
             f.posted(len(runs), ready.nbytes)
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:
@@ -391,7 +391,7 @@ class ReadUnpackPart(PayloadPart):
     would have put them (one descriptor per segment and run of consecutive source ids), and
     unpack; RunsDone once every READ landed."""
 
-    way = Mode.READ_UNPACK
+    way = Way.READ_UNPACK
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -435,7 +435,7 @@ class ReadUnpackPart(PayloadPart):
                 raise
             self.inflight[c] = ch
             self.next_read += 1
-            ch.xfer = self.links.post_runs("READ", *ch.lists, len(runs), stat="one_sided_descriptors")
+            ch.xfer = self.links.post_runs("READ", *ch.lists, len(runs), one_sided=True)
             f.posted(len(runs), nbytes)
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:

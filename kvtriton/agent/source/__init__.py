@@ -11,7 +11,9 @@
 The :class:`Source` wires them and keeps what crosses them: opening a transfer a destination
 asks for (here: the checks of who may take what), a hold's end (its transfers and packs go),
 expiry. Plans come from the rank's :class:`~..plan_book.PlanBook` (by the destination's cost
-model); the per-request part of a plan from :func:`~.request.request_plan`.
+model); the per-request part of a plan is a :class:`~kvtriton.plan.RequestPlan`, made once
+per request on this side: :meth:`RequestPlan.for_serve` when a pull or push arrives
+(:meth:`Source.open`), :meth:`RequestPlan.for_hold` for a pack made ahead (:mod:`.eager`).
 
 What a peer can take is bounded (every message is untrusted, even after a good handshake):
 entitlement and the lease of holds are described in :mod:`.holds`; staging, time and count
@@ -25,7 +27,7 @@ import time
 import numpy as np
 
 from ...errors import KVTritonError, PlanError
-from ...plan import Mode
+from ...plan import RequestPlan, Way
 from ...protocol import wire
 from ..device import event_done
 from ..links import Flow, Links, Peer
@@ -35,12 +37,10 @@ from ..stats import Stats
 from .eager import EagerPacks
 from .holds import FreedRequest, Hold, Holds
 from .packing import PackBatch
-from .request import SourceRequest, request_plan
 from .serves import MAX_SERVES_PER_PEER, PullServe, PushServe, Serve, Serves
 from .share import StagingShare
 
-__all__ = ["MAX_SERVES_PER_PEER", "FreedRequest", "Hold", "PullServe", "PushServe", "Serve", "Source",
-           "SourceRequest", "request_plan"]
+__all__ = ["MAX_SERVES_PER_PEER", "FreedRequest", "Hold", "PullServe", "PushServe", "Serve", "Source"]
 
 
 class Source:
@@ -122,7 +122,7 @@ class Source:
         xid, req, me = m.xid, m.req, self.s.name
 
         def reject(reason: str) -> None:
-            self.links.send(peer, wire.Reject(xid, reason), quiet=True)
+            self.links.send(peer, wire.Reject(xid, self.links.reason(peer, reason)), quiet=True)
 
         if (peer.agent, xid) in self.serves.by_key:
             return reject(f"transfer id {xid!r} is already in use")
@@ -134,6 +134,10 @@ class Source:
         if hold.consumer is not None and hold.consumer != peer.md.engine:
             self.stats.refused += 1
             return reject(f"request {req!r} is held by {me} for engine {hold.consumer!r}, not {peer.md.engine!r}")
+        if hold.consumer is None and not self.links.trusted(peer):
+            self.stats.refused += 1  # trust on first use, among authenticated engines only
+            return reject(f"request {req!r} is not bound to an engine yet and {peer.agent} did not authenticate: "
+                          "an unbound hold binds only to an authenticated engine")
         if not self.serves.room(peer):
             self.stats.refused += 1
             return reject(f"{peer.agent} already has {MAX_SERVES_PER_PEER} transfers open on {me}")
@@ -150,32 +154,35 @@ class Source:
         if m.plan != plan.digest():
             return reject(f"{eng}:{dst_rank} planned this transfer differently from {me} "
                           "(modes, cost model or replicate stripe differ between the engines)")
-        try:
-            r = request_plan(plan, self.s.rank, ids, chunk_blocks=m.chunk_blocks, tiles=m.tiles,
-                             num_tokens=m.tokens, held=hold.block_ids.size)
+        if not plan.maps_tokens and (m.tiles or m.tokens):
+            return reject("tiles and a token count sent, but the engines' block sizes are equal")
+        try:  # this side's plan of the request, made once: what the pull is checked against and served by
+            r = RequestPlan.for_serve(plan, self.s.rank, ids, held_blocks=hold.block_ids.size,
+                                      chunk_blocks=m.chunk_blocks, num_tokens=m.tokens, tiles=m.tiles)
         except PlanError as e:
             return reject(f"token map of {req!r}: {e}" if plan.maps_tokens else str(e))
-        if r.empty:
+        payload, has_runs = r.payload(self.s.rank), r.sends_runs(self.s.rank)
+        if payload is None and not has_runs:
             return reject(f"{me} has nothing to send to {eng}:{dst_rank}")
-        read, chunks, has_runs = r.read, r.chunks, r.runs
-        way = m.way if flow is Flow.PULL else Mode.STAGED.value
+        read, chunks = (payload.read, payload.chunks) if payload is not None else (None, None)
+        way = m.way if flow is Flow.PULL else Way.STAGED.value
         if read is not None and way not in {w.value for w in read.ways}:
             return reject(f"{eng}:{dst_rank} asks for way {way!r}; the plan allows {[w.value for w in read.ways]}")
-        if read is None and way != Mode.STAGED.value:
+        if read is None and way != Way.STAGED.value:
             return reject(f"{me} sends {eng}:{dst_rank} no staged payload: way {way!r} is meaningless")
-        if way == Mode.READ_UNPACK.value:  # the peer READs our cache blocks itself: nothing to pack
+        if way == Way.READ_UNPACK.value:  # the peer READs our cache blocks itself: nothing to pack
             if flow is not Flow.PULL or r.tokens is not None:
                 return reject("read_unpack is a pull of equal block sizes only")
             read, chunks, has_runs = None, None, True
-            self.eager.take(req, peer, plan.digest(), ids, None)  # a pack made ahead for it is not needed
+            self.eager.take(req, peer, r.digest, ids, None)  # a pack made ahead for it is not needed
         if chunks is not None and not chunks.fits(self.s.chunk_bytes):
             return reject(f"chunk of {m.chunk_blocks} blocks does not fit staging chunks of "
                           f"{self.s.chunk_bytes} bytes")
         cls = PullServe if flow is Flow.PULL else PushServe
-        serve = cls(xid, req, peer, read, ids, chunks, self.s.timeout_s, time.monotonic() + self.s.timeout_s,
+        serve = cls(xid, req, peer, read, r.src_ids, chunks, self.s.timeout_s, time.monotonic() + self.s.timeout_s,
                     tokens=r.tokens, ready=hold.ready)
         if isinstance(serve, PushServe):
-            n = r.positions
+            n = r.num_tiles
             dst_ids = np.asarray(m.dst_ids, dtype=np.int64)
             nb = min(s.num_blocks for s in peer.md.regions)
             if dst_ids.size != n or (dst_ids.size and (dst_ids.min() < 0 or dst_ids.max() >= nb)) \
@@ -186,13 +193,14 @@ class Source:
             except KVTritonError as e:
                 return reject(f"push: {e}")
         elif chunks is not None:  # packed ahead for exactly this pull: Ready goes out this progress()
-            serve.inflight = self.eager.take(req, peer, plan.digest(), ids if r.tokens is None else None, chunks)
+            serve.inflight = self.eager.take(req, peer, r.digest, ids if r.tokens is None else None, chunks)
             serve.next_chunk = len(serve.inflight)
         offered = self.serves.offered.get((peer.agent, req))
         if isinstance(serve, PullServe) and offered is not None and offered.offered:
             self.serves.take_offer(serve, offered)  # pulled instead of taken (late offer, or a suffix)
         self.serves.add(serve)
-        self.holds.bind(hold, eng)  # the first accepted transfer binds an unbound hold to its engine
+        self.holds.bind(hold, peer)  # the first accepted transfer binds an unbound hold to its engine
+        peer.served_at = time.monotonic()  # an engine that reads from us is not idle (see .eager.guess)
         if isinstance(serve, PullServe) and has_runs:
             # the blocks stay held (up to the hold's hard bound) until the reader sends RunsDone
             serve.runs_reader = True

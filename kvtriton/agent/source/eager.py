@@ -16,7 +16,7 @@ prefix below; another chunk size, another plan, a reconnected peer) frees the pa
 and is served lazily.
 
 Offers: once every chunk of a destination rank's pack has completed, the pack is offered to
-that rank (:class:`~kvtriton.wire.Offer`: a ``ready`` ahead of the pull) as a transfer of its
+that rank (:class:`~kvtriton.protocol.wire.Offer`: a ``ready`` ahead of the pull) as a transfer of its
 own; a fetch that asks exactly that READs it without a round trip to this process (on a busy
 host, the wake-up saved). When the plan also reads DIRECT runs from this rank, the offer is
 sent only once the hold's event has completed and says so (``runs``): it is then their
@@ -35,10 +35,13 @@ entitlement checks (:meth:`~kvtriton.agent.source.Source.open`) run first, and t
 
 Guessing (``eager_guess``, default on): a hold without a consumer is packed, and offered, for
 the only peer engine connected to this rank, when exactly one is (1P1D: the vLLM connector's
-holds, whose prefill does not know its decode). The guess binds nothing: the hold still binds
-to the first engine whose transfer this rank accepts (a pull, or the first ack or RunsDone of
-an offer, see :meth:`~.holds.Holds.bind`), and binding frees whatever was packed for
-another engine and withdraws its offers (quarantined for ``timeout_s``, as any withdrawn
+holds, whose prefill does not know its decode), or else for the only one that read from this
+rank lately (:meth:`EagerPacks.guess`: an engine that connects and stays idle does not turn
+the guess off). With a credential configured only authenticated engines are guessed (and only
+their authenticated ranks offered to): a pack offered is readable by its receiver. The guess
+binds nothing: the hold still binds to the first engine whose transfer this rank accepts (a
+pull, or the first ack or RunsDone of an offer, see :meth:`~.holds.Holds.bind`), and binding
+frees whatever was packed for another engine and withdraws its offers (quarantined for ``timeout_s``, as any withdrawn
 ``ready``); an offer's acks from an engine the hold is no longer open to are refused (the
 transfer is gone). With two or more engines connected nothing is guessed: a guess between
 them could pin one engine's packs in staging the other needs, and naming the consumer is the
@@ -58,6 +61,7 @@ not decline it (no abort) and pulls, and the pull takes it over (one round trip,
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,7 +69,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import KVTritonError, StagingError
-from ...plan import ChunkGeometry, CostModel, Mode, choose_way
+from ...plan import ChunkGeometry, CostModel, RequestPayload, RequestPlan, Way, choose_way
 from ..device import event_done
 from ..links import Chunk, Flow, Links, Peer, logger
 from ..plan_book import PlanBook
@@ -73,7 +77,6 @@ from ..settings import Settings
 from ..stats import Stats
 from .holds import Hold, Holds
 from .packing import PackBatch, PackJob
-from .request import SourceRequest, request_plan
 from .share import StagingShare
 
 __all__ = ["EagerPacks", "Packed", "suffix_chunks"]
@@ -113,26 +116,31 @@ class Packed:
     """The chunks packed ahead for one destination rank of a hold's consumer."""
 
     peer: Peer
-    digest: str  # the plan they were packed by
-    request: SourceRequest  # what was assumed: every held block, in order, in the widest chunks that fit
+    request: RequestPlan  # what was assumed (RequestPlan.for_hold): every held block, in order
+    payload: RequestPayload  # this rank's payload of it, in the widest chunks that fit both sides
     inflight: dict = field(default_factory=dict)  # chunk -> Chunk, chunks 0..k-1
 
     @property
+    def digest(self) -> str:
+        """The plan they were packed by."""
+        return self.request.digest
+
+    @property
     def ids(self) -> np.ndarray:
-        return self.request.ids
+        return self.request.src_ids
 
     @property
     def chunks(self) -> ChunkGeometry:
-        return self.request.chunks
+        return self.payload.chunks
 
     @property
     def read(self):
-        return self.request.read
+        return self.payload.read
 
     @property
     def runs(self) -> bool:
         """The plan also reads DIRECT runs from this rank (the offer confirms them)."""
-        return self.request.runs
+        return self.request.sends_runs(self.payload.src_rank)
 
     @property
     def nslots(self) -> int:
@@ -144,13 +152,13 @@ class EagerPacks:
     (the oldest is evicted first). What it needs of the rest of the source comes in as objects
     it only asks (holds, the plan book, the staging share, the pack batch) and as callbacks:
     ``serving(req)`` (a transfer serves ``req`` already), ``offer(hold, packed)`` and
-    ``offer_runs(hold, peer, digest)`` (announce a pack, or the cache blocks, as a transfer of
+    ``offer_runs(hold, peer, request)`` (announce a pack, or the cache blocks, as a transfer of
     its own: False when that could not be done), ``withdraw_offers(req, engine)`` (the offers of
     ``req`` to engines other than ``engine`` go; returns how many)."""
 
     def __init__(self, settings: Settings, links: Links, stats: Stats, holds: Holds, plans: PlanBook,
                  share: StagingShare, batch: PackBatch, *, serving: Callable[[str], bool],
-                 offer: Callable[[Hold, Packed], bool], offer_runs: Callable[[Hold, Peer, str], bool],
+                 offer: Callable[[Hold, Packed], bool], offer_runs: Callable[[Hold, Peer, RequestPlan], bool],
                  withdraw_offers: Callable[[str, str], int]):
         self.s, self.links, self.stats = settings, links, stats
         self.holds, self.plans, self.share, self.batch = holds, plans, share, batch
@@ -161,7 +169,7 @@ class EagerPacks:
         self.packs: OrderedDict[str, dict[int, Packed]] = OrderedDict()  # req -> dst rank -> Packed
         self.pending: list[str] = []  # holds placed since the last progress()
         self.unoffered: list[tuple[str, int]] = []  # (req, dst rank) packed in full, not offered yet
-        self.runs_offers: list[tuple[str, Peer, str]] = []  # (req, peer, plan digest): read_unpack, not offered yet
+        self.runs_offers: list[tuple[str, Peer, RequestPlan]] = []  # (req, peer, request): read_unpack, unoffered
 
     def returned(self, nslots: int) -> None:
         """Slots of the eager budget an offered transfer kept are free again."""
@@ -176,10 +184,18 @@ class EagerPacks:
             self.pending.append(hold.req_id)
 
     def guess(self) -> str | None:
-        """The engine a hold without a consumer is packed for: the only connected peer engine,
-        else None (none or several connected)."""
-        engines = {p.md.engine for p in self.links.peers.values()}
-        return next(iter(engines)) if len(engines) == 1 else None
+        """The engine a hold without a consumer is packed for: the only trusted peer engine
+        connected, else the only one of them that had a transfer accepted in the last
+        ``10 * timeout_s`` (an idle engine does not turn the guess off), else None."""
+        last: dict[str, float] = {}  # trusted engine -> when one of its ranks last read from us
+        for p in self.links.peers.values():
+            if self.links.trusted(p):
+                last[p.md.engine] = max(last.get(p.md.engine, 0.0), p.served_at)
+        if len(last) == 1:
+            return next(iter(last))
+        since = time.monotonic() - 10 * self.s.timeout_s
+        active = [e for e, t in last.items() if t and t > since]
+        return active[0] if len(active) == 1 else None
 
     def advance(self) -> None:
         pending, self.pending = self.pending, []
@@ -189,14 +205,14 @@ class EagerPacks:
                 self._pack_hold(hold)
         self.batch.launch()  # before anything below looks at the packs' completions
         waiting_runs = []
-        for req, peer, digest in self.runs_offers:
+        for req, peer, request in self.runs_offers:
             hold = self.holds.get(req)
             if hold is None or self.links.peers.get(peer.key) is not peer:
                 continue  # the hold ended or the peer went meanwhile
             if not event_done(hold.ready):  # the engine still writes the blocks: not readable yet
-                waiting_runs.append((req, peer, digest))
+                waiting_runs.append((req, peer, request))
                 continue
-            self.offer_runs(hold, peer, digest)
+            self.offer_runs(hold, peer, request)
         self.runs_offers = waiting_runs
         waiting = []
         for req, rank in self.unoffered:
@@ -224,25 +240,28 @@ class EagerPacks:
         out: dict[int, Packed] = {}
         self.packs[hold.req_id] = out
         for peer in self.links.engine_peers(engine):
+            if hold.consumer is None and not self.links.trusted(peer):
+                continue  # a guess goes to authenticated ranks only (a named consumer was chosen)
             try:
                 plan = self.plans.serving(peer.md)
             except KVTritonError:
                 continue
-            if plan.maps_tokens or plan.staged_read(self.s.rank) is None:
+            if plan.maps_tokens or plan.payload(self.s.rank) is None:
                 continue  # token maps: the tiles depend on the decode's ids
-            try:  # the chunks the destination derives: the smaller of both sides' chunk sizes
-                request = request_plan(plan, self.s.rank, ids,
-                                       chunk_bytes=min(self.s.chunk_bytes, peer.md.staging.chunk_bytes))
+            # the chunks the destination derives: the smaller of both sides' chunk sizes
+            request = RequestPlan.for_hold(plan, ids, chunk_bytes=min(self.s.chunk_bytes, peer.md.staging.chunk_bytes))
+            try:
+                payload = request.payload(self.s.rank)
             except StagingError:
                 continue
-            if self._read_from_cache(request, peer):  # nothing to pack: offer our cache blocks instead
+            if self._read_from_cache(request, payload, peer):  # nothing to pack: offer our cache blocks instead
                 # only to a named consumer: a guessed engine's offer could not be withdrawn from
                 # under a read once another engine binds the hold (its pull gets RunsReady instead)
                 if hold.consumer is not None:
-                    self.runs_offers.append((hold.req_id, peer, plan.digest()))
+                    self.runs_offers.append((hold.req_id, peer, request))
                 continue
-            packed = Packed(peer, plan.digest(), request)
-            chunks = request.chunks
+            packed = Packed(peer, request, payload)
+            chunks = payload.chunks
             for c in range(chunks.count):
                 need = self.s.pool.slots_for(chunks.nbytes(c))
                 if self.slots + need > self.budget_slots:
@@ -282,18 +301,18 @@ class EagerPacks:
             self.slots -= packed.nslots
             self._free(packed)
 
-    def _read_from_cache(self, request: SourceRequest, peer: Peer) -> bool:
+    def _read_from_cache(self, request: RequestPlan, payload: RequestPayload, peer: Peer) -> bool:
         """Whether ``peer`` will most likely READ this payload straight from our cache
         (read_unpack): forced, or what its cost model picks for these ids, in the chunks it
         derives (the destination's own ids are not known here; its choice decides, a wrong guess
         costs one declined offer)."""
-        read = request.read
-        if Mode.READ_UNPACK not in read.ways:
+        read = payload.read
+        if Way.READ_UNPACK not in read.ways:
             return False
-        if read.ways == (Mode.READ_UNPACK,):
+        if read.ways == (Way.READ_UNPACK,):
             return True
-        return choose_way(read, self.s.specs, peer.md.regions, request.ids, request.ids, peer.md.cost or CostModel(),
-                          chunks=request.chunks.count) is Mode.READ_UNPACK
+        return choose_way(read, self.s.specs, peer.md.regions, request.src_ids, request.src_ids,
+                          peer.md.cost or CostModel(), chunks=payload.chunks.count) is Way.READ_UNPACK
 
     # ------------------------------------------------------------------ using
     def take(self, req: str, peer: Peer, digest: str, ids: np.ndarray | None, chunks: ChunkGeometry | None) -> dict:

@@ -3,7 +3,9 @@
 * **Entitlement.** A hold has one consumer engine: the one named at ``hold(consumer=...)``, or
   else the first engine whose ``pull``/``push`` this rank accepts for it, or whose first ack
   (or RunsDone) of an offer made before any binding arrives (trust on first use; an eager
-  pack guessed for an engine binds nothing by itself, see :mod:`.eager`).
+  pack guessed for an engine binds nothing by itself, see :mod:`.eager`). With a credential
+  configured (``require_authenticated_peers``) only an authenticated engine binds an unbound
+  hold: the first pull of an unauthenticated one is refused, whoever comes first.
   Only that engine's ranks may read it, report it ``done`` or ``renew`` its lease. A replica no
   rank of an engine reads (e.g. an MLA replica its stripe skips) binds to the first engine that
   reports it done, since nothing else will ever reach it; name the consumer to close even that.
@@ -78,9 +80,13 @@ class Holds:
                                         ready=ready)
         return hold
 
-    def bind(self, hold: Hold, engine: str) -> bool:
-        """Bind ``hold`` to ``engine`` if it is unbound; whether ``engine`` is its consumer now."""
+    def bind(self, hold: Hold, peer: Peer) -> bool:
+        """Bind ``hold`` to ``peer``'s engine if it is unbound and ``peer`` may bind it (trusted:
+        :meth:`~..links.Links.trusted`); whether that engine is its consumer now."""
+        engine = peer.md.engine
         if hold.consumer is None:
+            if not self.links.trusted(peer):
+                return False
             hold.consumer = engine
             self.on_bound(hold.req_id, engine)
         return hold.consumer == engine
@@ -110,7 +116,7 @@ class Holds:
                 plan = self.plans.serving(md or peer.md, rank=d)
             except KVTritonError:
                 return True  # unplannable: never a reason to release anything
-            if plan.staged_read(self.rank) is not None or self.rank in plan.direct_ranks(nblocks):
+            if plan.payload(self.rank) is not None or self.rank in plan.direct_ranks(nblocks):
                 return True
         return False
 
@@ -123,7 +129,7 @@ class Holds:
             raise ProtocolError(f"done from {peer.agent} names rank {m.dst_rank}/{m.dst_tp}")
         eng = peer.md.engine
         if hold.consumer is None and not self._reads_from_me(peer, hold.block_ids.size):
-            self.bind(hold, eng)  # a replica this engine skips: its done is all that will come
+            self.bind(hold, peer)  # a replica this engine skips: its done is all that will come
         if hold.consumer is not None and hold.consumer != eng:
             self.stats.refused += 1
             raise ProtocolError(f"done for {m.req!r} from {peer.agent}: {self.links.s.name} holds it for "

@@ -29,6 +29,7 @@ nothing being queued into them) is skipped.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, MutableMapping
@@ -38,7 +39,7 @@ import numpy as np
 
 from ...errors import KVTritonError
 from ...ops import pack
-from ...plan import ChunkGeometry, StagedRead, TokenMap
+from ...plan import ChunkGeometry, Payload, TokenMap
 from ..links import Chunk
 from ..settings import Settings
 from ..stats import Stats
@@ -50,7 +51,7 @@ _JOINED_CACHE_SIZE = 64  # concatenated segment lists kept (the launcher's valid
 class PackJob:
     """One reserved chunk of one destination, waiting for its launch."""
 
-    read: StagedRead  # the destination's segments from this rank
+    read: Payload  # the destination's segments from this rank
     chunk: Chunk  # its reserved slots (``kernel`` is set by the launch)
     tiles_n: int  # tiles per segment in this chunk
     ids: np.ndarray  # the launch's block ids: the chunk's positions, or the token map's source ids
@@ -61,7 +62,7 @@ class PackJob:
     failed: Callable[[KVTritonError], None]  # the launch refused this job's arguments
 
     @classmethod
-    def for_chunk(cls, read: StagedRead, chunks: ChunkGeometry, ch: Chunk, ids: np.ndarray,
+    def for_chunk(cls, read: Payload, chunks: ChunkGeometry, ch: Chunk, ids: np.ndarray,
                   tokens: TokenMap | None, ready, alive, failed) -> PackJob:
         lo, hi = chunks.bounds(ch.index)
         if tokens is None:
@@ -79,8 +80,12 @@ class PackBatch:
     """The pack jobs of one source rank queued in the current step."""
 
     def __init__(self, settings: Settings, stats: Stats | MutableMapping[str, int]):
-        # counted by name: the agent's Stats, or a plain dict of the two counters (tests)
+        """``stats``: the rank's :class:`~..stats.Stats`, or (tests) a plain dict of the two
+        counters a batch keeps, ``pack_launches`` and ``packed_chunks``. Either way a launch is
+        counted through one callback, chosen here (:meth:`Stats.packed`)."""
         self.s, self.stats = settings, stats
+        self._counted: Callable[[int], None] = (stats.packed if isinstance(stats, Stats)
+                                                else functools.partial(_count_in, stats))
         self.jobs: list[PackJob] = []
         self._joined: OrderedDict[tuple, tuple] = OrderedDict()  # ids of reads' segments -> (reads, joined)
 
@@ -105,7 +110,7 @@ class PackBatch:
         segments = self._joined_segments(tuple(j.read for j in group))
         offsets = np.concatenate([j.read.segment_offsets(j.tiles_n, base=pool.offset(j.chunk.slot)) for j in group])
         try:
-            self._pack(group[0], segments, offsets)
+            self._pack(group[0], segments, offsets, len(group))
         except KVTritonError:  # refused before anything was written: find out whose arguments
             for job in group:
                 if job.alive():
@@ -114,25 +119,24 @@ class PackBatch:
         done = self.s.lanes.completion()
         for job in group:
             job.chunk.kernel = done
-        self.stats["packed_chunks"] += len(group)
 
     def _launch_one(self, job: PackJob) -> None:
         try:
             self._pack(job, job.read.segments, job.read.segment_offsets(job.tiles_n,
-                                                                        base=self.s.pool.offset(job.chunk.slot)))
+                                                                        base=self.s.pool.offset(job.chunk.slot)), 1)
         except KVTritonError as e:
             job.failed(e)
             return
         job.chunk.kernel = self.s.lanes.completion()
-        self.stats["packed_chunks"] += 1
 
-    def _pack(self, job: PackJob, segments, offsets: np.ndarray) -> None:
+    def _pack(self, job: PackJob, segments, offsets: np.ndarray, chunks: int) -> None:
+        """One launch packing ``chunks`` chunks (counted once it was accepted)."""
         with self.s.lanes.launching(after=job.ready):  # after the engine's writes, on our stream
             pack(self.s.regions, segments, offsets, job.ids, self.s.pool.tensor, impl=self.s.impl,
                  tiles=job.tiles, num_tokens=job.num_tokens)
-        self.stats["pack_launches"] += 1
+        self._counted(chunks)
 
-    def _joined_segments(self, reads: tuple[StagedRead, ...]) -> tuple:
+    def _joined_segments(self, reads: tuple[Payload, ...]) -> tuple:
         """The reads' segment lists concatenated, the same tuple each time for the same reads (the
         launcher checks a segment tuple once and then reuses the check)."""
         key = tuple(id(r.segments) for r in reads)
@@ -145,3 +149,9 @@ class PackBatch:
         if len(self._joined) > _JOINED_CACHE_SIZE:
             self._joined.popitem(last=False)
         return joined
+
+
+def _count_in(counts: MutableMapping[str, int], chunks: int) -> None:
+    """:meth:`Stats.packed` for a plain dict of the two counters."""
+    counts["pack_launches"] += 1
+    counts["packed_chunks"] += chunks

@@ -32,7 +32,7 @@ from typing import ClassVar
 import numpy as np
 
 from ...errors import KVTritonError, ProtocolError
-from ...plan import ChunkGeometry, StagedRead, TokenMap
+from ...plan import ChunkGeometry, OfferTerms, Payload, RequestPlan, TokenMap
 from ...protocol import wire
 from ..device import event_done
 from ..integrity import seal
@@ -42,7 +42,6 @@ from ..stats import Stats
 from .eager import Packed, suffix_chunks
 from .holds import Hold, Holds
 from .packing import PackBatch, PackJob
-from .request import ids_digest
 from .share import StagingShare
 
 __all__ = ["MAX_SERVES_PER_PEER", "PullServe", "PushServe", "Serve", "Serves"]
@@ -58,7 +57,7 @@ class Serve:
     xid: str
     req_id: str
     peer: Peer
-    read: StagedRead | None
+    read: Payload | None
     ids: np.ndarray
     chunks: ChunkGeometry | None  # None when this rank sends the destination no staged payload
     timeout_s: float
@@ -201,6 +200,13 @@ class PushServe(Serve):
             self.runs, self.runs_xfer = None, None
 
 
+def _offer(xid: str, req: str, terms: OfferTerms, slots: tuple[int, ...], digests: bytes = b"") -> wire.Offer:
+    """The offer of transfer ``xid`` of ``req`` on ``terms`` (:class:`~kvtriton.plan.OfferTerms`);
+    ``digests``: one per chunk with ``integrity=True`` (see :mod:`..integrity`)."""
+    return wire.Offer(xid, req, terms.plan, terms.ids, terms.num_blocks, terms.chunk_blocks, slots, runs=terms.runs,
+                      digests=digests)
+
+
 def _offered(serve: Serve) -> bool:
     """An offer nothing was heard of yet (only a pull is ever offered)."""
     return isinstance(serve, PullServe) and serve.offered
@@ -260,7 +266,7 @@ class Serves:
         self.engine_progress[serve.peer.md.engine] = time.monotonic()
         if _offered(serve):  # the peer took the offer: from now on its silence counts
             hold = self.holds.get(serve.req_id)
-            if hold is not None and not self.holds.bind(hold, serve.peer.md.engine):
+            if hold is not None and not self.holds.bind(hold, serve.peer):
                 raise ProtocolError(f"{serve.xid!r}: {serve.req_id!r} is held for engine {hold.consumer!r}")
             self.stats.eager_offer_reads += 1
             serve.offered = False
@@ -391,22 +397,23 @@ class Serves:
             ch.kernel = None  # completed: announced by the offer, not by a ready
             slots += [ch.slot, ch.nslots]
             digests.append(seal(self.s, self.stats, ch))
-        return self._send_offer(serve, wire.Offer(xid, hold.req_id, packed.digest, packed.request.digest(),
-                                                  int(packed.ids.size), packed.chunks.blocks_per_chunk,
-                                                  tuple(slots), runs=int(packed.runs), digests=b"".join(digests)))
+        terms = packed.request.offer_terms(packed.payload.src_rank)
+        if terms is None:  # never: a pack is made only of a payload that fits, equal block sizes
+            return False
+        return self._send_offer(serve, _offer(xid, hold.req_id, terms, tuple(slots), b"".join(digests)))
 
-    def offer_runs(self, hold: Hold, peer: Peer, digest: str) -> bool:
+    def offer_runs(self, hold: Hold, peer: Peer, request: RequestPlan) -> bool:
         """Offer ``peer`` to READ ``hold``'s blocks straight from our cache (read_unpack): an
-        :class:`~kvtriton.wire.Offer` without slots, sent once the engine's writes are done, and
+        :class:`~kvtriton.protocol.wire.Offer` without slots, sent once the engine's writes are done, and
         a transfer that keeps the blocks until the reader's RunsDone (or the hold ends), as a
-        pull's RunsReady would. Saves the pull's round trip to this process."""
+        pull's RunsReady would. Saves the pull's round trip to this process. ``request``: the
+        hold's :meth:`RequestPlan.for_hold` (its terms are the offer's)."""
         xid = f"{hold.req_id}|{self.s.name}>{peer.md.rank}!"
         if (peer.agent, xid) in self.by_key or not self.room(peer):
             return False
         serve = PullServe(xid, hold.req_id, peer, None, hold.block_ids, None, self.s.timeout_s,
                           time.monotonic() + self.s.timeout_s, ready=hold.ready, offered=True, runs_reader=True)
-        return self._send_offer(serve, wire.Offer(xid, hold.req_id, digest, ids_digest(hold.block_ids),
-                                                  int(hold.block_ids.size), 1, ()))
+        return self._send_offer(serve, _offer(xid, hold.req_id, request.cache_offer_terms(), ()))
 
     def _send_offer(self, serve: PullServe, offer: wire.Offer) -> bool:
         """Send ``offer`` and, once it is out, keep ``serve`` as the offered transfer."""
@@ -462,7 +469,7 @@ class Serves:
         sees another request's bytes."""
         self._remove(serve)
         if notify is not None:
-            self.links.send(serve.peer, wire.Reject(serve.xid, notify), quiet=True)
+            self.links.send(serve.peer, wire.Reject(serve.xid, self.links.reason(serve.peer, notify)), quiet=True)
         until = time.monotonic() + (self.s.timeout_s if notify is not None else 0.0)
         # quarantined slots still count to the engine's share: dropping transfers gains it nothing
         self.share.retire(serve.peer.md.engine, serve.inflight, until)

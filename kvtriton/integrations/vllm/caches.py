@@ -29,7 +29,7 @@ Example
 from __future__ import annotations
 
 import re
-from typing import Collection, Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -105,7 +105,8 @@ def _attention_region(name: str, t: torch.Tensor, block_size: int, total_heads: 
         kv_dim = 0 if t.shape[0] == 2 and (t.shape[1] != 2 or t.stride(0) > t.stride(1)) else 1
         if t.shape[2] != block_size:
             raise RegionError(f"layer {name!r}: cache {tuple(t.shape)} is neither [2, num_blocks, block_size, heads, "
-                              f"head_size] nor [num_blocks, 2, block_size, heads, head_size] with block_size={block_size}")
+                              f"head_size] nor [num_blocks, 2, block_size, heads, head_size] with "
+                              f"block_size={block_size}")
         if _head_major(t.stride(3), t.stride(2), t.shape[3], t.shape[2]):
             return Region.attention(name, kv=t.transpose(2, 3), kv_dim=kv_dim, layout=Layout.HND,
                                     block_size=block_size, total_heads=total_heads)

@@ -52,7 +52,7 @@ class KVTritonConnector(KVConnectorBase_V1):
     (hetero TP included), with NixlConnector's proxy protocol (``do_remote_decode`` /
     ``do_remote_prefill`` in ``kv_transfer_params``)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         if os.environ.get("KVTRITON_DEBUG"):  # every control message and load, in every rank's log
             _debug_logging()
@@ -71,7 +71,7 @@ class KVTritonConnector(KVConnectorBase_V1):
                                             block_size=self.block_size)
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         # head-major blocks keep one head of one block contiguous; MLA has a single "head"
         model = vllm_config.model_config
         if model is None or getattr(model, "use_mla", False):

@@ -27,8 +27,9 @@ field; a request with bad params is computed locally instead.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ...errors import KVTritonError
 from ...plan import ceil_div

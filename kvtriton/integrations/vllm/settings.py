@@ -6,8 +6,9 @@ default), and so is a value of the wrong type or range.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 from ...errors import KVTritonError
 
@@ -54,7 +55,7 @@ class ConnectorSettings:
                          first engine that asks, packed when asked.
     eager_guess:         a prefill rank packs a finished request ahead of its pull for the only
                          decode engine connected to it, if exactly one is (1P1D; the hold is not
-                         bound by the guess, see :mod:`kvtriton.agent.eager`). Default true.
+                         bound by the guess, see :mod:`kvtriton.agent.source.eager`). Default true.
     register:            ``"all"`` (default: cache and staging registered with NIXL) or
                          ``"staging"``: only the staging pool, so a peer holding this rank's
                          metadata can read only what was packed for a transfer; every region is
@@ -91,7 +92,7 @@ class ConnectorSettings:
         return self.flow or self.mode or "pull"
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
         extra = dict(extra or {})
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(extra) - set(known))
