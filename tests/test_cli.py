@@ -113,6 +113,27 @@ def test_plan_llama3_70b_p4_d8(kvtriton, llama_config):
     assert "kvtriton: 1 staged descriptor " in text and "vLLM NixlConnector: 40,960 descriptors of 8,192 B" in text
 
 
+def test_plan_counts_staging_chunks(kvtriton, llama_config):
+    rc, out, err = kvtriton("plan", "--model", str(llama_config), "--prefill-tp", "4", "--decode-tp", "8",
+                            "--chunk-mib", "64", "--rank", "3", "--json")
+    assert rc == 0, err
+    (r,) = json.loads(out)["ranks"]
+    per_chunk = (64 << 20) // (80 * 2 * 16 * 128 * 2)  # whole blocks of one head, K and V, 80 layers
+    chunks = -(-512 // per_chunk)
+    assert (per_chunk, chunks) == (102, 6)
+    assert r["payloads"][0]["chunks"] == chunks and r["kvtriton"]["staged_descriptors"] == chunks
+    assert r["payloads"][0]["ways"]["staged"]["descriptors"] == chunks
+
+
+def test_command_usage(kvtriton):
+    rc, _, err = kvtriton()
+    assert rc == 2 and "{plan,doctor,costmodel}" in err
+    rc, out, _ = kvtriton("--version")
+    assert rc == 0 and out.strip() == "kvtriton 0.1.0"
+    rc, out, _ = kvtriton("plan", "--help")
+    assert rc == 0 and "--prefill-tp" in out and "--json" in out
+
+
 def test_plan_refuses_p2_d3_with_8_heads(kvtriton, llama_config):
     rc, out, err = kvtriton("plan", "--model", str(llama_config), "--prefill-tp", "2", "--decode-tp", "3")
     assert rc == 2 and out == ""
