@@ -131,8 +131,8 @@ class RogueListener:
     """A listener without the secret: records every byte it receives, answers a HELLO with a
     made-up challenge (what an impostor at a forged address would do)."""
 
-    def __init__(self):
-        self.sock = socket.create_server(("127.0.0.1", 0))
+    def __init__(self, host: str = "127.0.0.1"):
+        self.sock = socket.create_server((host, 0))
         self.port = self.sock.getsockname()[1]
         self.received = bytearray()
         self.connections = 0

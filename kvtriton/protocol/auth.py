@@ -68,7 +68,8 @@ class Credential:
             raise AuthenticationError(f"the shared secret must be at least {MIN_SECRET_BYTES} bytes, got "
                                       f"{len(secret) if isinstance(secret, bytes) else type(secret).__name__}")
         self._secret = secret
-        self._tls = tls if all(tls) else None
+        self._tls: tuple[str, str, str] | None = (
+            (cert_file, key_file, ca_file) if cert_file and key_file and ca_file else None)
         self._server_ctx: ssl.SSLContext | None = None
         self._client_ctx: ssl.SSLContext | None = None
         if self._tls is not None:  # load now: a bad file fails at start, not at the first handshake
@@ -121,7 +122,9 @@ class Credential:
 
     # ------------------------------------------------------------------ mutual TLS
     def _context(self, server: bool) -> ssl.SSLContext:
-        cert, key, ca = self._tls  # type: ignore[misc]
+        if self._tls is None:
+            raise AuthenticationError("this credential has no TLS files")
+        cert, key, ca = self._tls
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         try:

@@ -259,7 +259,7 @@ class MetadataServer:
                 ctx = cred.server_context() if cred is not None else None
                 if ctx is not None:
                     conn = ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
-                    _tls_handshake(conn, first)  # type: ignore[arg-type]
+                    _tls_handshake(conn, first)
                 if cred is not None and cred.has_secret:
                     self._serve_secret(conn, cred, first, deadline)
                 else:
