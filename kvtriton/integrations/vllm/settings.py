@@ -57,7 +57,7 @@ class ConnectorSettings:
                          first engine that asks, packed when asked.
     eager_guess:         a prefill rank packs a finished request ahead of its pull for the only
                          decode engine connected to it, if exactly one is (1P1D; the hold is not
-                         bound by the guess, see :mod:`kvtriton.agent.eager`). Default true.
+                         bound by the guess, see :mod:`kvtriton.agent.source.eager`). Default true.
     auth_secret_file:    path of the cluster's shared secret (at least 16 bytes; every engine
                          of the cluster reads the same one). Default: the environment variable
                          ``KVTRITON_AUTH_SECRET_FILE``. With a secret (and/or TLS), handshakes
