@@ -22,6 +22,7 @@ __all__ = [
     "TransferTimeoutError",
     "RequestRejectedError",
     "RequestAbortedError",
+    "AuthenticationError",
 ]
 
 
@@ -83,3 +84,8 @@ class RequestRejectedError(KVTritonError):
 class RequestAbortedError(KVTritonError):
     """The request was cancelled locally (:meth:`~kvtriton.agent.TransferAgent.abort`) or its
     hold was released by the source engine before the transfer finished."""
+
+
+class AuthenticationError(KVTritonError):
+    """A peer on the handshake side channel did not prove the cluster credential (shared secret
+    or mutual TLS), or the local credential files cannot be used."""
