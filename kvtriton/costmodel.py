@@ -49,8 +49,8 @@ import numpy as np
 
 from .plan import CostModel
 
-__all__ = ["PROBE_BYTES", "PROBE_DESCRIPTORS", "PROBE_COUNTS", "transport_key", "cache_path", "fit_desc_us",
-           "measure", "load_or_measure"]
+__all__ = ["PROBE_BYTES", "PROBE_DESCRIPTORS", "PROBE_COUNTS", "transport_key", "cache_dir", "cache_path",
+           "read_cache", "find_cached", "fit_desc_us", "measure", "load_or_measure"]
 
 PROBE_BYTES = 8 << 20  # big enough that a post's fixed cost is noise, small enough for ~1 s
 PROBE_DESCRIPTORS = 2048  # 4 KiB each: a vLLM-style head slice of a 16-token block
@@ -70,16 +70,62 @@ def transport_key() -> str:
     return "ucx-" + ("".join(c if c.isalnum() else "_" for c in tls) if tls else "default")
 
 
+def cache_dir() -> Path:
+    """Where cached models live: ``$KVTRITON_CACHE_DIR/costmodel`` or ``~/.cache/kvtriton/costmodel``."""
+    return Path(os.environ.get("KVTRITON_CACHE_DIR") or Path.home() / ".cache" / "kvtriton") / "costmodel"
+
+
+def _host() -> str:
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in platform.node() or "host")
+
+
 def cache_path(device: str = "cpu", transport: str | None = None) -> Path:
     """Where the model of this host, ``transport`` (default: this process's) and device lives.
     On a CPU the repack runs on torch's intra-op threads, so their count is part of the key (a
     model measured with 2 threads overstates a 1-thread process's repack bandwidth ~1.5x)."""
     import torch
 
-    root = Path(os.environ.get("KVTRITON_CACHE_DIR") or Path.home() / ".cache" / "kvtriton")
-    host = "".join(c if c.isalnum() or c in "-." else "_" for c in platform.node() or "host")
     dev = f"{device}-t{torch.get_num_threads()}" if device == "cpu" else device
-    return root / "costmodel" / f"{host}-{transport or transport_key()}-{dev}.json"
+    return cache_dir() / f"{_host()}-{transport or transport_key()}-{dev}.json"
+
+
+def read_cache(path: Path) -> CostModel | None:
+    """The model cached in ``path``, ``None`` when it is missing, of another version, or does not
+    parse (such a file is measured over, never trusted)."""
+    try:
+        d = json.loads(path.read_text())
+        if d.get("version") == CACHE_VERSION:
+            vals = {k: float(d[k]) for k in CostModel().as_dict()}
+            if all(np.isfinite(v) and v > 0 for v in vals.values()):
+                return CostModel(**vals, source=f"cached {path}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
+
+
+def find_cached(device: str = "cpu", transport: str | None = None) -> tuple[CostModel, Path] | None:
+    """The cached model of this host, ``transport`` and device, without importing torch and
+    without measuring (``kvtriton plan``, ``kvtriton doctor``): the exact file when torch is
+    already imported, else, on a CPU where the key holds torch's thread count, the newest file
+    of any thread count. ``None`` when there is none that parses."""
+    import sys
+
+    if "torch" in sys.modules:
+        path = cache_path(device, transport)
+        model = read_cache(path)
+        if model is not None:
+            return model, path
+    prefix = f"{_host()}-{transport or transport_key()}-{device}"
+    try:
+        found = [p for p in cache_dir().glob(f"{prefix}*.json")
+                 if p.name == f"{prefix}.json" or (device == "cpu" and p.name[len(prefix):].startswith("-t"))]
+    except OSError:
+        return None
+    for path in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True):
+        model = read_cache(path)
+        if model is not None:
+            return model, path
+    return None
 
 
 def fit_desc_us(counts: Sequence[int], rounds_ms: Sequence[Sequence[float]]) -> tuple[float, float]:
@@ -262,15 +308,9 @@ def load_or_measure(device: str = "cpu", impl: str = "auto", *, remeasure: bool 
     """The cached model of this host, transport and device; measured (and cached) on first use or
     when ``remeasure``. A cache file that does not parse is measured over, not trusted."""
     path = path or cache_path(device)
-    if not remeasure and path.exists():
-        try:
-            d = json.loads(path.read_text())
-            if d.get("version") == CACHE_VERSION:
-                vals = {k: float(d[k]) for k in CostModel().as_dict()}
-                if all(np.isfinite(v) and v > 0 for v in vals.values()):
-                    return CostModel(**vals, source=f"cached {path}")
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+    cached = None if remeasure else read_cache(path)
+    if cached is not None:
+        return cached
     model = measure(device, impl)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -282,16 +322,31 @@ def load_or_measure(device: str = "cpu", impl: str = "auto", *, remeasure: bool 
     return model
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Measure (or show the cached) kvtriton cost model.")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--impl", default="auto")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of ``python -m kvtriton.costmodel`` and ``kvtriton costmodel``."""
+    ap.add_argument("--device", default="cpu", help="the device the repack runs on (cpu, cuda, cuda:1, ...)")
+    ap.add_argument("--impl", default="auto", help="the repack implementation timed (auto, torch, triton)")
     ap.add_argument("--remeasure", action="store_true", help="measure again and overwrite the cache")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the cached model (measured and cached first when there is none, or with
+    ``--remeasure``) as JSON, with its crossover and cache file."""
     model = load_or_measure(args.device, args.impl, remeasure=args.remeasure)
     print(json.dumps(dict(model.as_dict(), crossover_bytes=round(model.crossover_bytes()), source=model.source,
-                          cache=str(cache_path(args.device))), indent=1))
+                          cache=str(cache_path(args.device))), indent=1), file=getattr(args, "stdout", None))
     return 0
+
+
+def main(argv=None) -> int:
+    import sys
+
+    ap = argparse.ArgumentParser(description="Measure (or show the cached) kvtriton cost model.")
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    args.stdout = sys.stdout  # the JSON only: NIXL's INFO lines (printed to sys.stdout) go to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        return run(args)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ __all__ = [
     "RequestRejectedError",
     "RequestAbortedError",
     "IntegrityError",
+    "AuthenticationError",
 ]
 
 
@@ -90,3 +91,8 @@ class IntegrityError(KVTritonError):
     """A staged chunk's bytes differ from the digest its source took after packing it
     (``TransferAgent(integrity=True)``): changed in flight or in staging. The fetch fails and
     its blocks are reported undefined (to be recomputed); nothing of the chunk is unpacked."""
+
+
+class AuthenticationError(KVTritonError):
+    """A peer on the handshake side channel did not prove the cluster credential (shared secret
+    or mutual TLS), or the local credential files cannot be used."""

@@ -243,10 +243,12 @@ def _child(args) -> None:
 
         faulthandler.dump_traceback_later(3, repeat=True,
                                           file=open(f"{os.environ['KVTRITON_BED_STACKS']}.{os.getpid()}", "w"))
-    if args.connector == "kvtriton":
+    if args.connector in ("kvtriton", "kvtriton-plugin"):
         kv_config = {"kv_connector": "KVTritonConnector", "kv_connector_module_path": "kvtriton.integrations.vllm",
                      "kv_role": args.role, "kv_load_failure_policy": "recompute",
                      "kv_connector_extra_config": {"port": args.port, **extra}}
+        if args.connector == "kvtriton-plugin":  # by name only: vLLM's plugin loading must have registered it
+            del kv_config["kv_connector_module_path"]
     elif args.connector == "nixl":
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.port)
@@ -567,7 +569,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--connector", choices=["kvtriton", "nixl", "none"], default="kvtriton")
+    p.add_argument("--connector", choices=["kvtriton", "kvtriton-plugin", "nixl", "none"], default="kvtriton")
     p.add_argument("--role", default="kv_both")
     p.add_argument("--port", type=int, default=5710)
     p.add_argument("--block-size", type=int, default=32)

@@ -68,7 +68,8 @@ class KVTritonConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(engine_id=self.engine_id, host=self.settings.host,
                                             port=self.settings.port, tp_size=self.tp_size,
-                                            block_size=self.block_size)
+                                            block_size=self.block_size,
+                                            allowed_peers=self.settings.peer_allowlist())
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

@@ -20,8 +20,10 @@ It speaks NixlConnector's proxy protocol, so a vLLM P/D proxy works unchanged:
   workers. A request aborted while loading is **cancelled** on the workers, which still report it
   in ``finished_recving`` (vLLM frees its blocks then).
 
-Remote params are untrusted (they come through a proxy): :func:`parse_remote_params` checks every
-field; a request with bad params is computed locally instead.
+Remote params are untrusted (they come through a proxy, and from any client of the decode's API):
+:func:`parse_remote_params` checks every field, and the peer they name must be in
+``allowed_peers`` (:class:`~kvtriton.protocol.allowlist.PeerAllowlist`) before any worker
+connects to it; a request with bad or disallowed params is computed locally instead.
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ from typing import Any
 
 from ...errors import KVTritonError
 from ...plan import ceil_div
+from ...protocol.allowlist import PeerAllowlist
 
 __all__ = ["SchedulerSide", "StepMessages", "LoadSpec", "RemoteSource", "parse_remote_params", "ParamsError"]
 
 logger = logging.getLogger(__name__)
 
 MAX_REMOTE_BLOCKS = 1 << 20  # a 1M-block request is ~16M tokens at block 16: far past any context
+_MAX_LOGGED_PEERS = 1024  # refused peers logged once each; past this many, no more logs (bounded memory)
 
 
 class ParamsError(KVTritonError, ValueError):
@@ -133,9 +137,14 @@ class SchedulerSide:
     ``status``); ``scheduler_output`` is vLLM's ``SchedulerOutput``; both are read duck-typed.
     """
 
-    def __init__(self, *, engine_id: str, host: str, port: int, tp_size: int, block_size: int):
+    def __init__(self, *, engine_id: str, host: str, port: int, tp_size: int, block_size: int,
+                 allowed_peers: PeerAllowlist | None = None):
         self.engine_id, self.host, self.port = engine_id, host, port
         self.tp_size, self.block_size = tp_size, block_size
+        self._allowed = allowed_peers if allowed_peers is not None and not allowed_peers.empty else None
+        self._logged_peers: set[tuple[str, str, int]] = set()
+        #: decode requests computed locally because their params named a peer outside allowed_peers
+        self.stats = {"disallowed": 0}
         self._prefills: dict[str, _Prefill] = {}
         self._wanted: dict[str, tuple[RemoteSource, int]] = {}  # decode: source, local prefix tokens
         self._loading: set[str] = set()
@@ -153,6 +162,9 @@ class SchedulerSide:
             source = parse_remote_params(params, self.block_size)
         except ParamsError as e:
             logger.warning("request %s: %s; computing its prompt locally", rid, e)
+            params["do_remote_prefill"] = False
+            return 0, False
+        if not self._allows(source):
             params["do_remote_prefill"] = False
             return 0, False
         self._wanted[rid] = (source, num_computed_tokens)
@@ -212,8 +224,9 @@ class SchedulerSide:
             # finished before it was ever scheduled: only tell the prefill engine to free its blocks
             try:
                 source = parse_remote_params(params, self.block_size)
-                self._next.loads[rid] = LoadSpec(rid, source, source.block_ids, (-1,) * len(source.block_ids),
-                                                 report=False)
+                if self._allows(source):
+                    self._next.loads[rid] = LoadSpec(rid, source, source.block_ids, (-1,) * len(source.block_ids),
+                                                     report=False)
             except ParamsError:
                 pass
             params["do_remote_prefill"] = False
@@ -229,6 +242,18 @@ class SchedulerSide:
         if prefill.held:
             self._next.releases.add(rid)
         return False, None
+
+    def _allows(self, source: RemoteSource) -> bool:
+        """Whether ``allowed_peers`` lets a worker meet the peer these params name (logged once per peer)."""
+        if self._allowed is None or self._allowed.allows(source.engine_id, source.host, source.port):
+            return True
+        self.stats["disallowed"] += 1
+        peer = (source.engine_id, source.host, source.port)
+        if peer not in self._logged_peers and len(self._logged_peers) < _MAX_LOGGED_PEERS:
+            self._logged_peers.add(peer)
+            logger.warning("kv_transfer_params name engine %r at %s:%d, which allowed_peers does not list; "
+                           "computing such requests locally", source.engine_id, source.host, source.port)
+        return False
 
     # ------------------------------------------------------------------ prefill bookkeeping
     def _track_prefills(self, out, msgs: StepMessages) -> None:

@@ -6,11 +6,14 @@ default), and so is a value of the wrong type or range.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from ...errors import KVTritonError
+from ...protocol.allowlist import AllowlistError, PeerAllowlist
+from ...protocol.auth import Credential
 
 __all__ = ["ConnectorSettings", "SettingsError"]
 
@@ -63,6 +66,18 @@ class ConnectorSettings:
     integrity:           digest each staged chunk after its pack and check it before unpack; a
                          chunk changed in flight or in staging fails its load (recomputed).
                          Every region is STAGED. Both engines must agree. Default false.
+    auth_secret_file:    path of the cluster's shared secret (at least 16 bytes; every engine
+                         of the cluster reads the same one). Default: the environment variable
+                         ``KVTRITON_AUTH_SECRET_FILE``. With a secret (and/or TLS), handshakes
+                         are answered and sent only after the peer proved it.
+    tls_cert_file:       mutual TLS on the handshake: this engine's certificate (PEM), its
+    tls_key_file:        private key and the CA that signs every engine of the cluster; give
+    tls_ca_file:         all three or none. A prefill's certificate must name its ``host``.
+    allowed_peers:       decode side: the prefill engines a request may name, as addresses,
+                         networks, ``host:port`` and/or ``engine:<id>`` entries
+                         (:class:`~kvtriton.protocol.allowlist.PeerAllowlist`); a request
+                         naming another is computed locally, before any connection. Empty
+                         (default): any.
     """
 
     host: str = "127.0.0.1"
@@ -85,6 +100,11 @@ class ConnectorSettings:
     eager_guess: bool = True
     register: str = "all"
     integrity: bool = False
+    auth_secret_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
+    allowed_peers: tuple = ()
 
     @property
     def transfer_flow(self) -> str:
@@ -98,9 +118,13 @@ class ConnectorSettings:
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise SettingsError(f"kv_connector_extra_config: unknown keys {unknown}; known keys are {sorted(known)}")
+        if "auth_secret_file" not in extra and os.environ.get("KVTRITON_AUTH_SECRET_FILE"):
+            extra["auth_secret_file"] = os.environ["KVTRITON_AUTH_SECRET_FILE"]
         values = {}
         for name, value in extra.items():
             want = type(known[name].default)
+            if want is tuple and isinstance(value, list):
+                value = tuple(value)
             if want is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
             if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
@@ -140,3 +164,19 @@ class ConnectorSettings:
             raise bad("cost_model", "'default' or 'measured'")
         if self.register not in ("all", "staging"):
             raise bad("register", "'all' (cache and staging) or 'staging' (staging only)")
+        try:
+            self.peer_allowlist()
+        except AllowlistError as e:
+            raise SettingsError(f"kv_connector_extra_config['allowed_peers']: {e}") from None
+        tls = (self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+        if any(tls) and not all(tls):
+            raise bad("tls_cert_file", "tls_cert_file, tls_key_file and tls_ca_file all given, or none")
+
+    def peer_allowlist(self) -> PeerAllowlist:
+        """``allowed_peers`` parsed."""
+        return PeerAllowlist(self.allowed_peers)
+
+    def credential(self) -> Credential | None:
+        """The cluster credential the files name (read now), or None when none is configured."""
+        return Credential.from_files(secret_file=self.auth_secret_file or None, cert_file=self.tls_cert_file or None,
+                                     key_file=self.tls_key_file or None, ca_file=self.tls_ca_file or None)

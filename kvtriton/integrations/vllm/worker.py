@@ -8,6 +8,12 @@ handshake side channel, and the translation of agent events into vLLM's terms.
 * A decode rank meets a prefill engine lazily, on its first load, in a background thread, and only
   the prefill ranks its plan reads from (:func:`~kvtriton.plan.required_source_ranks`). Loads
   wait for it; a handshake that fails fails them, and the next request tries again.
+* The address a request names is untrusted: it must be in ``allowed_peers``, and once an engine
+  was met with the cluster credential its address is pinned (a request naming it elsewhere fails
+  before any connection, its blocks recomputed). Meetings are keyed by engine *and* address, so a
+  forged request's meeting never holds honest loads; at most :data:`MAX_MEETINGS` run at once,
+  each on its own thread (a silent address delays only the loads that named it), and a load
+  past the cap is recomputed. A load that timed out makes the next one meet its engine again.
 * A failed load is still reported in ``finished_recving``, and its local blocks in
   ``get_block_ids_with_load_errors`` (vLLM then recomputes them, with
   ``kv_load_failure_policy="recompute"``). A lost prefill engine is met again on its next request.
@@ -30,7 +36,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ...agent import TransferAgent
-from ...errors import KVTritonError, PeerDisconnectedError, ProtocolError, RequestRejectedError
+from ...errors import (
+    AuthenticationError,
+    KVTritonError,
+    PeerDisconnectedError,
+    ProtocolError,
+    RequestRejectedError,
+    TransferTimeoutError,
+)
 from ...plan import CostModel, required_source_ranks
 from ...protocol import wire
 from ...protocol.handshake import MetadataServer, exchange_metadata
@@ -42,11 +55,15 @@ __all__ = ["WorkerSide"]
 
 logger = logging.getLogger(__name__)
 
+#: handshakes in flight at once (one thread each); a load that needs another is recomputed
+MAX_MEETINGS = 8
+_MAX_LOGGED_PEERS = 1024
+
 
 @dataclass
 class _Engine:
-    """A prefill engine as this rank knows it: met (``ready``) or being met (a failed meeting
-    forgets the engine, so its next request tries again)."""
+    """A prefill engine at one address as this rank knows it: met (``ready``) or being met (a
+    failed meeting forgets it, so its next request tries again)."""
 
     ready: bool = False
     waiting: dict[str, LoadSpec] = field(default_factory=dict)  # loads held until the handshake ends
@@ -63,6 +80,8 @@ class WorkerSide:
         if s.consumer and s.consumer == engine_id:
             raise SettingsError(f"kv_connector_extra_config['consumer'] = {s.consumer!r} is this engine's own id: "
                                 f"expected the id of the decode engine that reads this engine's holds")
+        self.credential = s.credential()  # files read now: a bad one fails at start
+        self._allowed = s.peer_allowlist()
         cost = CostModel()
         if s.cost_model == "measured":
             from ...costmodel import load_or_measure
@@ -71,19 +90,24 @@ class WorkerSide:
         self.agent = TransferAgent(engine_id, rank, tp_size, regions, staging_bytes=s.staging_bytes,
                                    slot_bytes=s.slot_bytes, flow=s.transfer_flow, chunk_bytes=s.chunk_bytes or None,
                                    inflight_chunks=s.inflight_chunks, timeout_s=s.timeout_s, impl=s.impl,
-                                   cost=cost, eager_guess=s.eager_guess, register=s.register, integrity=s.integrity)
+                                   cost=cost, eager_guess=s.eager_guess,
+                                   require_authenticated_peers=self.credential is not None, register=s.register,
+                                   integrity=s.integrity)
         self.server: MetadataServer | None = None
         try:
-            if serve:
-                self.server = MetadataServer(s.host, s.port + rank, self.agent.metadata, self.agent.add_remote,
+            if serve:  # with a credential, the server calls this only for callers that proved it
+                self.server = MetadataServer(s.host, s.port + rank, self.agent.metadata, self._add_remote,
+                                             credential=self.credential,
                                              io_timeout_s=s.handshake_timeout_s).start()
         except BaseException:
             self.agent.close()
             raise
         self.agent.start(s.progress_interval_s)
         self._lock = threading.Lock()
-        self._handshakes = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvtriton-meet-{rank}")
-        self._engines: dict[str, _Engine] = {}
+        self._handshakes = ThreadPoolExecutor(max_workers=MAX_MEETINGS, thread_name_prefix=f"kvtriton-meet-{rank}")
+        self._engines: dict[tuple[str, str, int], _Engine] = {}  # by (engine id, host, port)
+        self._pinned: dict[str, tuple[str, int]] = {}  # engine id -> address of its authenticated meeting
+        self._refused_peers: set[tuple[str, str, int]] = set()  # logged once each
         self._active: dict[str, LoadSpec] = {}  # fetch issued, by our request id
         self._by_remote: dict[str, str] = {}  # the agent knows a fetch by the prefill's request id
         self._cancelled: set[str] = set()
@@ -93,7 +117,9 @@ class WorkerSide:
         self._freed: set[str] = set()  # holds the agent freed, not yet reported
         self._msgs: StepMessages | None = None
         #: loads this rank finished well, the descriptors they posted and the bytes they moved
-        self.stats = {"loads": 0, "descriptors": 0, "bytes": 0, "failed": 0}
+        #: and the loads refused before any connection (outside allowed_peers, a pinned engine named
+        #: at another address, more than MAX_MEETINGS handshakes at once)
+        self.stats = {"loads": 0, "descriptors": 0, "bytes": 0, "failed": 0, "refused_peer": 0}
         self._applied = self._started = False
 
     # ------------------------------------------------------------------ per step
@@ -172,16 +198,46 @@ class WorkerSide:
         self._msgs = None
 
     # ------------------------------------------------------------------ loads
+    def _add_remote(self, metadata: bytes) -> str:
+        # with a credential, only callers that proved it get here (the server's and our exchange's)
+        return self.agent.add_remote(metadata, authenticated=self.credential is not None)
+
+    def _refusal(self, src) -> KVTritonError | None:
+        """Why a load from ``src`` must not connect anywhere, or None. Caller holds the lock."""
+        if not self._allowed.allows(src.engine_id, src.host, src.port):
+            return RequestRejectedError(f"engine {src.engine_id!r} at {src.host}:{src.port} is not in allowed_peers")
+        pinned = self._pinned.get(src.engine_id)
+        if pinned is not None and pinned != (src.host, src.port):
+            return AuthenticationError(f"engine {src.engine_id!r} was met at {pinned[0]}:{pinned[1]}; a request "
+                                       f"naming it at {src.host}:{src.port} is refused")
+        key = (src.engine_id, src.host, src.port)
+        if key not in self._engines and sum(not e.ready for e in self._engines.values()) >= MAX_MEETINGS:
+            return RequestRejectedError(f"{MAX_MEETINGS} handshakes are in flight; engine {src.engine_id!r} at "
+                                        f"{src.host}:{src.port} is met on a later request")
+        return None
+
     def _load(self, load: LoadSpec) -> None:
         src = load.source
+        key = (src.engine_id, src.host, src.port)
         with self._lock:
-            eng = self._engines.get(src.engine_id)
-            if eng is None:
-                eng = self._engines[src.engine_id] = _Engine()
-                self._handshakes.submit(self._meet, src)
-            if not eng.ready:
-                eng.waiting[load.req_id] = load
-                return
+            refused = self._refusal(src)
+            if refused is None:
+                eng = self._engines.get(key)
+                if eng is None:
+                    eng = self._engines[key] = _Engine()
+                    self._handshakes.submit(self._meet, src)
+                if not eng.ready:
+                    eng.waiting[load.req_id] = load
+                    return
+            else:
+                self.stats["refused_peer"] += 1
+                if key not in self._refused_peers and len(self._refused_peers) < _MAX_LOGGED_PEERS:
+                    self._refused_peers.add(key)
+                    logger.warning("load of %s refused before any connection, computing it locally: %s",
+                                   load.req_id, refused)
+        if refused is not None:
+            self._finish_load(load, refused)
+            return
         self._fetch(load)
 
     def _fetch(self, load: LoadSpec) -> None:
@@ -237,14 +293,18 @@ class WorkerSide:
                 if load.report:
                     blocks = load.local_block_ids if undefined is None else undefined
                     self._load_errors.update(b for b in blocks if b >= 0)
-                if isinstance(error, PeerDisconnectedError):
-                    self._engines.pop(load.source.engine_id, None)  # meet it again next time
+                if isinstance(error, (PeerDisconnectedError, TransferTimeoutError)):
+                    # a lost or silent engine (restarted, say) is met again on its next load
+                    src = load.source
+                    eng = self._engines.get((src.engine_id, src.host, src.port))
+                    if eng is not None and eng.ready:
+                        del self._engines[(src.engine_id, src.host, src.port)]
             if load.report:
                 self._recving.add(load.req_id)
 
-    def _fail_waiting(self, engine_id: str, error: KVTritonError) -> None:
+    def _fail_waiting(self, src: RemoteSource, error: KVTritonError) -> None:
         with self._lock:
-            eng = self._engines.pop(engine_id, None)
+            eng = self._engines.pop((src.engine_id, src.host, src.port), None)
             waiting = list(eng.waiting.values()) if eng else []
         for load in waiting:
             self._finish_load(load, error)
@@ -254,7 +314,7 @@ class WorkerSide:
         try:
             ranks = required_source_ranks(self.rank, self.tp_size, self.agent.specs, src.tp_size)
             for r in ranks:
-                md = exchange_metadata(src.host, src.port + r, self.agent.metadata(),
+                md = exchange_metadata(src.host, src.port + r, self.agent.metadata(), credential=self.credential,
                                        timeout_s=self.settings.handshake_timeout_s,
                                        attempts=self.settings.handshake_attempts)
                 # who answered, checked before NIXL connects to it (the address came from a proxy)
@@ -263,17 +323,24 @@ class WorkerSide:
                     raise ProtocolError(f"{src.host}:{src.port + r} serves {got.engine!r} rank {got.rank} of "
                                         f"tp={got.tp}; the request names {src.engine_id!r} rank {r} of "
                                         f"tp={src.tp_size}")
-                self.agent.add_remote(md)
+                with self._lock:  # two authenticated meetings raced for one engine id: the first one holds it
+                    pinned = self._pinned.get(src.engine_id)
+                    if pinned is not None and pinned != (src.host, src.port):
+                        raise AuthenticationError(f"engine {src.engine_id!r} was met at {pinned[0]}:{pinned[1]}; "
+                                                  f"{src.host}:{src.port} claims it too")
+                    if self.credential is not None:
+                        self._pinned[src.engine_id] = (src.host, src.port)
+                self._add_remote(md)
         except KVTritonError as e:
             logger.warning("handshake with %s at %s:%d failed: %s", src.engine_id, src.host, src.port, e)
-            self._fail_waiting(src.engine_id, e)
+            self._fail_waiting(src, e)
             return
         except Exception as e:  # noqa: BLE001 - a handshake must never kill the worker
             logger.exception("handshake with %s failed", src.engine_id)
-            self._fail_waiting(src.engine_id, ProtocolError(f"handshake failed: {type(e).__name__}: {e}"))
+            self._fail_waiting(src, ProtocolError(f"handshake failed: {type(e).__name__}: {e}"))
             return
         with self._lock:
-            eng = self._engines.get(src.engine_id)
+            eng = self._engines.get((src.engine_id, src.host, src.port))
             if eng is None:
                 return
             eng.ready = True

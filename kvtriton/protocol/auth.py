@@ -1,0 +1,145 @@
+"""The cluster credential the handshake side channel checks before any metadata moves.
+
+A rank's NIXL metadata is the key to its registered memory (whoever holds it can READ and WRITE
+the cache and staging one-sidedly), so :mod:`.handshake` sends it only to a peer that proved the
+credential every engine of the cluster was started with:
+
+* a **shared secret**: HMAC-SHA256 challenge-response over fresh nonces from both sides; each
+  proof binds the protocol version, the role that made it (``server``/``client``/``reply``), both
+  nonces and the digest of the metadata it carries, so no proof can be replayed on another
+  connection, reflected to the other role, or moved onto other metadata;
+* and/or **mutual TLS** from certificate files (the standard :mod:`ssl` module; both sides present
+  a certificate the cluster CA signed, ``CERT_REQUIRED`` both ways, the server's checked against
+  the host name the caller dialled). TLS also keeps the metadata confidential on the wire; the
+  secret alone authenticates it but does not hide it.
+
+Only the standard library's primitives (:mod:`hmac`, :mod:`secrets`, :mod:`ssl`) are used.
+
+Example
+-------
+::
+
+    cred = Credential.from_files(secret_file="/etc/kvtriton/secret")
+    MetadataServer(host, port, agent.metadata, agent.add_remote, credential=cred)
+    exchange_metadata(host, port, agent.metadata(), credential=cred)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import ssl
+
+from ..errors import AuthenticationError
+
+__all__ = ["Credential", "NONCE_BYTES", "PROOF_BYTES", "MIN_SECRET_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+NONCE_BYTES = 32
+PROOF_BYTES = hashlib.sha256().digest_size
+#: a shorter secret is refused: it could be guessed offline from one observed proof
+MIN_SECRET_BYTES = 16
+
+
+class Credential:
+    """What this engine proves and demands on the side channel: a shared secret, mutual TLS, or
+    both (TLS first, the secret's challenge-response inside it).
+
+    Parameters
+    ----------
+    secret:    the cluster's shared secret (at least :data:`MIN_SECRET_BYTES` bytes).
+    cert_file: this engine's certificate chain (PEM); with ``key_file`` and ``ca_file``.
+    key_file:  its private key (PEM).
+    ca_file:   the CA bundle that signs every engine of the cluster (PEM).
+    """
+
+    def __init__(self, *, secret: bytes | None = None, cert_file: str | None = None, key_file: str | None = None,
+                 ca_file: str | None = None):
+        tls = (cert_file, key_file, ca_file)
+        if any(tls) and not all(tls):
+            raise AuthenticationError(f"mutual TLS needs cert_file, key_file and ca_file together; got "
+                                      f"cert_file={cert_file!r}, key_file={key_file!r}, ca_file={ca_file!r}")
+        if secret is None and not any(tls):
+            raise AuthenticationError("a credential needs a shared secret and/or TLS files (cert, key, CA)")
+        if secret is not None and (not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES):
+            raise AuthenticationError(f"the shared secret must be at least {MIN_SECRET_BYTES} bytes, got "
+                                      f"{len(secret) if isinstance(secret, bytes) else type(secret).__name__}")
+        self._secret = secret
+        self._tls: tuple[str, str, str] | None = (
+            (cert_file, key_file, ca_file) if cert_file and key_file and ca_file else None)
+        self._server_ctx: ssl.SSLContext | None = None
+        self._client_ctx: ssl.SSLContext | None = None
+        if self._tls is not None:  # load now: a bad file fails at start, not at the first handshake
+            self._server_ctx, self._client_ctx = self._context(True), self._context(False)
+
+    @classmethod
+    def from_files(cls, *, secret_file: str | None = None, cert_file: str | None = None, key_file: str | None = None,
+                   ca_file: str | None = None) -> Credential | None:
+        """The credential these files hold, or None when no file is named (no credential)."""
+        if not (secret_file or cert_file or key_file or ca_file):
+            return None
+        secret = None
+        if secret_file:
+            try:
+                with open(secret_file, "rb") as f:
+                    secret = f.read(1 << 16).strip()  # a trailing newline from an editor is not part of it
+                mode = os.stat(secret_file).st_mode
+            except OSError as e:
+                raise AuthenticationError(f"cannot read the shared secret file {secret_file!r}: {e}") from None
+            if mode & 0o077:
+                logger.warning("the shared secret file %s is readable by group or others (mode %o): expected 0600",
+                               secret_file, mode & 0o777)
+        return cls(secret=secret, cert_file=cert_file or None, key_file=key_file or None, ca_file=ca_file or None)
+
+    @property
+    def has_secret(self) -> bool:
+        return self._secret is not None
+
+    @property
+    def has_tls(self) -> bool:
+        return self._tls is not None
+
+    def __repr__(self) -> str:  # never the secret itself
+        return f"Credential(secret={'set' if self._secret else 'none'}, tls={'mutual' if self._tls else 'none'})"
+
+    # ------------------------------------------------------------------ shared secret
+    def proof(self, role: bytes, client_nonce: bytes, server_nonce: bytes, payload: bytes = b"",
+              version: int = 1) -> bytes:
+        """HMAC-SHA256 over the transcript: version, role, both nonces, the payload's digest."""
+        if self._secret is None:
+            raise AuthenticationError("this credential has no shared secret")
+        transcript = b"|".join((b"kvtriton-handshake", b"v%d" % version, role, client_nonce, server_nonce,
+                                hashlib.sha256(payload).digest()))
+        return hmac.new(self._secret, transcript, hashlib.sha256).digest()
+
+    def verify(self, proof: bytes, role: bytes, client_nonce: bytes, server_nonce: bytes, payload: bytes = b"",
+               version: int = 1) -> bool:
+        """Whether ``proof`` is this transcript's (constant-time comparison)."""
+        return hmac.compare_digest(proof, self.proof(role, client_nonce, server_nonce, payload, version))
+
+    # ------------------------------------------------------------------ mutual TLS
+    def _context(self, server: bool) -> ssl.SSLContext:
+        if self._tls is None:
+            raise AuthenticationError("this credential has no TLS files")
+        cert, key, ca = self._tls
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            ctx.load_cert_chain(cert, key)
+            ctx.load_verify_locations(cafile=ca)
+        except (OSError, ssl.SSLError) as e:
+            raise AuthenticationError(f"cannot load the TLS files (cert {cert!r}, key {key!r}, CA {ca!r}): {e}") \
+                from None
+        ctx.verify_mode = ssl.CERT_REQUIRED  # both ways: a client without a CA-signed certificate is refused
+        if not server:
+            ctx.check_hostname = True  # the server's certificate must name the host we dialled
+        return ctx
+
+    def server_context(self) -> ssl.SSLContext | None:
+        return self._server_ctx
+
+    def client_context(self) -> ssl.SSLContext | None:
+        return self._client_ctx
