@@ -90,7 +90,7 @@ def test_staging_is_whole_right_after_every_hold_is_done(flow, eager, prefix, of
         assert all(r.ok for v in got.values() for r in v), got
         touched = np.concatenate([dst[dst >= 0] for _, _, dst, _ in reqs])
         for r in range(2):
-            for req, src, dst, kv in reqs:
+            for _, _, dst, kv in reqs:
                 check_destination(e.D[r], r, 2, kv, dst)
             _untouched(e.D[r], before[r], touched)
         freed = _until_freed(e, 2)
