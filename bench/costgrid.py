@@ -23,8 +23,10 @@ geometry allows it (:data:`MODES`). For STAGED regions the plan's choice is the 
 :func:`kvtriton.plan.choose_way` picks for this request (its run counts). Pairs: P2->D4
 and P4->D2 (DIRECT only with one head per rank: replicated heads; otherwise STAGED against one
 one-sided way) and P2->D2 (every head count). Each transport runs in its own process (UCX reads ``UCX_TLS`` once).
-Run alone: ``python bench/costgrid.py [--quick]`` (``--quick``: block sizes 16 and 128 only, fewer
-rounds; what ``bench/sweep.py`` runs unless ``--full-grid``).
+Run alone: ``python bench/costgrid.py [--quick | --size small|quick|full]`` (:data:`GRIDS`; ``quick``:
+block sizes 16 and 128 only, fewer rounds, what ``bench/sweep.py --full`` runs; ``small``: 8 cells
+over shared memory, what the default sweep runs). Each group of cells runs in its own process
+(:func:`_groups`: native memory that NIXL agents leave behind would otherwise add up to GBs).
 """
 
 from __future__ import annotations
@@ -59,12 +61,46 @@ CONNECTIONS = 4
 WARMUP_FETCHES = 2  # per connection: wire-up, first touch of staging and caches
 
 
-def _cells(quick: bool):
-    for p_tp, d_tp in PAIRS:
-        for h in HEADS:
-            for bs in (BLOCKS[::3] if quick else BLOCKS):  # quick: the range's ends, 16 and 128
-                for layout in LAYOUTS:
+#: grid sizes: (pairs, heads per rank, block sizes, layouts, agent pairs per mode, base rounds).
+#: "small": what the default sweep runs (8 cells over shared memory, a few minutes with the rest);
+#: "quick": block sizes 16 and 128 (48 cells per transport); "full": every block size (96).
+GRIDS = {
+    "small": ([(2, 4), (4, 2)], [1, 4], [16, 128], ["HND"], 2, 4),
+    "quick": (PAIRS, HEADS, BLOCKS[::3], LAYOUTS, CONNECTIONS, 8),
+    "full": (PAIRS, HEADS, BLOCKS, LAYOUTS, CONNECTIONS, 12),
+}
+#: transports each size runs (small: shared memory only)
+GRID_TRANSPORTS = {"small": TRANSPORTS[:1], "quick": TRANSPORTS, "full": TRANSPORTS}
+
+
+def _size(quick) -> str:
+    """A grid size from the old ``quick`` flag (True: "quick", False: "full") or a size name."""
+    return quick if isinstance(quick, str) else ("quick" if quick else "full")
+
+
+def _cells(quick):
+    pairs, heads, blocks, layouts = GRIDS[_size(quick)][:4]
+    for p_tp, d_tp in pairs:
+        for h in heads:
+            for bs in blocks:
+                for layout in layouts:
                     yield p_tp, d_tp, h, bs, layout
+
+
+#: cells one process times, by size: the cells sharing this many leading keys of (P, D, heads,
+#: block) (small: each P->D pair, 4 cells of 2 connections; else each (P, D, heads, block), 2 cells
+#: of 4 connections)
+GROUP_KEYS = {"small": 2, "quick": 4, "full": 4}
+
+
+def _groups(quick) -> list[tuple[int, ...]]:
+    """The cells cut into the groups one process times (:data:`GROUP_KEYS`).
+    Why: every agent pair a process builds and closes leaves ~20 MB of native heap behind
+    (NIXL/UCX state, measured: RSS grew ~0.6 GB per 4-connection cell and reached 10 GB over a
+    48-cell transport while the Python objects were all collected), so one process per group
+    keeps each process near one cell's peak (well under 4 GB)."""
+    k = GROUP_KEYS[_size(quick)]
+    return list(dict.fromkeys(c[:k] for c in _cells(quick)))
 
 
 def _setup_mode(mode, models, p_tp, d_tp, bs, layout, gen_seed, agents):
@@ -146,22 +182,33 @@ def _chosen(plan, meta, bs: int, cost) -> str:
     return choose_way(plan.staged[0], meta[1], meta[0], ids, ids, cost).value
 
 
-def run_cells(quick: bool, transport: str) -> list[dict]:
-    """Every cell of this process's transport."""
+def run_cells(quick, transport: str, group: tuple | None = None, cost_file: str | None = None) -> list[dict]:
+    """The cells of this process's transport (only ``group``'s when given, see :func:`_groups`).
+    ``cost_file``: the cost model of this transport, as JSON; measured now and written there when
+    the file is empty or missing (the first group of a transport), read from it otherwise."""
     import torch
 
     from kvtriton.costmodel import load_or_measure
     from kvtriton.errors import PlanError
-    from kvtriton.plan import build_plan
+    from kvtriton.plan import CostModel, build_plan
     from kvtriton.testing.oracle import RegionModel, make_rank_regions
 
     torch.set_num_threads(1)
-    # measured now, in this process's conditions (1 torch thread, this transport): the grid judges
-    # the measurement procedure, not a cache written under other load (it refreshes that cache)
-    cost = load_or_measure("cpu", impl="torch", remeasure=True)
-    reps = 8 if quick else 12  # whole turns over the connections
+    size = _size(quick)
+    connections, reps = GRIDS[size][4], GRIDS[size][5]  # reps: whole turns over the connections
+    saved = Path(cost_file).read_text() if cost_file and Path(cost_file).exists() else ""
+    if saved:
+        cost = CostModel(**json.loads(saved))
+    else:
+        # measured now, in this process's conditions (1 torch thread, this transport): the grid judges
+        # the measurement procedure, not a cache written under other load (it refreshes that cache)
+        cost = load_or_measure("cpu", impl="torch", remeasure=True)
+        if cost_file:
+            Path(cost_file).write_text(json.dumps(cost.as_dict()))
     rows = []
-    for p_tp, d_tp, h, bs, layout in _cells(quick):
+    for p_tp, d_tp, h, bs, layout in _cells(size):
+        if group is not None and (p_tp, d_tp, h, bs)[:len(group)] != tuple(group):
+            continue
         total = h * min(p_tp, d_tp)
         layers = max(1, 8 // h)
         models = [RegionModel.gqa(f"l{i}", total, 128, torch.bfloat16) for i in range(layers)]
@@ -177,7 +224,7 @@ def run_cells(quick: bool, transport: str) -> list[dict]:
                 except PlanError:
                     continue
                 fetches[mode] = []
-                for c in range(CONNECTIONS):
+                for c in range(connections):
                     fetch, check, payload = _setup_mode(mode, models, p_tp, d_tp, bs, layout, bs * 31 + h + c,
                                                         agents)
                     for _ in range(WARMUP_FETCHES):
@@ -208,31 +255,56 @@ def run_cells(quick: bool, transport: str) -> list[dict]:
     return rows
 
 
-def run_costgrid(quick: bool = False, timeout_s: float | None = None) -> list[dict]:
-    """Every transport's cells, each transport in fresh processes."""
-    timeout_s = timeout_s or (1200 if quick else 2400)  # per transport (48 / 96 cells on a 2-core box)
+def run_costgrid(quick=False, timeout_s: float | None = None, progress=None) -> list[dict]:
+    """Every transport's cells (``quick``: a size of :data:`GRIDS`, or True/False for "quick"/"full"),
+    each group of cells in a fresh process (:func:`_groups`), the cost model measured once per
+    transport by its first process. ``progress(line)``: called as each cell finishes."""
+    size = _size(quick)
+    groups = _groups(size)
+    timeout_s = timeout_s or 420  # per group (2-4 cells; a few minutes at worst on a busy 2-core box)
     rows: list[dict] = []
-    for label, tls in TRANSPORTS:
+    for label, tls in GRID_TRANSPORTS[size]:
         env = dict(os.environ)
         env.pop("UCX_TLS", None)
         if tls:
             env["UCX_TLS"] = tls
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            cmd = [sys.executable, os.path.abspath(__file__), "--json", f.name, "--transport", label] + \
-                (["--quick"] if quick else [])
-            print(f"costgrid: {label} ...", flush=True)
-            try:
-                res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-                ok, err = res.returncode == 0, res.stderr[-300:]
-                print("".join(x + "\n" for x in res.stdout.splitlines() if x.startswith("costgrid ")), end="",
-                      flush=True)
-            except subprocess.TimeoutExpired:
-                ok, err = False, f"timed out after {timeout_s} s"
-            if not ok:
-                rows.append(dict(transport=label, chosen="failed", note=err.replace("\n", " ")))
-                continue
-            rows += json.load(open(f.name))
+        print(f"costgrid: {label} ...", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            cost_file = os.path.join(tmp, "cost.json")
+            for k, group in enumerate(groups):
+                out = os.path.join(tmp, f"rows{k}.json")
+                cmd = [sys.executable, os.path.abspath(__file__), "--json", out, "--transport", label, "--size", size,
+                       "--group", ",".join(map(str, group)), "--cost", cost_file]
+                ok, err = _run_group(cmd, env, timeout_s, progress)
+                if not ok:
+                    rows.append(dict(transport=label, chosen="failed", note=err.replace("\n", " ")))
+                    continue
+                rows += json.load(open(out))
     return rows
+
+
+def _run_group(cmd: list[str], env: dict, timeout_s: float, progress) -> tuple[bool, str]:
+    """Run one group's process, passing each cell's line on as it comes; (ok, error tail)."""
+    import threading
+
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        timer = threading.Timer(timeout_s, proc.kill)
+        timer.start()
+        try:
+            for line in proc.stdout:
+                if line.startswith("costgrid "):
+                    print(line, end="", flush=True)
+                    if progress is not None:
+                        progress(line.strip())
+            rc = proc.wait()
+        finally:
+            timer.cancel()
+        err.seek(0)
+        tail = err.read()[-300:]
+    if rc != 0 and not tail:
+        tail = f"killed after {timeout_s} s" if rc < 0 else f"exit {rc}"
+    return rc == 0, tail
 
 
 def sample_interleaved(fetches: dict, reps: int, extra: int = 0) -> dict[str, list[float]]:
@@ -278,14 +350,19 @@ def judge(times: dict[str, tuple[float, float, float]], chosen: str) -> tuple[st
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="the quick grid (--size quick)")
+    ap.add_argument("--size", choices=sorted(GRIDS), default=None, help="grid size (default: full)")
     ap.add_argument("--transport", default="", help="label of this process's transport (UCX_TLS sets it)")
+    ap.add_argument("--group", default=None, help="P,D[,heads[,block]]: time only that group's cells (one process)")
+    ap.add_argument("--cost", default=None, help="cost model JSON of this transport (written when missing)")
     ap.add_argument("--json", default=None, help="write rows here (used by the sweep)")
     args = ap.parse_args()
+    size = args.size or ("quick" if args.quick else "full")
     if args.json is None and not args.transport:
-        rows = run_costgrid(args.quick)
+        rows = run_costgrid(size)
     else:
-        rows = run_cells(args.quick, args.transport or "shm")
+        group = tuple(int(x) for x in args.group.split(",")) if args.group else None
+        rows = run_cells(size, args.transport or "shm", group, args.cost)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)

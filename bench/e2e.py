@@ -486,10 +486,10 @@ PAIRS = ("p4d8", "p8d4")  # the geometries (CASES) the matrix runs
 
 
 def run_e2e_matrix(quick: bool = False, configs=CONFIGS, timeout_s: float = 240, ids=IDS,
-                   pairs=PAIRS) -> list[dict]:
+                   pairs=PAIRS, progress=None) -> list[dict]:
     """:func:`run_e2e_bench` per (pair, block ids, transport, host load), each in fresh processes:
     UCX reads ``UCX_TLS`` once, when the first agent starts. Per-token reads run only in the
-    first config of each pair."""
+    first config of each pair. ``progress(what)``: called as each configuration finishes."""
     import json
     import subprocess
     import sys
@@ -512,6 +512,8 @@ def run_e2e_matrix(quick: bool = False, configs=CONFIGS, timeout_s: float = 240,
                 err = res.stderr[-300:]
             except subprocess.TimeoutExpired:
                 ok, err = False, f"timed out after {timeout_s} s"
+            if progress is not None:
+                progress(f"{pair} {label} {'busy' if busy else 'idle'} {id_kind}")
             if not ok:
                 rows.append(dict(case="e2e", pair=pair, transport=label, host="busy" if busy else "idle", ids=id_kind,
                                  method="failed", note=err.replace("\n", " ")))

@@ -72,8 +72,12 @@ def write_csv(rows: list[dict], path: Path, meta: dict) -> None:
 # --------------------------------------------------------------------------- summary.md
 def summary_lines(rows: list[dict], meta: dict) -> list[str]:
     """summary.md: a header saying how to reproduce it, then one table per section that ran."""
-    lines = [f"# kvtriton sweep ({meta['device']}, {meta['timestamp']})", "",
-             f"Reproduce: `{meta['command']}`. torch {meta['torch']}, git {meta['git_sha']}. Timings: median "
+    took = ""
+    if meta.get("wall_s"):
+        took = (f" Took {meta['wall_s']} s ({meta.get('section_s', '')}); load average at the end "
+                f"{meta.get('load_avg', '?')} (1, 5, 15 min; the box is shared).")
+    lines = [f"# kvtriton sweep ({meta['device']}, {meta['timestamp']})", "", *headline_lines(rows, meta), "",
+             f"Reproduce: `{meta['command']}`. torch {meta['torch']}, git {meta['git_sha']}.{took} Timings: median "
              "with [p20-p80] of repeated runs in one process; `sweep.csv` has every quantity in long form.", ""]
     desc = [r for r in rows if r["section"] == "descriptors"]
     if desc:
@@ -107,6 +111,95 @@ def summary_lines(rows: list[dict], meta: dict) -> list[str]:
     if pd:
         lines += _pd_vllm_summary(pd)
     return lines
+
+
+# --------------------------------------------------------------------------- the headline
+HEADLINE = ("descriptors", "e2e", "cost model", "real engines", "GPU")  # the five lines, in order
+
+
+def headline_lines(rows: list[dict], meta: dict) -> list[str]:
+    """The five lines summary.md starts with, one per :data:`HEADLINE` entry, each ``- **name**: ...``
+    (a section that did not run says so): what a reader should see first."""
+    by = {sec: [r for r in rows if r.get("section") == sec] for sec in ("descriptors", "e2e", "costmodel", "pd_vllm")}
+    return [f"- **{name}**: {text}" for name, text in zip(HEADLINE, (
+        _headline_descriptors(by["descriptors"]), _headline_e2e(by["e2e"]), _headline_grid(by["costmodel"]),
+        _headline_engines(by["pd_vllm"]), _headline_gpu(meta)))]
+
+
+def _headline_descriptors(desc: list[dict]) -> str:
+    ok = [r for r in desc if "note" not in r]
+    if not ok:
+        return "not run"
+    x = sorted(r["vllm_packed_per_kvtriton"] for r in ok)
+    return (f"vLLM K||V direct reads need {x[0]:,}x to {x[-1]:,}x as many as kvtriton (median "
+            f"{int(np.median(x)):,}x) over {len(ok)} preset x P->D x block cells, one {ok[0]['tokens']}-token request")
+
+
+def e2e_ratios(rows: list[dict], cfg: tuple) -> dict[str, float]:
+    """Same-run ratios of one e2e (transport, host, ids) configuration against vLLM K||V direct
+    reads: ``pull``, ``push``, ``eager`` (absent when a method did not run)."""
+    sel = {r["method"]: r["ms"] for r in rows
+           if (r.get("transport"), r.get("host"), r.get("ids", "random")) == cfg and "ms" in r}
+    base = sel.get("vLLM 0.33 direct 8 KiB K||V reads")
+    out = {}
+    for key, method in (("pull", "kvtriton staged, pull, 1 chunk(s) x 1 in flight"),
+                        ("push", "kvtriton staged, push, 1 chunk(s) x 1 in flight"),
+                        ("eager", "kvtriton staged, pull eager, 1 chunk(s) x 1 in flight")):
+        if base and sel.get(method):
+            out[key] = sel[method] / base
+    return out
+
+
+def _headline_e2e(rows: list[dict]) -> str:
+    rows = [r for r in rows if "src_block" not in r]
+    if not rows:
+        return "not run"
+    parts = []
+    for cfg in dict.fromkeys((r.get("transport"), r.get("host"), r.get("ids", "random")) for r in rows):
+        q = e2e_ratios(rows, cfg)
+        if q:
+            parts.append(f"{cfg[0]} {cfg[1]} {cfg[2]} ids: " + ", ".join(f"{k} {v:.2f}" for k, v in q.items()))
+    if not parts:
+        return "no configuration completed"
+    pair = rows[0].get("pair", "p4d8").upper().replace("D", "->D")
+    return f"kvtriton / vLLM K||V direct reads, one request {pair} (lower is better): " + "; ".join(parts)
+
+
+def _headline_grid(rows: list[dict]) -> str:
+    cells = [r for r in rows if "ratio" in r]
+    if not rows:
+        return "not run"
+    if not cells:
+        return "no cell ran"
+    misses = sum(r.get("miss_beyond_noise") == "yes" for r in cells)
+    grid = rows[0].get("grid", "")
+    return (f"{summary_line(cells)[len('cost model: '):]}"
+            + (f" ({grid} grid)" if grid else "") + f"; {misses} miss(es) beyond noise; "
+            + ("met" if max(r["ratio"] for r in cells) <= 1.10 and misses <= 1 else "NOT met")
+            + " (goal: worst <= 1.10, at most one miss)")
+
+
+def _headline_engines(rows: list[dict]) -> str:
+    if not rows:
+        return "not run (no vLLM test bed, or not asked)"
+    out = []
+    for p, d in dict.fromkeys((r["prefill_tp"], r["decode_tp"]) for r in rows):
+        med = {}
+        for c in ("kvtriton", "nixl"):
+            med[c] = median_known([r.get("kv_loaded_ms") for r in rows if (r["prefill_tp"], r["decode_tp"],
+                                   r["connector"]) == (p, d, c) and r.get("request", -1) >= 0])
+        ratio = f"{med['kvtriton'] / med['nixl']:.2f}x" if med["kvtriton"] and med["nixl"] else "n/a"
+        out.append(f"P{p}->D{d} {ratio}")
+    size = rows[0].get("pd_size", "")
+    return ("kvtriton / NixlConnector time to KV loaded, same engines and prompts"
+            + (f" ({size} model)" if size else "") + ": " + ", ".join(out))
+
+
+def _headline_gpu(meta: dict) -> str:
+    dev = str(meta.get("device", ""))
+    if dev.startswith("cpu"):
+        return f"none: this run is {dev}, kernels timed on the torch path (GPU checks: bench/gpu_check.sh)"
+    return f"{dev}"
 
 
 def descriptor_summary(desc: list[dict]) -> list[str]:
@@ -357,7 +450,9 @@ def rogue_summary(rows: list[dict]) -> list[str]:
               f"{r['max_progress_ms']} | {r['bad_messages']} | {r['refused']} |" for r in sc]
     if load:
         lines += ["", "Load: every request fetched by all 4 ranks of a TP4 decode engine from a TP2 prefill engine at "
-                  "once (two runs each, the faster kept; lost and wrong bytes summed over both); with the rogue, "
+                  f"once ({load[0].get('runs', 2)} run(s) each, the faster kept; lost and wrong bytes summed over "
+                  "all); "
+                  "with the rogue, "
                   "it first pins its share of staging (32 of 64 slots per prefill rank), then keeps pulling, "
                   "forges done/renew/abort/pull for honest "
                   "requests all along. Every byte of every decode cache is checked.", "",

@@ -320,15 +320,28 @@ def load_run(with_rogue: bool, n_requests: int = 256, blocks: int = 4, seed: int
 
 
 # --------------------------------------------------------------------------- report
-def run_rogue_bench(quick: bool = False) -> list[dict]:
+def load_runs(quick: bool) -> int:
+    """Load runs :func:`run_rogue_bench` makes: with and without the rogue, twice each (once each quick)."""
+    return 2 if quick else 4
+
+
+def run_rogue_bench(quick: bool = False, progress=None) -> list[dict]:
+    """Every scenario, then the load run (``quick``: 64 requests, one run with and one without the
+    rogue; else 256, two each). ``progress(what)``: called as each scenario and load run finishes."""
     logging.getLogger("kvtriton").setLevel(logging.ERROR)  # every refused message logs a warning
+    tick = progress or (lambda what: None)
     rows = []
     for k, cls in enumerate(SCENARIOS):
         rows.append({"part": "scenario", **run_scenario(cls, seed=k)})
         print(f"rogue: {rows[-1]}", flush=True)
-    n = 256
-    # twice each, interleaved; the faster of each pair (the 2-core VM is shared and noisy)
-    runs = [load_run(rogue, n, seed=k) for k in range(2) for rogue in (False, True)]
+        tick(rows[-1].get("scenario", cls.__name__))
+    n = 64 if quick else 256
+    # interleaved with and without; the faster of each kind kept (the 2-core VM is shared and noisy)
+    runs = []
+    for k in range(load_runs(quick) // 2):
+        for rogue in (False, True):
+            runs.append(load_run(rogue, n, seed=k))
+            tick(f"load, {'rogue' if rogue else 'no rogue'}")
     base = min((r for r in runs if not r["rogue"]), key=lambda r: r["seconds"])
     attacked = min((r for r in runs if r["rogue"]), key=lambda r: r["seconds"])
     for r in (base, attacked):  # losses and wrong bytes of every run count, not only the kept one

@@ -23,17 +23,26 @@ Sections (all by default; ``--sections`` picks some):
   and a load run of 256 concurrent requests into 4 decode ranks with and without it
   (bench/rogue.py, ~25 s), when NIXL is installed.
 * ``security_cost``: one request end to end with ``register="staging"`` and ``integrity=True``
-  against the default, same run, as ratios (bench/security_cost.py, ~1 min), when NIXL is installed.
+  against the default, same run, as ratios (bench/security_cost.py, ~1 min; ``--full``: 16 MiB,
+  ~5 min), when NIXL is installed.
 * ``pd_vllm``: prefill and decode as real vLLM engines (bench/pd_vllm.py), kvtriton's connector
   and vLLM's own NixlConnector side by side, P2->D1 and P1->D2: time to KV loaded per request
   (ours/theirs), time to the first decode token, descriptors; a 16-layer, 8-KV-head model with
   2k-token prompts (``--pd-size``; ``--quick``: the 2-layer toy), ~11-13 min on 2 busy cores, when
   the vLLM test bed is built (``make vllm-bed``; ``.venv-vllm`` or ``$KVTRITON_VLLM_PYTHON``).
 
+Sizes: by default every section runs at a smaller size, so the whole job takes a few minutes
+on a 2-core machine (descriptors for every preset; kernels and e2e with fewer layers and
+repetitions, e2e on P4->D8 with random ids over shared memory idle and busy; the quick cost-model
+grid on shared memory; planning with fewer repetitions; the rogue scenarios and a 64-request
+load run; pd_vllm on the 2-layer toy model at P2->D1); ``--full`` runs today's full sizes (every
+e2e configuration, both grid transports, the 256-request load, pd_vllm scaled at P2->D1 and
+P1->D2). Each section shows a progress bar (tqdm) on stderr.
+
 Writes ``bench/results/sweep.csv`` in long form (one row per measured quantity: the row's
 parameters, ``metric``, ``unit``, and its ``p20``/``p50``/``p80``; counts have three equal
-quantiles), ``summary.md`` and ``descriptors.png`` (all written by bench/report.py).
-Reproduce: ``make sweep`` (or ``.venv/bin/python bench/sweep.py [--quick]``).
+quantiles), ``summary.md`` (a five-line headline first) and ``descriptors.png`` (all written by
+bench/report.py). Reproduce: ``make sweep`` (or ``.venv/bin/python bench/sweep.py [--full]``).
 """
 
 from __future__ import annotations
@@ -62,62 +71,126 @@ from report import pd_vllm_table, print_table, write_outputs  # noqa: E402  benc
 try:
     from tqdm import tqdm
 except ImportError:  # pragma: no cover - bench extra not installed
-    def tqdm(it, **_):
-        return it
+    class tqdm:  # type: ignore[no-redef]  # the same calls, no bar
+        def __init__(self, *_, **__):
+            pass
+
+        def reset(self, total=None):
+            pass
+
+        def update(self, n=1):
+            pass
+
+        def set_postfix_str(self, s=""):
+            pass
+
+        def close(self):
+            pass
+
+
+class Bar:
+    """A section's progress bar (tqdm on stderr): ``total(n)`` once the section knows its steps,
+    ``step(what)`` as each one finishes (``what`` shows beside the bar)."""
+
+    def __init__(self, name: str):
+        self.bar = tqdm(total=1, desc=f"{name:<11}", unit="step", leave=True, dynamic_ncols=True)
+
+    def total(self, n: int) -> None:
+        self.bar.reset(total=max(1, n))
+
+    def step(self, what: str = "") -> None:
+        if what:
+            self.bar.set_postfix_str(what[:48])
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 # --------------------------------------------------------------------------- sections
-# Each runner takes the parsed arguments, the chosen presets and the device, and returns the
-# section's rows, each tagged with its ``section`` (bench/report.py groups the tables by it).
-def _descriptors(args, presets, device) -> list[dict]:
-    return descriptor_rows(tqdm(presets, desc="descriptors"), TP_PAIRS, BLOCK_SIZES, TOKENS)
+# Each runner takes the parsed arguments, the chosen presets, the device and its section's Bar,
+# and returns the section's rows, each tagged with its ``section`` (bench/report.py groups the
+# tables by it). ``args.full``: today's full sizes; else every section runs smaller.
+def _descriptors(args, presets, device, bar) -> list[dict]:
+    bar.total(len(presets))
+    rows = []
+    for p in presets:
+        rows += descriptor_rows([p], TP_PAIRS, BLOCK_SIZES, TOKENS)
+        bar.step(p.name)
+    return rows
 
 
-def _kernels(args, presets, device) -> list[dict]:
+def _kernels(args, presets, device, bar) -> list[dict]:
     from block_sizes import kernel_rows  # bench/block_sizes.py: block-size changes vs equal sizes
     from kernel_speed import run_kernel_bench  # bench/kernel_speed.py
 
-    cases = [(p.name, list(p.truncated(4 if args.quick else 8).regions), *_pair(p), 16, TOKENS // 16)
+    quick = not args.full
+    cases = [(p.name, list(p.truncated(4 if quick else 8).regions), *_pair(p), 16, TOKENS // 16)
              for p in presets]
-    rows = [{"section": "kernels", **r} for r in run_kernel_bench(cases, device, args.quick)]
-    return rows + [{"section": "kernels", **r} for r in kernel_rows(device, args.quick)]
+    bar.total(len(cases) + 1)
+    rows = []
+    for case in cases:
+        rows += [{"section": "kernels", **r} for r in run_kernel_bench([case], device, quick)]
+        bar.step(case[0])
+    rows += [{"section": "kernels", **r} for r in kernel_rows(device, quick)]
+    bar.step("block-size changes")
+    return rows
 
 
-def _e2e(args, presets, device) -> list[dict]:
+#: e2e configurations of the default (smaller) sweep: P4->D8, random ids, shared memory idle and
+#: with a busy neighbour (the cases the headline and issue 21's busy-host goal read); --full: all
+E2E_SMALL = dict(pairs=("p4d8",), ids=("random",), configs=[("shm", None, 0), ("shm", None, 1)])
+
+
+def _e2e(args, presets, device, bar) -> list[dict]:
+    import e2e  # bench/e2e.py
     from block_sizes import e2e_rows  # bench/block_sizes.py
-    from e2e import run_e2e_matrix  # bench/e2e.py
 
-    rows = [{"section": "e2e", **r} for r in run_e2e_matrix(quick=args.quick)]
-    return rows + [{"section": "e2e", **r} for r in e2e_rows(quick=args.quick)]
-
-
-def _costmodel(args, presets, device) -> list[dict]:
-    from costgrid import run_costgrid  # bench/costgrid.py
-
-    # the sweep times block sizes 16 and 128 (96 cells); --full-grid all of 16-128 (192 cells)
-    return [{"section": "costmodel", **r} for r in run_costgrid(quick=not args.full_grid)]
+    kw = {} if args.full else E2E_SMALL
+    n = len(kw.get("pairs", e2e.PAIRS)) * len(kw.get("ids", e2e.IDS)) * len(kw.get("configs", e2e.CONFIGS))
+    bar.total(n + 1)
+    rows = [{"section": "e2e", **r} for r in e2e.run_e2e_matrix(quick=not args.full, progress=bar.step, **kw)]
+    rows += [{"section": "e2e", **r} for r in e2e_rows(quick=not args.full)]
+    bar.step("block-size changes")
+    return rows
 
 
-def _planning(args, presets, device) -> list[dict]:
+def _costmodel(args, presets, device, bar) -> list[dict]:
+    import costgrid  # bench/costgrid.py
+
+    # default: the small grid (8 cells, shared memory); --full: the quick grid (48 cells per
+    # transport, what the sweep ran before); --full-grid: every block size of 16-128
+    size = "full" if args.full_grid else ("quick" if args.full else "small")
+    bar.total(len(list(costgrid._cells(size))) * len(costgrid.GRID_TRANSPORTS[size]))
+    return [{"section": "costmodel", "grid": size, **r}
+            for r in costgrid.run_costgrid(size, progress=lambda line: bar.step(line.split(":")[0][9:]))]
+
+
+def _planning(args, presets, device, bar) -> list[dict]:
     from planning import planning_rows  # bench/planning.py
 
-    return [{"section": "planning", **r} for r in planning_rows(quick=args.quick)]
+    rows = [{"section": "planning", **r} for r in planning_rows(quick=not args.full)]
+    bar.step("planned")
+    return rows
 
 
-def _rogue(args, presets, device) -> list[dict]:
-    from rogue import run_rogue_bench  # bench/rogue.py
+def _rogue(args, presets, device, bar) -> list[dict]:
+    import rogue  # bench/rogue.py
 
-    return [{"section": "rogue", **r} for r in run_rogue_bench(quick=args.quick)]
+    bar.total(len(rogue.SCENARIOS) + rogue.load_runs(not args.full))
+    return [{"section": "rogue", **r} for r in rogue.run_rogue_bench(quick=not args.full, progress=bar.step)]
 
 
-def _security_cost(args, presets, device) -> list[dict]:
+def _security_cost(args, presets, device, bar) -> list[dict]:
     from security_cost import run_security_cost  # bench/security_cost.py
 
-    return run_security_cost(layers=2, tokens=512, reps=3) if args.quick else run_security_cost()
+    rows = run_security_cost() if args.full else run_security_cost(layers=2, tokens=512, reps=3)
+    bar.step("timed")
+    return rows
 
 
-def _pd_vllm(args, presets, device) -> list[dict]:
-    return pd_vllm_rows(args.quick, args.pd_size)
+def _pd_vllm(args, presets, device, bar) -> list[dict]:
+    return pd_vllm_rows(not args.full, args.pd_size, bar)
 
 
 #: section -> (needs NIXL, runner). They run in this order whatever order --sections names them;
@@ -138,14 +211,16 @@ SECTIONS = {
 def main(argv=None) -> int:
     """Run the chosen sections, write sweep.csv, summary.md and descriptors.png, print a table."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smaller payloads and fewer repetitions")
+    ap.add_argument("--full", action="store_true",
+                    help="today's full sizes (~15 min on 2 cores); default: every section smaller (~5 min)")
+    ap.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--full-grid", action="store_true",
-                    help="costmodel: every block size 16-128 (192 cells, ~2x the time) instead of 16 and 128")
+                    help="costmodel: every block size 16-128 (192 cells) instead of the small or quick grid")
     ap.add_argument("--pd-size", choices=sorted(PD_SIZES), default="scaled",
-                    help="model and prompt size of the pd_vllm section (--quick: small)")
+                    help="model and prompt size of the pd_vllm section with --full (default sweep: small)")
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
     presets = [PRESETS[p] for p in args.presets.split(",")]
@@ -153,17 +228,26 @@ def main(argv=None) -> int:
     have_nixl = importlib.util.find_spec("nixl") is not None
     t0 = time.time()
     rows: list[dict] = []
+    ran: dict[str, float] = {}
     for name, (needs_nixl, run) in SECTIONS.items():
         if name in sections and (have_nixl or not needs_nixl):
-            rows += run(args, presets, device)
+            t1, bar = time.time(), Bar(name)
+            try:
+                rows += run(args, presets, device, bar)
+            finally:
+                bar.close()
+            ran[name] = round(time.time() - t1, 1)
     meta = dict(
         device=(torch.cuda.get_device_name() if device == "cuda"
                 else f"cpu ({os.cpu_count()} cores, {platform.machine()})"),
         torch=torch.__version__, git_sha=_git_sha(),
         timestamp=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        command="python bench/sweep.py" + (" --quick" if args.quick else "")
+        command="python bench/sweep.py" + (" --full" if args.full else "") + (" --full-grid" if args.full_grid else "")
         + (f" --sections {args.sections}" if args.sections != ap.get_default("sections") else ""),
     )
+    meta["wall_s"] = f"{time.time() - t0:.0f}"
+    meta["section_s"] = ", ".join(f"{k} {v:.0f} s" for k, v in ran.items())
+    meta["load_avg"] = " ".join(f"{x:.1f}" for x in os.getloadavg())  # the box is shared: how busy it was
     write_outputs(rows, Path(args.out), meta)
     print_table(rows)
     print(f"\nwrote {args.out}/sweep.csv, summary.md, descriptors.png in {time.time() - t0:.1f} s")
@@ -182,16 +266,31 @@ PD_SIZES = {
 }
 
 
-def pd_vllm_rows(quick: bool, size: str = "scaled") -> list[dict]:
-    """Both connectors on the same engines and prompts, both TP directions (bench/pd_vllm.py)."""
+#: TP pairs of the pd_vllm section: the default sweep runs P2->D1 (the cell issue 21 is about)
+PD_PAIRS_SMALL = ((2, 1),)
+
+
+def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
+    """Both connectors on the same engines and prompts (bench/pd_vllm.py): ``quick``, the small
+    model at P2->D1; else ``size`` at P2->D1 and P1->D2."""
     import pd_vllm  # bench/pd_vllm.py
 
     if pd_vllm.vllm_python() is None:
         print("pd_vllm: skipped, no vLLM test bed (make vllm-bed)")
         return []
     size = "small" if quick else size
+    pairs = PD_PAIRS_SMALL if quick else pd_vllm.PAIRS
     cfg = PD_SIZES[size]
-    results = pd_vllm.compare(**cfg, quiet=True, say=lambda *a: print(*a, flush=True))
+    if bar is not None:
+        bar.total(2 * len(pairs))
+
+    def say(*a):
+        print(*a, flush=True)
+        line = str(a[0]) if a else ""
+        if bar is not None and line.startswith("pd_vllm: ") and ("token-identical" in line or ": failed (" in line):
+            bar.step(line.split(";")[-1].strip())  # a (pair, connector) finished: its summary line
+
+    results = pd_vllm.compare(pairs, **cfg, quiet=True, say=say)
     print("\n".join(pd_vllm_table(results)), flush=True)
     model = (f"{cfg['layers']} layers, {cfg['kv_heads']} KV heads, head_dim {cfg['head_dim']}, "
              f"~{cfg['prompt_len']} tokens")

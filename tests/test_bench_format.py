@@ -102,6 +102,45 @@ def test_summary_writes_one_table_per_section_that_ran(tmp_path):
     assert (tmp_path / "sweep.csv").read_text().startswith("section,")
 
 
+def test_summary_starts_with_a_five_line_headline(tmp_path):
+    """summary.md: the title, then five lines (descriptors, e2e ratio, grid verdict, real-engine
+    ratio, GPU or not) computed from the rows, before any table; a section that did not run says so."""
+    from report import HEADLINE, headline_lines, write_outputs
+
+    base = "vLLM 0.33 direct 8 KiB K||V reads"
+    cell = dict(section="costmodel", grid="small", transport="shm", p_tp=2, d_tp=4, heads_per_rank=1, block_size=16,
+                layout="HND", bytes_per_descriptor=4096, chosen="staged", best="staged", chosen_ms=1.0, best_ms=1.0)
+    rows = [dict(section="descriptors", preset="p", p_tp=4, d_tp=8, block_size=16, tokens=8192, kvtriton=2,
+                 kvtriton_staged=2, kvtriton_direct=0, kvtriton_staged_chunked=6, vllm_kv_packed=8192,
+                 vllm_kv_separate=16384, per_token=1, vllm_packed_per_kvtriton=4096, vllm_separate_per_kvtriton=8192),
+            dict(section="descriptors", preset="q", p_tp=1, d_tp=2, block_size=64, tokens=8192, kvtriton=1,
+                 kvtriton_staged=1, kvtriton_direct=0, kvtriton_staged_chunked=6, vllm_kv_packed=4,
+                 vllm_kv_separate=8, per_token=1, vllm_packed_per_kvtriton=4, vllm_separate_per_kvtriton=8),
+            dict(section="e2e", pair="p4d8", transport="shm", host="idle", ids="random", method=base, ms=10.0,
+                 descriptors=4096),
+            dict(section="e2e", pair="p4d8", transport="shm", host="idle", ids="random",
+                 method="kvtriton staged, pull, 1 chunk(s) x 1 in flight", ms=8.0, descriptors=2),
+            dict(cell, ratio=1.0, miss_beyond_noise="no"), dict(cell, ratio=1.25, miss_beyond_noise="yes"),
+            dict(section="pd_vllm", connector="kvtriton", prefill_tp=2, decode_tp=1, pd_size="small", request=0,
+                 kv_loaded_ms=30.0, summary="s"),
+            dict(section="pd_vllm", connector="nixl", prefill_tp=2, decode_tp=1, pd_size="small", request=0,
+                 kv_loaded_ms=60.0, summary="s")]
+    meta = dict(device="cpu (2 cores, x86_64)", torch="t", git_sha="g", timestamp="ts",
+                command="python bench/sweep.py", wall_s="281", section_s="descriptors 3 s", load_avg="1.0 2.0 3.0")
+    head = headline_lines(rows, meta)
+    assert [h.split("**")[1] for h in head] == list(HEADLINE) and len(head) == 5
+    assert "4x to 4,096x" in head[0] and "over 2 preset" in head[0]
+    assert "shm idle random ids: pull 0.80" in head[1] and "P4->D8" in head[1]
+    assert "worst 1.25, median 1.12 over 2 cells (small grid); 1 miss(es) beyond noise; NOT met" in head[2]
+    assert "P2->D1 0.50x" in head[3] and "(small model)" in head[3]
+    assert head[4].startswith("- **GPU**: none")
+    write_outputs(rows, tmp_path, meta)
+    lines = (tmp_path / "summary.md").read_text().splitlines()
+    assert lines[0].startswith("# kvtriton sweep") and lines[1] == "" and lines[2:7] == head
+    assert "Took 281 s" in lines[8] and "load average at the end 1.0 2.0 3.0" in lines[8]
+    empty = headline_lines([], dict(device="NVIDIA H200"))
+    assert [h.split(": ", 1)[1] for h in empty[:3]] == ["not run"] * 3 and "not run" in empty[3]
+    assert empty[4] == "- **GPU**: NVIDIA H200"
 def test_security_cost_rows_get_their_table():
     from report import summary_lines
 

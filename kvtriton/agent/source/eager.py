@@ -24,7 +24,8 @@ sent only once the hold's event has completed and says so (``runs``): it is then
 transfer keeps them held until the reader's ``runs_done``, as a pulled one does. An offered pack is
 announced: it is no longer evicted, lives until acked or until the hold ends (then its slots are
 quarantined for ``timeout_s``, as after any ``ready``), and a pull of the same request from that
-rank withdraws it. Offered packs keep at most the consumer's share less ``inflight_chunks``
+rank takes it over or withdraws it (no quarantine then: that rank pulled, so it is not reading
+the offer). Offered packs keep at most the consumer's share less ``inflight_chunks``
 chunks, so the engine's lazy pulls always have staging.
 
 Bounds: packed chunks count toward the consumer engine's staging share (never more than it);

@@ -95,8 +95,8 @@ class Serve:
         raise NotImplementedError
 
     def ended(self, serves: Serves, told: bool, until: float) -> None:
-        """The transfer was dropped (its peer ``told``; slots quarantined ``until``): what its
-        flow keeps besides its chunks goes."""
+        """The transfer was dropped (``told``: its peer may still be reading, slots quarantined
+        ``until``): what its flow keeps besides its chunks goes."""
 
 
 @dataclass(eq=False)
@@ -433,15 +433,19 @@ class Serves:
         got = None
         if not serve.inflight and serve.tokens is None and offered.read == serve.read and serve.chunks is not None:
             got = suffix_chunks(offered.ids, offered.chunks, offered.inflight, serve.ids, serve.chunks)
+        # The pull comes from the very rank the offer was made to, so that rank is not reading the
+        # offer: a destination part either takes an offer (and READs without a pull) or pulls,
+        # never both, and a part that took it and failed aborts it before any later pull. Nothing
+        # is quarantined here (that is for withdrawals a reader may not have seen yet).
         if not got or not got[0]:
             self.stats.eager_misses += 1
-            self.drop(offered, notify=f"offer of {serve.req_id!r} withdrawn: a pull for something else arrived")
+            self.drop(offered, notify=f"offer of {serve.req_id!r} withdrawn: a pull for something else arrived",
+                      quarantine=False)
             return
         taken, before = got
         self.stats.eager_offer_pulls += 1
-        # the chunks before the suffix were announced by the offer: quarantined like any withdrawn ready
-        freed = sum(ch.nslots for ch in before.values())
-        self.share.retire(offered.peer.md.engine, before, time.monotonic() + self.s.timeout_s)
+        freed = sum(ch.nslots for ch in before.values())  # the chunks before the suffix: not read either
+        self.share.retire(offered.peer.md.engine, before, 0.0)
         serve.inflight, offered.inflight = taken, {}
         serve.next_chunk, serve.eager_slots, offered.eager_slots = serve.chunks.count, offered.eager_slots - freed, 0
         self.eager_returned(freed)
@@ -463,17 +467,21 @@ class Serves:
         return sum(s.n_chunks for s in self.offered.values() if s.req_id == req_id)
 
     # ------------------------------------------------------------------ ending transfers
-    def drop(self, serve: Serve, notify: str | None = None) -> None:
-        """Forget a transfer. With ``notify`` the peer is told (it fails the request) and slots it
-        may still be reading are quarantined for ``timeout_s`` before reuse, so a late READ never
-        sees another request's bytes."""
+    def drop(self, serve: Serve, notify: str | None = None, quarantine: bool | None = None) -> None:
+        """Forget a transfer. With ``notify`` the peer is told (it fails the request or forgets
+        the offer) and, unless ``quarantine`` is False (the peer is known not to be reading
+        them), slots it may still be reading are quarantined for ``timeout_s`` before reuse, so
+        a late READ never sees another request's bytes. Without ``notify`` the transfer ended
+        cleanly or its peer is gone: nothing is quarantined."""
         self._remove(serve)
         if notify is not None:
             self.links.send(serve.peer, wire.Reject(serve.xid, self.links.reason(serve.peer, notify)), quiet=True)
-        until = time.monotonic() + (self.s.timeout_s if notify is not None else 0.0)
+        if quarantine is None:
+            quarantine = notify is not None
+        until = time.monotonic() + (self.s.timeout_s if quarantine else 0.0)
         # quarantined slots still count to the engine's share: dropping transfers gains it nothing
         self.share.retire(serve.peer.md.engine, serve.inflight, until)
-        serve.ended(self, notify is not None, until)
+        serve.ended(self, quarantine, until)  # a peer that may still read keeps the blocks too
 
     def drop_request(self, req_id: str, reason: str, finished_engine: str | None) -> None:
         """``req_id``'s hold ended: transfers to the engine that reported it done only have local
