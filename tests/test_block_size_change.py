@@ -254,7 +254,8 @@ def test_wire_carries_block_size_and_dim_major():
     k = torch.zeros(8, 2, 4, 16, dtype=torch.float16)
     spec = Region.attention("l0", k, k.clone(), layout="HND", block_size=4, total_heads=4, dim_major=(8, 0)).spec
     spans = tuple(wire.stream_span(spec, j) for j in range(2))
-    md = wire.RankMetadata(engine="P", rank=0, tp=1, agent="P:0:x", agent_md=b"x", mem="DRAM", dev=0,
+    md = wire.RankMetadata(engine="P", rank=0, tp=2,  # 2 of 4 heads: rank 0 of TP2
+                           agent="P:0:x", agent_md=b"x", mem="DRAM", dev=0,
                            regions=(spec,), addrs=((4096, 1 << 20),), spans=(spans,),
                            staging=wire.StagingInfo(1 << 30, 4096, 16, 8192))
     got = wire.decode_metadata(wire.encode_metadata(md))
