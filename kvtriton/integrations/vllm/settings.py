@@ -55,6 +55,9 @@ class ConnectorSettings:
     eager_guess:         a prefill rank packs a finished request ahead of its pull for the only
                          decode engine connected to it, if exactly one is (1P1D; the hold is not
                          bound by the guess, see :mod:`kvtriton.agent.eager`). Default true.
+    modes:               force a route for every region (``"staged"``, ``"direct"``...) or per
+                         region (``"name=staged,name2=direct"``), as the agent's ``modes=``; both
+                         engines must give the same. ``""`` (default): the planner chooses.
     """
 
     host: str = "127.0.0.1"
@@ -75,11 +78,21 @@ class ConnectorSettings:
     cost_model: str = "default"
     consumer: str = ""
     eager_guess: bool = True
+    modes: str = ""
 
     @property
     def transfer_flow(self) -> str:
         """``flow``, or its old name ``mode``, or ``"pull"``."""
         return self.flow or self.mode or "pull"
+
+    @property
+    def agent_modes(self) -> str | dict[str, str] | None:
+        """``modes`` as the agent takes it: None, one mode for all regions, or region -> mode."""
+        if not self.modes:
+            return None
+        if "=" not in self.modes:
+            return self.modes
+        return dict(item.split("=", 1) for item in self.modes.split(","))
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
@@ -128,3 +141,6 @@ class ConnectorSettings:
             raise bad("impl", "'auto', 'triton' or 'torch'")
         if self.cost_model not in ("default", "measured"):
             raise bad("cost_model", "'default' or 'measured'")
+        if "=" in self.modes and not all(a and b and "=" not in b for a, _, b in
+                                         (item.partition("=") for item in self.modes.split(","))):
+            raise bad("modes", "one mode, or 'region=mode' items separated by commas")

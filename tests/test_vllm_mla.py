@@ -1,0 +1,104 @@
+"""MLA on real vLLM engines: a tiny DeepSeek-V2 (2 MLA layers, the real latent 512 + 64) through
+KVTritonConnector at P2->D1 and P1->D2 (vLLM's CPU build, the test bed of ``make vllm-bed``).
+
+An MLA latent is the same on every rank (REPLICATE): P2->D1 reads stripes of it from both
+prefill replicas, P1->D2 gives every decode rank the whole latent. Oracles per pair, on one pair
+of engines: a negative control (the prefill's blocks overwritten before the load) changes the
+tokens; then tokens equal the decode computing the prompt itself, at most one prompt token is
+computed per request, every region's bytes on the decode equal the prefill's (per-region digests,
+:meth:`~kvtriton.testing.vllm_pair.EnginePair.region_digests`), and requests whose blocks are
+consecutive on both sides post fewer descriptors than NixlConnector's one per layer and block.
+
+vLLM CPU notes (see README): CPU_MLA takes only block 16, latent 576 and bfloat16, and its rotary op is
+wrong for DeepSeek's 3-D ``q_pe`` unless ``custom_ops: ["-rotary_embedding"]`` (tokens then equal
+HF transformers).
+"""
+
+import os
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvtriton.testing.vllm_pair import EnginePair
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PY = os.environ.get("KVTRITON_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+pytestmark = pytest.mark.vllm
+
+if not Path(VLLM_PY).exists():
+    if os.environ.get("CI"):  # CI builds the test bed first (make test -> vllm-bed): never skip there
+        raise RuntimeError(f"vLLM test bed missing: {VLLM_PY} (run `make vllm-bed`)")
+    pytest.skip(f"no vLLM test bed at {VLLM_PY}: `make vllm-bed` builds it", allow_module_level=True)
+
+BLOCK = 16  # the only block size vLLM's CPU MLA backend takes
+LAYERS = 2
+LENGTHS = (37, 100, 170)  # not multiples of the block size
+# vLLM CPU's MLA kernels take bfloat16 weights only (convert_weight_packed)
+MLA_OPTIONS = {"dtype": "bfloat16", "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-deepseek")
+    subprocess.run([VLLM_PY, "-m", "kvtriton.testing.vllm_models", "deepseek", str(path),
+                    f'{{"layers": {LAYERS}}}'], check=True, timeout=300,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(19)
+    return [[rng.randrange(512) for _ in range(n)] for n in LENGTHS]
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_mla_tokens_bytes_descriptors(model_dir, tmp_path, prompts, p_tp, d_tp):
+    pair = EnginePair(VLLM_PY, model_dir, tmp_path, p_tp, d_tp, block_size=BLOCK, engine_options=MLA_OPTIONS)
+    try:
+        # negative control first, while the decode has not met the prefill (nothing packed ahead)
+        ref = pair.reference(prompts, "ref")
+        params = pair.prefill_requests(prompts, "neg-p")
+        blocks = sorted({b for p in params for b in p["remote_block_ids"]})
+        scrambled = pair.prefill.call("scramble", block_ids=blocks)["scrambled"]
+        assert all(n == LAYERS * len(blocks) for n in scrambled), scrambled
+        out = pair.decode_requests(prompts, params, "neg-d")
+        assert [o["tokens"] for o in out] != ref, "tokens did not change with the KV overwritten"
+        pair.settle(pair.prefill)
+
+        before = pair.descriptors()
+        params = pair.prefill_requests(prompts, "p")
+        out = pair.decode_requests(prompts, params, "d")
+        digests = pair.region_digests(prompts, params, out, "d")
+        after = pair.descriptors()
+        assert [o["tokens"] for o in out] == ref, "decode tokens differ from one engine"
+        computed = [o["prompt_computed"] for o in out]
+        assert all(c <= 1 for c in computed), f"decode recomputed prompt tokens: {computed}"
+        assert digests["regions"] == LAYERS and set(digests["kinds"].values()) == {"replicate"}, digests
+
+        # descriptors: NixlConnector posts one per layer and block on every decode rank
+        loaded = [len(range(0, len(p) - c, BLOCK)) for p, c in zip(prompts, computed)]
+        nixl = d_tp * LAYERS * sum(loaded)
+        ours = after["descriptors"] - before["descriptors"]
+        consecutive = all(p["remote_block_ids"] == list(range(p["remote_block_ids"][0],
+                                                              p["remote_block_ids"][0] + len(p["remote_block_ids"])))
+                          for p in params)
+        loads = pair.decode.call("loaded_blocks")["loads"][0]
+        local_runs = all(v["local"] == list(range(v["local"][0], v["local"][0] + len(v["local"])))
+                         for k, v in loads.items() if k.startswith("d"))
+        print(f"MLA P{p_tp}->D{d_tp}: tokens identical {len(out)}/{len(out)}, prompt tokens computed {computed}, "
+              f"regions byte-equal {digests['regions']}, descriptors ours {ours} / NixlConnector's {nixl}")
+        assert consecutive and local_runs, "fresh engines gave these requests consecutive blocks"
+        assert 0 < ours < nixl, (ours, nixl)
+
+        # P2->D1: the decode reads its stripes from both replicas
+        states = pair.decode.call("debug_state")["states"]
+        reading = [s["reading"][f"prefill-tp{p_tp}"] for s in states]
+        if p_tp > 1:
+            assert all(sorted(r["source_ranks"]) == list(range(p_tp)) for r in reading), reading
+        pair.settle(pair.prefill)
+        pair.settle(pair.decode)
+    finally:
+        pair.close()
