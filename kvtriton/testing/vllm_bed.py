@@ -109,7 +109,7 @@ class EngineProcess:
               engine_id: str | None = None, max_model_len: int = 2048, log_dir: str | os.PathLike = ".",
               name: str = "engine", env: dict | None = None, cpus: str | None = None,
               engine_options: dict | None = None, patches: tuple[str, ...] = (),
-              timeout_s: float = 240.0) -> "EngineProcess":
+              timeout_s: float = 240.0) -> EngineProcess:
         log_path = Path(log_dir) / f"{name}.log"
         cmd = [python, "-m", "kvtriton.testing.vllm_bed", "--model", str(model_dir), "--tp", str(tp),
                "--connector", connector, "--role", role, "--port", str(port), "--block-size", str(block_size),
@@ -226,11 +226,14 @@ def _child(args) -> None:
                      "kv_connector_extra_config": extra}
     if kv_config is not None and args.engine_id:
         kv_config["engine_id"] = args.engine_id
-    if args.patches:
+    if args.patches:  # this process now; TP workers when they import the connector module
         from . import vllm_patches
 
+        os.environ[vllm_patches.ENV] = args.patches
         vllm_patches.apply(args.patches.split(","))
-    options = {"dtype": "float32", **json.loads(args.engine_options)}  # MLA on CPU: bfloat16 only
+        if kv_config is not None and args.connector == "kvtriton":
+            kv_config["kv_connector_module_path"] = vllm_patches.__name__
+    options = {"dtype": "float32", **json.loads(args.engine_options)}
     llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True,
               block_size=args.block_size, tensor_parallel_size=args.tp, max_model_len=args.max_model_len,
               distributed_executor_backend="mp" if args.tp > 1 else None, enable_prefix_caching=False,
@@ -322,7 +325,7 @@ def _child(args) -> None:
         per_rank = connector_rpc("load_times") or []
         out = {}
         for ext in ext_ids:
-            own = lambda rid: rid == ext or rid.rsplit("-", 1)[0] == ext  # noqa: E731
+            own = lambda rid, ext=ext: rid == ext or rid.rsplit("-", 1)[0] == ext  # noqa: E731
             spans = [t for r in per_rank for rid, t in (r or {}).items() if own(rid)]
             seen = [t for rid, t in kv_in.items() if own(rid)]
             t_sub = submitted.get(ext, (0, None))[1]
@@ -334,7 +337,8 @@ def _child(args) -> None:
         return out
     finished: dict[str, dict] = {}
     _say({"ready": True, "total_blocks": total_blocks, "engine_id": kv_config.get("engine_id") if kv_config else None,
-          "pid": os.getpid(), "torch": torch.__version__})
+          "pid": os.getpid(), "torch": torch.__version__,
+          "kvtriton": sys.modules["kvtriton"].__file__})  # which checkout the engine runs (PYTHONPATH)
     for line in sys.stdin:
         try:
             cmd = json.loads(line)

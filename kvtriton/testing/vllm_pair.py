@@ -93,6 +93,41 @@ class EnginePair:
             raise AssertionError(f"staging still in use: {state}")
         return state
 
+    # ------------------------------------------------------------------ the oracles together
+    def negative_control(self, prompts, ref, tag: str = "neg") -> None:
+        """Overwrite the prefill's blocks after its requests finished, before the decode loads
+        them: the decode's tokens must change (the KV really travels). Run it before the decode
+        first meets the prefill, so nothing was packed ahead at hold time."""
+        params = self.prefill_requests(prompts, f"{tag}-p")
+        blocks = sorted({b for p in params for b in p["remote_block_ids"]})
+        if not all(self.prefill.call("scramble", block_ids=blocks)["scrambled"]):
+            raise AssertionError("nothing was scrambled")
+        out = self.decode_requests(prompts, params, f"{tag}-d")
+        if [o["tokens"] for o in out] == ref:
+            raise AssertionError("tokens did not change with the prefill's KV overwritten")
+        self.settle(self.prefill)
+
+    def transfer(self, prompts, ref, tag: str = "x") -> dict:
+        """Prefill, decode, then check: tokens equal ``ref``, at most one prompt token computed per
+        request, every region's bytes equal (:meth:`region_digests`). Returns ``{"identical",
+        "n", "prompt_computed", "digests", "descriptors", "bytes", "params"}``."""
+        before = self.descriptors()
+        params = self.prefill_requests(prompts, f"{tag}-p")
+        out = self.decode_requests(prompts, params, f"{tag}-d")
+        digests = self.region_digests(prompts, params, out, f"{tag}-d")
+        after = self.descriptors()
+        got = [o["tokens"] for o in out]
+        computed = [o["prompt_computed"] for o in out]
+        if got != ref:
+            raise AssertionError(f"decode tokens differ from one engine: {got} vs {ref}")
+        if not all(c <= 1 for c in computed):
+            raise AssertionError(f"decode recomputed prompt tokens: {computed}")
+        self.settle(self.prefill)
+        self.settle(self.decode)
+        return {"identical": sum(a == b for a, b in zip(got, ref)), "n": len(ref), "prompt_computed": computed,
+                "digests": digests, "descriptors": after["descriptors"] - before["descriptors"],
+                "bytes": after["bytes"] - before["bytes"], "params": params}
+
     # ------------------------------------------------------------------ bytes
     def region_digests(self, prompts, params, outputs, tag: str) -> dict:
         """Check every region's bytes of every request the decode loaded (see the module
@@ -105,7 +140,8 @@ class EnginePair:
         prev = None
         for i, (p, kp, o) in enumerate(zip(prompts, params, outputs)):
             rid = f"{tag}{i}"
-            spec = loads[0].get(rid)
+            # vLLM's own request ids carry a suffix: "<ours>-<random>"
+            spec = next((v for k, v in loads[0].items() if k == rid or k.rsplit("-", 1)[0] == rid), None)
             if spec is None:
                 raise BytesMismatch(f"{rid}: the decode made no load for it")
             if any(b < 0 for b in spec["local"]):
