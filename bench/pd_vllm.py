@@ -117,7 +117,7 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
                                                                               "draft": {"hidden": hidden}})
         block_size, patches = 16, MIXED_PATCHES
         options = {**MLA_OPTIONS, "speculative_config": {"method": "eagle3", "model": str(draft),
-                                                         "num_speculative_tokens": 2}}
+                                                         "num_speculative_tokens": 2, "attention_backend": "CPU_MLA"}}
     max_len = 1 << (prompt_len + max_tokens + block_size).bit_length()
     common = dict(connector=connector, block_size=block_size, max_model_len=max_len, log_dir=work,
                   engine_options=options, patches=patches)

@@ -113,3 +113,15 @@ def test_negative_control_a_write_after_the_hold_is_missed(engines):
     _drafter_writes(worker, gen)
     worker.clear()
     assert _load(worker, decode, dst_regions) == [True, False]
+
+
+def test_modes_setting_reaches_the_agent_as_it_takes_it():
+    from kvtriton.integrations.vllm.settings import SettingsError
+
+    assert ConnectorSettings().agent_modes is None
+    assert ConnectorSettings.from_extra_config({"modes": "staged"}).agent_modes == "staged"
+    assert ConnectorSettings.from_extra_config({"modes": "a=staged,b=direct"}).agent_modes == {
+        "a": "staged", "b": "direct"}
+    for bad in ("a=", "=staged", "a=staged,b", "a=b=c"):
+        with pytest.raises(SettingsError, match="modes"):
+            ConnectorSettings.from_extra_config({"modes": bad})

@@ -55,7 +55,8 @@ def prompts():
 
 def options(draft):
     return {"attention_config": {"backend": "CPU_MLA"}, "compilation_config": {"custom_ops": ["-rotary_embedding"]},
-            "speculative_config": {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}}
+            "speculative_config": {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2,
+                                   "attention_backend": "CPU_MLA"}}  # the draft chooses its own
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])

@@ -31,7 +31,7 @@ if not Path(VLLM_PY).exists():
     pytest.skip(f"no vLLM test bed at {VLLM_PY}: `make vllm-bed` builds it", allow_module_level=True)
 
 LENGTHS = (37, 100, 170)
-SIX_HEADS = {"kv_heads": 6, "heads": 12, "head_dim": 16, "hidden": 96, "vocab": 576}
+SIX_HEADS = {"kv_heads": 6, "heads": 12, "head_dim": 32, "hidden": 192, "vocab": 576}  # CPU attention: head 32+
 ONE_HEAD = {"kv_heads": 1, "heads": 4, "head_dim": 32, "hidden": 128}
 
 

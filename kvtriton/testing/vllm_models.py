@@ -55,6 +55,7 @@ class TinyDeepseek:
     rope: int = 64
     nope: int = 32
     v_head_dim: int = 32
+    q_lora_rank: int | None = None
     vocab: int = 512
     max_positions: int = 4096
     seed: int = 0
@@ -95,7 +96,7 @@ def _deepseek_config(model: TinyDeepseek, **more):
     return DeepseekV2Config(
         vocab_size=model.vocab, hidden_size=model.hidden, intermediate_size=2 * model.hidden,
         moe_intermediate_size=model.hidden, num_hidden_layers=model.layers, num_attention_heads=model.heads,
-        num_key_value_heads=model.heads, kv_lora_rank=model.kv_lora_rank, q_lora_rank=None,
+        num_key_value_heads=model.heads, kv_lora_rank=model.kv_lora_rank, q_lora_rank=model.q_lora_rank,
         qk_rope_head_dim=model.rope, qk_nope_head_dim=model.nope, v_head_dim=model.v_head_dim,
         first_k_dense_replace=model.layers, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=1,
         max_position_embeddings=model.max_positions, torch_dtype="float32", tie_word_embeddings=False,
@@ -115,21 +116,31 @@ def make_tiny_deepseek(path: str | os.PathLike, model: TinyDeepseek = TinyDeepse
 
 
 def make_eagle3_mla_draft(path: str | os.PathLike, target: TinyLlama = TinyLlama(),
-                          draft: TinyDeepseek = TinyDeepseek(layers=1)) -> Path:
+                          draft: TinyDeepseek = TinyDeepseek(layers=1, q_lora_rank=64)) -> Path:
     """Write an Eagle-3 draft with one MLA layer (``Eagle3DeepseekV2ForCausalLM``) for ``target``:
     the weights vLLM's loader maps (``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``embed_tokens``)
-    as safetensors, and a DeepSeek-V2 config naming that architecture."""
+    as safetensors, and a DeepSeek-V2 config naming that architecture. The draft needs a
+    ``q_lora_rank``: vLLM's Eagle-3 loader always stacks ``kv_a_proj_with_mqa`` into
+    ``fused_qkv_a_proj``, which only a low-rank query projection has."""
     import torch
     from safetensors.torch import save_file
 
     path = Path(path)
     if (path / "config.json").exists():
         return path
+    if target.layers < 2:
+        raise ValueError("an Eagle-3 draft reads a hidden state from inside the target: give it >= 2 layers")
+    if draft.q_lora_rank is None:
+        raise ValueError("an Eagle-3 DeepSeek draft needs q_lora_rank (vLLM loads it fused with kv_a_proj_with_mqa)")
     if draft.hidden != target.hidden or draft.vocab != target.vocab:
         raise ValueError(f"the draft's hidden/vocab ({draft.hidden}, {draft.vocab}) must equal the target's "
                          f"({target.hidden}, {target.vocab})")
-    cfg = _deepseek_config(draft, architectures=["Eagle3DeepseekV2ForCausalLM"], num_aux_hidden_states=3,
-                           target_hidden_size=target.hidden, draft_vocab_size=draft.vocab)
+    # one auxiliary hidden state, taken before the target's last layer: vLLM's default picks
+    # layers (2, L // 2, L - 3), which a 2-layer target does not have
+    aux = [target.layers - 1]
+    cfg = _deepseek_config(draft, architectures=["Eagle3DeepseekV2ForCausalLM"], num_aux_hidden_states=len(aux),
+                           eagle_aux_hidden_state_layer_ids=aux, target_hidden_size=target.hidden,
+                           draft_vocab_size=draft.vocab)
     path.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(path)
     g = torch.Generator().manual_seed(draft.seed + 1)
@@ -140,11 +151,12 @@ def make_eagle3_mla_draft(path: str | os.PathLike, target: TinyLlama = TinyLlama
 
     a = "midlayer.self_attn."
     tensors = {
-        "fc.weight": w(h, 3 * target.hidden), "norm.weight": torch.ones(h), "lm_head.weight": w(draft.vocab, h),
+        "fc.weight": w(h, len(aux) * target.hidden), "norm.weight": torch.ones(h), "lm_head.weight": w(draft.vocab, h),
         "embed_tokens.weight": w(draft.vocab, h),
         "midlayer.input_layernorm.weight": torch.ones(h), "midlayer.hidden_norm.weight": torch.ones(h),
         "midlayer.post_attention_layernorm.weight": torch.ones(h),
-        a + "q_proj.weight": w(n * q, 2 * h),
+        a + "q_a_proj.weight": w(draft.q_lora_rank, 2 * h), a + "q_a_layernorm.weight": torch.ones(draft.q_lora_rank),
+        a + "q_b_proj.weight": w(n * q, draft.q_lora_rank),
         a + "kv_a_proj_with_mqa.weight": w(draft.kv_lora_rank + draft.rope, 2 * h),
         a + "kv_a_layernorm.weight": torch.ones(draft.kv_lora_rank),
         a + "kv_b_proj.weight": w(n * (draft.nope + draft.v_head_dim), draft.kv_lora_rank),
@@ -165,7 +177,7 @@ def make_model(kind: str, path: str | os.PathLike, options: dict | None = None) 
         return make_tiny_deepseek(path, TinyDeepseek(**options))
     if kind == "eagle3-mla":
         return make_eagle3_mla_draft(path, TinyLlama(**options.get("target", {})),
-                                     TinyDeepseek(**{"layers": 1, **options.get("draft", {})}))
+                                     TinyDeepseek(**{"layers": 1, "q_lora_rank": 64, **options.get("draft", {})}))
     raise ValueError(f"unknown model kind {kind!r}: expected llama, deepseek or eagle3-mla")
 
 

@@ -20,8 +20,8 @@ from .vllm_bed import EngineProcess, engine_cpus, free_port_range
 __all__ = ["EnginePair", "BytesMismatch", "P_EXTRA", "D_EXTRA"]
 
 # timeouts sized for a loaded 2-core machine; the decode fails a silent load after timeout_s
-P_EXTRA = {"lease_s": 60.0, "handshake_timeout_s": 20.0}
-D_EXTRA = {"timeout_s": 8.0, "handshake_timeout_s": 20.0, "handshake_attempts": 2}
+P_EXTRA = {"lease_s": 90.0, "handshake_timeout_s": 45.0}
+D_EXTRA = {"timeout_s": 20.0, "handshake_timeout_s": 45.0, "handshake_attempts": 2}
 
 
 class BytesMismatch(AssertionError):
