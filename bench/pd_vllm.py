@@ -167,7 +167,7 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
             after = _sum_stats(decode.call("transfer_stats")["stats"])
             loaded = decode.call("load_times", ids=[f"d{i}"])["times"][f"d{i}"]
             ms = lambda s: None if s is None else 1e3 * s  # noqa: E731
-            row = {"connector": connector, "model": model_kind, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
+            row = {"connector": connector, "model_kind": model_kind, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
                    "request": i,
                    "prompt_tokens": len(p), "blocks": _num_blocks(params),
                    "ttft_ms": 1e3 * out["ttft_s"],
@@ -200,7 +200,7 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     ok = sum(r["identical"] for r in rows)
     recomputed = sum(max(0, r["prompt_computed"] - 1) for r in rows)
     timed = [r for r in rows if r["request"] >= 0]
-    return {"rows": rows, "ok": ok, "n": len(rows), "recomputed": recomputed, "model": model_kind,
+    return {"rows": rows, "ok": ok, "n": len(rows), "recomputed": recomputed, "model_kind": model_kind,
             "ttft_ms_median": statistics.median(r["ttft_ms"] for r in timed) if timed else None,
             "kv_loaded_ms_median": median_known([r["kv_loaded_ms"] for r in timed]),
             "summary": f"pd_vllm: {connector}: {ok}/{len(rows)} requests token-identical to one engine; "

@@ -384,7 +384,7 @@ def pd_vllm_table(results: list[dict]) -> list[str]:
     lines = ["| P->D | connector | requests identical | KV loaded (ms) | KV ready at scheduler (ms) "
              "| first decode token (ms) | warm-up KV loaded (ms) | descriptors per request | ours/theirs KV loaded "
              "| ours/theirs first token |", "|---|---|---|---|---|---|---|---|---|---|"]
-    by = {(r["prefill_tp"], r["decode_tp"], r["connector"], r.get("model", "llama")): r for r in results}
+    by = {(r["prefill_tp"], r["decode_tp"], r["connector"], r.get("model_kind", "llama")): r for r in results}
     for (p, d, c, model), r in by.items():
         pd = f"{p}->{d}" if model == "llama" else f"{p}->{d} {model}"
         timed = [x for x in r["rows"] if x["request"] >= 0]

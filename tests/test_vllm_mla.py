@@ -4,7 +4,7 @@ KVTritonConnector at P2->D1 and P1->D2 (vLLM's CPU build, the test bed of ``make
 An MLA latent is the same on every rank (REPLICATE): P2->D1 reads stripes of it from both
 prefill replicas, P1->D2 gives every decode rank the whole latent. Oracles per pair, on one pair
 of engines: a negative control (the prefill's blocks overwritten before the load) changes the
-tokens; then tokens equal the decode computing the prompt itself, at most one prompt token is
+tokens; tokens equal the decode computing the prompt itself, at most one prompt token is
 computed per request, every region's bytes on the decode equal the prefill's (per-region digests,
 :meth:`~kvtriton.testing.vllm_pair.EnginePair.region_digests`), and requests whose blocks are
 consecutive on both sides post fewer descriptors than NixlConnector's one per layer and block.
@@ -58,11 +58,13 @@ def prompts():
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
 def test_mla_tokens_bytes_descriptors(model_dir, tmp_path, prompts, p_tp, d_tp):
-    pair = EnginePair(VLLM_PY, model_dir, tmp_path, p_tp, d_tp, block_size=BLOCK, engine_options=MLA_OPTIONS)
+    # no pack ahead of the pull (eager_guess off), so the negative control can run after the transfer
+    pair = EnginePair(VLLM_PY, model_dir, tmp_path, p_tp, d_tp, block_size=BLOCK, engine_options=MLA_OPTIONS,
+                      p_extra={"eager_guess": False})
     try:
-        ref = pair.reference(prompts, "ref")
-        pair.negative_control(prompts, ref)  # before the decode met the prefill: nothing packed ahead
-        res = pair.transfer(prompts, ref, "x")
+        # the transfer first: vLLM reuses freed blocks LIFO, so only fresh engines give consecutive blocks
+        res = pair.transfer(prompts, tag="x")
+        ref = res["ref"]
         digests, params, computed = res["digests"], res["params"], res["prompt_computed"]
         assert digests["regions"] == LAYERS and set(digests["kinds"].values()) == {"replicate"}, digests
 
@@ -77,7 +79,8 @@ def test_mla_tokens_bytes_descriptors(model_dir, tmp_path, prompts, p_tp, d_tp):
                          for v in loads.values())
         print(f"MLA P{p_tp}->D{d_tp}: tokens identical {res['identical']}/{res['n']}, prompt tokens computed "
               f"{computed}, regions byte-equal {digests['regions']}, descriptors ours {ours} / NixlConnector's {nixl}")
-        assert consecutive and local_runs, "fresh engines gave these requests consecutive blocks"
+        assert consecutive and local_runs, ([p["remote_block_ids"] for p in params],
+                                            [v["local"] for v in loads.values()])  # fresh engines: consecutive
         assert 0 < ours < nixl, (ours, nixl)
 
         # P2->D1: the decode reads its stripes from both replicas
@@ -85,5 +88,6 @@ def test_mla_tokens_bytes_descriptors(model_dir, tmp_path, prompts, p_tp, d_tp):
         reading = [s["reading"][f"prefill-tp{p_tp}"] for s in states]
         if p_tp > 1:
             assert all(sorted(r["source_ranks"]) == list(range(p_tp)) for r in reading), reading
+        pair.negative_control(prompts, ref)
     finally:
         pair.close()

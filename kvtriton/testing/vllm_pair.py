@@ -97,7 +97,8 @@ class EnginePair:
     def negative_control(self, prompts, ref, tag: str = "neg") -> None:
         """Overwrite the prefill's blocks after its requests finished, before the decode loads
         them: the decode's tokens must change (the KV really travels). Run it before the decode
-        first meets the prefill, so nothing was packed ahead at hold time."""
+        first meets the prefill, or with a prefill that packs nothing ahead (``eager_guess``
+        false, no ``consumer``), so nothing was packed at hold time."""
         params = self.prefill_requests(prompts, f"{tag}-p")
         blocks = sorted({b for p in params for b in p["remote_block_ids"]})
         if not all(self.prefill.call("scramble", block_ids=blocks)["scrambled"]):
@@ -107,15 +108,19 @@ class EnginePair:
             raise AssertionError("tokens did not change with the prefill's KV overwritten")
         self.settle(self.prefill)
 
-    def transfer(self, prompts, ref, tag: str = "x") -> dict:
-        """Prefill, decode, then check: tokens equal ``ref``, at most one prompt token computed per
-        request, every region's bytes equal (:meth:`region_digests`). Returns ``{"identical",
-        "n", "prompt_computed", "digests", "descriptors", "bytes", "params"}``."""
+    def transfer(self, prompts, ref=None, tag: str = "x") -> dict:
+        """Prefill, decode, then check: tokens equal ``ref`` (None: the decode computes the
+        reference afterwards, so fresh engines' first requests get consecutive blocks), at most
+        one prompt token computed per request, every region's bytes equal
+        (:meth:`region_digests`). Returns ``{"identical", "n", "prompt_computed", "digests",
+        "descriptors", "bytes", "params", "ref"}``."""
         before = self.descriptors()
         params = self.prefill_requests(prompts, f"{tag}-p")
         out = self.decode_requests(prompts, params, f"{tag}-d")
         digests = self.region_digests(prompts, params, out, f"{tag}-d")
         after = self.descriptors()
+        if ref is None:
+            ref = self.reference(prompts, f"{tag}-ref")
         got = [o["tokens"] for o in out]
         computed = [o["prompt_computed"] for o in out]
         if got != ref:
@@ -126,7 +131,7 @@ class EnginePair:
         self.settle(self.decode)
         return {"identical": sum(a == b for a, b in zip(got, ref)), "n": len(ref), "prompt_computed": computed,
                 "digests": digests, "descriptors": after["descriptors"] - before["descriptors"],
-                "bytes": after["bytes"] - before["bytes"], "params": params}
+                "bytes": after["bytes"] - before["bytes"], "params": params, "ref": ref}
 
     # ------------------------------------------------------------------ bytes
     def region_digests(self, prompts, params, outputs, tag: str) -> dict:
