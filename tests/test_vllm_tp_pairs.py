@@ -51,7 +51,8 @@ def prompts():
 @pytest.mark.parametrize("name,options,p_tp,d_tp", [("six-heads", SIX_HEADS, 2, 3), ("one-head", ONE_HEAD, 2, 1)])
 def test_kvtriton_moves_pairs_vllm_refuses(tmp_path_factory, tmp_path, prompts, name, options, p_tp, d_tp):
     model = _model(tmp_path_factory, name, options)
-    pair = EnginePair(VLLM_PY, model, tmp_path, p_tp, d_tp)
+    # not every decode rank reads every prefill rank here: those holds end by lease (20 s), not by done
+    pair = EnginePair(VLLM_PY, model, tmp_path, p_tp, d_tp, p_extra={"lease_s": 20.0})
     try:
         ref = pair.reference(prompts, "ref")
         pair.negative_control(prompts, ref)

@@ -160,7 +160,13 @@ class BedHooks:
                 heads = {str(rank * spec.local_heads + h): x[:, h] for h in range(spec.local_heads)}
             else:  # fewer KV heads than ranks: vLLM gives rank r head r // (tp / heads)
                 heads = {str(rank * spec.total_heads // tp): x[:, 0]}
-            out[spec.name] = {"kind": spec.kind.value, "tokens": int(x.shape[0]), "heads": {
-                h: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-                for h, v in heads.items()}}
+            def sha(v):
+                return hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+            bs = spec.block_size
+            out[spec.name] = {"kind": spec.kind.value, "tokens": int(x.shape[0]),
+                              "heads": {h: sha(v) for h, v in heads.items()},
+                              # per block position, to say where a mismatch is
+                              "blocks": {h: [sha(v[i:i + bs])[:12] for i in range(0, v.shape[0], bs)]
+                                         for h, v in heads.items()}}
         return out

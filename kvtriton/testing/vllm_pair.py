@@ -38,6 +38,9 @@ class EnginePair:
                  max_model_len: int = 2048, timeout_s: float = 400.0):
         self.p_tp, self.d_tp, self.connector = p_tp, d_tp, connector
         ours = connector == "kvtriton"
+        # a prefill rank whose holds not every decode rank reads frees them by lease, not by done
+        # (e.g. P2->D1 with one KV head, or P2->D3): settling waits for the lease too
+        self.lease_s = float({**(P_EXTRA if ours else {}), **(p_extra or {})}.get("lease_s", 0.0))
         common = dict(connector=connector, block_size=block_size, log_dir=Path(log_dir), engine_options=engine_options,
                       patches=patches, max_model_len=max_model_len, timeout_s=timeout_s)
         self.prefill = EngineProcess.start(
@@ -82,8 +85,10 @@ class EnginePair:
                 out[k] += (s or {}).get(k, 0)
         return out
 
-    def settle(self, engine: EngineProcess, seconds: float = 30) -> dict:
-        """Step ``engine`` until it holds no request; its blocks (and kvtriton's staging) are free."""
+    def settle(self, engine: EngineProcess, seconds: float | None = None) -> dict:
+        """Step ``engine`` until it holds no request (at most ``seconds``, default 30 s past the
+        prefill's lease); its blocks (and kvtriton's staging) are free."""
+        seconds = self.lease_s + 30 if seconds is None else seconds
         engine.call("drain", seconds=seconds, timeout_s=seconds + 30)
         state = engine.call("state")
         if state["requests"] or state["free_blocks"] != state["total_blocks"]:
@@ -152,8 +157,9 @@ class EnginePair:
             if any(b < 0 for b in spec["local"]):
                 raise BytesMismatch(f"{rid}: a partly local prompt (prefix cache) is not checked here")
             n = len(p) - o["prompt_computed"]  # tokens the decode took from the prefill
-            src = _merge(self.prefill.call("digest", block_ids=list(kp["remote_block_ids"]), num_tokens=n)["digests"])
-            dst = _merge(self.decode.call("digest", block_ids=spec["local"], num_tokens=n)["digests"])
+            src_raw = self.prefill.call("digest", block_ids=list(kp["remote_block_ids"]), num_tokens=n)["digests"]
+            dst_raw = self.decode.call("digest", block_ids=spec["local"], num_tokens=n)["digests"]
+            src, dst = _merge(src_raw), _merge(dst_raw)
             for region, (kind, heads) in src.items():
                 got = dst.get(region, (None, {}))[1]
                 if set(heads) != set(got):
@@ -161,8 +167,11 @@ class EnginePair:
                                         "on the decode")
                 for h, digests in heads.items():
                     if len(digests) != 1 or digests != got[h]:
+                        where = _blocks(src_raw, region, h), _blocks(dst_raw, region, h)
                         raise BytesMismatch(f"{rid} region {region} ({kind}) head {h}: prefill {sorted(digests)} "
-                                            f"vs decode {sorted(got[h])} ({n} tokens)")
+                                            f"vs decode {sorted(got[h])} ({n} tokens; per block, prefill ranks "
+                                            f"{where[0]} vs decode ranks {where[1]}; blocks "
+                                            f"{list(kp['remote_block_ids'])} -> {spec['local']})")
                 summary["kinds"][region], summary["heads"][region] = kind, len(heads)
             if prev is not None and prev == _digest_set(dst):
                 raise BytesMismatch(f"{rid}: the digest does not tell two requests apart")
@@ -185,6 +194,10 @@ def _merge(per_rank) -> dict:
             for h, digest in d["heads"].items():
                 heads.setdefault(h, set()).add(digest)
     return out
+
+
+def _blocks(per_rank, region: str, head: str) -> list:
+    return [(rank or {}).get(region, {}).get("blocks", {}).get(head) for rank in per_rank]
 
 
 def _digest_set(merged: dict) -> frozenset:
