@@ -122,7 +122,12 @@ class EnginePair:
         before = self.descriptors()
         params = self.prefill_requests(prompts, f"{tag}-p")
         out = self.decode_requests(prompts, params, f"{tag}-d")
-        digests = self.region_digests(prompts, params, out, f"{tag}-d")
+        try:
+            digests = self.region_digests(prompts, params, out, f"{tag}-d")
+        except BytesMismatch as e:  # say whether the tokens showed it too
+            ref = self.reference(prompts, f"{tag}-ref") if ref is None else ref
+            same = [o["tokens"] for o in out] == ref
+            raise BytesMismatch(f"{e} [tokens {'identical to' if same else 'differ from'} one engine]") from None
         after = self.descriptors()
         if ref is None:
             ref = self.reference(prompts, f"{tag}-ref")
