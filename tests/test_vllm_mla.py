@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtriton.testing.vllm_pair import EnginePair
+from kvtriton.testing.vllm_pair import BytesMismatch, EnginePair
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = os.environ.get("KVTRITON_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
@@ -56,7 +56,16 @@ def prompts():
     return [[rng.randrange(512) for _ in range(n)] for n in LENGTHS]
 
 
-@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+# Found here (issue 19), open: at P2->D1 the decode's last, partial block of a 37-token request holds
+# other bytes than both prefill replicas in its first 4 tokens (full blocks are equal). Deterministic
+# over 3 runs, the same with every region forced STAGED; the same transfer between in-process agents
+# (kvtriton.testing.pair, DIRECT, consecutive blocks) is byte-exact, and the mixed cache's MLA draft
+# region at P2->D1 is byte-equal. Only a BytesMismatch is expected: any other failure still fails.
+P2_D1_OPEN = pytest.mark.xfail(strict=True, raises=BytesMismatch,
+                               reason="MLA P2->D1: last partial block differs on the decode (open, see comment)")
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [pytest.param(2, 1, marks=P2_D1_OPEN), (1, 2)])
 def test_mla_tokens_bytes_descriptors(model_dir, tmp_path, prompts, p_tp, d_tp):
     # no pack ahead of the pull (eager_guess off), so the negative control can run after the transfer
     pair = EnginePair(VLLM_PY, model_dir, tmp_path, p_tp, d_tp, block_size=BLOCK, engine_options=MLA_OPTIONS,
