@@ -56,13 +56,16 @@ def prompts():
     return [[rng.randrange(512) for _ in range(n)] for n in LENGTHS]
 
 
-# Found here (issue 19), open: at P2->D1 the decode's last, partial block of a 37-token request holds
-# other bytes than both prefill replicas in its first 4 tokens (full blocks are equal). Deterministic
-# over 3 runs, the same with every region forced STAGED; the same transfer between in-process agents
-# (kvtriton.testing.pair, DIRECT, consecutive blocks) is byte-exact, and the mixed cache's MLA draft
-# region at P2->D1 is byte-equal. Only a BytesMismatch is expected: any other failure still fails.
-P2_D1_OPEN = pytest.mark.xfail(strict=True, raises=BytesMismatch,
-                               reason="MLA P2->D1: last partial block differs on the decode (open, see comment)")
+# Found here (issue 19), open and intermittent: at P2->D1 the decode's last, partial block of the
+# 37-token request held other bytes than both prefill replicas in its first 4 tokens (full blocks
+# equal) in 3 of 4 runs on a loaded host, each time the same wrong digest, the same with every
+# region forced STAGED; the 4th run was byte-equal (12 / 42 descriptors). The same transfer between
+# in-process agents (kvtriton.testing.pair, DIRECT) is byte-exact and the mixed cache's MLA draft
+# region at P2->D1 was byte-equal: a race with a writer of that block (suspects: vLLM's zeroing of
+# new blocks, new_block_ids_to_zero, or the prefill's write) is likely, not established. Only a
+# BytesMismatch may fail it; any other failure (tokens, prompt tokens, descriptors, control) fails the test.
+P2_D1_OPEN = pytest.mark.xfail(strict=False, raises=BytesMismatch,
+                               reason="MLA P2->D1: last partial block sometimes differs on the decode (open)")
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [pytest.param(2, 1, marks=P2_D1_OPEN), (1, 2)])
