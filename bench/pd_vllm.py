@@ -25,6 +25,11 @@ Run from the repository root with kvtriton's venv (the engines use ``.venv-vllm`
     # both connectors, P2->D1 and P1->D2, ~2k descriptors per NixlConnector load, table with ours/theirs
     .venv/bin/python bench/pd_vllm.py --connector both --layers 16 --kv-heads 8 --head-dim 64 \
         --hidden 256 --prompt-len 2048 --prompts 4 --staging-mib 320
+    # a pair NixlConnector refuses (its handshake asserts on 3 % 2): kvtriton moves it, its row fails
+    .venv/bin/python bench/pd_vllm.py --connector both --pairs 2:3 --kv-heads 6
+    # MLA, and a GQA target with an Eagle-3 MLA draft in one KV cache group (block 16)
+    .venv/bin/python bench/pd_vllm.py --connector both --model deepseek
+    .venv/bin/python bench/pd_vllm.py --connector kvtriton --model llama+mla-draft --prefill-tp 2
 """
 
 from __future__ import annotations
@@ -101,8 +106,10 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     work = Path(log_dir or tempfile.mkdtemp(prefix="pd_vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     hidden = hidden or 2 * kv_heads * head_dim
+    # a TP3 engine needs a vocabulary vLLM pads to a multiple of 3 x 64 (512 fails: "512 is not divisible by 3")
+    vocab = 576 if prefill_tp % 3 == 0 or decode_tp % 3 == 0 else 512
     model = TinyLlama(layers=layers, kv_heads=kv_heads, heads=2 * kv_heads, head_dim=head_dim,
-                      hidden=hidden, max_positions=max(4096, 2 * prompt_len))
+                      hidden=hidden, vocab=vocab, max_positions=max(4096, 2 * prompt_len))
     options, patches = None, ()
     if model_kind not in MODEL_KINDS:
         raise ValueError(f"model_kind {model_kind!r}: expected one of {MODEL_KINDS}")
@@ -111,7 +118,8 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
         model_dir = _make(python, "deepseek", work / f"deepseek-l{layers}", model.__dict__)
         block_size, options = 16, MLA_OPTIONS
     else:
-        model_dir = _make(python, "llama", work / f"llama-l{layers}-kv{kv_heads}-d{head_dim}-h{hidden}", model.__dict__)
+        model_dir = _make(python, "llama", work / f"llama-l{layers}-kv{kv_heads}-d{head_dim}-h{hidden}-v{vocab}",
+                          model.__dict__)
     if model_kind == "llama+mla-draft":
         draft = _make(python, "eagle3-mla", work / f"eagle3-mla-h{hidden}", {"target": model.__dict__,
                                                                               "draft": {"hidden": hidden}})
