@@ -55,8 +55,8 @@ class BedHooks:
             now = time.perf_counter()
             for rid, load in loads.items():
                 times.setdefault(rid, [now, None])
-                local = getattr(load, "local_block_ids", None)  # kvtriton's LoadSpec
-                if local is not None and getattr(load, "report", True):
+                local = getattr(load, "local_block_ids", None)
+                if getattr(load, "source", None) is not None and load.report:  # kvtriton's LoadSpec only
                     loads_seen[rid] = {"local": [int(b) for b in local], "num_tokens": load.num_tokens,
                                        "remote": [int(b) for b in load.remote_block_ids],
                                        "remote_request": load.source.request_id}
