@@ -58,8 +58,8 @@ def prompts():
 
 # Found here (issue 19), open and intermittent: at P2->D1 the decode's last, partial block of the
 # 37-token request held other bytes than both prefill replicas in its first 4 tokens (full blocks
-# equal) in 3 of 4 runs on a loaded host, each time the same wrong digest, the same with every
-# region forced STAGED; the 4th run was byte-equal (12 / 42 descriptors). The same transfer between
+# equal) in 3 of 5 runs on a loaded host (load 10-15), each time the same wrong digest, the same with
+# every region forced STAGED; 2 runs on a quieter host were byte-equal (12 / 42 descriptors). The same transfer between
 # in-process agents (kvtriton.testing.pair, DIRECT) is byte-exact and the mixed cache's MLA draft
 # region at P2->D1 was byte-equal: a race with a writer of that block (suspects: vLLM's zeroing of
 # new blocks, new_block_ids_to_zero, or the prefill's write) is likely, not established. Only a
