@@ -88,7 +88,7 @@ def kernel_rows(device: str = "cpu", quick: bool = False, layers: int | None = N
             n, kw = p_ids.size, {}
         segs, offs, base = [], [], 0
         for plan in plans:  # source rank 0 packs for every destination it serves, in one launch
-            read = plan.staged_read(0)
+            read = plan.payload(0)
             if read is not None:
                 segs += read.segments
                 offs += read.segment_offsets(n, base).tolist()
@@ -273,7 +273,7 @@ def cpu_cache_rows(quick: bool = False, layers: int = 4) -> list[dict]:
             ns, nd = tokens // bs, tokens // bd
             src = make_rank_regions(models, 0, 2, ns + 8, bs, layout="HND", storage=storage, gen=gen)
             dst = make_rank_regions(models, 0, 1, nd + 8, bd, layout="HND", storage=storage, gen=gen)
-            read = build_plan(0, 1, [r.spec for r in dst], 2, [r.spec for r in src]).staged_read(0)
+            read = build_plan(0, 1, [r.spec for r in dst], 2, [r.spec for r in src]).payload(0)
             src_ids, dst_ids = _ids(ns, ns + 8, 1), _ids(nd, nd + 8, 2)
             if bs != bd:
                 m = compact_tokens(src_ids, dst_ids, ns + 8, nd + 8, bs, bd, tokens)

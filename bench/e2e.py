@@ -9,7 +9,7 @@ the descriptor sizes are the real ones. Methods, all moving the same bytes into 
   decode READs one descriptor per chunk and unpacks into its HND cache; control messages included.
   Timed from ``fetch`` to its result; the prefill's ``hold`` is placed before the clock starts.
 * ``kvtriton staged, pull eager``: the hold names the decode engine, so the prefill packs at hold
-  time and offers the pack to the decode rank (kvtriton.agent.eager); the clock starts once the
+  time and offers the pack to the decode rank (kvtriton.agent.source.eager); the clock starts once the
   decode has the offer, as when it asks some time after the prefill finished: it READs at once,
   no pull and no wait for the prefill process.
 * ``kvtriton pack_place``: one-sided staging (:mod:`kvtriton.plan.ways`): the prefill packs as for
@@ -134,7 +134,7 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
         return dict(packed=sum(a.packed_ahead(req) for a in group), hits=sum(a.stats["eager_hits"] for a in group))
 
     def time_pack(src_ids, dst_specs) -> tuple:  # every source rank's pack for D0, back to back (one process)
-        reads = [(r, build_plan(0, d_tp, dst_specs, p_tp, agents[0][k].specs).staged_read(r))
+        reads = [(r, build_plan(0, d_tp, dst_specs, p_tp, agents[0][k].specs).payload(r))
                  for k, r in enumerate(ranks)]
         ids = np.asarray(src_ids)
         staging = torch.empty(reads[0][1].payload_bytes(ids.size), dtype=torch.uint8)
@@ -353,7 +353,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
 
         # -- the staged path's parts, each alone
         pack_q = prefill.call("time_pack", src_ids.tolist(), agents[0].specs, timeout_s=None)
-        reads = [agents[0].plan_for("P0").staged_read(r) for r in ranks]
+        reads = [agents[0].plan_for("P0").payload(r) for r in ranks]
         stage = torch.empty(reads[0].payload_bytes(n), dtype=torch.uint8)
 
         def unpack_all():

@@ -156,7 +156,7 @@ class _Setup:
         segs, offs, base = [], [], 0
         self.pack_parts = []  # per destination: (segments, offsets), at the same staging offsets
         for d in range(dst_tp):
-            read = build_plan(d, dst_tp, dst_rank_specs[d], src_tp, src_specs, modes=modes).staged_read(0)
+            read = build_plan(d, dst_tp, dst_rank_specs[d], src_tp, src_specs, modes=modes).payload(0)
             if read is not None:
                 segs += read.segments
                 offs += read.segment_offsets(self.n, base).tolist()
@@ -238,7 +238,7 @@ def _check_pack_providers(regions, segs, offs, ids, nbytes, device, providers) -
 def batched_pack_rows(name: str, models: Sequence[RegionModel], block_size: int, device: str, quick: bool,
                       dests: Sequence[int] = (4, 8), blocks: Sequence[int] = (8, 64)) -> list[dict]:
     """One source rank (TP1) packing a request for ``N`` decode ranks: every destination in one
-    launch (what the agent does, :mod:`kvtriton.agent.packing`) against one launch per
+    launch (what the agent does, :mod:`kvtriton.agent.source.packing`) against one launch per
     destination, same process, same bytes (checked equal first).
 
     On CUDA (``impl="triton"``) the difference is launch overhead and per-call validation; on

@@ -203,7 +203,7 @@ def test_warmup_runs_each_specialisation_once_and_moves_nothing():
         assert torch.equal(a.pool.tensor, staging)
         # every chunk size a request can have launches a warmed specialisation
         plan = build_plan(0, 1, a.specs, 1, a.specs)  # the agent's own geometry, its (default) settings
-        read = plan.staged_read(0)
+        read = plan.payload(0)
         for n in range(1, a.chunk_bytes // read.bytes_per_block + 1):
             for op in ("pack", "unpack"):
                 cfg = launch_config_for(op, regions, read.segments, read.segment_offsets(n, base=a.pool.offset(3)),
@@ -237,8 +237,8 @@ def test_add_remote_warms_what_serving_and_fetching_that_peer_launch(engines):
     p_warmed = p.debug_state()["warmed"]
     for d in e.da:
         d_warmed = d.debug_state()["warmed"]
-        to_d = build_plan(d.rank, 2, d.specs, 1, p.specs).staged_read(0)  # what p serves d by
-        from_p = d.plan_for("P").staged_read(0)
+        to_d = build_plan(d.rank, 2, d.specs, 1, p.specs).payload(0)  # what p serves d by
+        from_p = d.plan_for("P").payload(0)
         for n in (1, 2, 3, 4):
             ids = np.arange(n)
             assert _warm("pack", launch_config_for("pack", p.regions, to_d.segments, to_d.segment_offsets(n), ids,
@@ -266,7 +266,7 @@ def test_pack_on_the_agents_stream_waits_for_the_engines_writes():
     a = TransferAgent("P", 0, 1, regions, staging_bytes=1 << 20, slot_bytes=4096, modes="staged")
     try:
         a.warmup()  # no compile between queuing the engine's work and the pack
-        read = build_plan(0, 1, a.specs, 1, a.specs, modes="staged").staged_read(0)
+        read = build_plan(0, 1, a.specs, 1, a.specs, modes="staged").payload(0)
         lanes = agent_lanes(a)
         streams = [regions[0].nhd(j).view(torch.uint8) for j in range(regions[0].spec.num_streams)]
         fresh = [torch.randint(0, 256, s[7].shape, dtype=torch.uint8, generator=g).to(dev) for s in streams]
@@ -307,7 +307,7 @@ def test_unpack_on_the_agents_stream_waits_for_the_engines_last_use():
     a = TransferAgent("D", 0, 1, regions, staging_bytes=1 << 20, slot_bytes=4096, modes="staged")
     try:
         a.warmup()
-        read = build_plan(0, 1, a.specs, 1, a.specs, modes="staged").staged_read(0)
+        read = build_plan(0, 1, a.specs, 1, a.specs, modes="staged").payload(0)
         lanes = agent_lanes(a)
         streams = [regions[0].nhd(j).view(torch.uint8) for j in range(regions[0].spec.num_streams)]
         stale = [torch.randint(0, 256, s[5].shape, dtype=torch.uint8, generator=g).to(dev) for s in streams]
@@ -349,7 +349,7 @@ def test_warmup_compiles_what_requests_launch():
     try:
         assert a.debug_state()["warmed"]
         count = _compiled(_kernel("pack")) + _compiled(_kernel("unpack"))
-        read = build_plan(0, 1, a.specs, 1, a.specs, modes="staged").staged_read(0)
+        read = build_plan(0, 1, a.specs, 1, a.specs, modes="staged").payload(0)
         with (lanes := agent_lanes(a)).launching():
             for n in (1, 3, 6, 13):
                 offs = read.segment_offsets(n, base=a.pool.offset(2))

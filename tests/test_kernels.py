@@ -108,7 +108,7 @@ def pack_request(src_specs, dst_specs, src_rank, src_tp, dst_tp, n, modes=None):
     ``src_rank``: each destination's payload at its own base, concatenated."""
     segs, offs, base = [], [], 0
     for d in range(dst_tp):
-        read = build_plan(d, dst_tp, dst_specs, src_tp, src_specs, modes=modes).staged_read(src_rank)
+        read = build_plan(d, dst_tp, dst_specs, src_tp, src_specs, modes=modes).payload(src_rank)
         if read is None:
             continue
         segs += read.segments
@@ -216,7 +216,7 @@ def test_unpack_layouts_storage_slices(dst_layout, storage, pad, pos, device, ge
     def make_dst():
         return regions_for(models, 0, 1, layout=dst_layout, storage=storage, pad=pad, seed=7, device=device)
 
-    read = build_plan(0, 1, [r.spec for r in make_dst()], 3, src_specs).staged_read(pos)
+    read = build_plan(0, 1, [r.spec for r in make_dst()], 3, src_specs).payload(pos)
     assert read.segments[0].dst_head == 2 * pos
     n = 4
     ids = random_ids(n, NB, gen, unique=True)
@@ -276,7 +276,7 @@ def test_unpack_block_ids(ids, device, gen):
         return regions_for(models, 0, 2, layout="NHD", storage="joint", seed=5, device=device)
 
     src_specs = [r.spec for r in regions_for(models, 0, 4, device=device)]
-    read = build_plan(0, 2, [r.spec for r in make_dst()], 4, src_specs).staged_read(0)
+    read = build_plan(0, 2, [r.spec for r in make_dst()], 4, src_specs).payload(0)
     n = len(ids)
     check_unpack(make_dst, read.segments, read.segment_offsets(n), torch.tensor(ids, dtype=torch.int32),
                  read.payload_bytes(n), device, gen)

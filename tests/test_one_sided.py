@@ -139,7 +139,7 @@ def test_tile_runs_match_the_reference_repack(layout, ids):
         P = make_rank_regions(MODELS, 1, p_tp, nb, 4, layout=layout, storage="joint", gen=gen)
         D = make_rank_regions(MODELS, 1, d_tp, nb, 4, layout=layout, gen=gen)
         plan = build_plan(1, d_tp, [r.spec for r in D], p_tp, [r.spec for r in P], modes=way.value)
-        read = plan.staged_read(1)
+        read = plan.payload(1)
         offs = read.segment_offsets(n)
         packed = torch.randint(0, 256, (read.payload_bytes(n),), dtype=torch.uint8, generator=gen)
         if way is RU:  # pieces of the source's blocks == the packed payload

@@ -72,7 +72,7 @@ def test_the_two_models_pick_different_routes():
     from kvtriton.plan import build_plan
 
     specs = [r.spec for r in make_rank_regions(MODELS, 0, 1, 8, 4, gen=torch.Generator())]
-    assert build_plan(0, 1, specs, 1, specs, cost=CHEAP_DESCRIPTORS).modes == (Mode.DIRECT,)
+    assert build_plan(0, 1, specs, 1, specs, cost=CHEAP_DESCRIPTORS).modes == (Route.DIRECT,)
     assert build_plan(0, 1, specs, 1, specs, cost=DEAR_DESCRIPTORS).modes == (Mode.STAGED,)
 
 
@@ -99,7 +99,7 @@ def test_source_warmup_compiles_the_served_plans_packs(pair):
     if torch.cuda.is_available():
         pytest.skip("the interpreter path")
     p, d, *_ = pair
-    served = d.plan_for("P").staged_read(0)
+    served = d.plan_for("P").payload(0)
     assert served is not None
     for n in (1, 2, 3, 4):
         cfg = launch_config_for("pack", p.regions, served.segments, served.segment_offsets(n), np.arange(n),

@@ -59,7 +59,7 @@ def test_for_fetch_equals_the_destinations_own_computation(p_tp, d_tp):
     assert rp.source_ranks == tuple(sorted({s.src_rank for s in plan.staged} | plan.direct_ranks(n)))
     assert rp.digest == plan.digest() and rp.wire_tokens() == {}
     for r in rp.source_ranks:
-        read = plan.staged_read(r)
+        read = plan.payload(r)
         p = rp.payload(r)
         if read is None:
             assert p is None
@@ -118,7 +118,7 @@ def test_token_map_on_both_sides():
                                    num_tokens=90, tiles=rp.wire_tokens()["tiles"])
         want = TokenMap.for_source(m.tiles, m.read_ids, 90, 16, 24, src.size)
         assert np.array_equal(sv.tokens.src_ids, want.src_ids) and sv.num_tiles == want.num_tiles
-        assert sv.payload(r).chunks == ChunkGeometry(plan.staged_read(r).bytes_per_block, want.num_tiles,
+        assert sv.payload(r).chunks == ChunkGeometry(plan.payload(r).bytes_per_block, want.num_tiles,
                                                      chunk_blocks)
         assert sv.dst_ids is None
     with pytest.raises(PlanError):  # a token map reaching past the held blocks
@@ -154,7 +154,7 @@ def test_eager_hold_offers_match_the_fetch_of_every_held_block():
                                   chunk_bytes=cap)
     assert hold.ids_digest == ids_digest(held) == fetch.ids_digest
     for r in (0, 1):
-        read = plan.staged_read(r)
+        read = plan.payload(r)
         chunks = ChunkGeometry.fit(read.bytes_per_block, held.size, cap)  # what eager packed
         want = OfferTerms(plan.digest(), ids_digest(held), held.size, chunks.blocks_per_chunk,
                           int(r in plan.direct_ranks(held.size)))

@@ -18,7 +18,7 @@ a chunk of its staged payload into a staging slot run and answers ``ready``; the
 it (one descriptor), unpacks it into its cache and answers ``ack`` so the source reuses the slots
 for the next chunk (two chunks in flight per transfer: pack i+1 while i is on the wire). DIRECT
 regions are READ straight from the source's cache in coalesced block runs, once the source has
-confirmed (:class:`~kvtriton.wire.RunsReady`) that it holds those blocks; a held request does not expire while a
+confirmed (:class:`~kvtriton.protocol.wire.RunsReady`) that it holds those blocks; a held request does not expire while a
 transfer is reading it (the transfer has its own silence deadline), but never outlives its lease
 plus ``timeout_s``; a decode rank renews the holds of its outstanding fetches. When everything has
 landed the decode rank sends ``done`` to *every* rank of the source engine (replicas it skipped
@@ -30,7 +30,7 @@ READs at once, without a pull; a pull that comes first is answered with ``ready`
 
 Push: the decode rank sends ``push`` and ``grant``s staging slots of its own; the source packs and
 WRITEs each chunk into the granted slots with a ``data`` notification, and WRITEs DIRECT regions
-straight into the decode rank's cache (:class:`~kvtriton.wire.RunsReady` notification).
+straight into the decode rank's cache (:class:`~kvtriton.protocol.wire.RunsReady` notification).
 
 Failures are per request: a dead peer, a rejection or a deadline makes :meth:`results` report a
 typed error for that request only; staging is reclaimed, other requests go on.

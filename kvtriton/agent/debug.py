@@ -139,7 +139,7 @@ def _snapshot(agent) -> dict[str, Any]:
                     "engine_slots": dict(src.share.engine_slots), "eager_slots": src.eager.slots,
                     "eager_budget_slots": src.eager.budget_slots, "retired": len(links.zombies)},
         "plans": [{"engine": key[0], "rank": key[1], "cost": _cost(key[2]) if len(key) > 2 else None, **_plan(plan),
-                   "staged_from_me": plan.staged_read(s.rank) is not None}
+                   "staged_from_me": plan.payload(s.rank) is not None}
                   for key, plan in agent._plans.served.items()],
         "reading": reading,
         "fetches": {req: {"engine": f.engine, "parts": [p.xid for p in f.parts.values()],

@@ -340,7 +340,7 @@ class TransferAgent:
         agent renews the holds of its outstanding fetches, see ``renew_interval_s``); transfers
         in progress keep it at most ``timeout_s`` longer.
         Raises :class:`~kvtriton.errors.RequestRejectedError` on ids outside ``[-1, num_blocks)``
-        or more than :data:`kvtriton.wire.MAX_REQUEST_BLOCKS` held blocks.
+        or more than :data:`kvtriton.protocol.wire.MAX_REQUEST_BLOCKS` held blocks.
 
         ``after`` (CUDA agents): when the blocks are final, i.e. the engine's cache writes are
         done. A ``torch.cuda.Event`` (recorded by the engine after its last write), a
@@ -358,7 +358,7 @@ class TransferAgent:
         ids = ids[ids >= 0]
         if ids.size > wire.MAX_REQUEST_BLOCKS:
             raise RequestRejectedError(f"hold {req_id!r}: {ids.size} blocks is more than a request may have "
-                                       f"(kvtriton.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS})")
+                                       f"(kvtriton.protocol.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS})")
         if not float(lease_s) > 0:
             raise ValueError(f"hold {req_id!r}: lease_s must be > 0, got {lease_s!r}")
         if consumer is not None and (not isinstance(consumer, str) or not consumer or consumer == self.engine_id):
@@ -409,7 +409,7 @@ class TransferAgent:
         position ``j`` holds tokens ``[j*Bs, (j+1)*Bs)``, local position ``k`` tokens
         ``[k*Bd, (k+1)*Bd)``; a local -1 skips that block's tokens, a remote -1 is allowed only
         for tokens no wanted local block holds, and only tokens below ``num_tokens`` are written
-        (:func:`kvtriton.token_map.compact_tokens`; with equal block sizes ``num_tokens`` is
+        (:func:`kvtriton.plan.request.compact_tokens`; with equal block sizes ``num_tokens`` is
         ignored). Raises at once on bad ids or an
         unknown engine (:class:`~kvtriton.errors.PlanError`, ``KeyError``); everything later is
         reported by :meth:`results`. After a failed fetch the local blocks hold undefined bytes;

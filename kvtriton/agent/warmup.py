@@ -1,7 +1,7 @@
 """Compiling an agent's kernel specialisations before its first request.
 
 A pack or unpack compiles its Triton kernel on first use for each set of constexprs
-(:class:`~kvtriton.launch.LaunchConfig`: word width, vector length, tile shape), 0.5-2 s on a
+(:class:`~kvtriton.ops.heuristics.LaunchConfig`: word width, vector length, tile shape), 0.5-2 s on a
 GPU; inside :meth:`TransferAgent.progress` that stalls every transfer of the rank. The
 specialisations an agent will launch follow from its plans: the staged segments of each (peer,
 direction) pair, and the staging offsets of a chunk, whose alignment depends only on the
@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import KVTritonError
 from ..ops import LaunchConfig, launch_config_for, pack, unpack
 from ..ops.launch import _resolve_impl
-from ..plan import StagedRead, TransferPlan
+from ..plan import Payload, TransferPlan
 from .links import Peer
 from .plan_book import PlanBook
 from .settings import Settings
@@ -34,29 +34,29 @@ __all__ = ["own_reads", "peer_reads", "warm"]
 _BLOCK_COUNTS = (1, 2, 4, 8, 16)  # one of each power of two: every staging-offset alignment
 
 
-def own_reads(book: PlanBook) -> list[tuple[str, StagedRead]]:
+def own_reads(book: PlanBook) -> list[tuple[str, Payload]]:
     """What a peer engine with this rank's own geometry (same TP, same regions) makes it launch."""
     own = book.own_geometry()
-    reads = [("pack", own.staged_read(book.s.rank))] + [("unpack", r) for r in own.staged]
+    reads = [("pack", own.payload(book.s.rank))] + [("unpack", r) for r in own.staged]
     return [(op, r) for op, r in reads if r is not None]
 
 
 def peer_reads(book: PlanBook, peers: Iterable[Peer],
-               plans_from: Mapping[str, TransferPlan]) -> list[tuple[str, StagedRead]]:
+               plans_from: Mapping[str, TransferPlan]) -> list[tuple[str, Payload]]:
     """What serving ``peers`` (pack, by the plan each is served by: the peer's cost model) and
     fetching from them (unpack, by ``plans_from[engine]``) makes this rank launch."""
     reads = []
     for p in peers:
         try:
-            reads.append(("pack", book.serving(p.md).staged_read(book.s.rank)))
+            reads.append(("pack", book.serving(p.md).payload(book.s.rank)))
         except KVTritonError:  # this pairing cannot be served; a request for it is rejected anyway
             pass
         if p.md.engine in plans_from:
-            reads.append(("unpack", plans_from[p.md.engine].staged_read(p.md.rank)))
+            reads.append(("unpack", plans_from[p.md.engine].payload(p.md.rank)))
     return [(op, r) for op, r in reads if r is not None]
 
 
-def warm(s: Settings, reads: Iterable[tuple[str, StagedRead]], done: set) -> list[tuple[str, LaunchConfig]]:
+def warm(s: Settings, reads: Iterable[tuple[str, Payload]], done: set) -> list[tuple[str, LaunchConfig]]:
     """Launch each ``(op, LaunchConfig)`` of ``reads`` (``("pack" | "unpack", staged read)``
     pairs) not in ``done`` yet, add it there, wait for the launches; returns the new ones."""
     if _resolve_impl(s.impl, s.device) == "torch":

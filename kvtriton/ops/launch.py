@@ -227,7 +227,7 @@ def pack(
     segments : Sequence[Segment]
         What to gather: heads ``[src_head, src_head + num_heads)`` of ``regions[region]``'s
         stream ``stream``; tiles written in ``dst_layout``. Typically ``read.segments`` of one
-        :class:`~kvtriton.plan.StagedRead` per destination, concatenated.
+        :class:`~kvtriton.plan.Payload` per destination, concatenated.
     offsets : Sequence[int] | np.ndarray
         ``[n_segments]`` byte offset of each segment's first tile in ``staging``
         (``read.segment_offsets(n, base)``).
@@ -310,7 +310,7 @@ def unpack(
     The inverse of :func:`pack`: tile ``j`` of segment ``s`` (at byte ``offsets[s] + j *
     tile_bytes`` of ``staging``) lands in local block ``block_ids[j]``, heads ``[dst_head,
     dst_head + num_heads)`` of ``regions[region]``'s stream ``stream``. Segments from several
-    source ranks (each a :class:`~kvtriton.plan.StagedRead` at its own staging offset) may be
+    source ranks (each a :class:`~kvtriton.plan.Payload` at its own staging offset) may be
     given together: with D < P one launch assembles each local block from all its sources.
 
     Parameters

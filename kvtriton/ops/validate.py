@@ -135,7 +135,7 @@ def validate(op: str, regions, segments, offsets, block_ids, staging, pair_ids=N
 
 def _static(op: str, regions, segments) -> Static:
     """Per-segment checks and addressing, cached for tuples of segments (immutable, like the
-    planner's ``StagedRead.segments``): a launch serving 8 destinations of an 80-layer model
+    planner's ``Payload.segments``): a launch serving 8 destinations of an 80-layer model
     has 1280 segments, and checking them costs milliseconds of Python."""
     for i, r in enumerate(regions):
         if not isinstance(r, Region):

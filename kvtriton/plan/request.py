@@ -293,7 +293,7 @@ def ids_digest(ids: np.ndarray) -> str:
 
 
 class OfferTerms(NamedTuple):
-    """What an offer (:class:`~kvtriton.wire.Offer`) claims, besides its slots: the plan's
+    """What an offer (:class:`~kvtriton.protocol.wire.Offer`) claims, besides its slots: the plan's
     digest, the digest of the source ids, their count, the blocks per chunk and whether the
     offer also confirms DIRECT runs (1) or not (0). An offer is taken only when its terms equal
     those of the request the destination makes."""
@@ -400,7 +400,7 @@ class RequestPlan:
                                          held_blocks)
             n = tokens.num_tiles
         payloads = {}
-        read = plan.staged_read(src_rank)
+        read = plan.payload(src_rank)
         if read is not None:
             payloads[src_rank] = RequestPayload(read, ChunkGeometry(read.bytes_per_block, n, chunk_blocks))
         return cls(plan, ids, None, tokens, n, payloads, {})

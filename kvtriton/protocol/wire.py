@@ -281,7 +281,7 @@ class Pull(Message):
     plan: str
     tokens: int = 0  # block sizes differ: the request's tokens (0: block pairs); see plan.TokenMap
     tiles: tuple[int, ...] = ()  # block sizes differ: destination positions staged; ids = TokenMap.read_ids
-    # how the staged payload travels (a plan.Mode of StagedRead.ways): "read_unpack": do not pack,
+    # how the staged payload travels (a plan.Mode of Payload.ways): "read_unpack": do not pack,
     # answer RunsReady and keep the blocks until RunsDone (I READ them from your cache)
     way: str = "staged"
 

@@ -65,7 +65,7 @@ class Wiretap:
         return out
 
     def seen(self, kind: type) -> list:
-        """The received messages of type ``kind`` (a :mod:`kvtriton.wire` message class)."""
+        """The received messages of type ``kind`` (a :mod:`kvtriton.protocol.wire` message class)."""
         return [m for m in self.received if isinstance(m, kind)]
 
     # ------------------------------------------------------------------ holding back
@@ -122,14 +122,14 @@ def set_fetch_event(agent, req_id: str, event) -> None:
 
 def replace_lanes(agent, lanes) -> None:
     """Run ``agent``'s packs and unpacks under ``lanes`` (an object with the interface of
-    :class:`kvtriton.agent.streams.Lanes`: ``launching(after)``, ``completion()``,
+    :class:`kvtriton.agent.device.Lanes`: ``launching(after)``, ``completion()``,
     ``on_device()``, ``synchronize()``, ``cuda``) instead of its own stream: every role reads it
     from the settings they share."""
     object.__setattr__(agent._s, "lanes", lanes)  # Settings is frozen; the roles share it
 
 
 def agent_lanes(agent):
-    """``agent``'s :class:`~kvtriton.agent.streams.Lanes`: its device and the CUDA stream its packs
+    """``agent``'s :class:`~kvtriton.agent.device.Lanes`: its device and the CUDA stream its packs
     and unpacks run on (to queue work exactly where the agent queues its own)."""
     return agent._s.lanes
 

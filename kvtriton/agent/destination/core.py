@@ -18,8 +18,8 @@ from .fetches import Fetches, RequestResult
 from .offers import Offers
 from .parts import CacheLease, DirectPart, GrantedPart, PackPlacePart, Part, ReadUnpackPart, RunsTransfer, StagedPart
 
-_PULL_PARTS: dict[Mode, type[Part]] = {Mode.STAGED: StagedPart, Mode.READ_UNPACK: ReadUnpackPart,
-                                       Mode.PACK_PLACE: PackPlacePart}
+_PULL_PARTS: dict[Mode, type[Part]] = {Mode.STAGED: StagedPart, Way.READ_UNPACK: ReadUnpackPart,
+                                       Way.PACK_PLACE: PackPlacePart}
 
 
 class Destination:
@@ -56,7 +56,7 @@ class Destination:
         blocks = max(rp.src_ids.size, rp.dst_ids.size)
         if blocks > wire.MAX_REQUEST_BLOCKS:
             raise PlanError(f"fetch {req_id!r}: {blocks} blocks is more than a request may "
-                            f"have (kvtriton.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS}); split it")
+                            f"have (kvtriton.protocol.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS}); split it")
         now = time.monotonic()
         timeout = timeout_s or self.s.timeout_s
         f = Fetch(req_id, engine, now, timeout, now + timeout, rp, renew_at=now + self.s.renew_s, ready=ready)

@@ -1,5 +1,5 @@
 """Offers a destination rank received: packs (or cache blocks) a source made ready for a
-request before any pull (see :mod:`kvtriton.agent.eager`), kept until a fetch asks for them."""
+request before any pull (see :mod:`kvtriton.agent.source.eager`), kept until a fetch asks for them."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class Offers:
         same terms, slot runs inside the peer's staging), else None; ``taken(xid)``: whether a
         transfer id is in use here already. An offer that does not match is declined (the
         source frees it), or left to the pull that follows when it may hold a suffix of this
-        request (see :mod:`kvtriton.agent.eager`)."""
+        request (see :mod:`kvtriton.agent.source.eager`)."""
         offer = self.by_peer.get(peer.key, {}).pop(req, None)
         if offer is None:
             return None

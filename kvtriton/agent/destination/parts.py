@@ -1,5 +1,5 @@
 """What one source rank sends for one fetch: a part, one class per way its staged payload
-travels (:mod:`kvtriton.one_sided`), or a part of DIRECT runs only.
+travels (:mod:`kvtriton.plan.ways`), or a part of DIRECT runs only.
 
 * :class:`StagedPart` (pull): the source packs and announces each chunk (Ready); we READ it
   into our staging, unpack it, and Ack it.
@@ -334,7 +334,7 @@ class PackPlacePart(PayloadPart):
     """Pull, PACK_PLACE: READ each announced chunk's tiles straight into our cache blocks, one
     descriptor per (segment, run of consecutive destination ids), then Ack; nothing to unpack."""
 
-    way = Mode.PACK_PLACE
+    way = Way.PACK_PLACE
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -384,7 +384,7 @@ class ReadUnpackPart(PayloadPart):
     would have put them (one descriptor per segment and run of consecutive source ids), and
     unpack; RunsDone once every READ landed."""
 
-    way = Mode.READ_UNPACK
+    way = Way.READ_UNPACK
 
     def __init__(self, *args):
         super().__init__(*args)

@@ -163,7 +163,7 @@ class Source:
             return reject(f"{eng}:{dst_rank} asks for way {way!r}; the plan allows {[w.value for w in read.ways]}")
         if read is None and way != Mode.STAGED.value:
             return reject(f"{me} sends {eng}:{dst_rank} no staged payload: way {way!r} is meaningless")
-        if way == Mode.READ_UNPACK.value:  # the peer READs our cache blocks itself: nothing to pack
+        if way == Way.READ_UNPACK.value:  # the peer READs our cache blocks itself: nothing to pack
             if flow is not Flow.PULL or r.tokens is not None:
                 return reject("read_unpack is a pull of equal block sizes only")
             read, chunks, has_runs = None, None, True

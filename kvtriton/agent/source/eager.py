@@ -16,7 +16,7 @@ prefix below; another chunk size, another plan, a reconnected peer) frees the pa
 and is served lazily.
 
 Offers: once every chunk of a destination rank's pack has completed, the pack is offered to
-that rank (:class:`~kvtriton.wire.Offer`: a ``ready`` ahead of the pull) as a transfer of its
+that rank (:class:`~kvtriton.protocol.wire.Offer`: a ``ready`` ahead of the pull) as a transfer of its
 own; a fetch that asks exactly that READs it without a round trip to this process (on a busy
 host, the wake-up saved). When the plan also reads DIRECT runs from this rank, the offer is
 sent only once the hold's event has completed and says so (``runs``): it is then their
@@ -228,7 +228,7 @@ class EagerPacks:
                 plan = self.plans.serving(peer.md)
             except KVTritonError:
                 continue
-            if plan.maps_tokens or plan.staged_read(self.s.rank) is None:
+            if plan.maps_tokens or plan.payload(self.s.rank) is None:
                 continue  # token maps: the tiles depend on the decode's ids
             try:  # the chunks the destination derives: the smaller of both sides' chunk sizes
                 request = request_plan(plan, self.s.rank, ids,
@@ -288,12 +288,12 @@ class EagerPacks:
         derives (the destination's own ids are not known here; its choice decides, a wrong guess
         costs one declined offer)."""
         read = request.read
-        if Mode.READ_UNPACK not in read.ways:
+        if Way.READ_UNPACK not in read.ways:
             return False
-        if read.ways == (Mode.READ_UNPACK,):
+        if read.ways == (Way.READ_UNPACK,):
             return True
         return choose_way(read, self.s.specs, peer.md.regions, request.ids, request.ids, peer.md.cost or CostModel(),
-                          chunks=request.chunks.count) is Mode.READ_UNPACK
+                          chunks=request.chunks.count) is Way.READ_UNPACK
 
     # ------------------------------------------------------------------ using
     def take(self, req: str, peer: Peer, digest: str, ids: np.ndarray | None, chunks: ChunkGeometry | None) -> dict:

@@ -110,7 +110,7 @@ class Holds:
                 plan = self.plans.serving(md or peer.md, rank=d)
             except KVTritonError:
                 return True  # unplannable: never a reason to release anything
-            if plan.staged_read(self.rank) is not None or self.rank in plan.direct_ranks(nblocks):
+            if plan.payload(self.rank) is not None or self.rank in plan.direct_ranks(nblocks):
                 return True
         return False
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from ...errors import KVTritonError
 from ...ops import pack
-from ...plan import ChunkGeometry, StagedRead, TokenMap
+from ...plan import ChunkGeometry, Payload, TokenMap
 from ..links import Chunk
 from ..settings import Settings
 from ..stats import Stats
@@ -50,7 +50,7 @@ _JOINED_CACHE_SIZE = 64  # concatenated segment lists kept (the launcher's valid
 class PackJob:
     """One reserved chunk of one destination, waiting for its launch."""
 
-    read: StagedRead  # the destination's segments from this rank
+    read: Payload  # the destination's segments from this rank
     chunk: Chunk  # its reserved slots (``kernel`` is set by the launch)
     tiles_n: int  # tiles per segment in this chunk
     ids: np.ndarray  # the launch's block ids: the chunk's positions, or the token map's source ids
@@ -61,7 +61,7 @@ class PackJob:
     failed: Callable[[KVTritonError], None]  # the launch refused this job's arguments
 
     @classmethod
-    def for_chunk(cls, read: StagedRead, chunks: ChunkGeometry, ch: Chunk, ids: np.ndarray,
+    def for_chunk(cls, read: Payload, chunks: ChunkGeometry, ch: Chunk, ids: np.ndarray,
                   tokens: TokenMap | None, ready, alive, failed) -> PackJob:
         lo, hi = chunks.bounds(ch.index)
         if tokens is None:
@@ -132,7 +132,7 @@ class PackBatch:
                  tiles=job.tiles, num_tokens=job.num_tokens)
         self.stats["pack_launches"] += 1
 
-    def _joined_segments(self, reads: tuple[StagedRead, ...]) -> tuple:
+    def _joined_segments(self, reads: tuple[Payload, ...]) -> tuple:
         """The reads' segment lists concatenated, the same tuple each time for the same reads (the
         launcher checks a segment tuple once and then reuses the check)."""
         key = tuple(id(r.segments) for r in reads)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import PlanError
-from ...plan import ChunkGeometry, StagedRead, TokenMap, TransferPlan
+from ...plan import ChunkGeometry, Payload, TokenMap, TransferPlan
 
 __all__ = ["SourceRequest", "ids_digest", "request_plan"]
 
@@ -29,7 +29,7 @@ class SourceRequest:
 
     ids: np.ndarray  # the request's positions in this engine's blocks (held block ids, in order)
     tokens: TokenMap | None  # block sizes differ: the token map (its tiles are the staged positions)
-    read: StagedRead | None  # this rank's staged payload to the destination (None: it sends none)
+    read: Payload | None  # this rank's staged payload to the destination (None: it sends none)
     runs: bool  # the plan reads DIRECT runs of these positions from this rank
     chunks: ChunkGeometry | None  # how the payload is cut into staging chunks (None: no payload)
 
@@ -67,7 +67,7 @@ def request_plan(plan: TransferPlan, rank: int, ids: np.ndarray, *, chunk_blocks
     elif tiles or num_tokens:
         raise PlanError("tiles and a token count sent, but the engines' block sizes are equal")
     n = tokens.num_tiles if tokens is not None else int(ids.size)
-    read = plan.staged_read(rank)
+    read = plan.payload(rank)
     chunks = None
     if read is not None and chunk_blocks is not None:
         chunks = ChunkGeometry(read.bytes_per_block, n, chunk_blocks)

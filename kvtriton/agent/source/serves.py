@@ -32,7 +32,7 @@ from typing import ClassVar
 import numpy as np
 
 from ...errors import KVTritonError, ProtocolError
-from ...plan import ChunkGeometry, StagedRead, TokenMap
+from ...plan import ChunkGeometry, Payload, TokenMap
 from ...protocol import wire
 from ..device import event_done
 from ..links import Chunk, Flow, Links, Peer, logger
@@ -57,7 +57,7 @@ class Serve:
     xid: str
     req_id: str
     peer: Peer
-    read: StagedRead | None
+    read: Payload | None
     ids: np.ndarray
     chunks: ChunkGeometry | None  # None when this rank sends the destination no staged payload
     timeout_s: float
@@ -393,7 +393,7 @@ class Serves:
 
     def offer_runs(self, hold: Hold, peer: Peer, digest: str) -> bool:
         """Offer ``peer`` to READ ``hold``'s blocks straight from our cache (read_unpack): an
-        :class:`~kvtriton.wire.Offer` without slots, sent once the engine's writes are done, and
+        :class:`~kvtriton.protocol.wire.Offer` without slots, sent once the engine's writes are done, and
         a transfer that keeps the blocks until the reader's RunsDone (or the hold ends), as a
         pull's RunsReady would. Saves the pull's round trip to this process."""
         xid = f"{hold.req_id}|{self.s.name}>{peer.md.rank}!"

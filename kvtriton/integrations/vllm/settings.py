@@ -54,7 +54,7 @@ class ConnectorSettings:
                          first engine that asks, packed when asked.
     eager_guess:         a prefill rank packs a finished request ahead of its pull for the only
                          decode engine connected to it, if exactly one is (1P1D; the hold is not
-                         bound by the guess, see :mod:`kvtriton.agent.eager`). Default true.
+                         bound by the guess, see :mod:`kvtriton.agent.source.eager`). Default true.
     modes:               force a route for every region (``"staged"``, ``"direct"``...) or per
                          region (``"name=staged,name2=direct"``), as the agent's ``modes=``; both
                          engines must give the same. ``""`` (default): the planner chooses.
