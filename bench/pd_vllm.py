@@ -25,6 +25,11 @@ Run from the repository root with kvtriton's venv (the engines use ``.venv-vllm`
     # both connectors, P2->D1 and P1->D2, ~2k descriptors per NixlConnector load, table with ours/theirs
     .venv/bin/python bench/pd_vllm.py --connector both --layers 16 --kv-heads 8 --head-dim 64 \
         --hidden 256 --prompt-len 2048 --prompts 4 --staging-mib 320
+    # a pair NixlConnector refuses (its handshake asserts on 3 % 2): kvtriton moves it, its row fails
+    .venv/bin/python bench/pd_vllm.py --connector both --pairs 2:3 --kv-heads 6
+    # MLA, and a GQA target with an Eagle-3 MLA draft in one KV cache group (block 16)
+    .venv/bin/python bench/pd_vllm.py --connector both --model deepseek
+    .venv/bin/python bench/pd_vllm.py --connector kvtriton --model llama+mla-draft --prefill-tp 2
 """
 
 from __future__ import annotations
@@ -46,8 +51,16 @@ sys.path.insert(0, str(ROOT))
 from report import fmt_ms, median_known, pd_vllm_table  # noqa: E402  bench/report.py
 
 from kvtriton.testing.vllm_bed import EngineProcess, TinyLlama, engine_cpus, free_port_range  # noqa: E402
+from kvtriton.testing.vllm_models import TinyDeepseek  # noqa: E402
 
 DEFAULT_VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+
+# vLLM CPU: MLA runs on CPU_MLA (named: AMX_MLA would be picked on AMX hosts) at block 16, with the
+# rotary custom op off (it is wrong for DeepSeek's 3-D q_pe); the mixed cache also needs the bed's
+# two capability patches (kvtriton/testing/vllm_patches.py)
+MLA_OPTIONS = {"attention_config": {"backend": "CPU_MLA"}, "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+MODEL_KINDS = ("llama", "deepseek", "llama+mla-draft")
+MIXED_PATCHES = ("cpu-attention-block-16", "mla-metadata-target-head-size")
 
 
 def vllm_python() -> str | None:
@@ -71,7 +84,8 @@ def _sum_stats(per_rank) -> dict:
 def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, layers: int = 2, head_dim: int = 32,
         hidden: int | None = None, block_size: int = 32, prompts: int = 4, prompt_len: int = 333, max_tokens: int = 8,
         warmup: bool = True, python: str | None = None, log_dir: str | None = None, quiet: bool = False,
-        env: dict | None = None, profile: str | None = None, eager: bool = True, staging_mib: int = 0) -> dict:
+        env: dict | None = None, profile: str | None = None, eager: bool = True, staging_mib: int = 0,
+        model_kind: str = "llama") -> dict:
     """Run one P/D configuration; returns a result dict (``rows`` per request, ``ok``, ``recomputed``).
 
     With ``warmup`` a first request (``request`` -1, its own prompt) goes through before the
@@ -81,7 +95,10 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     their worker processes included, over the measured requests and writes one flame graph each.
     kvtriton only: ``eager`` names the decode engine as the consumer of the prefill's holds (a
     fixed pairing, ``consumer`` in ConnectorSettings), so the prefill packs each request as soon
-    as it finishes; ``staging_mib`` (0: the default) sizes both engines' staging pools."""
+    as it finishes; ``staging_mib`` (0: the default) sizes both engines' staging pools.
+    ``model_kind``: ``llama`` (GQA, the shape above), ``deepseek`` (a DeepSeek-V2 with ``layers``
+    MLA layers at latent 576; block 16) or ``llama+mla-draft`` (the Llama with an Eagle-3 MLA
+    draft in its KV cache group, 2 speculative tokens; block 16)."""
     python = python or vllm_python()
     if python is None:
         raise RuntimeError(f"no vLLM test bed at {DEFAULT_VLLM_PY}: run `make vllm-bed`")
@@ -89,15 +106,29 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     work = Path(log_dir or tempfile.mkdtemp(prefix="pd_vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     hidden = hidden or 2 * kv_heads * head_dim
+    # a TP3 engine needs a vocabulary vLLM pads to a multiple of 3 x 64 (512 fails: "512 is not divisible by 3")
+    vocab = 576 if prefill_tp % 3 == 0 or decode_tp % 3 == 0 else 512
     model = TinyLlama(layers=layers, kv_heads=kv_heads, heads=2 * kv_heads, head_dim=head_dim,
-                      hidden=hidden, max_positions=max(4096, 2 * prompt_len))
-    model_dir = work / f"llama-l{layers}-kv{kv_heads}-d{head_dim}-h{hidden}"
-    subprocess.run([python, "-c", "import sys, json; from kvtriton.testing.vllm_bed import make_tiny_llama, TinyLlama; "
-                    "make_tiny_llama(sys.argv[1], TinyLlama(**json.loads(sys.argv[2])))", str(model_dir),
-                    json.dumps(model.__dict__)], check=True, timeout=300, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+                      hidden=hidden, vocab=vocab, max_positions=max(4096, 2 * prompt_len))
+    options, patches = None, ()
+    if model_kind not in MODEL_KINDS:
+        raise ValueError(f"model_kind {model_kind!r}: expected one of {MODEL_KINDS}")
+    if model_kind == "deepseek":
+        model = TinyDeepseek(layers=layers, max_positions=max(4096, 2 * prompt_len))
+        model_dir = _make(python, "deepseek", work / f"deepseek-l{layers}", model.__dict__)
+        block_size, options = 16, MLA_OPTIONS
+    else:
+        model_dir = _make(python, "llama", work / f"llama-l{layers}-kv{kv_heads}-d{head_dim}-h{hidden}-v{vocab}",
+                          model.__dict__)
+    if model_kind == "llama+mla-draft":
+        draft = _make(python, "eagle3-mla", work / f"eagle3-mla-h{hidden}", {"target": model.__dict__,
+                                                                              "draft": {"hidden": hidden}})
+        block_size, patches = 16, MIXED_PATCHES
+        options = {**MLA_OPTIONS, "speculative_config": {"method": "eagle3", "model": str(draft),
+                                                         "num_speculative_tokens": 2, "attention_backend": "CPU_MLA"}}
     max_len = 1 << (prompt_len + max_tokens + block_size).bit_length()
-    common = dict(connector=connector, block_size=block_size, max_model_len=max_len, log_dir=work)
+    common = dict(connector=connector, block_size=block_size, max_model_len=max_len, log_dir=work,
+                  engine_options=options, patches=patches)
     p_extra = {"lease_s": 120.0} if connector == "kvtriton" else {}
     d_extra = {"timeout_s": 60.0, "handshake_timeout_s": 30.0} if connector == "kvtriton" else {}
     if connector == "kvtriton" and eager:
@@ -144,7 +175,8 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
             after = _sum_stats(decode.call("transfer_stats")["stats"])
             loaded = decode.call("load_times", ids=[f"d{i}"])["times"][f"d{i}"]
             ms = lambda s: None if s is None else 1e3 * s  # noqa: E731
-            row = {"connector": connector, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "request": i,
+            row = {"connector": connector, "model_kind": model_kind, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
+                   "request": i,
                    "prompt_tokens": len(p), "blocks": _num_blocks(params),
                    "ttft_ms": 1e3 * out["ttft_s"],
                    # start_load_kv saw the load (first rank) -> get_transfer_results reported it (last rank)
@@ -176,11 +208,19 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     ok = sum(r["identical"] for r in rows)
     recomputed = sum(max(0, r["prompt_computed"] - 1) for r in rows)
     timed = [r for r in rows if r["request"] >= 0]
-    return {"rows": rows, "ok": ok, "n": len(rows), "recomputed": recomputed,
+    return {"rows": rows, "ok": ok, "n": len(rows), "recomputed": recomputed, "model_kind": model_kind,
             "ttft_ms_median": statistics.median(r["ttft_ms"] for r in timed) if timed else None,
             "kv_loaded_ms_median": median_known([r["kv_loaded_ms"] for r in timed]),
             "summary": f"pd_vllm: {connector}: {ok}/{len(rows)} requests token-identical to one engine; "
-                       f"prompt tokens recomputed on decode: {recomputed}; P{prefill_tp}->D{decode_tp}"}
+                       f"prompt tokens recomputed on decode: {recomputed}; P{prefill_tp}->D{decode_tp}"
+                       + ("" if model_kind == "llama" else f"; model {model_kind}")}
+
+
+def _make(python: str, kind: str, path: Path, options: dict) -> Path:
+    """Write a tiny model with the bed's Python (kvtriton/testing/vllm_models.py)."""
+    subprocess.run([python, "-m", "kvtriton.testing.vllm_models", kind, str(path), json.dumps(options)], check=True,
+                   timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return path
 
 
 def _start_profilers(folder: str, tag: str, engines: dict) -> list[subprocess.Popen]:
@@ -224,6 +264,9 @@ def main(argv=None) -> int:
     ap.add_argument("--connector", choices=["kvtriton", "nixl", "both"], default="kvtriton",
                     help="both: each connector on P2->D1 and P1->D2 (the --*-tp flags are ignored), with a table")
     ap.add_argument("--pairs", default="2:1,1:2", help="with --connector both: P:D pairs to run")
+    ap.add_argument("--model", choices=MODEL_KINDS, default="llama",
+                    help="llama: GQA; deepseek: DeepSeek-V2 MLA (latent 576, block 16); llama+mla-draft: the "
+                         "Llama with an Eagle-3 MLA draft in one KV cache group (block 16, the bed's CPU patches)")
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)
     ap.add_argument("--kv-heads", type=int, default=2)
@@ -244,7 +287,7 @@ def main(argv=None) -> int:
     kw = dict(kv_heads=args.kv_heads, layers=args.layers, head_dim=args.head_dim, hidden=args.hidden or None,
               block_size=args.block_size, prompts=args.prompts, prompt_len=args.prompt_len,
               max_tokens=args.max_tokens, warmup=not args.no_warmup, profile=args.profile,
-              eager=not args.no_eager, staging_mib=args.staging_mib,
+              eager=not args.no_eager, staging_mib=args.staging_mib, model_kind=args.model,
               env={"KVTRITON_DEBUG": "1"} if args.debug else None)
     if args.connector == "both":
         pairs = tuple(tuple(int(x) for x in pd.split(":")) for pd in args.pairs.split(","))

@@ -483,23 +483,24 @@ def pd_vllm_table(results: list[dict]) -> list[str]:
     lines = ["| P->D | connector | requests identical | KV loaded (ms) | KV ready at scheduler (ms) "
              "| first decode token (ms) | warm-up KV loaded (ms) | descriptors per request | ours/theirs KV loaded "
              "| ours/theirs first token |", "|---|---|---|---|---|---|---|---|---|---|"]
-    by = {(r["prefill_tp"], r["decode_tp"], r["connector"]): r for r in results}
-    for (p, d, c), r in by.items():
+    by = {(r["prefill_tp"], r["decode_tp"], r["connector"], r.get("model_kind", "llama")): r for r in results}
+    for (p, d, c, model), r in by.items():
+        pd = f"{p}->{d}" if model == "llama" else f"{p}->{d} {model}"
         timed = [x for x in r["rows"] if x["request"] >= 0]
         warm = [x for x in r["rows"] if x["request"] < 0]
         if not timed:
-            lines.append(f"| {p}->{d} | {c} | failed: {r.get('error', '')[:80]} ||||||||")
+            lines.append(f"| {pd} | {c} | failed: {r.get('error', '')[:80]} ||||||||")
             continue
         med = lambda k, rows=timed: median_known([x[k] for x in rows])  # noqa: E731
         ratio_kv = ratio_tt = ""
-        theirs = by.get((p, d, "nixl"))
+        theirs = by.get((p, d, "nixl", model))
         if c == "kvtriton" and theirs and [x for x in theirs["rows"] if x["request"] >= 0]:
             t_rows = [x for x in theirs["rows"] if x["request"] >= 0]
             a, b = med("kv_loaded_ms"), median_known([x["kv_loaded_ms"] for x in t_rows])
             ratio_kv = f"{a / b:.2f}" if a and b else "n/a"
             ratio_tt = f"{med('ttft_ms') / median_known([x['ttft_ms'] for x in t_rows]):.2f}"
         desc = median_known([x["descriptors"] for x in timed])
-        lines.append(f"| {p}->{d} | {c} | {r['ok']}/{r['n']} | {fmt_ms(med('kv_loaded_ms'))} | "
+        lines.append(f"| {pd} | {c} | {r['ok']}/{r['n']} | {fmt_ms(med('kv_loaded_ms'))} | "
                      f"{fmt_ms(med('kv_ready_ms'))} | {fmt_ms(med('ttft_ms'))} | "
                      f"{fmt_ms(warm[0]['kv_loaded_ms']) if warm else 'n/a'} | "
                      f"{'n/a' if desc is None else int(desc)} | {ratio_kv} | {ratio_tt} |")

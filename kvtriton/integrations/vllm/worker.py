@@ -90,7 +90,7 @@ class WorkerSide:
         self.agent = TransferAgent(engine_id, rank, tp_size, regions, staging_bytes=s.staging_bytes,
                                    slot_bytes=s.slot_bytes, flow=s.transfer_flow, chunk_bytes=s.chunk_bytes or None,
                                    inflight_chunks=s.inflight_chunks, timeout_s=s.timeout_s, impl=s.impl,
-                                   cost=cost, eager_guess=s.eager_guess,
+                                   cost=cost, eager_guess=s.eager_guess, modes=s.agent_modes,
                                    require_authenticated_peers=self.credential is not None, register=s.register,
                                    integrity=s.integrity)
         self.server: MetadataServer | None = None
@@ -138,8 +138,13 @@ class WorkerSide:
             self._load(load)
 
     def after_forward(self) -> None:
-        """Holds (the forward that completed their prompts is over), confirms and releases.
-        Idempotent per step: wait_for_save and get_finished both call it."""
+        """Holds, confirms and releases, once every writer of this step's held blocks ran.
+        Called from ``wait_for_save`` (and, as a backstop, ``clear``), never from
+        ``get_finished``: with speculative decoding vLLM runs the drafter (whose KV lives in the
+        same blocks, e.g. an Eagle-3 MLA layer) after the target forward and after
+        ``get_finished``, and defers ``wait_for_save`` until the drafter is done. A hold placed
+        earlier would let an eager pack (or a read ordered by its CUDA event) take the draft KV
+        before it is written. Idempotent per step."""
         msgs = self._msgs
         if msgs is None or self._applied:
             return
@@ -149,7 +154,8 @@ class WorkerSide:
             with self._lock:
                 self._confirmed.discard(rid)
                 self._freed.discard(rid)
-        # the forward that wrote these blocks is queued on the engine's current stream: packs wait for it
+        # the forward and the drafter that wrote these blocks are queued on the engine's current
+        # stream: packs wait for it
         after = self._cache_written() if msgs.holds else None
         for rid, ids in msgs.holds.items():
             try:
@@ -169,8 +175,8 @@ class WorkerSide:
         return event
 
     def finished(self) -> tuple[set[str], set[str]]:
-        """``(finished_sending, finished_recving)`` since the last call."""
-        self.after_forward()
+        """``(finished_sending, finished_recving)`` since the last call. Places no hold (see
+        :meth:`after_forward`): this step's confirms count from the next call on."""
         for f in self.agent.freed():
             with self._lock:
                 self._freed.add(f.req_id)

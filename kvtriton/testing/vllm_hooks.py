@@ -1,0 +1,172 @@
+"""Hooks of the vLLM test bed that run inside the engine's workers (``collective_rpc``): read or
+disturb the connector's caches and count what any connector does, through the connector
+instance's public methods. Nothing of vLLM is patched here (:mod:`.vllm_patches` holds the
+bed's few documented capability patches)."""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["BedHooks"]
+
+
+class BedHooks:
+    """Run inside the workers through ``collective_rpc``: read or disturb the connector's caches."""
+
+    @staticmethod
+    def staging_in_use(conn) -> int | None:
+        worker = getattr(conn, "_worker", None)
+        return worker.staging_in_use() if worker is not None else None
+
+    @staticmethod
+    def transfer_stats(conn) -> dict | None:
+        """Loads finished by this rank so far: count, descriptors posted, bytes (kvtriton: and its
+        agent's eager-pack counters, ``eager_*`` and ``offers_taken``)."""
+        worker = getattr(conn, "_worker", None)
+        if worker is not None:  # kvtriton
+            eager = {k: v for k, v in worker.agent.stats.items() if k.startswith("eager") or k == "offers_taken"}
+            return {**worker.stats, **eager}
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import stats
+
+        return dict(getattr(stats.NixlKVConnectorStats, "_bed_counts", {}))
+
+    @staticmethod
+    def agent_stats(conn) -> dict | None:
+        """The rank's TransferAgent counters (messages refused, eager packs, offers...)."""
+        worker = getattr(conn, "_worker", None)
+        return dict(worker.agent.stats) if worker is not None else None
+
+    @staticmethod
+    def time_loads(conn) -> None:
+        """Timestamp every load on this rank the same way for any connector: when ``start_load_kv``
+        first sees the request in its step's metadata (NixlConnector: ``reqs_to_recv``, kvtriton:
+        ``messages.loads``) and when ``get_transfer_results`` first reports it in
+        ``finished_recving``. Wraps the connector instance's public methods, nothing of vLLM is
+        patched. ``time.perf_counter`` is CLOCK_MONOTONIC: comparable across the engine's processes."""
+        if getattr(conn, "_bed_load_times", None) is not None:
+            return
+        times = conn._bed_load_times = {}
+        loads_seen = conn._bed_loads = {}
+        start, results = conn.start_load_kv, conn.get_transfer_results
+
+        def timed_start(forward_context, **kw):
+            md = getattr(conn, "_connector_metadata", None)
+            loads = getattr(md, "reqs_to_recv", None) or getattr(getattr(md, "messages", None), "loads", None) or {}
+            now = time.perf_counter()
+            for rid, load in loads.items():
+                times.setdefault(rid, [now, None])
+                local = getattr(load, "local_block_ids", None)
+                if getattr(load, "source", None) is not None and load.report:  # kvtriton's LoadSpec only
+                    loads_seen[rid] = {"local": [int(b) for b in local], "num_tokens": load.num_tokens,
+                                       "remote": [int(b) for b in load.remote_block_ids],
+                                       "remote_request": load.source.request_id}
+            return start(forward_context, **kw)
+
+        def timed_results(finished_req_ids):
+            out = results(finished_req_ids)
+            now = time.perf_counter()
+            for rid in out.finished_recving or ():
+                t = times.get(rid)
+                if t is not None and t[1] is None:
+                    t[1] = now
+            return out
+
+        conn.start_load_kv, conn.get_transfer_results = timed_start, timed_results
+
+    @staticmethod
+    def load_times(conn) -> dict:
+        """The loads :meth:`time_loads` saw end on this rank since the last call: request id ->
+        (start_load_kv, reported loaded)."""
+        times = getattr(conn, "_bed_load_times", None) or {}
+        done = {rid: t for rid, t in times.items() if t[1] is not None}
+        for rid in done:
+            del times[rid]
+        return done
+
+    @staticmethod
+    def count_nixl_descriptors(conn) -> None:
+        """NixlConnector records NIXL's own telemetry per READ; count it here too, since vLLM
+        drains its stats every step. The counts live on the class: a module global here would be
+        copied into each worker process with the pickled function and stay at zero."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import stats
+
+        cls = stats.NixlKVConnectorStats
+        if getattr(cls, "_bed_counted", False):
+            return
+        record = cls.record_transfer
+        counts = cls._bed_counts = {"loads": 0, "descriptors": 0, "bytes": 0}
+
+        def counting(self, res):
+            if res is not None:
+                counts["loads"] += 1
+                counts["descriptors"] += int(res.descCount)
+                counts["bytes"] += int(res.totalBytes)
+            return record(self, res)
+
+        cls.record_transfer, cls._bed_counted = counting, True
+
+    @staticmethod
+    def scramble(conn, block_ids, seed) -> int:
+        import torch
+
+        # the regions view vLLM's own cache tensors, so writing them writes the engine's cache
+        g = torch.Generator().manual_seed(seed)
+        n = 0
+        for t in (t for r in conn._worker.agent.regions for t in r.streams):
+            for b in block_ids:
+                t[b].copy_(torch.randn(t[b].shape, generator=g, dtype=torch.float32).to(t.dtype) * 10)
+                n += 1
+        return n
+
+    @staticmethod
+    def loaded_blocks(conn) -> dict:
+        """kvtriton: every load this rank was told to make so far (request id -> its local and
+        remote blocks, token count when the block sizes differ, the prefill's request id)."""
+        return dict(getattr(conn, "_bed_loads", None) or {})
+
+    @staticmethod
+    def debug_state(conn) -> dict | None:
+        worker = getattr(conn, "_worker", None)
+        return worker.agent.debug_state() if worker is not None else None
+
+    @staticmethod
+    def digest(conn, block_ids, num_tokens) -> dict:
+        """Per region (model order), per *global* KV head: SHA-256 of the region's bytes for the
+        first ``num_tokens`` tokens stored in ``block_ids`` (in that order), as the engine's
+        attention reads them (dim-major K parts regrouped per token), so two engines of any TP
+        and block layout give equal digests for equal KV. A REPLICATE region (MLA) has one key,
+        ``"all"``. The region's kind is reported too."""
+        import hashlib
+
+        import torch
+
+        from kvtriton.regions import Kind, token_parts
+
+        worker = conn._worker
+        rank, tp = worker.rank, worker.tp_size
+        out = {}
+        for r in worker.agent.regions:
+            spec = r.spec
+            rows = []
+            for s, t in enumerate(r.streams):
+                dm = spec.dim_major[s] if spec.dim_major else 0
+                parts = token_parts(t, dm) if dm else [(0, r.nhd(s))]
+                rows.append(torch.cat([v[list(block_ids)].reshape(-1, *v.shape[2:])[:num_tokens]
+                                       for _, v in parts], dim=-1))
+            x = torch.cat(rows, dim=-1)  # [tokens, local heads, row]
+            if spec.kind is Kind.REPLICATE:
+                heads = {"all": x}
+            elif spec.local_heads * tp == spec.total_heads:
+                heads = {str(rank * spec.local_heads + h): x[:, h] for h in range(spec.local_heads)}
+            else:  # fewer KV heads than ranks: vLLM gives rank r head r // (tp / heads)
+                heads = {str(rank * spec.total_heads // tp): x[:, 0]}
+            def sha(v):
+                return hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+            bs = spec.block_size
+            out[spec.name] = {"kind": spec.kind.value, "tokens": int(x.shape[0]),
+                              "heads": {h: sha(v) for h, v in heads.items()},
+                              # per block position, to say where a mismatch is
+                              "blocks": {h: [sha(v[i:i + bs])[:12] for i in range(0, v.shape[0], bs)]
+                                         for h, v in heads.items()}}
+        return out

@@ -1,0 +1,80 @@
+"""The seed's case on real engines: a GQA Llama target with an Eagle-3 MLA draft
+(``Eagle3DeepseekV2ForCausalLM``, one MLA layer) in **one** KV cache group (vLLM PR #44583), moved
+by KVTritonConnector at P2->D1 and P1->D2 on vLLM's CPU build (``make vllm-bed``).
+
+kvtriton classifies the group per region: the target's layers SPLIT by KV head, the draft's
+latent REPLICATE. Tokens cannot validate the draft's KV (the target verifies every draft token),
+so every region's bytes are compared (per-region digests). Every region is forced STAGED and the
+prefill names its decode engine, so each hold is packed the moment it is placed: the drafter
+writes its KV after the target forward, and a hold placed before it (``get_finished``) would ship
+a stale draft region; the digests catch that.
+
+vLLM CPU refuses this model twice (no common kernel block size of its CPU attention and MLA
+backends; the MLA metadata checking the target's head size): the bed relaxes both declarations
+(:mod:`kvtriton.testing.vllm_patches`); GPU backends need none of it for the block size.
+"""
+
+import json
+import os
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvtriton.testing.vllm_pair import EnginePair
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PY = os.environ.get("KVTRITON_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+pytestmark = pytest.mark.vllm
+
+if not Path(VLLM_PY).exists():
+    if os.environ.get("CI"):  # CI builds the test bed first (make test -> vllm-bed): never skip there
+        raise RuntimeError(f"vLLM test bed missing: {VLLM_PY} (run `make vllm-bed`)")
+    pytest.skip(f"no vLLM test bed at {VLLM_PY}: `make vllm-bed` builds it", allow_module_level=True)
+
+BLOCK = 16
+LENGTHS = (37, 100, 170)
+PATCHES = ("cpu-attention-block-16", "mla-metadata-target-head-size")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target, draft = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("eagle3-mla")
+    for kind, path in (("llama", target), ("eagle3-mla", draft)):
+        subprocess.run([VLLM_PY, "-m", "kvtriton.testing.vllm_models", kind, str(path), "{}"], check=True,
+                       timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(29)
+    return [[rng.randrange(512) for _ in range(n)] for n in LENGTHS]
+
+
+def options(draft):
+    return {"attention_config": {"backend": "CPU_MLA"}, "compilation_config": {"custom_ops": ["-rotary_embedding"]},
+            "speculative_config": {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2,
+                                   "attention_backend": "CPU_MLA"}}  # the draft chooses its own
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_gqa_target_with_mla_draft(models, tmp_path, prompts, p_tp, d_tp):
+    target, draft = models
+    pair = EnginePair(VLLM_PY, target, tmp_path, p_tp, d_tp, block_size=BLOCK, engine_options=options(draft),
+                      patches=PATCHES, p_extra={"consumer": f"decode-tp{d_tp}", "modes": "staged"},
+                      d_extra={"modes": "staged"})
+    try:
+        ref = pair.reference(prompts, "ref")
+        pair.negative_control(prompts, ref)  # before the decode met the prefill: nothing packed ahead
+        res = pair.transfer(prompts, ref)
+        kinds = res["digests"]["kinds"]
+        print(f"GQA+MLA-draft P{p_tp}->D{d_tp}: tokens identical {res['identical']}/{res['n']}, prompt tokens "
+              f"computed {res['prompt_computed']}, regions byte-equal {res['digests']['regions']} "
+              f"({json.dumps(kinds)}), descriptors {res['descriptors']}")
+        assert sorted(kinds.values()) == ["replicate", "split", "split"], kinds  # 2 target layers + the draft's
+        stats = pair.prefill.call("agent_stats")["stats"]
+        assert sum(s["eager_chunks"] for s in stats) > 0, stats  # packed at hold time: the hazard was exercised
+    finally:
+        pair.close()
