@@ -15,23 +15,16 @@ backends; the MLA metadata checking the target's head size): the bed relaxes bot
 """
 
 import json
-import os
 import random
 import subprocess
-from pathlib import Path
 
 import pytest
+from vllm_bed_python import vllm_bed_python
 
 from kvtriton.testing.vllm_pair import EnginePair
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_PY = os.environ.get("KVTRITON_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
 pytestmark = pytest.mark.vllm
-
-if not Path(VLLM_PY).exists():
-    if os.environ.get("CI"):  # CI builds the test bed first (make test -> vllm-bed): never skip there
-        raise RuntimeError(f"vLLM test bed missing: {VLLM_PY} (run `make vllm-bed`)")
-    pytest.skip(f"no vLLM test bed at {VLLM_PY}: `make vllm-bed` builds it", allow_module_level=True)
+VLLM_PY = vllm_bed_python()
 
 BLOCK = 16
 LENGTHS = (37, 100, 170)

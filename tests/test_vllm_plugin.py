@@ -19,18 +19,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from vllm_bed_python import vllm_bed_python
 
 from kvtriton.testing.vllm_bed import EngineProcess, engine_cpus, free_port_range
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (pyproject.toml is read as the user's pip reads it)
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PY = os.environ.get("KVTRITON_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
 pytestmark = pytest.mark.vllm
-
-if not Path(VLLM_PY).exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"vLLM test bed missing: {VLLM_PY} (run `make vllm-bed`)")
-    pytest.skip(f"no vLLM test bed at {VLLM_PY}: `make vllm-bed` builds it", allow_module_level=True)
+VLLM_PY = vllm_bed_python()
 
 DECLARED = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
 NAME, VALUE = next(iter(DECLARED.items()))

@@ -12,23 +12,16 @@ is not divisible by 3").
 """
 
 import json
-import os
 import random
 import subprocess
-from pathlib import Path
 
 import pytest
+from vllm_bed_python import vllm_bed_python
 
 from kvtriton.testing.vllm_pair import EnginePair
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_PY = os.environ.get("KVTRITON_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
 pytestmark = pytest.mark.vllm
-
-if not Path(VLLM_PY).exists():
-    if os.environ.get("CI"):  # CI builds the test bed first (make test -> vllm-bed): never skip there
-        raise RuntimeError(f"vLLM test bed missing: {VLLM_PY} (run `make vllm-bed`)")
-    pytest.skip(f"no vLLM test bed at {VLLM_PY}: `make vllm-bed` builds it", allow_module_level=True)
+VLLM_PY = vllm_bed_python()
 
 LENGTHS = (37, 100, 170)
 SIX_HEADS = {"kv_heads": 6, "heads": 12, "head_dim": 32, "hidden": 192, "vocab": 576}  # CPU attention: head 32+
