@@ -261,58 +261,58 @@ class PayloadPart(Part):
     payload: RequestPayload
 
 
-class _Announced:
-    """Pull, packed payload: the source's Ready of each chunk, kept until a local slot (or the
-    cache blocks) can take its READ."""
+class AnnouncedPart(PayloadPart):
+    """Pull, a packed payload (staged or pack_place): the source's Ready of each chunk (or its
+    offer announcing them all) is kept until a local slot (or the cache blocks) can take its
+    READ; each chunk is acked once used, so the source may reuse its slots."""
 
-    def __init__(self):
+    def __init__(self, *args):
+        super().__init__(*args)
         self.readies: deque = deque()
-        self.chunks: set[int] = set()
+        self.announced: set[int] = set()
 
-    def add(self, part: Part, peer: Peer, m: wire.Ready) -> None:
+    def on_ready(self, peer: Peer, m: wire.Ready) -> None:
         st = peer.md.staging
-        if m.chunk in self.chunks:
+        if m.chunk in self.announced:
             raise ProtocolError(f"ready for chunk {m.chunk} of {m.xid!r} is unexpected (duplicate or push mode)")
-        if not 0 <= m.chunk < part.n_chunks:
+        if not 0 <= m.chunk < self.n_chunks:
             raise ProtocolError(f"ready for chunk {m.chunk} of {m.xid!r} is outside the transfer's "
-                                f"{part.n_chunks} chunks")
-        expect = part.payload.chunks.nbytes(m.chunk)
+                                f"{self.n_chunks} chunks")
+        expect = self.payload.chunks.nbytes(m.chunk)
         if m.nbytes != expect or not (0 <= m.slot and m.slot + m.nslots <= st.num_slots) or \
                 m.nslots != ceil_div(m.nbytes, st.slot_bytes):
             raise ProtocolError(f"ready {m.chunk}: {m.nbytes} bytes in slots [{m.slot}, {m.slot + m.nslots}) does "
                                 f"not match the plan ({expect} bytes) or the peer's {st.num_slots} slots")
-        self.chunks.add(m.chunk)
+        self.announced.add(m.chunk)
         self.readies.append(m)
-        part.fetch.touch()
+        self.fetch.touch()
 
-    def offered(self, part: Part, offer: wire.Offer) -> None:
-        """The source's offer announced every chunk at once (slot runs checked by the offers)."""
-        chunks = part.payload.chunks
+    def take_offer(self, offer: wire.Offer) -> None:
+        """The source's offer announced every chunk at once (slot runs checked by the offers):
+        the payload is in its staging already, READ it now."""
+        super().take_offer(offer)
+        chunks = self.payload.chunks
         n = wire.DIGEST_BYTES
         for c in range(chunks.count):
-            self.readies.append(wire.Ready(part.xid, c, offer.slots[2 * c], offer.slots[2 * c + 1], chunks.nbytes(c),
+            self.readies.append(wire.Ready(self.xid, c, offer.slots[2 * c], offer.slots[2 * c + 1], chunks.nbytes(c),
                                            offer.digests[c * n:(c + 1) * n]))
-            self.chunks.add(c)
+            self.announced.add(c)
+
+    def _ack(self, ch: Chunk, peer: Peer) -> None:
+        self.links.send(peer, wire.Ack(self.xid, ch.index), quiet=True)
+
+    def release(self) -> None:
+        super().release()
+        self.readies.clear()
 
 
-class StagedPart(PayloadPart):
+class StagedPart(AnnouncedPart):
     """Pull, STAGED: READ each announced chunk into our staging, unpack, Ack."""
 
     way = Way.STAGED
 
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.announced = _Announced()
-
-    def on_ready(self, peer: Peer, m: wire.Ready) -> None:
-        self.announced.add(self, peer, m)
-
-    def take_offer(self, offer: wire.Offer) -> None:
-        super().take_offer(offer)  # the payload is in the source's staging already: READ it now
-        self.announced.offered(self, offer)
-
     def _post(self, peer: Peer) -> None:
-        readies, f = self.announced.readies, self.fetch
+        readies, f = self.readies, self.fetch
         while readies:
             ready = readies[0]
             slot = self.s.pool.alloc(ready.nslots)
@@ -329,35 +329,18 @@ class StagedPart(PayloadPart):
         verify(self.s, self.links.stats, ch, f"{self.fetch.req_id!r} from {peer.md.engine}:{peer.md.rank}")
         self._unpack(ch)
 
-    def _ack(self, ch: Chunk, peer: Peer) -> None:
-        self.links.send(peer, wire.Ack(self.xid, ch.index), quiet=True)
-
-    def release(self) -> None:
-        super().release()
-        self.announced.readies.clear()
 
 
-class PackPlacePart(PayloadPart):
+class PackPlacePart(AnnouncedPart):
     """Pull, PACK_PLACE: READ each announced chunk's tiles straight into our cache blocks, one
     descriptor per (segment, run of consecutive destination ids), then Ack; nothing to unpack."""
 
     way = Way.PACK_PLACE
 
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.announced = _Announced()
-
-    def on_ready(self, peer: Peer, m: wire.Ready) -> None:
-        self.announced.add(self, peer, m)
-
-    def take_offer(self, offer: wire.Offer) -> None:
-        super().take_offer(offer)  # the payload is in the source's staging already: READ it now
-        self.announced.offered(self, offer)
-
     def _post(self, peer: Peer) -> None:
         # only once the engine is done with the blocks' previous contents (the NIC writes them
         # without a stream)
-        f, readies, links = self.fetch, self.announced.readies, self.links
+        f, readies, links = self.fetch, self.readies, self.links
         while readies and event_done(f.ready):
             ready = readies.popleft()
             lo, hi = self.payload.chunks.bounds(ready.chunk)
@@ -377,12 +360,6 @@ class PackPlacePart(PayloadPart):
     def _landed(self, ch: Chunk, peer: Peer) -> None:
         self._consumed(ch, peer)  # the READ placed the tiles in our cache: nothing to unpack
 
-    def _ack(self, ch: Chunk, peer: Peer) -> None:
-        self.links.send(peer, wire.Ack(self.xid, ch.index), quiet=True)
-
-    def release(self) -> None:
-        super().release()
-        self.announced.readies.clear()
 
 
 class ReadUnpackPart(PayloadPart):
