@@ -180,6 +180,17 @@ def _scribble(t: torch.Tensor) -> None:
     t.add_(1)  # every byte changes (uint8 wraps)
 
 
+def _until_seen(tap: Wiretap, kind, *agents, timeout_s: float = 10.0):
+    """Progress ``agents`` until ``tap`` holds back a ``kind`` message (bounded); the first one."""
+    deadline = time.monotonic() + timeout_s
+    while not tap.seen(kind):
+        assert time.monotonic() < deadline, f"no {kind.__name__} within {timeout_s} s"
+        for a in agents:
+            a.progress()
+        tap.poll()
+    return tap.seen(kind)[0]
+
+
 def _failed_typed(e: EnginePair, dst) -> None:
     res = e.drive(1, timeout_s=15)[0][0]
     assert not res.ok and isinstance(res.error, IntegrityError), res.error
@@ -199,13 +210,7 @@ def test_integrity_pull_detects_staging_changed_before_the_read():
         e.request(src)
         e.pa[0].hold("r", src, lease_s=2.0)
         e.da[0].fetch("r", "P", src, dst)
-        deadline = time.monotonic() + 10
-        while not tap.seen(wire.Ready):
-            assert time.monotonic() < deadline
-            e.pa[0].progress()
-            e.da[0].progress()
-            tap.poll()
-        ready = tap.seen(wire.Ready)[0]
+        ready = _until_seen(tap, wire.Ready, e.pa[0], e.da[0])
         assert len(ready.digest) == wire.DIGEST_BYTES
         _scribble(e.pa[0].pool.view(ready.slot, ready.nbytes))
         tap.release()
@@ -222,12 +227,7 @@ def test_integrity_offer_detects_staging_changed_before_the_read():
         tap.hold()
         e.request(src)
         e.pa[0].hold("r", src, lease_s=2.0, consumer="D")
-        deadline = time.monotonic() + 10
-        while not tap.seen(wire.Offer):
-            assert time.monotonic() < deadline
-            e.pa[0].progress()
-            tap.poll()
-        offer = tap.seen(wire.Offer)[0]
+        offer = _until_seen(tap, wire.Offer, e.pa[0])
         assert len(offer.digests) == wire.DIGEST_BYTES * (len(offer.slots) // 2)
         _scribble(e.pa[0].pool.view(offer.slots[0], 64))
         tap.release()
@@ -251,13 +251,7 @@ def test_integrity_push_detects_staging_changed_after_the_write():
         e.request(src)
         e.pa[0].hold("r", src, lease_s=2.0)
         e.da[0].fetch("r", "P", src, dst)
-        deadline = time.monotonic() + 10
-        while not tap.seen(wire.Data):
-            assert time.monotonic() < deadline
-            e.pa[0].progress()
-            e.da[0].progress()
-            tap.poll()
-        data = tap.seen(wire.Data)[0]
+        data = _until_seen(tap, wire.Data, e.pa[0], e.da[0])
         grant = next(g for g in grants.seen(wire.Grant) if g.chunk == data.chunk)
         _scribble(e.da[0].pool.view(grant.slot, data.nbytes))
         tap.release()
@@ -292,13 +286,8 @@ def test_integrity_refuses_a_chunk_announced_without_digest():
         e.request(src)
         e.pa[0].hold("r", src, lease_s=2.0)
         e.da[0].fetch("r", "P", src, dst)
+        real = _until_seen(tap, wire.Ready, e.pa[0], e.da[0])
         deadline = time.monotonic() + 10
-        while not tap.seen(wire.Ready):
-            assert time.monotonic() < deadline
-            e.pa[0].progress()
-            e.da[0].progress()
-            tap.poll()
-        real = tap.seen(wire.Ready)[0]
         tap.held.clear()  # the real announcement never reaches the agent
         forger.send(e.da[0], wire.Ready(real.xid, real.chunk, real.slot, real.nslots, real.nbytes))
         while len(tap.seen(wire.Ready)) < 2:
