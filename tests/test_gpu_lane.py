@@ -38,12 +38,29 @@ def test_kernels_compile_to_16_byte_accesses():
     assert "_pack_kernel" in res.stdout and "_unpack_kernel" in res.stdout
 
 
+def _throwaway_python(venv: Path) -> str:
+    """A venv that sees this interpreter's packages (a .pth naming its site-packages) but keeps its
+    own installs: gpu_check.sh installs the checkout editable, and into the running venv that would
+    repoint its kvtriton at this checkout (a deleted worktree's, once, broke a developer's venv)."""
+    import site
+    import venv as venv_mod
+
+    venv_mod.create(venv, with_pip=False)
+    py = venv / "bin" / "python"
+    ours = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    # pip comes from the parent's site-packages through the .pth; the install lands in `ours`
+    Path(ours, "parent.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return str(py)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a dry run needs a machine without CUDA")
 def test_gpu_check_dry_run(tmp_path):
     """gpu_check.sh without a GPU: versions, the no-index install and the PTX check run and pass,
     then it stops with 'no CUDA device' and exit status 2, its logs under $OUT."""
     res = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT, capture_output=True, text=True,
-                         env=_env(OUT=str(tmp_path), PY=sys.executable, PIP_NO_INDEX="1"), timeout=400)
+                         env=_env(OUT=str(tmp_path), PY=_throwaway_python(tmp_path / "venv"), PIP_NO_INDEX="1"),
+                         timeout=400)
     out = res.stdout + res.stderr
     assert res.returncode == 2, out
     assert "no CUDA device" in out.strip().splitlines()[-1], out
