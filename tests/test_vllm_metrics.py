@@ -16,8 +16,10 @@ prefill rank (one expired lease per rank).
 """
 
 import math
+import os
 import random
 import subprocess
+from pathlib import Path
 
 import pytest
 from vllm_bed_python import vllm_bed_python
@@ -27,6 +29,7 @@ from kvtriton.testing.vllm_pair import EnginePair
 
 pytestmark = pytest.mark.vllm
 VLLM_PY = vllm_bed_python()
+ROOT = Path(__file__).resolve().parents[1]
 
 BLOCK = 32
 P_TP, D_TP = 2, 1
@@ -51,6 +54,21 @@ def pair(model_dir, tmp_path_factory):
                       p_extra={**EXTRA, "lease_s": LEASE_S}, d_extra=EXTRA, log_stats=True)
     yield pair
     pair.close()
+
+
+def test_stats_classes_through_vllm_032_and_033():
+    """vLLM's own KVConnectorProm / KVConnectorLogging build and feed ours (tests/vllm_metrics_check.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = str(ROOT / "tests" / "vllm_metrics_check.py")
+    out = subprocess.run([VLLM_PY, script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and "ok 0.32" in out.stdout, out.stderr[-3000:]
+    up = Path(VLLM_PY).parent.parent / "vllm033"  # beside the bed's packages (scripts/setup_vllm_venv.sh)
+    if not up.exists() and not os.environ.get("CI"):
+        pytest.skip("no upstream vLLM 0.33 next to the test bed")
+    # upstream 0.33 first; this checkout's kvtriton after it (where the bed's editable install is elsewhere)
+    env.update(PYTHONPATH=os.pathsep.join([str(up), str(ROOT), env.get("PYTHONPATH", "")]), VLLM_TARGET_DEVICE="cpu")
+    out = subprocess.run([VLLM_PY, script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and "ok 0.33" in out.stdout, out.stderr[-3000:]
 
 
 def scrape(engine) -> dict:
@@ -109,7 +127,8 @@ def test_every_transfer_is_in_prometheus_with_its_bytes_and_descriptors(pair):
     # every observation of 2 descriptors falls in the buckets from le=2 up, none below
     assert value(total, "vllm:kvtriton_num_descriptors_bucket", le="1.0") == 0
     assert value(total, "vllm:kvtriton_num_descriptors_bucket", le="2.0") == n
-    assert value(total, "vllm:kvtriton_bytes_transferred_sum") == sum(math.ceil(x / BLOCK) for x in lengths) * BLOCK_BYTES
+    blocks = sum(math.ceil(x / BLOCK) for x in lengths)
+    assert value(total, "vllm:kvtriton_bytes_transferred_sum") == blocks * BLOCK_BYTES
     # the prefill's counters are its agents' (the eager packs served what the decode pulled)
     p_after = scrape(pair.prefill)
     agents = pair.prefill.call("agent_stats")["stats"]

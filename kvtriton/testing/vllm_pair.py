@@ -30,7 +30,8 @@ class BytesMismatch(AssertionError):
 
 class EnginePair:
     """Prefill (``kv_producer``) and decode (``kv_consumer``) engines, each on its own cores.
-    ``connector``: ``kvtriton`` or ``nixl``; ``engine_options``/``patches`` go to both engines."""
+    ``connector``: ``kvtriton`` or ``nixl``; ``engine_options``/``patches`` go to both engines;
+    ``log_stats``: vLLM's stat loggers on in both (their Prometheus samples: the ``metrics`` op)."""
 
     def __init__(self, python: str, model_dir: str | os.PathLike, log_dir: str | os.PathLike, p_tp: int, d_tp: int,
                  *, block_size: int = 32, connector: str = "kvtriton", p_extra: dict | None = None,
