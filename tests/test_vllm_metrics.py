@@ -19,6 +19,7 @@ import math
 import os
 import random
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -152,7 +153,15 @@ def test_a_rejected_load_and_the_expired_lease_are_counted(pair):
     assert sum(v for k, v in d.items() if k[0] == "vllm:kvtriton_num_failed_transfers_total") == 1, d
     assert value(d, "vllm:kvtriton_xfer_time_seconds_count") == 0, d
     # the request actually held is never read: its lease ends on each prefill rank
-    pair.settle(pair.prefill, seconds=LEASE_S + 60)
+    pair.prefill.call("drain", seconds=LEASE_S + 60, timeout_s=LEASE_S + 90)
+    state = pair.prefill.call("state")
+    assert state["requests"] == 0 and state["free_blocks"] == state["total_blocks"], state
+    # what was packed ahead for the decode stays quarantined for timeout_s (30 s) after the lease:
+    # the decode it was offered to might still READ it; then the staging is all back
+    deadline = time.monotonic() + 90
+    while any(pair.prefill.call("state")["staging_in_use"]):
+        assert time.monotonic() < deadline, pair.prefill.call("state")
+        time.sleep(1)
     p = delta(scrape(pair.prefill), p0)
     assert value(p, "vllm:kvtriton_num_expired_leases_total") == P_TP, p
     agents = pair.prefill.call("agent_stats")["stats"]
