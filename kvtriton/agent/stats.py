@@ -1,10 +1,61 @@
-"""What a rank counts: one counter per event (:attr:`TransferAgent.stats` reports them)."""
+"""What a rank counts, in two documented structures a serving integration reads (the vLLM
+connector's Prometheus metrics are made of them, :mod:`kvtriton.integrations.vllm.stats`):
+
+* **counters** (:class:`Stats`, reported by :attr:`TransferAgent.stats`): one per event, counted
+  since the agent started. A reader that reports deltas (a metrics exporter) keeps a
+  :class:`StatsCursor` and takes what accrued since its last call.
+* **per-transfer records**: each fetch that ended on a destination rank, as a
+  :class:`~kvtriton.agent.RequestResult` from :meth:`TransferAgent.results` (drained by each call:
+  the caller takes each record once). A record has the time from ``fetch()`` to the KV loaded
+  (``seconds``), the time spent in NIXL's post calls of its transfers (``post_seconds``), the descriptors it
+  posted and the bytes they moved, and ``ways``: how many source-rank payloads travelled each way
+  (the :class:`~kvtriton.plan.Way` values, ``"direct"`` for DIRECT runs). A failed one has its
+  ``error``; :func:`failure_kind` names the error's kind as a short stable label.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
-__all__ = ["Stats"]
+from ..errors import (
+    AuthenticationError,
+    IncompatibleRemoteError,
+    IntegrityError,
+    PeerDisconnectedError,
+    PeerRefusedError,
+    PlanError,
+    ProtocolError,
+    RequestAbortedError,
+    RequestRejectedError,
+    StagingError,
+    TransferTimeoutError,
+    TransportError,
+)
+
+__all__ = ["Stats", "StatsCursor", "failure_kind", "FAILURE_KINDS", "DIRECT_WAY"]
+
+#: the ``ways`` label of DIRECT runs (zero-copy, cache to cache), beside the Way values of payloads
+DIRECT_WAY = "direct"
+
+# most derived first: the first class of an error's MRO found here names its kind
+_KINDS: dict[type, str] = {
+    TransferTimeoutError: "timeout", PeerDisconnectedError: "peer_lost", TransportError: "transport",
+    RequestRejectedError: "rejected", RequestAbortedError: "aborted", IntegrityError: "integrity",
+    AuthenticationError: "authentication", PeerRefusedError: "peer_refused",
+    IncompatibleRemoteError: "incompatible", ProtocolError: "protocol", StagingError: "staging", PlanError: "plan",
+}
+#: every label :func:`failure_kind` returns
+FAILURE_KINDS = (*_KINDS.values(), "other")
+
+
+def failure_kind(error: BaseException | None) -> str:
+    """A short stable label of a failed transfer's error (``"timeout"``, ``"rejected"``...): the
+    most derived kvtriton error class it is; ``"other"`` for anything else."""
+    for cls in type(error).__mro__:
+        kind = _KINDS.get(cls)
+        if kind is not None:
+            return kind
+    return "other"
 
 
 @dataclass
@@ -62,6 +113,8 @@ class Stats:
     before unpacking)."""
     integrity_failures: int = 0
     """Destination side: chunks whose bytes did not match their source's digest (fetch failed)."""
+    leases_expired: int = 0
+    """Source side: holds freed because their lease ended before every consumer said done."""
 
     @property
     def eager_hits(self) -> int:
@@ -75,3 +128,24 @@ class Stats:
         """One pack launch of ``chunks`` chunks (:class:`~.source.packing.PackBatch`)."""
         self.pack_launches += 1
         self.packed_chunks += chunks
+
+
+class StatsCursor:
+    """Deltas of :attr:`TransferAgent.stats` between calls: :meth:`take` returns what each counter
+    gained since the previous :meth:`take` (each event reported once, however often it is asked)."""
+
+    NAMES = tuple(f.name for f in fields(Stats)) + ("eager_hits",)
+
+    def __init__(self) -> None:
+        self._seen = dict.fromkeys(self.NAMES, 0)
+
+    def take(self, now: dict[str, int]) -> dict[str, int]:
+        """``now`` (a :attr:`TransferAgent.stats` snapshot) less the last one taken; counters
+        that did not move are left out."""
+        out = {}
+        for k in self.NAMES:
+            v = int(now.get(k, 0))
+            if v != self._seen[k]:
+                out[k] = v - self._seen[k]
+                self._seen[k] = v
+        return out

@@ -18,7 +18,8 @@ blocks, requests, staging in use), ``transfer_stats``/``agent_stats`` (counters 
 submission to the scheduler learning it; the same hooks for any connector), ``digest`` (per rank,
 per region, per global KV head: a SHA-256 of the first ``num_tokens`` tokens of the given blocks),
 ``loaded_blocks`` (per rank: the local blocks each load wrote and its token count),
-``debug_state`` (each rank's ``TransferAgent.debug_state()``), ``exit``.
+``debug_state`` (each rank's ``TransferAgent.debug_state()``), ``metrics`` (the samples of this
+process's Prometheus registry, with ``log_stats``: vLLM's stat loggers on), ``exit``.
 
 Example (from the repository root, with the test bed built)::
 
@@ -108,7 +109,7 @@ class EngineProcess:
               role: str = "kv_both", port: int = 0, extra: dict | None = None, block_size: int = 32,
               engine_id: str | None = None, max_model_len: int = 2048, log_dir: str | os.PathLike = ".",
               name: str = "engine", env: dict | None = None, cpus: str | None = None,
-              engine_options: dict | None = None, patches: tuple[str, ...] = (),
+              engine_options: dict | None = None, patches: tuple[str, ...] = (), log_stats: bool = False,
               timeout_s: float = 240.0) -> EngineProcess:
         log_path = Path(log_dir) / f"{name}.log"
         cmd = [python, "-m", "kvtriton.testing.vllm_bed", "--model", str(model_dir), "--tp", str(tp),
@@ -117,6 +118,8 @@ class EngineProcess:
                "--engine-options", json.dumps(engine_options or {}), "--patches", ",".join(patches)]
         if engine_id:
             cmd += ["--engine-id", engine_id]
+        if log_stats:
+            cmd.append("--log-stats")
         child_env = dict(os.environ)
         child_env.update({
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -239,7 +242,7 @@ def _child(args) -> None:
     llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True,
               block_size=args.block_size, tensor_parallel_size=args.tp, max_model_len=args.max_model_len,
               distributed_executor_backend="mp" if args.tp > 1 else None, enable_prefix_caching=False,
-              kv_transfer_config=kv_config, seed=0, disable_log_stats=True, **options)
+              kv_transfer_config=kv_config, seed=0, disable_log_stats=not args.log_stats, **options)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     sched = core.scheduler
@@ -380,6 +383,8 @@ def _child(args) -> None:
                 _say({"digests": connector_rpc("digest", cmd["block_ids"], cmd["num_tokens"])})
             elif op == "loaded_blocks":
                 _say({"loads": connector_rpc("loaded_blocks")})
+            elif op == "metrics":  # this process's Prometheus registry, as vLLM's /metrics would serve it
+                _say({"samples": _samples(cmd.get("prefix", "vllm:"))})
             elif op == "debug_state":
                 _say({"states": connector_rpc("debug_state")})
             elif op == "scramble":
@@ -390,6 +395,15 @@ def _child(args) -> None:
             import traceback
             traceback.print_exc()
             _say({"error": f"{type(e).__name__}: {e}"})
+
+
+def _samples(prefix: str) -> list[dict]:
+    """Every sample of the default Prometheus registry whose metric name starts with ``prefix``:
+    ``{"name", "labels", "value"}`` (``vllm:..._total``, ``..._bucket`` with ``le``, ``..._sum``...)."""
+    from prometheus_client import REGISTRY
+
+    return [{"name": s.name, "labels": dict(s.labels), "value": s.value}
+            for family in REGISTRY.collect() for s in family.samples if s.name.startswith(prefix)]
 
 
 def _watch_agent_threads(stuck_s: float = 2.0) -> None:
@@ -471,6 +485,7 @@ def main(argv=None) -> None:
     p.add_argument("--extra", default="{}")
     p.add_argument("--engine-options", default="{}", help="JSON: more keyword arguments for LLM(...)")
     p.add_argument("--patches", default="", help="comma-separated names from kvtriton.testing.vllm_patches")
+    p.add_argument("--log-stats", action="store_true", help="vLLM's stat loggers on (Prometheus registry: op metrics)")
     args = p.parse_args(argv)
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack

@@ -30,19 +30,20 @@ class BytesMismatch(AssertionError):
 
 class EnginePair:
     """Prefill (``kv_producer``) and decode (``kv_consumer``) engines, each on its own cores.
-    ``connector``: ``kvtriton`` or ``nixl``; ``engine_options``/``patches`` go to both engines."""
+    ``connector``: ``kvtriton`` or ``nixl``; ``engine_options``/``patches`` go to both engines;
+    ``log_stats``: vLLM's stat loggers on in both (their Prometheus samples: the ``metrics`` op)."""
 
     def __init__(self, python: str, model_dir: str | os.PathLike, log_dir: str | os.PathLike, p_tp: int, d_tp: int,
                  *, block_size: int = 32, connector: str = "kvtriton", p_extra: dict | None = None,
                  d_extra: dict | None = None, engine_options: dict | None = None, patches: tuple[str, ...] = (),
-                 max_model_len: int = 2048, timeout_s: float = 400.0):
+                 max_model_len: int = 2048, log_stats: bool = False, timeout_s: float = 400.0):
         self.p_tp, self.d_tp, self.connector = p_tp, d_tp, connector
         ours = connector == "kvtriton"
         # a prefill rank whose holds not every decode rank reads frees them by lease, not by done
         # (e.g. P2->D1 with one KV head, or P2->D3): settling waits for the lease too
         self.lease_s = float({**(P_EXTRA if ours else {}), **(p_extra or {})}.get("lease_s", 0.0))
         common = dict(connector=connector, block_size=block_size, log_dir=Path(log_dir), engine_options=engine_options,
-                      patches=patches, max_model_len=max_model_len, timeout_s=timeout_s)
+                      patches=patches, max_model_len=max_model_len, log_stats=log_stats, timeout_s=timeout_s)
         self.prefill = EngineProcess.start(
             python, model_dir, tp=p_tp, role="kv_producer", port=free_port_range(p_tp),
             extra={**(P_EXTRA if ours else {}), **(p_extra or {})}, engine_id=f"prefill-tp{p_tp}", name="prefill",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +27,7 @@ class Fetch:
     error: KVTritonError | None = None
     descriptors: int = 0
     nbytes: int = 0
+    post_s: float = 0.0  # time spent in NIXL's post calls of its transfers (host side)
     renew_at: float = 0.0  # when the holds this fetch reads are renewed next
     ready: object = None  # torch.cuda.Event: the engine is done with the local blocks (unpacks wait)
 
@@ -47,3 +50,11 @@ class Fetch:
     def posted(self, descriptors: int, nbytes: int) -> None:
         self.descriptors += descriptors
         self.nbytes += nbytes
+
+    @contextmanager
+    def posting(self, descriptors: int, nbytes: int) -> Iterator[None]:
+        """Time the post of ``descriptors`` descriptors moving ``nbytes`` (counted once it returned)."""
+        t0 = time.perf_counter()
+        yield
+        self.post_s += time.perf_counter() - t0
+        self.posted(descriptors, nbytes)

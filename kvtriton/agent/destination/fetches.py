@@ -22,7 +22,11 @@ class RequestResult:
 
     ``undefined_blocks``: after a failure, the local block ids whose content is undefined (some
     source's bytes for them had not all landed, or may still land): recompute exactly those.
-    Every other block of the request holds the transferred KV. Empty when ``ok``."""
+    Every other block of the request holds the transferred KV. Empty when ``ok``.
+
+    The per-transfer record of :mod:`kvtriton.agent.stats`: ``seconds`` from ``fetch()`` to the
+    KV loaded (or the failure), ``descriptors`` and ``bytes`` posted, ``post_seconds`` spent in
+    NIXL's post calls, ``ways``: ``((way, source-rank payloads), ...)``, sorted."""
 
     req_id: str
     ok: bool
@@ -31,6 +35,8 @@ class RequestResult:
     descriptors: int = 0
     bytes: int = 0
     undefined_blocks: tuple[int, ...] = ()
+    post_seconds: float = 0.0
+    ways: tuple[tuple[str, int], ...] = ()
 
 
 class Fetches:
@@ -100,7 +106,7 @@ class Fetches:
         for peer in self.links.engine_peers(f.engine):
             self.links.send(peer, wire.Done(f.req_id, self.rank, self.tp), quiet=True)
         self.results.append(RequestResult(f.req_id, True, None, time.monotonic() - f.started,
-                                          f.descriptors, f.nbytes))
+                                          f.descriptors, f.nbytes, post_seconds=f.post_s, ways=_ways(f)))
 
     def fail(self, f: Fetch, error: KVTritonError) -> None:
         if f.error is not None:
@@ -113,7 +119,7 @@ class Fetches:
                 self.links.send(peer, wire.Abort(part.xid), quiet=True)
             part.release()
         self.results.append(RequestResult(f.req_id, False, error, time.monotonic() - f.started,
-                                          f.descriptors, f.nbytes, _undefined_blocks(f)))
+                                          f.descriptors, f.nbytes, _undefined_blocks(f), f.post_s, _ways(f)))
 
     def expire(self, now: float) -> None:
         for f in list(self.by_req.values()):
@@ -131,6 +137,15 @@ class Fetches:
     def fail_all(self, error: KVTritonError) -> None:
         for f in list(self.by_req.values()):
             self.fail(f, error)
+
+
+def _ways(f: Fetch) -> tuple[tuple[str, int], ...]:
+    """How many of ``f``'s source-rank payloads travelled each way (DIRECT runs as one)."""
+    n: dict[str, int] = {}
+    for part in f.parts.values():
+        for way in part.ways:
+            n[way] = n.get(way, 0) + 1
+    return tuple(sorted(n.items()))
 
 
 def _undefined_blocks(f: Fetch) -> tuple[int, ...]:

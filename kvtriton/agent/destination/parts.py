@@ -30,6 +30,7 @@ from ...protocol import wire
 from ..device import event_done
 from ..integrity import verify
 from ..links import Chunk, Links, Peer, Settings
+from ..stats import DIRECT_WAY
 from .fetch import Fetch
 
 
@@ -51,8 +52,8 @@ class RunsTransfer:
             return
         local, remote, count, nbytes = prepped
         self.lists = (local, remote)
-        self.xfer = links.post_runs("READ", local, remote, count)
-        f.posted(count, nbytes)
+        with f.posting(count, nbytes):
+            self.xfer = links.post_runs("READ", local, remote, count)
 
     def poll(self, links: Links) -> None:
         if self.xfer is not None and links.done(self.xfer):
@@ -105,6 +106,13 @@ class Part:
     @property
     def n_chunks(self) -> int:
         return self.payload.chunks.count if self.payload is not None else 0
+
+    @property
+    def ways(self) -> tuple[str, ...]:
+        """How this part's bytes travel, as :mod:`~kvtriton.agent.stats` labels them: its
+        payload's way (a push's is staged), and ``"direct"`` when it has DIRECT runs."""
+        payload = (self.way.value,) if self.payload is not None else ()
+        return payload + ((DIRECT_WAY,) if self.runs is not None else ())
 
     @property
     def runs_pending(self) -> bool:
@@ -322,8 +330,8 @@ class StagedPart(AnnouncedPart):
             readies.popleft()
             ch = Chunk(ready.chunk, slot, ready.nslots, ready.nbytes, remote_slot=ready.slot, digest=ready.digest)
             self.inflight[ch.index] = ch
-            ch.xfer = self.links.post_chunk("READ", ch, peer)
-            f.posted(1, ready.nbytes)
+            with f.posting(1, ready.nbytes):
+                ch.xfer = self.links.post_chunk("READ", ch, peer)
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:
         verify(self.s, self.links.stats, ch, f"{self.fetch.req_id!r} from {peer.md.engine}:{peer.md.rank}")
@@ -354,8 +362,8 @@ class PackPlacePart(AnnouncedPart):
             ch = Chunk(ready.chunk, -1, 0, ready.nbytes, remote_slot=ready.slot)
             ch.lists = links.prep_pieces(peer, local, remote, runs.nbytes)
             self.inflight[ch.index] = ch
-            ch.xfer = links.post_runs("READ", *ch.lists, len(runs), one_sided=True)
-            f.posted(len(runs), ready.nbytes)
+            with f.posting(len(runs), ready.nbytes):
+                ch.xfer = links.post_runs("READ", *ch.lists, len(runs), one_sided=True)
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:
         self._consumed(ch, peer)  # the READ placed the tiles in our cache: nothing to unpack
@@ -412,8 +420,8 @@ class ReadUnpackPart(PayloadPart):
                 raise
             self.inflight[c] = ch
             self.next_read += 1
-            ch.xfer = self.links.post_runs("READ", *ch.lists, len(runs), one_sided=True)
-            f.posted(len(runs), nbytes)
+            with f.posting(len(runs), nbytes):
+                ch.xfer = self.links.post_runs("READ", *ch.lists, len(runs), one_sided=True)
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:
         self.reads_landed += 1

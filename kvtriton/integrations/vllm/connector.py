@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .caches import regions_from_vllm_caches
+from .metrics import KVTritonConnectorStats, KVTritonPromMetrics
 from .scheduler import SchedulerSide, StepMessages
 from .settings import ConnectorSettings
 from .worker import WorkerSide
@@ -145,6 +146,21 @@ class KVTritonConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
+
+    # ------------------------------------------------------------------ statistics (.metrics)
+    def get_kv_connector_stats(self) -> KVTritonConnectorStats | None:
+        """What this rank counted since vLLM last asked (once per step); None when nothing."""
+        data = self._worker.take_stats() if self._worker is not None else None
+        return None if data is None else KVTritonConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTritonConnectorStats:
+        return KVTritonConnectorStats(data=data) if data is not None else KVTritonConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVTritonPromMetrics:
+        return KVTritonPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

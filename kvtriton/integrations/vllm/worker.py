@@ -50,6 +50,7 @@ from ...protocol.handshake import MetadataServer, exchange_metadata
 from ...regions import Region
 from .scheduler import LoadSpec, RemoteSource, StepMessages
 from .settings import ConnectorSettings, SettingsError
+from .stats import WorkerStats
 
 __all__ = ["WorkerSide"]
 
@@ -120,6 +121,7 @@ class WorkerSide:
         #: and the loads refused before any connection (outside allowed_peers, a pinned engine named
         #: at another address, more than MAX_MEETINGS handshakes at once)
         self.stats = {"loads": 0, "descriptors": 0, "bytes": 0, "failed": 0, "refused_peer": 0}
+        self.window = WorkerStats()  # what vLLM's stats path takes each step (take_stats)
         self._applied = self._started = False
 
     # ------------------------------------------------------------------ per step
@@ -184,6 +186,8 @@ class WorkerSide:
             self.stats["loads" if r.ok else "failed"] += 1
             self.stats["descriptors"] += r.descriptors
             self.stats["bytes"] += r.bytes
+            if r.ok:  # a failure is counted by its load (_finish_load), with the loads refused before any fetch
+                self.window.transfer(r)
             logger.debug("load of %s: %s in %.1f ms, %d descriptors, %d bytes", r.req_id,
                          "ok" if r.ok else f"failed ({r.error})", 1e3 * r.seconds, r.descriptors, r.bytes)
             self._result(r.req_id, r.error, None if r.ok else r.undefined_blocks)
@@ -193,6 +197,10 @@ class WorkerSide:
             self._confirmed -= sending
             recving, self._recving = self._recving, set()
         return sending, recving
+
+    def take_stats(self) -> dict | None:
+        """This rank's statistics since the previous call (:mod:`.stats`), None when nothing moved."""
+        return self.window.take(self.agent.stats)
 
     def load_errors(self) -> set[int]:
         with self._lock:
@@ -292,6 +300,8 @@ class WorkerSide:
     def _finish_load(self, load: LoadSpec, error: BaseException | None,
                      undefined: Sequence[int] | None = None) -> None:
         """``undefined``: the local blocks a failed fetch names (the others landed); None: all."""
+        if error is not None:
+            self.window.failed(error)
         with self._lock:
             if error is not None:
                 logger.warning("load of %s from %s failed, its blocks will be recomputed: %s", load.req_id,
