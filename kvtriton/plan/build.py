@@ -274,8 +274,8 @@ def build_plan(
             else:
                 route = Route.STAGED
         if route is Route.DIRECT and not whole:
-            hint = "; use direct_slice (one range per block on both sides) or STAGED" if slices is not None and sliced is None \
-                else "; use STAGED"
+            feasible_slice = slices is not None and sliced is None
+            hint = "; use direct_slice (one range per block) or STAGED" if feasible_slice else "; use STAGED"
             raise PlanError(
                 f"region {i} ({d.name!r}): DIRECT needs whole blocks of equal block_size with equal "
                 f"layout and dense blocks on both sides (local {d.layout.value} {d.local_heads} heads "
