@@ -126,9 +126,9 @@ def direct_runs(
                 continue
             sid, did = src_ids[lo:hi], dst_ids[lo:hi]
             merged = singles = None
-            for j, (nbytes, s_stride, d_stride, s_off, d_off) in enumerate(streams):
+            for j, (span, s_stride, d_stride, s_off, d_off) in enumerate(streams):
                 # a run is one range only when the moved range tiles consecutive blocks on both sides
-                if s_stride == nbytes and d_stride == nbytes:
+                if s_stride == span and d_stride == span:
                     if merged is None:  # the same runs for every stream that coalesces
                         merged = pair_runs(sid, did)
                     starts, lengths = merged
@@ -141,7 +141,7 @@ def direct_runs(
                 base[1].append(np.full(k, j, dtype=np.int64))
                 base[2].append(sid[starts] * s_stride + s_off)
                 base[3].append(did[starts] * d_stride + d_off)
-                base[4].append(lengths * nbytes)
+                base[4].append(lengths * span)
         if not base[0]:
             continue
         cols = [np.concatenate(c) for c in base]
