@@ -12,6 +12,8 @@ agents over NIXL in one process (pull and push, P > D and D > P, mixed SPLIT + R
 -1 positions), the cost model's choice there, and one multi-process cluster.
 """
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -269,3 +271,39 @@ def test_cluster_processes():
         reqs = c.requests(3, 9)
         freed = c.transfer_exact(reqs)
         assert all(len(v) == len(reqs) for v in freed.values())
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("bad", ["past_the_cache", "negative"])
+def test_forged_push_ranges_are_refused(bad):
+    """Push: the decode names the blocks the source WRITEs its slices into. Ids past the decode's
+    cache are refused with a Reject, negative ones as a malformed message (``bad_messages``), before
+    any WRITE; no byte of the decode cache moves."""
+    from kvtriton.protocol import wire
+    from kvtriton.testing.seams import Wiretap
+
+    e = _pair(2, 1, _split(4), mode="push", modes="direct_slice")
+    try:
+        src = np.arange(4)
+        e.request(src)
+        for p in e.pa:
+            p.hold("r", src, lease_s=30)
+        d, p0 = e.da[0], e.pa[0]
+        before = snapshot(e.D[0])
+        dst = (48, 49, 50, 1 << 40) if bad == "past_the_cache" else (0, 1, 2, -7)
+        tap = Wiretap(d)
+        tap.send(p0, wire.Push("x|1", "r", 0, tuple(src.tolist()), dst, 0, d.plan_for("P").digest()))
+        deadline = time.monotonic() + 5
+        while not (tap.seen(wire.Reject) if bad == "past_the_cache" else p0.stats["bad_messages"]):
+            assert time.monotonic() < deadline, "neither a reject nor a refused message"
+            for a in (p0, d):
+                a.progress()
+        if bad == "past_the_cache":
+            assert "dst_ids must be 4 distinct ids in [0, 48)" in tap.seen(wire.Reject)[0].reason
+        e.settle(0.2)
+        assert p0.stats["direct_descriptors"] == 0 and not p0.debug_state()["serves"]
+        for a, b in zip(before, snapshot(e.D[0])):
+            for x, y in zip(a, b):
+                assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    finally:
+        e.close()
