@@ -307,3 +307,32 @@ def test_forged_push_ranges_are_refused(bad):
                 assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
     finally:
         e.close()
+
+
+@pytest.mark.nixl
+def test_eager_offer_confirms_slices_beside_a_staged_payload():
+    """Pull with eager packing: the MLA latent forced staged is packed at hold time and offered,
+    the offer also confirming the DIRECT_SLICE runs of the GQA regions; the decode takes it (no
+    pull) and READs both. Exact bytes, holds freed as done."""
+    e = _pair(2, 1, _models(4), eager_bytes=32 << 10, modes={"l0": "direct_slice", "mla": "staged",
+                                                              "l1": "direct_slice"})
+    try:
+        src, dst = np.arange(5, 14), np.arange(20, 29)
+        kv = e.request(src)
+        before = [snapshot(x) for x in e.D]
+        for p in e.pa:
+            p.hold("r", src, lease_s=30, consumer="D")
+        d = e.da[0]
+        deadline = time.monotonic() + 10
+        while not any("r" in o for o in d.debug_state()["offers"].values()):
+            assert time.monotonic() < deadline, "no offer"
+            for a in e.agents:
+                a.progress()
+        d.fetch("r", "P", src, dst)
+        got = e.drive()
+        assert got[0][0].ok, got[0][0].error
+        check_destination(e.D[0], 0, 1, kv, dst, before[0])
+        assert d.stats["offers_taken"] >= 1 and d.stats["direct_descriptors"] == 2 * 2 * 2 * src.size
+        assert all(f.reason == "done" for f in e.settle_freed(2))
+    finally:
+        e.close()
