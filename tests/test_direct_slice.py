@@ -267,7 +267,7 @@ def test_cluster_processes():
     cfg = ClusterConfig(models=_models(6), p_tp=3, d_tp=2, mode="pull", block_size=4, p_layout="HND",
                         d_layout="HND", staging_bytes=32 << 10, slot_bytes=1024, timeout_s=20,
                         modes="direct_slice")
-    with Cluster(cfg) as c:
+    with Cluster(cfg, start_timeout_s=180) as c:  # room for child start-up on a loaded host
         reqs = c.requests(3, 9)
         freed = c.transfer_exact(reqs)
         assert all(len(v) == len(reqs) for v in freed.values())
