@@ -17,7 +17,9 @@ judged a hit, a tie (spreads overlap) or a miss (:func:`judge`). Geometry: GQA, 
 destination use the same layout (NHD or HND); block ids are a random permutation (no runs to
 coalesce: the case the per-block model describes).
 
-The modes are STAGED, DIRECT and the one-sided READ_UNPACK (P > D: a source rank's block is
+The modes are STAGED, DIRECT, DIRECT_SLICE (a head slice that is one contiguous range inside a
+block on both sides, cache to cache: HND cells; timed only where DIRECT is not, being DIRECT's
+descriptors when the slice is the whole block) and the one-sided READ_UNPACK (P > D: a source rank's block is
 the tile) and PACK_PLACE (D > P: the decode rank's block is the tile), each timed where the
 geometry allows it (:data:`MODES`). For STAGED regions the plan's choice is the way
 :func:`kvtriton.plan.choose_way` picks for this request (its run counts). Pairs: P2->D4
@@ -47,7 +49,7 @@ from report import summary_line  # noqa: E402  bench/report.py
 from timing import qfields, quantiles_ms, quantiles_of  # noqa: E402  bench/timing.py
 
 PAIRS = [(2, 4), (4, 2), (2, 2)]
-MODES = ("staged", "direct", "read_unpack", "pack_place")  # every mode a cell may time (where feasible)
+MODES = ("staged", "direct", "direct_slice", "read_unpack", "pack_place")  # every mode a cell may time (where feasible)
 HEADS = [1, 2, 4, 8]
 BLOCKS = [16, 32, 64, 128]
 LAYOUTS = ["NHD", "HND"]
@@ -223,6 +225,8 @@ def run_cells(quick, transport: str, group: tuple | None = None, cost_file: str 
                     build_plan(0, d_tp, meta[0], p_tp, meta[1], modes=mode)
                 except PlanError:
                     continue
+                if mode == "direct_slice" and "direct" in fetches:
+                    continue  # the slice is the whole block: the same descriptors as DIRECT, timed once
                 fetches[mode] = []
                 for c in range(connections):
                     fetch, check, payload = _setup_mode(mode, models, p_tp, d_tp, bs, layout, bs * 31 + h + c,

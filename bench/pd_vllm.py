@@ -81,6 +81,19 @@ def _sum_stats(per_rank) -> dict:
     return out
 
 
+_WAY_COUNTERS = {"direct": "direct_descriptors", "one_sided": "one_sided_descriptors",
+                 "staged": "staged_descriptors"}
+
+
+def _ways(decode, connector: str) -> dict:
+    """kvtriton: the decode ranks' descriptors by how they moved (DIRECT/DIRECT_SLICE runs, one-sided
+    READs, staged chunks), summed over ranks; {} for NixlConnector (no agent)."""
+    if connector != "kvtriton":
+        return {}
+    per_rank = decode.call("agent_stats")["stats"] or ()
+    return {k: sum((s or {}).get(c, 0) for s in per_rank) for k, c in _WAY_COUNTERS.items()}
+
+
 def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, layers: int = 2, head_dim: int = 32,
         hidden: int | None = None, block_size: int = 32, prompts: int = 4, prompt_len: int = 333, max_tokens: int = 8,
         warmup: bool = True, python: str | None = None, log_dir: str | None = None, quiet: bool = False,
@@ -170,10 +183,13 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
                                                          "kv_transfer_params": {"do_remote_decode": True}}]
                                   )["outputs"][0]["kv_transfer_params"]
             before = _sum_stats(decode.call("transfer_stats")["stats"])
+            ways0 = _ways(decode, connector)
             out = decode.call("generate", requests=[{"id": f"d{i}", "prompt": p, "max_tokens": max_tokens,
                                                      "kv_transfer_params": params}])["outputs"][0]
             after = _sum_stats(decode.call("transfer_stats")["stats"])
             loaded = decode.call("load_times", ids=[f"d{i}"])["times"][f"d{i}"]
+            ways1 = _ways(decode, connector)
+            ways = {k: ways1[k] - ways0[k] for k in ways1 if ways1[k] != ways0[k]}
             ms = lambda s: None if s is None else 1e3 * s  # noqa: E731
             row = {"connector": connector, "model_kind": model_kind, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
                    "request": i,
@@ -187,14 +203,16 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
                    "descriptors": (after["descriptors"] - before["descriptors"]
                                    if after["loads"] > before["loads"] else None),
                    "kv_bytes": after["bytes"] - before["bytes"], "prompt_computed": out["prompt_computed"],
-                   "identical": out["tokens"] == ref[i - first]["tokens"]}
+                   "identical": out["tokens"] == ref[i - first]["tokens"],
+                   # kvtriton: descriptors by way ("direct": DIRECT and DIRECT_SLICE runs), e.g. {"direct": 2080}
+                   "ways": ",".join(f"{k} {v}" for k, v in ways.items()) or None}
             rows.append(row)
             desc = row["descriptors"] if row["descriptors"] is not None else "n/a"
             say(f"  request {i}{' (warm-up)' if i < 0 else ''}: {row['prompt_tokens']} tokens "
                 f"({row['blocks']} blocks), KV loaded in {fmt_ms(row['kv_loaded_ms'])} ms "
                 f"(ready at scheduler {fmt_ms(row['kv_ready_ms'])} ms), "
                 f"time to first decode token {row['ttft_ms']:.1f} ms, descriptors {desc}, "
-                f"prompt tokens computed "
+                f"{'(' + row['ways'] + ') ' if row['ways'] else ''}prompt tokens computed "
                 f"{row['prompt_computed']}, {'identical' if row['identical'] else 'DIFFERENT'}")
     finally:
         for spy in spies:

@@ -500,10 +500,13 @@ def pd_vllm_table(results: list[dict]) -> list[str]:
             ratio_kv = f"{a / b:.2f}" if a and b else "n/a"
             ratio_tt = f"{med('ttft_ms') / median_known([x['ttft_ms'] for x in t_rows]):.2f}"
         desc = median_known([x["descriptors"] for x in timed])
+        # kvtriton: how each measured request's descriptors moved (bench/pd_vllm.py "ways"), distinct ones in order
+        ways = list(dict.fromkeys(x["ways"] for x in timed if x.get("ways")))
+        how = f" ({'; '.join(ways)})" if ways else ""
         lines.append(f"| {pd} | {c} | {r['ok']}/{r['n']} | {fmt_ms(med('kv_loaded_ms'))} | "
                      f"{fmt_ms(med('kv_ready_ms'))} | {fmt_ms(med('ttft_ms'))} | "
                      f"{fmt_ms(warm[0]['kv_loaded_ms']) if warm else 'n/a'} | "
-                     f"{'n/a' if desc is None else int(desc)} | {ratio_kv} | {ratio_tt} |")
+                     f"{'n/a' if desc is None else int(desc)}{how} | {ratio_kv} | {ratio_tt} |")
     return lines
 
 

@@ -169,7 +169,8 @@ def test_plan_bad_config_and_bad_arguments(kvtriton, tmp_path):
 
 
 def test_plan_uses_the_cached_model_and_never_measures(kvtriton):
-    """A cached model decides the way (descriptors free: the one-sided way; ruinous: staged);
+    """A cached model decides the way (descriptors free: direct_slice; cheap: the one-sided way;
+    ruinous: staged);
     ``--cost default`` ignores it; no model is measured (no file appears when none is cached)."""
     args = ["plan", "--model", "llama3-8b", "--prefill-tp", "1", "--decode-tp", "2", "--rank", "0", "--json"]
     rc, out, _ = kvtriton(*args)
@@ -177,7 +178,10 @@ def test_plan_uses_the_cached_model_and_never_measures(kvtriton):
     _cache_file(kvtriton.cache, desc_us=1e-3)
     rep = json.loads(kvtriton(*args)[1])
     assert rep["cost_model"]["source"].startswith("cached ") and rep["cost_model"]["desc_us"] == 1e-3
-    assert rep["ranks"][0]["payloads"][0]["chosen"] == "pack_place"
+    # descriptors free: zero-copy head slices (HND blocks), nothing staged
+    assert {r["route"] for r in rep["ranks"][0]["routes"]} == {"direct_slice"} and not rep["ranks"][0]["payloads"]
+    _cache_file(kvtriton.cache, desc_us=3.0)  # dearer than a 16 KiB slice's unpack, cheap against a pass per run
+    assert json.loads(kvtriton(*args)[1])["ranks"][0]["payloads"][0]["chosen"] == "pack_place"
     _cache_file(kvtriton.cache, desc_us=1e4)
     assert json.loads(kvtriton(*args)[1])["ranks"][0]["payloads"][0]["chosen"] == "staged"
     assert json.loads(kvtriton(*args, "--cost", "default")[1])["cost_model"]["source"].startswith("default")

@@ -29,6 +29,11 @@ MODELS = [RegionModel.gqa("l0", 4, 16), RegionModel.mla("mla", 24, torch.float16
           RegionModel.gqa("l1", 4, 8, torch.float32)]
 SPLIT_ONLY = [RegionModel.gqa("l0", 4, 16), RegionModel.gqa("l1", 4, 8, torch.float32)]
 RU, PP, ST = Way.READ_UNPACK, Way.PACK_PLACE, Way.STAGED
+# descriptors cheap against a repack pass over a run of blocks, dear against one over a 128-byte tile:
+# the one-sided ways win over runs, DIRECT_SLICE (one descriptor per block; HND caches allow it) does
+# not. Runs coalesce only where consecutive blocks are back to back (K and V in separate tensors):
+# over joint K||V blocks READ_UNPACK posts DIRECT_SLICE's descriptors plus a pass, and never wins.
+ONE_SIDED_COST = CostModel(desc_us=0.05)
 
 
 def _specs(models, rank, tp, layout="NHD", pad=0, bs=4):
@@ -244,7 +249,8 @@ def test_read_unpack_offer_skips_the_pull(forced, monkeypatch):
     real = wire.decode_message
     monkeypatch.setattr(wire, "decode_message", lambda b: (lambda m: (pulls.append(m) if isinstance(
         m, wire.Pull) else None, m)[1])(real(b)))
-    kw = dict(modes="read_unpack") if forced else dict(cost=CostModel(desc_us=1e-3), chunk_bytes=64 << 10)
+    kw = dict(modes="read_unpack") if forced else dict(cost=ONE_SIDED_COST, chunk_bytes=64 << 10,
+                                                         p_storage="separate")
     e = Pair(4, 2, "HND", models=SPLIT_ONLY, eager_bytes=32 << 10, **kw)
     try:
         src, dst = _ids("runs", 20, 64, 48)
@@ -275,12 +281,12 @@ def test_read_unpack_offer_skips_the_pull(forced, monkeypatch):
 
 
 @pytest.mark.nixl
-@pytest.mark.parametrize("desc_us,expect", [(1e-3, "one_sided"), (1e4, "staged")])
+@pytest.mark.parametrize("desc_us,expect", [(ONE_SIDED_COST.desc_us, "one_sided"), (1e4, "staged")])
 def test_auto_choice_per_request(desc_us, expect):
     """No forced mode: the destination's cost model picks the way per request and source rank."""
     cost = CostModel(desc_us=desc_us)
     for p_tp, d_tp in ((4, 2), (2, 4)):
-        e = Pair(p_tp, d_tp, "HND", models=SPLIT_ONLY, cost=cost, chunk_bytes=64 << 10)
+        e = Pair(p_tp, d_tp, "HND", models=SPLIT_ONLY, cost=cost, chunk_bytes=64 << 10, p_storage="separate")
         try:
             src, dst = _ids("runs", 24, 64, 48)
             kv, before = e.start(src, dst)

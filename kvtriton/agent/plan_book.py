@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..errors import IncompatibleRemoteError, KVTritonError, PlanError
-from ..plan import CostModel, Route, TransferPlan, Way, build_plan
+from ..plan import CostModel, TransferPlan, Way, build_plan
 from ..protocol import wire
 from ..regions import RegionSpec
 from .settings import Settings, one_sided_forced
@@ -116,8 +116,8 @@ def check_reach(plan: TransferPlan, md: wire.RankMetadata, *, source: bool, dest
     :class:`~kvtriton.errors.IncompatibleRemoteError` naming the option and what needed it."""
     needs = []
     for i, route in enumerate(plan.routes):
-        if route is Route.DIRECT:
-            needs.append((f"region {i} is DIRECT", True, True))
+        if route.zero_copy:
+            needs.append((f"region {i} is {route.value}", True, True))
     for payload in plan.staged:
         if Way.READ_UNPACK in payload.ways:
             needs.append((f"source rank {payload.src_rank}'s payload may travel read_unpack", True, False))

@@ -146,7 +146,7 @@ def explain(model: ModelKV, prefill_tp: int, decode_tp: int, *, block_size: int 
                     + nixl_connector_descriptors(1, replicate, n))
         out_ranks.append(dict(
             decode_rank=d, sources=_sources(model, d, prefill_tp, decode_tp),
-            replicate_sources=sorted({r for dr in plan.direct for r in dr.src_ranks}
+            replicate_sources=sorted({r for dr in plan.direct if not dr.sliced for r in dr.src_ranks}
                                      | {p.src_rank for p in plan.staged
                                         if any(dst[g.region].kind is Kind.REPLICATE for g in p.segments)}),
             routes=[dict(region=spec.name, route=r.value) for spec, r in zip(dst, plan.routes)],

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .build import ForcedModes, ModesArg, build_plan, check_compatible, parse_modes
+from .build import ForcedModes, ModesArg, build_plan, check_compatible, direct_slice_problem, parse_modes
 from .cost import CostModel
 from .request import (
     OfferTerms,
@@ -56,7 +56,7 @@ __all__ = [
     "one_sided_descriptors", "choose_way", "TokenMap", "compact_tokens", "compact_request", "source_positions",
     "required_source_ranks", "RequestPlan", "RequestPayload", "OfferTerms", "ids_digest",
     "HeadSlice", "check_tp", "head_range", "replicate_sources", "split_sources",
-    "ForcedModes", "ModesArg", "parse_modes", "check_compatible", "build_plan",
+    "ForcedModes", "ModesArg", "parse_modes", "check_compatible", "build_plan", "direct_slice_problem",
     # release 0.1's public names, kept for one release (nothing in kvtriton uses them)
     "Mode", "StagedRead",
 ]

@@ -15,16 +15,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import IncompatibleRemoteError, PlanError
-from ..spec import Kind, RegionSpec
+from ..spec import Kind, Layout, RegionSpec
 from .cost import CostModel
 from .topology import HeadSlice, check_tp, head_range, replicate_sources, split_sources
 from .types import DirectRead, Payload, Route, Segment, TransferPlan, Way
-from .ways import payload_ways
+from .ways import pack_place_problem, payload_ways, read_unpack_problem
 
-__all__ = ["ForcedModes", "parse_modes", "check_compatible", "build_plan"]
+__all__ = ["ForcedModes", "parse_modes", "check_compatible", "build_plan", "direct_slice_problem"]
 
 # what `modes=` may force for a region, by value, in the order error messages list them
 _FORCIBLE: dict[str, Route | Way] = {"staged": Way.STAGED, "direct": Route.DIRECT,
+                                     "direct_slice": Route.DIRECT_SLICE,
                                      "read_unpack": Way.READ_UNPACK, "pack_place": Way.PACK_PLACE}
 ModesArg = Route | Way | str | Mapping[str, Route | Way | str] | None
 _DEFAULT_COST = CostModel()  # immutable: one shared default
@@ -35,7 +36,8 @@ class ForcedModes:
     """What a ``modes=`` argument forces, parsed once (:func:`parse_modes`).
 
     ``every``: one mode for every region, or ``by_name``: one per region name (in the order
-    given); neither: nothing forced. A forced mode is :data:`Route.DIRECT` or a :class:`Way`
+    given); neither: nothing forced. A forced mode is :data:`Route.DIRECT`,
+    :data:`Route.DIRECT_SLICE` (REPLICATE regions forced to it go :data:`Route.DIRECT`) or a :class:`Way`
     (which implies :data:`Route.STAGED`; forcing ``"staged"`` is :data:`Way.STAGED`: pack, READ,
     unpack only)."""
 
@@ -85,7 +87,7 @@ def parse_modes(modes: ModesArg | ForcedModes) -> ForcedModes:
     """The one parser of a ``modes=`` argument (``build_plan``, the agent's one-sided check
     and its handshake settings all read it through here): ``None`` (nothing forced), one mode
     for every region (a :class:`Route`, :class:`Way` or its value: ``"staged"``, ``"direct"``,
-    ``"read_unpack"``, ``"pack_place"``) or a mapping region name -> mode. :class:`PlanError`
+    ``"direct_slice"``, ``"read_unpack"``, ``"pack_place"``) or a mapping region name -> mode. :class:`PlanError`
     on an unknown mode; region names are checked against the regions by
     :meth:`ForcedModes.for_regions`.
 
@@ -211,6 +213,16 @@ def build_plan(
     region is STAGED (REPLICATE ones from their first replica) and each segment's tiles are
     ``dst block_size`` tokens gathered from ``src_block_size``-token source blocks.
 
+    DIRECT_SLICE (:data:`Route.DIRECT_SLICE`, ``modes="direct_slice"``): a SPLIT region whose
+    head slice from each source rank is one contiguous range inside a block on both sides
+    (:func:`direct_slice_problem`: head-major blocks, a whole source block into a head range of
+    ours when P > D, a head range of the source's into our whole block when D > P, both partial
+    when neither divides) moves zero-copy, one descriptor per (source rank, stream, block), or
+    per run where both ranges tile their runs (the whole block). Auto picks it when each such
+    descriptor costs less than repacking its bytes by the cheapest feasible way
+    (:meth:`CostModel.direct_slice_wins`); forced where impossible it raises :class:`PlanError`
+    saying why. A REPLICATE region forced to it goes DIRECT (its slice is the whole block).
+
     Example
     -------
     >>> import torch
@@ -240,27 +252,43 @@ def build_plan(
         else:
             slices = split_sources(dst_rank, dst_tp, src_tp, d.total_heads)
         whole = _direct_possible(d, s, slices)
+        sliced = None if slices is None else direct_slice_problem(d, s, slices)
         want = forced.get(d.name)
         if isinstance(want, Way):
             route = Route.STAGED
             forced_way[i] = want
-        elif want is Route.DIRECT:
-            route = Route.DIRECT
+        elif want is Route.DIRECT or (want is Route.DIRECT_SLICE and slices is None):
+            route = Route.DIRECT  # a REPLICATE region forced to direct_slice: its slice is the whole block
+        elif want is Route.DIRECT_SLICE:
+            route = Route.DIRECT_SLICE
+            if sliced is not None:
+                raise PlanError(f"region {i} ({d.name!r}): direct_slice is not possible: {sliced}; use STAGED")
         elif d.kind is Kind.REPLICATE:  # auto: DIRECT when possible and cheaper, else STAGED (way chosen per request)
             route = Route.DIRECT if whole else Route.STAGED
         else:
             per_desc = min(d.tile_bytes(j, d.local_heads) for j in range(d.num_streams))
-            route = Route.DIRECT if whole and cost.prefers_direct(per_desc) else Route.STAGED
+            if whole and cost.prefers_direct(per_desc):
+                route = Route.DIRECT
+            elif not whole and sliced is None and slices is not None and _slice_wins(i, d, s, slices, src_bs, cost):
+                route = Route.DIRECT_SLICE
+            else:
+                route = Route.STAGED
         if route is Route.DIRECT and not whole:
+            feasible_slice = slices is not None and sliced is None
+            hint = "; use direct_slice (one range per block) or STAGED" if feasible_slice else "; use STAGED"
             raise PlanError(
                 f"region {i} ({d.name!r}): DIRECT needs whole blocks of equal block_size with equal "
                 f"layout and dense blocks on both sides (local {d.layout.value} {d.local_heads} heads "
                 f"block_size {d.block_size}, remote {s.layout.value} {s.local_heads} heads block_size "
-                f"{s.block_size}); use STAGED"
+                f"{s.block_size}){hint}"
             )
         routes.append(route)
         if route is Route.DIRECT:
             direct.append(DirectRead(i, sources if slices is None else (slices[0].src_rank,)))
+            continue
+        if route is Route.DIRECT_SLICE and slices is not None:  # (a REPLICATE region went DIRECT above)
+            direct.append(DirectRead(i, tuple(sl.src_rank for sl in slices),
+                                     tuple((sl.src_head, sl.dst_head, sl.num_heads) for sl in slices)))
             continue
         if slices is None:  # staged REPLICATE: every head from the first replica
             slices = (HeadSlice(sources[0], 0, 0, d.local_heads),)
@@ -288,3 +316,54 @@ def _direct_possible(d: RegionSpec, s: RegionSpec, slices: tuple[HeadSlice, ...]
     same_order = d.layout == s.layout or d.local_heads == 1 or d.block_size == 1
     dense = all(d.block_is_dense(j) and s.block_is_dense(j) for j in range(d.num_streams))
     return same_order and dense
+
+
+def _range_problem(x: RegionSpec, stream: int, num_heads: int, side: str) -> str | None:
+    """Why ``num_heads`` adjacent heads of one block of ``x``'s ``stream`` are not one contiguous
+    byte range (``None``: they are, wherever the range starts)."""
+    _, s_tok, s_head = x.strides[stream]
+    d, bs = x.head_dims[stream], x.block_size
+    if x.layout is Layout.HND:
+        ok = (bs == 1 or s_tok == d) and (num_heads == 1 or s_head == bs * d)
+    else:  # token-major: heads of one token are adjacent, so only a whole block's heads (or one token) tile
+        ok = (num_heads == 1 or s_head == d) and (bs == 1 or (num_heads == x.local_heads and s_tok == num_heads * d))
+    if ok:
+        return None
+    return (f"on the {side} ({x.layout.value}, strides {x.strides[stream]} of stream {stream}) {num_heads} of "
+            f"{x.local_heads} heads of a {bs}-token block are not one contiguous range")
+
+
+def direct_slice_problem(d: RegionSpec, s: RegionSpec, slices: Sequence[HeadSlice]) -> str | None:
+    """Why SPLIT region ``d`` (ours; ``s`` the source's spec) cannot move by
+    :data:`~kvtriton.plan.Route.DIRECT_SLICE`, ``None`` when it can: equal block sizes (a run of
+    blocks is the same run of tokens on both sides), and for every source rank's slice and
+    stream, its heads one contiguous range inside a block on both sides, the same byte order
+    inside that range (same layout, or one head, or one token: a dim-major part is per (block,
+    head) tile, so whole-head tiles keep it, and both sides order it alike at equal block sizes)."""
+    if d.block_size != s.block_size:
+        return f"block sizes differ ({s.block_size} -> {d.block_size}): a block is not the same tokens on both sides"
+    for sl in slices:
+        n = sl.num_heads
+        if not (d.layout == s.layout or n == 1 or d.block_size == 1):
+            return (f"source rank {sl.src_rank}: the source stores {s.layout.value}, we store {d.layout.value}: "
+                    f"{n} heads are not in the same order inside a block")
+        for j in range(d.num_streams):
+            problem = _range_problem(s, j, n, "source") or _range_problem(d, j, n, "destination")
+            if problem is not None:
+                return f"source rank {sl.src_rank}: {problem}"
+    return None
+
+
+def _slice_wins(region: int, d: RegionSpec, s: RegionSpec, slices: Sequence[HeadSlice], src_bs: int | None,
+                cost: CostModel) -> bool:
+    """Auto choice of DIRECT_SLICE for a feasible region: its descriptors (one per slice, stream
+    and block: a partial slice never coalesces across blocks) are each cheaper than repacking
+    their bytes by the cheapest way the region's segments allow, that way's runs counted free
+    (its best case), so the choice holds for every request whatever its block runs."""
+    segs = [Segment(region, j, sl.src_head, sl.dst_head, sl.num_heads, d.head_dims[j],
+                    d.itemsize, d.block_size, d.layout, src_bs, d.dim_major_of(j))
+            for sl in slices for j in range(d.num_streams)]
+    read_unpack = all(read_unpack_problem(g, s) is None for g in segs)
+    pack_place = all(pack_place_problem(g, d) is None for g in segs)
+    per_desc = min(g.tile_bytes for g in segs)
+    return cost.direct_slice_wins(per_desc, read_unpack=read_unpack, pack_place=pack_place)

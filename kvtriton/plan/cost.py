@@ -40,6 +40,19 @@ class CostModel:
         """Whether descriptors of ``bytes_per_descriptor`` bytes are cheaper moved DIRECT."""
         return bytes_per_descriptor >= self.crossover_bytes()
 
+    def direct_slice_wins(self, bytes_per_descriptor: int, *, read_unpack: bool = False,
+                          pack_place: bool = False) -> bool:
+        """Whether a zero-copy descriptor of ``bytes_per_descriptor`` bytes (DIRECT_SLICE: one per
+        block, whatever the runs) costs less than repacking those bytes by the cheapest way
+        available: both passes (STAGED), or the one pass READ_UNPACK (unpack) or PACK_PLACE (pack)
+        leaves when feasible, their descriptors counted free (their best case: ids in long runs)."""
+        per_byte_us = [1e-3 / self.pack_gbps + 1e-3 / self.unpack_gbps]
+        if read_unpack:
+            per_byte_us.append(1e-3 / self.unpack_gbps)
+        if pack_place:
+            per_byte_us.append(1e-3 / self.pack_gbps)
+        return self.desc_us <= bytes_per_descriptor * min(per_byte_us)
+
     def wire_us(self, nbytes: int, op: str = "READ") -> float:
         """Estimated time of ``nbytes`` on the wire by ``op`` (READ or WRITE)."""
         return nbytes / 1e3 / (self.read_gbps if op == "READ" else self.write_gbps)

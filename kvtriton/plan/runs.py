@@ -98,10 +98,12 @@ def direct_runs(
     src_ids: np.ndarray,
     dst_ids: np.ndarray,
 ) -> Runs:
-    """Coalesced descriptors for every DIRECT region of a compacted request.
+    """Coalesced descriptors for every DIRECT and DIRECT_SLICE region of a compacted request.
 
-    Blocks of a region are split over its ``src_ranks`` in contiguous parts of the request (so
-    runs stay long). Consecutive ids on *both* sides merge into one descriptor when both
+    Blocks of a DIRECT region are split over its ``src_ranks`` in contiguous parts of the request
+    (so runs stay long); a DIRECT_SLICE region's source ranks each send their head slice of every
+    block, one descriptor per block (a partial slice is one range inside a block, never across
+    blocks). Consecutive ids on *both* sides merge into one descriptor when both
     tensors store consecutive blocks back to back. ``src_specs`` may be one list for all source
     ranks or a mapping rank -> list when strides differ between ranks. Entries are ordered by
     region, then source rank, then stream.
@@ -116,27 +118,30 @@ def direct_runs(
     dst_ids = np.asarray(dst_ids, dtype=np.int64)
     blocks: list[list[np.ndarray]] = []  # per group: its six columns
     for group in _direct_groups(plan, src_specs, dst_specs):
-        parts = _split_bounds(n, len(group.src_ranks))
+        # a stripe splits the request over the replicas; a DIRECT_SLICE region's ranks each send every block
+        parts = [(0, n)] * len(group.src_ranks) if group.sliced else _split_bounds(n, len(group.src_ranks))
         base: list[list[np.ndarray]] = [[] for _ in range(5)]
         for rank, (lo, hi), streams in zip(group.src_ranks, parts, group.streams):
             if hi == lo:
                 continue
             sid, did = src_ids[lo:hi], dst_ids[lo:hi]
-            merged = None
-            for j, (block_bytes, s_stride, d_stride) in enumerate(streams):
-                if s_stride == block_bytes and d_stride == block_bytes:
+            merged = singles = None
+            for j, (span, s_stride, d_stride, s_off, d_off) in enumerate(streams):
+                # a run is one range only when the moved range tiles consecutive blocks on both sides
+                if s_stride == span and d_stride == span:
                     if merged is None:  # the same runs for every stream that coalesces
                         merged = pair_runs(sid, did)
                     starts, lengths = merged
                 else:
-                    starts = np.arange(sid.size, dtype=np.int64)
-                    lengths = np.ones(sid.size, dtype=np.int64)
+                    if singles is None:
+                        singles = (np.arange(sid.size, dtype=np.int64), np.ones(sid.size, dtype=np.int64))
+                    starts, lengths = singles
                 k = starts.size
                 base[0].append(np.full(k, rank, dtype=np.int64))
                 base[1].append(np.full(k, j, dtype=np.int64))
-                base[2].append(sid[starts] * s_stride)
-                base[3].append(did[starts] * d_stride)
-                base[4].append(lengths * block_bytes)
+                base[2].append(sid[starts] * s_stride + s_off)
+                base[3].append(did[starts] * d_stride + d_off)
+                base[4].append(lengths * span)
         if not base[0]:
             continue
         cols = [np.concatenate(c) for c in base]
@@ -171,12 +176,15 @@ def _split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class _DirectGroup:
-    """DIRECT regions whose runs are byte-for-byte alike: the same source ranks, and per rank and
-    stream the same ``(block bytes, source block stride, destination block stride)``."""
+    """DIRECT (or DIRECT_SLICE) regions whose runs are byte-for-byte alike: the same source ranks,
+    and per rank and stream the same ``(bytes per block, source block stride, destination block
+    stride, source offset in a block, destination offset in a block)``. ``sliced``: every rank
+    sends every block (DIRECT_SLICE), else the request is striped over them."""
 
     src_ranks: tuple[int, ...]
-    streams: tuple[tuple[tuple[int, int, int], ...], ...]  # per src rank, per stream
+    streams: tuple[tuple[tuple[int, int, int, int, int], ...], ...]  # per src rank, per stream
     regions: tuple[int, ...]
+    sliced: bool = False
 
 
 _GROUP_CACHE_ENTRIES = 8
@@ -208,12 +216,16 @@ def _direct_groups(plan: TransferPlan, src_specs: Sequence[RegionSpec] | Mapping
     for dr in plan.direct:
         d = dst_specs[dr.region]
         per_rank = []
-        for rank in dr.src_ranks:
+        for k, rank in enumerate(dr.src_ranks):
             s = (by_rank[rank] if by_rank is not None else lists[0])[dr.region]
-            per_rank.append(tuple((d.tile_bytes(j, d.local_heads), s.block_stride_bytes(j), d.block_stride_bytes(j))
+            # whole blocks, or (DIRECT_SLICE) heads [h_s, h_s + nh) of theirs at [h_d, h_d + nh) of ours: the
+            # slice's validation (direct_slice_problem) made each one range starting at its first head's row
+            h_s, h_d, nh = dr.heads[k] if dr.sliced else (0, 0, d.local_heads)
+            per_rank.append(tuple((d.tile_bytes(j, nh), s.block_stride_bytes(j), d.block_stride_bytes(j),
+                                   h_s * s.strides[j][2] * s.itemsize, h_d * d.strides[j][2] * d.itemsize)
                                   for j in range(d.num_streams)))
-        by_key.setdefault((dr.src_ranks, tuple(per_rank)), []).append(dr.region)
-    groups = tuple(_DirectGroup(k[0], k[1], tuple(v)) for k, v in by_key.items())
+        by_key.setdefault((dr.src_ranks, tuple(per_rank), dr.sliced), []).append(dr.region)
+    groups = tuple(_DirectGroup(k[0], k[1], tuple(v), k[2]) for k, v in by_key.items())
     if len(cache) > _GROUP_CACHE_ENTRIES:  # list(): a snapshot, safe if another thread plans too
         cache.pop(next(k for k in list(cache) if k != "ranks"), None)
     cache[key] = (tuple(tuple(x) for x in lists), tuple(dst_specs), groups)

@@ -45,6 +45,15 @@ class Route(str, enum.Enum):
 
     STAGED = "staged"  # in its source rank's payload, through registered staging (few large descriptors)
     DIRECT = "direct"  # zero-copy cache-to-cache, one descriptor per run of consecutive blocks
+    # zero-copy cache-to-cache of a head slice that is one contiguous range inside a block on both sides
+    # (head-major blocks: a whole source block into a head range of ours, or the reverse): one descriptor
+    # per (source rank, stream, block), per run of blocks only where both ranges tile their blocks' runs
+    DIRECT_SLICE = "direct_slice"
+
+    @property
+    def zero_copy(self) -> bool:
+        """Whether the region moves cache to cache (DIRECT or DIRECT_SLICE)."""
+        return self is not Route.STAGED
 
 
 class Way(str, enum.Enum):
@@ -183,10 +192,28 @@ class ChunkGeometry:
 
 @dataclass(frozen=True)
 class DirectRead:
-    """A region moved zero-copy; blocks are striped over ``src_ranks`` in request order."""
+    """A region moved zero-copy. Without ``heads`` (:data:`Route.DIRECT`) its blocks are whole on
+    both sides and striped over ``src_ranks`` in request order (REPLICATE replicas; one rank for
+    SPLIT). With ``heads`` (:data:`Route.DIRECT_SLICE`), one ``(src_head, dst_head, num_heads)``
+    per entry of ``src_ranks``: every one of them sends every block's head slice, read from its
+    local heads ``[src_head, src_head + num_heads)`` into ours from ``dst_head``, each one
+    contiguous range inside a block on both sides."""
 
     region: int
     src_ranks: tuple[int, ...]
+    heads: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def sliced(self) -> bool:
+        """True for a DIRECT_SLICE read (every source rank sends every block)."""
+        return bool(self.heads)
+
+    def ranks_for(self, num_blocks: int) -> tuple[int, ...]:
+        """Source ranks that send runs for a request of ``num_blocks`` blocks (a stripe wider
+        than the request leaves the last replicas without blocks)."""
+        if num_blocks <= 0:
+            return ()
+        return self.src_ranks if self.sliced else self.src_ranks[:num_blocks]
 
 
 @dataclass(frozen=True)
@@ -214,8 +241,8 @@ class TransferPlan:
 
     @property
     def modes(self) -> tuple[Route | Way, ...]:
-        """Per region, what ``modes=`` would force to get this plan: :data:`Route.DIRECT`, the
-        one-sided :class:`Way` forced for it, or :data:`Route.STAGED`."""
+        """Per region, what ``modes=`` would force to get this plan: :data:`Route.DIRECT` or
+        :data:`Route.DIRECT_SLICE`, the one-sided :class:`Way` forced for it, or :data:`Route.STAGED`."""
         forced = self.forced or (None,) * len(self.routes)
         return tuple(w if r is Route.STAGED and w is not None and w is not Way.STAGED else r
                      for r, w in zip(self.routes, forced))
@@ -247,9 +274,8 @@ class TransferPlan:
         """Source ranks that send DIRECT runs for a request of ``num_blocks`` blocks (a stripe
         wider than the request leaves the last replicas without blocks)."""
         ranks: set[int] = set()
-        if num_blocks > 0:
-            for d in self.direct:
-                ranks.update(d.src_ranks[:num_blocks])
+        for d in self.direct:
+            ranks.update(d.ranks_for(num_blocks))
         return ranks
 
     def payload(self, src_rank: int) -> Payload | None:

@@ -1,0 +1,338 @@
+"""DIRECT_SLICE: a head slice that is one contiguous range inside a block on both sides, moved
+zero-copy cache to cache (vLLM NixlConnector's one pass), byte for byte.
+
+Planner: static feasibility per region (head-major blocks, whole source block into a head range
+of ours when P > D, the reverse when D > P, both partial when neither divides, replicated heads,
+dim-major K tiles; token-major slices, layout changes and block-size changes refused with the
+reason), forced and auto choice by the cost model, descriptor counts against vLLM
+NixlConnector's ``k * L * n``. Bytes: the runs applied as plain copies land exactly what the
+global-head oracle expects and exactly what the independent reference pack/unpack
+(:mod:`kvtriton.ops.reference`) lands by the staged route, every other byte untouched; then real
+agents over NIXL in one process (pull and push, P > D and D > P, mixed SPLIT + REPLICATE cache,
+-1 positions), the cost model's choice there, and one multi-process cluster.
+"""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvtriton.errors import PlanError
+from kvtriton.plan import CostModel, Route, build_plan, direct_runs, direct_slice_problem, split_sources
+from kvtriton.regions import Kind
+from kvtriton.testing.oracle import (
+    RegionModel,
+    check_destination,
+    load_source,
+    local_transfer,
+    make_global_kv,
+    make_rank_regions,
+    snapshot,
+)
+
+DS, DIRECT, STAGED = Route.DIRECT_SLICE, Route.DIRECT, Route.STAGED
+# (P, D, total heads): P > D, D > P, neither divides (P3 -> D2 and P2 -> D3 with 6 heads), replicated heads
+PAIRS = [(2, 1, 4), (1, 2, 4), (4, 2, 4), (2, 4, 4), (3, 2, 6), (2, 3, 6), (4, 1, 2), (1, 4, 2), (4, 2, 2)]
+
+
+def _models(heads):
+    return [RegionModel.gqa("l0", heads, 16), RegionModel.mla("mla", 24, torch.float16),
+            RegionModel.gqa("l1", heads, 8, torch.float32)]
+
+
+def _cpu(heads):
+    """vLLM CPU caches: one K||V stream per layer, K dim-major per (block, head) tile."""
+    return [RegionModel("attn.0", Kind.SPLIT, heads, (32,), torch.bfloat16), RegionModel.mla("mla", 24, torch.float16),
+            RegionModel("attn.1", Kind.SPLIT, heads, (12,), torch.float32)]
+
+
+CPU_MODES = {"attn.0": "direct_slice", "attn.1": "direct_slice"}
+
+
+def _split(heads):
+    return [RegionModel.gqa("l0", heads, 16), RegionModel.gqa("l1", heads, 8, torch.float32)]
+
+
+def _specs(models, rank, tp, layout="HND", storage="separate", bs=4, pad=0):
+    regs = make_rank_regions(models, rank, tp, 8, bs, layout=layout, storage=storage,
+                             gen=torch.Generator().manual_seed(0), device="meta" if not pad else "cpu", pad_blocks=pad)
+    return [r.spec for r in regs]
+
+
+# --------------------------------------------------------------------------- planner
+@pytest.mark.parametrize("p_tp,d_tp,heads", PAIRS)
+def test_head_major_slices_are_feasible_everywhere(p_tp, d_tp, heads):
+    for d in range(d_tp):
+        dst, src = _specs(_models(heads), d, d_tp), _specs(_models(heads), 0, p_tp)
+        plan = build_plan(d, d_tp, dst, p_tp, src, modes="direct_slice")
+        assert plan.modes == (DS, DIRECT, DS) and not plan.staged  # the MLA latent: whole blocks, DIRECT
+        sliced = [x for x in plan.direct if x.sliced]
+        want = split_sources(d, d_tp, p_tp, heads)
+        assert [x.heads for x in sliced] == [tuple((s.src_head, s.dst_head, s.num_heads) for s in want)] * 2
+        assert plan.source_ranks == tuple(sorted({s.src_rank for s in want} | set(plan.direct[1].src_ranks)))
+
+
+def test_infeasible_slices_are_refused_with_the_reason():
+    # token-major blocks: a head range of a block is one range per token, not one range
+    with pytest.raises(PlanError, match="direct_slice is not possible: .*not one contiguous range"):
+        build_plan(0, 1, _specs(_split(4), 0, 1, "NHD"), 2, _specs(_split(4), 0, 2, "NHD"), modes="direct_slice")
+    with pytest.raises(PlanError, match="direct_slice is not possible: .*destination .*not one contiguous"):
+        build_plan(0, 2, _specs(_split(4), 0, 2, "NHD"), 4, _specs(_split(4), 0, 4, "HND"), modes="direct_slice")
+    # layouts differ with two heads per slice: not the same order inside the range
+    with pytest.raises(PlanError, match="not in the same order"):
+        build_plan(0, 1, _specs(_split(4), 0, 1, "HND"), 2, _specs(_split(4), 0, 2, "NHD"), modes="direct_slice")
+    # block sizes differ: a block is not the same tokens on both sides
+    with pytest.raises(PlanError, match="block sizes differ"):
+        build_plan(0, 1, _specs(_split(4), 0, 1, bs=8), 2, _specs(_split(4), 0, 2, bs=4), modes="direct_slice")
+    # padded rows (head_dim stride > head_dim): heads are not adjacent
+    with pytest.raises(PlanError, match="not one contiguous range"):
+        build_plan(0, 1, _specs(_split(4), 0, 1, pad=1), 2, _specs(_split(4), 0, 2), modes="direct_slice")
+    # whole-block DIRECT forced on a partial slice says which mode would do
+    with pytest.raises(PlanError, match="use direct_slice"):
+        build_plan(0, 1, _specs(_split(4), 0, 1), 2, _specs(_split(4), 0, 2), modes="direct")
+
+
+def test_one_head_per_slice_crosses_layouts_and_dim_major_tiles_move():
+    # one head: its tile is [token, dim] in either layout, but an NHD block of 2 heads is not one range
+    assert direct_slice_problem(_specs(_split(4), 0, 4, "NHD")[0], _specs(_split(4), 0, 2, "HND")[0],
+                                split_sources(0, 4, 2, 4)) is None
+    # vLLM's CPU cache: one K||V stream, K dim-major per (block, head) tile, padded between blocks
+    dst = _specs(_cpu(4), 0, 1, storage="vllm_cpu", pad=3)
+    src = _specs(_cpu(4), 0, 2, storage="vllm_cpu", pad=3)
+    assert dst[0].dim_major == (16,) and dst[0].num_streams == 1
+    plan = build_plan(0, 1, dst, 2, src, modes=CPU_MODES)
+    assert plan.modes == (DS, STAGED, DS)  # the MLA latent's rows are padded: staged, in a payload beside
+
+
+def test_descriptor_counts_match_nixl_connector():
+    """P2 -> D1 and P1 -> D2 (two streams each, L layers): one descriptor per (source rank, layer,
+    stream, block) whatever the ids, what vLLM NixlConnector posts with K and V separate
+    (``bench/baselines.py``); a whole-block slice still coalesces runs (DIRECT's count)."""
+    from bench.baselines import vllm_direct_descriptor_count
+
+    layers, n = 2, 12
+    runs_ids, rand_ids = np.arange(3, 3 + n), np.random.default_rng(0).permutation(40)[:n]
+    for p_tp, d_tp in ((2, 1), (1, 2)):
+        dst, src = _specs(_split(4), 0, d_tp), _specs(_split(4), 0, p_tp)
+        plan = build_plan(0, d_tp, dst, p_tp, src, modes="direct_slice")
+        k = len(plan.source_ranks)
+        for ids in (runs_ids, rand_ids):
+            runs = direct_runs(plan, src, dst, ids, ids[::-1].copy())
+            assert len(runs) == vllm_direct_descriptor_count(k, layers, n, kv_streams=2)
+            assert set(runs.nbytes.tolist()) == {4 * 2 * 16 * 2, 4 * 2 * 8 * 4}  # two heads of a 4-token block
+    # P2 -> D2: the slice is the whole block, so consecutive ids on both sides are one descriptor
+    plan = build_plan(0, 2, _specs(_split(4), 0, 2), 2, _specs(_split(4), 0, 2), modes="direct_slice")
+    assert len(direct_runs(plan, _specs(_split(4), 0, 2), _specs(_split(4), 0, 2), runs_ids, runs_ids)) == 2 * 2
+
+
+def test_cost_model_picks_it_when_descriptors_are_large():
+    dst, src = _specs(_split(4), 0, 1), _specs(_split(4), 0, 2)
+    assert build_plan(0, 1, dst, 2, src, cost=CostModel(desc_us=1e-3)).routes == (DS, DS)
+    assert build_plan(0, 1, dst, 2, src, cost=CostModel(desc_us=1e4)).routes == (STAGED, STAGED)
+    # P3 -> D2, 6 heads: D0 reads source 1's head 2 only (no one-sided way): the slice is compared with
+    # both repack passes; P2 -> D1 also allows read_unpack (one pass), so the bar is higher there
+    tile = 4 * 1 * 8 * 4  # the smallest slice's descriptor (l1: fp32, one head, 4 tokens)
+    two_passes = tile / 1e3 * (1 / 10 + 1 / 10)  # us, the default model's repack
+    cost = CostModel(desc_us=0.75 * two_passes)
+    d6, s6 = _specs(_split(6), 0, 2), _specs(_split(6), 0, 3)
+    assert build_plan(0, 2, d6, 3, s6, cost=cost).routes == (DS, DS)
+    one_pass_tile = 4 * 2 * 8 * 4  # P2 -> D1 slices: two heads
+    cost = CostModel(desc_us=0.75 * one_pass_tile / 1e3 * (1 / 10 + 1 / 10))  # beats two passes, not one
+    assert build_plan(0, 1, dst, 2, src, cost=cost).routes == (STAGED, STAGED)
+    assert CostModel().direct_slice_wins(64 << 10, read_unpack=True)  # vLLM P2 -> D1's 64 KiB reads
+    # NHD: not feasible, so never chosen, whatever the model
+    assert build_plan(0, 1, _specs(_split(4), 0, 1, "NHD"), 2, _specs(_split(4), 0, 2, "NHD"),
+                      cost=CostModel(desc_us=1e-3)).routes == (STAGED, STAGED)
+
+
+# --------------------------------------------------------------------------- bytes, in process
+def _ids(kind, n, nb_src, nb_dst, seed=0):
+    rng = np.random.default_rng(seed)
+    if kind == "runs":
+        src, dst = np.arange(3, 3 + n), np.arange(nb_dst - n, nb_dst)
+    else:
+        src, dst = rng.permutation(nb_src)[:n], rng.permutation(nb_dst)[:n]
+    src, dst = src.astype(np.int64), dst.astype(np.int64)
+    src[1], dst[4] = -1, -1  # a position the source does not hold, one the destination has
+    return src, dst
+
+
+def _expect(src, dst):
+    out = dst.copy()
+    out[src < 0] = -1
+    return out
+
+
+def _caches(models, p_tp, d_tp, layout, storage, pad, seed):
+    gen = torch.Generator().manual_seed(seed)
+    P = [make_rank_regions(models, r, p_tp, 40, 4, layout=layout, storage=storage, gen=gen, pad_blocks=pad)
+         for r in range(p_tp)]
+    D = [make_rank_regions(models, r, d_tp, 30, 4, layout=layout, storage=storage, gen=gen, pad_blocks=pad)
+         for r in range(d_tp)]
+    return gen, P, D
+
+
+def _raw(regions):
+    return [[s.view(torch.uint8).clone() for s in r.streams] for r in regions]
+
+
+@pytest.mark.parametrize("p_tp,d_tp,heads", PAIRS)
+@pytest.mark.parametrize("ids", ["runs", "random"])
+@pytest.mark.parametrize("storage", ["separate", "joint", "vllm_cpu"])
+def test_runs_land_what_the_reference_repack_lands(p_tp, d_tp, heads, ids, storage):
+    """Fresh random caches and KV: the DIRECT_SLICE runs, applied as byte copies, give every decode
+    rank exactly the oracle's blocks and exactly the bytes the reference pack + unpack give by
+    the staged route on an identical copy of the caches; nothing else changes."""
+    models = _cpu(heads) if storage == "vllm_cpu" else _models(heads)
+    pad = 3 if storage == "vllm_cpu" else 0  # blocks padded apart: the slices stay one range each
+    gen, P, D = _caches(models, p_tp, d_tp, "HND", storage, pad, seed=p_tp * 7 + d_tp + heads)
+    _, P2, D2 = _caches(models, p_tp, d_tp, "HND", storage, pad, seed=p_tp * 7 + d_tp + heads)
+    src, dst = _ids(ids, 9, 40, 30, seed=heads)
+    kv = make_global_kv(models, src.size, 4, gen)
+    for r in range(p_tp):
+        load_source(P[r], r, p_tp, kv, src)
+        load_source(P2[r], r, p_tp, kv, src)
+    before = [snapshot(x) for x in D]
+    stats = local_transfer(P, D, src, dst, modes=CPU_MODES if storage == "vllm_cpu" else "direct_slice")
+    assert (stats["staged_descs"] > 0) == (storage == "vllm_cpu") and stats["direct_descs"] > 0
+    staged = local_transfer(P2, D2, src, dst, modes="staged")
+    assert staged["direct_descs"] == 0
+    for i in range(d_tp):
+        check_destination(D[i], i, d_tp, kv, _expect(src, dst), before[i])
+        for a, b in zip(_raw(D[i]), _raw(D2[i])):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y)
+
+
+# --------------------------------------------------------------------------- agents over NIXL
+nixl = pytest.importorskip("nixl")
+
+
+def _pair(p_tp, d_tp, models, **kw):
+    from kvtriton.testing.pair import EnginePair
+
+    return EnginePair(p_tp, d_tp, models=models, p_layout="HND", d_layout="HND", p_storage="joint",
+                      **{"chunk_bytes": 8192, "eager_bytes": 0, **kw})
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("p_tp,d_tp,heads", [(2, 1, 4), (1, 2, 4), (3, 2, 6), (4, 1, 2), (1, 4, 2)])
+def test_agents_move_exact_bytes(mode, p_tp, d_tp, heads):
+    """Mixed cache (two GQA regions by DIRECT_SLICE, an MLA latent by DIRECT), random ids with -1
+    positions: every decode rank exact, canaries intact, no staging used, holds freed as done."""
+    e = _pair(p_tp, d_tp, _models(heads), mode=mode, modes="direct_slice")
+    try:
+        src, dst = _ids("random", 13, 64, 48, seed=p_tp + d_tp)
+        kv, before = e.start(src, dst)
+        got = e.drive()
+        for i in range(d_tp):
+            assert got[i][0].ok, got[i][0].error
+            check_destination(e.D[i], i, d_tp, kv, _expect(src, dst), before[i])
+        stats = [a.stats for a in (e.da if mode == "pull" else e.pa)]  # who posts: the reader, or the writer
+        assert sum(s["direct_descriptors"] for s in stats) > 0
+        assert all(a.stats["staged_descriptors"] == 0 and a.stats["pack_launches"] == 0 for a in e.agents)
+        freed = e.settle_freed(p_tp)
+        assert len(freed) == p_tp and all(f.reason == "done" for f in freed)
+    finally:
+        e.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("desc_us,route", [(1e-3, "direct"), (1e4, "staged")])
+def test_agents_follow_the_cost_model(desc_us, route):
+    """No forced mode: P2 -> D1 and P1 -> D2 with HND caches go DIRECT_SLICE when descriptors are
+    cheap for the model, STAGED (or a one-sided way) when they are dear; exact either way."""
+    for p_tp, d_tp in ((2, 1), (1, 2)):
+        e = _pair(p_tp, d_tp, _split(4), cost=CostModel(desc_us=desc_us))
+        try:
+            src, dst = _ids("random", 11, 64, 48, seed=3)
+            kv, before = e.start(src, dst)
+            got = e.drive()
+            for i, d in enumerate(e.da):
+                assert got[i][0].ok, got[i][0].error
+                check_destination(e.D[i], i, d_tp, kv, _expect(src, dst), before[i])
+                assert (d.stats["direct_descriptors"] > 0) == (route == "direct")
+        finally:
+            e.close()
+
+
+@pytest.mark.nixl
+def test_cluster_processes():
+    """Separate processes over NIXL (P3 -> D2, 6 heads: both slices partial on one rank): every
+    decode rank exact, canaries intact, holds freed."""
+    from kvtriton.testing.cluster import Cluster, ClusterConfig
+
+    cfg = ClusterConfig(models=_models(6), p_tp=3, d_tp=2, mode="pull", block_size=4, p_layout="HND",
+                        d_layout="HND", staging_bytes=32 << 10, slot_bytes=1024, timeout_s=20,
+                        modes="direct_slice")
+    with Cluster(cfg, start_timeout_s=180) as c:  # room for child start-up on a loaded host
+        reqs = c.requests(3, 9)
+        freed = c.transfer_exact(reqs)
+        assert all(len(v) == len(reqs) for v in freed.values())
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("bad", ["past_the_cache", "negative"])
+def test_forged_push_ranges_are_refused(bad):
+    """Push: the decode names the blocks the source WRITEs its slices into. Ids past the decode's
+    cache are refused with a Reject, negative ones as a malformed message (``bad_messages``), before
+    any WRITE; no byte of the decode cache moves."""
+    from kvtriton.protocol import wire
+    from kvtriton.testing.seams import Wiretap
+
+    e = _pair(2, 1, _split(4), mode="push", modes="direct_slice")
+    try:
+        src = np.arange(4)
+        e.request(src)
+        for p in e.pa:
+            p.hold("r", src, lease_s=30)
+        d, p0 = e.da[0], e.pa[0]
+        before = snapshot(e.D[0])
+        dst = (48, 49, 50, 1 << 40) if bad == "past_the_cache" else (0, 1, 2, -7)
+        tap = Wiretap(d)
+        tap.send(p0, wire.Push("x|1", "r", 0, tuple(src.tolist()), dst, 0, d.plan_for("P").digest()))
+        deadline = time.monotonic() + 5
+        while not (tap.seen(wire.Reject) if bad == "past_the_cache" else p0.stats["bad_messages"]):
+            assert time.monotonic() < deadline, "neither a reject nor a refused message"
+            for a in (p0, d):
+                a.progress()
+        if bad == "past_the_cache":
+            assert "dst_ids must be 4 distinct ids in [0, 48)" in tap.seen(wire.Reject)[0].reason
+        e.settle(0.2)
+        assert p0.stats["direct_descriptors"] == 0 and not p0.debug_state()["serves"]
+        for a, b in zip(before, snapshot(e.D[0])):
+            for x, y in zip(a, b):
+                assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    finally:
+        e.close()
+
+
+@pytest.mark.nixl
+def test_eager_offer_confirms_slices_beside_a_staged_payload():
+    """Pull with eager packing: the MLA latent forced staged is packed at hold time and offered,
+    the offer also confirming the DIRECT_SLICE runs of the GQA regions; the decode takes it (no
+    pull) and READs both. Exact bytes, holds freed as done."""
+    e = _pair(2, 1, _models(4), eager_bytes=32 << 10, modes={"l0": "direct_slice", "mla": "staged",
+                                                              "l1": "direct_slice"})
+    try:
+        src, dst = np.arange(5, 14), np.arange(20, 29)
+        kv = e.request(src)
+        before = [snapshot(x) for x in e.D]
+        for p in e.pa:
+            p.hold("r", src, lease_s=30, consumer="D")
+        d = e.da[0]
+        deadline = time.monotonic() + 10
+        while not any("r" in o for o in d.debug_state()["offers"].values()):
+            assert time.monotonic() < deadline, "no offer"
+            for a in e.agents:
+                a.progress()
+        d.fetch("r", "P", src, dst)
+        got = e.drive()
+        assert got[0][0].ok, got[0][0].error
+        check_destination(e.D[0], 0, 1, kv, dst, before[0])
+        assert d.stats["offers_taken"] >= 1 and d.stats["direct_descriptors"] == 2 * 2 * 2 * src.size
+        assert all(f.reason == "done" for f in e.settle_freed(2))
+    finally:
+        e.close()
