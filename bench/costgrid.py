@@ -43,11 +43,23 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baselines import vllm_direct_descriptor_count  # noqa: E402  bench/baselines.py
 from report import summary_line  # noqa: E402  bench/report.py
 from timing import qfields, quantiles_ms, quantiles_of  # noqa: E402  bench/timing.py
 
 PAIRS = [(2, 4), (4, 2), (2, 2)]
-MODES = ("staged", "direct", "read_unpack", "pack_place")  # every mode a cell may time (where feasible)
+
+
+def _all_ways() -> tuple[str, ...]:
+    """Every way a cell may time (where feasible), from the planner's own enums: each Route, then
+    each Way of a staged payload not already named. The one place the grid learns its ways: a
+    way the planner adds (a Route or a Way, accepted by ``modes=``) is timed without a change here."""
+    from kvtriton.plan.types import Route, Way
+
+    return tuple(dict.fromkeys([r.value for r in Route] + [w.value for w in Way]))
+
+
+MODES = _all_ways()
 HEADS = [1, 2, 4, 8]
 BLOCKS = [16, 32, 64, 128]
 LAYOUTS = ["NHD", "HND"]
@@ -215,7 +227,8 @@ def run_cells(quick, transport: str, group: tuple | None = None, cost_file: str 
         gen = torch.Generator().manual_seed(0)
         meta = [[r.spec for r in make_rank_regions(models, rank, tp, 8, bs, layout=layout, gen=gen, device="meta")]
                 for rank, tp in ((0, d_tp), (0, p_tp))]
-        chosen = _chosen(build_plan(0, d_tp, meta[0], p_tp, meta[1], cost=cost), meta, bs, cost)
+        plan0 = build_plan(0, d_tp, meta[0], p_tp, meta[1], cost=cost)
+        chosen = _chosen(plan0, meta, bs, cost)
         fetches, agents = {}, []
         try:
             for mode in MODES:
@@ -238,8 +251,11 @@ def run_cells(quick, transport: str, group: tuple | None = None, cost_file: str 
         times = {m: quantiles_of(v) for m, v in samples.items()}
         best, ratio, verdict = judge(times, chosen)
         tile = bs * h * 128 * 2
+        # vLLM NixlConnector's count for the same request: one READ per (source rank, layer, K/V, block)
+        # (K and V are separate streams in these caches; bench/baselines.py)
+        vllm = vllm_direct_descriptor_count(len(plan0.source_ranks), layers, TOKENS // bs, kv_streams=2)
         row = dict(transport=transport, p_tp=p_tp, d_tp=d_tp, heads_per_rank=h, block_size=bs, layout=layout,
-                   bytes=payload, bytes_per_descriptor=tile, chosen=chosen, best=best,
+                   bytes=payload, bytes_per_descriptor=tile, vllm_descriptors=vllm, chosen=chosen, best=best,
                    **qfields("chosen_ms", times[chosen], 3), **qfields("best_ms", times[best], 3))
         for m, q in times.items():
             row.update(qfields(f"{m}_ms", q, 3))

@@ -21,7 +21,7 @@ import numpy as np
 # it was timed.
 PARAM_KEYS = {"p_tp", "d_tp", "block_size", "tokens", "bytes", "heads_per_rank", "prefill_tp", "decode_tp",
               "blocks", "layers", "request", "bytes_per_descriptor"}
-UNITS = {"ms": "ms", "us": "us", "gbps": "GB/s", "pct_of_copy": "%", "ratio": "x"}
+UNITS = {"ms": "ms", "us": "us", "gbps": "GB/s", "pct_of_copy": "%", "ratio": "x", "gb": "GB", "s": "s"}
 
 
 def long_rows(rows: list[dict]) -> list[dict]:
@@ -79,9 +79,17 @@ def summary_lines(rows: list[dict], meta: dict) -> list[str]:
     lines = [f"# kvtriton sweep ({meta['device']}, {meta['timestamp']})", "", *headline_lines(rows, meta), "",
              f"Reproduce: `{meta['command']}`. torch {meta['torch']}, git {meta['git_sha']}.{took} Timings: median "
              "with [p20-p80] of repeated runs in one process; `sweep.csv` has every quantity in long form.", ""]
+    swept = [r for r in rows if r["section"] == "sweep"]
+    if swept:
+        lines += sections_summary(swept)
     desc = [r for r in rows if r["section"] == "descriptors"]
     if desc:
         lines += descriptor_summary(desc)
+    kinds = [r for r in rows if r["section"] == "model_kinds"]
+    if kinds:
+        lines += _table("Descriptors and bytes per request by model kind (bench/pd_vllm.py's tiny models, "
+                        "planned: ours against NixlConnector's one READ per source rank, layer and block; "
+                        "the pd_vllm section measures them on engines)", kinds)
     # block-size-change rows (bench/block_sizes.py) ride in the kernels and e2e sections, in a table of their own
     kern = [r for r in rows if r["section"] == "kernels" and "src_block" not in r]
     if kern:
@@ -113,6 +121,15 @@ def summary_lines(rows: list[dict], meta: dict) -> list[str]:
     return lines
 
 
+def sections_summary(rows: list[dict]) -> list[str]:
+    """The sweep's own table: each section's wall time against its budget and the peak memory of
+    its process tree (bench/sweep.py section_row), so an overrun is reported, not silent."""
+    over = [r["part"] for r in rows if r.get("within") == "no"]
+    return [*_table("Sections: wall time against budget, peak memory (tree PSS: the section's processes "
+                    "together; goal <= 4 GB)", rows, drop=("section", "within")),
+            f"Sections over budget or memory goal: {', '.join(over) if over else 'none'}", ""]
+
+
 # --------------------------------------------------------------------------- the headline
 HEADLINE = ("descriptors", "e2e", "cost model", "real engines", "GPU")  # the five lines, in order
 
@@ -137,14 +154,17 @@ def _headline_descriptors(desc: list[dict]) -> str:
 
 def e2e_ratios(rows: list[dict], cfg: tuple) -> dict[str, float]:
     """Same-run ratios of one e2e (transport, host, ids) configuration against vLLM K||V direct
-    reads: ``pull``, ``push``, ``eager`` (absent when a method did not run)."""
+    reads: ``pull``, ``push``, ``eager``, and ``auto`` (nothing forced: the way the planner's cost
+    model chose per request, so a cheaper way it can take shows here); absent when a method did
+    not run."""
     sel = {r["method"]: r["ms"] for r in rows
            if (r.get("transport"), r.get("host"), r.get("ids", "random")) == cfg and "ms" in r}
     base = sel.get("vLLM 0.33 direct 8 KiB K||V reads")
     out = {}
     for key, method in (("pull", "kvtriton staged, pull, 1 chunk(s) x 1 in flight"),
                         ("push", "kvtriton staged, push, 1 chunk(s) x 1 in flight"),
-                        ("eager", "kvtriton staged, pull eager, 1 chunk(s) x 1 in flight")):
+                        ("eager", "kvtriton staged, pull eager, 1 chunk(s) x 1 in flight"),
+                        ("auto", "kvtriton auto, pull, 1 chunk(s) x 1 in flight")):
         if base and sel.get(method):
             out[key] = sel[method] / base
     return out
@@ -238,8 +258,8 @@ def _fmt(r: dict, k: str) -> str:
 
 
 def _cell(v) -> str:
-    """A markdown table cell: pipes escaped (method names say K||V)."""
-    return str(v).replace("|", "\\|")
+    """A markdown table cell: pipes escaped (method names say K||V); None (not measured) empty."""
+    return "" if v is None else str(v).replace("|", "\\|")
 
 
 def _table(title: str, sec: list[dict], drop=("section",)) -> list[str]:
@@ -305,8 +325,36 @@ def _e2e_pair_summary(rows: list[dict]) -> list[str]:
                         f"{place / pull:.2f}" if place else "")
                      + (f"; {one} eager / vLLM K||V direct = **{place_eager / packed:.2f}**, / staged eager = "
                         f"{place_eager / eager:.2f}" if place_eager and eager else "")
-                     + (f"; auto / staged pull = {auto / pull:.2f}" if auto else ""))
+                     + (f"; auto (the planner's way) / vLLM K||V direct = **{auto / packed:.2f}**, / staged pull = "
+                        f"{auto / pull:.2f}" if auto else ""))
     return lines + [""]
+
+
+def _grid_ways(rows: list[dict]) -> list[str]:
+    """The ways the grid timed, in the order its rows name them (a ``<way>_ms`` column each): the
+    table follows whatever bench/costgrid.py enumerates, no list of ways here."""
+    skip = {"chosen_ms", "best_ms"}
+    keys = [k for r in rows for k in r if k.endswith("_ms") and k not in skip]
+    return [k[:-3] for k in dict.fromkeys(keys)]
+
+
+def _grid_table(rows: list[dict]) -> list[str]:
+    ways = _grid_ways(rows)
+    head = ["transport", "P->D", "heads/rank", "block", "layout", "B/descriptor", "vLLM descriptors", "chosen",
+            "chosen ms", "best", "best ms", *[f"{w} ms" for w in ways], "chosen/best",
+            "verdict (hit, tie, miss beyond noise)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if "ratio" not in r:
+            lines.append(f"| {r.get('transport')} | failed: {r.get('note', '')[:200]} " + "|" * (len(head) - 1))
+            continue
+        cells = [r["transport"], f"{r['p_tp']}->{r['d_tp']}", r["heads_per_rank"], r["block_size"], r["layout"],
+                 f"{r['bytes_per_descriptor']:,}", f"{r['vllm_descriptors']:,}" if "vllm_descriptors" in r else "",
+                 r["chosen"], _fmt(r, "chosen_ms"), r["best"], _fmt(r, "best_ms"),
+                 *[_fmt(r, f"{w}_ms") for w in ways], f"{r['ratio']:.2f}",
+                 r.get("verdict", r.get("miss_beyond_noise", ""))]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
 
 
 def _costmodel_summary(rows: list[dict]) -> list[str]:
@@ -315,19 +363,9 @@ def _costmodel_summary(rows: list[dict]) -> list[str]:
              "random block ids) through real agents over NIXL in one process, once per feasible mode; `chosen` is "
              "what build_plan picks with the model measured for this host and transport (kvtriton.costmodel). "
              "One-sided: read_unpack (P > D, no pack pass) or pack_place (D > P, no unpack pass), where feasible. "
-             "ms: median [p20-p80].", "",
-             "| transport | P->D | heads/rank | block | layout | B/descriptor | chosen | chosen ms | best | best ms "
-             "| staged ms | direct ms | one-sided ms | chosen/best | verdict (hit, tie, miss beyond noise) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "ratio" not in r:
-            lines.append(f"| {r.get('transport')} | failed: {r.get('note', '')[:200]} ||||||||||||| ")
-            continue
-        lines.append(f"| {r['transport']} | {r['p_tp']}->{r['d_tp']} | {r['heads_per_rank']} | {r['block_size']} | "
-                     f"{r['layout']} | {r['bytes_per_descriptor']:,} | {r['chosen']} | {_fmt(r, 'chosen_ms')} | "
-                     f"{r['best']} | {_fmt(r, 'best_ms')} | {_fmt(r, 'staged_ms')} | {_fmt(r, 'direct_ms')} | "
-                     f"{_fmt(r, 'read_unpack_ms') or _fmt(r, 'pack_place_ms')} | {r['ratio']:.2f} | "
-                     f"{r.get('verdict', r.get('miss_beyond_noise', ''))} |")
+             "vLLM descriptors: NixlConnector's READs for the same request (one per source rank, layer, K/V and "
+             "block). ms: median [p20-p80]; an empty way column: not feasible in that cell.", "",
+             *_grid_table(rows)]
     models = list(dict.fromkeys((r.get("transport"), r.get("note")) for r in rows if "ratio" in r))
     lines += [""] + [f"- {t}: {n}; {summary_line([r for r in rows if r.get('transport') == t])}; "
                      f"{noise_line([r for r in rows if r.get('transport') == t])}" for t, n in models]

@@ -1,5 +1,6 @@
 """The sweep's output format: long-form rows with p20/p50/p80, the cost-model summary line."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -149,3 +150,55 @@ def test_security_cost_rows_get_their_table():
             for v, ms in (("default", 2.0), ("staging", 3.0))]
     text = "\n".join(summary_lines(rows, dict(device="cpu", timestamp="t", command="c", torch="t", git_sha="g")))
     assert "Memory-model options" in text and "| same-layout | staging |" in text and "| 1.5 |" in text
+
+
+def test_peak_memory_counts_the_children_a_bench_starts():
+    """bench/memory.py: a child holding ~300 MB shows in the tree's peak, not in this process's RSS;
+    the largest process is named."""
+    import subprocess
+    import time
+
+    from memory import PeakMemory, tree
+
+    if not Path("/proc/self/statm").exists():
+        pytest.skip("no /proc: the sampler reports 'not measured' there")
+    code = "import sys, time; b = bytearray(300 << 20); b[::4096] = b'x' * len(b[::4096]); print(1, flush=True); " \
+           "time.sleep(30)"
+    with PeakMemory(interval_s=0.05) as mem:
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "1"  # its pages are touched now
+            assert child.pid in tree(os.getpid())
+            deadline = time.monotonic() + 10
+            while mem.samples < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            mem.sample()
+        finally:
+            child.kill()
+            child.wait(timeout=10)
+    fig = mem.figures()
+    assert fig["tree_pss_gb"] >= 0.28 and fig["largest_rss_gb"] >= 0.28, fig
+    assert "python" in fig["largest"] and "-c" in fig["largest"]
+
+
+def test_sweep_reports_sections_over_budget_or_memory_goal(tmp_path):
+    """Each section's own row: wall time against its budget and peak memory; an overrun is said in
+    summary.md (never silent), the --full sweep has no budget."""
+    from report import write_outputs
+    from sweep import BUDGET_S, section_row
+
+    assert sum(BUDGET_S.values()) <= 300  # the default sweep's 5-minute goal, section by section
+    ok = section_row("planning", 1.0, {"tree_pss_gb": 0.3, "largest_rss_gb": 0.3, "largest": "python"}, False)
+    slow = section_row("pd_vllm", BUDGET_S["pd_vllm"] + 30.0, {"tree_pss_gb": 5.0, "largest_rss_gb": 2.0,
+                                                                "largest": "python -m vllm"}, False)
+    full = section_row("pd_vllm", 900.0, {"tree_pss_gb": 1.0, "largest_rss_gb": 1.0, "largest": "x"}, True)
+    assert ok["within"] == "yes" and not ok["note"]
+    assert slow["within"] == "no" and "over its budget by 30 s" in slow["note"] and "4 GB goal" in slow["note"]
+    assert full["budget_s"] is None and full["within"] == "yes"
+    meta = dict(device="cpu", torch="t", git_sha="g", timestamp="ts", command="python bench/sweep.py")
+    write_outputs([ok, slow], tmp_path, meta)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Sections: wall time against budget, peak memory" in summary
+    assert "Sections over budget or memory goal: pd_vllm" in summary
+    assert "| planning | 1.0 | 5 | 0.3 | 0.3 | python |" in summary
+    assert "tree_pss_gb" in (tmp_path / "sweep.csv").read_text()
