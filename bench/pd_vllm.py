@@ -86,7 +86,7 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
         warmup: bool = True, python: str | None = None, log_dir: str | None = None, quiet: bool = False,
         env: dict | None = None, profile: str | None = None, eager: bool = True, staging_mib: int = 0,
         model_kind: str = "llama", concurrent_start: bool = True, model_cache: str | None = None,
-        say=None) -> dict:
+        say=None, before_measure=None, closing: list | None = None) -> dict:
     """Run one P/D configuration; returns a result dict (``rows`` per request, ``ok``, ``recomputed``).
 
     With ``warmup`` a first request (``request`` -1, its own prompt) goes through before the
@@ -97,6 +97,10 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     kvtriton only: ``eager`` names the decode engine as the consumer of the prefill's holds (a
     fixed pairing, ``consumer`` in ConnectorSettings), so the prefill packs each request as soon
     as it finishes; ``staging_mib`` (0: the default) sizes both engines' staging pools.
+    ``before_measure``: called once the engines are up, before the first request (compare: wait
+    for the previous run's engines to be gone). ``closing``: a list; when given, the engines are
+    closed by a thread appended to it (the caller joins it) instead of before returning, so the
+    next run's engines start meanwhile.
     ``say``: where lines go (default print; ``quiet`` keeps only the phases line).
     ``concurrent_start``: both engines start at once, each on its own cores (else the smaller
     first). ``model_cache``: a folder for the made model (default: the log folder), so runs
@@ -158,6 +162,10 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     engines = _start_engines(python, model_dir, connector, env, specs, order, common, concurrent_start, phases)
     phases["engines_s"] = time.time() - t1
     prefill, decode = engines["prefill"], engines["decode"]
+    if before_measure is not None:
+        t1 = time.time()
+        before_measure()
+        phases["wait_previous_s"] = time.time() - t1
     say(f"engines up in {phases['engines_s']:.1f} s (logs in {work})")
     rng = random.Random(11)
     first = -1 if warmup else 0
@@ -212,8 +220,15 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
                 spy.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 spy.kill()
-        _close_all(engines.values())
-        phases["close_s"] = time.time() - t1
+        if closing is None:
+            _close_all(engines.values())
+            phases["close_s"] = time.time() - t1
+        else:  # closed meanwhile: the caller's next engines start as these exit
+            import threading
+
+            closer = threading.Thread(target=_close_all, args=(list(engines.values()),), daemon=True)
+            closer.start()
+            closing.append(closer)
     ok = sum(r["identical"] for r in rows)
     recomputed = sum(max(0, r["prompt_computed"] - 1) for r in rows)
     timed = [r for r in rows if r["request"] >= 0]
@@ -311,18 +326,32 @@ def compare(pairs=PAIRS, *, say=print, **kw) -> list[dict]:
     out = []
     root = Path(kw.pop("log_dir", None) or tempfile.mkdtemp(prefix="pd_vllm-"))
     kw.setdefault("model_cache", str(root))
-    for p_tp, d_tp in pairs:
-        for connector in ("kvtriton", "nixl"):
-            say(f"pd_vllm: {connector} P{p_tp}->D{d_tp} ...")
-            try:
-                res = run(connector, p_tp, d_tp, log_dir=str(root / f"P{p_tp}D{d_tp}-{connector}"), say=say, **kw)
-            except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others
-                res = {"rows": [], "ok": 0, "n": 0, "recomputed": 0, "error": f"{type(e).__name__}: {str(e)[:300]}",
-                       "summary": f"pd_vllm: {connector}: failed ({type(e).__name__}: {str(e)[:200]}); "
-                                  f"P{p_tp}->D{d_tp}"}
-            say(res["summary"])
-            out.append({"connector": connector, "prefill_tp": p_tp, "decode_tp": d_tp, **res})
+    closing: list = []  # each run's engines exit while the next run's start; gone before it measures
+
+    def previous_gone():
+        while closing:
+            closing.pop().join()
+
+    try:
+        for p_tp, d_tp in pairs:
+            for connector in ("kvtriton", "nixl"):
+                out.append(_compare_one(connector, p_tp, d_tp, root, say, kw, previous_gone, closing))
+    finally:
+        previous_gone()
     return out
+
+
+def _compare_one(connector, p_tp, d_tp, root, say, kw, previous_gone, closing) -> dict:
+    """One (connector, pair) of :func:`compare`; a failure becomes a result with no rows."""
+    say(f"pd_vllm: {connector} P{p_tp}->D{d_tp} ...")
+    try:
+        res = run(connector, p_tp, d_tp, log_dir=str(root / f"P{p_tp}D{d_tp}-{connector}"), say=say,
+                  before_measure=previous_gone, closing=closing, **kw)
+    except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others
+        res = {"rows": [], "ok": 0, "n": 0, "recomputed": 0, "error": f"{type(e).__name__}: {str(e)[:300]}",
+               "summary": f"pd_vllm: {connector}: failed ({type(e).__name__}: {str(e)[:200]}); P{p_tp}->D{d_tp}"}
+    say(res["summary"])
+    return {"connector": connector, "prefill_tp": p_tp, "decode_tp": d_tp, **res}
 
 
 def main(argv=None) -> int:

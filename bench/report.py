@@ -200,6 +200,7 @@ def _headline_grid(rows: list[dict]) -> str:
 
 
 def _headline_engines(rows: list[dict]) -> str:
+    rows = [r for r in rows if r.get("model_kind", "llama") == "llama"]  # the other kinds: their own table rows
     if not rows:
         return "not run (no vLLM test bed, or not asked)"
     out = []
@@ -430,9 +431,11 @@ def _pd_vllm_summary(rows: list[dict]) -> list[str]:
              "first use) is a warm-up, shown on its own. Descriptors = READs the decode ranks posted per request.",
              ""]
     results = []
-    for key in dict.fromkeys((r["connector"], r["prefill_tp"], r["decode_tp"]) for r in rows):
-        sel = [r for r in rows if (r["connector"], r["prefill_tp"], r["decode_tp"]) == key]
-        results.append({"connector": key[0], "prefill_tp": key[1], "decode_tp": key[2], "summary": sel[0]["summary"],
+    key_of = lambda r: (r["connector"], r["prefill_tp"], r["decode_tp"], r.get("model_kind", "llama"))  # noqa: E731
+    for key in dict.fromkeys(key_of(r) for r in rows):
+        sel = [r for r in rows if key_of(r) == key]
+        results.append({"connector": key[0], "prefill_tp": key[1], "decode_tp": key[2], "model_kind": key[3],
+                        "summary": sel[0]["summary"],
                         "rows": [r for r in sel if "ttft_ms" in r],
                         "ok": sum(bool(r.get("identical")) for r in sel), "n": sum("ttft_ms" in r for r in sel)})
     lines += pd_vllm_table(results)
@@ -519,15 +522,15 @@ def pd_vllm_table(results: list[dict]) -> list[str]:
     """Markdown rows: per pair and connector, medians over the measured requests (warm-up left
     out, shown on its own), and ours/theirs for time to KV loaded and time to first decode token."""
     lines = ["| P->D | connector | requests identical | KV loaded (ms) | KV ready at scheduler (ms) "
-             "| first decode token (ms) | warm-up KV loaded (ms) | descriptors per request | ours/theirs KV loaded "
-             "| ours/theirs first token |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| first decode token (ms) | warm-up KV loaded (ms) | descriptors per request | KV bytes per request "
+             "| ours/theirs KV loaded | ours/theirs first token |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     by = {(r["prefill_tp"], r["decode_tp"], r["connector"], r.get("model_kind", "llama")): r for r in results}
     for (p, d, c, model), r in by.items():
         pd = f"{p}->{d}" if model == "llama" else f"{p}->{d} {model}"
         timed = [x for x in r["rows"] if x["request"] >= 0]
         warm = [x for x in r["rows"] if x["request"] < 0]
         if not timed:
-            lines.append(f"| {pd} | {c} | failed: {r.get('error', '')[:80]} ||||||||")
+            lines.append(f"| {pd} | {c} | failed: {r.get('error', '')[:80]} |||||||||")
             continue
         med = lambda k, rows=timed: median_known([x[k] for x in rows])  # noqa: E731
         ratio_kv = ratio_tt = ""
@@ -538,10 +541,13 @@ def pd_vllm_table(results: list[dict]) -> list[str]:
             ratio_kv = f"{a / b:.2f}" if a and b else "n/a"
             ratio_tt = f"{med('ttft_ms') / median_known([x['ttft_ms'] for x in t_rows]):.2f}"
         desc = median_known([x["descriptors"] for x in timed])
+        kv_bytes = median_known([x.get("kv_bytes") or None for x in timed])  # 0: the connector counts none
+        kv_bytes = "n/a" if kv_bytes is None else f"{int(kv_bytes):,}"
         lines.append(f"| {pd} | {c} | {r['ok']}/{r['n']} | {fmt_ms(med('kv_loaded_ms'))} | "
                      f"{fmt_ms(med('kv_ready_ms'))} | {fmt_ms(med('ttft_ms'))} | "
                      f"{fmt_ms(warm[0]['kv_loaded_ms']) if warm else 'n/a'} | "
-                     f"{'n/a' if desc is None else int(desc)} | {ratio_kv} | {ratio_tt} |")
+                     f"{'n/a' if desc is None else int(desc)} | {kv_bytes} | "
+                     f"{ratio_kv} | {ratio_tt} |")
     return lines
 
 

@@ -202,3 +202,58 @@ def test_sweep_reports_sections_over_budget_or_memory_goal(tmp_path):
     assert "Sections over budget or memory goal: pd_vllm" in summary
     assert "| planning | 1.0 | 5 | 0.3 | 0.3 | python |" in summary
     assert "tree_pss_gb" in (tmp_path / "sweep.csv").read_text()
+
+
+def test_pd_vllm_rows_keep_model_kinds_apart(tmp_path):
+    """A deepseek row at the same pair as the llama one gets its own table line (with bytes per
+    request); the headline's ratio reads the llama rows only."""
+    from report import headline_lines, summary_lines
+
+    def row(connector, kind, ms, desc, nbytes):
+        return dict(section="pd_vllm", connector=connector, prefill_tp=2, decode_tp=1, pd_size="small",
+                    model_kind=kind, request=0, ttft_ms=2 * ms, kv_loaded_ms=ms, kv_ready_ms=ms, descriptors=desc,
+                    kv_bytes=nbytes, identical=True, summary=f"pd_vllm: {connector}: {kind}")
+
+    rows = [row("kvtriton", "llama", 10.0, 2, 1000), row("nixl", "llama", 20.0, 44, 0),
+            row("kvtriton", "deepseek", 90.0, 4, 5000), row("nixl", "deepseek", 30.0, 42, 0)]
+    meta = dict(device="cpu", torch="t", git_sha="g", timestamp="ts", command="c")
+    text = "\n".join(summary_lines(rows, meta))
+    assert "| 2->1 | kvtriton | 1/1 | 10.0 |" in text and "| 2->1 deepseek | kvtriton | 1/1 | 90.0 |" in text
+    assert "| 2 | 1,000 | 0.50 |" in text and "| 4 | 5,000 | 3.00 |" in text  # descriptors, bytes, ours/theirs
+    assert "| 44 | n/a |" in text  # NixlConnector's byte count is not reported: n/a, not 0
+    assert "P2->D1 0.50x" in headline_lines(rows, meta)[3]
+
+
+def test_pd_vllm_compare_starts_the_next_engines_while_the_last_close(monkeypatch, tmp_path):
+    """compare(): each run's engines close in the background while the next run's start, and are
+    gone (their closer joined) before the next run measures; one model folder for all runs."""
+    import threading
+    import time
+
+    import pd_vllm
+
+    events, closed = [], threading.Event()
+
+    def fake_run(connector, p_tp, d_tp, *, before_measure, closing, model_cache, log_dir, say, **kw):
+        events.append(("start", connector, model_cache))
+        before_measure()
+        events.append(("measure", connector, closed.is_set() or connector == "kvtriton"))
+        if connector == "nixl":
+            raise RuntimeError("handshake refused")  # a failing run is a result with no rows, not an abort
+
+        def close():
+            time.sleep(0.3)  # engines take a while to exit: a measure that did not wait would see them
+            events.append(("closing", connector))
+            closed.set()
+
+        t = threading.Thread(target=close)
+        t.start()
+        closing.append(t)
+        return {"rows": [], "ok": 0, "n": 0, "recomputed": 0, "summary": f"pd_vllm: {connector}: ok"}
+
+    monkeypatch.setattr(pd_vllm, "run", fake_run)
+    out = pd_vllm.compare(((2, 1),), say=lambda *a: None, log_dir=str(tmp_path))
+    assert [(r["connector"], r["prefill_tp"], r["decode_tp"]) for r in out] == [("kvtriton", 2, 1), ("nixl", 2, 1)]
+    assert "failed (RuntimeError: handshake refused)" in out[1]["summary"]
+    assert ("measure", "nixl", True) in events  # kvtriton's engines were closed before nixl measured
+    assert {e[2] for e in events if e[0] == "start"} == {str(tmp_path)}
