@@ -250,6 +250,7 @@ def run_cells(quick, transport: str, group: tuple | None = None, cost_file: str 
                 a.close()
         times = {m: quantiles_of(v) for m, v in samples.items()}
         best, ratio, verdict = judge(times, chosen)
+        paired = paired_ratios(samples, chosen, best)
         tile = bs * h * 128 * 2
         # vLLM NixlConnector's count for the same request: one READ per (source rank, layer, K/V, block)
         # (K and V are separate streams in these caches; bench/baselines.py)
@@ -260,6 +261,10 @@ def run_cells(quick, transport: str, group: tuple | None = None, cost_file: str 
         for m, q in times.items():
             row.update(qfields(f"{m}_ms", q, 3))
         row["ratio"] = round(ratio, 3)
+        # the same comparison round by round (both ways timed back to back in each): load that hits a
+        # whole round cancels; p20 > 1 means the chosen way lost in at least 80% of the rounds
+        row.update(qfields("paired_ratio", quantiles_of(paired), 3))
+        row["peak_rss_gb"] = round(_peak_rss_bytes() / (1 << 30), 2)  # this group's process so far
         row["runs"] = min(len(v) for v in samples.values())
         row["verdict"] = verdict
         row["miss_beyond_noise"] = "yes" if verdict == "miss" else "no"
@@ -338,6 +343,19 @@ def sample_interleaved(fetches: dict, reps: int, extra: int = 0) -> dict[str, li
             samples[m].append(quantiles_ms(fs[k % len(fs)], 1, warmup=0)[1])
         k += 1
     return samples
+
+
+def paired_ratios(samples: dict[str, list[float]], chosen: str, best: str) -> list[float]:
+    """chosen/best per round: :func:`sample_interleaved` runs every mode once per round, so the
+    i-th samples of two modes were taken moments apart (alike in whatever load the host had)."""
+    return [c / b for c, b in zip(samples[chosen], samples[best])]
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak RSS (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _overlap(samples: dict[str, list[float]]) -> bool:

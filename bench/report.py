@@ -377,7 +377,8 @@ def _costmodel_summary(rows: list[dict]) -> list[str]:
               "p80): a coin toss near the crossover that this run cannot call; miss = slower beyond that spread, "
               "what a better model could fix. The last line is the median-based ratio over every cell regardless.",
               ""]
-    return lines + [noise_line(rows), "", tie_line(rows), "", summary_line(rows), ""]
+    return lines + [noise_line(rows), "", tie_line(rows), "", paired_line(rows), "", rss_line(rows), "",
+                    summary_line(rows), ""]
 
 
 def plot_descriptors(desc: list[dict], path: Path) -> None:
@@ -454,6 +455,29 @@ def tie_line(rows: list[dict]) -> str:
     ties = sum(x.get("verdict") == "tie" for x in r)
     return (f"cost model, ties (p20-p80 spreads overlap) counted 1.00: chosen/best worst {max(adj):.2f}, "
             f"median {float(np.median(adj)):.2f} over {len(r)} cells ({ties} ties)")
+
+
+def paired_line(rows: list[dict]) -> str:
+    """The verdict from same-round pairs (bench/costgrid.py paired_ratios): chosen/best per round,
+    medians over cells, and the cells whose chosen way lost in at least 80% of rounds (p20 > 1)."""
+    r = [x for x in rows if "paired_ratio" in x]
+    if not r:
+        return "cost model, same-round pairs: not measured"
+    lost = [x for x in r if x["paired_ratio_p20"] > 1.0]
+    cells = ", ".join(f"{x['transport']} P{x['p_tp']}->D{x['d_tp']} h{x['heads_per_rank']} b{x['block_size']} "
+                      f"{x['layout']} ({x['chosen']} vs {x['best']}, {x['paired_ratio']:.2f})" for x in lost)
+    return (f"cost model, same-round pairs (chosen/best in each interleaved round): worst median "
+            f"{max(x['paired_ratio'] for x in r):.2f}, median {float(np.median([x['paired_ratio'] for x in r])):.2f} "
+            f"over {len(r)} cells; chosen slower in >= 80% of rounds: {len(lost)}" + (f" ({cells})" if cells else ""))
+
+
+def rss_line(rows: list[dict]) -> str:
+    r = [x for x in rows if x.get("peak_rss_gb") is not None]
+    if not r:
+        return "cost model, peak RSS of a group process: not measured"
+    top = max(r, key=lambda x: x["peak_rss_gb"])
+    return (f"cost model, peak RSS of a group process (each group of cells in its own): {top['peak_rss_gb']:.2f} GB "
+            f"(P{top['p_tp']}->D{top['d_tp']} h{top['heads_per_rank']} b{top['block_size']}, {top['transport']})")
 
 
 def noise_line(rows: list[dict]) -> str:

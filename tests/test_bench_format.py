@@ -257,3 +257,23 @@ def test_pd_vllm_compare_starts_the_next_engines_while_the_last_close(monkeypatc
     assert "failed (RuntimeError: handshake refused)" in out[1]["summary"]
     assert ("measure", "nixl", True) in events  # kvtriton's engines were closed before nixl measured
     assert {e[2] for e in events if e[0] == "start"} == {str(tmp_path)}
+
+
+def test_costgrid_paired_ratios_cancel_load_shared_by_a_round():
+    """Two ways timed back to back per round: a load burst that slows a whole round cancels in the
+    same-round ratio; the paired line names a cell whose chosen way lost in >= 80% of rounds."""
+    from costgrid import paired_ratios
+    from report import paired_line, rss_line
+
+    load = [1.0, 3.0, 1.0, 5.0, 1.0, 2.0]  # the host's slowdown in each round
+    samples = {"staged": [1.1 * x for x in load], "direct": [1.0 * x for x in load]}
+    assert paired_ratios(samples, "staged", "direct") == pytest.approx([1.1] * 6)
+    cell = dict(transport="shm", p_tp=4, d_tp=2, heads_per_rank=4, block_size=16, layout="HND", chosen="staged",
+                best="direct", ratio=1.3, paired_ratio=1.1, paired_ratio_p20=1.05, paired_ratio_p80=1.2,
+                peak_rss_gb=0.8)
+    even = dict(cell, chosen="direct", paired_ratio=1.0, paired_ratio_p20=0.9, paired_ratio_p80=1.1, peak_rss_gb=1.5,
+                block_size=128)
+    line = paired_line([cell, even])
+    assert "worst median 1.10, median 1.05 over 2 cells; chosen slower in >= 80% of rounds: 1" in line
+    assert "(shm P4->D2 h4 b16 HND (staged vs direct, 1.10))" in line
+    assert "1.50 GB (P4->D2 h4 b128, shm)" in rss_line([cell, even])
