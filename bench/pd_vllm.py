@@ -85,7 +85,7 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
         hidden: int | None = None, block_size: int = 32, prompts: int = 4, prompt_len: int = 333, max_tokens: int = 8,
         warmup: bool = True, python: str | None = None, log_dir: str | None = None, quiet: bool = False,
         env: dict | None = None, profile: str | None = None, eager: bool = True, staging_mib: int = 0,
-        model_kind: str = "llama", concurrent_start: bool = True, model_cache: str | None = None,
+        model_kind: str = "llama", concurrent_start: bool | None = None, model_cache: str | None = None,
         say=None, before_measure=None, closing: list | None = None) -> dict:
     """Run one P/D configuration; returns a result dict (``rows`` per request, ``ok``, ``recomputed``).
 
@@ -102,9 +102,10 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     closed by a thread appended to it (the caller joins it) instead of before returning, so the
     next run's engines start meanwhile.
     ``say``: where lines go (default print; ``quiet`` keeps only the phases line).
-    ``concurrent_start``: both engines start at once, each on its own cores (else the smaller
-    first). ``model_cache``: a folder for the made model (default: the log folder), so runs
-    sharing it make the model once.
+    ``concurrent_start``: both engines start at once, each on its own cores; False: one after
+    the other, the one with more ranks first; None (default): at once for kvtriton, one after the
+    other for NixlConnector (see :func:`_start_order`). ``model_cache``: a folder for the made
+    model (default: the log folder), so runs sharing it make the model once.
     ``model_kind``: ``llama`` (GQA, the shape above), ``deepseek`` (a DeepSeek-V2 with ``layers``
     MLA layers at latent 576; block 16) or ``llama+mla-draft`` (the Llama with an Eagle-3 MLA
     draft in its KV cache group, 2 speculative tokens; block 16)."""
@@ -150,16 +151,13 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     phases["model_s"] = time.time() - t0
     t1 = time.time()
     # each engine on its own cores (engine_cpus): sharing a core with the other engine's spinning
-    # ranks stalled the prefill for tens of seconds on a 2-core host. On their own cores the two
-    # start at once (start-up is most of this bench's time: ~40-60 s an engine on 2 busy cores);
-    # ``concurrent_start=False`` starts the smaller first, as before (NixlConnector's progress
-    # threads busy-poll once its agent exists and starve a start that shares their core)
+    # ranks stalled the prefill for tens of seconds on a 2-core host
     specs = {"prefill": dict(tp=prefill_tp, role="kv_producer", port=free_port_range(prefill_tp), extra=p_extra,
                              cpus=engine_cpus(prefill_tp, 0)),
              "decode": dict(tp=decode_tp, role="kv_consumer", port=free_port_range(1), extra=d_extra,
                             cpus=engine_cpus(decode_tp, 1))}
-    order = sorted(specs, key=lambda n: (specs[n]["tp"], n != "decode"))
-    engines = _start_engines(python, model_dir, connector, env, specs, order, common, concurrent_start, phases)
+    order, concurrent = _start_order(connector, specs, concurrent_start)
+    engines = _start_engines(python, model_dir, connector, env, specs, order, common, concurrent, phases)
     phases["engines_s"] = time.time() - t1
     prefill, decode = engines["prefill"], engines["decode"]
     if before_measure is not None:
@@ -242,6 +240,19 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
             "summary": f"pd_vllm: {connector}: {ok}/{len(rows)} requests token-identical to one engine; "
                        f"prompt tokens recomputed on decode: {recomputed}; P{prefill_tp}->D{decode_tp}"
                        + ("" if model_kind == "llama" else f"; model {model_kind}")}
+
+
+def _start_order(connector: str, specs: dict, concurrent: bool | None) -> tuple[list[str], bool]:
+    """(engine names in start order, start them at once?). Start-up is most of this bench's time
+    (30-60 s an engine on 2 busy cores, most of it a TP engine spawning its worker processes).
+    kvtriton's agents wait on sockets, so both engines start at once (measured P2->D1: 44 s for both
+    against 16 + 44 one after the other). NixlConnector's NIXL progress thread busy-polls from the
+    moment its agent exists and is not bound to its engine's cores: a decode up first starved the
+    prefill's TP workers' start from 25 s to 61 s (both runs of 2026-12-01, logs timed), so its
+    engines start one after the other, the one with more ranks (the worker processes) first."""
+    if concurrent is None:
+        concurrent = connector == "kvtriton"
+    return sorted(specs, key=lambda n: (-specs[n]["tp"], n != "prefill")), concurrent
 
 
 def _start_engines(python, model_dir, connector, env, specs, order, common, concurrent, phases) -> dict:
@@ -371,8 +382,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-warmup", action="store_true", help="no unmeasured first request")
     ap.add_argument("--no-eager", action="store_true", help="kvtriton: no consumer named, packs wait for the pull")
     ap.add_argument("--staging-mib", type=int, default=0, help="kvtriton: staging pool per rank (0: default)")
-    ap.add_argument("--sequential-start", action="store_true",
-                    help="start the engines one after the other (default: both at once, each on its own cores)")
+    ap.add_argument("--start", choices=["auto", "concurrent", "sequential"], default="auto",
+                    help="engine start-up: both at once or one after the other (auto: at once for kvtriton, "
+                         "sequential for NixlConnector, whose progress threads starve a start next to them)")
     ap.add_argument("--profile", help="folder for py-spy samples of both engines over the measured requests")
     ap.add_argument("--debug", action="store_true", help="KVTRITON_DEBUG=1 in the engines (control messages logged)")
     ap.add_argument("--block-size", type=int, default=32, help="the CPU build needs a multiple of 32")
@@ -385,7 +397,7 @@ def main(argv=None) -> int:
               block_size=args.block_size, prompts=args.prompts, prompt_len=args.prompt_len,
               max_tokens=args.max_tokens, warmup=not args.no_warmup, profile=args.profile,
               eager=not args.no_eager, staging_mib=args.staging_mib, model_kind=args.model,
-              concurrent_start=not args.sequential_start,
+              concurrent_start={"auto": None, "concurrent": True, "sequential": False}[args.start],
               env={"KVTRITON_DEBUG": "1"} if args.debug else None)
     if args.connector == "both":
         pairs = tuple(tuple(int(x) for x in pd.split(":")) for pd in args.pairs.split(","))

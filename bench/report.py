@@ -155,8 +155,9 @@ def _headline_descriptors(desc: list[dict]) -> str:
 def e2e_ratios(rows: list[dict], cfg: tuple) -> dict[str, float]:
     """Same-run ratios of one e2e (transport, host, ids) configuration against vLLM K||V direct
     reads: ``pull``, ``push``, ``eager``, and ``auto`` (nothing forced: the way the planner's cost
-    model chose per request, so a cheaper way it can take shows here); absent when a method did
-    not run."""
+    model chose per request, so a cheaper way it can take shows here), from the NHD source and
+    from an HND one (vLLM's own layout, where a head slice of a block is contiguous); absent when
+    a method did not run."""
     sel = {r["method"]: r["ms"] for r in rows
            if (r.get("transport"), r.get("host"), r.get("ids", "random")) == cfg and "ms" in r}
     base = sel.get("vLLM 0.33 direct 8 KiB K||V reads")
@@ -164,7 +165,8 @@ def e2e_ratios(rows: list[dict], cfg: tuple) -> dict[str, float]:
     for key, method in (("pull", "kvtriton staged, pull, 1 chunk(s) x 1 in flight"),
                         ("push", "kvtriton staged, push, 1 chunk(s) x 1 in flight"),
                         ("eager", "kvtriton staged, pull eager, 1 chunk(s) x 1 in flight"),
-                        ("auto", "kvtriton auto, pull, 1 chunk(s) x 1 in flight")):
+                        ("auto", "kvtriton auto, pull, 1 chunk(s) x 1 in flight"),
+                        ("auto HND source", "kvtriton auto, pull, 1 chunk(s) x 1 in flight, HND source")):
         if base and sel.get(method):
             out[key] = sel[method] / base
     return out
@@ -305,6 +307,7 @@ def _e2e_pair_summary(rows: list[dict]) -> list[str]:
             sel.get("kvtriton read_unpack, pull eager, 1 chunk(s) x 1 in flight")
         one = "pack_place" if "kvtriton pack_place, pull, 1 chunk(s) x 1 in flight" in sel else "read_unpack"
         auto = sel.get("kvtriton auto, pull, 1 chunk(s) x 1 in flight")
+        auto_hnd = sel.get("kvtriton auto, pull, 1 chunk(s) x 1 in flight, HND source")
         pull = sel.get("kvtriton staged, pull, 1 chunk(s) x 1 in flight")
         push = sel.get("kvtriton staged, push, 1 chunk(s) x 1 in flight")
         eager = sel.get("kvtriton staged, pull eager, 1 chunk(s) x 1 in flight")
@@ -327,7 +330,9 @@ def _e2e_pair_summary(rows: list[dict]) -> list[str]:
                      + (f"; {one} eager / vLLM K||V direct = **{place_eager / packed:.2f}**, / staged eager = "
                         f"{place_eager / eager:.2f}" if place_eager and eager else "")
                      + (f"; auto (the planner's way) / vLLM K||V direct = **{auto / packed:.2f}**, / staged pull = "
-                        f"{auto / pull:.2f}" if auto else ""))
+                        f"{auto / pull:.2f}" if auto else "")
+                     + (f"; auto from an HND source / vLLM K||V direct = **{auto_hnd / packed:.2f}**"
+                        if auto_hnd else ""))
     return lines + [""]
 
 

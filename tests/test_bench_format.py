@@ -277,3 +277,16 @@ def test_costgrid_paired_ratios_cancel_load_shared_by_a_round():
     assert "worst median 1.10, median 1.05 over 2 cells; chosen slower in >= 80% of rounds: 1" in line
     assert "(shm P4->D2 h4 b16 HND (staged vs direct, 1.10))" in line
     assert "1.50 GB (P4->D2 h4 b128, shm)" in rss_line([cell, even])
+
+
+def test_pd_vllm_start_order():
+    """kvtriton's engines start at once; NixlConnector's one after the other, more ranks first
+    (its busy-polling progress thread would starve a TP engine spawning its workers next to it)."""
+    from pd_vllm import _start_order
+
+    p2d1 = {"prefill": {"tp": 2}, "decode": {"tp": 1}}
+    p1d2 = {"prefill": {"tp": 1}, "decode": {"tp": 2}}
+    assert _start_order("kvtriton", p2d1, None) == (["prefill", "decode"], True)
+    assert _start_order("nixl", p2d1, None) == (["prefill", "decode"], False)
+    assert _start_order("nixl", p1d2, None) == (["decode", "prefill"], False)
+    assert _start_order("nixl", p1d2, True)[1] is True and _start_order("kvtriton", p2d1, False)[1] is False
