@@ -39,6 +39,13 @@ load run; pd_vllm on the 2-layer toy model at P2->D1); ``--full`` runs today's f
 e2e configuration, both grid transports, the 256-request load, pd_vllm scaled at P2->D1 and
 P1->D2). Each section shows a progress bar (tqdm) on stderr.
 
+Each section has a budget in the default sweep (:data:`BUDGET_S`, 300 s in all) and its process
+tree's peak memory is sampled (bench/memory.py: PSS summed over the processes it started, and the
+largest process's RSS; goal <= 4 GB): summary.md's section table shows both and names any section
+over its budget or the memory goal (it still runs to the end: its rows are kept). ``descriptors``
+also plans one request per pd_vllm model kind (llama, deepseek, llama+mla-draft: ours against
+NixlConnector's count, no engines); ``pd_vllm --full`` runs the MLA kinds on engines too.
+
 Writes ``bench/results/sweep.csv`` in long form (one row per measured quantity: the row's
 parameters, ``metric``, ``unit``, and its ``p20``/``p50``/``p80``; counts have three equal
 quantiles), ``summary.md`` (a five-line headline first) and ``descriptors.png`` (all written by
