@@ -3,7 +3,7 @@
 Why sample: ``resource.getrusage`` gives the peak of this process and of the single largest
 child it waited for, not what the process tree held at once (the quick cost-model grid once
 peaked at 10 GB across its group processes; a pd_vllm run holds two engines and their TP workers).
-A background thread walks ``/proc`` every ``interval_s`` and keeps, over the sampled moments:
+A sampler process walks ``/proc`` every ``interval_s`` and keeps, over the sampled moments:
 
 * ``tree_pss_gb``: the sum over this process and its descendants of PSS (proportional set
   size, ``/proc/<pid>/smaps_rollup``: a page shared by n processes counts 1/n in each, so the
@@ -18,8 +18,10 @@ anything that holds its memory for longer than a sample (every bench here).
 
 from __future__ import annotations
 
+import json
 import os
-import threading
+import subprocess
+import sys
 from pathlib import Path
 
 GB = 1 << 30
@@ -40,12 +42,14 @@ def _children_map(proc: Path) -> dict[int, list[int]]:
     return kids
 
 
-def tree(root: int, proc: Path = Path("/proc")) -> list[int]:
-    """``root`` and every descendant now."""
+def tree(root: int, proc: Path = Path("/proc"), skip: int | None = None) -> list[int]:
+    """``root`` and every descendant now (``skip`` and its descendants left out)."""
     kids = _children_map(proc)
     out, todo = [], [root]
     while todo:
         pid = todo.pop()
+        if pid == skip:
+            continue
         out.append(pid)
         todo += kids.get(pid, [])
     return out
@@ -84,19 +88,23 @@ def _command(pid: int, proc: Path = Path("/proc")) -> str:
 
 class PeakMemory:
     """``with PeakMemory() as m: ...``; then ``m.figures()``. Samples the tree of ``root`` (this
-    process by default) every ``interval_s`` from a daemon thread, and once more on exit."""
+    process by default) every ``interval_s`` from a sampler process of its own (``python
+    bench/memory.py``): a thread here would hold this process's GIL for the ~30 ms a walk of
+    /proc takes on a busy host, in the middle of the in-process benchmarks it measures. The sampler
+    leaves itself out of the tree and samples once more when told to stop."""
 
-    def __init__(self, interval_s: float = 0.5, root: int | None = None, proc: Path = Path("/proc")):
+    def __init__(self, interval_s: float = 1.0, root: int | None = None, proc: Path = Path("/proc")):
         self.interval_s, self.root, self.proc = interval_s, root or os.getpid(), proc
         self.tree_pss = 0
         self.largest_rss, self.largest = 0, ""
         self.samples = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._sampler: subprocess.Popen | None = None
+        self._figures: dict | None = None
 
-    def sample(self) -> None:
+    def sample(self, skip: int | None = None) -> None:
+        """One walk of the tree now (``skip``: a pid left out with its descendants)."""
         total, big, who = 0, 0, 0
-        for pid in tree(self.root, self.proc):
+        for pid in tree(self.root, self.proc, skip):
             mem = process_memory(pid, self.proc)
             if mem is None:
                 continue
@@ -108,29 +116,50 @@ class PeakMemory:
         if big > self.largest_rss:
             self.largest_rss, self.largest = big, _command(who, self.proc)
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.sample()
-            except OSError:  # /proc raced with an exiting process: the next sample sees the rest
-                pass
-
     def __enter__(self) -> PeakMemory:
         if self.proc.is_dir():
-            self.sample()
-            self._thread = threading.Thread(target=self._loop, name="peak-memory", daemon=True)
-            self._thread.start()
+            self._sampler = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), str(self.root), str(self.interval_s), str(self.proc)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self.sample()
+        if self._sampler is None:
+            return
+        try:
+            out, _ = self._sampler.communicate("", timeout=60)  # stdin closed: last sample, figures, exit
+            self._figures = json.loads(out.strip().splitlines()[-1])
+        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            self._sampler.kill()
+            self._sampler.wait(timeout=10)
+            self._figures = {"tree_pss_gb": None, "largest_rss_gb": None, "largest": "sampler failed"}
 
     def figures(self) -> dict:
         """``tree_pss_gb``, ``largest_rss_gb`` (None without /proc), ``largest`` (its command)."""
+        if self._figures is not None:
+            return self._figures
         if not self.samples:
             return {"tree_pss_gb": None, "largest_rss_gb": None, "largest": "no /proc: not measured"}
         return {"tree_pss_gb": round(self.tree_pss / GB, 2), "largest_rss_gb": round(self.largest_rss / GB, 2),
                 "largest": self.largest}
+
+
+def _sampler_main(root: int, interval_s: float, proc: str) -> None:
+    """The sampler process: sample every ``interval_s`` until stdin closes, then print the figures."""
+    import select
+
+    m = PeakMemory(interval_s, root, Path(proc))
+    while True:
+        try:
+            m.sample(skip=os.getpid())
+        except OSError:  # /proc raced with an exiting process: the next sample sees the rest
+            pass
+        ready, _, _ = select.select([sys.stdin], [], [], interval_s)
+        if ready and not sys.stdin.read(1):
+            break
+    m.sample(skip=os.getpid())
+    print(json.dumps(m.figures()), flush=True)
+
+
+if __name__ == "__main__":
+    _sampler_main(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3])

@@ -153,8 +153,8 @@ def test_security_cost_rows_get_their_table():
 
 
 def test_peak_memory_counts_the_children_a_bench_starts():
-    """bench/memory.py: a child holding ~300 MB shows in the tree's peak, not in this process's RSS;
-    the largest process is named."""
+    """bench/memory.py: a child holding ~300 MB shows in the tree's peak (sampled by a process of
+    its own, which leaves itself out), not in this process's RSS; the largest process is named."""
     import subprocess
     import time
 
@@ -164,15 +164,12 @@ def test_peak_memory_counts_the_children_a_bench_starts():
         pytest.skip("no /proc: the sampler reports 'not measured' there")
     code = "import sys, time; b = bytearray(300 << 20); b[::4096] = b'x' * len(b[::4096]); print(1, flush=True); " \
            "time.sleep(30)"
-    with PeakMemory(interval_s=0.05) as mem:
+    with PeakMemory(interval_s=0.1) as mem:
         child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         try:
             assert child.stdout.readline().strip() == "1"  # its pages are touched now
             assert child.pid in tree(os.getpid())
-            deadline = time.monotonic() + 10
-            while mem.samples < 3 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            mem.sample()
+            time.sleep(0.6)  # several samples while it holds them
         finally:
             child.kill()
             child.wait(timeout=10)
