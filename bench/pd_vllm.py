@@ -102,10 +102,10 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     closed by a thread appended to it (the caller joins it) instead of before returning, so the
     next run's engines start meanwhile.
     ``say``: where lines go (default print; ``quiet`` keeps only the phases line).
-    ``concurrent_start``: both engines start at once, each on its own cores; False: one after
-    the other, the one with more ranks first; None (default): at once for kvtriton, one after the
-    other for NixlConnector (see :func:`_start_order`). ``model_cache``: a folder for the made
-    model (default: the log folder), so runs sharing it make the model once.
+    ``concurrent_start``: both engines start at once, each on its own cores (None, the default,
+    and True); False: one after the other, the one with more ranks first (see
+    :func:`_start_order`). ``model_cache``: a folder for the made model (default: the log
+    folder), so runs sharing it make the model once.
     ``model_kind``: ``llama`` (GQA, the shape above), ``deepseek`` (a DeepSeek-V2 with ``layers``
     MLA layers at latent 576; block 16) or ``llama+mla-draft`` (the Llama with an Eagle-3 MLA
     draft in its KV cache group, 2 speculative tokens; block 16)."""
@@ -244,14 +244,15 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
 
 def _start_order(connector: str, specs: dict, concurrent: bool | None) -> tuple[list[str], bool]:
     """(engine names in start order, start them at once?). Start-up is most of this bench's time
-    (30-60 s an engine on 2 busy cores, most of it a TP engine spawning its worker processes).
-    kvtriton's agents wait on sockets, so both engines start at once (measured P2->D1: 44 s for both
-    against 16 + 44 one after the other). NixlConnector's NIXL progress thread busy-polls from the
-    moment its agent exists and is not bound to its engine's cores: a decode up first starved the
-    prefill's TP workers' start from 25 s to 61 s (both runs of 2026-12-01, logs timed), so its
-    engines start one after the other, the one with more ranks (the worker processes) first."""
+    (30-60 s an engine on 2 busy cores, most of it a TP engine spawning its worker processes), so
+    by default both engines start at once, each on its own cores (kvtriton P2->D1: 44 s for both
+    against 16 + 44 one after the other). NixlConnector's progress thread busy-polls from the moment
+    its agent exists and slowed a concurrent TP prefill's worker start (25 -> 61 s), but starting its
+    engines one after the other (``concurrent=False``, more ranks first) left the prefill's first
+    generate unanswered for 300 s in both runs that tried it (2026-12-01, host load 30-50), while
+    every concurrent start ran: concurrent it is, for both connectors, until that is understood."""
     if concurrent is None:
-        concurrent = connector == "kvtriton"
+        concurrent = True
     return sorted(specs, key=lambda n: (-specs[n]["tp"], n != "prefill")), concurrent
 
 
@@ -383,8 +384,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-eager", action="store_true", help="kvtriton: no consumer named, packs wait for the pull")
     ap.add_argument("--staging-mib", type=int, default=0, help="kvtriton: staging pool per rank (0: default)")
     ap.add_argument("--start", choices=["auto", "concurrent", "sequential"], default="auto",
-                    help="engine start-up: both at once or one after the other (auto: at once for kvtriton, "
-                         "sequential for NixlConnector, whose progress threads starve a start next to them)")
+                    help="engine start-up: both at once (auto, concurrent) or one after the other, more ranks first")
     ap.add_argument("--profile", help="folder for py-spy samples of both engines over the measured requests")
     ap.add_argument("--debug", action="store_true", help="KVTRITON_DEBUG=1 in the engines (control messages logged)")
     ap.add_argument("--block-size", type=int, default=32, help="the CPU build needs a multiple of 32")

@@ -277,13 +277,13 @@ def test_costgrid_paired_ratios_cancel_load_shared_by_a_round():
 
 
 def test_pd_vllm_start_order():
-    """kvtriton's engines start at once; NixlConnector's one after the other, more ranks first
-    (its busy-polling progress thread would starve a TP engine spawning its workers next to it)."""
+    """Both connectors' engines start at once by default; one after the other on request, more
+    ranks (the TP engine spawning workers) first."""
     from pd_vllm import _start_order
 
     p2d1 = {"prefill": {"tp": 2}, "decode": {"tp": 1}}
     p1d2 = {"prefill": {"tp": 1}, "decode": {"tp": 2}}
     assert _start_order("kvtriton", p2d1, None) == (["prefill", "decode"], True)
-    assert _start_order("nixl", p2d1, None) == (["prefill", "decode"], False)
-    assert _start_order("nixl", p1d2, None) == (["decode", "prefill"], False)
-    assert _start_order("nixl", p1d2, True)[1] is True and _start_order("kvtriton", p2d1, False)[1] is False
+    assert _start_order("nixl", p2d1, None) == (["prefill", "decode"], True)
+    assert _start_order("nixl", p1d2, False) == (["decode", "prefill"], False)
+    assert _start_order("kvtriton", p2d1, False)[1] is False
