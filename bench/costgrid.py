@@ -45,11 +45,23 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baselines import vllm_direct_descriptor_count  # noqa: E402  bench/baselines.py
 from report import summary_line  # noqa: E402  bench/report.py
 from timing import qfields, quantiles_ms, quantiles_of  # noqa: E402  bench/timing.py
 
 PAIRS = [(2, 4), (4, 2), (2, 2)]
-MODES = ("staged", "direct", "direct_slice", "read_unpack", "pack_place")  # every mode a cell may time (where feasible)
+
+
+def _all_ways() -> tuple[str, ...]:
+    """Every way a cell may time (where feasible), from the planner's own enums: each Route, then
+    each Way of a staged payload not already named. The one place the grid learns its ways: a
+    way the planner adds (a Route or a Way, accepted by ``modes=``) is timed without a change here."""
+    from kvtriton.plan.types import Route, Way
+
+    return tuple(dict.fromkeys([r.value for r in Route] + [w.value for w in Way]))
+
+
+MODES = _all_ways()
 HEADS = [1, 2, 4, 8]
 BLOCKS = [16, 32, 64, 128]
 LAYOUTS = ["NHD", "HND"]
@@ -217,7 +229,8 @@ def run_cells(quick, transport: str, group: tuple | None = None, cost_file: str 
         gen = torch.Generator().manual_seed(0)
         meta = [[r.spec for r in make_rank_regions(models, rank, tp, 8, bs, layout=layout, gen=gen, device="meta")]
                 for rank, tp in ((0, d_tp), (0, p_tp))]
-        chosen = _chosen(build_plan(0, d_tp, meta[0], p_tp, meta[1], cost=cost), meta, bs, cost)
+        plan0 = build_plan(0, d_tp, meta[0], p_tp, meta[1], cost=cost)
+        chosen = _chosen(plan0, meta, bs, cost)
         fetches, agents = {}, []
         try:
             for mode in MODES:
@@ -241,13 +254,21 @@ def run_cells(quick, transport: str, group: tuple | None = None, cost_file: str 
                 a.close()
         times = {m: quantiles_of(v) for m, v in samples.items()}
         best, ratio, verdict = judge(times, chosen)
+        paired = paired_ratios(samples, chosen, best)
         tile = bs * h * 128 * 2
+        # vLLM NixlConnector's count for the same request: one READ per (source rank, layer, K/V, block)
+        # (K and V are separate streams in these caches; bench/baselines.py)
+        vllm = vllm_direct_descriptor_count(len(plan0.source_ranks), layers, TOKENS // bs, kv_streams=2)
         row = dict(transport=transport, p_tp=p_tp, d_tp=d_tp, heads_per_rank=h, block_size=bs, layout=layout,
-                   bytes=payload, bytes_per_descriptor=tile, chosen=chosen, best=best,
+                   bytes=payload, bytes_per_descriptor=tile, vllm_descriptors=vllm, chosen=chosen, best=best,
                    **qfields("chosen_ms", times[chosen], 3), **qfields("best_ms", times[best], 3))
         for m, q in times.items():
             row.update(qfields(f"{m}_ms", q, 3))
         row["ratio"] = round(ratio, 3)
+        # the same comparison round by round (both ways timed back to back in each): load that hits a
+        # whole round cancels; p20 > 1 means the chosen way lost in at least 80% of the rounds
+        row.update(qfields("paired_ratio", quantiles_of(paired), 3))
+        row["peak_rss_gb"] = round(_peak_rss_bytes() / (1 << 30), 2)  # this group's process so far
         row["runs"] = min(len(v) for v in samples.values())
         row["verdict"] = verdict
         row["miss_beyond_noise"] = "yes" if verdict == "miss" else "no"
@@ -326,6 +347,19 @@ def sample_interleaved(fetches: dict, reps: int, extra: int = 0) -> dict[str, li
             samples[m].append(quantiles_ms(fs[k % len(fs)], 1, warmup=0)[1])
         k += 1
     return samples
+
+
+def paired_ratios(samples: dict[str, list[float]], chosen: str, best: str) -> list[float]:
+    """chosen/best per round: :func:`sample_interleaved` runs every mode once per round, so the
+    i-th samples of two modes were taken moments apart (alike in whatever load the host had)."""
+    return [c / b for c, b in zip(samples[chosen], samples[best])]
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak RSS (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _overlap(samples: dict[str, list[float]]) -> bool:

@@ -64,6 +64,46 @@ def descriptor_rows(presets, pairs, block_sizes, tokens) -> list[dict]:
     return rows
 
 
+def model_kind_rows(kinds: dict, pairs) -> list[dict]:
+    """Per pd_vllm model kind (``presets.PD_MODEL_KINDS``: preset, engine block size, prompt
+    tokens) and TP pair: descriptors and bytes one request needs on the worst decode rank,
+    kvtriton's plan (its default cost model) against NixlConnector's reads (one per source rank,
+    layer and block: K and V in one block tensor, as vLLM CPU's caches; what bench/pd_vllm.py
+    counts on real engines), planned without engines. Block ids: consecutive on both sides, as the
+    engines' fresh allocations give."""
+    import numpy as np
+
+    rows = []
+    for kind, (preset, bs, tokens) in kinds.items():
+        n = -(-tokens // bs)
+        num_blocks = n + 8
+        src_ids, dst_ids = np.arange(n) + 1, np.arange(n) + 3
+        for p_tp, d_tp in pairs:
+            row = dict(section="model_kinds", model_kind=kind, p_tp=p_tp, d_tp=d_tp,
+                       block_size=bs, tokens=tokens)
+            try:
+                src = specs_for(preset, 0, p_tp, num_blocks, bs)
+                worst = None
+                for d in range(d_tp):
+                    dst = specs_for(preset, d, d_tp, num_blocks, bs)
+                    plan = build_plan(d, d_tp, dst, p_tp, src)
+                    s, t = compact_request(src_ids, dst_ids, num_blocks, num_blocks)
+                    ours = staged_descriptor_count(plan, n) + len(direct_runs(plan, src, dst, s, t))
+                    k = max(1, len(plan.source_ranks))
+                    theirs = (vllm_direct_descriptor_count(min(k, p_tp), preset.split_layers, n)
+                              + vllm_direct_descriptor_count(1, preset.replicate_layers, n))
+                    payload = n * sum(r.tile_bytes(j, r.local_heads) for r in dst for j in range(r.num_streams))
+                    if worst is None or ours > worst[0]:
+                        worst = (ours, theirs, payload, "+".join(sorted({m.value for m in plan.modes})))
+                ours, theirs, payload, modes = worst
+                row.update(kvtriton=ours, nixl_connector=theirs, bytes_per_request=payload, modes=modes,
+                           nixl_per_kvtriton=round(theirs / max(1, ours), 1))
+            except KVTritonError as e:
+                row["note"] = f"skipped: {e}"
+            rows.append(row)
+    return rows
+
+
 if __name__ == "__main__":
     from presets import BLOCK_SIZES, PRESETS, TOKENS, TP_PAIRS  # bench/presets.py
     from report import print_table  # bench/report.py

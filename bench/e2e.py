@@ -76,6 +76,11 @@ def _caches(layers: int, num_blocks: int, seed: int):
     return nhd
 
 
+def _agent_kw(kw: dict) -> dict:
+    """A variant's TransferAgent keywords (``src_layout`` is the bench's: which cache the prefill registers)."""
+    return {k: v for k, v in kw.items() if k != "src_layout"}
+
+
 def _busy_neighbor(deadline: float) -> None:
     """A CPU-bound neighbor (a busy serving process): spins until ``deadline`` (monotonic), so a
     bench that dies cannot leave it running for long."""
@@ -103,9 +108,11 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
     hnd = {r: [[t.transpose(1, 2).contiguous() for t in kv] for kv in nhd[r]] for r in ranks}  # bench-only copy
     # bench-only vLLM 0.33 layout: K||V together per (head, token), head-major blocks
     joint = {r: [torch.cat(kv, -1).transpose(1, 2).contiguous() for kv in nhd[r]] for r in ranks}
-    regions = {r: [Region.attention(f"layer.{i}", k, v, layout="NHD", block_size=BLOCK, total_heads=HEADS)
-                   for i, (k, v) in enumerate(nhd[r])] for r in ranks}
-    agents = [[TransferAgent(f"P{i}", r, p_tp, regions[r], **kw) for r in ranks] for i, kw in enumerate(variants)]
+    regions = {(r, lay): [Region.attention(f"layer.{i}", k, v, layout=lay, block_size=BLOCK, total_heads=HEADS)
+                          for i, (k, v) in enumerate(caches[r])] for r in ranks for lay, caches in (("NHD", nhd),
+                                                                                                   ("HND", hnd))}
+    agents = [[TransferAgent(f"P{i}", r, p_tp, regions[r, kw.get("src_layout", "NHD")], **_agent_kw(kw))
+               for r in ranks] for i, kw in enumerate(variants)]
     every = [a for group in agents for a in group]
     raw = NixlTransport(f"P-raw-{os.getpid()}")
     flat = [t for r in ranks for kv in nhd[r] + hnd[r] for t in kv] + [t for r in ranks for t in joint[r]]
@@ -141,7 +148,7 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
 
         def pack_all():
             for r, read in reads:
-                pack(regions[r], read.segments, read.segment_offsets(ids.size), ids, staging, impl="torch")
+                pack(regions[r, "NHD"], read.segments, read.segment_offsets(ids.size), ids, staging, impl="torch")
         return quantiles_ms(pack_all, reps)
 
     def step() -> None:
@@ -162,20 +169,23 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
         raw.close()
 
 
+# auto from an HND source, vLLM's own layout (its direct reads here read an HND copy): where a head
+# slice is one contiguous range of a block, the planner may take the one-pass way vLLM takes
+AUTO_HND = ("pull", 1, 1, False, None, "HND")
 VARIANTS = [("pull", 1, 1, False, "staged"), ("push", 1, 1, False, "staged"), ("pull", 8, 2, False, "staged"),
             ("pull", 1, 1, True, "staged"), ("pull", 1, 1, False, "pack_place"), ("pull", 1, 1, True, "pack_place"),
-            ("pull", 1, 1, False, None), ("pull", 1, 1, "guess", "staged")]
+            ("pull", 1, 1, False, None), ("pull", 1, 1, "guess", "staged"), AUTO_HND]
 # P > D: read_unpack instead of pack_place (lazy: the pull is answered by RunsReady, no pack; eager:
 # the hold is offered for reading straight from the cache, no pull at all)
 VARIANTS_BY_CASE = {"p4d8": VARIANTS,
                     "p8d4": [("pull", 1, 1, False, "staged"), ("push", 1, 1, False, "staged"),
                              ("pull", 1, 1, True, "staged"), ("pull", 1, 1, False, "read_unpack"),
-                             ("pull", 1, 1, True, "read_unpack"), ("pull", 1, 1, False, None)]}
+                             ("pull", 1, 1, True, "read_unpack"), ("pull", 1, 1, False, None), AUTO_HND]}
 
 
-def _method(mode: str, chunks: int, inflight: int, eager, way: str | None) -> str:
+def _method(mode: str, chunks: int, inflight: int, eager, way: str | None, src_layout: str = "NHD") -> str:
     return (f"kvtriton {way or 'auto'}, {mode}{_eager_label(eager)}, {chunks} chunk(s) x {inflight}"
-            " in flight")
+            " in flight" + ("" if src_layout == "NHD" else f", {src_layout} source"))
 
 
 def _eager_label(eager) -> str:
@@ -216,17 +226,17 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
     p_tp, d_tp, ranks, src_heads, dst_heads = _geometry(case)
     h_read = min(src_heads, dst_heads)  # heads decode rank 0 reads from each source rank
     payload = layers * 2 * n * BLOCK * HEAD_DIM * 2 * dst_heads  # bytes decode rank 0 receives
-    variants = [tuple(v) + (False, "staged")[len(v) - 3:] for v in (variants or VARIANTS_BY_CASE[case])]
+    variants = [tuple(v) + (False, "staged", "NHD")[len(v) - 3:] for v in (variants or VARIANTS_BY_CASE[case])]
     slot = 256 << 10
     agent_kw = []
-    for mode, chunks, inflight, eager, way in variants:
+    for mode, chunks, inflight, eager, way, src_layout in variants:
         chunk = ceil_div(payload // len(ranks) // chunks, slot) * slot  # one source rank's payload
         # eager: the whole request packed ahead, plus the staging its engine's lazy pulls keep
         staging = ((chunks + inflight) if eager else inflight) * chunk
         agent_kw.append(dict(staging_bytes=staging, slot_bytes=slot, chunk_bytes=chunk, mode=mode,
                              inflight_chunks=inflight, impl="torch", timeout_s=60,
                              eager_bytes=chunks * chunk if eager else 0, eager_guess=eager == "guess",
-                             modes=way))
+                             modes=way, src_layout=src_layout))
     prefill = ChildProcess(_prefill, layers, num_blocks, agent_kw, reps, case, name="prefill")
     ctx = mp.get_context("spawn")
     neighbors = [ctx.Process(target=_busy_neighbor, args=(time.monotonic() + 300,), daemon=True)
@@ -248,7 +258,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         joint = [torch.empty(num_blocks, dst_heads, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers)]
         regions = [Region.attention(f"layer.{i}", k, v, layout="HND", block_size=BLOCK, total_heads=HEADS)
                    for i, (k, v) in enumerate(k_caches)]
-        agents = [TransferAgent(f"D{i}", 0, d_tp, regions, **kw) for i, kw in enumerate(agent_kw)]
+        agents = [TransferAgent(f"D{i}", 0, d_tp, regions, **_agent_kw(kw)) for i, kw in enumerate(agent_kw)]
         raw = NixlTransport(f"D-raw-{os.getpid()}")
         flat = [t for kv in k_caches for t in kv]
         landing = torch.empty(payload, dtype=torch.uint8)
@@ -369,7 +379,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
                       host="busy" if busy else "idle", bytes=payload, ids=ids)
         ndescs = [[0] for _ in variants]
         setups, held = {}, {}  # untimed: the hold (and for eager its pack) before each timed fetch
-        for i, (mode, chunks, inflight, eager, way) in enumerate(variants):
+        for i, (mode, chunks, inflight, eager, way, src_layout) in enumerate(variants):
 
             def hold(i=i, eager=eager, chunks=chunks, way=way, agent=agents[i]) -> None:
                 req = f"r{counter[0]}"
@@ -398,7 +408,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             clear()
             hold()
             staged()
-            check(_method(mode, chunks, inflight, eager, way))
+            check(_method(mode, chunks, inflight, eager, way, src_layout))
             timed[f"staged{i}"] = staged
             setups[f"staged{i}"] = hold
 
@@ -419,7 +429,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         qs = {k: quantiles_of(v) for k, v in samples.items()}
         read_q, write_q, packed_q, direct_q = qs["read"], qs["write"], qs["packed"], qs["direct"]
         staged_rows = []
-        for i, (mode, chunks, inflight, eager, way) in enumerate(variants):
+        for i, (mode, chunks, inflight, eager, way, src_layout) in enumerate(variants):
             q = qs[f"staged{i}"]
             floor = read_q[1] if mode == "pull" else write_q[1]
             st = agents[i].stats
@@ -428,10 +438,10 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             one = (("pack_place" if case == "p4d8" else "read_unpack") if used == "one-sided" else used)
             place, read_ru = one == "pack_place", one == "read_unpack"
             parts = (0 if eager or read_ru else pack_q[1]) + floor + (0 if place else unpack_q[1])
-            lazy = [j for j, w in enumerate(variants) if w == (mode, chunks, inflight, False, way)]
+            lazy = [j for j, w in enumerate(variants) if w == (mode, chunks, inflight, False, way, src_layout)]
             vs_lazy = f"; lazy/this = {qs[f'staged{lazy[0]}'][1] / q[1]:.2f}x" if eager and lazy else ""
             staged_rows.append(dict(
-                common, method=_method(mode, chunks, inflight, eager, way), descriptors=ndescs[i][0],
+                common, method=_method(mode, chunks, inflight, eager, way, src_layout), descriptors=ndescs[i][0],
                 **qfields("ms", q, 2),
                 note=(f"{'' if way else f'ran {one}; '}{q[1] / parts:.2f}x the sum of its parts "
                       f"({'' if eager or read_ru else 'pack + '}one {'READ' if mode == 'pull' else 'WRITE'}"

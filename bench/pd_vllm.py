@@ -98,7 +98,8 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
         hidden: int | None = None, block_size: int = 32, prompts: int = 4, prompt_len: int = 333, max_tokens: int = 8,
         warmup: bool = True, python: str | None = None, log_dir: str | None = None, quiet: bool = False,
         env: dict | None = None, profile: str | None = None, eager: bool = True, staging_mib: int = 0,
-        model_kind: str = "llama") -> dict:
+        model_kind: str = "llama", concurrent_start: bool | None = None, model_cache: str | None = None,
+        say=None, before_measure=None, closing: list | None = None) -> dict:
     """Run one P/D configuration; returns a result dict (``rows`` per request, ``ok``, ``recomputed``).
 
     With ``warmup`` a first request (``request`` -1, its own prompt) goes through before the
@@ -109,15 +110,27 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     kvtriton only: ``eager`` names the decode engine as the consumer of the prefill's holds (a
     fixed pairing, ``consumer`` in ConnectorSettings), so the prefill packs each request as soon
     as it finishes; ``staging_mib`` (0: the default) sizes both engines' staging pools.
+    ``before_measure``: called once the engines are up, before the first request (compare: wait
+    for the previous run's engines to be gone). ``closing``: a list; when given, the engines are
+    closed by a thread appended to it (the caller joins it) instead of before returning, so the
+    next run's engines start meanwhile.
+    ``say``: where lines go (default print; ``quiet`` keeps only the phases line).
+    ``concurrent_start``: both engines start at once, each on its own cores (None, the default,
+    and True); False: one after the other, the one with more ranks first (see
+    :func:`_start_order`). ``model_cache``: a folder for the made model (default: the log
+    folder), so runs sharing it make the model once.
     ``model_kind``: ``llama`` (GQA, the shape above), ``deepseek`` (a DeepSeek-V2 with ``layers``
     MLA layers at latent 576; block 16) or ``llama+mla-draft`` (the Llama with an Eagle-3 MLA
     draft in its KV cache group, 2 speculative tokens; block 16)."""
+    t0, phases = time.time(), {}
     python = python or vllm_python()
     if python is None:
         raise RuntimeError(f"no vLLM test bed at {DEFAULT_VLLM_PY}: run `make vllm-bed`")
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    tell = say or (lambda *a: print(*a, flush=True))  # the phases line, always
+    say = (lambda *a: None) if quiet else tell
     work = Path(log_dir or tempfile.mkdtemp(prefix="pd_vllm-"))
     work.mkdir(parents=True, exist_ok=True)
+    models = Path(model_cache or work)
     hidden = hidden or 2 * kv_heads * head_dim
     # a TP3 engine needs a vocabulary vLLM pads to a multiple of 3 x 64 (512 fails: "512 is not divisible by 3")
     vocab = 576 if prefill_tp % 3 == 0 or decode_tp % 3 == 0 else 512
@@ -128,18 +141,23 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
         raise ValueError(f"model_kind {model_kind!r}: expected one of {MODEL_KINDS}")
     if model_kind == "deepseek":
         model = TinyDeepseek(layers=layers, max_positions=max(4096, 2 * prompt_len))
-        model_dir = _make(python, "deepseek", work / f"deepseek-l{layers}", model.__dict__)
+        model_dir = _make(python, "deepseek", models / f"deepseek-l{layers}", model.__dict__)
         block_size, options = 16, MLA_OPTIONS
     else:
-        model_dir = _make(python, "llama", work / f"llama-l{layers}-kv{kv_heads}-d{head_dim}-h{hidden}-v{vocab}",
+        model_dir = _make(python, "llama", models / f"llama-l{layers}-kv{kv_heads}-d{head_dim}-h{hidden}-v{vocab}",
                           model.__dict__)
     if model_kind == "llama+mla-draft":
-        draft = _make(python, "eagle3-mla", work / f"eagle3-mla-h{hidden}", {"target": model.__dict__,
+        draft = _make(python, "eagle3-mla", models / f"eagle3-mla-h{hidden}", {"target": model.__dict__,
                                                                               "draft": {"hidden": hidden}})
         block_size, patches = 16, MIXED_PATCHES
         options = {**MLA_OPTIONS, "speculative_config": {"method": "eagle3", "model": str(draft),
                                                          "num_speculative_tokens": 2, "attention_backend": "CPU_MLA"}}
     max_len = 1 << (prompt_len + max_tokens + block_size).bit_length()
+    # the blocks this run can use at once (every prompt of the reference batch, warm-up included,
+    # twice over), not the 1 GiB VLLM_CPU_KVCACHE_SPACE (its smallest value) per worker: a P2->D1
+    # run held 5.5 GB of PSS with it, over the 4 GB every bench must stay under
+    blocks = 2 * (prompts + 1) * -(-(prompt_len + max_tokens + 2 * block_size) // block_size) + 64
+    options = {**(options or {}), "num_gpu_blocks_override": blocks}
     common = dict(connector=connector, block_size=block_size, max_model_len=max_len, log_dir=work,
                   engine_options=options, patches=patches)
     p_extra = {"lease_s": 120.0} if connector == "kvtriton" else {}
@@ -148,34 +166,34 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
         p_extra["consumer"] = f"decode-{connector}"
     if connector == "kvtriton" and staging_mib:
         p_extra["staging_bytes"] = d_extra["staging_bytes"] = staging_mib << 20
-    t0 = time.time()
-    # the smaller engine first: NixlConnector's NIXL progress threads busy-poll once its agent
-    # exists and starve whatever starts next on a small host; fewer spinning ranks hurt least
-    # and each engine on its own cores (engine_cpus): sharing a core with the other engine's spinning
+    phases["model_s"] = time.time() - t0
+    t1 = time.time()
+    # each engine on its own cores (engine_cpus): sharing a core with the other engine's spinning
     # ranks stalled the prefill for tens of seconds on a 2-core host
     specs = {"prefill": dict(tp=prefill_tp, role="kv_producer", port=free_port_range(prefill_tp), extra=p_extra,
                              cpus=engine_cpus(prefill_tp, 0)),
              "decode": dict(tp=decode_tp, role="kv_consumer", port=free_port_range(1), extra=d_extra,
                             cpus=engine_cpus(decode_tp, 1))}
-    engines: dict[str, EngineProcess] = {}
-    try:
-        for name in sorted(specs, key=lambda n: (specs[n]["tp"], n != "decode")):
-            engines[name] = EngineProcess.start(python, model_dir, engine_id=f"{name}-{connector}", env=env,
-                                                name=f"{name}-{connector}", timeout_s=600, **specs[name], **common)
-    except BaseException:
-        for e in engines.values():
-            e.close()
-        raise
+    order, concurrent = _start_order(connector, specs, concurrent_start)
+    engines = _start_engines(python, model_dir, connector, env, specs, order, common, concurrent, phases)
+    phases["engines_s"] = time.time() - t1
     prefill, decode = engines["prefill"], engines["decode"]
-    say(f"engines up in {time.time() - t0:.1f} s (logs in {work})")
+    if before_measure is not None:
+        t1 = time.time()
+        before_measure()
+        phases["wait_previous_s"] = time.time() - t1
+    say(f"engines up in {phases['engines_s']:.1f} s (logs in {work})")
     rng = random.Random(11)
     first = -1 if warmup else 0
     toks = [[rng.randrange(model.vocab) for _ in range(prompt_len + (i * 7) % block_size)]
             for i in range(first, prompts)]
     rows, spies = [], []
     try:
+        t1 = time.time()
         ref = decode.call("generate", requests=[{"id": f"ref{i}", "prompt": p, "max_tokens": max_tokens}
                                                  for i, p in enumerate(toks)], timeout_s=1200)["outputs"]
+        phases["reference_s"] = time.time() - t1
+        t1 = time.time()
         for i, p in enumerate(toks, start=first):
             if i == 0 and profile:
                 spies = _start_profilers(profile, f"{connector}-P{prefill_tp}D{decode_tp}", engines)
@@ -214,19 +232,32 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
                 f"time to first decode token {row['ttft_ms']:.1f} ms, descriptors {desc}, "
                 f"{'(' + row['ways'] + ') ' if row['ways'] else ''}prompt tokens computed "
                 f"{row['prompt_computed']}, {'identical' if row['identical'] else 'DIFFERENT'}")
+        phases["requests_s"] = time.time() - t1
     finally:
+        t1 = time.time()
         for spy in spies:
             spy.send_signal(2)  # SIGINT: py-spy writes its output and exits
             try:
                 spy.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 spy.kill()
-        prefill.close()
-        decode.close()
+        if closing is None:
+            _close_all(engines.values())
+            phases["close_s"] = time.time() - t1
+        else:  # closed meanwhile: the caller's next engines start as these exit
+            import threading
+
+            closer = threading.Thread(target=_close_all, args=(list(engines.values()),), daemon=True)
+            closer.start()
+            closing.append(closer)
     ok = sum(r["identical"] for r in rows)
     recomputed = sum(max(0, r["prompt_computed"] - 1) for r in rows)
     timed = [r for r in rows if r["request"] >= 0]
+    phases = {k: round(v, 1) for k, v in phases.items()}
+    tell(f"  phases of {connector} P{prefill_tp}->D{decode_tp} (s): "
+         + ", ".join(f"{k[:-2]} {v}" for k, v in phases.items()))
     return {"rows": rows, "ok": ok, "n": len(rows), "recomputed": recomputed, "model_kind": model_kind,
+            "phases": phases,
             "ttft_ms_median": statistics.median(r["ttft_ms"] for r in timed) if timed else None,
             "kv_loaded_ms_median": median_known([r["kv_loaded_ms"] for r in timed]),
             "summary": f"pd_vllm: {connector}: {ok}/{len(rows)} requests token-identical to one engine; "
@@ -234,10 +265,74 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
                        + ("" if model_kind == "llama" else f"; model {model_kind}")}
 
 
+def _start_order(connector: str, specs: dict, concurrent: bool | None) -> tuple[list[str], bool]:
+    """(engine names in start order, start them at once?). Start-up is most of this bench's time
+    (30-60 s an engine on 2 busy cores, most of it a TP engine spawning its worker processes), so
+    by default both engines start at once, each on its own cores (kvtriton P2->D1: 44 s for both
+    against 16 + 44 one after the other). NixlConnector's progress thread busy-polls from the moment
+    its agent exists and slowed a concurrent TP prefill's worker start (25 -> 61 s), but starting its
+    engines one after the other (``concurrent=False``, more ranks first) left the prefill's first
+    generate unanswered for 300 s in both runs that tried it (2026-12-01, host load 30-50), while
+    every concurrent start ran: concurrent it is, for both connectors, until that is understood."""
+    if concurrent is None:
+        concurrent = True
+    return sorted(specs, key=lambda n: (-specs[n]["tp"], n != "prefill")), concurrent
+
+
+def _start_engines(python, model_dir, connector, env, specs, order, common, concurrent, phases) -> dict:
+    """The engines of ``specs`` (name -> EngineProcess.start keywords), in ``order`` or all at
+    once (one thread each: EngineProcess.start blocks until its engine answers); every started
+    engine closed if any fails. ``phases[<name>_up_s]``: each engine's own start-up time."""
+    import threading
+
+    engines, errors = {}, []
+
+    def start(name):
+        t = time.time()
+        try:
+            engines[name] = EngineProcess.start(python, model_dir, engine_id=f"{name}-{connector}", env=env,
+                                                name=f"{name}-{connector}", timeout_s=600, **specs[name], **common)
+            phases[f"{name}_up_s"] = time.time() - t
+        except BaseException as e:  # noqa: BLE001 - raised below, after every engine is closed
+            errors.append(e)
+
+    if concurrent:
+        threads = [threading.Thread(target=start, args=(n,), daemon=True) for n in order]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for n in order:
+            if not errors:
+                start(n)
+    if errors:
+        _close_all(engines.values())
+        raise errors[0]
+    return engines
+
+
+def _close_all(engines) -> None:
+    """Close every engine at once: each waits up to a minute for its child to exit."""
+    import threading
+
+    threads = [threading.Thread(target=e.close, daemon=True) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def _make(python: str, kind: str, path: Path, options: dict) -> Path:
-    """Write a tiny model with the bed's Python (kvtriton/testing/vllm_models.py)."""
+    """Write a tiny model with the bed's Python (kvtriton/testing/vllm_models.py); a model already
+    written there (same kind and shape: the folder is named by them) is reused, so the runs of
+    :func:`compare` sharing a ``log_dir`` make it once."""
+    done = path / ".made"
+    if done.exists() and done.read_text() == json.dumps(options, sort_keys=True):
+        return path
     subprocess.run([python, "-m", "kvtriton.testing.vllm_models", kind, str(path), json.dumps(options)], check=True,
                    timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done.write_text(json.dumps(options, sort_keys=True))
     return path
 
 
@@ -261,20 +356,37 @@ PAIRS = ((2, 1), (1, 2))
 
 def compare(pairs=PAIRS, *, say=print, **kw) -> list[dict]:
     """Both connectors on the same model and prompts, each TP pair: one result per (pair,
-    connector), as :func:`run` returns it, plus ``connector``/``prefill_tp``/``decode_tp``."""
+    connector), as :func:`run` returns it, plus ``connector``/``prefill_tp``/``decode_tp``. The
+    model is made once for all of them (``model_cache``); each run's logs go to its own folder."""
     out = []
-    for p_tp, d_tp in pairs:
-        for connector in ("kvtriton", "nixl"):
-            say(f"pd_vllm: {connector} P{p_tp}->D{d_tp} ...")
-            try:
-                res = run(connector, p_tp, d_tp, **kw)
-            except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others
-                res = {"rows": [], "ok": 0, "n": 0, "recomputed": 0, "error": f"{type(e).__name__}: {str(e)[:300]}",
-                       "summary": f"pd_vllm: {connector}: failed ({type(e).__name__}: {str(e)[:200]}); "
-                                  f"P{p_tp}->D{d_tp}"}
-            say(res["summary"])
-            out.append({"connector": connector, "prefill_tp": p_tp, "decode_tp": d_tp, **res})
+    root = Path(kw.pop("log_dir", None) or tempfile.mkdtemp(prefix="pd_vllm-"))
+    kw.setdefault("model_cache", str(root))
+    closing: list = []  # each run's engines exit while the next run's start; gone before it measures
+
+    def previous_gone():
+        while closing:
+            closing.pop().join()
+
+    try:
+        for p_tp, d_tp in pairs:
+            for connector in ("kvtriton", "nixl"):
+                out.append(_compare_one(connector, p_tp, d_tp, root, say, kw, previous_gone, closing))
+    finally:
+        previous_gone()
     return out
+
+
+def _compare_one(connector, p_tp, d_tp, root, say, kw, previous_gone, closing) -> dict:
+    """One (connector, pair) of :func:`compare`; a failure becomes a result with no rows."""
+    say(f"pd_vllm: {connector} P{p_tp}->D{d_tp} ...")
+    try:
+        res = run(connector, p_tp, d_tp, log_dir=str(root / f"P{p_tp}D{d_tp}-{connector}"), say=say,
+                  before_measure=previous_gone, closing=closing, **kw)
+    except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others
+        res = {"rows": [], "ok": 0, "n": 0, "recomputed": 0, "error": f"{type(e).__name__}: {str(e)[:300]}",
+               "summary": f"pd_vllm: {connector}: failed ({type(e).__name__}: {str(e)[:200]}); P{p_tp}->D{d_tp}"}
+    say(res["summary"])
+    return {"connector": connector, "prefill_tp": p_tp, "decode_tp": d_tp, **res}
 
 
 def main(argv=None) -> int:
@@ -294,6 +406,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-warmup", action="store_true", help="no unmeasured first request")
     ap.add_argument("--no-eager", action="store_true", help="kvtriton: no consumer named, packs wait for the pull")
     ap.add_argument("--staging-mib", type=int, default=0, help="kvtriton: staging pool per rank (0: default)")
+    ap.add_argument("--start", choices=["auto", "concurrent", "sequential"], default="auto",
+                    help="engine start-up: both at once (auto, concurrent) or one after the other, more ranks first")
     ap.add_argument("--profile", help="folder for py-spy samples of both engines over the measured requests")
     ap.add_argument("--debug", action="store_true", help="KVTRITON_DEBUG=1 in the engines (control messages logged)")
     ap.add_argument("--block-size", type=int, default=32, help="the CPU build needs a multiple of 32")
@@ -306,6 +420,7 @@ def main(argv=None) -> int:
               block_size=args.block_size, prompts=args.prompts, prompt_len=args.prompt_len,
               max_tokens=args.max_tokens, warmup=not args.no_warmup, profile=args.profile,
               eager=not args.no_eager, staging_mib=args.staging_mib, model_kind=args.model,
+              concurrent_start={"auto": None, "concurrent": True, "sequential": False}[args.start],
               env={"KVTRITON_DEBUG": "1"} if args.debug else None)
     if args.connector == "both":
         pairs = tuple(tuple(int(x) for x in pd.split(":")) for pd in args.pairs.split(","))

@@ -88,3 +88,16 @@ def fragmented_block_ids(n: int, num_blocks: int, run: int, seed: int) -> np.nda
     rng = np.random.default_rng(seed)
     starts = rng.permutation(num_blocks // run)[: ceil_div(n, run)] * run
     return (starts[:, None] + np.arange(run)[None, :]).reshape(-1)[:n]
+
+
+#: the tiny models bench/pd_vllm.py runs on real engines, one per ``--model`` kind, as presets (the
+#: engines run fp32): (preset, block size the engines use, prompt tokens). The sweep's descriptors
+#: section plans one request of each (no engines), for ours against NixlConnector's count per kind.
+PD_MODEL_KINDS = {
+    "llama": (Preset("pd_vllm llama", _gqa("layers", 2, 2, 32, torch.float32)), 32, 333),
+    "deepseek": (Preset("pd_vllm deepseek", _mla("layers", 2, dtype=torch.float32)), 16, 333),
+    "llama+mla-draft": (Preset("pd_vllm llama+mla-draft", _gqa("layers", 2, 2, 32, torch.float32)
+                               + _mla("draft", 1, dtype=torch.float32)), 16, 333),
+}
+#: the TP pairs of pd_vllm's model-kind rows
+PD_KIND_PAIRS = [(2, 1), (1, 2)]

@@ -21,7 +21,7 @@ import numpy as np
 # it was timed.
 PARAM_KEYS = {"p_tp", "d_tp", "block_size", "tokens", "bytes", "heads_per_rank", "prefill_tp", "decode_tp",
               "blocks", "layers", "request", "bytes_per_descriptor"}
-UNITS = {"ms": "ms", "us": "us", "gbps": "GB/s", "pct_of_copy": "%", "ratio": "x"}
+UNITS = {"ms": "ms", "us": "us", "gbps": "GB/s", "pct_of_copy": "%", "ratio": "x", "gb": "GB", "s": "s"}
 
 
 def long_rows(rows: list[dict]) -> list[dict]:
@@ -79,9 +79,17 @@ def summary_lines(rows: list[dict], meta: dict) -> list[str]:
     lines = [f"# kvtriton sweep ({meta['device']}, {meta['timestamp']})", "", *headline_lines(rows, meta), "",
              f"Reproduce: `{meta['command']}`. torch {meta['torch']}, git {meta['git_sha']}.{took} Timings: median "
              "with [p20-p80] of repeated runs in one process; `sweep.csv` has every quantity in long form.", ""]
+    swept = [r for r in rows if r["section"] == "sweep"]
+    if swept:
+        lines += sections_summary(swept)
     desc = [r for r in rows if r["section"] == "descriptors"]
     if desc:
         lines += descriptor_summary(desc)
+    kinds = [r for r in rows if r["section"] == "model_kinds"]
+    if kinds:
+        lines += _table("Descriptors and bytes per request by model kind (bench/pd_vllm.py's tiny models, "
+                        "planned: ours against NixlConnector's one READ per source rank, layer and block; "
+                        "the pd_vllm section measures them on engines)", kinds)
     # block-size-change rows (bench/block_sizes.py) ride in the kernels and e2e sections, in a table of their own
     kern = [r for r in rows if r["section"] == "kernels" and "src_block" not in r]
     if kern:
@@ -113,6 +121,15 @@ def summary_lines(rows: list[dict], meta: dict) -> list[str]:
     return lines
 
 
+def sections_summary(rows: list[dict]) -> list[str]:
+    """The sweep's own table: each section's wall time against its budget and the peak memory of
+    its process tree (bench/sweep.py section_row), so an overrun is reported, not silent."""
+    over = [r["part"] for r in rows if r.get("within") == "no"]
+    return [*_table("Sections: wall time against budget, peak memory (tree PSS: the section's processes "
+                    "together; goal <= 4 GB)", rows, drop=("section", "within")),
+            f"Sections over budget or memory goal: {', '.join(over) if over else 'none'}", ""]
+
+
 # --------------------------------------------------------------------------- the headline
 HEADLINE = ("descriptors", "e2e", "cost model", "real engines", "GPU")  # the five lines, in order
 
@@ -137,14 +154,19 @@ def _headline_descriptors(desc: list[dict]) -> str:
 
 def e2e_ratios(rows: list[dict], cfg: tuple) -> dict[str, float]:
     """Same-run ratios of one e2e (transport, host, ids) configuration against vLLM K||V direct
-    reads: ``pull``, ``push``, ``eager`` (absent when a method did not run)."""
+    reads: ``pull``, ``push``, ``eager``, and ``auto`` (nothing forced: the way the planner's cost
+    model chose per request, so a cheaper way it can take shows here), from the NHD source and
+    from an HND one (vLLM's own layout, where a head slice of a block is contiguous); absent when
+    a method did not run."""
     sel = {r["method"]: r["ms"] for r in rows
            if (r.get("transport"), r.get("host"), r.get("ids", "random")) == cfg and "ms" in r}
     base = sel.get("vLLM 0.33 direct 8 KiB K||V reads")
     out = {}
     for key, method in (("pull", "kvtriton staged, pull, 1 chunk(s) x 1 in flight"),
                         ("push", "kvtriton staged, push, 1 chunk(s) x 1 in flight"),
-                        ("eager", "kvtriton staged, pull eager, 1 chunk(s) x 1 in flight")):
+                        ("eager", "kvtriton staged, pull eager, 1 chunk(s) x 1 in flight"),
+                        ("auto", "kvtriton auto, pull, 1 chunk(s) x 1 in flight"),
+                        ("auto HND source", "kvtriton auto, pull, 1 chunk(s) x 1 in flight, HND source")):
         if base and sel.get(method):
             out[key] = sel[method] / base
     return out
@@ -180,6 +202,7 @@ def _headline_grid(rows: list[dict]) -> str:
 
 
 def _headline_engines(rows: list[dict]) -> str:
+    rows = [r for r in rows if r.get("model_kind", "llama") == "llama"]  # the other kinds: their own table rows
     if not rows:
         return "not run (no vLLM test bed, or not asked)"
     out = []
@@ -238,8 +261,8 @@ def _fmt(r: dict, k: str) -> str:
 
 
 def _cell(v) -> str:
-    """A markdown table cell: pipes escaped (method names say K||V)."""
-    return str(v).replace("|", "\\|")
+    """A markdown table cell: pipes escaped (method names say K||V); None (not measured) empty."""
+    return "" if v is None else str(v).replace("|", "\\|")
 
 
 def _table(title: str, sec: list[dict], drop=("section",)) -> list[str]:
@@ -284,6 +307,7 @@ def _e2e_pair_summary(rows: list[dict]) -> list[str]:
             sel.get("kvtriton read_unpack, pull eager, 1 chunk(s) x 1 in flight")
         one = "pack_place" if "kvtriton pack_place, pull, 1 chunk(s) x 1 in flight" in sel else "read_unpack"
         auto = sel.get("kvtriton auto, pull, 1 chunk(s) x 1 in flight")
+        auto_hnd = sel.get("kvtriton auto, pull, 1 chunk(s) x 1 in flight, HND source")
         pull = sel.get("kvtriton staged, pull, 1 chunk(s) x 1 in flight")
         push = sel.get("kvtriton staged, push, 1 chunk(s) x 1 in flight")
         eager = sel.get("kvtriton staged, pull eager, 1 chunk(s) x 1 in flight")
@@ -305,8 +329,38 @@ def _e2e_pair_summary(rows: list[dict]) -> list[str]:
                         f"{place / pull:.2f}" if place else "")
                      + (f"; {one} eager / vLLM K||V direct = **{place_eager / packed:.2f}**, / staged eager = "
                         f"{place_eager / eager:.2f}" if place_eager and eager else "")
-                     + (f"; auto / staged pull = {auto / pull:.2f}" if auto else ""))
+                     + (f"; auto (the planner's way) / vLLM K||V direct = **{auto / packed:.2f}**, / staged pull = "
+                        f"{auto / pull:.2f}" if auto else "")
+                     + (f"; auto from an HND source / vLLM K||V direct = **{auto_hnd / packed:.2f}**"
+                        if auto_hnd else ""))
     return lines + [""]
+
+
+def _grid_ways(rows: list[dict]) -> list[str]:
+    """The ways the grid timed, in the order its rows name them (a ``<way>_ms`` column each): the
+    table follows whatever bench/costgrid.py enumerates, no list of ways here."""
+    skip = {"chosen_ms", "best_ms"}
+    keys = [k for r in rows for k in r if k.endswith("_ms") and k not in skip]
+    return [k[:-3] for k in dict.fromkeys(keys)]
+
+
+def _grid_table(rows: list[dict]) -> list[str]:
+    ways = _grid_ways(rows)
+    head = ["transport", "P->D", "heads/rank", "block", "layout", "B/descriptor", "vLLM descriptors", "chosen",
+            "chosen ms", "best", "best ms", *[f"{w} ms" for w in ways], "chosen/best",
+            "verdict (hit, tie, miss beyond noise)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if "ratio" not in r:
+            lines.append(f"| {r.get('transport')} | failed: {r.get('note', '')[:200]} " + "|" * (len(head) - 1))
+            continue
+        cells = [r["transport"], f"{r['p_tp']}->{r['d_tp']}", r["heads_per_rank"], r["block_size"], r["layout"],
+                 f"{r['bytes_per_descriptor']:,}", f"{r['vllm_descriptors']:,}" if "vllm_descriptors" in r else "",
+                 r["chosen"], _fmt(r, "chosen_ms"), r["best"], _fmt(r, "best_ms"),
+                 *[_fmt(r, f"{w}_ms") for w in ways], f"{r['ratio']:.2f}",
+                 r.get("verdict", r.get("miss_beyond_noise", ""))]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
 
 
 def _costmodel_summary(rows: list[dict]) -> list[str]:
@@ -315,19 +369,9 @@ def _costmodel_summary(rows: list[dict]) -> list[str]:
              "random block ids) through real agents over NIXL in one process, once per feasible mode; `chosen` is "
              "what build_plan picks with the model measured for this host and transport (kvtriton.costmodel). "
              "One-sided: read_unpack (P > D, no pack pass) or pack_place (D > P, no unpack pass), where feasible. "
-             "ms: median [p20-p80].", "",
-             "| transport | P->D | heads/rank | block | layout | B/descriptor | chosen | chosen ms | best | best ms "
-             "| staged ms | direct ms | one-sided ms | chosen/best | verdict (hit, tie, miss beyond noise) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "ratio" not in r:
-            lines.append(f"| {r.get('transport')} | failed: {r.get('note', '')[:200]} ||||||||||||| ")
-            continue
-        lines.append(f"| {r['transport']} | {r['p_tp']}->{r['d_tp']} | {r['heads_per_rank']} | {r['block_size']} | "
-                     f"{r['layout']} | {r['bytes_per_descriptor']:,} | {r['chosen']} | {_fmt(r, 'chosen_ms')} | "
-                     f"{r['best']} | {_fmt(r, 'best_ms')} | {_fmt(r, 'staged_ms')} | {_fmt(r, 'direct_ms')} | "
-                     f"{_fmt(r, 'read_unpack_ms') or _fmt(r, 'pack_place_ms')} | {r['ratio']:.2f} | "
-                     f"{r.get('verdict', r.get('miss_beyond_noise', ''))} |")
+             "vLLM descriptors: NixlConnector's READs for the same request (one per source rank, layer, K/V and "
+             "block). ms: median [p20-p80]; an empty way column: not feasible in that cell.", "",
+             *_grid_table(rows)]
     models = list(dict.fromkeys((r.get("transport"), r.get("note")) for r in rows if "ratio" in r))
     lines += [""] + [f"- {t}: {n}; {summary_line([r for r in rows if r.get('transport') == t])}; "
                      f"{noise_line([r for r in rows if r.get('transport') == t])}" for t, n in models]
@@ -338,7 +382,8 @@ def _costmodel_summary(rows: list[dict]) -> list[str]:
               "p80): a coin toss near the crossover that this run cannot call; miss = slower beyond that spread, "
               "what a better model could fix. The last line is the median-based ratio over every cell regardless.",
               ""]
-    return lines + [noise_line(rows), "", tie_line(rows), "", summary_line(rows), ""]
+    return lines + [noise_line(rows), "", tie_line(rows), "", paired_line(rows), "", rss_line(rows), "",
+                    summary_line(rows), ""]
 
 
 def plot_descriptors(desc: list[dict], path: Path) -> None:
@@ -392,9 +437,11 @@ def _pd_vllm_summary(rows: list[dict]) -> list[str]:
              "first use) is a warm-up, shown on its own. Descriptors = READs the decode ranks posted per request.",
              ""]
     results = []
-    for key in dict.fromkeys((r["connector"], r["prefill_tp"], r["decode_tp"]) for r in rows):
-        sel = [r for r in rows if (r["connector"], r["prefill_tp"], r["decode_tp"]) == key]
-        results.append({"connector": key[0], "prefill_tp": key[1], "decode_tp": key[2], "summary": sel[0]["summary"],
+    key_of = lambda r: (r["connector"], r["prefill_tp"], r["decode_tp"], r.get("model_kind", "llama"))  # noqa: E731
+    for key in dict.fromkeys(key_of(r) for r in rows):
+        sel = [r for r in rows if key_of(r) == key]
+        results.append({"connector": key[0], "prefill_tp": key[1], "decode_tp": key[2], "model_kind": key[3],
+                        "summary": sel[0]["summary"],
                         "rows": [r for r in sel if "ttft_ms" in r],
                         "ok": sum(bool(r.get("identical")) for r in sel), "n": sum("ttft_ms" in r for r in sel)})
     lines += pd_vllm_table(results)
@@ -413,6 +460,29 @@ def tie_line(rows: list[dict]) -> str:
     ties = sum(x.get("verdict") == "tie" for x in r)
     return (f"cost model, ties (p20-p80 spreads overlap) counted 1.00: chosen/best worst {max(adj):.2f}, "
             f"median {float(np.median(adj)):.2f} over {len(r)} cells ({ties} ties)")
+
+
+def paired_line(rows: list[dict]) -> str:
+    """The verdict from same-round pairs (bench/costgrid.py paired_ratios): chosen/best per round,
+    medians over cells, and the cells whose chosen way lost in at least 80% of rounds (p20 > 1)."""
+    r = [x for x in rows if "paired_ratio" in x]
+    if not r:
+        return "cost model, same-round pairs: not measured"
+    lost = [x for x in r if x["paired_ratio_p20"] > 1.0]
+    cells = ", ".join(f"{x['transport']} P{x['p_tp']}->D{x['d_tp']} h{x['heads_per_rank']} b{x['block_size']} "
+                      f"{x['layout']} ({x['chosen']} vs {x['best']}, {x['paired_ratio']:.2f})" for x in lost)
+    return (f"cost model, same-round pairs (chosen/best in each interleaved round): worst median "
+            f"{max(x['paired_ratio'] for x in r):.2f}, median {float(np.median([x['paired_ratio'] for x in r])):.2f} "
+            f"over {len(r)} cells; chosen slower in >= 80% of rounds: {len(lost)}" + (f" ({cells})" if cells else ""))
+
+
+def rss_line(rows: list[dict]) -> str:
+    r = [x for x in rows if x.get("peak_rss_gb") is not None]
+    if not r:
+        return "cost model, peak RSS of a group process: not measured"
+    top = max(r, key=lambda x: x["peak_rss_gb"])
+    return (f"cost model, peak RSS of a group process (each group of cells in its own): {top['peak_rss_gb']:.2f} GB "
+            f"(P{top['p_tp']}->D{top['d_tp']} h{top['heads_per_rank']} b{top['block_size']}, {top['transport']})")
 
 
 def noise_line(rows: list[dict]) -> str:
@@ -481,15 +551,15 @@ def pd_vllm_table(results: list[dict]) -> list[str]:
     """Markdown rows: per pair and connector, medians over the measured requests (warm-up left
     out, shown on its own), and ours/theirs for time to KV loaded and time to first decode token."""
     lines = ["| P->D | connector | requests identical | KV loaded (ms) | KV ready at scheduler (ms) "
-             "| first decode token (ms) | warm-up KV loaded (ms) | descriptors per request | ours/theirs KV loaded "
-             "| ours/theirs first token |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| first decode token (ms) | warm-up KV loaded (ms) | descriptors per request | KV bytes per request "
+             "| ours/theirs KV loaded | ours/theirs first token |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     by = {(r["prefill_tp"], r["decode_tp"], r["connector"], r.get("model_kind", "llama")): r for r in results}
     for (p, d, c, model), r in by.items():
         pd = f"{p}->{d}" if model == "llama" else f"{p}->{d} {model}"
         timed = [x for x in r["rows"] if x["request"] >= 0]
         warm = [x for x in r["rows"] if x["request"] < 0]
         if not timed:
-            lines.append(f"| {pd} | {c} | failed: {r.get('error', '')[:80]} ||||||||")
+            lines.append(f"| {pd} | {c} | failed: {r.get('error', '')[:80]} |||||||||")
             continue
         med = lambda k, rows=timed: median_known([x[k] for x in rows])  # noqa: E731
         ratio_kv = ratio_tt = ""
@@ -503,10 +573,13 @@ def pd_vllm_table(results: list[dict]) -> list[str]:
         # kvtriton: how each measured request's descriptors moved (bench/pd_vllm.py "ways"), distinct ones in order
         ways = list(dict.fromkeys(x["ways"] for x in timed if x.get("ways")))
         how = f" ({'; '.join(ways)})" if ways else ""
+        kv_bytes = median_known([x.get("kv_bytes") or None for x in timed])  # 0: the connector counts none
+        kv_bytes = "n/a" if kv_bytes is None else f"{int(kv_bytes):,}"
         lines.append(f"| {pd} | {c} | {r['ok']}/{r['n']} | {fmt_ms(med('kv_loaded_ms'))} | "
                      f"{fmt_ms(med('kv_ready_ms'))} | {fmt_ms(med('ttft_ms'))} | "
                      f"{fmt_ms(warm[0]['kv_loaded_ms']) if warm else 'n/a'} | "
-                     f"{'n/a' if desc is None else int(desc)}{how} | {ratio_kv} | {ratio_tt} |")
+                     f"{'n/a' if desc is None else int(desc)}{how} | {kv_bytes} | "
+                     f"{ratio_kv} | {ratio_tt} |")
     return lines
 
 

@@ -39,6 +39,13 @@ load run; pd_vllm on the 2-layer toy model at P2->D1); ``--full`` runs today's f
 e2e configuration, both grid transports, the 256-request load, pd_vllm scaled at P2->D1 and
 P1->D2). Each section shows a progress bar (tqdm) on stderr.
 
+Each section has a budget in the default sweep (:data:`BUDGET_S`, 300 s in all) and its process
+tree's peak memory is sampled (bench/memory.py: PSS summed over the processes it started, and the
+largest process's RSS; goal <= 4 GB): summary.md's section table shows both and names any section
+over its budget or the memory goal (it still runs to the end: its rows are kept). ``descriptors``
+also plans one request per pd_vllm model kind (llama, deepseek, llama+mla-draft: ours against
+NixlConnector's count, no engines); ``pd_vllm --full`` runs the MLA kinds on engines too.
+
 Writes ``bench/results/sweep.csv`` in long form (one row per measured quantity: the row's
 parameters, ``metric``, ``unit``, and its ``p20``/``p50``/``p80``; counts have three equal
 quantiles), ``summary.md`` (a five-line headline first) and ``descriptors.png`` (all written by
@@ -64,8 +71,17 @@ HERE = Path(__file__).resolve().parent
 # is imported (tests) rather than run (python bench/sweep.py puts bench/ first by itself)
 sys.path.insert(0, str(HERE))
 
-from descriptors import descriptor_rows  # noqa: E402  bench/descriptors.py
-from presets import BLOCK_SIZES, PRESETS, TOKENS, TP_PAIRS, Preset  # noqa: E402  bench/presets.py
+from descriptors import descriptor_rows, model_kind_rows  # noqa: E402  bench/descriptors.py
+from memory import PeakMemory  # noqa: E402  bench/memory.py
+from presets import (  # noqa: E402  bench/presets.py
+    BLOCK_SIZES,
+    PD_KIND_PAIRS,
+    PD_MODEL_KINDS,
+    PRESETS,
+    TOKENS,
+    TP_PAIRS,
+    Preset,
+)
 from report import pd_vllm_table, print_table, write_outputs  # noqa: E402  bench/report.py
 
 try:
@@ -112,11 +128,14 @@ class Bar:
 # and returns the section's rows, each tagged with its ``section`` (bench/report.py groups the
 # tables by it). ``args.full``: today's full sizes; else every section runs smaller.
 def _descriptors(args, presets, device, bar) -> list[dict]:
-    bar.total(len(presets))
+    bar.total(len(presets) + 1)
     rows = []
     for p in presets:
         rows += descriptor_rows([p], TP_PAIRS, BLOCK_SIZES, TOKENS)
         bar.step(p.name)
+    # a row per pd_vllm model kind (issue 19): planned, so in the default sweep without engines
+    rows += model_kind_rows(PD_MODEL_KINDS, PD_KIND_PAIRS)
+    bar.step("model kinds")
     return rows
 
 
@@ -207,6 +226,32 @@ SECTIONS = {
 }
 
 
+#: seconds each section may take in the default sweep on a 2-core box (sum 300 s: the 5-minute
+#: goal of issue 21); a section past its budget is not cut short (its rows would be lost) but
+#: summary.md's section table says it ran over, by how much, so the total's cause is in plain view
+BUDGET_S = {"descriptors": 5, "kernels": 30, "e2e": 50, "costmodel": 50, "planning": 5, "rogue": 20,
+            "security_cost": 15, "pd_vllm": 125}
+#: peak memory every bench must stay under (issue 21: the quick grid once peaked at 10 GB)
+MEMORY_GOAL_GB = 4.0
+
+
+def section_row(name: str, seconds: float, memory: dict, full: bool) -> dict:
+    """The sweep's own row for one section: wall time, its budget (default sweep only) and the
+    peak memory of the section's process tree (bench/memory.py)."""
+    budget = None if full else BUDGET_S.get(name)
+    over = budget is not None and seconds > budget
+    heavy = memory.get("tree_pss_gb") is not None and memory["tree_pss_gb"] > MEMORY_GOAL_GB
+    notes = []
+    if over:
+        notes.append(f"over its budget by {seconds - budget:.0f} s")
+    if heavy:
+        notes.append(f"over the {MEMORY_GOAL_GB:g} GB goal")
+    return {"section": "sweep", "part": name, "wall_s": round(seconds, 1), "budget_s": budget,
+            "tree_pss_gb": memory.get("tree_pss_gb"), "largest_rss_gb": memory.get("largest_rss_gb"),
+            "largest_process": memory.get("largest", ""), "within": "no" if (over or heavy) else "yes",
+            "note": "; ".join(notes)}
+
+
 # --------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     """Run the chosen sections, write sweep.csv, summary.md and descriptors.png, print a table."""
@@ -232,11 +277,13 @@ def main(argv=None) -> int:
     for name, (needs_nixl, run) in SECTIONS.items():
         if name in sections and (have_nixl or not needs_nixl):
             t1, bar = time.time(), Bar(name)
-            try:
-                rows += run(args, presets, device, bar)
-            finally:
-                bar.close()
+            with PeakMemory() as mem:
+                try:
+                    rows += run(args, presets, device, bar)
+                finally:
+                    bar.close()
             ran[name] = round(time.time() - t1, 1)
+            rows.append(section_row(name, ran[name], mem.figures(), args.full))
     meta = dict(
         device=(torch.cuda.get_device_name() if device == "cuda"
                 else f"cpu ({os.cpu_count()} cores, {platform.machine()})"),

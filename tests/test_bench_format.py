@@ -1,5 +1,6 @@
 """The sweep's output format: long-form rows with p20/p50/p80, the cost-model summary line."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -149,3 +150,140 @@ def test_security_cost_rows_get_their_table():
             for v, ms in (("default", 2.0), ("staging", 3.0))]
     text = "\n".join(summary_lines(rows, dict(device="cpu", timestamp="t", command="c", torch="t", git_sha="g")))
     assert "Memory-model options" in text and "| same-layout | staging |" in text and "| 1.5 |" in text
+
+
+def test_peak_memory_counts_the_children_a_bench_starts():
+    """bench/memory.py: a child holding ~300 MB shows in the tree's peak (sampled by a process of
+    its own, which leaves itself out), not in this process's RSS; the largest process is named."""
+    import subprocess
+    import time
+
+    from memory import PeakMemory, tree
+
+    if not Path("/proc/self/statm").exists():
+        pytest.skip("no /proc: the sampler reports 'not measured' there")
+    code = "import sys, time; b = bytearray(300 << 20); b[::4096] = b'x' * len(b[::4096]); print(1, flush=True); " \
+           "time.sleep(30)"
+    with PeakMemory(interval_s=0.1) as mem:
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "1"  # its pages are touched now
+            assert child.pid in tree(os.getpid())
+            time.sleep(0.6)  # several samples while it holds them
+        finally:
+            child.kill()
+            child.wait(timeout=10)
+    fig = mem.figures()
+    assert fig["tree_pss_gb"] >= 0.28 and fig["largest_rss_gb"] >= 0.28, fig
+    assert "python" in fig["largest"] and "-c" in fig["largest"]
+
+
+def test_sweep_reports_sections_over_budget_or_memory_goal(tmp_path):
+    """Each section's own row: wall time against its budget and peak memory; an overrun is said in
+    summary.md (never silent), the --full sweep has no budget."""
+    from report import write_outputs
+    from sweep import BUDGET_S, section_row
+
+    assert sum(BUDGET_S.values()) <= 300  # the default sweep's 5-minute goal, section by section
+    ok = section_row("planning", 1.0, {"tree_pss_gb": 0.3, "largest_rss_gb": 0.3, "largest": "python"}, False)
+    slow = section_row("pd_vllm", BUDGET_S["pd_vllm"] + 30.0, {"tree_pss_gb": 5.0, "largest_rss_gb": 2.0,
+                                                                "largest": "python -m vllm"}, False)
+    full = section_row("pd_vllm", 900.0, {"tree_pss_gb": 1.0, "largest_rss_gb": 1.0, "largest": "x"}, True)
+    assert ok["within"] == "yes" and not ok["note"]
+    assert slow["within"] == "no" and "over its budget by 30 s" in slow["note"] and "4 GB goal" in slow["note"]
+    assert full["budget_s"] is None and full["within"] == "yes"
+    meta = dict(device="cpu", torch="t", git_sha="g", timestamp="ts", command="python bench/sweep.py")
+    write_outputs([ok, slow], tmp_path, meta)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Sections: wall time against budget, peak memory" in summary
+    assert "Sections over budget or memory goal: pd_vllm" in summary
+    assert "| planning | 1.0 | 5 | 0.3 | 0.3 | python |" in summary
+    assert "tree_pss_gb" in (tmp_path / "sweep.csv").read_text()
+
+
+def test_pd_vllm_rows_keep_model_kinds_apart(tmp_path):
+    """A deepseek row at the same pair as the llama one gets its own table line (with bytes per
+    request); the headline's ratio reads the llama rows only."""
+    from report import headline_lines, summary_lines
+
+    def row(connector, kind, ms, desc, nbytes):
+        return dict(section="pd_vllm", connector=connector, prefill_tp=2, decode_tp=1, pd_size="small",
+                    model_kind=kind, request=0, ttft_ms=2 * ms, kv_loaded_ms=ms, kv_ready_ms=ms, descriptors=desc,
+                    kv_bytes=nbytes, identical=True, summary=f"pd_vllm: {connector}: {kind}")
+
+    rows = [row("kvtriton", "llama", 10.0, 2, 1000), row("nixl", "llama", 20.0, 44, 0),
+            row("kvtriton", "deepseek", 90.0, 4, 5000), row("nixl", "deepseek", 30.0, 42, 0)]
+    meta = dict(device="cpu", torch="t", git_sha="g", timestamp="ts", command="c")
+    text = "\n".join(summary_lines(rows, meta))
+    assert "| 2->1 | kvtriton | 1/1 | 10.0 |" in text and "| 2->1 deepseek | kvtriton | 1/1 | 90.0 |" in text
+    assert "| 2 | 1,000 | 0.50 |" in text and "| 4 | 5,000 | 3.00 |" in text  # descriptors, bytes, ours/theirs
+    assert "| 44 | n/a |" in text  # NixlConnector's byte count is not reported: n/a, not 0
+    assert "P2->D1 0.50x" in headline_lines(rows, meta)[3]
+
+
+def test_pd_vllm_compare_starts_the_next_engines_while_the_last_close(monkeypatch, tmp_path):
+    """compare(): each run's engines close in the background while the next run's start, and are
+    gone (their closer joined) before the next run measures; one model folder for all runs."""
+    import threading
+    import time
+
+    import pd_vllm
+
+    events, closed = [], threading.Event()
+
+    def fake_run(connector, p_tp, d_tp, *, before_measure, closing, model_cache, log_dir, say, **kw):
+        events.append(("start", connector, model_cache))
+        before_measure()
+        events.append(("measure", connector, closed.is_set() or connector == "kvtriton"))
+        if connector == "nixl":
+            raise RuntimeError("handshake refused")  # a failing run is a result with no rows, not an abort
+
+        def close():
+            time.sleep(0.3)  # engines take a while to exit: a measure that did not wait would see them
+            events.append(("closing", connector))
+            closed.set()
+
+        t = threading.Thread(target=close)
+        t.start()
+        closing.append(t)
+        return {"rows": [], "ok": 0, "n": 0, "recomputed": 0, "summary": f"pd_vllm: {connector}: ok"}
+
+    monkeypatch.setattr(pd_vllm, "run", fake_run)
+    out = pd_vllm.compare(((2, 1),), say=lambda *a: None, log_dir=str(tmp_path))
+    assert [(r["connector"], r["prefill_tp"], r["decode_tp"]) for r in out] == [("kvtriton", 2, 1), ("nixl", 2, 1)]
+    assert "failed (RuntimeError: handshake refused)" in out[1]["summary"]
+    assert ("measure", "nixl", True) in events  # kvtriton's engines were closed before nixl measured
+    assert {e[2] for e in events if e[0] == "start"} == {str(tmp_path)}
+
+
+def test_costgrid_paired_ratios_cancel_load_shared_by_a_round():
+    """Two ways timed back to back per round: a load burst that slows a whole round cancels in the
+    same-round ratio; the paired line names a cell whose chosen way lost in >= 80% of rounds."""
+    from costgrid import paired_ratios
+    from report import paired_line, rss_line
+
+    load = [1.0, 3.0, 1.0, 5.0, 1.0, 2.0]  # the host's slowdown in each round
+    samples = {"staged": [1.1 * x for x in load], "direct": [1.0 * x for x in load]}
+    assert paired_ratios(samples, "staged", "direct") == pytest.approx([1.1] * 6)
+    cell = dict(transport="shm", p_tp=4, d_tp=2, heads_per_rank=4, block_size=16, layout="HND", chosen="staged",
+                best="direct", ratio=1.3, paired_ratio=1.1, paired_ratio_p20=1.05, paired_ratio_p80=1.2,
+                peak_rss_gb=0.8)
+    even = dict(cell, chosen="direct", paired_ratio=1.0, paired_ratio_p20=0.9, paired_ratio_p80=1.1, peak_rss_gb=1.5,
+                block_size=128)
+    line = paired_line([cell, even])
+    assert "worst median 1.10, median 1.05 over 2 cells; chosen slower in >= 80% of rounds: 1" in line
+    assert "(shm P4->D2 h4 b16 HND (staged vs direct, 1.10))" in line
+    assert "1.50 GB (P4->D2 h4 b128, shm)" in rss_line([cell, even])
+
+
+def test_pd_vllm_start_order():
+    """Both connectors' engines start at once by default; one after the other on request, more
+    ranks (the TP engine spawning workers) first."""
+    from pd_vllm import _start_order
+
+    p2d1 = {"prefill": {"tp": 2}, "decode": {"tp": 1}}
+    p1d2 = {"prefill": {"tp": 1}, "decode": {"tp": 2}}
+    assert _start_order("kvtriton", p2d1, None) == (["prefill", "decode"], True)
+    assert _start_order("nixl", p2d1, None) == (["prefill", "decode"], True)
+    assert _start_order("nixl", p1d2, False) == (["decode", "prefill"], False)
+    assert _start_order("kvtriton", p2d1, False)[1] is False

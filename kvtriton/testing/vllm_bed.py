@@ -236,7 +236,7 @@ def _child(args) -> None:
 
         os.environ[vllm_patches.ENV] = args.patches
         vllm_patches.apply(args.patches.split(","))
-        if kv_config is not None and args.connector == "kvtriton":
+        if kv_config is not None and args.connector in ("kvtriton", "nixl"):  # NixlConnector's workers too
             kv_config["kv_connector_module_path"] = vllm_patches.__name__
     options = {"dtype": "float32", **json.loads(args.engine_options)}
     llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True,

@@ -20,7 +20,9 @@ Each patch relaxes a *declaration*, not a kernel:
 Two ways in, so the patches reach every process of an engine: the bed calls :func:`apply` in the
 engine process, and a worker process (TP > 1) imports this module as the KV connector module
 (``kv_connector_module_path``), which applies the patches named in ``KVTRITON_BED_PATCHES``
-before handing vLLM :class:`~kvtriton.integrations.vllm.KVTritonConnector`.
+before handing vLLM :class:`~kvtriton.integrations.vllm.KVTritonConnector` (or vLLM's own
+``NixlConnector``, so both connectors can be compared on this model: vLLM imports a connector
+module path before its registry).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["apply", "PATCHES"]  # and KVTritonConnector, on first access
+__all__ = ["apply", "PATCHES"]  # and KVTritonConnector / NixlConnector, on first access
 
 logger = logging.getLogger(__name__)
 ENV = "KVTRITON_BED_PATCHES"
@@ -71,4 +73,9 @@ def __getattr__(name: str):
         from kvtriton.integrations.vllm import KVTritonConnector
 
         return KVTritonConnector
+    if name == "NixlConnector":  # the same way in for vLLM's own connector (bench/pd_vllm.py --connector both)
+        apply(os.environ.get(ENV, "").split(","))
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+
+        return NixlConnector
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
