@@ -3,7 +3,7 @@
 
 A prefill server and a decode server of different TP sizes run SGLang's own scheduler, pools and
 bootstrap server with ``--disaggregation-transfer-backend kvtriton``; requests are posted as
-SGLang's router posts them (:func:`kvtriton.testing.sglang_bed.pd_generate`). Oracles: the decode's
+SGLang's router posts them (:func:`kvtriton.testing.sglang_servers.pd_generate`). Oracles: the decode's
 greedy tokens equal a non-disaggregated server's for prompts of several lengths that are not
 multiples of the page size; every decode rank's receiver reached Success and the agents posted
 descriptors for it (counted per request from their stats); a negative control (the prefill's
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtriton.testing.sglang_bed import ServerProcess, engine_cpus, make_model, pd_generate
+from kvtriton.testing.sglang_servers import ServerProcess, engine_cpus, make_model, pd_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.sglang

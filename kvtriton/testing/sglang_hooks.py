@@ -1,6 +1,6 @@
 """Hooks of the SGLang test bed, inside the server's processes: they time and count what any
 transfer backend does (kvtriton's, SGLang's own nixl) and, for the negative control, scramble the
-source pages a sender is about to send. :mod:`.sglang_server` installs them in every process of a
+source pages a sender is about to send. :mod:`.sglang_launch` installs them in every process of a
 server (the launcher and the scheduler processes SGLang spawns), before SGLang makes a sender.
 
 Nothing of SGLang's behaviour is changed unless ``scramble`` is asked for: the hooks wrap the

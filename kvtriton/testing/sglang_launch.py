@@ -1,4 +1,4 @@
-"""``python -m kvtriton.testing.sglang_server ARGS``: SGLang's ``sglang.launch_server ARGS`` with the
+"""``python -m kvtriton.testing.sglang_launch ARGS``: SGLang's ``sglang.launch_server ARGS`` with the
 test bed's hooks (:mod:`.sglang_hooks`) installed in every process of the server.
 
 Why a wrapper and not a plugin: SGLang spawns its scheduler processes (``mp`` start method

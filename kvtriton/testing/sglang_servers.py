@@ -1,6 +1,6 @@
 """Real SGLang servers on this CPU for the SGLang backend's Tier 2 tests and ``bench/pd_sglang.py``.
 
-Each server is ``python -m kvtriton.testing.sglang_server`` (SGLang's own ``launch_server`` with
+Each server is ``python -m kvtriton.testing.sglang_launch`` (SGLang's own ``launch_server`` with
 the bed's observing hooks, :mod:`.sglang_hooks`) in the SGLang test bed's Python (``make
 sglang-bed``), run on CPU the one way SGLang runs without its CUDA kernels: ``SGLANG_USE_CPU_ENGINE=1
 --device cpu --attention-backend torch_native --disable-overlap-schedule``, gloo between TP ranks,
@@ -126,7 +126,7 @@ class ServerProcess:
         log_dir.mkdir(parents=True, exist_ok=True)
         events = BedEvents(log_dir / f"{name}.events")
         port, nccl = free_port_range(1), free_port_range(1)
-        cmd = [python, "-m", "kvtriton.testing.sglang_server", "--model-path", str(model_dir),
+        cmd = [python, "-m", "kvtriton.testing.sglang_launch", "--model-path", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--tp", str(tp), "--nccl-port", str(nccl),
                "--page-size", str(page_size), "--max-total-tokens", str(max_total_tokens), *CPU_ARGS]
         bootstrap = None
