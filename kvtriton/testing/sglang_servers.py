@@ -132,8 +132,8 @@ class ServerProcess:
         bootstrap = None
         if mode != "null":
             cmd += ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend]
-            if mode == "prefill":
-                bootstrap = free_port_range(1)
+            if mode == "prefill":  # kvtriton's rank r serves handshakes on bootstrap + 1 + r
+                bootstrap = free_port_range(tp + 2)
                 cmd += ["--disaggregation-bootstrap-port", str(bootstrap)]
         cmd += list(extra_args)
         child_env = dict(os.environ)
@@ -226,7 +226,7 @@ class ServerProcess:
             if sig == signal.SIGKILL:
                 break
         if self.proc.poll() is None:
-            print(f"sglang_bed: pid {self.proc.pid} still alive after SIGKILL", file=sys.stderr)
+            print(f"sglang_servers: pid {self.proc.pid} still alive after SIGKILL", file=sys.stderr)
 
 
 def _body(prompts, max_tokens: int) -> dict:

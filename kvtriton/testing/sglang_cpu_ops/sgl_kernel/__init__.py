@@ -17,8 +17,6 @@ replaced.
 
 import ctypes
 
-import torch
-
 __version__ = "0.0.0+kvtriton-bed"
 
 
