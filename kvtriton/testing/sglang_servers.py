@@ -132,6 +132,10 @@ class ServerProcess:
         bootstrap = None
         if mode != "null":
             cmd += ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend]
+            if mode == "decode":
+                # the default backup of retracted requests is a host pool that SGLang pins with
+                # cudaHostRegister (mem_cache/pool_host/common.py:147), which needs a CUDA driver
+                cmd += ["--disaggregation-decode-retraction-backup", "none"]
             if mode == "prefill":  # kvtriton's rank r serves handshakes on bootstrap + 1 + r
                 bootstrap = free_port_range(tp + 2)
                 cmd += ["--disaggregation-bootstrap-port", str(bootstrap)]
@@ -142,6 +146,11 @@ class ServerProcess:
             "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1", "GLOO_SOCKET_IFNAME": "lo", "SGLANG_HOST_IP": "127.0.0.1",
             "PYTHONUNBUFFERED": "1", "KVTRITON_SGLANG_BED_DIR": str(events.folder),
+            # a PyPI torch (the CUDA build) brings libnccl, and SGLang's TP group then builds a
+            # PyNcclCommunicator on the CPU device, which fails (parallel_state.py:464 ->
+            # pynccl.py:116 torch.cuda.device(cpu)); a library that does not load turns it off,
+            # as on a CPU torch build (pynccl.py:73-79)
+            "SGLANG_NCCL_SO_PATH": "/nonexistent/kvtriton-bed-no-nccl.so",
         })
         child_env.pop("TRITON_INTERPRET", None)
         if not real_kernels:
