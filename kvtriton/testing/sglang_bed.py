@@ -64,21 +64,23 @@ def _rank_main(conn, role: str, rank: int, tp: int, cfg: dict) -> None:
     os.environ.update(cfg.get("env", {}))
     import torch
     from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.disaggregation import utils as disagg_utils
     from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, MetadataBuffers, TransferBackend
-    from sglang.srt.disaggregation.utils import get_kv_class as kv_class
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
     from ..integrations.sglang import plugin
 
     plugin.register()  # what SGLang's loader does in each process, before parsing arguments
+    kv_class = disagg_utils.get_kv_class  # the hooked one (a name bound before the hook would be SGLang's)
     backend = TransferBackend("kvtriton")
     server_args = ServerArgs(model_path=cfg["model"], device="cpu", tp_size=tp, host="127.0.0.1",
                              port=cfg["http_port"], disaggregation_mode=role,
                              disaggregation_transfer_backend="kvtriton",
                              disaggregation_bootstrap_port=cfg["bootstrap_port"], skip_server_warmup=True)
     publish(server_args, role="test", ranks=SpawnRanks(world_rank=rank))
+    get_parallel().override_permanently(pp_group=None)  # no process groups here; read only when pp_size > 1
     bootstrap = None
     if role == "prefill" and rank == 0:
         bootstrap = kv_class(backend, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", cfg["bootstrap_port"])
