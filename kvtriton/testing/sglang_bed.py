@@ -63,8 +63,8 @@ def aux_reference(seed: int, item_lens: list[int]) -> list[bytes]:
 def _rank_main(conn, role: str, rank: int, tp: int, cfg: dict) -> None:
     os.environ.update(cfg.get("env", {}))
     import torch
-    from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation import utils as disagg_utils
+    from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, MetadataBuffers, TransferBackend
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
