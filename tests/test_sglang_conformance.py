@@ -124,7 +124,7 @@ def _run(case: str, tmp_path) -> dict:
     (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIG))
     base = free_port_range(60)
     res = subprocess.run([PY, "-m", "kvtriton.testing.sglang_bed", case, "--base-port", str(base), "--model",
-                          str(tmp_path)], env=bed_env(), capture_output=True, text=True, timeout=1200)
+                          str(tmp_path)], env=bed_env(), capture_output=True, text=True, timeout=2400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 

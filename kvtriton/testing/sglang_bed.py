@@ -213,7 +213,7 @@ class Engine:
         self.addr = f"127.0.0.1:{cfg['bootstrap_port']}"
         self.ranks = [ChildProcess(_rank_main, role, r, tp, cfg, name=f"{name}{r}") for r in range(tp)]
 
-    def ready(self, timeout_s: float = 240) -> None:
+    def ready(self, timeout_s: float = 600) -> None:  # SGLang imports for minutes on a loaded 2-core host
         for p in self.ranks:
             p.ready(timeout_s)
 
