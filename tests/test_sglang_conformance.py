@@ -3,7 +3,7 @@
 Everything runs in the SGLang test bed (``make sglang-bed``): the plugin through SGLang's own
 plugin loader; the backend's refusals; and :mod:`kvtriton.testing.sglang_bed`, which starts the
 prefill and decode ranks as separate processes holding SGLang's real pool and metadata buffers,
-SGLang's bootstrap server in prefill rank 0, and the manager, sender and receiver that
+SGLang's bootstrap server, and the manager, sender and receiver that
 ``get_kv_class`` returns, over real NIXL. Each case checks every byte of the decode pages and
 metadata rows against a reference drawn from the room's seed, for rooms whose length is not a
 multiple of the page size; a control before the first transfer shows the decode pages did not
