@@ -9,9 +9,10 @@ backend: the published ``ServerArgs`` of its engine (``publish`` with its world 
 ``kvtriton`` plugin registered first, as SGLang's plugin loader does), a real
 ``MHATokenToKVPool`` (token-major ``[size + page, heads, head_dim]`` per layer, bf16) and
 ``MetadataBuffers``, ``KVArgs`` filled as ``prefill.py``/``decode.py`` fill them, and the
-manager, sender and receiver ``get_kv_class`` returns for the backend. Prefill rank 0 also runs
-SGLang's bootstrap server (``KVTritonKVBootstrapServer``), so killing the prefill engine kills it
-too, as when a real prefill dies. The driver (this process) plays both schedulers: it creates
+manager, sender and receiver ``get_kv_class`` returns for the backend. SGLang's bootstrap server
+(``KVTritonKVBootstrapServer``) runs in this driver, up before any rank registers, or, in the
+killed-prefill case, in the prefill's only rank, so killing the prefill kills it too, as when a
+real prefill server dies. The driver (this process) plays both schedulers: it creates
 senders and receivers, allocates pages, polls ``KVPoll`` states, and checks every byte of the
 decode pages and metadata rows against a reference drawn here, with numpy, from the room's seed
 (the prefill ranks write their head slice of it; the decode pools start as other random bytes).
@@ -63,24 +64,26 @@ def aux_reference(seed: int, item_lens: list[int]) -> list[bytes]:
 def _rank_main(conn, role: str, rank: int, tp: int, cfg: dict) -> None:
     os.environ.update(cfg.get("env", {}))
     import torch
+    from sglang.srt.disaggregation import utils as disagg_utils
     from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, MetadataBuffers, TransferBackend
-    from sglang.srt.disaggregation.utils import get_kv_class as kv_class
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
     from ..integrations.sglang import plugin
 
     plugin.register()  # what SGLang's loader does in each process, before parsing arguments
+    kv_class = disagg_utils.get_kv_class  # the hooked one (a name bound before the hook would be SGLang's)
     backend = TransferBackend("kvtriton")
     server_args = ServerArgs(model_path=cfg["model"], device="cpu", tp_size=tp, host="127.0.0.1",
                              port=cfg["http_port"], disaggregation_mode=role,
                              disaggregation_transfer_backend="kvtriton",
                              disaggregation_bootstrap_port=cfg["bootstrap_port"], skip_server_warmup=True)
     publish(server_args, role="test", ranks=SpawnRanks(world_rank=rank))
+    get_parallel().override_permanently(pp_group=None)  # no process groups here; read only when pp_size > 1
     bootstrap = None
-    if role == "prefill" and rank == 0:
+    if role == "prefill" and rank == 0 and cfg.get("bootstrap_in_rank0"):
         bootstrap = kv_class(backend, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", cfg["bootstrap_port"])
     local = len(heads_of(rank, tp))
     pool = MHATokenToKVPool(POOL_TOKENS, PAGE, torch.bfloat16, local, HEAD_DIM, LAYERS, "cpu", False)
@@ -209,9 +212,20 @@ class Engine:
     def __init__(self, role: str, tp: int, cfg: dict, name: str):
         self.role, self.tp, self.name = role, tp, name
         self.addr = f"127.0.0.1:{cfg['bootstrap_port']}"
+        self.bootstrap = None
+        if role == "prefill" and not cfg.get("bootstrap_in_rank0"):
+            # up before any rank registers (a rank that starts first would exhaust its retries)
+            from sglang.srt.disaggregation import utils as disagg_utils
+
+            from ..integrations.sglang import plugin
+
+            plugin.register()
+            cls = disagg_utils.get_kv_class(disagg_utils.TransferBackend("kvtriton"),
+                                            disagg_utils.KVClassType.BOOTSTRAP_SERVER)
+            self.bootstrap = cls("127.0.0.1", cfg["bootstrap_port"])
         self.ranks = [ChildProcess(_rank_main, role, r, tp, cfg, name=f"{name}{r}") for r in range(tp)]
 
-    def ready(self, timeout_s: float = 240) -> None:
+    def ready(self, timeout_s: float = 600) -> None:  # SGLang imports for minutes on a loaded 2-core host
         for p in self.ranks:
             p.ready(timeout_s)
 
@@ -235,6 +249,8 @@ class Engine:
     def close(self) -> None:
         for p in self.ranks:
             p.close(10)
+        if self.bootstrap is not None:
+            self.bootstrap.close()
 
 
 def _room_pages(rng, n_pages: int) -> list[int]:
@@ -289,8 +305,12 @@ def _transfer(prefill: Engine, decode: Engine, room: int, seed: int, n_tokens: i
     return out
 
 
-def _config(base_port: int, model: str, http_port: int, env: dict) -> dict:
-    return {"bootstrap_port": base_port, "http_port": http_port, "model": model, "junk_seed": base_port, "env": env}
+def _config(base_port: int, model: str, http_port: int, env: dict, bootstrap_in_rank0: bool = False) -> dict:
+    """One engine's settings. ``bootstrap_in_rank0``: SGLang's bootstrap server lives (and dies)
+    with prefill rank 0 (TP1 engines only: another rank could start before it); else this
+    driver hosts it."""
+    return {"bootstrap_port": base_port, "http_port": http_port, "model": model, "junk_seed": base_port, "env": env,
+            "bootstrap_in_rank0": bootstrap_in_rank0}
 
 
 def run_case(case: str, *, base_port: int, model: str, seed: int = 0) -> dict:
@@ -303,8 +323,8 @@ def run_case(case: str, *, base_port: int, model: str, seed: int = 0) -> dict:
     engines: list[Engine] = []
     try:
         if case == "killed_prefill":
-            a = Engine("prefill", 1, _config(base_port, model, base_port + 50, env), "PA")
-            b = Engine("prefill", 1, _config(base_port + 10, model, base_port + 51, env), "PB")
+            a = Engine("prefill", 1, _config(base_port, model, base_port + 50, env, True), "PA")
+            b = Engine("prefill", 1, _config(base_port + 10, model, base_port + 51, env, True), "PB")
             d = Engine("decode", 1, _config(base_port + 20, model, base_port + 52, env), "D")
             engines = [a, b, d]
             for e in engines:
