@@ -103,14 +103,14 @@ def pair(request, model_dir, tmp_path_factory):
     pair.close()
 
 
-def test_tokens_match_a_plain_server(pair, prompts, reference):
+def test_tokens_match_a_plain_server(reference, prompts, pair):  # the plain server first, alone
     tokens, per_request = pair.run(prompts)
     assert tokens == reference, f"P{pair.p_tp}->D{pair.d_tp}: decode tokens {tokens} vs plain server {reference}"
     assert all(n > 0 for n in per_request), f"no descriptors posted for a request: {per_request}"
     print(f"P{pair.p_tp}->D{pair.d_tp} descriptors per request (lengths {LENGTHS}): {per_request}")
 
 
-def test_scrambled_source_pages_change_tokens(pair, prompts, reference):
+def test_scrambled_source_pages_change_tokens(reference, prompts, pair):
     pair.prefill.scramble("float32")
     try:
         tokens, _ = pair.run(prompts)
