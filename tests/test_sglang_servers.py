@@ -13,28 +13,18 @@ the tokens, so the KV the decode used really travelled, then turned off they mat
 
 import os
 import random
-from pathlib import Path
 
 import pytest
+from sglang_bed_python import bed_env, sglang_bed_python
 
 from kvtriton.testing.sglang_servers import ServerProcess, engine_cpus, make_model, pd_generate
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.sglang
 
 
-def sglang_bed_python() -> str:
-    """``KVTRITON_SGLANG_PYTHON``, else the bed ``make sglang-bed`` builds. Missing: an error in CI
-    (``make test`` builds the bed first), elsewhere this module is skipped."""
-    py = os.environ.get("KVTRITON_SGLANG_PYTHON") or str(ROOT / ".venv-sglang" / "bin" / "python")
-    if not Path(py).exists():
-        if os.environ.get("CI"):
-            raise RuntimeError(f"SGLang test bed missing: {py} (run `make sglang-bed`)")
-        pytest.skip(f"no SGLang test bed at {py}: `make sglang-bed` builds it", allow_module_level=True)
-    return py
-
-
 SGL_PY = sglang_bed_python()
+# this checkout first on the servers' PYTHONPATH, whichever checkout the bed's editable kvtriton names
+ENV = {"PYTHONPATH": bed_env()["PYTHONPATH"]}
 PAGE = 16
 LENGTHS = (37, 100, 203)  # not multiples of the page size
 MAX_TOKENS = 8
@@ -56,20 +46,23 @@ def prompts():
 def reference(model_dir, prompts, tmp_path_factory):
     """Greedy tokens of one non-disaggregated TP1 server."""
     with ServerProcess.start(SGL_PY, model_dir, tp=1, page_size=PAGE, log_dir=tmp_path_factory.mktemp("plain"),
-                             name="plain-tp1") as plain:
+                             name="plain-tp1", env=ENV) as plain:
         return plain.generate(prompts, MAX_TOKENS)
 
 
 class Pair:
     def __init__(self, model_dir, log_dir, p_tp, d_tp, backend="kvtriton"):
         self.p_tp, self.d_tp, self.rooms = p_tp, d_tp, iter(range(1000, 10**6))
+        secret = log_dir / "secret"  # the handshakes authenticate, as a deployment's would
+        secret.write_bytes(os.urandom(32))
+        self.env = {**ENV, "KVTRITON_AUTH_SECRET_FILE": str(secret)}
         self.prefill = ServerProcess.start(SGL_PY, model_dir, tp=p_tp, mode="prefill", backend=backend,
                                            page_size=PAGE, cpus=engine_cpus(p_tp, 0), log_dir=log_dir,
-                                           name="prefill")
+                                           name="prefill", env=self.env)
         try:
             self.decode = ServerProcess.start(SGL_PY, model_dir, tp=d_tp, mode="decode", backend=backend,
                                               page_size=PAGE, cpus=engine_cpus(d_tp, 1), log_dir=log_dir,
-                                              name="decode")
+                                              name="decode", env=self.env)
         except BaseException:
             self.prefill.close()
             raise

@@ -153,9 +153,9 @@ class ServerProcess:
             "SGLANG_NCCL_SO_PATH": "/nonexistent/kvtriton-bed-no-nccl.so",
         })
         child_env.pop("TRITON_INTERPRET", None)
+        child_env.update(env or {})
         if not real_kernels:
             child_env["PYTHONPATH"] = os.pathsep.join([str(CPU_OPS), *filter(None, [child_env.get("PYTHONPATH")])])
-        child_env.update(env or {})
         log_path = log_dir / f"{name}.log"
         with open(log_path, "w") as log:
             log.write("$ " + " ".join(cmd) + "\n")
