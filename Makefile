@@ -1,5 +1,6 @@
 # Two commands on a fresh machine:  make sweep   |   make test
-# (`make test` also builds the vLLM test bed, .venv-vllm, for the connector's real-engine tests)
+# (`make test` also builds the vLLM and SGLang test beds, .venv-vllm and .venv-sglang, for the
+# real-engine tests)
 # `setup` makes .venv once: torch first (pinned, so pip never swaps in a multi-GB CUDA build on a
 # CPU machine; on Linux x86_64 with a GPU the same pin resolves to the CUDA wheel), then kvtriton
 # with its nixl/test/bench extras (NIXL's wheels depend on torch, hence the order).
@@ -21,8 +22,9 @@ $(VENV)/.installed: pyproject.toml
 sweep: setup
 	KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) bench/sweep.py
 
-test: setup lint triton-compat vllm-bed
-	KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q
+test: setup lint triton-compat vllm-bed sglang-bed
+	KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+	KVTRITON_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -q
 
 # `make test` runs it first: ruff over the whole tree (rules in pyproject.toml), mypy over the pure
 # layers. Those packages are typed; a path not there (yet) is left out rather than failing.
@@ -44,6 +46,19 @@ vllm-bed: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: scripts/setup_vllm_venv.sh
 	PYTHON=$(PYTHON) bash scripts/setup_vllm_venv.sh $(VLLM_VENV) "$(TORCH)"
+	touch $@
+
+# A real SGLang for the backend's tests: sglang 0.5.23 (--no-deps) with its CPU-safe requirements
+# on its own torch pin (2.14.1, with torchvision 0.29.1: SGLang imports torchvision at module level),
+# NIXL, kvtriton editable. ~7.4 GB and ~5 minutes from PyPI (less where the CPU wheel index is
+# reachable); the tests fail in CI without it, never skip.
+SGLANG_VENV ?= .venv-sglang
+
+.PHONY: sglang-bed
+sglang-bed: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: scripts/setup_sglang_venv.sh
+	PYTHON=$(PYTHON) bash scripts/setup_sglang_venv.sh $(SGLANG_VENV) .
 	touch $@
 
 # The lent GPU machine's Triton (3.6) drops alignment hints that newer ones keep: a venv holding
@@ -74,4 +89,4 @@ nixl-bundle: setup
 	$(PY) scripts/nixl_bundle.py --python $(NIXL_BUNDLE_PYTHON) --cuda $(NIXL_BUNDLE_CUDA) --out .nixl
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(TRITON_COMPAT_VENV) .nixl build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(TRITON_COMPAT_VENV) .nixl build *.egg-info .pytest_cache .hypothesis

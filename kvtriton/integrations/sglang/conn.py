@@ -1,0 +1,325 @@
+"""The classes SGLang gets for ``--disaggregation-transfer-backend kvtriton`` (imports SGLang).
+
+Built on SGLang's ``Common*`` classes, which SGLang's scheduler relies on beyond the abstract
+bases (``decode.py`` calls ``try_ensure_parallel_info`` and reads ``prefill_info_table``): the
+bootstrap server, the topology registration and the ``/route`` queries, the ``KVPoll`` state of
+each room (``request_status``, ``failure_records``), timeouts, heartbeats and the ABORT message
+are SGLang's own. What moves, and how, is kvtriton's: one
+:class:`~kvtriton.agent.TransferAgent` per TP rank over views of SGLang's K/V pool
+(:mod:`.caches`), the prefill and decode parts in :mod:`.prefill_role` / :mod:`.decode_role`,
+their messages in :mod:`.messages`.
+
+A case the backend does not move is refused when the manager is built, before anything is
+registered, with :class:`~.settings.UnsupportedSetupError` naming it (:func:`refuse_unsupported`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import requests
+import torch
+import zmq
+from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
+from sglang.srt.disaggregation.common.conn import (
+    ABORT_TAG,
+    AbortNotification,
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.runtime_context import get_disagg, get_parallel, get_serving
+from sglang.srt.utils.network import NetworkAddress
+
+from ...agent import TransferAgent
+from ...errors import KVTritonError, ProtocolError
+from ...plan import CostModel
+from ...protocol.handshake import MetadataServer
+from .caches import aux_views, kv_regions, local_heads
+from .decode_role import DecodeRole
+from .messages import READY_TAG, STATUS_TAG, WANT_TAG, Ready, Want
+from .prefill_role import PrefillRole
+from .settings import BackendSettings, UnsupportedSetupError
+
+__all__ = ["KVTritonKVBootstrapServer", "KVTritonKVManager", "KVTritonKVReceiver", "KVTritonKVSender",
+           "refuse_unsupported", "total_kv_heads"]
+
+logger = logging.getLogger(__name__)
+
+
+def refuse_unsupported(args, is_mla_backend: bool) -> None:
+    """Raise :class:`UnsupportedSetupError` naming the first case this backend does not move."""
+    p = get_parallel()
+    cases = []
+    if is_mla_backend:
+        cases.append("an MLA KV pool (a latent cache replicated over TP)")
+    states = [getattr(s, "value", str(s)) for s in (getattr(args, "state_types", None) or [])]
+    if any(s in ("block_scale", "block_scale_swa") for s in states):
+        cases.append(f"fp8 KV with block-scale pools (state types {states})")
+    elif states:
+        cases.append(f"hybrid state pools (mamba/SWA/DSA/...: state types {states})")
+    if p.pp_size > 1:
+        cases.append(f"pipeline parallelism (pp_size={p.pp_size})")
+    if getattr(args, "num_draft_entries", 0):
+        cases.append(f"a draft model's KV (speculative decoding: {args.num_draft_entries} draft buffers)")
+    if p.attn_cp_size > 1 or p.attn_dcp_size > 1:
+        cases.append(f"context parallelism (attn_cp_size={p.attn_cp_size}, attn_dcp_size={p.attn_dcp_size})")
+    if p.attn_dp_size > 1:
+        cases.append(f"data-parallel attention (attn_dp_size={p.attn_dp_size})")
+    if p.enable_kv_cache_sharding:
+        cases.append("--enable-kv-cache-sharding")
+    if getattr(args, "kv_layout", None) is not None:
+        cases.append(f"a KV layout other than the token-major MHA pool (kv_layout={args.kv_layout!r})")
+    if get_disagg().disaggregation_decode_allocation_policy != "early":
+        cases.append("--disaggregation-decode-allocation-policy prefill_complete")
+    if cases:
+        raise UnsupportedSetupError("the kvtriton transfer backend does not support " + "; ".join(cases) +
+                                    " (SGLang's own backends: --disaggregation-transfer-backend nixl or mooncake)")
+
+
+def total_kv_heads(args, server_args) -> int:
+    """The model's KV heads: what SGLang's prefill states, else the model's config (a decode's
+    ``KVArgs`` carries head counts only with SGLang's own staging on)."""
+    total = int(getattr(args, "total_kv_head_num", 0) or 0)
+    if total > 0:
+        return total
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(server_args.model_path, trust_remote_code=server_args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UnsupportedSetupError(f"the KV head count: the model config at {server_args.model_path!r} cannot be "
+                                    f"read ({e})") from None
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    total = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+    if not total:
+        raise UnsupportedSetupError(f"the model config at {server_args.model_path!r} states no KV head count "
+                                    f"(num_key_value_heads / num_attention_heads)")
+    return int(total)
+
+
+class KVTritonKVManager(CommonKVManager):
+    """SGLang's KV manager of one TP rank, moving KV with a :class:`TransferAgent`."""
+
+    kv_status_msg_tag = STATUS_TAG
+    kv_status_msg_carries_reason = True
+
+    def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False):
+        refuse_unsupported(args, bool(is_mla_backend))
+        self.settings = BackendSettings.from_env()  # a bad one fails here, before registering
+        self.credential = self.settings.agent.credential()
+        total = total_kv_heads(args, server_args)
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        heads = local_heads(total, self.attn_tp_size)
+        stated = int(getattr(args, "kv_head_num", 0) or 0)
+        if stated and stated != heads:
+            raise UnsupportedSetupError(f"a pool of {stated} KV heads on rank {self.attn_tp_rank} of TP "
+                                        f"{self.attn_tp_size}: expected {heads} of the model's {total}")
+        device = torch.device("cpu") if str(getattr(server_args, "device", "cuda")).startswith("cpu") else \
+            torch.device("cuda", int(getattr(args, "gpu_id", 0) or 0))
+        regions = kv_regions(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, page_size=args.page_size,
+                             heads=heads, total_heads=total, device=device)
+        aux = aux_views(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
+        self.is_prefill = disaggregation_mode == DisaggregationMode.PREFILL
+        # one id for every TP rank of the engine, unique in the cluster
+        port = self.bootstrap_port if self.is_prefill else get_serving().port
+        where = self.dist_init_addr or f"{self.local_ip}:{port}"
+        s = self.settings.agent
+        self.agent = TransferAgent(
+            f"sglang-{'prefill' if self.is_prefill else 'decode'}@{where}", self.attn_tp_rank, self.attn_tp_size,
+            regions, staging_bytes=s.staging_bytes, slot_bytes=s.slot_bytes, flow=s.transfer_flow,
+            chunk_bytes=s.chunk_bytes or None, inflight_chunks=s.inflight_chunks, timeout_s=s.timeout_s, impl=s.impl,
+            cost=CostModel(), eager_guess=s.eager_guess, modes=s.agent_modes,
+            require_authenticated_peers=self.credential is not None, register=s.register, integrity=s.integrity)
+        self.server: MetadataServer | None = None
+        self.prefill: PrefillRole | None = None
+        self.decode: DecodeRole | None = None
+        self._stop = threading.Event()
+        try:
+            if self.is_prefill:
+                self.prefill = PrefillRole(self, self.agent, aux, lease_s=s.lease_s, poll=KVPoll)
+                port = self.settings.handshake_port(self.bootstrap_port, self.attn_tp_rank)
+                self.server = MetadataServer(self.local_ip, port, self.agent.metadata, self._add_remote,
+                                             credential=self.credential, io_timeout_s=s.handshake_timeout_s).start()
+            else:
+                self.decode = DecodeRole(self, self.agent, aux, self.settings, self.credential, poll=KVPoll,
+                                         handshake_port=self.settings.handshake_port)
+        except BaseException:
+            self.agent.close()
+            raise
+        self.agent.start(s.progress_interval_s)
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"kvtriton-sgl-{self.attn_tp_rank}")
+        self._thread.start()
+        if not self.is_prefill:
+            self._start_heartbeat_checker_thread()
+
+    # ------------------------------------------------------------------ what the roles call
+    def _add_remote(self, metadata: bytes) -> str:
+        return self.agent.add_remote(metadata, authenticated=self.credential is not None)
+
+    def send(self, ip: str, port: int, frames: list[bytes]) -> None:
+        na = NetworkAddress(ip, int(port))
+        try:
+            self._send_multipart_locked(na.to_tcp(), frames, is_ipv6=na.is_ipv6)
+        except zmq.ZMQError as e:
+            logger.warning("kvtriton: a message to %s:%s failed: %s", ip, port, e)
+
+    def tell_failed(self, room: int, reason: str | None, targets) -> None:
+        self.send_kv_status_message(targets=list(targets), bootstrap_room=room, status=KVPoll.Failed,
+                                    failure_reason=reason or "kvtriton: transfer failed")
+
+    def failure_reason(self, room: int) -> str | None:
+        with self.failure_lock:
+            return self.failure_records.get(room)
+
+    def set_decode_prefix_len(self, room: int, n: int) -> None:
+        self.req_to_decode_prefix_len[room] = n
+
+    def route(self, addr: str, rank: int) -> dict:
+        """The bootstrap's row for prefill TP rank ``rank`` (its ZMQ address)."""
+        url = (f"http://{addr}/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank={rank}"
+               f"&target_pp_rank=0")
+        try:
+            r = requests.get(url, timeout=5)
+        except requests.RequestException as e:
+            raise ProtocolError(f"the bootstrap at {addr} did not answer for prefill rank {rank}: {e}") from None
+        if r.status_code != 200:
+            raise ProtocolError(f"the bootstrap at {addr} has no prefill rank {rank}: HTTP {r.status_code}")
+        row = r.json()
+        if not isinstance(row, dict) or not isinstance(row.get("rank_ip"), str) or not isinstance(
+                row.get("rank_port"), int):
+            raise ProtocolError(f"the bootstrap at {addr} answered {str(row)[:120]!r} for prefill rank {rank}")
+        return row
+
+    # ------------------------------------------------------------------ SGLang's calls
+    def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last_chunk, aux_index=None,
+                             state_indices=None, num_kv_tokens=None, *, wait_event=None, indices_event=None,
+                             trace_ctx=None):
+        if self.prefill is None:
+            raise UnsupportedSetupError("add_transfer_request on a decode rank")
+        self.prefill.add_chunk(bootstrap_room, kv_indices, index_slice.start, is_last_chunk, aux_index,
+                               lambda: self.request_status.get(bootstrap_room))
+
+    def _handle_node_failure(self, failed_bootstrap_addr: str):
+        with self.connection_lock:
+            rooms = list(self.addr_to_rooms_tracker.get(failed_bootstrap_addr, []))
+        super()._handle_node_failure(failed_bootstrap_addr)
+        if self.decode is not None:
+            self.decode.forget_engine(failed_bootstrap_addr)
+            for room in rooms:
+                if self.request_status.get(room) == KVPoll.Failed:
+                    self.record_failure(room, f"PeerDisconnectedError: lost the prefill engine at "
+                                              f"{failed_bootstrap_addr} (SGLang's heartbeat)")
+                    self.decode.abort(room)
+
+    # ------------------------------------------------------------------ the event loop
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.server_socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if poller.poll(1):
+                    self._on_message(self.server_socket.recv_multipart(zmq.NOBLOCK))
+                if self.prefill is not None:
+                    for f in self.agent.freed():
+                        self.prefill.on_freed(f.req_id, f.reason)
+                else:
+                    for r in self.agent.results():
+                        self.decode.on_result(r)
+            except zmq.ZMQError as e:
+                if self._stop.is_set():
+                    return
+                logger.warning("kvtriton: socket error: %s", e)
+                time.sleep(0.01)
+            except Exception:  # noqa: BLE001 - one bad event must not stop every transfer of this rank
+                logger.exception("kvtriton: event loop")
+
+    def _on_message(self, msg: list[bytes]) -> None:
+        tag = msg[0] if msg else b""
+        try:
+            if self.prefill is not None and tag == WANT_TAG:
+                self.prefill.on_want(Want.from_zmq(msg))
+            elif self.prefill is not None and tag == ABORT_TAG:
+                note = AbortNotification.from_zmq(msg)
+                if note is not None:
+                    self.prefill.on_abort(note.room)
+            elif self.decode is not None and tag == READY_TAG:
+                self.decode.on_ready(Ready.from_zmq(msg, list(self.kv_args.aux_item_lens)))
+            elif self.decode is not None and tag == STATUS_TAG:
+                parsed = self.parse_kv_status_message(msg)
+                if parsed is not None and parsed[1] == KVPoll.Failed:
+                    room, status, rank, reason = parsed
+                    self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
+                                              failure_reason=reason)
+                    self.decode.abort(room)
+            else:
+                logger.warning("kvtriton: dropped a message tagged %r", tag[:24])
+        except KVTritonError as e:
+            logger.warning("kvtriton: dropped a malformed message: %s", e)
+
+    def close(self) -> None:
+        """Stop this rank's transfers (tests; SGLang ends the process instead)."""
+        self._stop.set()
+        self._thread.join(5)
+        if self.decode is not None:
+            self._heartbeat_shutdown.set()
+            self.decode.close()
+        if self.server is not None:
+            self.server.close()
+        self.agent.close()
+
+
+class KVTritonKVSender(CommonKVSender):
+    """SGLang's prefill sender; the pages go to :meth:`KVTritonKVManager.add_transfer_request`."""
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.prefill.forget(self.bootstrap_room)
+
+
+class KVTritonKVReceiver(CommonKVReceiver):
+    """SGLang's decode receiver over :class:`~.decode_role.DecodeRole` (any pair of TP sizes)."""
+
+    def init(self, prefill_dp_rank: int):
+        if self.conclude_state == KVPoll.Failed:
+            return
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        if info is None:
+            self.kv_mgr.record_failure(self.bootstrap_room, f"PeerDisconnectedError: the prefill at "
+                                                            f"{self.bootstrap_addr} is not known (down?)")
+            self.conclude_state = KVPoll.Failed
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            return
+        self.prefill_info, self.prefill_dp_rank = info, prefill_dp_rank
+        self.required_prefill_response_num = 1
+        self.kv_mgr.required_prefill_response_num_table[self.bootstrap_room] = 1
+        self.kv_mgr.decode.begin(self.bootstrap_room, self.bootstrap_addr, info.attn_tp_size)
+
+    def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None,
+                      destination=KVTransferDestination.DEVICE, device_kv_indices=None):
+        if destination != KVTransferDestination.DEVICE:
+            raise NotImplementedError("kvtriton: host KV destinations are not supported")
+        infos = self.kv_mgr.decode.want(self.bootstrap_room, kv_indices, aux_index, decode_prefix_len)
+        if not infos:
+            self.kv_mgr.record_failure(self.bootstrap_room, f"ProtocolError: the prefill at {self.bootstrap_addr} "
+                                                            f"was not met before send_metadata")
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            return
+        self.bootstrap_infos = infos
+        self.init_time = time.time()
+
+    def abort(self):
+        self.kv_mgr.decode.abort(self.bootstrap_room)
+        super().abort()
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.decode.forget(self.bootstrap_room)
+
+
+class KVTritonKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's own bootstrap server: the backend needs nothing more from it."""

@@ -1,0 +1,92 @@
+"""The backend's settings (no SGLang import): ``KVTRITON_SGLANG_CONFIG``, checked at start.
+
+SGLang's command line has no free-form options for a transfer backend, so the settings come from
+the environment of every SGLang process: ``KVTRITON_SGLANG_CONFIG`` holds a JSON object (or
+``@path`` of a file holding one) with the keys of the vLLM connector's
+``kv_connector_extra_config`` (:class:`~kvtriton.integrations.vllm.settings.ConnectorSettings`:
+``staging_bytes``, ``timeout_s``, ``lease_s``, ``auth_secret_file``, TLS files, ``modes``...),
+minus the two SGLang decides (``host``: the address SGLang's bootstrap registered for each rank;
+``kv_cache_layout``: SGLang's pool is token-major), plus ``handshake_port_offset``. Every key is
+optional; an unknown key, a value of the wrong type or range fails the engine at start.
+
+Handshake ports: rank ``r`` of a prefill engine serves its metadata on ``bootstrap_port +
+handshake_port_offset + r`` (default offset 1), so a decode reaches it knowing only the
+``bootstrap_host:bootstrap_port`` a request names. Give each prefill engine on a host a bootstrap
+port ``tp + 1`` apart from the next one.
+
+The credential is the project's (:mod:`kvtriton.protocol.auth`), read as the vLLM connector reads
+it: ``auth_secret_file`` (default: ``KVTRITON_AUTH_SECRET_FILE``) and/or the TLS files. With one,
+metadata moves only after the peer proved it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import KVTritonError
+from ..vllm.settings import ConnectorSettings, SettingsError
+
+__all__ = ["ENV", "BackendSettings", "SettingsError", "UnsupportedSetupError"]
+
+ENV = "KVTRITON_SGLANG_CONFIG"
+_SGLANG_DECIDES = ("host", "port", "kv_cache_layout", "consumer")
+
+
+class UnsupportedSetupError(KVTritonError, ValueError):
+    """The SGLang engine runs a case this backend does not move (named in the message)."""
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """The connector settings every rank uses, and where prefill ranks serve handshakes."""
+
+    agent: ConnectorSettings
+    handshake_port_offset: int = 1
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> BackendSettings:
+        values = dict(values or {})
+        offset = values.pop("handshake_port_offset", 1)
+        if not isinstance(offset, int) or isinstance(offset, bool) or not 0 < offset < 65536:
+            raise SettingsError(f"{ENV}['handshake_port_offset'] = {offset!r}: expected an int in 1..65535 "
+                                f"(rank r of a prefill serves handshakes on bootstrap_port + offset + r)")
+        decided = sorted(set(values) & set(_SGLANG_DECIDES))
+        if decided:
+            raise SettingsError(f"{ENV}: {decided} are decided by SGLang (bootstrap addresses, its pool layout, "
+                                f"the decode that registers a request); remove them")
+        try:
+            agent = ConnectorSettings.from_extra_config(values)
+        except SettingsError as e:
+            raise SettingsError(str(e).replace("kv_connector_extra_config", ENV)) from None
+        return cls(agent, offset)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> BackendSettings:
+        environ = os.environ if environ is None else environ
+        raw = environ.get(ENV, "").strip()
+        if not raw:
+            return cls.from_mapping({})
+        if raw.startswith("@"):
+            try:
+                with open(raw[1:], encoding="utf-8") as f:
+                    raw = f.read()
+            except OSError as e:
+                raise SettingsError(f"{ENV} names {raw[1:]!r}, which cannot be read: {e}") from None
+        try:
+            values = json.loads(raw)
+        except ValueError as e:
+            raise SettingsError(f"{ENV} must be a JSON object (or @file holding one): {e}") from None
+        if not isinstance(values, dict):
+            raise SettingsError(f"{ENV} must be a JSON object, got {type(values).__name__}")
+        return cls.from_mapping(values)
+
+    def handshake_port(self, bootstrap_port: int, rank: int) -> int:
+        port = bootstrap_port + self.handshake_port_offset + rank
+        if not 0 < port < 65536:
+            raise SettingsError(f"handshake port {port} (bootstrap port {bootstrap_port} + offset "
+                                f"{self.handshake_port_offset} + rank {rank}) is not a TCP port")
+        return port
