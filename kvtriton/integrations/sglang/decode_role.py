@@ -2,7 +2,8 @@
 
 * **Meeting** a prefill engine (once per bootstrap address, on a thread of its own): the prefill
   ranks this rank reads are the planner's (:func:`~kvtriton.plan.required_source_ranks`: any pair
-  of TP sizes, not only SGLang's integer ratios); each one's address comes from SGLang's
+  of TP sizes, not only SGLang's integer ratios); it connects to every prefill rank (each one's
+  hold ends only once every decode rank said done), each one's address from SGLang's
   bootstrap server (``/route``), its metadata from its handshake port, with the cluster
   credential when one is configured, and goes through the agent's validation gate. Rooms wait
   in ``Bootstrapping`` until it is done; a failed meeting fails them (typed) and the next
@@ -90,7 +91,10 @@ class DecodeRole:
             bootstrap_port = int(port)
             ranks = required_source_ranks(self.agent.rank, self.agent.tp, self.agent.specs, meeting.src_tp)
             infos, engine = {}, None
-            for r in ranks:
+            # every prefill rank, not only those read: a hold ends when each decode rank reported
+            # done, and a rank reports it to the ranks it is connected to (P2->D3: decode rank 0
+            # reads only prefill rank 0, yet prefill rank 1's hold waits for its done too)
+            for r in range(meeting.src_tp):
                 info = self.mgr.route(addr, r)
                 md = exchange_metadata(info["rank_ip"], self.handshake_port(bootstrap_port, r), self.agent.metadata(),
                                        credential=self.credential, timeout_s=s.handshake_timeout_s,
@@ -113,7 +117,8 @@ class DecodeRole:
                 self._fail(room, why)
             return
         with self._lock:
-            meeting.ranks, meeting.engine, meeting.rank_infos, meeting.ready = tuple(ranks), engine, infos, True
+            meeting.ranks, meeting.engine, meeting.ready = tuple(ranks), engine, True
+            meeting.rank_infos = {r: infos[r] for r in ranks}
             rooms, meeting.rooms = list(meeting.rooms), set()
         for room in rooms:
             self.mgr.update_status(room, self.poll.WaitingForInput)
