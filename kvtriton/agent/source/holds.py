@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import KVTritonError, ProtocolError
+from ...plan import done_ranks
 from ...protocol import wire
 from ..links import Links, Peer
 from ..plan_book import PlanBook
@@ -68,6 +69,7 @@ class Holds:
         self.on_bound = on_bound  # (req, engine): a hold was bound (what was packed for others goes)
         self.held: dict[str, Hold] = {}
         self.freed: list[FreedRequest] = []
+        self._done_ranks: dict[int, frozenset[int]] = {}  # consumer tp -> its ranks a hold waits for
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.held
@@ -136,9 +138,20 @@ class Holds:
                                 f"engine {hold.consumer!r}")
         # an unbound hold records it too: a rank may finish before its sibling's pull binds us
         hold.done_from.add(peer.key)
-        if hold.consumer == eng and sum(1 for e, _ in hold.done_from if e == eng) >= peer.md.tp:
+        if hold.consumer == eng and self._waits_for(peer.md.tp) <= {r for e, r in hold.done_from if e == eng}:
             return hold
         return None
+
+    def _waits_for(self, dst_tp: int) -> frozenset[int]:
+        """The ranks of a ``dst_tp`` consumer whose done ends a hold here: those that read from
+        this rank (a rank that reads nothing never connects, so waiting for it would end every
+        hold by lease), see :func:`~kvtriton.plan.done_ranks`."""
+        ranks = self._done_ranks.get(dst_tp)
+        if ranks is None:
+            s = self.plans.s
+            ranks = self._done_ranks[dst_tp] = frozenset(done_ranks(self.rank, s.tp, s.specs, dst_tp,
+                                                                    replicate_stripe=s.stripe))
+        return ranks
 
     def on_renew(self, peer: Peer, m: wire.Renew, offered: bool) -> None:
         """The consumer still wants the request: the lease starts over. From anyone else it is
