@@ -71,3 +71,4 @@ def test_holds_end_at_the_last_readers_done(engines, mode, models, p_tp, d_tp):
     assert sorted((f.req_id, f.reason) for f in freed) == [("r", "done")] * p_tp, freed
     assert time.monotonic() - t0 < 5.0
     assert all(a.idle() and a.pool.free_slots == a.pool.num_slots for a in e.agents)
+    assert all(p.stats["holds_expired"] == 0 for p in e.pa)

@@ -27,6 +27,9 @@ class Stats:
     """Peers replaced by their restart (a newer generation, the old agent gone)."""
     peers_expired: int = 0
     """Peers dropped because they stopped answering (silent past the expiry, or unreachable)."""
+    holds_expired: int = 0
+    """Holds that ended by their lease, not by their consumer's done (a reader that never came,
+    or came too late)."""
     staged_descriptors: int = 0
     """Staged chunks posted (one descriptor each), READ or WRITE."""
     direct_descriptors: int = 0

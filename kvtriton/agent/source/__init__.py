@@ -231,6 +231,7 @@ class Source:
         self.serves.expire(now)
         # after: a transfer dropped above no longer keeps its hold
         for hold in self.holds.expired(now, self.serves.pulled_or_pushed()):
+            self.stats.holds_expired += 1
             self._end_hold(hold, "lease_expired")
 
     def peer_lost(self, peer: Peer) -> None:
