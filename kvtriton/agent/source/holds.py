@@ -11,6 +11,9 @@
   reports it done, since nothing else will ever reach it; name the consumer to close even that.
   Whether an engine reads from this rank is judged by the plans this rank serves it by (the
   engine's own cost model: :class:`~..plan_book.PlanBook`).
+* **Done.** A hold ends when every consumer rank that reads this rank reported done
+  (:func:`~kvtriton.plan.done_ranks`, from what both engines share: a rank that reads nothing
+  from here never connects, and one no rank reads hears from the rank the plan names).
 * **Time.** A hold lives at most its lease (renewed by its consumer) plus ``timeout_s``, whatever
   its transfers do.
 
@@ -123,7 +126,8 @@ class Holds:
         return False
 
     def on_done(self, peer: Peer, m: wire.Done) -> Hold | None:
-        """Record ``peer``'s done; the hold to free (every rank of its consumer is done), or None."""
+        """Record ``peer``'s done; the hold to free (every rank of its consumer that reads this
+        rank is done, see :meth:`_waits_for`), or None."""
         hold = self.held.get(m.req)
         if hold is None:
             return None  # already freed (lease) or never held: nothing to do
