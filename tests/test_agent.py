@@ -116,6 +116,7 @@ def test_lease_expiry_frees_blocks_and_late_fetch_is_rejected(engines):
     time.sleep(0.1)
     e.settle(0.05)
     assert [(f.req_id, f.reason) for f in e.pa[0].freed()] == [("old", "lease_expired")]
+    assert e.pa[0].stats["leases_expired"] == 1
     e.da[0].fetch("old", "P", np.arange(4), np.arange(4))
     res = e.drive(1)[0][0]
     assert not res.ok and isinstance(res.error, RequestRejectedError) and "not held" in str(res.error)

@@ -20,7 +20,7 @@ import subprocess
 import pytest
 from vllm_bed_python import vllm_bed_python
 
-from kvtriton.testing.vllm_pair import BytesMismatch, EnginePair
+from kvtriton.testing.vllm_pair import EnginePair
 
 pytestmark = pytest.mark.vllm
 VLLM_PY = vllm_bed_python()
@@ -49,20 +49,13 @@ def prompts():
     return [[rng.randrange(512) for _ in range(n)] for n in LENGTHS]
 
 
-# Found here (issue 19), open and intermittent: at P2->D1 the decode's last, partial block of the
-# 37-token request held other bytes than both prefill replicas in its first 4 tokens (full blocks
-# equal) in 3 of 5 runs on a loaded host (load 10-15), each time the same wrong digest, the same with
-# every region forced STAGED; 2 runs on a quieter host were byte-equal (12 / 42 descriptors). The same transfer between
-# in-process agents (kvtriton.testing.pair, DIRECT) is byte-exact and the mixed cache's MLA draft
-# region at P2->D1 was byte-equal: a race with a writer of that block (suspects: vLLM's zeroing of
-# new blocks, new_block_ids_to_zero, or the prefill's write) is likely, not established. Only a
-# BytesMismatch may fail it; any other failure (tokens, prompt tokens, descriptors, control) fails the test.
-# Seen at P1->D2 as well, on a quiet host (2 of 3 runs at the end of the session that found it).
-MLA_OPEN = pytest.mark.xfail(strict=False, raises=BytesMismatch,
-                             reason="MLA: the last partial block sometimes differs on the decode (open, issue 19)")
-
-
-@pytest.mark.parametrize("p_tp,d_tp", [pytest.param(2, 1, marks=MLA_OPEN), pytest.param(1, 2, marks=MLA_OPEN)])
+# Issue 19 saw the decode's last, partial block of the 37-token request differ from the prefill's
+# in some runs: an oracle bug. The digest read the decode's live cache after every request had
+# finished; a request whose load ended one step before the others also finished one step early,
+# and vLLM gave its freed last block to the 170-token request's next token (the decode's MLA cache
+# writes showed slot 48 = that block's row 0 written by the other request). region_digests now
+# digests a copy the decode rank takes when the load is reported finished, over every prompt token.
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
 def test_mla_tokens_bytes_descriptors(model_dir, tmp_path, prompts, p_tp, d_tp):
     # no pack ahead of the pull (eager_guess off), so the negative control can run after the transfer
     pair = EnginePair(VLLM_PY, model_dir, tmp_path, p_tp, d_tp, block_size=BLOCK, engine_options=MLA_OPTIONS,

@@ -44,17 +44,20 @@ def prompts():
 @pytest.mark.parametrize("name,options,p_tp,d_tp", [("six-heads", SIX_HEADS, 2, 3), ("one-head", ONE_HEAD, 2, 1)])
 def test_kvtriton_moves_pairs_vllm_refuses(tmp_path_factory, tmp_path, prompts, name, options, p_tp, d_tp):
     model = _model(tmp_path_factory, name, options)
-    # not every decode rank reads every prefill rank here: those holds end by lease (20 s), not by done
-    pair = EnginePair(VLLM_PY, model, tmp_path, p_tp, d_tp, p_extra={"lease_s": 20.0})
+    # not every decode rank reads every prefill rank here, yet every hold must end at its last
+    # reader's done (issue 19), never by the lease (P_EXTRA's 90 s)
+    pair = EnginePair(VLLM_PY, model, tmp_path, p_tp, d_tp)
     try:
         ref = pair.reference(prompts, "ref")
         pair.negative_control(prompts, ref)
         res = pair.transfer(prompts, ref)
         heads = res["digests"]["heads"]
+        expired = [s["leases_expired"] for s in pair.prefill.call("agent_stats")["stats"]]
         print(f"{name} P{p_tp}->D{d_tp}: tokens identical {res['identical']}/{res['n']}, prompt tokens computed "
               f"{res['prompt_computed']}, regions byte-equal {res['digests']['regions']} ({heads} heads), "
-              f"descriptors {res['descriptors']}")
+              f"descriptors {res['descriptors']}, holds ended by lease {expired}")
         assert all(n == options["kv_heads"] for n in heads.values()), heads  # every global head checked
+        assert expired == [0] * p_tp, expired
     finally:
         pair.close()
 

@@ -114,7 +114,8 @@ class Stats:
     integrity_failures: int = 0
     """Destination side: chunks whose bytes did not match their source's digest (fetch failed)."""
     leases_expired: int = 0
-    """Source side: holds freed because their lease ended before every consumer said done."""
+    """Source side: holds that ended by their lease, not by every consumer's done (a reader that
+    never came, or came too late)."""
 
     @property
     def eager_hits(self) -> int:

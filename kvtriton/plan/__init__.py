@@ -30,7 +30,9 @@ from .request import (
     TokenMap,
     compact_request,
     compact_tokens,
+    done_ranks,
     ids_digest,
+    meeting_ranks,
     required_source_ranks,
     source_positions,
 )
@@ -54,7 +56,7 @@ __all__ = [
     "TransferPlan", "CostModel", "Runs", "id_runs", "pair_runs", "direct_runs", "tile_runs",
     "staged_descriptor_count", "read_unpack_problem", "pack_place_problem", "payload_ways",
     "one_sided_descriptors", "choose_way", "TokenMap", "compact_tokens", "compact_request", "source_positions",
-    "required_source_ranks", "RequestPlan", "RequestPayload", "OfferTerms", "ids_digest",
+    "required_source_ranks", "done_ranks", "meeting_ranks", "RequestPlan", "RequestPayload", "OfferTerms", "ids_digest",
     "HeadSlice", "check_tp", "head_range", "replicate_sources", "split_sources",
     "ForcedModes", "ModesArg", "parse_modes", "check_compatible", "build_plan", "direct_slice_problem",
     # release 0.1's public names, kept for one release (nothing in kvtriton uses them)

@@ -47,7 +47,7 @@ from .topology import replicate_sources, split_sources
 from .types import ChunkGeometry, Payload, TransferPlan, ceil_div
 
 __all__ = ["TokenMap", "compact_tokens", "source_positions", "compact_request", "required_source_ranks",
-           "RequestPlan", "RequestPayload", "OfferTerms", "ids_digest"]
+           "done_ranks", "meeting_ranks", "RequestPlan", "RequestPayload", "OfferTerms", "ids_digest"]
 
 
 def _check_ids(src_block_ids: Sequence[int] | np.ndarray, dst_block_ids: Sequence[int] | np.ndarray,
@@ -282,6 +282,42 @@ def required_source_ranks(
         else:
             ranks.update(sl.src_rank for sl in split_sources(dst_rank, dst_tp, src_tp, d.total_heads))
     return tuple(sorted(ranks))
+
+
+def done_ranks(
+    src_rank: int,
+    src_tp: int,
+    specs: Sequence[RegionSpec],
+    dst_tp: int,
+    *,
+    replicate_stripe: int | None = None,
+) -> tuple[int, ...]:
+    """Destination ranks whose ``done`` a source rank waits for before it frees a hold.
+
+    Those that may read from it (:func:`required_source_ranks`); when none does (a replicated
+    head another replica serves, e.g. 1 KV head at P2->D1), the one rank ``src_rank % dst_tp``,
+    which meets this rank only to say it is done. Both engines compute it from what they share
+    (kinds, global head counts, TP sizes, stripe), so a hold ends as soon as its last reader
+    finished, never by lease because a rank that reads nothing from it stays silent."""
+    if not 0 <= src_rank < src_tp:
+        raise PlanError(f"source rank {src_rank} is out of range for tp={src_tp}")
+    readers = tuple(d for d in range(dst_tp)
+                    if src_rank in required_source_ranks(d, dst_tp, specs, src_tp, replicate_stripe=replicate_stripe))
+    return readers or (src_rank % dst_tp,)
+
+
+def meeting_ranks(
+    dst_rank: int,
+    dst_tp: int,
+    dst_specs: Sequence[RegionSpec],
+    src_tp: int,
+    *,
+    replicate_stripe: int | None = None,
+) -> tuple[int, ...]:
+    """Source ranks ``dst_rank`` connects to: those it may read from, and those no destination
+    rank reads whose done it owes (:func:`done_ranks`)."""
+    return tuple(r for r in range(src_tp)
+                 if dst_rank in done_ranks(r, src_tp, dst_specs, dst_tp, replicate_stripe=replicate_stripe))
 
 
 # ----------------------------------------------------------------- the per-request plan

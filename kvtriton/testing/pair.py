@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from ..agent import TransferAgent
+from ..plan import meeting_ranks
 from .oracle import RegionModel, load_source, make_global_kv, make_rank_regions, snapshot
 
 __all__ = ["EnginePair"]
@@ -78,10 +79,15 @@ class EnginePair:
     def agents(self) -> list[TransferAgent]:
         return self.pa + self.da
 
-    def connect(self) -> None:
-        """Every decode rank and every prefill rank add each other's metadata."""
-        for d in self.da:
-            for p in self.pa:
+    def connect(self, meeting: bool = False) -> None:
+        """Every decode rank and every prefill rank add each other's metadata; ``meeting``: only
+        the pairs a decode rank of the vLLM connector meets (:func:`~kvtriton.plan.meeting_ranks`:
+        the ranks it reads from, and those no rank reads that it tells when it is done)."""
+        for i, d in enumerate(self.da):
+            ranks = (meeting_ranks(i, self.d_tp, [r.spec for r in self.D[i]], self.p_tp) if meeting
+                     else range(self.p_tp))
+            for j in ranks:
+                p = self.pa[j]
                 d.add_remote(p.metadata())
                 p.add_remote(d.metadata())
 

@@ -16,7 +16,8 @@ the scheduler's own outputs), ``submit``/``abort``/``drain`` (for aborts mid-loa
 blocks, requests, staging in use), ``transfer_stats``/``agent_stats`` (counters per rank),
 ``load_times`` (per request: from ``start_load_kv`` to the load reported finished, and from
 submission to the scheduler learning it; the same hooks for any connector), ``digest`` (per rank,
-per region, per global KV head: a SHA-256 of the first ``num_tokens`` tokens of the given blocks),
+per region, per global KV head: a SHA-256 of the first ``num_tokens`` tokens of the given blocks;
+with ``loaded``, of the copy a decode rank took of them when that request's load finished),
 ``loaded_blocks`` (per rank: the local blocks each load wrote and its token count),
 ``debug_state`` (each rank's ``TransferAgent.debug_state()``), ``metrics`` (the samples of this
 process's Prometheus registry, with ``log_stats``: vLLM's stat loggers on), ``exit``.
@@ -380,7 +381,7 @@ def _child(args) -> None:
             elif op == "transfer_stats":
                 _say({"stats": connector_rpc("transfer_stats")})
             elif op == "digest":
-                _say({"digests": connector_rpc("digest", cmd["block_ids"], cmd["num_tokens"])})
+                _say({"digests": connector_rpc("digest", cmd["block_ids"], cmd["num_tokens"], cmd.get("loaded"))})
             elif op == "loaded_blocks":
                 _say({"loads": connector_rpc("loaded_blocks")})
             elif op == "metrics":  # this process's Prometheus registry, as vLLM's /metrics would serve it

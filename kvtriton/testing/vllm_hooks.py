@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["BedHooks"]
+__all__ = ["BedHooks", "MAX_KEPT_LOADS"]
+
+#: loads whose blocks a decode rank keeps a copy of for :meth:`BedHooks.digest` (the newest)
+MAX_KEPT_LOADS = 64
 
 
 class BedHooks:
@@ -69,9 +72,26 @@ class BedHooks:
                 t = times.get(rid)
                 if t is not None and t[1] is None:
                     t[1] = now
+                if rid in loads_seen:
+                    BedHooks._keep_loaded(conn, rid, loads_seen[rid]["local"])
             return out
 
         conn.start_load_kv, conn.get_transfer_results = timed_start, timed_results
+
+    @staticmethod
+    def _keep_loaded(conn, rid: str, block_ids) -> None:
+        """A copy of the blocks a load wrote, taken when it is reported finished: before any
+        forward of the decode reads or writes them. Why not digest the live cache later: by then
+        vLLM may have handed a finished request's blocks to another request of the same batch (a
+        37-token request done one step early lost its last block to a longer request's next
+        token, issue 19), and the decode's own step rewrote the last prompt token's row."""
+        if any(b < 0 for b in block_ids):  # partly local (prefix cache): not checked (region_digests says so)
+            return
+        kept = conn.__dict__.setdefault("_bed_loaded_kv", {})
+        ids = list(block_ids)
+        kept[rid] = (ids, [[t[ids].clone() for t in r.streams] for r in conn._worker.agent.regions])
+        while len(kept) > MAX_KEPT_LOADS:  # bounded: the oldest go (dicts keep insertion order)
+            del kept[next(iter(kept))]
 
     @staticmethod
     def load_times(conn) -> dict:
@@ -130,28 +150,38 @@ class BedHooks:
         return worker.agent.debug_state() if worker is not None else None
 
     @staticmethod
-    def digest(conn, block_ids, num_tokens) -> dict:
+    def digest(conn, block_ids, num_tokens, loaded: str | None = None) -> dict:
         """Per region (model order), per *global* KV head: SHA-256 of the region's bytes for the
         first ``num_tokens`` tokens stored in ``block_ids`` (in that order), as the engine's
         attention reads them (dim-major K parts regrouped per token), so two engines of any TP
         and block layout give equal digests for equal KV. A REPLICATE region (MLA) has one key,
-        ``"all"``. The region's kind is reported too."""
+        ``"all"``. The region's kind is reported too. ``loaded``: a request id whose load this
+        rank reported finished: digest the copy of its blocks taken then (see
+        :meth:`_keep_loaded`; ``block_ids`` must be its blocks), not the live cache."""
         import hashlib
 
         import torch
 
-        from kvtriton.regions import Kind, token_parts
+        from kvtriton.regions import Kind, Layout, token_parts
 
         worker = conn._worker
         rank, tp = worker.rank, worker.tp_size
+        if loaded is None:
+            ids, streams = list(block_ids), [r.streams for r in worker.agent.regions]
+        else:
+            kept_ids, streams = (getattr(conn, "_bed_loaded_kv", None) or {}).get(loaded, (None, None))
+            if kept_ids != list(block_ids):
+                raise KeyError(f"no copy of load {loaded!r} into blocks {list(block_ids)} (kept: {kept_ids})")
+            ids = list(range(len(kept_ids)))
         out = {}
-        for r in worker.agent.regions:
+        for r, region_streams in zip(worker.agent.regions, streams):
             spec = r.spec
             rows = []
-            for s, t in enumerate(r.streams):
+            for s, t in enumerate(region_streams):
                 dm = spec.dim_major[s] if spec.dim_major else 0
-                parts = token_parts(t, dm) if dm else [(0, r.nhd(s))]
-                rows.append(torch.cat([v[list(block_ids)].reshape(-1, *v.shape[2:])[:num_tokens]
+                nhd = t if spec.layout is Layout.NHD else t.transpose(1, 2)
+                parts = token_parts(t, dm) if dm else [(0, nhd)]
+                rows.append(torch.cat([v[ids].reshape(-1, *v.shape[2:])[:num_tokens]
                                        for _, v in parts], dim=-1))
             x = torch.cat(rows, dim=-1)  # [tokens, local heads, row]
             if spec.kind is Kind.REPLICATE:

@@ -3,9 +3,13 @@ real-engine tests and ``bench/pd_vllm.py`` share: tokens against one engine, pro
 decode computed, and a per-region byte check of the KV each load wrote.
 
 The byte check (:meth:`EnginePair.region_digests`) asks both engines, per region and per global
-KV head, for a SHA-256 of the tokens a load carried: on the prefill over the request's held
+KV head, for a SHA-256 of every prompt token's KV: on the prefill over the request's held
 blocks after the decode read them (nothing has run on the prefill since, so these are the bytes
-it held when freed), on the decode over the blocks its load wrote. Tokens alone cannot validate
+it held when freed, after every writer), on the decode over a copy of the blocks its load wrote,
+taken when the load was reported finished, before any decode step touched them (later the
+decode rewrites the last prompt token itself, and vLLM may give a finished request's blocks to
+another request of the batch: digesting the live cache then was issue 19's "MLA last partial
+block mismatch", an oracle bug, not a transfer's). Tokens alone cannot validate
 an Eagle-3 draft's KV (the target verifies every draft token), and a REPLICATE region is checked
 on every rank of both engines.
 """
@@ -39,8 +43,7 @@ class EnginePair:
                  max_model_len: int = 2048, log_stats: bool = False, timeout_s: float = 400.0):
         self.p_tp, self.d_tp, self.connector = p_tp, d_tp, connector
         ours = connector == "kvtriton"
-        # a prefill rank whose holds not every decode rank reads frees them by lease, not by done
-        # (e.g. P2->D1 with one KV head, or P2->D3): settling waits for the lease too
+        # settling waits past the lease too: a hold no reader's done ends (a lost decode) ends by it
         self.lease_s = float({**(P_EXTRA if ours else {}), **(p_extra or {})}.get("lease_s", 0.0))
         common = dict(connector=connector, block_size=block_size, log_dir=Path(log_dir), engine_options=engine_options,
                       patches=patches, max_model_len=max_model_len, log_stats=log_stats, timeout_s=timeout_s)
@@ -124,7 +127,7 @@ class EnginePair:
         params = self.prefill_requests(prompts, f"{tag}-p")
         out = self.decode_requests(prompts, params, f"{tag}-d")
         try:
-            digests = self.region_digests(prompts, params, out, f"{tag}-d")
+            digests = self.region_digests(prompts, params, f"{tag}-d")
         except BytesMismatch as e:  # say whether the tokens showed it too
             ref = self.reference(prompts, f"{tag}-ref") if ref is None else ref
             same = [o["tokens"] for o in out] == ref
@@ -145,26 +148,35 @@ class EnginePair:
                 "bytes": after["bytes"] - before["bytes"], "params": params, "ref": ref}
 
     # ------------------------------------------------------------------ bytes
-    def region_digests(self, prompts, params, outputs, tag: str) -> dict:
+    def region_digests(self, prompts, params, tag: str) -> dict:
         """Check every region's bytes of every request the decode loaded (see the module
-        docstring); call right after :meth:`decode_requests`, before either engine runs again.
+        docstring); call after :meth:`decode_requests`, before the prefill runs again (the
+        decode side is each rank's copy of its newest ``MAX_KEPT_LOADS`` loads, see
+        :mod:`.vllm_hooks`).
         Returns ``{"regions": n, "kinds": {region: kind}, "heads": {region: n}}``; raises
         :class:`BytesMismatch`. Its own control: each decode digest must differ from the
         prefill's digest of another request (a digest that cannot tell requests apart fails)."""
         loads = [r or {} for r in self.decode.call("loaded_blocks")["loads"]]
         summary: dict = {"regions": 0, "kinds": {}, "heads": {}}
         prev = None
-        for i, (p, kp, o) in enumerate(zip(prompts, params, outputs)):
+        for i, (p, kp) in enumerate(zip(prompts, params)):
             rid = f"{tag}{i}"
             # vLLM's own request ids carry a suffix: "<ours>-<random>"
-            spec = next((v for k, v in loads[0].items() if k == rid or k.rsplit("-", 1)[0] == rid), None)
-            if spec is None:
+            key = next((k for k in loads[0] if k == rid or k.rsplit("-", 1)[0] == rid), None)
+            if key is None:
                 raise BytesMismatch(f"{rid}: the decode made no load for it")
+            spec = loads[0][key]
             if any(b < 0 for b in spec["local"]):
                 raise BytesMismatch(f"{rid}: a partly local prompt (prefix cache) is not checked here")
-            n = len(p) - o["prompt_computed"]  # tokens the decode took from the prefill
+            # every prompt token the prefill computed (the bed runs without prefix caching: all of
+            # them), in the decode's copy of its blocks taken when the load finished (the decode
+            # recomputes the last one afterwards, and may reuse a finished request's blocks)
+            n = len(p)
             src_raw = self.prefill.call("digest", block_ids=list(kp["remote_block_ids"]), num_tokens=n)["digests"]
-            dst_raw = self.decode.call("digest", block_ids=spec["local"], num_tokens=n)["digests"]
+            try:
+                dst_raw = self.decode.call("digest", block_ids=spec["local"], num_tokens=n, loaded=key)["digests"]
+            except RuntimeError as e:
+                raise BytesMismatch(f"{rid}: the decode kept no copy of its load ({e})") from None
             src, dst = _merge(src_raw), _merge(dst_raw)
             for region, (kind, heads) in src.items():
                 got = dst.get(region, (None, {}))[1]

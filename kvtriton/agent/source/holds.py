@@ -11,6 +11,9 @@
   reports it done, since nothing else will ever reach it; name the consumer to close even that.
   Whether an engine reads from this rank is judged by the plans this rank serves it by (the
   engine's own cost model: :class:`~..plan_book.PlanBook`).
+* **Done.** A hold ends when every consumer rank that reads this rank reported done
+  (:func:`~kvtriton.plan.done_ranks`, from what both engines share: a rank that reads nothing
+  from here never connects, and one no rank reads hears from the rank the plan names).
 * **Time.** A hold lives at most its lease (renewed by its consumer) plus ``timeout_s``, whatever
   its transfers do.
 
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import KVTritonError, ProtocolError
+from ...plan import done_ranks
 from ...protocol import wire
 from ..links import Links, Peer
 from ..plan_book import PlanBook
@@ -68,6 +72,7 @@ class Holds:
         self.on_bound = on_bound  # (req, engine): a hold was bound (what was packed for others goes)
         self.held: dict[str, Hold] = {}
         self.freed: list[FreedRequest] = []
+        self._done_ranks: dict[int, frozenset[int]] = {}  # consumer tp -> its ranks a hold waits for
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.held
@@ -121,7 +126,8 @@ class Holds:
         return False
 
     def on_done(self, peer: Peer, m: wire.Done) -> Hold | None:
-        """Record ``peer``'s done; the hold to free (every rank of its consumer is done), or None."""
+        """Record ``peer``'s done; the hold to free (every rank of its consumer that reads this
+        rank is done, see :meth:`_waits_for`), or None."""
         hold = self.held.get(m.req)
         if hold is None:
             return None  # already freed (lease) or never held: nothing to do
@@ -136,9 +142,20 @@ class Holds:
                                 f"engine {hold.consumer!r}")
         # an unbound hold records it too: a rank may finish before its sibling's pull binds us
         hold.done_from.add(peer.key)
-        if hold.consumer == eng and sum(1 for e, _ in hold.done_from if e == eng) >= peer.md.tp:
+        if hold.consumer == eng and self._waits_for(peer.md.tp) <= {r for e, r in hold.done_from if e == eng}:
             return hold
         return None
+
+    def _waits_for(self, dst_tp: int) -> frozenset[int]:
+        """The ranks of a ``dst_tp`` consumer whose done ends a hold here: those that read from
+        this rank (a rank that reads nothing never connects, so waiting for it would end every
+        hold by lease), see :func:`~kvtriton.plan.done_ranks`."""
+        ranks = self._done_ranks.get(dst_tp)
+        if ranks is None:
+            s = self.plans.s
+            ranks = self._done_ranks[dst_tp] = frozenset(done_ranks(self.rank, s.tp, s.specs, dst_tp,
+                                                                    replicate_stripe=s.stripe))
+        return ranks
 
     def on_renew(self, peer: Peer, m: wire.Renew, offered: bool) -> None:
         """The consumer still wants the request: the lease starts over. From anyone else it is

@@ -6,7 +6,8 @@ handshake side channel, and the translation of agent events into vLLM's terms.
 * A prefill rank serves its metadata on ``port + rank`` (:class:`~kvtriton.protocol.handshake.MetadataServer`);
   a caller's metadata goes through the agent's validation gate before anything is prepared.
 * A decode rank meets a prefill engine lazily, on its first load, in a background thread, and only
-  the prefill ranks its plan reads from (:func:`~kvtriton.plan.required_source_ranks`). Loads
+  the prefill ranks its plan reads from, plus those no decode rank reads that it tells when it is
+  done (:func:`~kvtriton.plan.meeting_ranks`): every hold then ends at its last reader's done. Loads
   wait for it; a handshake that fails fails them, and the next request tries again.
 * The address a request names is untrusted: it must be in ``allowed_peers``, and once an engine
   was met with the cluster credential its address is pinned (a request naming it elsewhere fails
@@ -44,7 +45,7 @@ from ...errors import (
     RequestRejectedError,
     TransferTimeoutError,
 )
-from ...plan import CostModel, required_source_ranks
+from ...plan import CostModel, meeting_ranks
 from ...protocol import wire
 from ...protocol.handshake import MetadataServer, exchange_metadata
 from ...regions import Region
@@ -328,7 +329,9 @@ class WorkerSide:
     # ------------------------------------------------------------------ handshake (background thread)
     def _meet(self, src: RemoteSource) -> None:
         try:
-            ranks = required_source_ranks(self.rank, self.tp_size, self.agent.specs, src.tp_size)
+            # the ranks it reads from, and any no decode rank reads whose done it owes (their holds
+            # would otherwise end by lease)
+            ranks = meeting_ranks(self.rank, self.tp_size, self.agent.specs, src.tp_size)
             for r in ranks:
                 md = exchange_metadata(src.host, src.port + r, self.agent.metadata(), credential=self.credential,
                                        timeout_s=self.settings.handshake_timeout_s,
