@@ -121,6 +121,12 @@ class PeakMemory:
             self._sampler = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), str(self.root), str(self.interval_s), str(self.proc)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            # the section starts once the sampler runs: a start-up slower than the section (a loaded
+            # host) would otherwise miss what it did; bounded, a silent sampler is reported at exit
+            import select
+
+            if select.select([self._sampler.stdout], [], [], 60)[0]:
+                self._sampler.stdout.readline()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -149,11 +155,15 @@ def _sampler_main(root: int, interval_s: float, proc: str) -> None:
     import select
 
     m = PeakMemory(interval_s, root, Path(proc))
+    first = True
     while True:
         try:
             m.sample(skip=os.getpid())
         except OSError:  # /proc raced with an exiting process: the next sample sees the rest
             pass
+        if first:
+            print("sampling", flush=True)  # PeakMemory.__enter__ waits for it
+            first = False
         ready, _, _ = select.select([sys.stdin], [], [], interval_s)
         if ready and not sys.stdin.read(1):
             break
