@@ -40,7 +40,9 @@ def descriptor_rows(presets, pairs, block_sizes, tokens) -> list[dict]:
                         plan = build_plan(d, d_tp, dst, p_tp, src)
                         s, t = compact_request(src_ids, dst_ids, num_blocks, num_blocks)
                         runs = direct_runs(plan, src, dst, s, t)
-                        k = max(1, len({x.src_rank for x in plan.staged}))
+                        # the source ranks holding this rank's SPLIT heads, staged or read as direct slices
+                        k = max(1, len({x.src_rank for x in plan.staged}
+                                       | {r for d in plan.direct if d.sliced for r in d.src_ranks}))
                         counts = dict(
                             kvtriton_staged=staged_descriptor_count(plan, n),
                             kvtriton_direct=len(runs),
@@ -56,8 +58,8 @@ def descriptor_rows(presets, pairs, block_sizes, tokens) -> list[dict]:
                         if worst is None or counts["kvtriton"] > worst["kvtriton"]:
                             worst = counts
                     row.update(worst)
-                    row["vllm_packed_per_kvtriton"] = round(worst["vllm_kv_packed"] / max(1, worst["kvtriton"]))
-                    row["vllm_separate_per_kvtriton"] = round(worst["vllm_kv_separate"] / max(1, worst["kvtriton"]))
+                    row["vllm_packed_per_kvtriton"] = _ratio(worst["vllm_kv_packed"], worst["kvtriton"])
+                    row["vllm_separate_per_kvtriton"] = _ratio(worst["vllm_kv_separate"], worst["kvtriton"])
                 except KVTritonError as e:
                     row["note"] = f"skipped: {e}"
                 rows.append(row)
@@ -104,8 +106,17 @@ def model_kind_rows(kinds: dict, pairs) -> list[dict]:
     return rows
 
 
+
+def _ratio(theirs: int, ours: int) -> float:
+    """theirs / ours: whole above 10, two decimals below (0.5 where the cost model moves large head
+    slices zero-copy, DIRECT_SLICE, one descriptor per K and V block, instead of repacking them)."""
+    r = theirs / max(1, ours)
+    return round(r) if r >= 10 else round(r, 2)
+
+
 if __name__ == "__main__":
     from presets import BLOCK_SIZES, PRESETS, TOKENS, TP_PAIRS  # bench/presets.py
     from report import print_table  # bench/report.py
 
     print_table(descriptor_rows(PRESETS.values(), TP_PAIRS, BLOCK_SIZES, TOKENS))
+
