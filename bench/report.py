@@ -148,8 +148,12 @@ def _headline_descriptors(desc: list[dict]) -> str:
     if not ok:
         return "not run"
     x = sorted(r["vllm_packed_per_kvtriton"] for r in ok)
+    fewer = sum(1 for v in x if v < 1)
+    why = (f"; in {fewer} cell(s) kvtriton posts more, larger descriptors: the cost model moves those head "
+           "slices zero-copy (direct_slice) rather than repack them") if fewer else ""
     return (f"vLLM K||V direct reads need {x[0]:,}x to {x[-1]:,}x as many as kvtriton (median "
-            f"{int(np.median(x)):,}x) over {len(ok)} preset x P->D x block cells, one {ok[0]['tokens']}-token request")
+            f"{np.median(x):,.0f}x) over {len(ok)} preset x P->D x block cells, one {ok[0]['tokens']}-token "
+            f"request{why}")
 
 
 def e2e_ratios(rows: list[dict], cfg: tuple) -> dict[str, float]:
