@@ -158,7 +158,7 @@ def test_peak_memory_counts_the_children_a_bench_starts():
     import subprocess
     import time
 
-    from memory import PeakMemory, tree
+    from memory import PeakMemory, process_memory, tree
 
     if not Path("/proc/self/statm").exists():
         pytest.skip("no /proc: the sampler reports 'not measured' there")
@@ -175,7 +175,12 @@ def test_peak_memory_counts_the_children_a_bench_starts():
             child.wait(timeout=10)
     fig = mem.figures()
     assert fig["tree_pss_gb"] >= 0.28 and fig["largest_rss_gb"] >= 0.28, fig
-    assert "python" in fig["largest"] and "-c" in fig["largest"]
+    # the child is the largest process only when this one is smaller (a whole pytest run is ~0.8 GB)
+    own_rss = process_memory(os.getpid())[1]
+    if own_rss < (250 << 20):
+        assert "python" in fig["largest"] and "-c" in fig["largest"], fig
+    else:
+        assert fig["largest_rss_gb"] >= round(min(own_rss, 300 << 20) / (1 << 30), 2) - 0.01, fig
 
 
 def test_sweep_reports_sections_over_budget_or_memory_goal(tmp_path):
