@@ -99,7 +99,7 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
         warmup: bool = True, python: str | None = None, log_dir: str | None = None, quiet: bool = False,
         env: dict | None = None, profile: str | None = None, eager: bool = True, staging_mib: int = 0,
         model_kind: str = "llama", concurrent_start: bool | None = None, model_cache: str | None = None,
-        say=None, before_measure=None, closing: list | None = None) -> dict:
+        modes: str = "", say=None, before_measure=None, closing: list | None = None) -> dict:
     """Run one P/D configuration; returns a result dict (``rows`` per request, ``ok``, ``recomputed``).
 
     With ``warmup`` a first request (``request`` -1, its own prompt) goes through before the
@@ -113,7 +113,8 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     ``before_measure``: called once the engines are up, before the first request (compare: wait
     for the previous run's engines to be gone). ``closing``: a list; when given, the engines are
     closed by a thread appended to it (the caller joins it) instead of before returning, so the
-    next run's engines start meanwhile.
+    next run's engines start meanwhile. ``modes``: kvtriton only, forces the agents' modes
+    (ConnectorSettings ``modes``, e.g. ``"pack_place"`` or ``"direct_slice"``) on both engines, for A/Bs.
     ``say``: where lines go (default print; ``quiet`` keeps only the phases line).
     ``concurrent_start``: both engines start at once, each on its own cores (None, the default,
     and True); False: one after the other, the one with more ranks first (see
@@ -164,6 +165,8 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     d_extra = {"timeout_s": 60.0, "handshake_timeout_s": 30.0} if connector == "kvtriton" else {}
     if connector == "kvtriton" and eager:
         p_extra["consumer"] = f"decode-{connector}"
+    if connector == "kvtriton" and modes:  # forced on both engines (their plans must agree)
+        p_extra["modes"] = d_extra["modes"] = modes
     if connector == "kvtriton" and staging_mib:
         p_extra["staging_bytes"] = d_extra["staging_bytes"] = staging_mib << 20
     phases["model_s"] = time.time() - t0
@@ -291,7 +294,8 @@ def _start_engines(python, model_dir, connector, env, specs, order, common, conc
         t = time.time()
         try:
             engines[name] = EngineProcess.start(python, model_dir, engine_id=f"{name}-{connector}", env=env,
-                                                name=f"{name}-{connector}", timeout_s=600, **specs[name], **common)
+                                                name=f"{name}-{connector}", timeout_s=600, keep_loads=False,
+                                                **specs[name], **common)  # no oracle copy inside the timed step
             phases[f"{name}_up_s"] = time.time() - t
         except BaseException as e:  # noqa: BLE001 - raised below, after every engine is closed
             errors.append(e)
@@ -415,12 +419,13 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=333)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--json", help="also write the result here")
+    ap.add_argument("--modes", default="", help="kvtriton: force the agents' modes on both engines (an A/B)")
     args = ap.parse_args(argv)
     kw = dict(kv_heads=args.kv_heads, layers=args.layers, head_dim=args.head_dim, hidden=args.hidden or None,
               block_size=args.block_size, prompts=args.prompts, prompt_len=args.prompt_len,
               max_tokens=args.max_tokens, warmup=not args.no_warmup, profile=args.profile,
               eager=not args.no_eager, staging_mib=args.staging_mib, model_kind=args.model,
-              concurrent_start={"auto": None, "concurrent": True, "sequential": False}[args.start],
+              modes=args.modes, concurrent_start={"auto": None, "concurrent": True, "sequential": False}[args.start],
               env={"KVTRITON_DEBUG": "1"} if args.debug else None)
     if args.connector == "both":
         pairs = tuple(tuple(int(x) for x in pd.split(":")) for pd in args.pairs.split(","))

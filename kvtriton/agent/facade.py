@@ -450,17 +450,26 @@ class TransferAgent:
             return self._destination.take_results()
 
     # ------------------------------------------------------------------ progress
-    def progress(self) -> None:
+    def progress(self, wait: bool = True) -> bool:
         """Do whatever can be done now without blocking: handle messages, pack, post, poll,
-        unpack, expire. Call it often (every engine step, or let :meth:`start` do it)."""
-        with self._lock, self._s.lanes.on_device():
-            if self._closed:
-                return
-            self._handle_messages()
-            self._source.advance()
-            self._destination.advance()
-            self._links.reap()
-            self._expire()
+        unpack, expire. Call it often (every engine step, or let :meth:`start` do it).
+        ``wait=False``: return at once (False) when another thread is progressing this agent,
+        e.g. an engine step that calls it inline while :meth:`start`'s thread runs. True when
+        this call progressed."""
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
+            with self._s.lanes.on_device():
+                if self._closed:
+                    return True
+                self._handle_messages()
+                self._source.advance()
+                self._destination.advance()
+                self._links.reap()
+                self._expire()
+            return True
+        finally:
+            self._lock.release()
 
     def start(self, interval_s: float = 0.0005) -> None:
         """Run :meth:`progress` on a background thread until :meth:`close`."""

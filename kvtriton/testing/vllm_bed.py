@@ -111,7 +111,7 @@ class EngineProcess:
               engine_id: str | None = None, max_model_len: int = 2048, log_dir: str | os.PathLike = ".",
               name: str = "engine", env: dict | None = None, cpus: str | None = None,
               engine_options: dict | None = None, patches: tuple[str, ...] = (), log_stats: bool = False,
-              timeout_s: float = 240.0) -> EngineProcess:
+              keep_loads: bool = True, timeout_s: float = 240.0) -> EngineProcess:
         log_path = Path(log_dir) / f"{name}.log"
         cmd = [python, "-m", "kvtriton.testing.vllm_bed", "--model", str(model_dir), "--tp", str(tp),
                "--connector", connector, "--role", role, "--port", str(port), "--block-size", str(block_size),
@@ -121,6 +121,8 @@ class EngineProcess:
             cmd += ["--engine-id", engine_id]
         if log_stats:
             cmd.append("--log-stats")
+        if not keep_loads:
+            cmd.append("--no-keep-loads")
         child_env = dict(os.environ)
         child_env.update({
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -313,7 +315,7 @@ def _child(args) -> None:
     if args.connector == "nixl":
         connector_rpc("count_nixl_descriptors")
     if args.connector != "none":
-        connector_rpc("time_loads")
+        connector_rpc("time_loads", not args.no_keep_loads)
     kv_in: dict[str, float] = {}  # request id -> when the scheduler learned its KV is loaded
     kv_finished = sched._update_from_kv_xfer_finished
 
@@ -487,6 +489,9 @@ def main(argv=None) -> None:
     p.add_argument("--engine-options", default="{}", help="JSON: more keyword arguments for LLM(...)")
     p.add_argument("--patches", default="", help="comma-separated names from kvtriton.testing.vllm_patches")
     p.add_argument("--log-stats", action="store_true", help="vLLM's stat loggers on (Prometheus registry: op metrics)")
+    p.add_argument("--no-keep-loads", action="store_true",
+                   help="no copy of each load's blocks (the byte oracle's input): benches, where the copy "
+                        "would be timed as part of the load")
     args = p.parse_args(argv)
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack

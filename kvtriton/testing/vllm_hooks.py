@@ -40,12 +40,15 @@ class BedHooks:
         return dict(worker.agent.stats) if worker is not None else None
 
     @staticmethod
-    def time_loads(conn) -> None:
+    def time_loads(conn, keep: bool = True) -> None:
         """Timestamp every load on this rank the same way for any connector: when ``start_load_kv``
         first sees the request in its step's metadata (NixlConnector: ``reqs_to_recv``, kvtriton:
         ``messages.loads``) and when ``get_transfer_results`` first reports it in
         ``finished_recving``. Wraps the connector instance's public methods, nothing of vLLM is
-        patched. ``time.perf_counter`` is CLOCK_MONOTONIC: comparable across the engine's processes."""
+        patched. ``time.perf_counter`` is CLOCK_MONOTONIC: comparable across the engine's processes.
+        ``keep``: copy each kvtriton load's blocks when it is reported (:meth:`_keep_loaded`, for
+        the byte oracle); benches pass False, since the copy runs on the engine thread inside the
+        step that reports the load and would be timed as part of it (~100 ms at 68 MB a rank)."""
         if getattr(conn, "_bed_load_times", None) is not None:
             return
         times = conn._bed_load_times = {}
@@ -72,7 +75,7 @@ class BedHooks:
                 t = times.get(rid)
                 if t is not None and t[1] is None:
                     t[1] = now
-                if rid in loads_seen:
+                if keep and rid in loads_seen:
                     BedHooks._keep_loaded(conn, rid, loads_seen[rid]["local"])
             return out
 

@@ -139,6 +139,8 @@ class WorkerSide:
             self._cancel(rid)
         for load in msgs.loads.values():
             self._load(load)
+        if msgs.loads:  # post what can be posted now, on this thread (see finished)
+            self.agent.progress(wait=False)
 
     def after_forward(self) -> None:
         """Holds, confirms and releases, once every writer of this step's held blocks ran.
@@ -179,7 +181,13 @@ class WorkerSide:
 
     def finished(self) -> tuple[set[str], set[str]]:
         """``(finished_sending, finished_recving)`` since the last call. Places no hold (see
-        :meth:`after_forward`): this step's confirms count from the next call on."""
+        :meth:`after_forward`): this step's confirms count from the next call on.
+
+        It progresses the agent first, on the engine's thread: an engine waiting for loads runs
+        its steps back to back in Python, and a background thread then gets the interpreter
+        only every ``sys.getswitchinterval()`` (5 ms), once per protocol hop. Skipped when the
+        background thread is progressing (it will have done the same)."""
+        self.agent.progress(wait=False)
         for f in self.agent.freed():
             with self._lock:
                 self._freed.add(f.req_id)
