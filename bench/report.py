@@ -206,20 +206,30 @@ def _headline_grid(rows: list[dict]) -> str:
 
 
 def _headline_engines(rows: list[dict]) -> str:
-    rows = [r for r in rows if r.get("model_kind", "llama") == "llama"]  # the other kinds: their own table rows
+    # the GQA Llama at the section's size, and (--full) the same with realistic descriptor sizes; the
+    # MLA kinds have their own table rows
+    rows = [r for r in rows if str(r.get("model_kind", "llama")).startswith("llama") and "+" not in
+            str(r.get("model_kind", "llama"))]
     if not rows:
         return "not run (no vLLM test bed, or not asked)"
     out = []
-    for p, d in dict.fromkeys((r["prefill_tp"], r["decode_tp"]) for r in rows):
-        med = {}
-        for c in ("kvtriton", "nixl"):
-            med[c] = median_known([r.get("kv_loaded_ms") for r in rows if (r["prefill_tp"], r["decode_tp"],
-                                   r["connector"]) == (p, d, c) and r.get("request", -1) >= 0])
-        ratio = f"{med['kvtriton'] / med['nixl']:.2f}x" if med["kvtriton"] and med["nixl"] else "n/a"
-        out.append(f"P{p}->D{d} {ratio}")
-    size = rows[0].get("pd_size", "")
-    return ("kvtriton / NixlConnector time to KV loaded, same engines and prompts"
-            + (f" ({size} model)" if size else "") + ": " + ", ".join(out))
+    for kind in dict.fromkeys(r.get("model_kind", "llama") for r in rows):
+        cells = []
+        sel = [r for r in rows if r.get("model_kind", "llama") == kind]
+        for p, d in dict.fromkeys((r["prefill_tp"], r["decode_tp"]) for r in sel):
+            med = {}
+            for c in ("kvtriton", "nixl"):
+                med[c] = median_known([r.get("kv_loaded_ms") for r in sel if (r["prefill_tp"], r["decode_tp"],
+                                       r["connector"]) == (p, d, c) and r.get("request", -1) >= 0])
+            ratio = f"{med['kvtriton'] / med['nixl']:.2f}x" if med["kvtriton"] and med["nixl"] else "n/a"
+            nixl = [r for r in sel if (r["prefill_tp"], r["decode_tp"], r["connector"]) == (p, d, "nixl")
+                    and r.get("request", -1) >= 0 and r.get("descriptors") and r.get("kv_bytes")]
+            size = (f" ({median_known([r['kv_bytes'] / r['descriptors'] for r in nixl]) / 1024:.0f} KiB per "
+                    f"NixlConnector READ)") if nixl else ""
+            cells.append(f"P{p}->D{d} {ratio}{size}")
+        name = sel[0].get("pd_size", "") if kind == "llama" else kind
+        out.append((f"{name} model: " if name else "") + ", ".join(cells))
+    return "kvtriton / NixlConnector time to KV loaded, same engines and prompts: " + "; ".join(out)
 
 
 def _headline_gpu(meta: dict) -> str:

@@ -125,7 +125,14 @@ def test_summary_starts_with_a_five_line_headline(tmp_path):
             dict(section="pd_vllm", connector="kvtriton", prefill_tp=2, decode_tp=1, pd_size="small", request=0,
                  kv_loaded_ms=30.0, summary="s"),
             dict(section="pd_vllm", connector="nixl", prefill_tp=2, decode_tp=1, pd_size="small", request=0,
-                 kv_loaded_ms=60.0, summary="s")]
+                 kv_loaded_ms=60.0, summary="s"),
+            # --full: the realistic geometry, its own cells, with NixlConnector's READ size
+            dict(section="pd_vllm", connector="kvtriton", prefill_tp=1, decode_tp=2, pd_size="scaled", request=0,
+                 model_kind="llama hd128", kv_loaded_ms=8.0, descriptors=2, kv_bytes=1 << 20, summary="s"),
+            dict(section="pd_vllm", connector="nixl", prefill_tp=1, decode_tp=2, pd_size="scaled", request=0,
+                 model_kind="llama hd128", kv_loaded_ms=20.0, descriptors=128, kv_bytes=1 << 20, summary="s"),
+            dict(section="pd_vllm", connector="nixl", prefill_tp=2, decode_tp=1, pd_size="small", request=0,
+                 model_kind="deepseek", kv_loaded_ms=1.0, summary="s")]  # MLA: its own table rows, not here
     meta = dict(device="cpu (2 cores, x86_64)", torch="t", git_sha="g", timestamp="ts",
                 command="python bench/sweep.py", wall_s="281", section_s="descriptors 3 s", load_avg="1.0 2.0 3.0")
     head = headline_lines(rows, meta)
@@ -133,7 +140,8 @@ def test_summary_starts_with_a_five_line_headline(tmp_path):
     assert "4x to 4,096x" in head[0] and "over 2 preset" in head[0]
     assert "shm idle random ids: pull 0.80" in head[1] and "P4->D8" in head[1]
     assert "worst 1.25, median 1.12 over 2 cells (small grid); 1 miss(es) beyond noise; NOT met" in head[2]
-    assert "P2->D1 0.50x" in head[3] and "(small model)" in head[3]
+    assert "small model: P2->D1 0.50x; llama hd128 model: P1->D2 0.40x (8 KiB per NixlConnector READ)" in head[3]
+    assert "deepseek" not in head[3]
     assert head[4].startswith("- **GPU**: none")
     write_outputs(rows, tmp_path, meta)
     lines = (tmp_path / "summary.md").read_text().splitlines()
