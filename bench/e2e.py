@@ -172,20 +172,27 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
 # auto from an HND source, vLLM's own layout (its direct reads here read an HND copy): where a head
 # slice is one contiguous range of a block, the planner may take the one-pass way vLLM takes
 AUTO_HND = ("pull", 1, 1, False, None, "HND")
+# the same with this host's measured cost model (kvtriton.costmodel.load_or_measure, what a connector
+# started with cost_model="measured" runs by): the default model's constants are a hand-calibrated
+# CPU guess, and where they misjudge the repack here the measured one is what picks the way
+AUTO_HND_MEASURED = ("pull", 1, 1, False, None, "HND", "measured")
 VARIANTS = [("pull", 1, 1, False, "staged"), ("push", 1, 1, False, "staged"), ("pull", 8, 2, False, "staged"),
             ("pull", 1, 1, True, "staged"), ("pull", 1, 1, False, "pack_place"), ("pull", 1, 1, True, "pack_place"),
-            ("pull", 1, 1, False, None), ("pull", 1, 1, "guess", "staged"), AUTO_HND]
+            ("pull", 1, 1, False, None), ("pull", 1, 1, "guess", "staged"), AUTO_HND, AUTO_HND_MEASURED]
 # P > D: read_unpack instead of pack_place (lazy: the pull is answered by RunsReady, no pack; eager:
 # the hold is offered for reading straight from the cache, no pull at all)
 VARIANTS_BY_CASE = {"p4d8": VARIANTS,
                     "p8d4": [("pull", 1, 1, False, "staged"), ("push", 1, 1, False, "staged"),
                              ("pull", 1, 1, True, "staged"), ("pull", 1, 1, False, "read_unpack"),
-                             ("pull", 1, 1, True, "read_unpack"), ("pull", 1, 1, False, None), AUTO_HND]}
+                             ("pull", 1, 1, True, "read_unpack"), ("pull", 1, 1, False, None), AUTO_HND,
+                             AUTO_HND_MEASURED]}
 
 
-def _method(mode: str, chunks: int, inflight: int, eager, way: str | None, src_layout: str = "NHD") -> str:
+def _method(mode: str, chunks: int, inflight: int, eager, way: str | None, src_layout: str = "NHD",
+            cost: str = "default") -> str:
     return (f"kvtriton {way or 'auto'}, {mode}{_eager_label(eager)}, {chunks} chunk(s) x {inflight}"
-            " in flight" + ("" if src_layout == "NHD" else f", {src_layout} source"))
+            " in flight" + ("" if src_layout == "NHD" else f", {src_layout} source")
+            + ("" if cost == "default" else f", {cost} model"))
 
 
 def _eager_label(eager) -> str:
@@ -226,17 +233,22 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
     p_tp, d_tp, ranks, src_heads, dst_heads = _geometry(case)
     h_read = min(src_heads, dst_heads)  # heads decode rank 0 reads from each source rank
     payload = layers * 2 * n * BLOCK * HEAD_DIM * 2 * dst_heads  # bytes decode rank 0 receives
-    variants = [tuple(v) + (False, "staged", "NHD")[len(v) - 3:] for v in (variants or VARIANTS_BY_CASE[case])]
+    variants = [tuple(v) + (False, "staged", "NHD", "default")[len(v) - 3:]
+                for v in (variants or VARIANTS_BY_CASE[case])]
+    if any(v[6] == "measured" for v in variants):
+        from kvtriton.costmodel import load_or_measure
+
+        measured = load_or_measure("cpu", "torch")  # cached per host; measured once otherwise
     slot = 256 << 10
     agent_kw = []
-    for mode, chunks, inflight, eager, way, src_layout in variants:
+    for mode, chunks, inflight, eager, way, src_layout, cost in variants:
         chunk = ceil_div(payload // len(ranks) // chunks, slot) * slot  # one source rank's payload
         # eager: the whole request packed ahead, plus the staging its engine's lazy pulls keep
         staging = ((chunks + inflight) if eager else inflight) * chunk
         agent_kw.append(dict(staging_bytes=staging, slot_bytes=slot, chunk_bytes=chunk, mode=mode,
                              inflight_chunks=inflight, impl="torch", timeout_s=60,
                              eager_bytes=chunks * chunk if eager else 0, eager_guess=eager == "guess",
-                             modes=way, src_layout=src_layout))
+                             modes=way, src_layout=src_layout, **({"cost": measured} if cost == "measured" else {})))
     prefill = ChildProcess(_prefill, layers, num_blocks, agent_kw, reps, case, name="prefill")
     ctx = mp.get_context("spawn")
     neighbors = [ctx.Process(target=_busy_neighbor, args=(time.monotonic() + 300,), daemon=True)
@@ -379,7 +391,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
                       host="busy" if busy else "idle", bytes=payload, ids=ids)
         ndescs = [[0] for _ in variants]
         setups, held = {}, {}  # untimed: the hold (and for eager its pack) before each timed fetch
-        for i, (mode, chunks, inflight, eager, way, src_layout) in enumerate(variants):
+        for i, (mode, chunks, inflight, eager, way, src_layout, cost) in enumerate(variants):
 
             def hold(i=i, eager=eager, chunks=chunks, way=way, agent=agents[i]) -> None:
                 req = f"r{counter[0]}"
@@ -408,7 +420,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             clear()
             hold()
             staged()
-            check(_method(mode, chunks, inflight, eager, way, src_layout))
+            check(_method(mode, chunks, inflight, eager, way, src_layout, cost))
             timed[f"staged{i}"] = staged
             setups[f"staged{i}"] = hold
 
@@ -429,7 +441,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         qs = {k: quantiles_of(v) for k, v in samples.items()}
         read_q, write_q, packed_q, direct_q = qs["read"], qs["write"], qs["packed"], qs["direct"]
         staged_rows = []
-        for i, (mode, chunks, inflight, eager, way, src_layout) in enumerate(variants):
+        for i, (mode, chunks, inflight, eager, way, src_layout, cost) in enumerate(variants):
             q = qs[f"staged{i}"]
             floor = read_q[1] if mode == "pull" else write_q[1]
             st = agents[i].stats
@@ -438,14 +450,18 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             one = (("pack_place" if case == "p4d8" else "read_unpack") if used == "one-sided" else used)
             place, read_ru = one == "pack_place", one == "read_unpack"
             parts = (0 if eager or read_ru else pack_q[1]) + floor + (0 if place else unpack_q[1])
-            lazy = [j for j, w in enumerate(variants) if w == (mode, chunks, inflight, False, way, src_layout)]
+            lazy = [j for j, w in enumerate(variants) if w == (mode, chunks, inflight, False, way, src_layout, cost)]
             vs_lazy = f"; lazy/this = {qs[f'staged{lazy[0]}'][1] / q[1]:.2f}x" if eager and lazy else ""
+            if one == "direct":  # direct_slice: no pass to sum; the same reads without the protocol are the floor
+                how = f"ran direct_slice; the same head-slice reads posted raw / this = {direct_q[1] / q[1]:.2f}x"
+            else:
+                how = (f"{'' if way else f'ran {one}; '}{q[1] / parts:.2f}x the sum of its parts "
+                       f"({'' if eager or read_ru else 'pack + '}one {'READ' if mode == 'pull' else 'WRITE'}"
+                       f"{'' if place else ' + unpack'})")
             staged_rows.append(dict(
-                common, method=_method(mode, chunks, inflight, eager, way, src_layout), descriptors=ndescs[i][0],
+                common, method=_method(mode, chunks, inflight, eager, way, src_layout, cost), descriptors=ndescs[i][0],
                 **qfields("ms", q, 2),
-                note=(f"{'' if way else f'ran {one}; '}{q[1] / parts:.2f}x the sum of its parts "
-                      f"({'' if eager or read_ru else 'pack + '}one {'READ' if mode == 'pull' else 'WRITE'}"
-                      f"{'' if place else ' + unpack'}); vLLM K||V direct/this = {packed_q[1] / q[1]:.2f}x; "
+                note=(f"{how}; vLLM K||V direct/this = {packed_q[1] / q[1]:.2f}x; "
                       f"K/V-separate direct/this = {direct_q[1] / q[1]:.2f}x{vs_lazy}")))
         rows += staged_rows
         rows += [

@@ -170,7 +170,9 @@ def e2e_ratios(rows: list[dict], cfg: tuple) -> dict[str, float]:
                         ("push", "kvtriton staged, push, 1 chunk(s) x 1 in flight"),
                         ("eager", "kvtriton staged, pull eager, 1 chunk(s) x 1 in flight"),
                         ("auto", "kvtriton auto, pull, 1 chunk(s) x 1 in flight"),
-                        ("auto HND source", "kvtriton auto, pull, 1 chunk(s) x 1 in flight, HND source")):
+                        ("auto HND source", "kvtriton auto, pull, 1 chunk(s) x 1 in flight, HND source"),
+                        ("auto HND source, measured model",
+                         "kvtriton auto, pull, 1 chunk(s) x 1 in flight, HND source, measured model")):
         if base and sel.get(method):
             out[key] = sel[method] / base
     return out
@@ -322,6 +324,7 @@ def _e2e_pair_summary(rows: list[dict]) -> list[str]:
         one = "pack_place" if "kvtriton pack_place, pull, 1 chunk(s) x 1 in flight" in sel else "read_unpack"
         auto = sel.get("kvtriton auto, pull, 1 chunk(s) x 1 in flight")
         auto_hnd = sel.get("kvtriton auto, pull, 1 chunk(s) x 1 in flight, HND source")
+        auto_measured = sel.get("kvtriton auto, pull, 1 chunk(s) x 1 in flight, HND source, measured model")
         pull = sel.get("kvtriton staged, pull, 1 chunk(s) x 1 in flight")
         push = sel.get("kvtriton staged, push, 1 chunk(s) x 1 in flight")
         eager = sel.get("kvtriton staged, pull eager, 1 chunk(s) x 1 in flight")
@@ -346,7 +349,9 @@ def _e2e_pair_summary(rows: list[dict]) -> list[str]:
                      + (f"; auto (the planner's way) / vLLM K||V direct = **{auto / packed:.2f}**, / staged pull = "
                         f"{auto / pull:.2f}" if auto else "")
                      + (f"; auto from an HND source / vLLM K||V direct = **{auto_hnd / packed:.2f}**"
-                        if auto_hnd else ""))
+                        if auto_hnd else "")
+                     + (f", with this host's measured cost model = **{auto_measured / packed:.2f}**"
+                        if auto_measured else ""))
     return lines + [""]
 
 
