@@ -336,3 +336,41 @@ def test_eager_offer_confirms_slices_beside_a_staged_payload():
         assert all(f.reason == "done" for f in e.settle_freed(2))
     finally:
         e.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("p_tp,d_tp,heads,modes", [(2, 1, 4, "direct_slice"), (1, 2, 4, "direct_slice"),
+                                                   (1, 1, 4, "direct")])
+def test_a_direct_only_hold_is_offered_and_read_with_no_pull(p_tp, d_tp, heads, modes):
+    """A hold naming its consumer whose plan sends DIRECT runs only (no staged payload): each
+    prefill rank offers its cache blocks once the hold is placed, and the decode READs at fetch
+    time without a pull (the sources count each offer read, none pulled or missed). Exact bytes;
+    afterwards the holds end as done, staging whole."""
+    models = [RegionModel.gqa("l0", heads, 16), RegionModel.gqa("l1", heads, 8, torch.float32)]
+    e = _pair(p_tp, d_tp, models, modes=modes, eager_bytes=32 << 10)  # eager on (it offers; nothing to pack)
+    try:
+        src, dst = np.arange(5, 14), np.arange(20, 29)
+        kv = e.request(src)
+        before = [snapshot(x) for x in e.D]
+        for p in e.pa:
+            p.hold("r", src, lease_s=30, consumer="D")
+        want = {i: len(split_sources(i, d_tp, p_tp, heads)) for i in range(d_tp)}  # source ranks each one reads
+        deadline = time.monotonic() + 10
+        while any(sum("r" in o for o in d.debug_state()["offers"].values()) < want[i] for i, d in enumerate(e.da)):
+            assert time.monotonic() < deadline, [d.debug_state()["offers"] for d in e.da]
+            for a in e.agents:
+                a.progress()
+        for d in e.da:
+            d.fetch("r", "P", src, dst)
+        got = e.drive()
+        for i in range(d_tp):
+            assert got[i][0].ok, got[i][0].error
+            check_destination(e.D[i], i, d_tp, kv, dst, before[i])
+        assert sum(d.stats["offers_taken"] for d in e.da) == sum(want.values())
+        assert all(a.stats["staged_descriptors"] == 0 and a.stats["pack_launches"] == 0 for a in e.agents)
+        assert all(f.reason == "done" for f in e.settle_freed(p_tp))
+        src_stats = [p.stats for p in e.pa]
+        assert sum(s["eager_offer_reads"] for s in src_stats) == sum(want.values())
+        assert all(s["eager_offer_pulls"] == 0 and s["eager_misses"] == 0 for s in src_stats)
+    finally:
+        e.close()

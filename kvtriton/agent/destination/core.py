@@ -88,7 +88,7 @@ class Destination:
                 payload = payload.refit(self.s.chunk_bytes)
         xid = self.fetches.new_xid(f.req_id, src_rank)
         taken = self.fetches.parts.__contains__
-        if cls is ReadUnpackPart:
+        if cls is ReadUnpackPart or (cls is DirectPart and pull and runs is not None):  # both read the cache
             offer = self.offers.take_cache(peer, f.req_id, rp, taken)
         else:
             offer = self.offers.take_packed(peer, f.req_id, rp, src_rank, taken)

@@ -262,6 +262,13 @@ class Part:
 class DirectPart(Part):
     """A source rank that sends DIRECT runs only (no staged payload)."""
 
+    def take_offer(self, offer: wire.Offer) -> None:
+        """Pull: the source offered its cache blocks (no slots, sent once the engine's writes
+        were done): it holds them for us until our RunsDone, as after a RunsReady. READ now."""
+        super().take_offer(offer)
+        if self.lease is not None and not offer.slots:
+            self.lease.go = True
+
 
 class PayloadPart(Part):
     """A part with a staged payload (the ways below differ in how its chunks travel)."""

@@ -21,7 +21,10 @@ own; a fetch that asks exactly that READs it without a round trip to this proces
 host, the wake-up saved). When the plan also reads DIRECT runs from this rank, the offer is
 sent only once the hold's event has completed and says so (``runs``): it is then their
 ``runs_ready`` too (the confirmation that this rank holds the blocks), and the offered
-transfer keeps them held until the reader's ``runs_done``, as a pulled one does. An offered pack is
+transfer keeps them held until the reader's ``runs_done``, as a pulled one does. A rank whose
+plan sends a named consumer DIRECT runs only (whole blocks or head slices, no staged payload) has
+nothing to pack: it offers the cache blocks (no slots, once the hold's event completed), the
+offer confirming the runs, so the fetch READs them with no pull either. An offered pack is
 announced: it is no longer evicted, lives until acked or until the hold ends (then its slots are
 quarantined for ``timeout_s``, as after any ``ready``), and a pull of the same request from that
 rank takes it over or withdraws it (no quarantine then: that rank pulled, so it is not reading
@@ -247,10 +250,17 @@ class EagerPacks:
                 plan = self.plans.serving(peer.md)
             except KVTritonError:
                 continue
-            if plan.maps_tokens or plan.payload(self.s.rank) is None:
+            if plan.maps_tokens:
                 continue  # token maps: the tiles depend on the decode's ids
             # the chunks the destination derives: the smaller of both sides' chunk sizes
             request = RequestPlan.for_hold(plan, ids, chunk_bytes=min(self.s.chunk_bytes, peer.md.staging.chunk_bytes))
+            if plan.payload(self.s.rank) is None:
+                # DIRECT runs only (whole blocks or head slices): nothing to pack; offering the
+                # cache blocks confirms them as RunsReady would, so the fetch READs with no pull.
+                # Only to a named consumer, as below
+                if hold.consumer is not None and request.sends_runs(self.s.rank):
+                    self.runs_offers.append((hold.req_id, peer, request))
+                continue
             try:
                 payload = request.payload(self.s.rank)
             except StagingError:
