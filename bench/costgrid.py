@@ -11,7 +11,7 @@ timed mode is checked byte for byte once against the global-head oracle.
 
 Runs of the modes are interleaved round by round (load bursts on a shared machine hit all alike)
 and each mode rotates over :data:`CONNECTIONS` warmed agent pairs; a cell whose two fastest modes
-still overlap after the base rounds gets as many again (:func:`sample_interleaved`). Each cell is
+still overlap after the base rounds gets up to three times as many again (:func:`sample_interleaved`). Each cell is
 judged a hit, a tie (spreads overlap) or a miss (:func:`judge`). Geometry: GQA, head_dim 128, bf16,
 2,048 tokens, ``8 // heads`` layers, so a decode rank receives 8 MiB in every cell; source and
 destination use the same layout (NHD or HND); block ids are a random permutation (no runs to
@@ -248,7 +248,9 @@ def run_cells(quick, transport: str, group: tuple | None = None, cost_file: str 
                         fetch()  # warm-up (connection wire-up), then every mode checked byte for byte
                     check()
                     fetches[mode].append(fetch)
-            samples = sample_interleaved(fetches, reps, extra=reps)
+            # a close call (the two fastest spreads overlap) gets up to 4x the base rounds: a round
+            # costs milliseconds next to the cell's setup, and a tie's median needs them to settle
+            samples = sample_interleaved(fetches, reps, extra=3 * reps)
         finally:
             for a in agents:
                 a.close()
