@@ -167,3 +167,17 @@ def test_killed_prefill_fails_its_request_only(tmp_path):
     assert all("PeerDisconnectedError" in f for f in got["killed_failures"]), got["killed_failures"]
     _ok(got["other"], 1)
     _no_leaks(got["leaks"])
+
+
+def test_rogue_client_cannot_touch_a_sealed_room(tmp_path):
+    """With a cluster secret, a client without it forges WANT (claiming the room first), READY
+    (other page ids and metadata rows) and STATUS (a failure), unsealed and sealed under another
+    key, while an honest room transfers: every forgery is refused and counted, the room succeeds
+    byte-exact (old code: the forged WANT took the room, the forged READY or STATUS spoiled it)."""
+    got = _run("rogue", tmp_path)
+    room = got["room"]
+    _ok(room, 1)
+    assert room["prefill_refused_before_want"] >= room["sent"]["prefill"], room
+    assert room["decode_refused_before_ready"] >= room["sent"]["decode"], room
+    assert room["refused"] == {"prefill": [room["sent"]["prefill"]], "decode": [room["sent"]["decode"]]}, room
+    _no_leaks(got["leaks"])
