@@ -170,14 +170,19 @@ def test_killed_prefill_fails_its_request_only(tmp_path):
 
 
 def test_rogue_client_cannot_touch_a_sealed_room(tmp_path):
-    """With a cluster secret, a client without it forges WANT (claiming the room first), READY
-    (other page ids and metadata rows) and STATUS (a failure), unsealed and sealed under another
-    key, while an honest room transfers: every forgery is refused and counted, the room succeeds
-    byte-exact (old code: the forged WANT took the room, the forged READY or STATUS spoiled it)."""
+    """With a cluster secret, a client without it forges WANT (claiming the room first), ABORT
+    (SGLang's and ours), READY (other page ids and metadata rows) and STATUS (a failure), unsealed
+    and sealed under another key, while an honest room transfers: every forgery is refused and
+    counted, the room succeeds byte-exact (old code: the forged WANT took the room, the forged
+    ABORT, READY or STATUS spoiled it); a real abort afterwards still fails that room on both sides."""
     got = _run("rogue", tmp_path)
     room = got["room"]
     _ok(room, 1)
     assert room["prefill_refused_before_want"] >= room["sent"]["prefill"], room
     assert room["decode_refused_before_ready"] >= room["sent"]["decode"], room
     assert room["refused"] == {"prefill": [room["sent"]["prefill"]], "decode": [room["sent"]["decode"]]}, room
+    abort = got["abort"]  # a real abort still reaches the prefill, sealed
+    assert abort["decode"] == ["Failed"] and abort["prefill"] == ["Failed"], abort
+    assert all("RequestAbortedError" in f for f in abort["prefill_failures"]), abort
+    assert got["refused_after"] == room["refused"], got  # nothing honest was refused
     _no_leaks(got["leaks"])

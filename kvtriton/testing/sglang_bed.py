@@ -315,7 +315,7 @@ def _rogue(prefill: Engine, decode: Engine, room: int, seed: int, n_tokens: int,
 
     import zmq
 
-    from ..integrations.sglang.messages import STATUS_TAG, Ready, Want
+    from ..integrations.sglang.messages import STATUS_TAG, Abort, Ready, Want
     from ..integrations.sglang.signing import KEY_PURPOSE, ControlSigner
     from ..protocol.auth import Credential
 
@@ -353,6 +353,11 @@ def _rogue(prefill: Engine, decode: Engine, room: int, seed: int, n_tokens: int,
         out["prefill_refused_before_want"] = refused(prefill, sent_p)
         decode.each("send_metadata", room, d_pages, d_aux)
         out["prefill_bootstrapped"] = prefill.wait(room, {"WaitingForInput"})
+        # abort the room on the prefill, as SGLang's ABORT and as ours in the decode's name
+        d_engine = decode.each("engine")[0]
+        sent_p += forge(push_p, [b"ABORT", str(room).encode()])
+        sent_p += forge(push_p, Abort(room, d_engine, 0).to_zmq())
+        out["prefill_refused_after_want"] = refused(prefill, sent_p)
         # the decode waits for READY: feed it other page ids and metadata rows, and fail the room
         lens = decode.each("aux_lens")[0]
         fake = Ready(room, p_engine, 0, np.asarray(_room_pages(rng, n_pages), np.int64),
@@ -408,6 +413,8 @@ def run_case(case: str, *, base_port: int, model: str, seed: int = 0) -> dict:
             for e in engines:
                 e.ready()
             out = {"case": case, "room": _rogue(p, d, 300, seed + 300, 19, rng)}
+            out["abort"] = _transfer(p, d, 301, seed + 301, 11, rng, abort=True)  # the sealed KVT_ABORT
+            out["refused_after"] = {"prefill": p.each("refused"), "decode": d.each("refused")}
             time.sleep(0.5)
             out["leaks"] = {"decode": d.each("leaks"), "prefill": p.each("leaks")}
             return out

@@ -42,7 +42,7 @@ from ...protocol.handshake import MetadataServer
 from .caches import aux_views, kv_regions, local_heads
 from .decode_role import DecodeRole
 from .inline import InlineProgress
-from .messages import READY_TAG, STATUS_TAG, WANT_TAG, Ready, Want
+from .messages import ABORT_SEALED_TAG, READY_TAG, STATUS_TAG, WANT_TAG, Abort, Ready, Want
 from .prefill_role import PrefillRole
 from .settings import BackendSettings, UnsupportedSetupError
 from .signing import ControlSigner, control_signer, refuse_tls_only
@@ -53,7 +53,7 @@ __all__ = ["KVTritonKVBootstrapServer", "KVTritonKVManager", "KVTritonKVReceiver
 logger = logging.getLogger(__name__)
 
 #: tags of our control messages: sealed when the credential has a secret (:mod:`.signing`)
-_SIGNED_TAGS = (WANT_TAG, READY_TAG, STATUS_TAG)
+_SIGNED_TAGS = (WANT_TAG, READY_TAG, STATUS_TAG, ABORT_SEALED_TAG)
 _REFUSED_LOG_EVERY_S = 5.0
 
 
@@ -282,6 +282,16 @@ class KVTritonKVManager(CommonKVManager):
                                  f"rank {sender.rank}")
                     return
                 self.prefill.on_want(want)
+            elif self.prefill is not None and tag == ABORT_SEALED_TAG:
+                abort = Abort.from_zmq(msg)
+                consumer = self.prefill.consumer(abort.room)
+                by = (sender.engine, sender.rank) if sender is not None else (abort.engine, abort.rank)
+                if (abort.engine, abort.rank) != by or consumer not in (None, abort.engine):
+                    self._refuse(f"an abort of room {abort.room} (held for {consumer!r}) from {by[0]!r} rank {by[1]}")
+                    return
+                self.prefill.on_abort(abort.room)
+            elif self.prefill is not None and tag == ABORT_TAG and self.signer is not None:
+                self._refuse("SGLang's unsealed ABORT: with a cluster secret a decode aborts with a sealed KVT_ABORT")
             elif self.prefill is not None and tag == ABORT_TAG:
                 note = AbortNotification.from_zmq(msg)
                 if note is not None:
@@ -372,6 +382,16 @@ class KVTritonKVReceiver(CommonKVReceiver):
     def abort(self):
         self.kv_mgr.decode.abort(self.bootstrap_room)
         super().abort()
+
+    def _send_abort_notification(self, *, force_arm: bool = False):
+        """SGLang's one place that tells the prefill ranks (abort, timeout): with a cluster secret
+        our sealed ``KVT_ABORT`` instead of its unsealed ``ABORT`` (which the prefill refuses then).
+        Nothing to arm: this backend leaves SGLang's deferred decode KV release off."""
+        if self.kv_mgr.signer is None:
+            return super()._send_abort_notification(force_arm=force_arm)
+        msg = Abort(self.bootstrap_room, self.kv_mgr.agent.engine_id, self.kv_mgr.agent.rank).to_zmq()
+        for info in self.bootstrap_infos:
+            self.kv_mgr.send(info["rank_ip"], info["rank_port"], msg)
 
     def clear(self) -> None:
         super().clear()
