@@ -316,7 +316,7 @@ class KVTritonKVManager(CommonKVManager):
                                               failure_reason=reason)
                     self.decode.abort(room)
             else:
-                logger.warning("kvtriton: dropped a message tagged %r", tag[:24])
+                self._refuse(f"a message tagged {tag[:24]!r}, not one this rank takes")
         except KVTritonError as e:
             logger.warning("kvtriton: dropped a malformed message: %s", e)
 
