@@ -185,4 +185,5 @@ def test_rogue_client_cannot_touch_a_sealed_room(tmp_path):
     assert abort["decode"] == ["Failed"] and abort["prefill"] == ["Failed"], abort
     assert all("RequestAbortedError" in f for f in abort["prefill_failures"]), abort
     assert got["refused_after"] == room["refused"], got  # nothing honest was refused
+    assert all(n > 0 for side in got["inline_steps"].values() for n in side), got  # poll() progressed the agent
     _no_leaks(got["leaks"])

@@ -173,6 +173,7 @@ def _rank_main(conn, role: str, rank: int, tp: int, cfg: dict) -> None:
         "poll": lambda room: int(peers[room].poll()), "abort": lambda room: peers[room].abort(),
         "failure": failure, "clear": clear, "leaks": leaks, "engine": lambda: mgr.agent.engine_id,
         "zmq": lambda: [mgr.local_ip, mgr.rank_port], "refused": lambda: mgr.refused_messages,
+        "inline_steps": lambda: mgr.inline.steps,
         "aux_lens": lambda: [int(n) for n in args.aux_item_lens],
     }
     child = AgentChild(conn, [], commands, step=lambda: None, busy=lambda: False, idle_wait_s=0.01,
@@ -415,6 +416,7 @@ def run_case(case: str, *, base_port: int, model: str, seed: int = 0) -> dict:
             out = {"case": case, "room": _rogue(p, d, 300, seed + 300, 19, rng)}
             out["abort"] = _transfer(p, d, 301, seed + 301, 11, rng, abort=True)  # the sealed KVT_ABORT
             out["refused_after"] = {"prefill": p.each("refused"), "decode": d.each("refused")}
+            out["inline_steps"] = {"prefill": p.each("inline_steps"), "decode": d.each("inline_steps")}
             time.sleep(0.5)
             out["leaks"] = {"decode": d.each("leaks"), "prefill": p.each("leaks")}
             return out
