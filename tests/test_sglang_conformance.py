@@ -178,7 +178,8 @@ def test_rogue_client_cannot_touch_a_sealed_room(tmp_path):
     got = _run("rogue", tmp_path)
     room = got["room"]
     _ok(room, 1)
-    assert room["prefill_refused_before_want"] >= room["sent"]["prefill"], room
+    assert room["prefill_refused_before_want"] == 2, room  # the forged WANTs, before the decode's own
+    assert room["prefill_refused_after_want"] == room["sent"]["prefill"], room  # and the forged ABORTs
     assert room["decode_refused_before_ready"] >= room["sent"]["decode"], room
     assert room["refused"] == {"prefill": [room["sent"]["prefill"]], "decode": [room["sent"]["decode"]]}, room
     abort = got["abort"]  # a real abort still reaches the prefill, sealed
