@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvtriton.errors import ProtocolError
-from kvtriton.integrations.sglang.messages import READY_TAG, Ready, Want
+from kvtriton.integrations.sglang.messages import READY_TAG, Abort, Ready, Want
 from kvtriton.integrations.sglang.settings import ENV, BackendSettings, SettingsError
 
 
@@ -89,3 +89,12 @@ def test_want_refused():
     for bad in (good[:-1], good[:5] + [b"0"] + good[6:], good[:3] + [b"-1"] + good[4:]):
         with pytest.raises(ProtocolError):
             Want.from_zmq(bad)
+
+
+def test_abort_round_trip_and_refused():
+    a = Abort(2**64 - 1, "sglang-decode@h:2", 3)
+    assert Abort.from_zmq(a.to_zmq()) == a
+    good = a.to_zmq()
+    for bad in (good[:-1], [b"ABORT", *good[1:]], good[:1] + [b"x"] + good[2:], good[:3] + [b"70000"]):
+        with pytest.raises(ProtocolError):
+            Abort.from_zmq(bad)

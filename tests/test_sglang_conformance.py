@@ -167,3 +167,24 @@ def test_killed_prefill_fails_its_request_only(tmp_path):
     assert all("PeerDisconnectedError" in f for f in got["killed_failures"]), got["killed_failures"]
     _ok(got["other"], 1)
     _no_leaks(got["leaks"])
+
+
+def test_rogue_client_cannot_touch_a_sealed_room(tmp_path):
+    """With a cluster secret, a client without it forges WANT (claiming the room first), ABORT
+    (SGLang's and ours), READY (other page ids and metadata rows) and STATUS (a failure), unsealed
+    and sealed under another key, while an honest room transfers: every forgery is refused and
+    counted, the room succeeds byte-exact (old code: the forged WANT took the room, the forged
+    ABORT, READY or STATUS spoiled it); a real abort afterwards still fails that room on both sides."""
+    got = _run("rogue", tmp_path)
+    room = got["room"]
+    _ok(room, 1)
+    assert room["prefill_refused_before_want"] == 2, room  # the forged WANTs, before the decode's own
+    assert room["prefill_refused_after_want"] == room["sent"]["prefill"], room  # and the forged ABORTs
+    assert room["decode_refused_before_ready"] >= room["sent"]["decode"], room
+    assert room["refused"] == {"prefill": [room["sent"]["prefill"]], "decode": [room["sent"]["decode"]]}, room
+    abort = got["abort"]  # a real abort still reaches the prefill, sealed
+    assert abort["decode"] == ["Failed"] and abort["prefill"] == ["Failed"], abort
+    assert all("RequestAbortedError" in f for f in abort["prefill_failures"]), abort
+    assert got["refused_after"] == room["refused"], got  # nothing honest was refused
+    assert all(n > 0 for side in got["inline_steps"].values() for n in side), got  # poll() progressed the agent
+    _no_leaks(got["leaks"])

@@ -120,6 +120,16 @@ class Credential:
         """Whether ``proof`` is this transcript's (constant-time comparison)."""
         return hmac.compare_digest(proof, self.proof(role, client_nonce, server_nonce, payload, version))
 
+    def derive_key(self, purpose: bytes) -> bytes:
+        """A key for one other use of the secret (e.g. sealing control messages), derived as
+        ``HMAC-SHA256(secret, "kvtriton-derive|" + purpose)``: never the secret itself, and no
+        handshake proof (another label) is valid under it."""
+        if self._secret is None:
+            raise AuthenticationError("this credential has no shared secret to derive a key from")
+        if not purpose:
+            raise AuthenticationError("derive_key needs a non-empty purpose label")
+        return hmac.new(self._secret, b"kvtriton-derive|" + purpose, hashlib.sha256).digest()
+
     # ------------------------------------------------------------------ mutual TLS
     def _context(self, server: bool) -> ssl.SSLContext:
         if self._tls is None:

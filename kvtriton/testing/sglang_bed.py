@@ -172,6 +172,9 @@ def _rank_main(conn, role: str, rank: int, tp: int, cfg: dict) -> None:
                                                                                   aux_index),
         "poll": lambda room: int(peers[room].poll()), "abort": lambda room: peers[room].abort(),
         "failure": failure, "clear": clear, "leaks": leaks, "engine": lambda: mgr.agent.engine_id,
+        "zmq": lambda: [mgr.local_ip, mgr.rank_port], "refused": lambda: mgr.refused_messages,
+        "inline_steps": lambda: mgr.inline.steps,
+        "aux_lens": lambda: [int(n) for n in args.aux_item_lens],
     }
     child = AgentChild(conn, [], commands, step=lambda: None, busy=lambda: False, idle_wait_s=0.01,
                        errors=(Exception,))
@@ -305,6 +308,84 @@ def _transfer(prefill: Engine, decode: Engine, room: int, seed: int, n_tokens: i
     return out
 
 
+def _rogue(prefill: Engine, decode: Engine, room: int, seed: int, n_tokens: int, rng) -> dict:
+    """One honest room while a client without the cluster secret forges WANT (to the prefill, before
+    the decode's), READY and STATUS (to the decode, while it waits for the prefill's READY):
+    unsealed, and sealed under another key. The room must succeed byte-exact, every forgery refused."""
+    import secrets
+
+    import zmq
+
+    from ..integrations.sglang.messages import STATUS_TAG, Abort, Ready, Want
+    from ..integrations.sglang.signing import KEY_PURPOSE, ControlSigner
+    from ..protocol.auth import Credential
+
+    n_pages = -(-n_tokens // PAGE)
+    d_pages, p_pages = _room_pages(rng, n_pages), _room_pages(rng, n_pages)
+    d_aux, p_aux = int(rng.integers(AUX_ROWS)), int(rng.integers(AUX_ROWS))
+    out: dict = {"room": room, "tokens": n_tokens}
+    p_engine = prefill.each("engine")[0]
+    (p_ip, p_port), (d_ip, d_port) = prefill.each("zmq")[0], decode.each("zmq")[0]
+    wrong = ControlSigner(Credential(secret=secrets.token_bytes(32)).derive_key(KEY_PURPOSE), p_engine, 0,
+                          window_s=60.0)
+    ctx = zmq.Context()
+    push_p, push_d = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+    for sock, ip, port in ((push_p, p_ip, p_port), (push_d, d_ip, d_port)):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{ip}:{port}")
+
+    def forge(sock, frames) -> int:
+        sock.send_multipart(frames)  # unsealed
+        sock.send_multipart(wrong.seal(frames))  # sealed under a key that is not the cluster's
+        return 2
+
+    def refused(engine: Engine, n: int) -> int:
+        deadline = time.monotonic() + 30
+        while (got := engine.each("refused")[0]) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return got
+
+    try:
+        decode.each("receiver", room, prefill.addr)
+        prefill.each("sender", room, prefill.addr)
+        out["decode_bootstrapped"] = decode.wait(room, {"WaitingForInput"})
+        # claim the room for another decode engine before the real one asks
+        sent_p = forge(push_p, Want(room, "sglang-decode@rogue:1", 0, "127.0.0.1", 9, 0).to_zmq())
+        out["prefill_refused_before_want"] = refused(prefill, sent_p)
+        decode.each("send_metadata", room, d_pages, d_aux)
+        out["prefill_bootstrapped"] = prefill.wait(room, {"WaitingForInput"})
+        # abort the room on the prefill, as SGLang's ABORT and as ours in the decode's name
+        d_engine = decode.each("engine")[0]
+        sent_p += forge(push_p, [b"ABORT", str(room).encode()])
+        sent_p += forge(push_p, Abort(room, d_engine, 0).to_zmq())
+        out["prefill_refused_after_want"] = refused(prefill, sent_p)
+        # the decode waits for READY: feed it other page ids and metadata rows, and fail the room
+        lens = decode.each("aux_lens")[0]
+        fake = Ready(room, p_engine, 0, np.asarray(_room_pages(rng, n_pages), np.int64),
+                     tuple(rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in lens))
+        sent_d = forge(push_d, fake.to_zmq())
+        sent_d += forge(push_d, [STATUS_TAG, str(room).encode(), b"0", b"0", b"forged failure"])
+        out["decode_refused_before_ready"] = refused(decode, sent_d)
+        prefill.each("fill", room, seed, p_pages, p_aux)
+        prefill.each("send", room, p_pages, p_aux, 2)
+        out["decode"] = decode.wait(room, {"Success"})
+        out["prefill"] = prefill.wait(room, {"Success"})
+        out["decode_failures"] = decode.each("failure", room) if "Failed" in out["decode"] else []
+        out["prefill_failures"] = prefill.each("failure", room) if "Failed" in out["prefill"] else []
+        if "Failed" not in out["decode"]:
+            out.update(_check(decode, room, seed, d_pages, d_aux))
+        out["refused"] = {"prefill": prefill.each("refused"), "decode": decode.each("refused")}
+        out["sent"] = {"prefill": sent_p, "decode": sent_d}
+        for e in (decode, prefill):
+            if "Failed" not in out[e.role]:
+                e.each("clear", room)
+    finally:
+        push_p.close()
+        push_d.close()
+        ctx.term()
+    return out
+
+
 def _config(base_port: int, model: str, http_port: int, env: dict, bootstrap_in_rank0: bool = False) -> dict:
     """One engine's settings. ``bootstrap_in_rank0``: SGLang's bootstrap server lives (and dies)
     with prefill rank 0 (TP1 engines only: another rank could start before it); else this
@@ -322,6 +403,23 @@ def run_case(case: str, *, base_port: int, model: str, seed: int = 0) -> dict:
                                                  "slot_bytes": 16 << 10})}
     engines: list[Engine] = []
     try:
+        if case == "rogue":  # the cluster runs with a shared secret: its control messages are sealed
+            secret = os.path.join(model, "kvtriton-secret")
+            with open(os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                f.write(os.urandom(32).hex().encode())
+            env = {**env, "KVTRITON_AUTH_SECRET_FILE": secret}
+            p = Engine("prefill", 1, _config(base_port, model, base_port + 50, env), "P")
+            d = Engine("decode", 1, _config(base_port + 20, model, base_port + 51, env), "D")
+            engines = [p, d]
+            for e in engines:
+                e.ready()
+            out = {"case": case, "room": _rogue(p, d, 300, seed + 300, 19, rng)}
+            out["abort"] = _transfer(p, d, 301, seed + 301, 11, rng, abort=True)  # the sealed KVT_ABORT
+            out["refused_after"] = {"prefill": p.each("refused"), "decode": d.each("refused")}
+            out["inline_steps"] = {"prefill": p.each("inline_steps"), "decode": d.each("inline_steps")}
+            time.sleep(0.5)
+            out["leaks"] = {"decode": d.each("leaks"), "prefill": p.each("leaks")}
+            return out
         if case == "killed_prefill":
             a = Engine("prefill", 1, _config(base_port, model, base_port + 50, env, True), "PA")
             b = Engine("prefill", 1, _config(base_port + 10, model, base_port + 51, env, True), "PB")
@@ -361,7 +459,7 @@ def run_case(case: str, *, base_port: int, model: str, seed: int = 0) -> dict:
             e.close()
 
 
-CASES = ("1-2", "2-1", "2-3", "killed_prefill")
+CASES = ("1-2", "2-1", "2-3", "killed_prefill", "rogue")
 
 
 def main(argv: list[str]) -> int:

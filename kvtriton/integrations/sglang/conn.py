@@ -36,19 +36,25 @@ from sglang.srt.runtime_context import get_disagg, get_parallel, get_serving
 from sglang.srt.utils.network import NetworkAddress
 
 from ...agent import TransferAgent
-from ...errors import KVTritonError, ProtocolError
+from ...errors import AuthenticationError, KVTritonError, ProtocolError
 from ...plan import CostModel
 from ...protocol.handshake import MetadataServer
 from .caches import aux_views, kv_regions, local_heads
 from .decode_role import DecodeRole
-from .messages import READY_TAG, STATUS_TAG, WANT_TAG, Ready, Want
+from .inline import InlineProgress
+from .messages import ABORT_SEALED_TAG, READY_TAG, STATUS_TAG, WANT_TAG, Abort, Ready, Want
 from .prefill_role import PrefillRole
 from .settings import BackendSettings, UnsupportedSetupError
+from .signing import ControlSigner, control_signer, refuse_tls_only
 
 __all__ = ["KVTritonKVBootstrapServer", "KVTritonKVManager", "KVTritonKVReceiver", "KVTritonKVSender",
            "refuse_unsupported", "total_kv_heads"]
 
 logger = logging.getLogger(__name__)
+
+#: tags of our control messages: sealed when the credential has a secret (:mod:`.signing`)
+_SIGNED_TAGS = (WANT_TAG, READY_TAG, STATUS_TAG, ABORT_SEALED_TAG)
+_REFUSED_LOG_EVERY_S = 5.0
 
 
 def refuse_unsupported(args, is_mla_backend: bool) -> None:
@@ -112,6 +118,7 @@ class KVTritonKVManager(CommonKVManager):
         refuse_unsupported(args, bool(is_mla_backend))
         self.settings = BackendSettings.from_env()  # a bad one fails here, before registering
         self.credential = self.settings.agent.credential()
+        refuse_tls_only(self.credential)  # before anything binds or registers
         total = total_kv_heads(args, server_args)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         heads = local_heads(total, self.attn_tp_size)
@@ -135,6 +142,10 @@ class KVTritonKVManager(CommonKVManager):
             chunk_bytes=s.chunk_bytes or None, inflight_chunks=s.inflight_chunks, timeout_s=s.timeout_s, impl=s.impl,
             cost=CostModel(), eager_guess=s.eager_guess, modes=s.agent_modes,
             require_authenticated_peers=self.credential is not None, register=s.register, integrity=s.integrity)
+        self.signer: ControlSigner | None = control_signer(self.credential, self.agent.engine_id, self.attn_tp_rank,
+                                                           handshake_timeout_s=s.handshake_timeout_s)
+        self.refused_messages = 0  # control messages refused (bad or missing seal, wrong sender)
+        self._refused_logged = float("-inf")
         self.server: MetadataServer | None = None
         self.prefill: PrefillRole | None = None
         self.decode: DecodeRole | None = None
@@ -151,6 +162,8 @@ class KVTritonKVManager(CommonKVManager):
         except BaseException:
             self.agent.close()
             raise
+        self.inline = InlineProgress(self.agent, on_result=self.decode.on_result if self.decode else None,
+                                     on_freed=self.prefill.on_freed if self.prefill else None)
         self.agent.start(s.progress_interval_s)
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"kvtriton-sgl-{self.attn_tp_rank}")
         self._thread.start()
@@ -162,11 +175,19 @@ class KVTritonKVManager(CommonKVManager):
         return self.agent.add_remote(metadata, authenticated=self.credential is not None)
 
     def send(self, ip: str, port: int, frames: list[bytes]) -> None:
+        if self.signer is not None:
+            frames = self.signer.seal(frames)
         na = NetworkAddress(ip, int(port))
         try:
             self._send_multipart_locked(na.to_tcp(), frames, is_ipv6=na.is_ipv6)
         except zmq.ZMQError as e:
             logger.warning("kvtriton: a message to %s:%s failed: %s", ip, port, e)
+
+    def _encode_kv_status_message(self, **kw) -> list[bytes]:
+        """SGLang's status message (tagged ``STATUS_TAG``), sealed like ours: the decode acts on
+        a failure only when a prefill rank of the cluster sent it."""
+        parts = super()._encode_kv_status_message(**kw)
+        return self.signer.seal(parts) if self.signer is not None else parts
 
     def tell_failed(self, room: int, reason: str | None, targets) -> None:
         self.send_kv_status_message(targets=list(targets), bootstrap_room=room, status=KVPoll.Failed,
@@ -224,12 +245,7 @@ class KVTritonKVManager(CommonKVManager):
             try:
                 if poller.poll(1):
                     self._on_message(self.server_socket.recv_multipart(zmq.NOBLOCK))
-                if self.prefill is not None:
-                    for f in self.agent.freed():
-                        self.prefill.on_freed(f.req_id, f.reason)
-                else:
-                    for r in self.agent.results():
-                        self.decode.on_result(r)
+                self.inline.drain()
             except zmq.ZMQError as e:
                 if self._stop.is_set():
                     return
@@ -238,26 +254,69 @@ class KVTritonKVManager(CommonKVManager):
             except Exception:  # noqa: BLE001 - one bad event must not stop every transfer of this rank
                 logger.exception("kvtriton: event loop")
 
+    def _refuse(self, why: str) -> None:
+        """Count a refused control message; log at most one line per few seconds (a flood must
+        not flood the log)."""
+        self.refused_messages += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= _REFUSED_LOG_EVERY_S:
+            self._refused_logged = now
+            logger.warning("kvtriton: refused a control message (%d so far on rank %d): %s", self.refused_messages,
+                           self.attn_tp_rank, why)
+
     def _on_message(self, msg: list[bytes]) -> None:
         tag = msg[0] if msg else b""
+        sender = None
+        if self.signer is not None and tag in _SIGNED_TAGS:
+            try:  # the seal first: nothing else of an unverified payload is parsed
+                sender = self.signer.open(msg)
+            except AuthenticationError as e:
+                self._refuse(f"{tag[:24]!r}: {e}")
+                return
+            msg = sender.frames
         try:
             if self.prefill is not None and tag == WANT_TAG:
-                self.prefill.on_want(Want.from_zmq(msg))
+                want = Want.from_zmq(msg)
+                if sender is not None and (want.engine, want.rank) != (sender.engine, sender.rank):
+                    self._refuse(f"a WANT naming {want.engine!r} rank {want.rank}, sealed by {sender.engine!r} "
+                                 f"rank {sender.rank}")
+                    return
+                self.prefill.on_want(want)
+            elif self.prefill is not None and tag == ABORT_SEALED_TAG:
+                abort = Abort.from_zmq(msg)
+                consumer = self.prefill.consumer(abort.room)
+                by = (sender.engine, sender.rank) if sender is not None else (abort.engine, abort.rank)
+                if (abort.engine, abort.rank) != by or consumer not in (None, abort.engine):
+                    self._refuse(f"an abort of room {abort.room} (held for {consumer!r}) from {by[0]!r} rank {by[1]}")
+                    return
+                self.prefill.on_abort(abort.room)
+            elif self.prefill is not None and tag == ABORT_TAG and self.signer is not None:
+                self._refuse("SGLang's unsealed ABORT: with a cluster secret a decode aborts with a sealed KVT_ABORT")
             elif self.prefill is not None and tag == ABORT_TAG:
                 note = AbortNotification.from_zmq(msg)
                 if note is not None:
                     self.prefill.on_abort(note.room)
             elif self.decode is not None and tag == READY_TAG:
-                self.decode.on_ready(Ready.from_zmq(msg, list(self.kv_args.aux_item_lens)))
+                ready = Ready.from_zmq(msg, list(self.kv_args.aux_item_lens))
+                if sender is not None and (ready.engine, ready.rank) != (sender.engine, sender.rank):
+                    self._refuse(f"a READY naming {ready.engine!r} rank {ready.rank}, sealed by {sender.engine!r} "
+                                 f"rank {sender.rank}")
+                    return
+                self.decode.on_ready(ready)  # it checks the room's WANT went to that rank
             elif self.decode is not None and tag == STATUS_TAG:
                 parsed = self.parse_kv_status_message(msg)
                 if parsed is not None and parsed[1] == KVPoll.Failed:
                     room, status, rank, reason = parsed
+                    if sender is not None and (rank != sender.rank or
+                                               not self.decode.reads_from(room, sender.engine, sender.rank)):
+                        self._refuse(f"a failure of room {room} sealed by {sender.engine!r} rank {sender.rank}, "
+                                     f"which this room does not read")
+                        return
                     self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
                                               failure_reason=reason)
                     self.decode.abort(room)
             else:
-                logger.warning("kvtriton: dropped a message tagged %r", tag[:24])
+                self._refuse(f"a message tagged {tag[:24]!r}, not one this rank takes")
         except KVTritonError as e:
             logger.warning("kvtriton: dropped a malformed message: %s", e)
 
@@ -276,6 +335,10 @@ class KVTritonKVManager(CommonKVManager):
 class KVTritonKVSender(CommonKVSender):
     """SGLang's prefill sender; the pages go to :meth:`KVTritonKVManager.add_transfer_request`."""
 
+    def poll(self):
+        self.kv_mgr.inline.step()  # the scheduler's thread progresses the agent (see .inline)
+        return super().poll()
+
     def clear(self) -> None:
         super().clear()
         self.kv_mgr.prefill.forget(self.bootstrap_room)
@@ -283,6 +346,10 @@ class KVTritonKVSender(CommonKVSender):
 
 class KVTritonKVReceiver(CommonKVReceiver):
     """SGLang's decode receiver over :class:`~.decode_role.DecodeRole` (any pair of TP sizes)."""
+
+    def poll(self):
+        self.kv_mgr.inline.step()  # the scheduler's thread progresses the agent (see .inline)
+        return super().poll()
 
     def init(self, prefill_dp_rank: int):
         if self.conclude_state == KVPoll.Failed:
@@ -315,6 +382,16 @@ class KVTritonKVReceiver(CommonKVReceiver):
     def abort(self):
         self.kv_mgr.decode.abort(self.bootstrap_room)
         super().abort()
+
+    def _send_abort_notification(self, *, force_arm: bool = False):
+        """SGLang's one place that tells the prefill ranks (abort, timeout): with a cluster secret
+        our sealed ``KVT_ABORT`` instead of its unsealed ``ABORT`` (which the prefill refuses then).
+        Nothing to arm: this backend leaves SGLang's deferred decode KV release off."""
+        if self.kv_mgr.signer is None:
+            return super()._send_abort_notification(force_arm=force_arm)
+        msg = Abort(self.bootstrap_room, self.kv_mgr.agent.engine_id, self.kv_mgr.agent.rank).to_zmq()
+        for info in self.bootstrap_infos:
+            self.kv_mgr.send(info["rank_ip"], info["rank_port"], msg)
 
     def clear(self) -> None:
         super().clear()

@@ -178,6 +178,13 @@ class DecodeRole:
         except (KVTritonError, KeyError) as e:
             self._fail(ready.room, e if isinstance(e, KVTritonError) else ProtocolError(str(e)))
 
+    def reads_from(self, room_id: int, engine: str, rank: int) -> bool:
+        """Whether this room's ``WANT`` went to ``engine`` rank ``rank`` (a failure it may report)."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            meeting = self._meetings.get(room.addr) if room is not None else None
+            return meeting is not None and meeting.ready and engine == meeting.engine and rank in meeting.ranks
+
     def on_result(self, result) -> None:
         try:
             room_id = int(result.req_id)

@@ -12,7 +12,9 @@ every frame is ASCII or raw bytes, checked before use (a peer on the socket is u
   ``aux_index``), which the decode writes at its own index once its fetch landed.
 
 Failures travel as SGLang's own status message (``CommonKVManager.send_kv_status_message``),
-tagged :data:`STATUS_TAG`, with a reason.
+tagged :data:`STATUS_TAG`, with a reason. With a cluster secret every one of these is sealed
+(:mod:`.signing`), and a decode's abort travels as ``KVT_ABORT`` (``room, engine, rank``: sealed,
+unlike SGLang's own ``ABORT``, which the prefill then refuses).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import numpy as np
 from ...errors import ProtocolError
 from ...protocol.wire import MAX_REQUEST_BLOCKS
 
-__all__ = ["READY_TAG", "STATUS_TAG", "WANT_TAG", "Ready", "Want"]
+__all__ = ["ABORT_SEALED_TAG", "READY_TAG", "STATUS_TAG", "WANT_TAG", "Abort", "Ready", "Want"]
 
 WANT_TAG = b"KVT_WANT"
 READY_TAG = b"KVT_READY"
 STATUS_TAG = b"KVT_STATUS"
+ABORT_SEALED_TAG = b"KVT_ABORT"
 _MAX_NAME = 256
 _MAX_AUX_ROW = 64 << 20
 
@@ -73,6 +76,25 @@ class Want:
         return cls(_int(msg[1], "WANT room", 0, 2**64 - 1), _name(msg[2], "WANT engine"),
                    _int(msg[3], "WANT rank", 0, 1 << 16), _name(msg[4], "WANT ip"), _int(msg[5], "WANT port", 1, 65535),
                    _int(msg[6], "WANT decode_prefix_len", 0, 1 << 40))
+
+
+@dataclass(frozen=True)
+class Abort:
+    """A decode rank gives up ``room`` (sent sealed instead of SGLang's ``ABORT``)."""
+
+    room: int
+    engine: str
+    rank: int
+
+    def to_zmq(self) -> list[bytes]:
+        return [ABORT_SEALED_TAG, str(self.room).encode(), self.engine.encode("ascii"), str(self.rank).encode()]
+
+    @classmethod
+    def from_zmq(cls, msg: list[bytes]) -> Abort:
+        if len(msg) != 4 or msg[0] != ABORT_SEALED_TAG:
+            raise ProtocolError(f"KVT_ABORT: expected 4 frames, got {len(msg)}")
+        return cls(_int(msg[1], "KVT_ABORT room", 0, 2**64 - 1), _name(msg[2], "KVT_ABORT engine"),
+                   _int(msg[3], "KVT_ABORT rank", 0, 1 << 16))
 
 
 @dataclass(frozen=True)

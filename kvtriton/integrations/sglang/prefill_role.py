@@ -77,6 +77,12 @@ class PrefillRole:
         if send_now is not None:  # a decode rank that asked after the hold
             self.mgr.send(want.ip, want.port, send_now.to_zmq())
 
+    def consumer(self, room_id: int) -> str | None:
+        """The decode engine room ``room_id`` is held for (its first WANT), if any."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            return room.consumer if room is not None else None
+
     def on_abort(self, room_id: int) -> None:
         with self._lock:
             room = self._rooms.get(room_id)
