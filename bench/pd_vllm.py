@@ -358,10 +358,12 @@ def _start_profilers(folder: str, tag: str, engines: dict) -> list[subprocess.Po
 PAIRS = ((2, 1), (1, 2))
 
 
-def compare(pairs=PAIRS, *, say=print, **kw) -> list[dict]:
+def compare(pairs=PAIRS, *, say=print, overlap: bool = True, **kw) -> list[dict]:
     """Both connectors on the same model and prompts, each TP pair: one result per (pair,
     connector), as :func:`run` returns it, plus ``connector``/``prefill_tp``/``decode_tp``. The
-    model is made once for all of them (``model_cache``); each run's logs go to its own folder."""
+    model is made once for all of them (``model_cache``); each run's logs go to its own folder.
+    ``overlap``: the next run's engines start while the last run's exit (False: after, for the
+    larger models, where two runs' engines at once pass the 4 GB a bench may take)."""
     out = []
     root = Path(kw.pop("log_dir", None) or tempfile.mkdtemp(prefix="pd_vllm-"))
     kw.setdefault("model_cache", str(root))
@@ -374,7 +376,8 @@ def compare(pairs=PAIRS, *, say=print, **kw) -> list[dict]:
     try:
         for p_tp, d_tp in pairs:
             for connector in ("kvtriton", "nixl"):
-                out.append(_compare_one(connector, p_tp, d_tp, root, say, kw, previous_gone, closing))
+                out.append(_compare_one(connector, p_tp, d_tp, root, say, kw, previous_gone,
+                                        closing if overlap else None))
     finally:
         previous_gone()
     return out

@@ -343,9 +343,10 @@ def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
         if bar is not None and line.startswith("pd_vllm: ") and ("token-identical" in line or ": failed (" in line):
             bar.step(line.split(";")[-1].strip())  # a (pair, connector) finished: its summary line
 
-    results = pd_vllm.compare(pairs, **cfg, quiet=True, say=say)
+    # the larger models one run at a time: two runs' engines at once took 5.4 GB
+    results = pd_vllm.compare(pairs, **cfg, quiet=True, say=say, overlap=quick)
     if not quick:  # --full: the realistic descriptor size, then a row per model kind
-        for res in pd_vllm.compare(pairs, **PD_REALISTIC, quiet=True, say=say):
+        for res in pd_vllm.compare(pairs, **PD_REALISTIC, quiet=True, say=say, overlap=False):
             results.append({**res, "model_kind": PD_REALISTIC_KIND})
     if not quick:  # the small size (vLLM CPU's MLA is slow); NixlConnector where it runs
         for kind in ("deepseek", "llama+mla-draft"):
@@ -364,7 +365,7 @@ def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
                                                             f"{key['model_kind']} (small: 2 layers, ~333 tokens)")
         if not res["rows"]:
             rows.append({**key, "summary": res["summary"]})
-        rows += [{**key, **r, "summary": res["summary"]} for r in res["rows"]]
+        rows += [{**r, **key, "summary": res["summary"]} for r in res["rows"]]  # key's model_kind wins
     return rows
 
 
