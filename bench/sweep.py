@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     """Run the chosen sections, write sweep.csv, summary.md and descriptors.png, print a table."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true",
-                    help="today's full sizes (~15 min on 2 cores); default: every section smaller (~5 min)")
+                    help="today's full sizes (~35 min on 2 cores); default: every section smaller (~3 min)")
     ap.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--presets", default=",".join(PRESETS))
@@ -312,9 +312,10 @@ PD_SIZES = {
     "large": dict(layers=32, kv_heads=8, head_dim=64, hidden=256, prompt_len=4096, prompts=3, staging_mib=640),
 }
 
-#: --full also runs this geometry (issue 21): descriptors the size NixlConnector posts on Llama-70B
-#: P4->D8 (one KV head per decode rank at P1->D2, head_dim 128: 8 KiB per READ at block 32; vLLM's
-#: CPU build takes no block 16, the GPU size, so 16 tokens x 2 heads are traded for 32 x 1)
+#: --full also runs this geometry (issue 21): Llama-70B's head_dim 128 with one KV head per decode
+#: rank at P1->D2, NixlConnector's one READ per (source rank, layer, block) then moving one head's
+#: K||V: 32 KiB at the CPU build's smallest block (32 tokens) in fp32, against 8 KiB on a GPU at
+#: block 16 in bf16 (the small model's READs are 8 KiB: 32 tokens x 32 dims x 2 x fp32)
 PD_REALISTIC = dict(layers=16, kv_heads=2, head_dim=128, prompt_len=2048, prompts=3, staging_mib=128)
 PD_REALISTIC_KIND = "llama hd128"
 
