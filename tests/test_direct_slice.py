@@ -309,6 +309,22 @@ def test_forged_push_ranges_are_refused(bad):
         e.close()
 
 
+def _hold_until_offered(e, src, want):
+    """Load a request into blocks ``src``, hold it on every prefill rank for consumer D, and
+    progress until each decode rank ``i`` has ``want[i]`` offers of it; returns (global KV,
+    snapshots of the decode caches)."""
+    kv = e.request(src)
+    before = [snapshot(x) for x in e.D]
+    for p in e.pa:
+        p.hold("r", src, lease_s=30, consumer="D")
+    deadline = time.monotonic() + 10
+    while any(sum("r" in o for o in d.debug_state()["offers"].values()) < want[i] for i, d in enumerate(e.da)):
+        assert time.monotonic() < deadline, [d.debug_state()["offers"] for d in e.da]
+        for a in e.agents:
+            a.progress()
+    return kv, before
+
+
 @pytest.mark.nixl
 def test_eager_offer_confirms_slices_beside_a_staged_payload():
     """Pull with eager packing: the MLA latent forced staged is packed at hold time and offered,
@@ -318,16 +334,8 @@ def test_eager_offer_confirms_slices_beside_a_staged_payload():
                                                               "l1": "direct_slice"})
     try:
         src, dst = np.arange(5, 14), np.arange(20, 29)
-        kv = e.request(src)
-        before = [snapshot(x) for x in e.D]
-        for p in e.pa:
-            p.hold("r", src, lease_s=30, consumer="D")
+        kv, before = _hold_until_offered(e, src, {0: 1})
         d = e.da[0]
-        deadline = time.monotonic() + 10
-        while not any("r" in o for o in d.debug_state()["offers"].values()):
-            assert time.monotonic() < deadline, "no offer"
-            for a in e.agents:
-                a.progress()
         d.fetch("r", "P", src, dst)
         got = e.drive()
         assert got[0][0].ok, got[0][0].error
@@ -350,16 +358,8 @@ def test_a_direct_only_hold_is_offered_and_read_with_no_pull(p_tp, d_tp, heads, 
     e = _pair(p_tp, d_tp, models, modes=modes, eager_bytes=32 << 10)  # eager on (it offers; nothing to pack)
     try:
         src, dst = np.arange(5, 14), np.arange(20, 29)
-        kv = e.request(src)
-        before = [snapshot(x) for x in e.D]
-        for p in e.pa:
-            p.hold("r", src, lease_s=30, consumer="D")
         want = {i: len(split_sources(i, d_tp, p_tp, heads)) for i in range(d_tp)}  # source ranks each one reads
-        deadline = time.monotonic() + 10
-        while any(sum("r" in o for o in d.debug_state()["offers"].values()) < want[i] for i, d in enumerate(e.da)):
-            assert time.monotonic() < deadline, [d.debug_state()["offers"] for d in e.da]
-            for a in e.agents:
-                a.progress()
+        kv, before = _hold_until_offered(e, src, want)
         for d in e.da:
             d.fetch("r", "P", src, dst)
         got = e.drive()
