@@ -22,7 +22,8 @@ block on both sides, cache to cache: HND cells; timed only where DIRECT is not, 
 descriptors when the slice is the whole block) and the one-sided READ_UNPACK (P > D: a source rank's block is
 the tile) and PACK_PLACE (D > P: the decode rank's block is the tile), each timed where the
 geometry allows it (:data:`MODES`). For STAGED regions the plan's choice is the way
-:func:`kvtriton.plan.choose_way` picks for this request (its run counts). Pairs: P2->D4
+:func:`kvtriton.plan.choose_way` picks for this request (its run counts), the DIRECT_SLICE way
+included (the bytes and descriptors of the forced route). Pairs: P2->D4
 and P4->D2 (DIRECT only with one head per rank: replicated heads; otherwise STAGED against one
 one-sided way) and P2->D2 (every head count). Each transport runs in its own process (UCX reads ``UCX_TLS`` once).
 Run alone: ``python bench/costgrid.py [--quick | --size small|quick|full]`` (:data:`GRIDS`; ``quick``:
@@ -185,7 +186,9 @@ def _setup_mode(mode, models, p_tp, d_tp, bs, layout, gen_seed, agents):
 
 def _chosen(plan, meta, bs: int, cost) -> str:
     """The mode the plan runs a cell's request by: a STAGED region's way is chosen per request
-    (from its block runs; the grid's ids are the ones :func:`_setup_mode` draws)."""
+    (from its block runs; the grid's ids are the ones :func:`_setup_mode` draws), DIRECT_SLICE
+    among them where the plan could not fix the route (the way moves the bytes the forced
+    ``direct_slice`` route times)."""
     from kvtriton.plan import choose_way
 
     mode = plan.modes[0].value
@@ -248,6 +251,8 @@ def run_cells(quick, transport: str, group: tuple | None = None, cost_file: str 
                         fetch()  # warm-up (connection wire-up), then every mode checked byte for byte
                     check()
                     fetches[mode].append(fetch)
+            if chosen == "direct_slice" and chosen not in fetches:  # a whole-block slice: DIRECT's descriptors
+                chosen = "direct"
             # a close call (the two fastest spreads overlap) gets up to 4x the base rounds: a round
             # costs milliseconds next to the cell's setup, and a tie's median needs them to settle
             samples = sample_interleaved(fetches, reps, extra=3 * reps)

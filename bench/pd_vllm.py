@@ -154,10 +154,12 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
         options = {**MLA_OPTIONS, "speculative_config": {"method": "eagle3", "model": str(draft),
                                                          "num_speculative_tokens": 2, "attention_backend": "CPU_MLA"}}
     max_len = 1 << (prompt_len + max_tokens + block_size).bit_length()
-    # the blocks this run can use at once (every prompt of the reference batch, warm-up included,
-    # twice over), not the 1 GiB VLLM_CPU_KVCACHE_SPACE (its smallest value) per worker: a P2->D1
-    # run held 5.5 GB of PSS with it, over the 4 GB every bench must stay under
-    blocks = 2 * (prompts + 1) * -(-(prompt_len + max_tokens + 2 * block_size) // block_size) + 64
+    # the blocks this run can use at once: the decode's reference batch (every prompt, warm-up
+    # included, at once; prefix caching is off, so they are free again after it) and 64 spare; the
+    # measured requests run one at a time. Not the 1 GiB VLLM_CPU_KVCACHE_SPACE (its smallest
+    # value) per worker: a P2->D1 run held 5.5 GB of PSS with it, and room for the batch twice
+    # over still put the scaled model's run at 5.2 GB, over the 4 GB every bench must stay under
+    blocks = (prompts + 1) * -(-(prompt_len + max_tokens + 2 * block_size) // block_size) + 64
     options = {**(options or {}), "num_gpu_blocks_override": blocks}
     common = dict(connector=connector, block_size=block_size, max_model_len=max_len, log_dir=work,
                   engine_options=options, patches=patches)

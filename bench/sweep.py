@@ -307,9 +307,10 @@ def main(argv=None) -> int:
 #: layers, 4k-token prompts, 8k descriptors) only on request (--pd-size large).
 PD_SIZES = {
     "small": dict(layers=2, kv_heads=2, head_dim=32, prompt_len=333, prompts=3),
-    # kvtriton's staging sized so a request's payload can be packed ahead of its pull (eager)
-    "scaled": dict(layers=16, kv_heads=8, head_dim=64, hidden=256, prompt_len=2048, prompts=3, staging_mib=320),
-    "large": dict(layers=32, kv_heads=8, head_dim=64, hidden=256, prompt_len=4096, prompts=3, staging_mib=640),
+    # kvtriton's staging sized so one request's payload can be packed ahead of its pull (eager;
+    # the requests run one at a time): 136 MB from the one prefill rank at P1->D2
+    "scaled": dict(layers=16, kv_heads=8, head_dim=64, hidden=256, prompt_len=2048, prompts=3, staging_mib=160),
+    "large": dict(layers=32, kv_heads=8, head_dim=64, hidden=256, prompt_len=4096, prompts=3, staging_mib=576),
 }
 
 #: --full also runs this geometry (issue 21): Llama-70B's head_dim 128 with one KV head per decode

@@ -101,8 +101,11 @@ def test_plan_llama3_70b_p4_d8(kvtriton, llama_config):
         (p,) = r["payloads"]
         assert (p["src_rank"], p["bytes"], p["segments"]) == (d // 2, payload_bytes, 160)
         assert p["ways"]["staged"]["descriptors"] == 1 and p["ways"]["staged"]["bytes_per_descriptor"] == payload_bytes
-        assert set(p["ways"]) == {"staged", "pack_place"}  # D > P: the decode's tile is its whole block
+        # D > P: the decode's tile is its whole block (pack_place); HND: its heads are one range
+        # inside the prefill block (direct_slice)
+        assert set(p["ways"]) == {"staged", "pack_place", "direct_slice"}
         assert p["ways"]["pack_place"]["descriptors"] == 160 * 512 // 8  # per segment, one per run of 8 ids
+        assert p["ways"]["direct_slice"]["descriptors"] == 160 * 512  # per segment and block: a partial slice
         assert p["chosen"] in p["ways"]
         assert r["kvtriton"]["staged_descriptors"] == 1
         assert r["vllm"] == dict(descriptors=40960, bytes_per_descriptor=8192, descriptors_kv_separate=81920)

@@ -19,7 +19,18 @@ import pytest
 import torch
 
 from kvtriton.errors import PlanError
-from kvtriton.plan import CostModel, Route, build_plan, direct_runs, direct_slice_problem, split_sources
+from kvtriton.plan import (
+    CostModel,
+    Route,
+    Way,
+    build_plan,
+    choose_way,
+    direct_runs,
+    direct_slice_problem,
+    slice_runs,
+    split_sources,
+    way_descriptors,
+)
 from kvtriton.regions import Kind
 from kvtriton.testing.oracle import (
     RegionModel,
@@ -369,6 +380,172 @@ def test_a_direct_only_hold_is_offered_and_read_with_no_pull(p_tp, d_tp, heads, 
         assert sum(d.stats["offers_taken"] for d in e.da) == sum(want.values())
         assert all(a.stats["staged_descriptors"] == 0 and a.stats["pack_launches"] == 0 for a in e.agents)
         assert all(f.reason == "done" for f in e.settle_freed(p_tp))
+        src_stats = [p.stats for p in e.pa]
+        assert sum(s["eager_offer_reads"] for s in src_stats) == sum(want.values())
+        assert all(s["eager_offer_pulls"] == 0 and s["eager_misses"] == 0 for s in src_stats)
+    finally:
+        e.close()
+
+
+# --------------------------------------------------------------------------- the per-request way
+def _band(heads_per_slice: int) -> CostModel:
+    """A descriptor 1.5 passes of the default model's 10 GB/s repack over one slice (128 bytes a
+    head here: 4 tokens x 16 bf16 or 8 fp32 dims), between the one-sided ways' one pass and
+    staging's two: the plan cannot fix the route (a one-sided way beats a slice descriptor over
+    runs, loses to it over scattered ids), so the payload may travel DIRECT_SLICE and each
+    request's runs decide."""
+    return CostModel(desc_us=1.5 * 128 * heads_per_slice / 1e4)
+
+
+BAND = _band(1)
+DEAR = CostModel(desc_us=1e4)  # never a slice route: every feasible region in a payload
+WAY_DS = Way.DIRECT_SLICE
+
+
+@pytest.mark.parametrize("p_tp,d_tp,one_sided", [(2, 4, Way.PACK_PLACE), (4, 2, Way.READ_UNPACK)])
+def test_the_slice_is_a_way_chosen_per_request_by_its_runs(p_tp, d_tp, one_sided):
+    dst, src = _specs(_split(4), 0, d_tp), _specs(_split(4), 0, p_tp)
+    plan = build_plan(0, d_tp, dst, p_tp, src, cost=BAND)
+    assert plan.routes == (STAGED, STAGED)
+    read = plan.staged[0]  # (P4 -> D2: one payload from each of two source ranks, alike)
+    assert all(r.ways == (Way.STAGED, one_sided, WAY_DS) for r in plan.staged)
+    rand = np.random.default_rng(0).permutation(40)[:11]
+    runs = np.arange(3, 14)
+    # one descriptor per (segment, block) for a partial slice, whatever the runs
+    assert way_descriptors(read, WAY_DS, src, dst, runs, runs) == 11 * len(read.segments)
+    assert choose_way(read, src, dst, rand, rand[::-1].copy(), BAND) is WAY_DS
+    assert choose_way(read, src, dst, runs, runs, BAND) is one_sided
+    assert choose_way(read, src, dst, rand, rand, BAND, packed=True) is not WAY_DS  # packed already: read that
+    # cheap enough descriptors: fixed at plan time as the route, dear ones: never a slice
+    assert build_plan(0, d_tp, dst, p_tp, src, cost=CostModel(desc_us=1e-3)).routes == (DS, DS)
+    assert choose_way(read, src, dst, rand, rand, DEAR) is Way.STAGED
+    # NHD caches: no slice is one range, so no such way
+    nhd = build_plan(0, d_tp, _specs(_split(4), 0, d_tp, "NHD"), p_tp, _specs(_split(4), 0, p_tp, "NHD"), cost=BAND)
+    assert all(WAY_DS not in s.ways for s in nhd.staged)
+
+
+def test_a_whole_block_slice_coalesces_runs_on_both_sides():
+    # P2 -> D2: the slice is the whole block; the staged route keeps the slice as a per-request way
+    # (whole-block DIRECT by this request's runs)
+    dst, src = _specs(_split(4), 0, 2), _specs(_split(4), 0, 2)
+    read = build_plan(0, 2, dst, 2, src, cost=CostModel(desc_us=1e4)).staged[0]
+    assert WAY_DS in read.ways
+    runs = np.arange(3, 14)
+    assert way_descriptors(read, WAY_DS, src, dst, runs, runs + 5) == len(read.segments)
+    rs = slice_runs(read, src, dst, runs, runs + 5)
+    assert len(rs) == len(read.segments) and set(rs.nbytes.tolist()) == {11 * 4 * 2 * 16 * 2, 11 * 4 * 2 * 8 * 4}
+
+
+@pytest.mark.parametrize("p_tp,d_tp,heads", [(2, 4, 4), (4, 2, 4), (2, 1, 4), (1, 2, 4)])
+@pytest.mark.parametrize("ids", ["runs", "random"])
+@pytest.mark.parametrize("storage", ["separate", "vllm_cpu"])
+def test_slice_runs_land_what_the_reference_repack_lands(p_tp, d_tp, heads, ids, storage):
+    """The way's descriptors (:func:`slice_runs`), applied as plain byte copies between fresh
+    random caches, land exactly what the reference pack + unpack land by the staged route on an
+    identical copy; every other byte untouched."""
+    models = _cpu(heads)[::2] if storage == "vllm_cpu" else _split(heads)  # (the MLA latent's padded rows: staged)
+    pad = 3 if storage == "vllm_cpu" else 0
+    gen, P, D = _caches(models, p_tp, d_tp, "HND", storage, pad, seed=p_tp * 5 + d_tp)
+    _, P2, D2 = _caches(models, p_tp, d_tp, "HND", storage, pad, seed=p_tp * 5 + d_tp)
+    src, dst = _ids(ids, 9, 40, 30, seed=heads + 1)
+    keep = (src >= 0) & (dst >= 0)
+    kv = make_global_kv(models, src.size, 4, gen)
+    for r in range(p_tp):
+        load_source(P[r], r, p_tp, kv, src)
+        load_source(P2[r], r, p_tp, kv, src)
+    before = [snapshot(x) for x in D]
+    staged = local_transfer(P2, D2, src, dst, modes="staged")
+    assert staged["direct_descs"] == 0
+    for i in range(d_tp):
+        dst_specs = [r.spec for r in D[i]]
+        plan = build_plan(i, d_tp, dst_specs, p_tp, [r.spec for r in P[0]], cost=DEAR)
+        raw_dst = _storage_bytes(D[i])
+        for read in plan.staged:
+            assert WAY_DS in read.ways
+            raw_src = _storage_bytes(P[read.src_rank])
+            rs = slice_runs(read, [r.spec for r in P[read.src_rank]], dst_specs, src[keep], dst[keep])
+            for g, j, so, do, nb in zip(rs.region, rs.stream, rs.src_offset, rs.dst_offset, rs.nbytes):
+                raw_dst[g][j][do:do + nb] = raw_src[g][j][so:so + nb]  # an independent byte loop
+        check_destination(D[i], i, d_tp, kv, _expect(src, dst), before[i])
+        # byte for byte what the staged route's reference repack left, every other byte included
+        for a, b in zip(_storage_bytes(D[i]), _storage_bytes(D2[i])):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y)
+
+
+def _storage_bytes(regions):
+    """Each stream's bytes from its element 0 to the end of its storage (what its offsets index), as
+    writable uint8 views."""
+    out = []
+    for r in regions:
+        row = []
+        for t in r.streams:
+            base = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+            row.append(base[t.storage_offset() * t.element_size():])
+        out.append(row)
+    return out
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2), (2, 1), (1, 2)])
+def test_agents_choose_the_slice_per_request(p_tp, d_tp):
+    """No forced mode, a model in the band, a mixed cache (two GQA regions in each source rank's
+    payload, the MLA latent by DIRECT runs): scattered ids go DIRECT_SLICE (nothing packed, no
+    staged descriptor: nothing unpacked), ids in runs go the one-sided way; both exact, holds
+    freed as done and staging whole after each."""
+    from kvtriton.testing.pair import EnginePair
+
+    # K and V in their own tensors on both sides: a run of blocks is one range for the one-sided
+    # ways (over joint K||V blocks they would post a slice's descriptors and a pass besides)
+    e = EnginePair(p_tp, d_tp, models=_models(4), p_layout="HND", d_layout="HND", p_storage="separate",
+                   chunk_bytes=8192, eager_bytes=0,
+                   cost=_band(4 // max(p_tp, d_tp)))
+    try:
+        one_sided = "pack_place" if d_tp > p_tp else "read_unpack"
+        for k, kind in enumerate(("random", "runs")):
+            src, dst = _ids(kind, 40, 64, 48, seed=p_tp + d_tp + k)
+            packs0 = sum(a.stats["pack_launches"] for a in e.agents)
+            staged0 = sum(a.stats["staged_descriptors"] for a in e.agents)
+            kv, before = e.start(src, dst, req=f"r{k}")
+            got = e.drive()
+            payloads = {i: len(e.da[i].debug_state()["reading"]["P"]["ways"]) for i in range(d_tp)}
+            for i in range(d_tp):
+                res = got[i][0]
+                assert res.ok, res.error
+                check_destination(e.D[i], i, d_tp, kv, _expect(src, dst), before[i])
+                way = "direct_slice" if kind == "random" else one_sided
+                ways = dict(res.ways)
+                assert ways.get(way, 0) == payloads[i] and ways.get("direct", 0) >= 1, ways
+            if kind == "random":  # nothing packed, nothing staged
+                assert sum(a.stats["pack_launches"] for a in e.agents) == packs0
+                assert sum(a.stats["staged_descriptors"] for a in e.agents) == staged0
+            freed = e.settle_freed(p_tp)
+            assert len(freed) == p_tp and all(f.reason == "done" for f in freed)
+    finally:
+        e.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2)])
+def test_an_eager_hold_offers_the_cache_for_a_slice_and_is_read_with_no_pull(p_tp, d_tp):
+    """Eager packing on, consumer named, scattered ids: each prefill rank guesses from the
+    decode's model that it will be read DIRECT_SLICE, packs nothing and offers its cache blocks;
+    the decodes READ the slices at fetch time without a pull. Exact; holds done; staging whole."""
+    e = _pair(p_tp, d_tp, _split(4), cost=BAND, eager_bytes=32 << 10)
+    try:
+        src = np.random.default_rng(5).permutation(64)[:9].astype(np.int64)
+        dst = np.random.default_rng(6).permutation(48)[:9].astype(np.int64)
+        want = {i: len(split_sources(i, d_tp, p_tp, 4)) for i in range(d_tp)}
+        kv, before = _hold_until_offered(e, src, want)
+        for d in e.da:
+            d.fetch("r", "P", src, dst)
+        got = e.drive()
+        for i in range(d_tp):
+            assert got[i][0].ok, got[i][0].error
+            assert dict(got[i][0].ways) == {"direct_slice": want[i]}, got[i][0].ways
+            check_destination(e.D[i], i, d_tp, kv, dst, before[i])
+        assert all(a.stats["pack_launches"] == 0 and a.stats["staged_descriptors"] == 0 for a in e.agents)
+        assert all(f.reason == "done" for f in e.settle_freed(p_tp))  # (the sources saw every RunsDone)
         src_stats = [p.stats for p in e.pa]
         assert sum(s["eager_offer_reads"] for s in src_stats) == sum(want.values())
         assert all(s["eager_offer_pulls"] == 0 and s["eager_misses"] == 0 for s in src_stats)

@@ -200,9 +200,11 @@ def test_a_rogue_engine_cannot_take_the_consumers_eager_pack():
         assert x.drive(1)[0].ok
         x.check_honest(kv, dst)
         assert p.stats["eager_hits"] == 1
-        # a hold named for the rogue: its eager packs stay within its engine's share
+        # a hold named for the rogue: its eager packs stay within its engine's share (ids in no run:
+        # R stores P's layout, so over a run of whole blocks it would read P's cache direct_slice
+        # and nothing would be packed)
         for i in range(4):
-            p.hold(f"bait{i}", np.arange(8 * i, 8 * i + 8), consumer="R")
+            p.hold(f"bait{i}", np.arange(8 * i + 7, 8 * i - 1, -1), consumer="R")
         x.settle(0.05)
         pool_state = p.debug_state()["staging"]
         assert 0 < pool_state["engine_slots"].get("R", 0) <= pool_state["share"]

@@ -28,7 +28,7 @@ from kvtriton.testing.oracle import (
 MODELS = [RegionModel.gqa("l0", 4, 16), RegionModel.mla("mla", 24, torch.float16),
           RegionModel.gqa("l1", 4, 8, torch.float32)]
 SPLIT_ONLY = [RegionModel.gqa("l0", 4, 16), RegionModel.gqa("l1", 4, 8, torch.float32)]
-RU, PP, ST = Way.READ_UNPACK, Way.PACK_PLACE, Way.STAGED
+RU, PP, ST, DS = Way.READ_UNPACK, Way.PACK_PLACE, Way.STAGED, Way.DIRECT_SLICE
 # descriptors cheap against a repack pass over a run of blocks, dear against one over a 128-byte tile:
 # the one-sided ways win over runs, DIRECT_SLICE (one descriptor per block; HND caches allow it) does
 # not. Runs coalesce only where consecutive blocks are back to back (K and V in separate tensors):
@@ -52,9 +52,10 @@ def test_ways_follow_the_geometry(p_tp, d_tp, ways):
 
 
 def test_layouts_and_strides_decide_feasibility():
-    # P4 -> D2 with 4 heads: one head per source rank, so its tile is its block in either layout
+    # P4 -> D2 with 4 heads: one head per source rank, so its tile is its block in either layout,
+    # and one head of an HND block is one range (direct_slice too)
     plan = build_plan(0, 2, _specs(SPLIT_ONLY, 0, 2, "HND"), 4, _specs(SPLIT_ONLY, 0, 4, "NHD"))
-    assert all(s.ways == (ST, RU) for s in plan.staged)
+    assert all(s.ways == (ST, RU, DS) for s in plan.staged)
     # P2 -> D1: two heads per source rank, NHD source vs HND tiles: not the same bytes
     plan = build_plan(0, 1, _specs(SPLIT_ONLY, 0, 1, "HND"), 2, _specs(SPLIT_ONLY, 0, 2, "NHD"))
     assert all(s.ways == (ST,) for s in plan.staged)

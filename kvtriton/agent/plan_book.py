@@ -110,8 +110,8 @@ class PlanBook:
 
 def check_reach(plan: TransferPlan, md: wire.RankMetadata, *, source: bool, destination: bool) -> None:
     """Refuse a plan that would reach a cache NIXL does not expose (``register="staging"``, see
-    docs/security.md): a DIRECT region touches both caches, a READ_UNPACK way the source's,
-    a PACK_PLACE way the destination's. ``source``/``destination``: whether that side's cache is
+    docs/security.md): a DIRECT region and a DIRECT_SLICE way touch both caches, a READ_UNPACK way
+    the source's, a PACK_PLACE way the destination's. ``source``/``destination``: whether that side's cache is
     registered (for the peer: whether its metadata carries cache addresses).
     :class:`~kvtriton.errors.IncompatibleRemoteError` naming the option and what needed it."""
     needs = []
@@ -123,6 +123,8 @@ def check_reach(plan: TransferPlan, md: wire.RankMetadata, *, source: bool, dest
             needs.append((f"source rank {payload.src_rank}'s payload may travel read_unpack", True, False))
         if Way.PACK_PLACE in payload.ways:
             needs.append((f"source rank {payload.src_rank}'s payload may travel pack_place", False, True))
+        if Way.DIRECT_SLICE in payload.ways:
+            needs.append((f"source rank {payload.src_rank}'s payload may travel direct_slice", True, True))
     for what, src, dst in needs:
         for side, needed, exposed in (("source", src, source), ("destination", dst, destination)):
             if needed and not exposed:

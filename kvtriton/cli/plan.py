@@ -23,7 +23,6 @@ from ..errors import KVTritonError, PlanError
 from ..plan import (
     ChunkGeometry,
     CostModel,
-    Way,
     build_plan,
     ceil_div,
     check_tp,
@@ -31,8 +30,8 @@ from ..plan import (
     compact_request,
     direct_runs,
     head_range,
-    one_sided_descriptors,
     split_sources,
+    way_descriptors,
 )
 from ..plan.models import ModelKV, load_model, rank_specs
 from ..spec import Kind, Layout
@@ -120,12 +119,7 @@ def explain(model: ModelKV, prefill_tp: int, decode_tp: int, *, block_size: int 
             chunks = ChunkGeometry.fit(read.bytes_per_block, n, chunk_bytes).count if chunk_bytes else 1
             ways = {}
             for way in read.ways:
-                if way is Way.READ_UNPACK:
-                    k = one_sided_descriptors(read, src, s, chunks)
-                elif way is Way.PACK_PLACE:
-                    k = one_sided_descriptors(read, dst, t, chunks)
-                else:
-                    k = chunks
+                k = way_descriptors(read, way, src, dst, s, t, chunks)
                 ways[way.value] = dict(descriptors=k, bytes_per_descriptor=round(nbytes / k),
                                        est_ms=round(cost.way_us(way, nbytes, k) / 1e3, 3))
             chosen = choose_way(read, src, dst, s, t, cost, chunks=chunks)

@@ -36,7 +36,16 @@ from .request import (
     required_source_ranks,
     source_positions,
 )
-from .runs import Runs, direct_runs, id_runs, pair_runs, staged_descriptor_count, tile_runs
+from .runs import (
+    Runs,
+    direct_runs,
+    id_runs,
+    pair_runs,
+    slice_descriptor_count,
+    slice_runs,
+    staged_descriptor_count,
+    tile_runs,
+)
 from .topology import HeadSlice, check_tp, head_range, replicate_sources, split_sources
 from .types import (
     STAGED_LAYOUT_VERSION,
@@ -49,13 +58,22 @@ from .types import (
     Way,
     ceil_div,
 )
-from .ways import choose_way, one_sided_descriptors, pack_place_problem, payload_ways, read_unpack_problem
+from .ways import (
+    choose_way,
+    direct_slice_way_problem,
+    one_sided_descriptors,
+    pack_place_problem,
+    payload_ways,
+    read_unpack_problem,
+    way_descriptors,
+)
 
 __all__ = [
     "STAGED_LAYOUT_VERSION", "ceil_div", "Route", "Way", "Segment", "Payload", "ChunkGeometry", "DirectRead",
-    "TransferPlan", "CostModel", "Runs", "id_runs", "pair_runs", "direct_runs", "tile_runs",
-    "staged_descriptor_count", "read_unpack_problem", "pack_place_problem", "payload_ways",
-    "one_sided_descriptors", "choose_way", "TokenMap", "compact_tokens", "compact_request", "source_positions",
+    "TransferPlan", "CostModel", "Runs", "id_runs", "pair_runs", "direct_runs", "tile_runs", "slice_runs",
+    "slice_descriptor_count", "staged_descriptor_count", "read_unpack_problem", "pack_place_problem",
+    "direct_slice_way_problem", "payload_ways", "one_sided_descriptors", "way_descriptors", "choose_way", "TokenMap",
+    "compact_tokens", "compact_request", "source_positions",
     "required_source_ranks", "done_ranks", "meeting_ranks", "RequestPlan", "RequestPayload", "OfferTerms", "ids_digest",
     "HeadSlice", "check_tp", "head_range", "replicate_sources", "split_sources",
     "ForcedModes", "ModesArg", "parse_modes", "check_compatible", "build_plan", "direct_slice_problem",

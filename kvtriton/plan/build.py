@@ -15,11 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import IncompatibleRemoteError, PlanError
-from ..spec import Kind, Layout, RegionSpec
+from ..spec import Kind, RegionSpec
 from .cost import CostModel
 from .topology import HeadSlice, check_tp, head_range, replicate_sources, split_sources
 from .types import DirectRead, Payload, Route, Segment, TransferPlan, Way
-from .ways import pack_place_problem, payload_ways, read_unpack_problem
+from .ways import head_range_problem, pack_place_problem, payload_ways, read_unpack_problem
 
 __all__ = ["ForcedModes", "parse_modes", "check_compatible", "build_plan", "direct_slice_problem"]
 
@@ -76,6 +76,8 @@ class ForcedModes:
 def _forcible(value: object, modes: object) -> Route | Way:
     """One forced mode of ``modes``: a :class:`Route`/:class:`Way` (or any enum member, by value) or its value."""
     if isinstance(value, (Route, Way)):
+        if value is Way.DIRECT_SLICE:  # forced, a slice is the same for every request: the plan-time route
+            return Route.DIRECT_SLICE
         return Way.STAGED if value is Route.STAGED else value  # forcing STAGED forces its only way
     key = getattr(value, "value", value)
     if isinstance(key, str) and key in _FORCIBLE:
@@ -318,21 +320,6 @@ def _direct_possible(d: RegionSpec, s: RegionSpec, slices: tuple[HeadSlice, ...]
     return same_order and dense
 
 
-def _range_problem(x: RegionSpec, stream: int, num_heads: int, side: str) -> str | None:
-    """Why ``num_heads`` adjacent heads of one block of ``x``'s ``stream`` are not one contiguous
-    byte range (``None``: they are, wherever the range starts)."""
-    _, s_tok, s_head = x.strides[stream]
-    d, bs = x.head_dims[stream], x.block_size
-    if x.layout is Layout.HND:
-        ok = (bs == 1 or s_tok == d) and (num_heads == 1 or s_head == bs * d)
-    else:  # token-major: heads of one token are adjacent, so only a whole block's heads (or one token) tile
-        ok = (num_heads == 1 or s_head == d) and (bs == 1 or (num_heads == x.local_heads and s_tok == num_heads * d))
-    if ok:
-        return None
-    return (f"on the {side} ({x.layout.value}, strides {x.strides[stream]} of stream {stream}) {num_heads} of "
-            f"{x.local_heads} heads of a {bs}-token block are not one contiguous range")
-
-
 def direct_slice_problem(d: RegionSpec, s: RegionSpec, slices: Sequence[HeadSlice]) -> str | None:
     """Why SPLIT region ``d`` (ours; ``s`` the source's spec) cannot move by
     :data:`~kvtriton.plan.Route.DIRECT_SLICE`, ``None`` when it can: equal block sizes (a run of
@@ -348,7 +335,7 @@ def direct_slice_problem(d: RegionSpec, s: RegionSpec, slices: Sequence[HeadSlic
             return (f"source rank {sl.src_rank}: the source stores {s.layout.value}, we store {d.layout.value}: "
                     f"{n} heads are not in the same order inside a block")
         for j in range(d.num_streams):
-            problem = _range_problem(s, j, n, "source") or _range_problem(d, j, n, "destination")
+            problem = head_range_problem(s, j, n, "source") or head_range_problem(d, j, n, "destination")
             if problem is not None:
                 return f"source rank {sl.src_rank}: {problem}"
     return None

@@ -77,11 +77,14 @@ class CostModel:
         return nbytes / 1e3 / self.pack_gbps + descriptors * self.desc_us + self.wire_us(nbytes)
 
     def way_us(self, way: Way, nbytes: int, descriptors: int) -> float:
-        """:meth:`staged_us`, :meth:`read_unpack_us` or :meth:`pack_place_us` by ``way``."""
+        """:meth:`staged_us`, :meth:`read_unpack_us`, :meth:`pack_place_us` or (DIRECT_SLICE, no
+        pass at all) :meth:`direct_us` by ``way``."""
         if way is Way.READ_UNPACK:
             return self.read_unpack_us(nbytes, descriptors)
         if way is Way.PACK_PLACE:
             return self.pack_place_us(nbytes, descriptors)
+        if way is Way.DIRECT_SLICE:
+            return self.direct_us(nbytes, descriptors)
         return self.staged_us(nbytes, descriptors)
 
     def as_dict(self) -> dict[str, float]:

@@ -4,7 +4,8 @@ Pure (numpy). A *run* is a stretch of request positions whose block ids are cons
 side, or on both), so that its blocks lie back to back in a cache and move as one descriptor.
 :func:`id_runs` and :func:`pair_runs` find them; :class:`Runs` is the one descriptor table every
 coalesced move uses: DIRECT reads cache to cache (:func:`direct_runs`) and the one-sided ways'
-reads between a cache and a staged chunk (:func:`tile_runs`).
+reads between a cache and a staged chunk (:func:`tile_runs`); a payload's head slices cache to
+cache when it travels DIRECT_SLICE (:func:`slice_runs`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import numpy as np
 from ..spec import RegionSpec
 from .types import ChunkGeometry, Payload, TransferPlan, Way
 
-__all__ = ["Runs", "id_runs", "pair_runs", "direct_runs", "tile_runs", "staged_descriptor_count"]
+__all__ = ["Runs", "id_runs", "pair_runs", "direct_runs", "tile_runs", "slice_runs", "slice_descriptor_count",
+           "staged_descriptor_count"]
 
 _EMPTY = np.zeros(0, np.int64)  # copied into results (callers may write theirs)
 
@@ -268,6 +270,58 @@ def tile_runs(read: Payload, specs: Sequence[RegionSpec], ids: np.ndarray, way: 
     if way is Way.PACK_PLACE:
         return Runs(src_rank, region_c, stream_c, staging_off, cache_off, nbytes, ("staging", "cache"))
     return Runs(src_rank, region_c, stream_c, cache_off, staging_off, nbytes, ("cache", "staging"))
+
+
+def _slice_columns(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec]):
+    """Per segment of ``read``: (tile bytes, source block stride, our block stride, the slice's
+    offset inside a source block, inside ours). The slice's validation
+    (:func:`~kvtriton.plan.direct_slice_way_problem`) made each one range from its first head's row."""
+    cols = []
+    for g in read.segments:
+        s, d = src_specs[g.region], dst_specs[g.region]
+        j = g.stream
+        cols.append((g.tile_bytes, s.block_stride_bytes(j), d.block_stride_bytes(j),
+                     g.src_head * s.strides[j][2] * s.itemsize, g.dst_head * d.strides[j][2] * d.itemsize))
+    return np.array(cols, np.int64).reshape(-1, 5)
+
+
+def slice_descriptor_count(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec],
+                           src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
+    """How many descriptors :func:`slice_runs` gives for this request (without building them)."""
+    cols = _slice_columns(read, src_specs, dst_specs)
+    n = int(np.asarray(src_ids).size)
+    whole = (cols[:, 1] == cols[:, 0]) & (cols[:, 2] == cols[:, 0])
+    k = int(whole.sum())
+    runs = pair_runs(np.asarray(src_ids, np.int64), np.asarray(dst_ids, np.int64))[0].size if k else 0
+    return k * runs + (len(cols) - k) * n
+
+
+def slice_runs(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec],
+               src_ids: np.ndarray, dst_ids: np.ndarray) -> Runs:
+    """Descriptors that move ``read``'s payload DIRECT_SLICE for a compacted request: each
+    segment's head slice from the source's cache block ``src_ids[i]`` to ours ``dst_ids[i]``
+    (``ends`` ``("cache", "cache")``), one per (segment, block), or per run consecutive on both
+    sides where the slice is the whole block and blocks lie back to back on both sides.
+    Entries are ordered by segment, then position."""
+    src_ids = np.asarray(src_ids, dtype=np.int64)
+    dst_ids = np.asarray(dst_ids, dtype=np.int64)
+    n = src_ids.size
+    cols = _slice_columns(read, src_specs, dst_specs)
+    whole = (cols[:, 1] == cols[:, 0]) & (cols[:, 2] == cols[:, 0])
+    singles = (np.arange(n, dtype=np.int64), np.ones(n, np.int64))
+    merged = pair_runs(src_ids, dst_ids) if whole.any() else singles
+    out: list[list[np.ndarray]] = [[] for _ in range(5)]
+    for i, g in enumerate(read.segments):
+        starts, lengths = merged if whole[i] else singles
+        tile, s_stride, d_stride, s_off, d_off = (int(x) for x in cols[i])
+        k = starts.size
+        out[0].append(np.full(k, g.region, np.int64))
+        out[1].append(np.full(k, g.stream, np.int64))
+        out[2].append(src_ids[starts] * s_stride + s_off)
+        out[3].append(dst_ids[starts] * d_stride + d_off)
+        out[4].append(lengths * tile)
+    region, stream, src_off, dst_off, nbytes = (np.concatenate(c) if c else _EMPTY.copy() for c in out)
+    return Runs(np.full(nbytes.size, read.src_rank, np.int64), region, stream, src_off, dst_off, nbytes)
 
 
 def staged_descriptor_count(plan: TransferPlan, num_blocks: int, chunk_bytes: int | None = None) -> int:

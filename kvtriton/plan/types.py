@@ -64,6 +64,16 @@ class Way(str, enum.Enum):
     # one-sided staging (pull only; see kvtriton.plan.ways): one of the two repack passes is a READ
     READ_UNPACK = "read_unpack"  # the source's tile is its whole cache block: READ runs into our staging, unpack
     PACK_PLACE = "pack_place"  # our tile is our whole cache block: source packs, READ it straight into our blocks
+    # zero-copy: each segment's head slice READ from the source's cache blocks straight into ours (the
+    # bytes and descriptors of Route.DIRECT_SLICE, one concept: chosen here per request, by its runs,
+    # where a plan-time choice could not tell; see kvtriton.plan.ways)
+    DIRECT_SLICE = "direct_slice"
+
+    @property
+    def reads_source_cache(self) -> bool:
+        """Whether the reader READs the source's cache blocks (the source packs nothing and holds
+        the blocks from its RunsReady, or slot-less offer, until the reader's RunsDone)."""
+        return self in (Way.READ_UNPACK, Way.DIRECT_SLICE)
 
 
 @dataclass(frozen=True)
@@ -112,7 +122,8 @@ class Payload:
 
     ``ways``: how it may travel, :data:`Way.STAGED` (pack, one READ per chunk, unpack) and the
     one-sided ways every segment allows (:data:`Way.READ_UNPACK`: each segment's tile is the
-    source's whole cache block; :data:`Way.PACK_PLACE`: the destination's). A forced way leaves
+    source's whole cache block; :data:`Way.PACK_PLACE`: the destination's; :data:`Way.DIRECT_SLICE`:
+    each segment's head slice is one range inside a block on both sides). A forced way leaves
     just that one. The destination chooses one per request (:func:`kvtriton.plan.choose_way`)
     and the pull names it; the payload's bytes are the same whichever way it travels."""
 

@@ -16,7 +16,17 @@ block, and a READ can do it instead:
   packs as for STAGED and announces each chunk; the destination READs the chunk's tiles straight
   into its cache blocks, one descriptor per run of consecutive destination ids, and skips unpack.
 
-Both are pull-only: the reader is the one who saves the pass (a push variant would need the
+* :data:`~kvtriton.plan.Way.DIRECT_SLICE` (each segment's head slice is one contiguous range
+  inside a block on both sides, :func:`direct_slice_way_problem`: head-major blocks): the
+  destination READs the slices straight from the source's cache blocks into its own, one
+  descriptor per (segment, block), per run where the slice is the whole block on both sides and
+  both sides' ids run. No pass at all; the source packs nothing, as for READ_UNPACK. These are
+  the bytes of :data:`~kvtriton.plan.Route.DIRECT_SLICE`, which the plan fixes for a region when
+  a slice descriptor beats every repack whatever the runs; where it depends on the runs (a
+  one-sided way with long runs can beat it, with none it cannot), the way is chosen here, per
+  request.
+
+All three are pull-only: the reader is the one who saves the pass (a push variant would need the
 source to know the destination's offsets and cache strides, which a push grant does not carry).
 
 Choice (:func:`choose_way`): feasibility is static per plan (segment geometry,
@@ -42,12 +52,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..errors import PlanError
-from ..spec import RegionSpec
+from ..spec import Layout, RegionSpec
 from .cost import CostModel
-from .runs import id_runs
+from .runs import id_runs, slice_descriptor_count
 from .types import Payload, Segment, Way
 
-__all__ = ["read_unpack_problem", "pack_place_problem", "payload_ways", "one_sided_descriptors", "choose_way"]
+__all__ = ["read_unpack_problem", "pack_place_problem", "direct_slice_way_problem", "head_range_problem",
+           "payload_ways", "one_sided_descriptors", "way_descriptors", "choose_way"]
 
 
 def _same_tile_order(spec: RegionSpec, seg: Segment) -> bool:
@@ -87,6 +98,37 @@ def pack_place_problem(seg: Segment, dst: RegionSpec) -> str | None:
     return None
 
 
+def head_range_problem(x: RegionSpec, stream: int, num_heads: int, side: str) -> str | None:
+    """Why ``num_heads`` adjacent heads of one block of ``x``'s ``stream`` are not one contiguous
+    byte range (``None``: they are, wherever the range starts)."""
+    _, s_tok, s_head = x.strides[stream]
+    d, bs = x.head_dims[stream], x.block_size
+    if x.layout is Layout.HND:
+        ok = (bs == 1 or s_tok == d) and (num_heads == 1 or s_head == bs * d)
+    else:  # token-major: heads of one token are adjacent, so only a whole block's heads (or one token) tile
+        ok = (num_heads == 1 or s_head == d) and (bs == 1 or (num_heads == x.local_heads and s_tok == num_heads * d))
+    if ok:
+        return None
+    return (f"on the {side} ({x.layout.value}, strides {x.strides[stream]} of stream {stream}) {num_heads} of "
+            f"{x.local_heads} heads of a {bs}-token block are not one contiguous range")
+
+
+
+def direct_slice_way_problem(seg: Segment, src: RegionSpec, dst: RegionSpec) -> str | None:
+    """Why segment ``seg``'s head slice cannot be READ from the source's cache blocks straight into
+    ours (``src``/``dst``: both sides' specs of its region), ``None`` when it can: equal block
+    sizes, the same byte order inside the slice (same layout, one head or one token), and the
+    slice one contiguous range inside a block on both sides (:func:`head_range_problem`)."""
+    where = f"region {seg.region} ({dst.name!r}) stream {seg.stream}"
+    if seg.src_block_size is not None:
+        return f"{where}: block sizes differ ({seg.src_block_size} -> {seg.block_size})"
+    if not _same_tile_order(src, seg):
+        return f"{where}: the source stores {src.layout.value}, we store {seg.dst_layout.value}"
+    problem = (head_range_problem(src, seg.stream, seg.num_heads, "source")
+               or head_range_problem(dst, seg.stream, seg.num_heads, "destination"))
+    return None if problem is None else f"{where}: {problem}"
+
+
 def payload_ways(src_rank: int, segs: Sequence[Segment], forced_way: Mapping[int, Way],
                  src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec]) -> tuple[Way, ...]:
     """The ways source rank ``src_rank``'s payload may travel: one forced way (every region in it
@@ -95,7 +137,9 @@ def payload_ways(src_rank: int, segs: Sequence[Segment], forced_way: Mapping[int
     choice per (request, source rank). ``forced_way``: region -> the way ``modes=`` forced."""
     problems = {Way.STAGED: None,
                 Way.READ_UNPACK: next((p for g in segs if (p := read_unpack_problem(g, src_specs[g.region]))), None),
-                Way.PACK_PLACE: next((p for g in segs if (p := pack_place_problem(g, dst_specs[g.region]))), None)}
+                Way.PACK_PLACE: next((p for g in segs if (p := pack_place_problem(g, dst_specs[g.region]))), None),
+                Way.DIRECT_SLICE: next((p for g in segs if (p := direct_slice_way_problem(g, src_specs[g.region],
+                                                                                          dst_specs[g.region]))), None)}
     wanted = {forced_way[g.region] for g in segs if g.region in forced_way}
     if len(wanted) > 1:
         names = sorted({dst_specs[g.region].name for g in segs if g.region in forced_way})
@@ -128,25 +172,38 @@ def one_sided_descriptors(read: Payload, specs: Sequence[RegionSpec], ids: np.nd
     return n_coal * (runs + max(0, chunks - 1)) + (coal.size - n_coal) * ids.size
 
 
+def way_descriptors(read: Payload, way: Way, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec],
+                    src_ids: np.ndarray, dst_ids: np.ndarray, chunks: int = 1) -> int:
+    """Descriptors ``read``'s payload costs this request by ``way``: one per chunk (STAGED), one
+    per segment and run of the cache side's ids (READ_UNPACK: the source's, PACK_PLACE: ours;
+    :func:`one_sided_descriptors`), one per segment and block, or per run on both sides where a
+    slice is the whole block (DIRECT_SLICE)."""
+    if way is Way.READ_UNPACK:
+        return one_sided_descriptors(read, src_specs, src_ids, chunks)
+    if way is Way.PACK_PLACE:
+        return one_sided_descriptors(read, dst_specs, dst_ids, chunks)
+    if way is Way.DIRECT_SLICE:
+        return slice_descriptor_count(read, src_specs, dst_specs, src_ids, dst_ids)
+    return chunks
+
+
 def choose_way(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec],
                src_ids: np.ndarray, dst_ids: np.ndarray, cost: CostModel, *, chunks: int = 1,
                packed: bool = False) -> Way:
     """The way this request's payload from ``read.src_rank`` travels: the cheapest of
-    ``read.ways`` by ``cost`` for this request's descriptor counts (ties go to the earlier of
-    STAGED, READ_UNPACK, PACK_PLACE). ``chunks``: the staged chunks of the payload.
-    ``packed``: the source has packed it already (an offer), so READ_UNPACK would save nothing."""
+    ``read.ways`` by ``cost`` for this request's descriptor counts (:func:`way_descriptors`;
+    ties go to the earlier of STAGED, READ_UNPACK, PACK_PLACE, DIRECT_SLICE). ``chunks``: the
+    staged chunks of the payload. ``packed``: the source has packed it already (an offer), so
+    the ways that read its cache instead would save nothing."""
     ways = read.ways
     if len(ways) == 1:
         return ways[0]
     nbytes = read.payload_bytes(int(np.asarray(dst_ids).size))
     best, best_us = Way.STAGED, cost.staged_us(nbytes, chunks)
     for way in ways:
-        if way is Way.READ_UNPACK and not packed:
-            us = cost.read_unpack_us(nbytes, one_sided_descriptors(read, src_specs, src_ids, chunks))
-        elif way is Way.PACK_PLACE:
-            us = cost.pack_place_us(nbytes, one_sided_descriptors(read, dst_specs, dst_ids, chunks))
-        else:
+        if way is Way.STAGED or (packed and way.reads_source_cache):
             continue
+        us = cost.way_us(way, nbytes, way_descriptors(read, way, src_specs, dst_specs, src_ids, dst_ids, chunks))
         if us < best_us:
             best, best_us = way, us
     return best

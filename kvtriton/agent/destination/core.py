@@ -17,10 +17,20 @@ from ..plan_book import PlanBook
 from .fetch import Fetch
 from .fetches import Fetches, RequestResult
 from .offers import Offers
-from .parts import CacheLease, DirectPart, GrantedPart, PackPlacePart, Part, ReadUnpackPart, RunsTransfer, StagedPart
+from .parts import (
+    CacheLease,
+    DirectPart,
+    DirectSlicePart,
+    GrantedPart,
+    PackPlacePart,
+    Part,
+    ReadUnpackPart,
+    RunsTransfer,
+    StagedPart,
+)
 
 _PULL_PARTS: dict[Way, type[Part]] = {Way.STAGED: StagedPart, Way.READ_UNPACK: ReadUnpackPart,
-                                       Way.PACK_PLACE: PackPlacePart}
+                                       Way.PACK_PLACE: PackPlacePart, Way.DIRECT_SLICE: DirectSlicePart}
 
 
 class Destination:
@@ -88,7 +98,7 @@ class Destination:
                 payload = payload.refit(self.s.chunk_bytes)
         xid = self.fetches.new_xid(f.req_id, src_rank)
         taken = self.fetches.parts.__contains__
-        if cls is ReadUnpackPart or (cls is DirectPart and pull and runs is not None):  # both read the cache
+        if cls.way.reads_source_cache or (cls is DirectPart and pull and runs is not None):  # they read the cache
             offer = self.offers.take_cache(peer, f.req_id, rp, taken)
         else:
             offer = self.offers.take_packed(peer, f.req_id, rp, src_rank, taken)
@@ -121,7 +131,7 @@ class Destination:
             if self.s.flow is Flow.PUSH:
                 msg = wire.Push(part.xid, f.req_id, self.s.rank, ids, tuple(rp.dst_ids.tolist()), chunk_blocks,
                                 rp.digest, **tok)
-            else:  # DIRECT runs (and READ_UNPACK) are read only after the source confirms it holds the blocks
+            else:  # DIRECT runs (and the ways reading its cache) wait for the source to confirm it holds the blocks
                 msg = wire.Pull(part.xid, f.req_id, self.s.rank, ids, chunk_blocks, rp.digest, **tok,
                                 way=part.way.value)
             self.links.send(peer, msg)

@@ -7,11 +7,13 @@ travels (:mod:`kvtriton.plan.ways`), or a part of DIRECT runs only.
   straight into our cache blocks (no unpack), and Ack it.
 * :class:`ReadUnpackPart` (pull): after the source's RunsReady we READ its cache blocks into
   our staging and unpack (no pack, no Ready, no Ack).
+* :class:`DirectSlicePart` (pull): after the source's RunsReady we READ each segment's head
+  slice from its cache blocks straight into ours (no pass, no staging, no Ready, no Ack).
 * :class:`GrantedPart` (push): we grant a slot per chunk, the source WRITEs it (Data), we unpack.
 * :class:`DirectPart`: no staged payload, DIRECT runs only.
 
 DIRECT runs of a part (any class) are its :class:`RunsTransfer`. In pull, a part that reads the
-source's cache (DIRECT runs or READ_UNPACK) holds a :class:`CacheLease`: it waits for the
+source's cache (DIRECT runs, READ_UNPACK or DIRECT_SLICE) holds a :class:`CacheLease`: it waits for the
 source's RunsReady and ends with one RunsDone once every such READ has landed.
 """
 
@@ -25,7 +27,7 @@ import numpy as np
 
 from ...errors import ProtocolError
 from ...ops import unpack
-from ...plan import RequestPayload, Way, ceil_div, tile_runs
+from ...plan import RequestPayload, Way, ceil_div, slice_runs, tile_runs
 from ...protocol import wire
 from ..device import event_done
 from ..integrity import verify
@@ -436,6 +438,65 @@ class ReadUnpackPart(PayloadPart):
 
     def _cache_reads_landed(self) -> bool:
         return self.reads_landed == self.n_chunks
+
+    def _reading_cache(self) -> bool:
+        return super()._reading_cache() or not self.lease.done
+
+
+class DirectSlicePart(PayloadPart):
+    """Pull, DIRECT_SLICE chosen for this request: after the source's RunsReady (or its
+    slot-less offer), and once the engine is done with our blocks' previous contents, READ every
+    segment's head slice from the source's cache blocks straight into ours in one transfer
+    (:func:`~kvtriton.plan.slice_runs`); nothing is packed, staged or unpacked. The payload's
+    chunks only say which positions the transfer defined: all of them once it landed. RunsDone
+    then."""
+
+    way = Way.DIRECT_SLICE
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        if self.lease is None:  # whether or not it has DIRECT runs: it reads the source's cache
+            self.lease = CacheLease()
+        self.posted = False
+        self.slices_landed = False
+
+    def take_offer(self, offer: wire.Offer) -> None:
+        super().take_offer(offer)
+        self.lease.go = True  # a slot-less offer: the source holds the blocks for us, read now
+
+    def on_ready(self, peer: Peer, m: wire.Ready) -> None:
+        raise ProtocolError(f"ready for {m.xid!r}, which reads the source's cache (direct_slice): nothing is packed")
+
+    def start_reads(self, peer: Peer) -> None:
+        super().start_reads(peer)
+        self._post(peer)
+
+    def _post(self, peer: Peer) -> None:
+        f, links = self.fetch, self.links
+        # the NIC writes our blocks without a stream: only once the engine is done with them
+        if not self.lease.go or self.posted or not event_done(f.ready):
+            return
+        runs = slice_runs(self.payload.read, peer.md.regions, self.s.specs, f.src_ids, f.dst_ids)
+        remote = links.cache_addrs(peer.md.addrs, peer.md.spans, runs.region, runs.stream, runs.src_offset,
+                                   runs.nbytes, peer.agent)
+        local = links.cache_addrs(links.addrs, links.spans, runs.region, runs.stream, runs.dst_offset,
+                                  runs.nbytes, "this rank")
+        ch = Chunk(0, -1, 0, runs.total_bytes)  # the one transfer of every slice; no local slot
+        ch.lists = links.prep_pieces(peer, local, remote, runs.nbytes)
+        self.inflight[ch.index] = ch
+        self.posted = True
+        with f.posting(len(runs), runs.total_bytes):
+            ch.xfer = links.post_runs("READ", *ch.lists, len(runs), one_sided=True)
+
+    def _landed(self, ch: Chunk, peer: Peer) -> None:
+        self.fetch.touch()
+        self.inflight.pop(ch.index, None)
+        self.slices_landed = True
+        self.consumed.update(range(self.n_chunks))  # every position's bytes are in our cache
+        self.chunks_done = self.n_chunks
+
+    def _cache_reads_landed(self) -> bool:
+        return self.slices_landed
 
     def _reading_cache(self) -> bool:
         return super()._reading_cache() or not self.lease.done

@@ -170,9 +170,9 @@ class Source:
             return reject(f"{eng}:{dst_rank} asks for way {way!r}; the plan allows {[w.value for w in read.ways]}")
         if read is None and way != Way.STAGED.value:
             return reject(f"{me} sends {eng}:{dst_rank} no staged payload: way {way!r} is meaningless")
-        if way == Way.READ_UNPACK.value:  # the peer READs our cache blocks itself: nothing to pack
+        if Way(way).reads_source_cache:  # the peer READs our cache blocks itself: nothing to pack
             if flow is not Flow.PULL or r.tokens is not None:
-                return reject("read_unpack is a pull of equal block sizes only")
+                return reject(f"{way} is a pull of equal block sizes only")
             read, chunks, has_runs = None, None, True
             self.eager.take(req, peer, r.digest, ids, None)  # a pack made ahead for it is not needed
         if chunks is not None and not chunks.fits(self.s.chunk_bytes):

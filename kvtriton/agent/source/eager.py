@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import KVTritonError, StagingError
-from ...plan import ChunkGeometry, CostModel, RequestPayload, RequestPlan, Way, choose_way
+from ...plan import ChunkGeometry, CostModel, RequestPayload, RequestPlan, choose_way
 from ..device import event_done
 from ..links import Chunk, Flow, Links, Peer, logger
 from ..plan_book import PlanBook
@@ -314,16 +314,16 @@ class EagerPacks:
 
     def _read_from_cache(self, request: RequestPlan, payload: RequestPayload, peer: Peer) -> bool:
         """Whether ``peer`` will most likely READ this payload straight from our cache
-        (read_unpack): forced, or what its cost model picks for these ids, in the chunks it
-        derives (the destination's own ids are not known here; its choice decides, a wrong guess
-        costs one declined offer)."""
+        (read_unpack or direct_slice): forced, or what its cost model picks for these ids, in the
+        chunks it derives (the destination's own ids are not known here, ours stand in for them;
+        its choice decides, a wrong guess costs one declined offer)."""
         read = payload.read
-        if Way.READ_UNPACK not in read.ways:
+        if not any(w.reads_source_cache for w in read.ways):
             return False
-        if read.ways == (Way.READ_UNPACK,):
+        if len(read.ways) == 1:
             return True
         return choose_way(read, self.s.specs, peer.md.regions, request.src_ids, request.src_ids,
-                          peer.md.cost or CostModel(), chunks=payload.chunks.count) is Way.READ_UNPACK
+                          peer.md.cost or CostModel(), chunks=payload.chunks.count).reads_source_cache
 
     # ------------------------------------------------------------------ using
     def take(self, req: str, peer: Peer, digest: str, ids: np.ndarray | None, chunks: ChunkGeometry | None) -> dict:

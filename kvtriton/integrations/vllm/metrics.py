@@ -44,7 +44,7 @@ HISTOGRAMS: dict[str, tuple[str, str, list[float]]] = {
 #: window count dict -> (metric name, help, label, label values created up front)
 LABELED_COUNTERS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "ways": ("vllm:kvtriton_payloads", "Source-rank payloads of successful kvtriton transfers, by the way they "
-             "travelled (staged, read_unpack, pack_place; direct: DIRECT runs).", "way",
+             "travelled (staged, read_unpack, pack_place, direct_slice; direct: DIRECT runs).", "way",
              (*(w.value for w in Way), DIRECT_WAY)),
     "failures": ("vllm:kvtriton_num_failed_transfers", "kvtriton loads that failed (blocks recomputed), by kind.",
                  "kind", FAILURE_KINDS),

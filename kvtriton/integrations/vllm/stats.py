@@ -11,7 +11,7 @@ structures (:mod:`kvtriton.agent.stats`):
     bytes moved, descriptors posted. Failed transfers are counted in ``failures`` only.
 ``ways``
     ``{way: payloads}``: how the source-rank payloads of those transfers travelled
-    (``staged``, ``read_unpack``, ``pack_place``: :class:`~kvtriton.plan.Way` values;
+    (``staged``, ``read_unpack``, ``pack_place``, ``direct_slice``: :class:`~kvtriton.plan.Way` values;
     ``direct``: DIRECT runs).
 ``failures``
     ``{kind: loads}``: loads that failed (their blocks recomputed), by
