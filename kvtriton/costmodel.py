@@ -16,7 +16,14 @@ budget lasts, :data:`PROBE_BUDGET_S`; the order alternating; see :func:`_measure
   each of :data:`PROBE_COUNTS` scattered descriptors, timed in interleaved rounds and fitted
   robustly (:func:`fit_desc_us`);
 * ``pack_gbps`` / ``unpack_gbps``: :func:`kvtriton.ops.pack` / ``unpack`` (payload bytes / time,
-  the ``impl`` the agent uses on ``device``) for an NHD -> HND head-slice repack of that size.
+  the ``impl`` the agent uses on ``device``) for a head-slice repack of that size between caches
+  of the same layout (HND, one of two heads per block: whole-head tiles, as a zero-copy way's
+  pieces are). Every choice the rates decide is a repack against a way that skips it (DIRECT,
+  DIRECT_SLICE, or a pass of READ_UNPACK / PACK_PLACE), and those ways need both sides' bytes in
+  the same order, so the repack they replace copies whole rows or tiles. The first probe timed an
+  NHD -> HND relayout (256-byte rows gathered per token), 1.5-2x slower on this CPU than those
+  copies: the model then took 4 KiB whole blocks DIRECT and NHD whole blocks READ_UNPACK where
+  staging was faster, up to 1.24x (the full grid of issue 21).
 
 Why one set of rounds: the plan decides by a ratio (a descriptor's cost against a byte's repack
 cost), and on a shared host the absolute numbers drift with load; probes run seconds apart (the
@@ -61,7 +68,8 @@ PROBE_COUNTS = (1, PROBE_DESCRIPTORS // 2, PROBE_DESCRIPTORS)
 PROBE_BUDGET_S = 3.0  # measurement rounds continue while this lasts (at least reps, at most MAX_ROUNDS)
 MAX_ROUNDS = 60  # a load level lasts seconds here: rounds over the whole budget average several
 DESC_US_FLOOR = 0.05  # a descriptor is never free: NIXL's own bookkeeping per entry
-CACHE_VERSION = 2  # 2: desc_us is a fitted slope (version 1's difference could come out 0.01 on tcp)
+# 2: desc_us is a fitted slope (version 1's difference could come out 0.01 on tcp); 3: same-layout repack probe
+CACHE_VERSION = 3
 
 
 def transport_key() -> str:
@@ -221,7 +229,8 @@ def _probe_regions(layers: int, num_blocks: int, block: int, heads: int, layout:
 
 def _repack_probe(device: str, impl: str):
     """``(pack, unpack, nbytes)``: each times (ms) :func:`kvtriton.ops.pack` / ``unpack`` of an
-    NHD 2-head source -> HND 1-head destination repack (block 16, bf16) of ``nbytes`` payload."""
+    HND 2-head source -> HND 1-head destination repack (block 16, bf16) of ``nbytes`` payload
+    (same byte order: see the module docstring)."""
     import torch
 
     from . import ops
@@ -231,7 +240,7 @@ def _repack_probe(device: str, impl: str):
     n = PROBE_BYTES // (layers * 2 * block * 128 * 2)
     num_blocks = n + 8
     gen = torch.Generator().manual_seed(0)
-    src = _probe_regions(layers, num_blocks, block, 2, "NHD", gen, device)  # TP1: both heads
+    src = _probe_regions(layers, num_blocks, block, 2, "HND", gen, device)  # TP1: both heads
     dst = _probe_regions(layers, num_blocks, block, 1, "HND", gen, device)  # rank 0 of TP2: one head
     read = build_plan(0, 2, [r.spec for r in dst], 1, [r.spec for r in src], modes="staged").staged[0]
     rng = np.random.default_rng(0)
