@@ -24,7 +24,7 @@ Run from the repository root with kvtriton's venv (the engines use ``.venv-vllm`
     .venv/bin/python bench/pd_vllm.py --connector nixl --prefill-tp 1 --decode-tp 2 --json out.json
     # both connectors, P2->D1 and P1->D2, ~2k descriptors per NixlConnector load, table with ours/theirs
     .venv/bin/python bench/pd_vllm.py --connector both --layers 16 --kv-heads 8 --head-dim 64 \
-        --hidden 256 --prompt-len 2048 --prompts 4 --staging-mib 320
+        --hidden 256 --prompt-len 2048 --prompts 4 --staging-mib 160
     # a pair NixlConnector refuses (its handshake asserts on 3 % 2): kvtriton moves it, its row fails
     .venv/bin/python bench/pd_vllm.py --connector both --pairs 2:3 --kv-heads 6
     # MLA, and a GQA target with an Eagle-3 MLA draft in one KV cache group (block 16)
@@ -109,7 +109,7 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     their worker processes included, over the measured requests and writes one flame graph each.
     kvtriton only: ``eager`` names the decode engine as the consumer of the prefill's holds (a
     fixed pairing, ``consumer`` in ConnectorSettings), so the prefill packs each request as soon
-    as it finishes; ``staging_mib`` (0: the default) sizes both engines' staging pools.
+    as it finishes; ``staging_mib`` (0: the default) sizes the prefill engine's staging pool.
     ``before_measure``: called once the engines are up, before the first request (compare: wait
     for the previous run's engines to be gone). ``closing``: a list; when given, the engines are
     closed by a thread appended to it (the caller joins it) instead of before returning, so the
@@ -155,11 +155,11 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
                                                          "num_speculative_tokens": 2, "attention_backend": "CPU_MLA"}}
     max_len = 1 << (prompt_len + max_tokens + block_size).bit_length()
     # the blocks this run can use at once: the decode's reference batch (every prompt, warm-up
-    # included, at once; prefix caching is off, so they are free again after it) and 64 spare; the
-    # measured requests run one at a time. Not the 1 GiB VLLM_CPU_KVCACHE_SPACE (its smallest
+    # included, at once; prefix caching is off, so they are free again after it) and 16 spare;
+    # the measured requests run one at a time. Not the 1 GiB VLLM_CPU_KVCACHE_SPACE (its smallest
     # value) per worker: a P2->D1 run held 5.5 GB of PSS with it, and room for the batch twice
-    # over still put the scaled model's run at 5.2 GB, over the 4 GB every bench must stay under
-    blocks = (prompts + 1) * -(-(prompt_len + max_tokens + 2 * block_size) // block_size) + 64
+    # over still put the scaled model's runs at 5.2 GB, over the 4 GB every bench must stay under
+    blocks = (prompts + 1) * -(-(prompt_len + max_tokens + 2 * block_size) // block_size) + 16
     options = {**(options or {}), "num_gpu_blocks_override": blocks}
     common = dict(connector=connector, block_size=block_size, max_model_len=max_len, log_dir=work,
                   engine_options=options, patches=patches)
@@ -169,8 +169,8 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
         p_extra["consumer"] = f"decode-{connector}"
     if connector == "kvtriton" and modes:  # forced on both engines (their plans must agree)
         p_extra["modes"] = d_extra["modes"] = modes
-    if connector == "kvtriton" and staging_mib:
-        p_extra["staging_bytes"] = d_extra["staging_bytes"] = staging_mib << 20
+    if connector == "kvtriton" and staging_mib:  # where eager packs wait (the decode streams through its default)
+        p_extra["staging_bytes"] = staging_mib << 20
     phases["model_s"] = time.time() - t0
     t1 = time.time()
     # each engine on its own cores (engine_cpus): sharing a core with the other engine's spinning
@@ -414,7 +414,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=0, help="model width (0: 2 * kv heads * head dim)")
     ap.add_argument("--no-warmup", action="store_true", help="no unmeasured first request")
     ap.add_argument("--no-eager", action="store_true", help="kvtriton: no consumer named, packs wait for the pull")
-    ap.add_argument("--staging-mib", type=int, default=0, help="kvtriton: staging pool per rank (0: default)")
+    ap.add_argument("--staging-mib", type=int, default=0, help="kvtriton: staging pool per prefill rank (0: default)")
     ap.add_argument("--start", choices=["auto", "concurrent", "sequential"], default="auto",
                     help="engine start-up: both at once (auto, concurrent) or one after the other, more ranks first")
     ap.add_argument("--profile", help="folder for py-spy samples of both engines over the measured requests")

@@ -315,7 +315,7 @@ def test_the_eager_guess_goes_only_to_an_authenticated_engine(made):
     # before: eager_guess offered every unbound hold to the only connected engine, whoever it was
     # (and a second engine connected turned it off)
     p, p_regs, d, d_regs, r, r_regs = _auth_rig(made, staging_bytes=64 << 10, chunk_bytes=2048)
-    src, dst = np.arange(4), np.arange(50, 54)
+    src, dst = np.arange(3, -1, -1), np.arange(50, 54)  # no run: packed (over a run D would read our cache)
     kv = _request(MODELS, p_regs, src, 11)
     before = snapshot(d_regs)
     p.hold("g", src)
@@ -361,7 +361,7 @@ def test_an_idle_engine_does_not_turn_the_guess_off(made):
     assert p.stats["eager_guessed"] == 0  # two engines, neither read yet: no guess
     d.fetch("first", "P", src, dst)
     assert _drive([p, d], d)[0].ok
-    src, dst = np.arange(20, 26), np.arange(30, 36)
+    src, dst = np.arange(25, 19, -1), np.arange(30, 36)  # no run: packed (over a run D would read our cache)
     kv = _request(MODELS, p_regs, src, 14)
     before = snapshot(d_regs)
     p.hold("second", src)

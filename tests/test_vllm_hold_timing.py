@@ -54,9 +54,12 @@ def engines():
 
 
 def _wait_packed(worker, seconds=5.0):
+    # packed_ahead counts packs that completed; eager_chunks counts chunks reserved, which the
+    # background thread may still be packing (then a write right after races the pack: seen
+    # under load as the negative control's stale region coming out fresh)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if worker.agent.stats["eager_chunks"] > 0:
+        if worker.agent.packed_ahead("r") > 0:
             return True
         time.sleep(0.01)
     return False
