@@ -113,7 +113,6 @@ def head_range_problem(x: RegionSpec, stream: int, num_heads: int, side: str) ->
             f"{x.local_heads} heads of a {bs}-token block are not one contiguous range")
 
 
-
 def direct_slice_way_problem(seg: Segment, src: RegionSpec, dst: RegionSpec) -> str | None:
     """Why segment ``seg``'s head slice cannot be READ from the source's cache blocks straight into
     ours (``src``/``dst``: both sides' specs of its region), ``None`` when it can: equal block
