@@ -336,6 +336,19 @@ def _hold_until_offered(e, src, want):
     return kv, before
 
 
+def _fetch_offered(e, src, dst, want):
+    """:func:`_hold_until_offered`, then every decode rank fetches the request into ``dst``; each
+    result ok and byte-exact against the oracle; returns the results per decode rank."""
+    kv, before = _hold_until_offered(e, src, want)
+    for d in e.da:
+        d.fetch("r", "P", src, dst)
+    got = e.drive()
+    for i in range(e.d_tp):
+        assert got[i][0].ok, got[i][0].error
+        check_destination(e.D[i], i, e.d_tp, kv, dst, before[i])
+    return got
+
+
 @pytest.mark.nixl
 def test_eager_offer_confirms_slices_beside_a_staged_payload():
     """Pull with eager packing: the MLA latent forced staged is packed at hold time and offered,
@@ -370,13 +383,7 @@ def test_a_direct_only_hold_is_offered_and_read_with_no_pull(p_tp, d_tp, heads, 
     try:
         src, dst = np.arange(5, 14), np.arange(20, 29)
         want = {i: len(split_sources(i, d_tp, p_tp, heads)) for i in range(d_tp)}  # source ranks each one reads
-        kv, before = _hold_until_offered(e, src, want)
-        for d in e.da:
-            d.fetch("r", "P", src, dst)
-        got = e.drive()
-        for i in range(d_tp):
-            assert got[i][0].ok, got[i][0].error
-            check_destination(e.D[i], i, d_tp, kv, dst, before[i])
+        _fetch_offered(e, src, dst, want)
         assert sum(d.stats["offers_taken"] for d in e.da) == sum(want.values())
         assert all(a.stats["staged_descriptors"] == 0 and a.stats["pack_launches"] == 0 for a in e.agents)
         assert all(f.reason == "done" for f in e.settle_freed(p_tp))
@@ -536,14 +543,9 @@ def test_an_eager_hold_offers_the_cache_for_a_slice_and_is_read_with_no_pull(p_t
         src = np.random.default_rng(5).permutation(64)[:9].astype(np.int64)
         dst = np.random.default_rng(6).permutation(48)[:9].astype(np.int64)
         want = {i: len(split_sources(i, d_tp, p_tp, 4)) for i in range(d_tp)}
-        kv, before = _hold_until_offered(e, src, want)
-        for d in e.da:
-            d.fetch("r", "P", src, dst)
-        got = e.drive()
+        got = _fetch_offered(e, src, dst, want)
         for i in range(d_tp):
-            assert got[i][0].ok, got[i][0].error
             assert dict(got[i][0].ways) == {"direct_slice": want[i]}, got[i][0].ways
-            check_destination(e.D[i], i, d_tp, kv, dst, before[i])
         assert all(a.stats["pack_launches"] == 0 and a.stats["staged_descriptors"] == 0 for a in e.agents)
         assert all(f.reason == "done" for f in e.settle_freed(p_tp))  # (the sources saw every RunsDone)
         src_stats = [p.stats for p in e.pa]

@@ -6,7 +6,18 @@ from .core import Destination
 from .fetch import Fetch
 from .fetches import Fetches, RequestResult
 from .offers import MAX_OFFERS_PER_PEER, Offers
-from .parts import DirectPart, GrantedPart, PackPlacePart, Part, PayloadPart, ReadUnpackPart, StagedPart
+from .parts import (
+                    DirectPart,
+                    DirectSlicePart,
+                    GrantedPart,
+                    PackPlacePart,
+                    Part,
+                    PayloadPart,
+                    ReadUnpackPart,
+                    SourceCachePart,
+                    StagedPart,
+)
 
 __all__ = ["Destination", "Fetch", "Fetches", "RequestResult", "Offers", "MAX_OFFERS_PER_PEER", "Part",
-           "PayloadPart", "DirectPart", "StagedPart", "PackPlacePart", "ReadUnpackPart", "GrantedPart"]
+           "PayloadPart", "DirectPart", "StagedPart", "PackPlacePart", "SourceCachePart", "ReadUnpackPart",
+           "DirectSlicePart", "GrantedPart"]

@@ -379,7 +379,34 @@ class PackPlacePart(AnnouncedPart):
 
 
 
-class ReadUnpackPart(PayloadPart):
+class SourceCachePart(PayloadPart):
+    """Pull, a payload whose way READs the source's cache blocks (:attr:`Way.reads_source_cache`):
+    the source packs nothing and holds the blocks from its RunsReady (or slot-less offer) until
+    our RunsDone, so the part always holds a :class:`CacheLease`, refuses any Ready, and posts
+    its reads as soon as the lease is given; subclasses say what they post and when it landed."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        if self.lease is None:  # whether or not it has DIRECT runs: it reads the source's cache
+            self.lease = CacheLease()
+
+    def take_offer(self, offer: wire.Offer) -> None:
+        super().take_offer(offer)
+        self.lease.go = True  # a slot-less offer: the source holds the blocks for us, read now
+
+    def on_ready(self, peer: Peer, m: wire.Ready) -> None:
+        raise ProtocolError(f"ready for {m.xid!r}, which reads the source's cache ({self.way.value}): "
+                            "nothing is packed")
+
+    def start_reads(self, peer: Peer) -> None:
+        super().start_reads(peer)
+        self._post(peer)
+
+    def _reading_cache(self) -> bool:
+        return super()._reading_cache() or not self.lease.done
+
+
+class ReadUnpackPart(SourceCachePart):
     """Pull, READ_UNPACK: after the source's RunsReady (or its slot-less offer), READ the next
     chunks' tiles straight out of its cache blocks into our staging, where the packed payload
     would have put them (one descriptor per segment and run of consecutive source ids), and
@@ -389,21 +416,8 @@ class ReadUnpackPart(PayloadPart):
 
     def __init__(self, *args):
         super().__init__(*args)
-        if self.lease is None:  # whether or not it has DIRECT runs: it reads the source's cache
-            self.lease = CacheLease()
         self.next_read = 0  # the next chunk to READ from the source's cache
         self.reads_landed = 0  # chunks whose READ has landed
-
-    def take_offer(self, offer: wire.Offer) -> None:
-        super().take_offer(offer)
-        self.lease.go = True  # a slot-less offer: the source holds the blocks for us, read now
-
-    def on_ready(self, peer: Peer, m: wire.Ready) -> None:
-        raise ProtocolError(f"ready for {m.xid!r}, which reads the source's cache (read_unpack): nothing is packed")
-
-    def start_reads(self, peer: Peer) -> None:
-        super().start_reads(peer)
-        self._post(peer)
 
     def _post(self, peer: Peer) -> None:
         if not self.lease.go:
@@ -439,11 +453,8 @@ class ReadUnpackPart(PayloadPart):
     def _cache_reads_landed(self) -> bool:
         return self.reads_landed == self.n_chunks
 
-    def _reading_cache(self) -> bool:
-        return super()._reading_cache() or not self.lease.done
 
-
-class DirectSlicePart(PayloadPart):
+class DirectSlicePart(SourceCachePart):
     """Pull, DIRECT_SLICE chosen for this request: after the source's RunsReady (or its
     slot-less offer), and once the engine is done with our blocks' previous contents, READ every
     segment's head slice from the source's cache blocks straight into ours in one transfer
@@ -455,21 +466,7 @@ class DirectSlicePart(PayloadPart):
 
     def __init__(self, *args):
         super().__init__(*args)
-        if self.lease is None:  # whether or not it has DIRECT runs: it reads the source's cache
-            self.lease = CacheLease()
         self.posted = False
-        self.slices_landed = False
-
-    def take_offer(self, offer: wire.Offer) -> None:
-        super().take_offer(offer)
-        self.lease.go = True  # a slot-less offer: the source holds the blocks for us, read now
-
-    def on_ready(self, peer: Peer, m: wire.Ready) -> None:
-        raise ProtocolError(f"ready for {m.xid!r}, which reads the source's cache (direct_slice): nothing is packed")
-
-    def start_reads(self, peer: Peer) -> None:
-        super().start_reads(peer)
-        self._post(peer)
 
     def _post(self, peer: Peer) -> None:
         f, links = self.fetch, self.links
@@ -491,15 +488,11 @@ class DirectSlicePart(PayloadPart):
     def _landed(self, ch: Chunk, peer: Peer) -> None:
         self.fetch.touch()
         self.inflight.pop(ch.index, None)
-        self.slices_landed = True
         self.consumed.update(range(self.n_chunks))  # every position's bytes are in our cache
         self.chunks_done = self.n_chunks
 
     def _cache_reads_landed(self) -> bool:
-        return self.slices_landed
-
-    def _reading_cache(self) -> bool:
-        return super()._reading_cache() or not self.lease.done
+        return self.chunks_done == self.n_chunks  # the one transfer landed (a payload has a chunk at least)
 
 
 class GrantedPart(PayloadPart):
