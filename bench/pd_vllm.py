@@ -82,12 +82,13 @@ def _sum_stats(per_rank) -> dict:
 
 
 _WAY_COUNTERS = {"direct": "direct_descriptors", "one_sided": "one_sided_descriptors",
-                 "staged": "staged_descriptors"}
+                 "staged": "staged_descriptors", "slice_payloads": "slice_payloads"}
 
 
 def _ways(decode, connector: str) -> dict:
     """kvtriton: the decode ranks' descriptors by how they moved (DIRECT/DIRECT_SLICE runs, one-sided
-    READs, staged chunks), summed over ranks; {} for NixlConnector (no agent)."""
+    READs, staged chunks) and the payloads the per-request direct_slice way moved (its descriptors
+    among the one-sided ones), summed over ranks; {} for NixlConnector (no agent)."""
     if connector != "kvtriton":
         return {}
     per_rank = decode.call("agent_stats")["stats"] or ()

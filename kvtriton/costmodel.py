@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -57,7 +58,7 @@ import numpy as np
 from .plan import CostModel
 
 __all__ = ["PROBE_BYTES", "PROBE_DESCRIPTORS", "PROBE_COUNTS", "transport_key", "cache_dir", "cache_path",
-           "read_cache", "find_cached", "fit_desc_us", "measure", "load_or_measure"]
+           "read_cache", "find_cached", "fit_desc_us", "fit_pass_us", "measure", "load_or_measure"]
 
 PROBE_BYTES = 8 << 20  # big enough that a post's fixed cost is noise, small enough for ~1 s
 PROBE_DESCRIPTORS = 2048  # 4 KiB each: a vLLM-style head slice of a 16-token block
@@ -68,8 +69,13 @@ PROBE_COUNTS = (1, PROBE_DESCRIPTORS // 2, PROBE_DESCRIPTORS)
 PROBE_BUDGET_S = 3.0  # measurement rounds continue while this lasts (at least reps, at most MAX_ROUNDS)
 MAX_ROUNDS = 60  # a load level lasts seconds here: rounds over the whole budget average several
 DESC_US_FLOOR = 0.05  # a descriptor is never free: NIXL's own bookkeeping per entry
-# 2: desc_us is a fitted slope (version 1's difference could come out 0.01 on tcp); 3: same-layout repack probe
-CACHE_VERSION = 3
+#: segments of the one-block passes that time a pass's fixed cost (1 and 4 regions, K and V); the
+#: larger is the full probe's, so its fixed cost can be taken out of the byte rates
+FIXED_SEGMENTS = (2, 8)
+FIXED_US_FLOOR = 0.01  # the wire carries positive numbers only; a GPU's per-segment cost is ~0
+# 2: desc_us is a fitted slope (version 1's difference could come out 0.01 on tcp); 3: same-layout repack probe;
+# 4: a pass's fixed cost (pass_us, segment_us)
+CACHE_VERSION = 4
 
 
 def transport_key() -> str:
@@ -228,72 +234,105 @@ def _probe_regions(layers: int, num_blocks: int, block: int, heads: int, layout:
 
 
 def _repack_probe(device: str, impl: str):
-    """``(pack, unpack, nbytes)``: each times (ms) :func:`kvtriton.ops.pack` / ``unpack`` of an
-    HND 2-head source -> HND 1-head destination repack (block 16, bf16) of ``nbytes`` payload
-    (same byte order: see the module docstring)."""
+    """``(pack, unpack, nbytes, fixed)``: ``pack``/``unpack`` each time (ms)
+    :func:`kvtriton.ops.pack` / ``unpack`` of an HND 2-head source -> HND 1-head destination
+    repack (block 16, bf16) of ``nbytes`` payload (same byte order: see the module docstring);
+    ``fixed`` maps ``(op, segments)`` to a timer of one block of that repack over ``segments``
+    segments (:data:`FIXED_SEGMENTS`), whose bytes are noise next to the pass's fixed cost."""
     import torch
 
     from . import ops
     from .plan import build_plan
 
-    layers, block = 4, 16
+    layers, block = FIXED_SEGMENTS[-1] // 2, 16
     n = PROBE_BYTES // (layers * 2 * block * 128 * 2)
     num_blocks = n + 8
     gen = torch.Generator().manual_seed(0)
     src = _probe_regions(layers, num_blocks, block, 2, "HND", gen, device)  # TP1: both heads
     dst = _probe_regions(layers, num_blocks, block, 1, "HND", gen, device)  # rank 0 of TP2: one head
-    read = build_plan(0, 2, [r.spec for r in dst], 1, [r.spec for r in src], modes="staged").staged[0]
+
+    def payload(k: int):  # the first k regions' (K and V: 2k segments) payload of rank 0 of TP2 from TP1
+        return build_plan(0, 2, [r.spec for r in dst[:k]], 1, [r.spec for r in src[:k]], modes="staged").staged[0]
+
+    read = payload(layers)
     rng = np.random.default_rng(0)
     src_ids = torch.as_tensor(rng.permutation(num_blocks)[:n], device=device)
     dst_ids = torch.as_tensor(rng.permutation(num_blocks)[:n], device=device)
-    nbytes = read.payload_bytes(n)
-    staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    offs = read.segment_offsets(n)
+    staging = torch.empty(read.payload_bytes(n), dtype=torch.uint8, device=device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
-    def run(op, regions, ids):
+    def timer(op, regions, part, ids):
+        offs = part.segment_offsets(int(ids.numel()))
+
         def fn() -> float:
             t0 = time.perf_counter()
-            getattr(ops, op)(regions, read.segments, offs, ids, staging, impl=impl)
+            getattr(ops, op)(regions, part.segments, offs, ids, staging, impl=impl)
             sync()
             return (time.perf_counter() - t0) * 1e3
         return fn
 
-    return run("pack", src, src_ids), run("unpack", dst, dst_ids), nbytes
+    fixed = {}
+    for segments in FIXED_SEGMENTS:
+        part = payload(segments // 2)
+        fixed["pack", segments] = timer("pack", src[:segments // 2], part, src_ids[:1])
+        fixed["unpack", segments] = timer("unpack", dst[:segments // 2], part, dst_ids[:1])
+    return (timer("pack", src, read, src_ids), timer("unpack", dst, read, dst_ids), read.payload_bytes(n),
+            fixed)
+
+
+def fit_pass_us(segments: Sequence[int], rounds_ms: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """``(pass_us, segment_us)``: the fixed cost of a repack pass, per call and per segment, from
+    one-block passes over ``segments[i]`` segments timed ``rounds_ms[r][i]`` ms in round ``r``:
+    the line through the two counts of each round, medians over rounds. Pure; a value that is not
+    positive (nothing resolved) is returned as is and the caller decides.
+
+    >>> fit_pass_us([2, 8], [[0.1, 0.16], [0.1, 0.19], [0.1, 0.16]])
+    (80.0, 10.0)
+    """
+    s = np.asarray(segments, dtype=np.float64)
+    t = np.asarray(rounds_ms, dtype=np.float64) * 1e3  # us
+    if s.shape != (2,) or s[0] == s[1] or t.ndim != 2 or t.shape[1] != 2 or t.shape[0] < 1:
+        raise ValueError(f"need two segment counts and rounds of two times; got {s.shape}, {t.shape}")
+    per_segment = (t[:, 1] - t[:, 0]) / (s[1] - s[0])
+    per_pass = t[:, 0] - s[0] * per_segment
+    return float(np.median(per_pass)), float(np.median(per_segment))
 
 
 def _measure_rounds(device: str, impl: str, reps: int, budget_s: float) -> dict:
     """Every probe in the same rounds: each round READs the bytes as each descriptor count, WRITEs
-    them once, packs and unpacks them, its order alternating between rounds. A load burst on a
-    shared host then lands on all of them alike, so the ratios the plan decides by (a descriptor's
-    cost against a byte's repack cost) hold even when the absolute numbers drift. At least
-    ``reps`` rounds, more while ``budget_s`` lasts, at most :data:`MAX_ROUNDS`."""
-    pack, unpack, nbytes = _repack_probe(device, impl)
+    them once, packs and unpacks them, and packs and unpacks one block over each segment count,
+    its order alternating between rounds. A load burst on a shared host then lands on all of them
+    alike, so the ratios the plan decides by (a descriptor's cost against a byte's repack cost)
+    hold even when the absolute numbers drift. At least ``reps`` rounds, more while ``budget_s``
+    lasts, at most :data:`MAX_ROUNDS`."""
+    pack, unpack, nbytes, fixed = _repack_probe(device, impl)
     with _transport_probe() as (read, write):
-        steps = [("read", k) for k in range(len(PROBE_COUNTS))] + [("write", 0), ("pack", 0), ("unpack", 0)]
-        run = {"read": read, "write": lambda _k: write(), "pack": lambda _k: pack(), "unpack": lambda _k: unpack()}
-        for what, k in steps:
-            run[what](k)  # warm-up: connection wire-up, first touch of pages
+        steps = {("read", k): functools.partial(read, k) for k in range(len(PROBE_COUNTS))}
+        steps.update({("write", 0): write, ("pack", 0): pack, ("unpack", 0): unpack})
+        steps.update(fixed)  # (op, segments): the one-block passes
+        order = list(steps)
+        for fn in steps.values():
+            fn()  # warm-up: connection wire-up, first touch of pages
         rows: list[dict] = []
         stop = time.monotonic() + budget_s
         while len(rows) < reps or (time.monotonic() < stop and len(rows) < MAX_ROUNDS):
-            row: dict = {"read": [0.0] * len(PROBE_COUNTS)}
-            for what, k in (steps if len(rows) % 2 == 0 else steps[::-1]):
-                t = run[what](k)
-                if what == "read":
-                    row["read"][k] = t
-                else:
-                    row[what] = t
-            rows.append(row)
-    desc_us, spread = fit_desc_us(PROBE_COUNTS, [r["read"] for r in rows])
+            rows.append({step: steps[step]() for step in (order if len(rows) % 2 == 0 else order[::-1])})
+    desc_us, spread = fit_desc_us(PROBE_COUNTS, [[r["read", k] for k in range(len(PROBE_COUNTS))] for r in rows])
     if desc_us <= 0:
         desc_us = spread  # nothing resolved above the noise: the spread bounds what a descriptor can cost
-    med = {w: float(np.median([r[w] for r in rows])) for w in ("write", "pack", "unpack")}
+    # pack and unpack pay alike per call (validation, dispatch): one fit over both ops' rounds
+    pass_us, segment_us = fit_pass_us(FIXED_SEGMENTS, [[r[op, s] for s in FIXED_SEGMENTS]
+                                                       for r in rows for op in ("pack", "unpack")])
+    pass_us, segment_us = max(pass_us, FIXED_US_FLOOR), max(segment_us, FIXED_US_FLOOR)
+    med = {w: float(np.median([r[w, 0] for r in rows])) for w in ("write", "pack", "unpack")}
+    # the byte rates net of the probe pass's own fixed cost (never below a quarter of the pass)
+    fixed_ms = (pass_us + FIXED_SEGMENTS[-1] * segment_us) / 1e3
+    net = {w: max(med[w] - fixed_ms, med[w] / 4) for w in ("pack", "unpack")}
     return dict(desc_us=max(desc_us, DESC_US_FLOOR),
-                read_gbps=PROBE_BYTES / float(np.median([r["read"][0] for r in rows])) / 1e6,
+                read_gbps=PROBE_BYTES / float(np.median([r["read", 0] for r in rows])) / 1e6,
                 write_gbps=PROBE_BYTES / med["write"] / 1e6,
-                pack_gbps=nbytes / med["pack"] / 1e6, unpack_gbps=nbytes / med["unpack"] / 1e6,
-                rounds=len(rows))
+                pack_gbps=nbytes / net["pack"] / 1e6, unpack_gbps=nbytes / net["unpack"] / 1e6,
+                pass_us=pass_us, segment_us=segment_us, rounds=len(rows))
 
 
 def _threads() -> int:
@@ -307,7 +346,8 @@ def measure(device: str = "cpu", impl: str = "auto", reps: int = 5, budget_s: fl
     m = _measure_rounds(device, impl, reps, budget_s)
     return CostModel(desc_us=round(m["desc_us"], 4), pack_gbps=round(m["pack_gbps"], 3),
                      unpack_gbps=round(m["unpack_gbps"], 3), read_gbps=round(m["read_gbps"], 3),
-                     write_gbps=round(m["write_gbps"], 3),
+                     write_gbps=round(m["write_gbps"], 3), pass_us=round(m["pass_us"], 3),
+                     segment_us=round(m["segment_us"], 3),
                      source=f"measured {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {transport_key()}, "
                             f"{device}, {_threads()} torch threads, {m['rounds']} rounds")
 

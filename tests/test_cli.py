@@ -77,7 +77,9 @@ def _cache_file(cache: Path, **numbers) -> Path:
 
     path = cache / "costmodel" / re.sub(r"-t\d+\.json$", "-t1.json", costmodel.cache_path("cpu", "ucx-default").name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    vals = {**dict(desc_us=2.3, pack_gbps=10.0, unpack_gbps=10.0, read_gbps=8.0, write_gbps=8.0), **numbers}
+    from kvtriton.plan import CostModel
+
+    vals = {**CostModel().as_dict(), **numbers}
     path.write_text(json.dumps(dict(version=costmodel.CACHE_VERSION, source="test", **vals)))
     return path
 

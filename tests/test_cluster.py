@@ -56,7 +56,8 @@ def test_prefill_killed_mid_transfer_then_back():
     timeout = 2.0
     cfg = ClusterConfig(models=[RegionModel.gqa("attn.0", 4, 16), RegionModel.gqa("attn.1", 4, 16)],
                         p_tp=2, d_tp=2, mode="pull", block_size=4, p_blocks=256, d_blocks=256,
-                        staging_bytes=8 << 10, slot_bytes=1024, timeout_s=timeout)
+                        staging_bytes=8 << 10, slot_bytes=1024, timeout_s=timeout,
+                        modes="staged")  # chunks to die between (auto: whole-block runs read zero-copy)
     with Cluster(cfg) as c:
         reqs = c.requests(6, n_blocks=32)  # 6 x 32 blocks x 1 KiB: many chunks each
         c.hold(reqs)

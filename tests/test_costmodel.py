@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtriton.errors import ProtocolError
-from kvtriton.plan import CostModel, Route, build_plan
+from kvtriton.plan import CostModel, Route, Way, build_plan
 from kvtriton.protocol import wire
 from kvtriton.regions import Region
 from kvtriton.testing.oracle import RegionModel, check_destination
@@ -35,10 +35,30 @@ def test_build_plan_follows_the_injected_model():
 
 
 def test_estimates_add_up():
-    m = CostModel(desc_us=2.0, pack_gbps=4.0, unpack_gbps=4.0, read_gbps=8.0, write_gbps=2.0)
+    m = CostModel(desc_us=2.0, pack_gbps=4.0, unpack_gbps=4.0, read_gbps=8.0, write_gbps=2.0, pass_us=10.0,
+                  segment_us=3.0)
     assert m.direct_us(8000, 10) == pytest.approx(10 * 2.0 + 1.0)
-    assert m.staged_us(8000) == pytest.approx(2.0 + 2.0 + 2.0 + 1.0)
-    assert m.staged_us(8000, op="WRITE") == pytest.approx(2.0 + 2.0 + 2.0 + 4.0)
+    # bytes: pack 2 + unpack 2 us; one chunk: two passes of 10 us; one descriptor 2 us; wire 1 us
+    assert m.staged_us(8000) == pytest.approx(2.0 + 2.0 + 20.0 + 2.0 + 1.0)
+    assert m.staged_us(8000, op="WRITE") == pytest.approx(2.0 + 2.0 + 20.0 + 2.0 + 4.0)
+    # 4 segments, 3 chunks: every chunk's pass pays 10 + 4 x 3 us
+    assert m.pass_fixed_us(4, 3) == pytest.approx(3 * 22.0)
+    assert m.staged_us(8000, 3, segments=4) == pytest.approx(4.0 + 6 * 22.0 + 3 * 2.0 + 1.0)
+    assert m.way_us(Way.READ_UNPACK, 8000, 5, segments=4, chunks=3) == pytest.approx(2.0 + 3 * 22.0 + 5 * 2.0 + 1.0)
+    assert m.way_us(Way.PACK_PLACE, 8000, 5, segments=4) == pytest.approx(2.0 + 22.0 + 5 * 2.0 + 1.0)
+    assert m.way_us(Way.DIRECT_SLICE, 8000, 5, segments=4, chunks=3) == pytest.approx(5 * 2.0 + 1.0)
+
+
+def test_a_pass_fixed_cost_decides_a_small_request():
+    """A megabyte in one pass against ~100 zero-copy slices (the Llama with an MLA draft on real
+    engines, issue 21): priced at bytes / GB/s alone the pass wins, with its fixed cost the slices
+    do; at 64 MB the bytes dominate and the pass wins again."""
+    free = CostModel(desc_us=2.4, pack_gbps=4.0, unpack_gbps=4.0, pass_us=0.01, segment_us=0.01)
+    paid = CostModel(desc_us=2.4, pack_gbps=4.0, unpack_gbps=4.0, pass_us=75.0, segment_us=12.0)
+    small, big = 800_000, 64 << 20
+    for m, slice_wins in ((free, False), (paid, True)):
+        assert (m.way_us(Way.DIRECT_SLICE, small, 110) < m.way_us(Way.READ_UNPACK, small, 5, segments=4)) is slice_wins
+    assert paid.way_us(Way.READ_UNPACK, big, 5, segments=4) < paid.way_us(Way.DIRECT_SLICE, big, 110 * 80)
 
 
 def _metadata(cost):
@@ -164,3 +184,29 @@ def test_fit_desc_us_reports_an_unresolved_slope_as_such():
         fit_desc_us([1], [[1.0]])
     with pytest.raises(ValueError, match="descriptor counts"):
         fit_desc_us(COUNTS, [[1.0, 2.0]])
+
+
+def test_fit_pass_us_separates_the_call_from_its_segments():
+    from kvtriton.costmodel import FIXED_SEGMENTS, fit_pass_us
+
+    rng = np.random.default_rng(3)
+    # 90 us a call, 12 us a segment, each round under its own load (x1 .. x1.3) plus jitter; one round 5x slow
+    rounds = [[f * (90 + 12 * s) / 1e3 + rng.normal(0, 0.002) for s in FIXED_SEGMENTS]
+              for f in rng.uniform(1.0, 1.3, 9)]
+    rounds[4] = [x * 5 for x in rounds[4]]
+    per_pass, per_segment = fit_pass_us(FIXED_SEGMENTS, rounds)
+    assert per_pass == pytest.approx(90 * 1.15, rel=0.2) and per_segment == pytest.approx(12 * 1.15, rel=0.2)
+    with pytest.raises(ValueError, match="two segment counts"):
+        fit_pass_us([2, 2], [[1.0, 1.0]])
+    with pytest.raises(ValueError, match="two segment counts"):
+        fit_pass_us([2, 8], [[1.0]])
+
+
+def test_metadata_from_an_older_peer_without_the_pass_cost_takes_the_default():
+    d = msgpack.unpackb(wire.encode_metadata(_metadata(CostModel(desc_us=1.5))), raw=False)
+    del d["cost"]["pass_us"], d["cost"]["segment_us"]
+    got = wire.decode_metadata(msgpack.packb(d, use_bin_type=True)).cost
+    assert got.desc_us == 1.5 and got.pass_us == CostModel().pass_us and got.segment_us == CostModel().segment_us
+    d["cost"]["segment_us"] = -3.0  # sent, it is checked like every other field
+    with pytest.raises(ProtocolError, match="cost.segment_us"):
+        wire.decode_metadata(msgpack.packb(d, use_bin_type=True))

@@ -17,6 +17,7 @@ from kvtriton.agent import TransferAgent
 from kvtriton.errors import RequestRejectedError
 from kvtriton.protocol import wire
 from kvtriton.testing.oracle import check_destination, load_source, make_global_kv, make_rank_regions, snapshot
+from kvtriton.testing.rogue import PACKING_MODEL
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_agent import MODELS, Engines  # noqa: E402  (the two-engine harness of test_agent.py)
@@ -149,7 +150,7 @@ def test_a_rogue_cannot_use_the_guess():
     # R (a rogue: genuine handshake, never reads or acks) is the only engine when the holds are
     # placed: they are packed and offered to it, within its share and eager_bytes, and bind nothing
     regs = [make_rank_regions(ONE, 0, 1, 64, 4, gen=torch.Generator().manual_seed(s)) for s in range(3)]
-    kw = dict(staging_bytes=32 << 10, slot_bytes=1024, timeout_s=0.5, impl="torch")
+    kw = dict(staging_bytes=32 << 10, slot_bytes=1024, timeout_s=0.5, impl="torch", cost=PACKING_MODEL)
     p, r, d = (TransferAgent(n, 0, 1, g, **kw) for n, g in zip("PRD", regs))
     try:
         r.add_remote(p.metadata())

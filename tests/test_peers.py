@@ -28,13 +28,13 @@ from kvtriton.testing.oracle import (
     make_rank_regions,
     snapshot,
 )
-from kvtriton.testing.rogue import BS, RogueRig
+from kvtriton.testing.rogue import BS, PACKING_MODEL, RogueRig
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.nixl
 
 MODELS = [RegionModel.gqa("l0", 4, 16)]  # 1 KiB a block at TP1
-KW = dict(staging_bytes=8 << 10, slot_bytes=1024, impl="torch")
+KW = dict(staging_bytes=8 << 10, slot_bytes=1024, impl="torch", cost=PACKING_MODEL)
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.nixl
 
 MODELS = [RegionModel.gqa("l0", 4, 16)]  # a 4-token block of one stream: 512 bytes
 CHEAP_DESCRIPTORS = CostModel(desc_us=0.01, source="test: descriptors nearly free")  # crossover 50 bytes
-DEAR_DESCRIPTORS = CostModel()  # crossover ~11.5 KB
+DEAR_DESCRIPTORS = CostModel(desc_us=100.0, source="test: descriptors dear")  # crossover 500 KB
 
 
 def _source_plans(agent: TransferAgent) -> list[dict]:

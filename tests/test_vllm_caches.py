@@ -11,7 +11,7 @@ import torch
 
 from kvtriton.errors import RegionError
 from kvtriton.integrations.vllm.caches import layer_sort_key, regions_from_vllm_caches
-from kvtriton.plan import head_range
+from kvtriton.plan import CostModel, head_range
 from kvtriton.regions import Kind, Layout
 from kvtriton.testing.oracle import local_transfer
 
@@ -139,6 +139,11 @@ def test_settings_are_checked():
     s = ConnectorSettings.from_extra_config({"port": 6000, "lease_s": 5, "mode": "push"})
     assert s.port == 6000 and s.lease_s == 5.0 and s.mode == "push" and s.cost_model == "default"
     assert ConnectorSettings.from_extra_config({"cost_model": "measured"}).cost_model == "measured"
+    assert s.pinned_cost() is None and ConnectorSettings.from_extra_config({"cost_model": "measured"}).pinned_cost() \
+        is None
+    pinned = ConnectorSettings.from_extra_config({"cost_model": "desc_us=1.5, pass_us=90"}).pinned_cost()
+    assert (pinned.desc_us, pinned.pass_us, pinned.pack_gbps) == (1.5, 90.0, CostModel().pack_gbps)
+    assert pinned.source.startswith("pinned")
     assert ConnectorSettings.from_extra_config({}).consumer == ""  # holds bound to the first engine that asks
     assert ConnectorSettings.from_extra_config({"consumer": "decode-0"}).consumer == "decode-0"
     assert s.eager_guess and not ConnectorSettings.from_extra_config({"eager_guess": False}).eager_guess
@@ -148,7 +153,10 @@ def test_settings_are_checked():
     for bad, match in (({"consumer": 3}, "must be str"), ({"eager_guess": 0}, "must be bool"),
                        ({"prot": 1}, "unknown keys"), ({"port": "6000"}, "must be int"), ({"port": 0}, "TCP port"),
                        ({"mode": "both"}, "pull"), ({"lease_s": 0}, "> 0"), ({"staging_bytes": True}, "must be int"),
-                       ({"cost_model": "guess"}, "'default' or 'measured'"), ({"register": "cache"}, "'staging'"),
+                       ({"cost_model": "guess"}, "'default', 'measured'"), ({"register": "cache"}, "'staging'"),
+                       ({"cost_model": "desc_us=0"}, "not a number in"), ({"cost_model": "desc_us=x"}, "not a number"),
+                       ({"cost_model": "desc_us=inf"}, "not a number"), ({"cost_model": "speed=3"}, "not one of"),
+                       ({"cost_model": "desc_us=1,desc_us=2"}, "twice"),
                        ({"integrity": 1}, "must be bool")):
         with pytest.raises(SettingsError, match=match):
             ConnectorSettings.from_extra_config(bad)

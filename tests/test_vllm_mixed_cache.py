@@ -71,3 +71,40 @@ def test_gqa_target_with_mla_draft(models, tmp_path, prompts, p_tp, d_tp):
         assert sum(s["eager_chunks"] for s in stats) > 0, stats  # packed at hold time: the hazard was exercised
     finally:
         pair.close()
+
+
+#: a model under which every request's target payload travels by the per-request direct_slice way:
+#: a descriptor (0.5 us) dearer than repacking its 2 KiB at 10 GB/s (0.2 us), so the plan cannot fix
+#: the slice route, and a pass's fixed cost (300 us) far above a request's slices (at most 11 blocks x
+#: 4 segments x 0.5 us), so each request takes them
+SLICE_PER_REQUEST = "desc_us=0.5,pass_us=300"
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_mla_draft_with_the_target_sliced_per_request(models, tmp_path, prompts, p_tp, d_tp):
+    """The same cache with the ways chosen per request (auto modes): the decode READs each target
+    layer's head slices from the prefill's cache blocks straight into its own (DirectSlicePart, the
+    hold offering its cache), the draft's latent DIRECT; every region's bytes compared. The negative
+    control first: overwriting the prefill's blocks before the load must change the tokens (nothing
+    is packed ahead on this way)."""
+    target, draft = models
+    pair = EnginePair(VLLM_PY, target, tmp_path, p_tp, d_tp, block_size=BLOCK, engine_options=options(draft),
+                      patches=PATCHES, p_extra={"consumer": f"decode-tp{d_tp}", "cost_model": SLICE_PER_REQUEST},
+                      d_extra={"cost_model": SLICE_PER_REQUEST})
+    try:
+        ref = pair.reference(prompts, "ref")
+        pair.negative_control(prompts, ref)
+        before = pair.decode.call("agent_stats")["stats"]
+        res = pair.transfer(prompts, ref)
+        after = pair.decode.call("agent_stats")["stats"]
+        kinds = res["digests"]["kinds"]
+        sliced = sum(a["slice_payloads"] - b["slice_payloads"] for a, b in zip(after, before))
+        print(f"GQA+MLA-draft per request P{p_tp}->D{d_tp}: tokens identical {res['identical']}/{res['n']}, "
+              f"regions byte-equal {res['digests']['regions']} ({json.dumps(kinds)}), slice payloads {sliced}, "
+              f"descriptors {res['descriptors']}")
+        assert sorted(kinds.values()) == ["replicate", "split", "split"], kinds
+        # every request's target payload from every source rank went the slice way
+        assert sliced == len(prompts) * max(1, p_tp // d_tp) * d_tp, (sliced, after)
+        assert sum(a["staged_descriptors"] - b["staged_descriptors"] for a, b in zip(after, before)) == 0, after
+    finally:
+        pair.close()

@@ -83,7 +83,11 @@ class Stats:
     direct_descriptors: int = 0
     """DIRECT runs posted (zero-copy, cache to cache)."""
     one_sided_descriptors: int = 0
-    """Pieces posted by a one-sided way (read_unpack, pack_place)."""
+    """Pieces posted by a one-sided way (read_unpack, pack_place, and the per-request
+    direct_slice: head slices cache to cache)."""
+    slice_payloads: int = 0
+    """Destination side: payloads this rank READ by the per-request direct_slice way (their
+    pieces count in ``one_sided_descriptors``)."""
     eager_chunks: int = 0
     """Chunks packed ahead of their pull (:mod:`.source.eager`)."""
     eager_pull_hits: int = 0

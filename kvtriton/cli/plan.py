@@ -121,7 +121,8 @@ def explain(model: ModelKV, prefill_tp: int, decode_tp: int, *, block_size: int 
             for way in read.ways:
                 k = way_descriptors(read, way, src, dst, s, t, chunks)
                 ways[way.value] = dict(descriptors=k, bytes_per_descriptor=round(nbytes / k),
-                                       est_ms=round(cost.way_us(way, nbytes, k) / 1e3, 3))
+                                       est_ms=round(cost.way_us(way, nbytes, k, segments=len(read.segments),
+                                                                   chunks=chunks) / 1e3, 3))
             chosen = choose_way(read, src, dst, s, t, cost, chunks=chunks)
             staged_desc += chunks
             chosen_desc += ways[chosen.value]["descriptors"]
@@ -187,7 +188,8 @@ def format_text(rep: dict) -> str:
            f"{rep['blocks']:,} blocks ({ids}), layout {layout}"
            + (f", staging chunks of {_mib(rep['chunk_bytes'])}" if rep["chunk_bytes"] else ""),
            f"  cost model: {c['source']}: {c['desc_us']} us/descriptor, pack {c['pack_gbps']} GB/s, unpack "
-           f"{c['unpack_gbps']} GB/s (DIRECT above {c['crossover_bytes']:,} B per descriptor)"]
+           f"{c['unpack_gbps']} GB/s, a pass {c['pass_us']} us + {c['segment_us']} us a segment (DIRECT above "
+           f"{c['crossover_bytes']:,} B per descriptor)"]
     for r in rep["ranks"]:
         out.append("")
         out.append(f"decode rank {r['decode_rank']}:")

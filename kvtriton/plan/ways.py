@@ -198,11 +198,13 @@ def choose_way(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequen
     if len(ways) == 1:
         return ways[0]
     nbytes = read.payload_bytes(int(np.asarray(dst_ids).size))
-    best, best_us = Way.STAGED, cost.staged_us(nbytes, chunks)
+    segments = len(read.segments)
+    best, best_us = Way.STAGED, cost.staged_us(nbytes, chunks, segments=segments)
     for way in ways:
         if way is Way.STAGED or (packed and way.reads_source_cache):
             continue
-        us = cost.way_us(way, nbytes, way_descriptors(read, way, src_specs, dst_specs, src_ids, dst_ids, chunks))
+        us = cost.way_us(way, nbytes, way_descriptors(read, way, src_specs, dst_specs, src_ids, dst_ids, chunks),
+                         segments=segments, chunks=chunks)
         if us < best_us:
             best, best_us = way, us
     return best

@@ -10,7 +10,7 @@ Metadata (one per rank)::
      regions: [{name, kind, layout, num_blocks, block_size, total_heads, local_heads,
                 head_dims, dtype, itemsize, strides, addrs, spans}],
      staging: {addr, slot_bytes, num_slots, chunk_bytes},
-     cost: {desc_us, pack_gbps, unpack_gbps, read_gbps, write_gbps}}   # optional
+     cost: {desc_us, pack_gbps, unpack_gbps, read_gbps, write_gbps, pass_us?, segment_us?}}   # optional
 
 ``gen`` (optional, 0 if absent): the registration generation; a restarted rank registers a higher
 one, and replaces its old self only once that one is gone (:mod:`kvtriton.agent.peers`).
@@ -111,6 +111,7 @@ class RankMetadata:
 
 
 _COST_MAX = 1e9  # us per descriptor or GB/s: far beyond any transport, still finite
+_COST_LATER = frozenset({"pass_us", "segment_us"})  # a pass's fixed cost: optional, older peers omit it
 
 
 def stream_span(spec: RegionSpec, stream: int) -> int:
@@ -279,13 +280,14 @@ def _check_heads(spec: RegionSpec, where: str, rank: int, tp: int) -> None:
 
 
 def _cost(d: dict) -> CostModel | None:
-    """The optional cost model: every field a finite positive number below :data:`_COST_MAX`."""
+    """The optional cost model: every field a finite positive number below :data:`_COST_MAX`; the
+    fields models gained later (:data:`_COST_LATER`) take the default when a peer sends none."""
     if "cost" not in d:
         return None
     c = _get(d, "cost", dict, "metadata")
     vals = {}
-    for key in CostModel().as_dict():
-        v = c.get(key)
+    for key, default in CostModel().as_dict().items():
+        v = c.get(key, default if key in _COST_LATER else None)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < _COST_MAX:
             raise ProtocolError(f"metadata: cost.{key} must be a number in (0, {_COST_MAX:g}), got {v!r}")
         vals[key] = float(v)

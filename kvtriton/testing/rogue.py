@@ -13,12 +13,19 @@ from collections.abc import Sequence
 import torch
 
 from ..agent import TransferAgent
+from ..plan import CostModel
 from ..protocol import wire
 from .oracle import RegionModel, check_destination, load_source, make_global_kv, make_rank_regions, snapshot
 
-__all__ = ["RogueRig"]
+__all__ = ["RogueRig", "PACKING_MODEL"]
 
 BS = 4
+
+#: the rigs' planning model: a repack pass costs its bytes only, so the few-block holds these tests
+#: and benches place are packed (eager, guessed, pulled: the staging a rogue goes after); with a
+#: pass's fixed cost (the default model's) such a small request reads the source's cache instead
+#: and nothing is packed
+PACKING_MODEL = CostModel(pass_us=0.01, segment_us=0.01, source="test: a repack pass costs its bytes only")
 
 
 class RogueRig:
@@ -29,7 +36,8 @@ class RogueRig:
                  timeout_s=5.0, p_blocks=64, d_blocks=64, seed=0, d_kw=None, **kw):
         self.gen = torch.Generator().manual_seed(seed)
         self.p_tp, self.d_tp, self.models = p_tp, d_tp, list(models)
-        base = dict(staging_bytes=staging_bytes, slot_bytes=slot_bytes, timeout_s=timeout_s, impl="torch", **kw)
+        base = dict(staging_bytes=staging_bytes, slot_bytes=slot_bytes, timeout_s=timeout_s, impl="torch",
+                    **{"cost": PACKING_MODEL, **kw})
         self.P = [make_rank_regions(self.models, r, p_tp, p_blocks, BS, gen=self.gen) for r in range(p_tp)]
         self.D = [make_rank_regions(self.models, r, d_tp, d_blocks, BS, layout="HND", gen=self.gen)
                   for r in range(d_tp)]

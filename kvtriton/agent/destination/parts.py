@@ -482,6 +482,7 @@ class DirectSlicePart(SourceCachePart):
         ch.lists = links.prep_pieces(peer, local, remote, runs.nbytes)
         self.inflight[ch.index] = ch
         self.posted = True
+        links.stats.slice_payloads += 1
         with f.posting(len(runs), runs.total_bytes):
             ch.xfer = links.post_runs("READ", *ch.lists, len(runs), one_sided=True)
 

@@ -6,12 +6,14 @@ default), and so is a value of the wrong type or range.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from ...errors import KVTritonError
+from ...plan import CostModel
 from ...protocol.allowlist import AllowlistError, PeerAllowlist
 from ...protocol.auth import Credential
 
@@ -46,10 +48,13 @@ class ConnectorSettings:
     impl:                repack implementation (``"auto"``, ``"triton"``, ``"torch"``).
     kv_cache_layout:     layout asked of vLLM for attention caches (``"LBHNC"``: head-major
                          blocks, so a head slice of a block is contiguous); ``""`` asks for none.
-    cost_model:          ``"default"`` (the hand-calibrated CPU constants) or ``"measured"``: the
+    cost_model:          ``"default"`` (the hand-calibrated CPU constants), ``"measured"``: the
                          decode ranks plan STAGED/DIRECT with a model measured on this host,
-                         transport and device (:mod:`kvtriton.costmodel`, ~2 s once, then cached);
-                         prefill ranks follow what each decode rank's metadata carries.
+                         transport and device (:mod:`kvtriton.costmodel`, ~2 s once, then cached),
+                         or pinned numbers, ``"desc_us=1.8,pass_us=90"`` (the
+                         :class:`~kvtriton.plan.CostModel` fields named, the rest default: a model
+                         measured elsewhere, the same on every engine); prefill ranks follow what
+                         each decode rank's metadata carries.
     consumer:            prefill side: the engine id of the decode engine every hold is for
                          (a fixed P/D pairing). Only that engine may read the holds, and each
                          rank packs a finished request for its ranks ahead of their pull
@@ -124,6 +129,28 @@ class ConnectorSettings:
             return self.modes
         return dict(item.split("=", 1) for item in self.modes.split(","))
 
+    def pinned_cost(self) -> CostModel | None:
+        """The model ``cost_model`` pins (``"desc_us=1.8,pass_us=90"``: those fields, the rest
+        the defaults); None for ``"default"`` and ``"measured"``. :class:`ValueError` saying what
+        is wrong: an unknown field, a field twice, a number that is not finite and positive."""
+        if self.cost_model in ("default", "measured"):
+            return None
+        known, vals = CostModel().as_dict(), {}
+        for item in self.cost_model.split(","):
+            name, eq, text = (x.strip() for x in item.partition("="))
+            if not eq or name not in known:
+                raise ValueError(f"{item.strip()!r} is not one of {sorted(known)} = a number")
+            if name in vals:
+                raise ValueError(f"{name} is given twice")
+            try:
+                v = float(text)
+            except ValueError:
+                v = math.nan
+            if not (math.isfinite(v) and 0 < v < 1e9):
+                raise ValueError(f"{name} = {text!r} is not a number in (0, 1e9)")
+            vals[name] = v
+        return CostModel(**vals, source=f"pinned: cost_model {self.cost_model!r}")
+
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
         extra = dict(extra or {})
@@ -174,7 +201,11 @@ class ConnectorSettings:
         if self.impl not in ("auto", "triton", "torch"):
             raise bad("impl", "'auto', 'triton' or 'torch'")
         if self.cost_model not in ("default", "measured"):
-            raise bad("cost_model", "'default' or 'measured'")
+            try:
+                self.pinned_cost()
+            except ValueError as e:
+                raise bad("cost_model", f"'default', 'measured' or 'field=number' items separated by commas ({e})"
+                          ) from None
         if "=" in self.modes and not all(a and b and "=" not in b for a, _, b in
                                          (item.partition("=") for item in self.modes.split(","))):
             raise bad("modes", "one mode, or 'region=mode' items separated by commas")

@@ -84,7 +84,7 @@ class WorkerSide:
                                 f"expected the id of the decode engine that reads this engine's holds")
         self.credential = s.credential()  # files read now: a bad one fails at start
         self._allowed = s.peer_allowlist()
-        cost = CostModel()
+        cost = s.pinned_cost() or CostModel()
         if s.cost_model == "measured":
             from ...costmodel import load_or_measure
 
