@@ -144,12 +144,12 @@ def test_cost_model_picks_it_when_descriptors_are_large():
     # P3 -> D2, 6 heads: D0 reads source 1's head 2 only (no one-sided way): the slice is compared with
     # both repack passes; P2 -> D1 also allows read_unpack (one pass), so the bar is higher there
     tile = 4 * 1 * 8 * 4  # the smallest slice's descriptor (l1: fp32, one head, 4 tokens)
-    two_passes = tile / 1e3 * (1 / 10 + 1 / 10)  # us, the default model's repack
-    cost = CostModel(desc_us=0.75 * two_passes)
+    two_passes = tile / 1e3 * (1 / 10 + 1 / 10)  # us, a 10 GB/s repack both ways
+    cost = CostModel(desc_us=0.75 * two_passes, unpack_gbps=10.0)
     d6, s6 = _specs(_split(6), 0, 2), _specs(_split(6), 0, 3)
     assert build_plan(0, 2, d6, 3, s6, cost=cost).routes == (DS, DS)
     one_pass_tile = 4 * 2 * 8 * 4  # P2 -> D1 slices: two heads
-    cost = CostModel(desc_us=0.75 * one_pass_tile / 1e3 * (1 / 10 + 1 / 10))  # beats two passes, not one
+    cost = CostModel(desc_us=0.75 * one_pass_tile / 1e3 * (1 / 10 + 1 / 10), unpack_gbps=10.0)  # beats two, not one
     assert build_plan(0, 1, dst, 2, src, cost=cost).routes == (STAGED, STAGED)
     assert CostModel().direct_slice_wins(64 << 10, read_unpack=True)  # vLLM P2 -> D1's 64 KiB reads
     # NHD: not feasible, so never chosen, whatever the model
@@ -396,13 +396,13 @@ def test_a_direct_only_hold_is_offered_and_read_with_no_pull(p_tp, d_tp, heads, 
 
 # --------------------------------------------------------------------------- the per-request way
 def _band(heads_per_slice: int) -> CostModel:
-    """A descriptor 1.5 passes of the default model's 10 GB/s repack over one slice (128 bytes a
+    """A descriptor 1.5 passes of a 10 GB/s repack (both ways) over one slice (128 bytes a
     head here: 4 tokens x 16 bf16 or 8 fp32 dims), between the one-sided ways' one pass and
     staging's two: the plan cannot fix the route (a one-sided way beats a slice descriptor over
     runs, loses to it over scattered ids), so the payload may travel DIRECT_SLICE and each
     request's runs decide. A pass's fixed cost is left out (this test's payloads are a few KB: a
     real one would decide them all for the slice, see test_costmodel)."""
-    return CostModel(desc_us=1.5 * 128 * heads_per_slice / 1e4, pass_us=0.01, segment_us=0.01)
+    return CostModel(desc_us=1.5 * 128 * heads_per_slice / 1e4, unpack_gbps=10.0, pass_us=0.01, segment_us=0.01)
 
 
 BAND = _band(1)

@@ -17,7 +17,9 @@ class CostModel:
     unpack pass over the bytes (both move the same bytes over the wire, so the wire time cancels
     out of the choice). Direct wins once a descriptor carries more than
     ``desc_us / (1/pack_gbps + 1/unpack_gbps)`` bytes. The defaults are CPU values measured once
-    by hand (NIXL 1.5.1 UCX/cma on a 2-core VM: 2.3 us per descriptor, ~10 GB/s torch repack);
+    by hand (NIXL 1.5.1 UCX/cma on a 2-core VM: 2.3 us per descriptor, ~10 GB/s torch pack; the
+    unpack, a scatter into the cache, and a pass's fixed cost from the probe there: ~5 GB/s, ~75 us
+    a call and 12 us a segment);
     :func:`kvtriton.costmodel.load_or_measure` measures this host, transport and device instead
     (on a GPU the repack runs ~100x faster and the crossover moves to megabytes). The planner
     never measures: it only reads these numbers. ``read_gbps``/``write_gbps`` (the transport's
@@ -36,7 +38,7 @@ class CostModel:
 
     desc_us: float = 2.3
     pack_gbps: float = 10.0
-    unpack_gbps: float = 10.0
+    unpack_gbps: float = 5.0
     read_gbps: float = 8.0
     write_gbps: float = 8.0
     pass_us: float = 75.0

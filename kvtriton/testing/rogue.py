@@ -21,11 +21,12 @@ __all__ = ["RogueRig", "PACKING_MODEL"]
 
 BS = 4
 
-#: the rigs' planning model: a repack pass costs its bytes only, so the few-block holds these tests
-#: and benches place are packed (eager, guessed, pulled: the staging a rogue goes after); with a
-#: pass's fixed cost (the default model's) such a small request reads the source's cache instead
-#: and nothing is packed
-PACKING_MODEL = CostModel(pass_us=0.01, segment_us=0.01, source="test: a repack pass costs its bytes only")
+#: the rigs' planning model: a repack pass costs its bytes only, at 10 GB/s both ways, so the
+#: few-block holds these tests and benches place are packed (eager, guessed, pulled: the staging a
+#: rogue goes after); with the default model's pass cost and 5 GB/s unpack such a small request
+#: reads the source's cache instead and nothing is packed
+PACKING_MODEL = CostModel(unpack_gbps=10.0, pass_us=0.01, segment_us=0.01,
+                          source="test: a repack pass costs its bytes only")
 
 
 class RogueRig:
