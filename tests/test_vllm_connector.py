@@ -177,9 +177,15 @@ def test_prefill_killed_before_load_is_recomputed(pair_1_1, prompts):
     pair.settle(pair.decode)
 
 
+#: a planning model under which these small requests are packed (a pass costs its bytes only, 10 GB/s
+#: both ways: the default before a pass's fixed cost was priced), for the tests of eager packing; with
+#: the default model they are read from the prefill's cache blocks (direct_slice), nothing packed
+PACKING = {"cost_model": "unpack_gbps=10,pass_us=0.01,segment_us=0.01"}
+
+
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
 def test_hetero_tp_tokens_identical_and_negative_control(model_dir, tmp_path, prompts, p_tp, d_tp):
-    pair = Pair(model_dir, tmp_path, p_tp, d_tp)
+    pair = Pair(model_dir, tmp_path, p_tp, d_tp, p_extra=PACKING, d_extra=PACKING)
     try:
         # negative control first: overwrite the prefill's blocks before the decode loads them. It
         # runs while the decode has not connected yet, so nothing was packed at hold time (an eager
@@ -206,7 +212,7 @@ def test_hetero_tp_tokens_identical_and_negative_control(model_dir, tmp_path, pr
 def test_named_consumer_packs_ahead_and_moves_the_kv(model_dir, tmp_path, prompts):
     """A prefill that names its decode engine (``consumer``) packs each finished request before
     the pull and offers it: tokens stay identical, nothing is recomputed, staging all comes back."""
-    pair = Pair(model_dir, tmp_path, 2, 1, p_extra={"consumer": "decode-tp1"})
+    pair = Pair(model_dir, tmp_path, 2, 1, p_extra={"consumer": "decode-tp1", **PACKING}, d_extra=PACKING)
     try:
         transfer_and_check(pair, prompts[:1], "warm")  # the decode meets the prefill: packs need its ranks
         transfer_and_check(pair, prompts, "e")

@@ -74,10 +74,10 @@ def test_gqa_target_with_mla_draft(models, tmp_path, prompts, p_tp, d_tp):
 
 
 #: a model under which every request's target payload travels by the per-request direct_slice way:
-#: a descriptor (0.5 us) dearer than repacking its 2 KiB at 10 GB/s (0.2 us), so the plan cannot fix
-#: the slice route, and a pass's fixed cost (300 us) far above a request's slices (at most 11 blocks x
-#: 4 segments x 0.5 us), so each request takes them
-SLICE_PER_REQUEST = "desc_us=0.5,pass_us=300"
+#: a descriptor (1 us) dearer than repacking its 2 KiB in both passes (pack 10, unpack 5 GB/s: 0.6 us),
+#: so the plan cannot fix the slice route, and a pass's fixed cost (300 us) far above a request's
+#: slices (at most 11 blocks x 4 segments x 1 us), so each request takes them
+SLICE_PER_REQUEST = "desc_us=1.0,pack_gbps=10,unpack_gbps=5,pass_us=300"
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
