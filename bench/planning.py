@@ -2,9 +2,11 @@
 
 A plan is built once per (destination rank, source engine) at handshake; a request only adds its
 block ids. Per request a decode rank checks and compacts the ids (:func:`compact_request`), cuts
-each staged payload into chunks (:meth:`ChunkGeometry.fit`) with its segment offsets, and turns
-the DIRECT regions into coalesced runs (:func:`direct_runs`), and puts the plan's digest in every
-message (:meth:`TransferPlan.digest`, hashed once per plan). This times exactly that, on one
+each staged payload into chunks (:meth:`ChunkGeometry.fit`) with its segment offsets, chooses the
+way each payload travels by its runs (:func:`choose_way`; the head slices of a DIRECT_SLICE way
+are its descriptors, :func:`slice_runs`), and turns the DIRECT regions into coalesced runs
+(:func:`direct_runs`), and puts the plan's digest in every message (:meth:`TransferPlan.digest`,
+hashed once per plan). This times exactly that, on one
 thread, for 1k- and 128k-token requests (block ids in shuffled runs of 8 blocks, as a paged
 allocator hands them out after some churn), for a staged model (Llama-3-70B, P4->D8) and a
 direct one (DeepSeek-V3 MLA, P8->D4: zero-copy runs). Goal: <= 50 us and flat in block count
@@ -19,7 +21,16 @@ from __future__ import annotations
 from presets import PRESETS, fragmented_block_ids, specs_for  # bench/presets.py
 from timing import qfields, quantiles_ms  # bench/timing.py
 
-from kvtriton.plan import ChunkGeometry, build_plan, compact_request, direct_runs
+from kvtriton.plan import (
+    ChunkGeometry,
+    CostModel,
+    Way,
+    build_plan,
+    choose_way,
+    compact_request,
+    direct_runs,
+    slice_runs,
+)
 
 CHUNK_BYTES = 64 << 20
 
@@ -27,6 +38,7 @@ CHUNK_BYTES = 64 << 20
 def planning_rows(quick: bool = False) -> list[dict]:
     """One row per (model, request size): the per-request planning time in us (p20/p50/p80)."""
     rows = []
+    plan_cost = CostModel()  # the default model: what a connector plans by unless told otherwise
     for preset, (p_tp, d_tp) in (("llama3-70b", (4, 8)), ("deepseek-v3", (8, 4))):
         for tokens in (1024, 131072):
             bs = 16
@@ -34,7 +46,7 @@ def planning_rows(quick: bool = False) -> list[dict]:
             num_blocks = 2 * n
             src = specs_for(PRESETS[preset], 0, p_tp, num_blocks, bs)
             dst = specs_for(PRESETS[preset], 0, d_tp, num_blocks, bs)
-            plan = build_plan(0, d_tp, dst, p_tp, src)
+            plan = build_plan(0, d_tp, dst, p_tp, src, cost=plan_cost)
             src_ids = fragmented_block_ids(n, num_blocks, 8, seed=1)
             dst_ids = fragmented_block_ids(n, num_blocks, 8, seed=2)
             out = {}
@@ -42,14 +54,21 @@ def planning_rows(quick: bool = False) -> list[dict]:
             def per_request():
                 plan.digest()
                 s, t = compact_request(src_ids, dst_ids, num_blocks, num_blocks)
+                ways, slices = [], 0
                 for read in plan.staged:
                     g = ChunkGeometry.fit(read.bytes_per_block, s.size, CHUNK_BYTES)
                     read.segment_offsets(g.bounds(0)[1] - g.bounds(0)[0])
+                    way = choose_way(read, src, dst, s, t, plan_cost, chunks=g.count)
+                    if way is Way.DIRECT_SLICE:
+                        slices += len(slice_runs(read, src, dst, s, t))
+                    ways.append(way.value)
                 out["runs"] = len(direct_runs(plan, src, dst, s, t)) if plan.direct else 0
+                out["ways"], out["slices"] = "+".join(sorted(set(ways))), slices
 
             reps = (200 if tokens < 10_000 else 20) // (4 if quick else 1)
             q = quantiles_ms(per_request, reps)
             rows.append(dict(preset=preset, p_tp=p_tp, d_tp=d_tp, block_size=bs, tokens=tokens, blocks=n,
-                             modes="+".join(sorted({m.value for m in plan.modes})), direct_runs=out["runs"],
+                             modes="+".join(sorted({m.value for m in plan.modes})), ways=out["ways"] or "-",
+                             direct_runs=out["runs"], slice_descriptors=out["slices"],
                              **qfields("us", tuple(x * 1e3 for x in q), 1)))
     return rows

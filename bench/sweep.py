@@ -306,10 +306,11 @@ def main(argv=None) -> int:
 #: ranks x 16 layers x 64 blocks), what the 2-core CPU engines run in a few minutes; "large" (32
 #: layers, 4k-token prompts, 8k descriptors) only on request (--pd-size large).
 PD_SIZES = {
-    # 8 prompts: a small request loads in 3-15 ms, one or two engine steps whichever connector, so
-    # the median of 3 moved 3x between quiet runs (the Llama with an MLA draft, issue 21); a request
-    # costs ~0.1 s here
-    "small": dict(layers=2, kv_heads=2, head_dim=32, prompt_len=333, prompts=8),
+    # 16 prompts: a small request loads in 1-15 ms, one or two engine steps whichever connector, so
+    # the median of 3 moved 3x between quiet runs (the Llama with an MLA draft, issue 21), and
+    # NixlConnector's loads there are bimodal (~1 ms or 7-15 ms a load): a median of 8 landed on
+    # either mode (DeepSeek's cell 1.24x in one run, 0.61x in the next); a request costs ~0.1 s here
+    "small": dict(layers=2, kv_heads=2, head_dim=32, prompt_len=333, prompts=16),
     # kvtriton's staging sized so one request's payload can be packed ahead of its pull (eager;
     # the requests run one at a time): 136 MB from the one prefill rank at P1->D2
     "scaled": dict(layers=16, kv_heads=8, head_dim=64, hidden=256, prompt_len=2048, prompts=3, staging_mib=160),

@@ -12,11 +12,13 @@ agents over NIXL in one process (pull and push, P > D and D > P, mixed SPLIT + R
 -1 positions), the cost model's choice there, and one multi-process cluster.
 """
 
+import dataclasses
 import time
 
 import numpy as np
 import pytest
 import torch
+from test_plan_per_request import pieces_of_rows, pieces_of_runs
 
 from kvtriton.errors import PlanError
 from kvtriton.plan import (
@@ -27,6 +29,7 @@ from kvtriton.plan import (
     choose_way,
     direct_runs,
     direct_slice_problem,
+    slice_block_rows,
     slice_runs,
     split_sources,
     way_descriptors,
@@ -442,6 +445,59 @@ def test_a_whole_block_slice_coalesces_runs_on_both_sides():
     assert way_descriptors(read, WAY_DS, src, dst, runs, runs + 5) == len(read.segments)
     rs = slice_runs(read, src, dst, runs, runs + 5)
     assert len(rs) == len(read.segments) and set(rs.nbytes.tolist()) == {11 * 4 * 2 * 16 * 2, 11 * 4 * 2 * 8 * 4}
+
+
+def _slice_runs_per_segment(read, src_specs, dst_specs, src_ids, dst_ids):
+    """The straightforward loop slice_runs replaced: per segment, per block (or per run on both
+    sides where the slice is the whole block and blocks lie back to back on both sides)."""
+    rows = []
+    for g in read.segments:
+        s, d = src_specs[g.region], dst_specs[g.region]
+        j = g.stream
+        ss, ds = s.block_stride_bytes(j), d.block_stride_bytes(j)
+        s_off, d_off = g.src_head * s.strides[j][2] * s.itemsize, g.dst_head * d.strides[j][2] * d.itemsize
+        whole = ss == g.tile_bytes and ds == g.tile_bytes
+        k = 0
+        while k < len(src_ids):
+            n = 1
+            while (whole and k + n < len(src_ids) and src_ids[k + n] == src_ids[k] + n
+                   and dst_ids[k + n] == dst_ids[k] + n):
+                n += 1
+            rows.append((read.src_rank, g.region, j, int(src_ids[k]) * ss + s_off, int(dst_ids[k]) * ds + d_off,
+                         n * g.tile_bytes))
+            k += n
+    return rows
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 2), (2, 4), (4, 2), (3, 2)])
+def test_slice_runs_match_the_per_segment_loop(p_tp, d_tp):
+    """slice_runs (one numpy pass per kind of segment, columns memoised per payload) gives the rows
+    of the per-segment loop, in its order, for whole-block and partial slices and mixes of both;
+    a memo never serves another spec list's geometry."""
+    heads = 6 if 3 in (p_tp, d_tp) else 4
+    models = _split(heads) + [RegionModel.gqa("one", 1, 16)]  # one KV head: replicated, a whole-block slice
+    dst, src = _specs(models, 0, d_tp), _specs(models, 0, p_tp)
+    read = build_plan(0, d_tp, dst, p_tp, src, cost=CostModel(desc_us=1e4)).staged[0]
+    assert WAY_DS in read.ways
+    rng = np.random.default_rng(p_tp * 10 + d_tp)
+    tiles = {(g.region, g.stream): g.tile_bytes for g in read.segments}
+    for ids in (rng.permutation(8)[:6], np.arange(1, 8), np.r_[np.arange(0, 3), rng.permutation(5)[:3] + 3]):
+        # ids of the specs' 8 blocks: a run, then scattered
+        dst_ids = np.r_[np.arange(1, 1 + ids.size // 2), rng.permutation(8)[:ids.size - ids.size // 2]]
+        got = slice_runs(read, src, dst, ids, dst_ids)
+        rows = list(zip(got.src_rank.tolist(), got.region.tolist(), got.stream.tolist(), got.src_offset.tolist(),
+                        got.dst_offset.tolist(), got.nbytes.tolist()))
+        assert rows == _slice_runs_per_segment(read, src, dst, ids, dst_ids)
+        assert way_descriptors(read, WAY_DS, src, dst, ids, dst_ids) == len(rows)
+        # the index form over prepared lists names the same bytes, as many descriptors once merged
+        block_rows = slice_block_rows(read, src, dst)
+        s_idx, d_idx, count, nbytes = block_rows.select(ids, dst_ids)
+        assert (count, nbytes) == (len(got), got.total_bytes)
+        assert pieces_of_rows(block_rows, s_idx, d_idx) == pieces_of_runs(got, lambda r, j, nb: tiles[r, j])
+    padded = [dataclasses.replace(x, strides=tuple((st[0] * 2, st[1], st[2]) for st in x.strides)) for x in src]
+    ids = np.arange(0, 7)
+    rows = slice_runs(read, padded, dst, ids, ids + 1)
+    assert rows.src_offset.tolist() == [r[3] for r in _slice_runs_per_segment(read, padded, dst, ids, ids + 1)]
 
 
 @pytest.mark.parametrize("p_tp,d_tp,heads", [(2, 4, 4), (4, 2, 4), (2, 1, 4), (1, 2, 4)])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtriton.errors import PlanError
-from kvtriton.plan import build_plan, compact_request, compact_tokens, direct_runs
+from kvtriton.plan import build_plan, compact_request, compact_tokens, direct_block_rows, direct_runs
 from kvtriton.regions import Region
 
 
@@ -68,6 +68,67 @@ def test_direct_runs_match_per_region_reference(src_tp, seed):
         dst = rng.permutation(64)[:n] if seed == 0 else np.arange(n) + 3
         runs = direct_runs(plan, specs, specs, src, dst)
         assert runs_rows(runs) == reference_runs(plan, specs, specs, src, dst)
+
+
+@pytest.mark.parametrize("src_tp", [2, 3])
+def test_direct_runs_of_one_source_rank_are_its_rows_of_the_whole(src_tp):
+    """What one pair of ranks posts (``src_rank=``) is exactly that rank's rows of every rank's
+    runs, in the same order; a rank the plan does not read gives none."""
+    rng = np.random.default_rng(src_tp)
+    specs = mixed_specs(gqa=False)
+    plan = build_plan(0, 1, specs, src_tp, specs, modes="direct")
+    src, dst = rng.permutation(64)[:29], np.arange(29) + 5
+    every = runs_rows(direct_runs(plan, specs, specs, src, dst))
+    for r in range(src_tp):
+        assert runs_rows(direct_runs(plan, specs, specs, src, dst, src_rank=r)) == [x for x in every if x[0] == r]
+    assert len(direct_runs(plan, specs, specs, src, dst, src_rank=src_tp + 1)) == 0
+
+
+def pieces_of_runs(runs, tile_of):
+    """Every block's piece of ``runs``: a run of k blocks split into its k tiles."""
+    out = []
+    for region, stream, s_off, d_off, nbytes in zip(runs.region.tolist(), runs.stream.tolist(),
+                                                    runs.src_offset.tolist(), runs.dst_offset.tolist(),
+                                                    runs.nbytes.tolist()):
+        tile = tile_of(region, stream, nbytes)
+        out += [(region, stream, s_off + i * tile, d_off + i * tile, tile) for i in range(nbytes // tile)]
+    return sorted(out)
+
+
+def pieces_of_rows(rows, src_idx, dst_idx):
+    """What each index pair of prepared rows names: row r's descriptor b is block b's range."""
+    s_start = np.concatenate([[0], np.cumsum(rows.src_blocks)[:-1]])
+    d_start = np.concatenate([[0], np.cumsum(rows.dst_blocks)[:-1]])
+    out = []
+    for si, di in zip(src_idx.tolist(), dst_idx.tolist()):
+        r = int(np.searchsorted(s_start, si, side="right") - 1)
+        assert int(np.searchsorted(d_start, di, side="right") - 1) == r  # a pair never crosses rows
+        sb, db = si - s_start[r], di - d_start[r]
+        out.append((int(rows.region[r]), int(rows.stream[r]), int(sb * rows.src_stride[r] + rows.src_offset[r]),
+                    int(db * rows.dst_stride[r] + rows.dst_offset[r]), int(rows.tile[r])))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("src_tp", [1, 2, 3])
+def test_block_rows_name_the_pieces_direct_runs_move(src_tp):
+    """The index form a request posts over prepared lists (:func:`direct_block_rows`) names, block
+    by block, exactly the bytes of :func:`direct_runs` for that source rank; its descriptor
+    count is the runs' (NIXL merges the pairs adjacent on both sides) and its bytes theirs."""
+    rng = np.random.default_rng(10 + src_tp)
+    specs = mixed_specs(gqa=src_tp == 1)
+    plan = build_plan(0, 1, specs, src_tp, specs, modes="direct")
+    tiles = {(d.region, j): specs[d.region].tile_bytes(j, specs[d.region].local_heads) for d in plan.direct
+             for j in range(specs[d.region].num_streams)}
+    for n in (0, 1, 5, 37):
+        src = rng.permutation(64)[:n] if n % 2 else np.sort(rng.permutation(64)[:n])
+        dst = np.arange(n) + 7 if n % 2 else rng.permutation(64)[:n]
+        for r in range(src_tp + 1):  # the last: a rank the plan does not read
+            runs = direct_runs(plan, specs, specs, src, dst, src_rank=r)
+            rows = direct_block_rows(plan, specs, specs, r)
+            s_idx, d_idx, count, nbytes = rows.select(src, dst)
+            assert (count, nbytes) == (len(runs), runs.total_bytes)
+            assert pieces_of_rows(rows, s_idx, d_idx) == pieces_of_runs(runs, lambda g, j, nb: tiles[g, j])
+    assert direct_block_rows(plan, specs, specs, 0) is direct_block_rows(plan, specs, specs, 0)  # memoised
 
 
 def test_direct_runs_rank_mapping_with_different_strides_and_cache_refresh():

@@ -4,24 +4,50 @@ kernel completions, and the prepared descriptor lists of DIRECT runs (its settin
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import PeerDisconnectedError, ProtocolError, TransportError
-from ..plan import TransferPlan, direct_runs
+from ..plan import BlockRows, TransferPlan, direct_block_rows
 from ..protocol import wire
 from ..transport.nixl import XferStatus
 from .device import Completion
 from .settings import Flow, Settings
 from .stats import Stats
 
-__all__ = ["Chunk", "Flow", "Links", "Peer", "Settings", "logger", "slot_descs"]
+__all__ = ["Chunk", "Flow", "Links", "Peer", "RowsPost", "Settings", "logger", "slot_descs"]
 
 logger = logging.getLogger("kvtriton.agent")
+
+
+class StreamTable:
+    """A per (region, stream) table of metadata (addresses or spans) flattened once, so a
+    request looks up one entry per descriptor with one numpy gather."""
+
+    def __init__(self, table: tuple[tuple[int, ...], ...]):
+        self.flat = np.array([v for row in table for v in row], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum([len(row) for row in table])[:-1]]).astype(np.int64)
+
+    def at(self, region: np.ndarray, stream: np.ndarray) -> np.ndarray:
+        return self.flat[self.starts[region] + stream]
+
+
+@dataclass(frozen=True)
+class CacheTables:
+    """One rank's cache as the metadata declares it: per (region, stream), the address of element
+    0 (``addrs``) and the bytes from there that may be touched (``spans``)."""
+
+    addrs: StreamTable
+    spans: StreamTable
+
+    @classmethod
+    def of(cls, addrs: tuple[tuple[int, ...], ...], spans: tuple[tuple[int, ...], ...]) -> CacheTables:
+        return cls(StreamTable(addrs), StreamTable(spans))
 
 
 @dataclass(eq=False)
@@ -34,10 +60,17 @@ class Peer:
     pinged: float = 0.0  # when it was last sent a liveness check
     pong: int = 0  # the nonce of the last liveness check it answered
     served_at: float = 0.0  # when this rank last accepted a transfer from it (see .source.eager)
+    # prepared lists over both caches, by (rows, reading): kept until the peer is released (see Links.rows_lists)
+    row_lists: dict = field(default_factory=dict, repr=False)
 
     @property
     def key(self) -> tuple[str, int]:
         return self.md.engine, self.md.rank
+
+    @functools.cached_property
+    def tables(self) -> CacheTables:
+        """Its cache's declared addresses and spans, flattened once."""
+        return CacheTables.of(self.md.addrs, self.md.spans)
 
 
 @dataclass(eq=False)
@@ -53,6 +86,27 @@ class Chunk:
     remote_slot: int = -1
     lists: tuple = ()  # one-sided staging: the prepared (local, remote) lists its READ uses
     digest: bytes = b""  # integrity=True: the source's digest of the packed bytes (see .integrity)
+
+
+@dataclass(frozen=True, eq=False)
+class RowsPost:
+    """One transfer of cache-to-cache rows (:class:`~kvtriton.plan.BlockRows`): the prepared
+    lists (the peer's, kept by :meth:`Links.rows_lists`; ``owned``: made for this transfer alone,
+    released with it), the index pairs, the descriptors they post once NIXL merged the pairs
+    adjacent on both sides, and their bytes."""
+
+    local: object
+    remote: object
+    local_idx: np.ndarray
+    remote_idx: np.ndarray
+    count: int
+    nbytes: int
+    owned: bool = False
+
+
+#: prepared row lists a peer keeps (a plan's DIRECT rows, a payload's slice rows, per direction:
+#: a handful); past it a transfer prepares its own and releases them (never evicts a list in use)
+MAX_ROW_LISTS = 16
 
 
 def slot_descs(addr: int, num_slots: int, slot_bytes: int, dev: int) -> np.ndarray:
@@ -83,6 +137,7 @@ class Links:
         self.addrs = tuple(tuple(t.data_ptr() for t in r.streams) for r in settings.regions)
         self.spans = tuple(tuple(wire.stream_span(r.spec, j) for j in range(r.spec.num_streams))
                            for r in settings.regions)
+        self.tables = CacheTables.of(self.addrs, self.spans)
         self.local_staging = None  # PreppedList over our slots, once registered
 
     def exposed(self, per_stream: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
@@ -145,27 +200,23 @@ class Links:
         self.stats.staged_descriptors += 1
         return xfer
 
-    def post_runs(self, op: str, local, remote, count: int, notif: wire.Message | None = None, *,
-                  one_sided: bool = False):
-        """READ or WRITE the DIRECT runs prepared by :meth:`prep_runs` (counted as
-        ``direct_descriptors``), or with ``one_sided`` the pieces of :meth:`prep_pieces`
-        (``one_sided_descriptors``)."""
+    def post_pieces(self, op: str, local, remote, count: int) -> object:
+        """READ or WRITE the ``count`` one-sided pieces of :meth:`prep_pieces` (counted as
+        ``one_sided_descriptors``)."""
         idx = np.arange(count)
-        xfer = self.transport.post(op, local, idx, remote, idx, notif.encode() if notif is not None else b"")
-        if one_sided:
-            self.stats.one_sided_descriptors += count
-        else:
-            self.stats.direct_descriptors += count
+        xfer = self.transport.post(op, local, idx, remote, idx, b"")
+        self.stats.one_sided_descriptors += count
         return xfer
 
-    def cache_addrs(self, addrs, spans, region: np.ndarray, stream: np.ndarray, offset: np.ndarray,
+    @staticmethod
+    def cache_addrs(tables: CacheTables, region: np.ndarray, stream: np.ndarray, offset: np.ndarray,
                     nbytes: np.ndarray, whose: str) -> np.ndarray:
         """Addresses of byte ranges ``[offset, offset + nbytes)`` of (region, stream) tensors
-        declared by ``addrs``/``spans`` (ours or a peer's metadata); :class:`ProtocolError`
-        when one falls outside its declared span."""
-        if (offset < 0).any() or (offset + nbytes > _gather(spans, region, stream)).any():
+        declared by ``tables`` (ours or a peer's); :class:`ProtocolError` when one falls outside
+        its declared span."""
+        if (offset < 0).any() or (offset + nbytes > tables.spans.at(region, stream)).any():
             raise ProtocolError(f"one-sided pieces fall outside the regions {whose} declared")
-        return _gather(addrs, region, stream) + offset
+        return tables.addrs.at(region, stream) + offset
 
     def prep_pieces(self, peer: Peer, local_addr: np.ndarray, remote_addr: np.ndarray, nbytes: np.ndarray):
         """Prepared (local, remote) lists of byte ranges paired one to one (callers bound them)."""
@@ -242,8 +293,10 @@ class Links:
         busy_with = {getattr(z[0], "remote", None) for z in keep if z[0] is not None}
         for peer in [p for p in self.dead if p.agent not in busy_with]:
             self.dead.remove(peer)
-            for release, what in ((self.transport.release_list, peer.staging),
-                                  (self.transport.remove_remote, peer.agent)):
+            local_rows = [(self.transport.release_list, lists[0]) for lists in peer.row_lists.values()]
+            peer.row_lists.clear()  # their remote halves go with the peer's agent
+            for release, what in [*local_rows, (self.transport.release_list, peer.staging),
+                                  (self.transport.remove_remote, peer.agent)]:
                 try:
                     release(what)
                 except TransportError:
@@ -259,38 +312,85 @@ class Links:
                     logger.warning("release of a prepared list failed: %s", e)
         return cb
 
-    # ------------------------------------------------------------------ DIRECT runs
-    def prep_runs(self, plan: TransferPlan, peer: Peer, src_ids, dst_ids, *, reading: bool):
-        """Prepared local/remote lists for the DIRECT runs between us and ``peer``:
-        ``(local list, remote list, count, nbytes)``, or None when this pair has none.
+    # ------------------------------------------------------------------ cache-to-cache rows
+    def rows_lists(self, peer: Peer, rows: BlockRows, *, reading: bool) -> tuple[object, object, bool]:
+        """``(local list, remote list, owned)`` prepared over ``rows`` between our cache and
+        ``peer``'s (``reading``: we hold the destination side), one strided row per side and row
+        (prepared in ~0.1 ms whatever the caches' size). Made once per peer, rows and direction
+        and kept until the peer is released (``owned`` False), so a request posts indices only,
+        as vLLM's NixlConnector does; past :data:`MAX_ROW_LISTS` per peer made for the caller
+        alone (``owned``: release them with the transfer).
 
-        ``reading``: we are the destination (pull); else we are the source writing to ``peer``.
-        Every remote range is bounds-checked against what the peer declared.
-        """
-        # runs for every replica of the stripe; only this pair's are kept. All ranks of one engine
-        # share geometry (each rank's was checked at add_remote), so one spec list serves them all.
-        src_specs = peer.md.regions if reading else self.s.specs
-        by_rank = {r: src_specs for d in plan.direct for r in d.src_ranks}
-        if reading:
-            runs = direct_runs(plan, by_rank, self.s.specs, src_ids, dst_ids)
-            keep = runs.src_rank == peer.md.rank
-        else:
-            runs = direct_runs(plan, by_rank, peer.md.regions, src_ids, dst_ids)
-            keep = runs.src_rank == self.s.rank
-        if not keep.any():
+        Every row is bounds-checked on both sides against what each declared (``ProtocolError``
+        when the peer's falls outside: its metadata is untrusted): its last block's range must
+        end inside the stream's span."""
+        key = (rows.key, reading)
+        got = peer.row_lists.get(key)
+        if got is not None:
+            return got[0], got[1], False
+        region, stream = rows.region, rows.stream
+        src, dst = (peer.tables, self.tables) if reading else (self.tables, peer.tables)
+        sides = []
+        for tables, off, stride, blocks, whose in ((src, rows.src_offset, rows.src_stride, rows.src_blocks, "source"),
+                                                   (dst, rows.dst_offset, rows.dst_stride, rows.dst_blocks,
+                                                    "destination")):
+            end = off + (blocks - 1) * stride + rows.tile
+            if (off < 0).any() or (blocks < 1).any() or (end > tables.spans.at(region, stream)).any():
+                raise ProtocolError(f"direct rows fall outside the regions the {whose} declared "
+                                    f"({peer.agent} is the {'source' if reading else 'destination'})")
+            sides.append(np.stack([tables.addrs.at(region, stream) + off, rows.tile,
+                                   np.full_like(off, self.dev if tables is self.tables else peer.md.dev),
+                                   stride, blocks], axis=1))
+        local, remote = (sides[1], sides[0]) if reading else (sides[0], sides[1])
+        ll = self.transport.prep_local(local, self.mem)
+        try:
+            rl = self.transport.prep_remote(peer.agent, remote, peer.md.mem)
+        except BaseException:
+            self.transport.release_list(ll)
+            raise
+        owned = len(peer.row_lists) >= MAX_ROW_LISTS
+        if not owned:
+            peer.row_lists[key] = (ll, rl)
+        return ll, rl, owned
+
+    def prep_rows(self, peer: Peer, rows: BlockRows, src_ids: np.ndarray, dst_ids: np.ndarray, *,
+                  reading: bool) -> RowsPost | None:
+        """What ``rows`` move between us and ``peer`` for a compacted request (``src_ids`` /
+        ``dst_ids``: the source's and the destination's block per position), None when nothing."""
+        s_idx, d_idx, count, nbytes = rows.select(src_ids, dst_ids)
+        if not s_idx.size:
             return None
-        region, stream, nb = runs.region[keep], runs.stream[keep], runs.nbytes[keep]
-        r_off, l_off = (runs.src_offset[keep], runs.dst_offset[keep]) if reading else \
-            (runs.dst_offset[keep], runs.src_offset[keep])
-        r_addr, r_span = _gather(peer.md.addrs, region, stream), _gather(peer.md.spans, region, stream)
-        l_addr, l_span = _gather(self.addrs, region, stream), _gather(self.spans, region, stream)
-        if (r_off + nb > r_span).any() or (l_off + nb > l_span).any():
-            raise ProtocolError(f"direct runs fall outside the regions {peer.agent} declared")
-        ll, rl = self.prep_pieces(peer, l_addr + l_off, r_addr + r_off, nb)
-        return ll, rl, int(nb.size), int(nb.sum())
+        # callers checked the ids against both caches; an index past its row would name another row's block
+        for ids, blocks, side in ((src_ids, rows.src_blocks, "source"), (dst_ids, rows.dst_blocks, "destination")):
+            if len(ids) and (int(np.min(ids)) < 0 or int(np.max(ids)) >= int(blocks.min())):
+                raise ProtocolError(f"{side} block ids outside [0, {int(blocks.min())}) for direct rows")
+        ll, rl, owned = self.rows_lists(peer, rows, reading=reading)
+        local_idx, remote_idx = (d_idx, s_idx) if reading else (s_idx, d_idx)
+        return RowsPost(ll, rl, local_idx, remote_idx, count, nbytes, owned)
 
+    def post_rows(self, op: str, rp: RowsPost, notif: wire.Message | None = None, *, one_sided: bool = False):
+        """READ or WRITE what :meth:`prep_rows` prepared (counted as ``direct_descriptors``, or
+        with ``one_sided`` as ``one_sided_descriptors``)."""
+        xfer = self.transport.post(op, rp.local, rp.local_idx, rp.remote, rp.remote_idx,
+                                   notif.encode() if notif is not None else b"")
+        if one_sided:
+            self.stats.one_sided_descriptors += rp.count
+        else:
+            self.stats.direct_descriptors += rp.count
+        return xfer
 
-def _gather(table: tuple[tuple[int, ...], ...], region: np.ndarray, stream: np.ndarray) -> np.ndarray:
-    flat = np.array([v for row in table for v in row], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum([len(row) for row in table])[:-1]]).astype(np.int64)
-    return flat[starts[region] + stream]
+    def release_post(self, rp: RowsPost) -> Callable[[], None]:
+        """A cleanup for a transfer of ``rp``: releases its lists if they were its own."""
+        return self.release_lists(rp.local, rp.remote) if rp.owned else (lambda: None)
+
+    def prep_runs(self, plan: TransferPlan, peer: Peer, src_ids, dst_ids, *, reading: bool) -> RowsPost | None:
+        """The DIRECT runs between us and ``peer`` (:func:`~kvtriton.plan.direct_block_rows`:
+        only this pair's share of a stripe), prepared (:meth:`prep_rows`), or None when this
+        pair has none. ``reading``: we are the destination (pull); else we are the source
+        writing to ``peer``. All ranks of one engine share geometry (each rank's was checked at
+        add_remote), so one spec list serves them all."""
+        if reading:
+            rows = direct_block_rows(plan, peer.md.regions, self.s.specs, peer.md.rank)
+        else:
+            rows = direct_block_rows(plan, self.s.specs, peer.md.regions, self.s.rank)
+        return self.prep_rows(peer, rows, src_ids, dst_ids, reading=reading) if len(rows) else None

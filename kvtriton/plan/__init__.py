@@ -37,10 +37,13 @@ from .request import (
     source_positions,
 )
 from .runs import (
+    BlockRows,
     Runs,
+    direct_block_rows,
     direct_runs,
     id_runs,
     pair_runs,
+    slice_block_rows,
     slice_descriptor_count,
     slice_runs,
     staged_descriptor_count,
@@ -70,8 +73,9 @@ from .ways import (
 
 __all__ = [
     "STAGED_LAYOUT_VERSION", "ceil_div", "Route", "Way", "Segment", "Payload", "ChunkGeometry", "DirectRead",
-    "TransferPlan", "CostModel", "Runs", "id_runs", "pair_runs", "direct_runs", "tile_runs", "slice_runs",
-    "slice_descriptor_count", "staged_descriptor_count", "read_unpack_problem", "pack_place_problem",
+    "TransferPlan", "CostModel", "Runs", "BlockRows", "id_runs", "pair_runs", "direct_runs", "direct_block_rows",
+    "tile_runs", "slice_runs", "slice_block_rows", "slice_descriptor_count", "staged_descriptor_count",
+    "read_unpack_problem", "pack_place_problem",
     "direct_slice_way_problem", "payload_ways", "one_sided_descriptors", "way_descriptors", "choose_way", "TokenMap",
     "compact_tokens", "compact_request", "source_positions",
     "required_source_ranks", "done_ranks", "meeting_ranks", "RequestPlan", "RequestPayload", "OfferTerms", "ids_digest",

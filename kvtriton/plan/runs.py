@@ -10,6 +10,8 @@ cache when it travels DIRECT_SLICE (:func:`slice_runs`).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,8 +21,8 @@ import numpy as np
 from ..spec import RegionSpec
 from .types import ChunkGeometry, Payload, TransferPlan, Way
 
-__all__ = ["Runs", "id_runs", "pair_runs", "direct_runs", "tile_runs", "slice_runs", "slice_descriptor_count",
-           "staged_descriptor_count"]
+__all__ = ["Runs", "BlockRows", "id_runs", "pair_runs", "direct_runs", "direct_block_rows", "tile_runs", "slice_runs",
+           "slice_block_rows", "slice_descriptor_count", "staged_descriptor_count"]
 
 _EMPTY = np.zeros(0, np.int64)  # copied into results (callers may write theirs)
 
@@ -99,8 +101,10 @@ def direct_runs(
     dst_specs: Sequence[RegionSpec],
     src_ids: np.ndarray,
     dst_ids: np.ndarray,
+    src_rank: int | None = None,
 ) -> Runs:
-    """Coalesced descriptors for every DIRECT and DIRECT_SLICE region of a compacted request.
+    """Coalesced descriptors for every DIRECT and DIRECT_SLICE region of a compacted request
+    (only those ``src_rank`` sends, when given: what one pair of ranks posts).
 
     Blocks of a DIRECT region are split over its ``src_ranks`` in contiguous parts of the request
     (so runs stay long); a DIRECT_SLICE region's source ranks each send their head slice of every
@@ -124,7 +128,7 @@ def direct_runs(
         parts = [(0, n)] * len(group.src_ranks) if group.sliced else _split_bounds(n, len(group.src_ranks))
         base: list[list[np.ndarray]] = [[] for _ in range(5)]
         for rank, (lo, hi), streams in zip(group.src_ranks, parts, group.streams):
-            if hi == lo:
+            if hi == lo or (src_rank is not None and rank != src_rank):
                 continue
             sid, did = src_ids[lo:hi], dst_ids[lo:hi]
             merged = singles = None
@@ -238,6 +242,140 @@ def _same_objects(a: Sequence, b: Sequence) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
+@dataclass(frozen=True, eq=False)
+class BlockRows:
+    """Cache-to-cache moves between one source rank and us in index form, for prepared lists.
+
+    Row ``i`` is one range of ``tile[i]`` bytes at ``src_offset[i]`` inside every block of
+    (``region[i]``, ``stream[i]``) on the source (blocks ``src_stride[i]`` bytes apart,
+    ``src_blocks[i]`` of them) and at ``dst_offset[i]`` inside every block of ours: one strided
+    descriptor row per side, descriptor ``b`` of the row being block ``b``'s range. Prepared once
+    per (peer, rows), a request then only names indices, ``row start + block id`` on each side
+    (:meth:`select`); NIXL merges pairs adjacent on both sides, which are :func:`direct_runs`'s
+    runs. A row reads the positions of its stripe share ``part`` of ``parts``
+    (:func:`direct_runs` splits a request over replicas the same way), or every position when
+    ``parts`` is 0 (a head slice: every source rank sends every block).
+
+    ``key``: the rows' content, what a prepared list is kept under."""
+
+    region: np.ndarray
+    stream: np.ndarray
+    tile: np.ndarray
+    src_offset: np.ndarray
+    dst_offset: np.ndarray
+    src_stride: np.ndarray
+    dst_stride: np.ndarray
+    src_blocks: np.ndarray
+    dst_blocks: np.ndarray
+    part: np.ndarray
+    parts: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.tile.size)
+
+    @functools.cached_property
+    def key(self) -> bytes:
+        return b"".join(np.ascontiguousarray(getattr(self, f.name)).tobytes() for f in dataclasses.fields(self))
+
+    @functools.cached_property
+    def _starts(self) -> tuple[np.ndarray, np.ndarray]:
+        return _starts_of(self.src_blocks), _starts_of(self.dst_blocks)
+
+    @functools.cached_property
+    def _contiguous(self) -> np.ndarray:
+        """Per row: consecutive blocks' ranges lie back to back on both sides (runs merge)."""
+        return (self.src_stride == self.tile) & (self.dst_stride == self.tile)
+
+    def select(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """``(src_idx, dst_idx, descriptors, nbytes)`` of a compacted request: the index pairs
+        into the rows' prepared lists (row by row, positions in order), how many descriptors
+        they post once pairs adjacent on both sides merge, and the bytes they move."""
+        src_ids = np.asarray(src_ids, dtype=np.int64)
+        dst_ids = np.asarray(dst_ids, dtype=np.int64)
+        n = src_ids.size
+        s_start, d_start = self._starts
+        cols: list[list[np.ndarray]] = [[], []]
+        descriptors = nbytes = 0
+        for part, parts in dict.fromkeys(zip(self.part.tolist(), self.parts.tolist())):
+            rows = np.flatnonzero((self.part == part) & (self.parts == parts))
+            lo, hi = (0, n) if parts == 0 else _split_bounds(n, parts)[part]
+            if hi == lo:
+                continue
+            sid, did = src_ids[lo:hi], dst_ids[lo:hi]
+            cols[0].append((s_start[rows][:, None] + sid[None, :]).ravel())
+            cols[1].append((d_start[rows][:, None] + did[None, :]).ravel())
+            merged = int(self._contiguous[rows].sum())
+            runs = pair_runs(sid, did)[0].size if merged else 0
+            descriptors += merged * runs + (rows.size - merged) * sid.size
+            nbytes += int(self.tile[rows].sum()) * sid.size
+        if not cols[0]:
+            return _EMPTY.copy(), _EMPTY.copy(), 0, 0
+        return np.concatenate(cols[0]), np.concatenate(cols[1]), descriptors, nbytes
+
+
+def _starts_of(blocks: np.ndarray) -> np.ndarray:
+    starts = np.zeros(blocks.size, dtype=np.int64)
+    np.cumsum(blocks[:-1], out=starts[1:])
+    return starts
+
+
+def _block_rows(rows: list[tuple[int, ...]]) -> BlockRows:
+    cols = np.array(rows, dtype=np.int64).reshape(-1, 11).T
+    for c in cols:
+        c.setflags(write=False)
+    return BlockRows(*cols)
+
+
+def direct_block_rows(plan: TransferPlan, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec],
+                      src_rank: int) -> BlockRows:
+    """The rows (:class:`BlockRows`) of the plan's DIRECT and DIRECT_SLICE regions that
+    ``src_rank`` sends: per region and stream, whole blocks or its head slice; a striped
+    region's row reads the rank's share of each request. Row order is :func:`direct_runs`'s
+    (region, then stream), so :meth:`BlockRows.select` names the same descriptors it lists.
+    Memoised on the plan per rank and spec lists (their objects' identity, as
+    :func:`_direct_groups`): a request pays no Python per region."""
+    cache = plan.__dict__.setdefault("_block_rows_cache", {})
+    key = (src_rank, id(src_specs), id(dst_specs))
+    hit = cache.get(key)
+    if hit is not None and _same_objects(hit[0], src_specs) and _same_objects(hit[1], dst_specs):
+        return hit[2]
+    rows = []
+    for dr in plan.direct:
+        if src_rank not in dr.src_ranks:
+            continue
+        k = dr.src_ranks.index(src_rank)
+        sp, d = src_specs[dr.region], dst_specs[dr.region]
+        h_s, h_d, nh = dr.heads[k] if dr.sliced else (0, 0, d.local_heads)
+        part, parts = (0, 0) if dr.sliced else (k, len(dr.src_ranks))
+        for j in range(d.num_streams):
+            rows.append((dr.region, j, d.tile_bytes(j, nh), h_s * sp.strides[j][2] * sp.itemsize,
+                         h_d * d.strides[j][2] * d.itemsize, sp.block_stride_bytes(j), d.block_stride_bytes(j),
+                         sp.num_blocks, d.num_blocks, part, parts))
+    out = _block_rows(rows)
+    if len(cache) >= _SLICE_CACHE_ENTRIES:  # list(): a snapshot, safe if another thread plans too
+        cache.pop(next(iter(list(cache))), None)
+    cache[key] = (tuple(src_specs), tuple(dst_specs), out)
+    return out
+
+
+def slice_block_rows(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec]) -> BlockRows:
+    """The rows (:class:`BlockRows`) of ``read``'s payload moved DIRECT_SLICE: one per segment,
+    its head slice of every block, every position (:func:`slice_runs`'s descriptors, in its
+    order). Memoised with the columns it is made of (:func:`_slice_columns`)."""
+    cols = _slice_columns(read, src_specs, dst_specs)
+    cache = read.__dict__.setdefault("_slice_rows_cache", {})
+    hit = cache.get(id(cols))
+    if hit is not None and hit[0] is cols:
+        return hit[1]
+    rows = [(r, j, tile, s_off, d_off, s_stride, d_stride, src_specs[r].num_blocks, dst_specs[r].num_blocks, 0, 0)
+            for r, j, tile, s_stride, d_stride, s_off, d_off in cols.tolist()]
+    out = _block_rows(rows)
+    if len(cache) >= _SLICE_CACHE_ENTRIES:
+        cache.pop(next(iter(list(cache))), None)
+    cache[id(cols)] = (cols, out)
+    return out
+
+
 def tile_runs(read: Payload, specs: Sequence[RegionSpec], ids: np.ndarray, way: Way = Way.READ_UNPACK) -> Runs:
     """Descriptors that move ``read``'s payload for positions ``ids`` (one side's cache block id
     per position, none -1) between that side's cache and a staged chunk of ``ids.size``
@@ -272,17 +410,39 @@ def tile_runs(read: Payload, specs: Sequence[RegionSpec], ids: np.ndarray, way: 
     return Runs(src_rank, region_c, stream_c, cache_off, staging_off, nbytes, ("cache", "staging"))
 
 
-def _slice_columns(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec]):
-    """Per segment of ``read``: (tile bytes, source block stride, our block stride, the slice's
-    offset inside a source block, inside ours). The slice's validation
-    (:func:`~kvtriton.plan.direct_slice_way_problem`) made each one range from its first head's row."""
-    cols = []
+_SLICE_CACHE_ENTRIES = 8
+
+
+def _slice_columns(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec]) -> np.ndarray:
+    """Per segment of ``read`` (rows, int64): region, stream, tile bytes, source block stride, our
+    block stride, the slice's offset inside a source block, inside ours. The slice's validation
+    (:func:`~kvtriton.plan.direct_slice_way_problem`) made each one range from its first head's row.
+
+    Memoised on the payload per spec lists (their objects' identity, as :func:`_direct_groups`):
+    every request of a payload reads the same columns, so a request pays no Python per segment
+    (Llama-70B's 160 segments cost ~1 ms a request before)."""
+    cache = read.__dict__.setdefault("_slice_column_cache", {})
+    key = (id(src_specs), id(dst_specs))
+    hit = cache.get(key)
+    if hit is not None and _same_objects(hit[0], src_specs) and _same_objects(hit[1], dst_specs):
+        return hit[2]
+    rows = []
     for g in read.segments:
-        s, d = src_specs[g.region], dst_specs[g.region]
+        sp, d = src_specs[g.region], dst_specs[g.region]
         j = g.stream
-        cols.append((g.tile_bytes, s.block_stride_bytes(j), d.block_stride_bytes(j),
-                     g.src_head * s.strides[j][2] * s.itemsize, g.dst_head * d.strides[j][2] * d.itemsize))
-    return np.array(cols, np.int64).reshape(-1, 5)
+        rows.append((g.region, j, g.tile_bytes, sp.block_stride_bytes(j), d.block_stride_bytes(j),
+                     g.src_head * sp.strides[j][2] * sp.itemsize, g.dst_head * d.strides[j][2] * d.itemsize))
+    cols = np.array(rows, np.int64).reshape(-1, 7)
+    cols.setflags(write=False)
+    if len(cache) >= _SLICE_CACHE_ENTRIES:  # list(): a snapshot, safe if another thread plans too
+        cache.pop(next(iter(list(cache))), None)
+    cache[key] = (tuple(src_specs), tuple(dst_specs), cols)
+    return cols
+
+
+def _whole_slices(cols: np.ndarray) -> np.ndarray:
+    """Per segment: its slice is the whole block, back to back with the next one, on both sides."""
+    return (cols[:, 3] == cols[:, 2]) & (cols[:, 4] == cols[:, 2])
 
 
 def slice_descriptor_count(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec],
@@ -290,8 +450,7 @@ def slice_descriptor_count(read: Payload, src_specs: Sequence[RegionSpec], dst_s
     """How many descriptors :func:`slice_runs` gives for this request (without building them)."""
     cols = _slice_columns(read, src_specs, dst_specs)
     n = int(np.asarray(src_ids).size)
-    whole = (cols[:, 1] == cols[:, 0]) & (cols[:, 2] == cols[:, 0])
-    k = int(whole.sum())
+    k = int(_whole_slices(cols).sum())
     runs = pair_runs(np.asarray(src_ids, np.int64), np.asarray(dst_ids, np.int64))[0].size if k else 0
     return k * runs + (len(cols) - k) * n
 
@@ -302,25 +461,34 @@ def slice_runs(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequen
     segment's head slice from the source's cache block ``src_ids[i]`` to ours ``dst_ids[i]``
     (``ends`` ``("cache", "cache")``), one per (segment, block), or per run consecutive on both
     sides where the slice is the whole block and blocks lie back to back on both sides.
-    Entries are ordered by segment, then position."""
+    Entries are ordered by segment, then position. One numpy pass per kind of segment (whole
+    or partial slices), whatever the number of segments."""
     src_ids = np.asarray(src_ids, dtype=np.int64)
     dst_ids = np.asarray(dst_ids, dtype=np.int64)
     n = src_ids.size
     cols = _slice_columns(read, src_specs, dst_specs)
-    whole = (cols[:, 1] == cols[:, 0]) & (cols[:, 2] == cols[:, 0])
+    whole = _whole_slices(cols)
     singles = (np.arange(n, dtype=np.int64), np.ones(n, np.int64))
-    merged = pair_runs(src_ids, dst_ids) if whole.any() else singles
-    out: list[list[np.ndarray]] = [[] for _ in range(5)]
-    for i, g in enumerate(read.segments):
-        starts, lengths = merged if whole[i] else singles
-        tile, s_stride, d_stride, s_off, d_off = (int(x) for x in cols[i])
+    out: list[list[np.ndarray]] = [[] for _ in range(6)]
+    for sel, (starts, lengths) in ((whole, pair_runs(src_ids, dst_ids) if whole.any() else singles),
+                                   (~whole, singles)):
+        c = cols[sel]
+        if c.shape[0] == 0 or starts.size == 0:
+            continue
         k = starts.size
-        out[0].append(np.full(k, g.region, np.int64))
-        out[1].append(np.full(k, g.stream, np.int64))
-        out[2].append(src_ids[starts] * s_stride + s_off)
-        out[3].append(dst_ids[starts] * d_stride + d_off)
-        out[4].append(lengths * tile)
-    region, stream, src_off, dst_off, nbytes = (np.concatenate(c) if c else _EMPTY.copy() for c in out)
+        out[0].append(np.repeat(np.flatnonzero(sel), k))  # the segment: for the order below
+        out[1].append(np.repeat(c[:, 0], k))
+        out[2].append(np.repeat(c[:, 1], k))
+        out[3].append((src_ids[starts][None, :] * c[:, 3:4] + c[:, 5:6]).ravel())
+        out[4].append((dst_ids[starts][None, :] * c[:, 4:5] + c[:, 6:7]).ravel())
+        out[5].append((lengths[None, :] * c[:, 2:3]).ravel())
+    if not out[0]:
+        e = _EMPTY
+        return Runs(e.copy(), e.copy(), e.copy(), e.copy(), e.copy(), e.copy())
+    seg, region, stream, src_off, dst_off, nbytes = (np.concatenate(c) for c in out)
+    if len(out[0]) > 1:  # whole and partial slices both: back to segment order
+        order = np.argsort(seg, kind="stable")
+        region, stream, src_off, dst_off, nbytes = (a[order] for a in (region, stream, src_off, dst_off, nbytes))
     return Runs(np.full(nbytes.size, read.src_rank, np.int64), region, stream, src_off, dst_off, nbytes)
 
 

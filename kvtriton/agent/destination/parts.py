@@ -27,11 +27,11 @@ import numpy as np
 
 from ...errors import ProtocolError
 from ...ops import unpack
-from ...plan import RequestPayload, Way, ceil_div, slice_runs, tile_runs
+from ...plan import RequestPayload, Way, ceil_div, slice_block_rows, tile_runs
 from ...protocol import wire
 from ..device import event_done
 from ..integrity import verify
-from ..links import Chunk, Links, Peer, Settings
+from ..links import Chunk, Links, Peer, RowsPost, Settings
 from ..stats import DIRECT_WAY
 from .fetch import Fetch
 
@@ -43,30 +43,30 @@ class RunsTransfer:
 
     pending: bool = True
     xfer: object = None  # pull: the READ of the runs
-    lists: tuple = ()
+    post: RowsPost | None = None
 
     def read(self, links: Links, f: Fetch, peer: Peer) -> None:
         """Pull: READ this source rank's DIRECT runs of ``f``."""
         rp = f.request
-        prepped = links.prep_runs(rp.plan, peer, rp.src_ids, rp.dst_ids, reading=True)
-        if prepped is None:
+        post = links.prep_runs(rp.plan, peer, rp.src_ids, rp.dst_ids, reading=True)
+        if post is None:
             self.pending = False
             return
-        local, remote, count, nbytes = prepped
-        self.lists = (local, remote)
-        with f.posting(count, nbytes):
-            self.xfer = links.post_runs("READ", local, remote, count)
+        self.post = post
+        with f.posting(post.count, post.nbytes):
+            self.xfer = links.post_rows("READ", post)
 
     def poll(self, links: Links) -> None:
         if self.xfer is not None and links.done(self.xfer):
-            links.retire(self.xfer, links.release_lists(*self.lists))
+            links.retire(self.xfer, links.release_post(self.post))
             self.xfer, self.pending = None, False
 
     def release(self, links: Links) -> None:
         if self.xfer is not None:
-            links.retire(self.xfer, links.release_lists(*self.lists))
-        elif self.lists:
-            links.release_lists(*self.lists)()
+            links.retire(self.xfer, links.release_post(self.post))
+        elif self.post is not None:
+            links.release_post(self.post)()
+        self.post = None
 
     @property
     def landed(self) -> bool:
@@ -364,7 +364,7 @@ class PackPlacePart(AnnouncedPart):
             runs = tile_runs(self.payload.read, self.s.specs, f.dst_ids[lo:hi])
             if (runs.staging_offset + runs.nbytes > ready.nbytes).any():  # the plan's own sizes: a bug, not a peer
                 raise ProtocolError(f"pack_place: chunk {ready.chunk} tiles exceed its {ready.nbytes} bytes")
-            local = links.cache_addrs(links.addrs, links.spans, runs.region, runs.stream, runs.cache_offset,
+            local = links.cache_addrs(links.tables, runs.region, runs.stream, runs.cache_offset,
                                       runs.nbytes, "this rank")
             st = peer.md.staging
             remote = st.addr + ready.slot * st.slot_bytes + runs.staging_offset
@@ -372,7 +372,7 @@ class PackPlacePart(AnnouncedPart):
             ch.lists = links.prep_pieces(peer, local, remote, runs.nbytes)
             self.inflight[ch.index] = ch
             with f.posting(len(runs), ready.nbytes):
-                ch.xfer = links.post_runs("READ", *ch.lists, len(runs), one_sided=True)
+                ch.xfer = links.post_pieces("READ", *ch.lists, len(runs))
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:
         self._consumed(ch, peer)  # the READ placed the tiles in our cache: nothing to unpack
@@ -434,7 +434,7 @@ class ReadUnpackPart(SourceCachePart):
             try:
                 lo, hi = chunks.bounds(c)
                 runs = tile_runs(self.payload.read, peer.md.regions, f.src_ids[lo:hi])
-                remote = self.links.cache_addrs(peer.md.addrs, peer.md.spans, runs.region, runs.stream,
+                remote = self.links.cache_addrs(peer.tables, runs.region, runs.stream,
                                                 runs.cache_offset, runs.nbytes, peer.agent)
                 ch.lists = self.links.prep_pieces(peer, pool.addr + pool.offset(slot) + runs.staging_offset, remote,
                                                   runs.nbytes)
@@ -444,7 +444,7 @@ class ReadUnpackPart(SourceCachePart):
             self.inflight[c] = ch
             self.next_read += 1
             with f.posting(len(runs), nbytes):
-                ch.xfer = self.links.post_runs("READ", *ch.lists, len(runs), one_sided=True)
+                ch.xfer = self.links.post_pieces("READ", *ch.lists, len(runs))
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:
         self.reads_landed += 1
@@ -458,7 +458,8 @@ class DirectSlicePart(SourceCachePart):
     """Pull, DIRECT_SLICE chosen for this request: after the source's RunsReady (or its
     slot-less offer), and once the engine is done with our blocks' previous contents, READ every
     segment's head slice from the source's cache blocks straight into ours in one transfer
-    (:func:`~kvtriton.plan.slice_runs`); nothing is packed, staged or unpacked. The payload's
+    (:func:`~kvtriton.plan.slice_block_rows`, over lists prepared once per peer); nothing is
+    packed, staged or unpacked. The payload's
     chunks only say which positions the transfer defined: all of them once it landed. RunsDone
     then."""
 
@@ -473,18 +474,16 @@ class DirectSlicePart(SourceCachePart):
         # the NIC writes our blocks without a stream: only once the engine is done with them
         if not self.lease.go or self.posted or not event_done(f.ready):
             return
-        runs = slice_runs(self.payload.read, peer.md.regions, self.s.specs, f.src_ids, f.dst_ids)
-        remote = links.cache_addrs(peer.md.addrs, peer.md.spans, runs.region, runs.stream, runs.src_offset,
-                                   runs.nbytes, peer.agent)
-        local = links.cache_addrs(links.addrs, links.spans, runs.region, runs.stream, runs.dst_offset,
-                                  runs.nbytes, "this rank")
-        ch = Chunk(0, -1, 0, runs.total_bytes)  # the one transfer of every slice; no local slot
-        ch.lists = links.prep_pieces(peer, local, remote, runs.nbytes)
+        rows = slice_block_rows(self.payload.read, peer.md.regions, self.s.specs)
+        post = links.prep_rows(peer, rows, f.src_ids, f.dst_ids, reading=True)
+        ch = Chunk(0, -1, 0, post.nbytes)  # the one transfer of every slice; no local slot
+        if post.owned:
+            ch.lists = (post.local, post.remote)
         self.inflight[ch.index] = ch
         self.posted = True
         links.stats.slice_payloads += 1
-        with f.posting(len(runs), runs.total_bytes):
-            ch.xfer = links.post_runs("READ", *ch.lists, len(runs), one_sided=True)
+        with f.posting(post.count, post.nbytes):
+            ch.xfer = links.post_rows("READ", post, one_sided=True)
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:
         self.fetch.touch()

@@ -36,7 +36,7 @@ from ...plan import ChunkGeometry, OfferTerms, Payload, RequestPlan, TokenMap
 from ...protocol import wire
 from ..device import event_done
 from ..integrity import seal
-from ..links import Chunk, Flow, Links, Peer, logger
+from ..links import Chunk, Flow, Links, Peer, RowsPost, logger
 from ..settings import Settings
 from ..stats import Stats
 from .eager import Packed, suffix_chunks
@@ -151,7 +151,7 @@ class PushServe(Serve):
     flow: ClassVar[Flow] = Flow.PUSH
     grants: deque = field(default_factory=deque)  # Grant messages waiting for a local slot
     granted: set = field(default_factory=set)  # chunks the peer granted slots for
-    runs: tuple | None = None  # (local list, remote list, count, nbytes) of DIRECT runs to WRITE
+    runs: RowsPost | None = None  # the DIRECT runs to WRITE
     runs_xfer: object = None  # the WRITE of the DIRECT runs, until it completes
 
     @property
@@ -161,11 +161,10 @@ class PushServe(Serve):
     def advance(self, serves: Serves) -> None:
         links = serves.links
         if self.runs is not None and self.runs_xfer is None and event_done(self.ready):
-            local, remote, count, _ = self.runs
-            self.runs_xfer = links.post_runs("WRITE", local, remote, count, wire.RunsReady(self.xid))
+            self.runs_xfer = links.post_rows("WRITE", self.runs, wire.RunsReady(self.xid))
         if self.runs_xfer is not None and links.done(self.runs_xfer):  # ERR raises: reject
             links.transport.release(self.runs_xfer)
-            links.release_lists(*self.runs[:2])()
+            links.release_post(self.runs)()
             self.runs, self.runs_xfer = None, None
         self.waiting_local = False
         self.waiting_engine = self.runs is not None and self.runs_xfer is None  # the engine is still writing
@@ -196,7 +195,7 @@ class PushServe(Serve):
 
     def ended(self, serves: Serves, told: bool, until: float) -> None:
         if self.runs is not None:
-            serves.links.retire(self.runs_xfer, serves.links.release_lists(*self.runs[:2]))
+            serves.links.retire(self.runs_xfer, serves.links.release_post(self.runs))
             self.runs, self.runs_xfer = None, None
 
 
