@@ -108,6 +108,11 @@ def summary_lines(rows: list[dict], meta: dict) -> list[str]:
     if plan:
         lines += _table("Planning cost per request (us; goal <= 50, flat in block count where the work allows)",
                         plan)
+    host = [r for r in rows if r["section"] == "fetch_host"]
+    if host:
+        lines += _table("Host time of one small zero-copy fetch (P2->D1, 22 blocks, one process: kvtriton's fetch() "
+                        "to its result against the same READs posted raw over lists prepared once, as NixlConnector "
+                        "posts; ms; bench/fetch_host.py)", host)
     rogue = [r for r in rows if r["section"] == "rogue"]
     if rogue:
         lines += rogue_summary(rogue)

@@ -19,6 +19,9 @@ Sections (all by default; ``--sections`` picks some):
 * ``planning``: per-request planning cost in us for 1k- and 128k-token requests (bench/planning.py).
 * both also get block-size-change rows (bench/block_sizes.py): P4->D8 at 16->64 and 64->16
   against the same transfer with equal block sizes.
+* ``fetch_host``: the host time of one small zero-copy fetch (P2->D1, the three small models of
+  ``pd_vllm``'s cells) in one process, kvtriton's ``fetch()`` to its result against the same READs
+  posted raw over lists prepared once (bench/fetch_host.py, ~15 s), when NIXL is installed.
 * ``rogue``: a hostile peer with a genuine handshake against an honest request (9 scenarios)
   and a load run of 256 concurrent requests into 4 decode ranks with and without it
   (bench/rogue.py, ~25 s), when NIXL is installed.
@@ -193,6 +196,13 @@ def _planning(args, presets, device, bar) -> list[dict]:
     return rows
 
 
+def _fetch_host(args, presets, device, bar) -> list[dict]:
+    from fetch_host import CASES, run_fetch_host  # bench/fetch_host.py
+
+    bar.total(len(CASES))
+    return [{"section": "fetch_host", **r} for r in run_fetch_host(40 if args.full else 15, progress=bar.step)]
+
+
 def _rogue(args, presets, device, bar) -> list[dict]:
     import rogue  # bench/rogue.py
 
@@ -220,6 +230,7 @@ SECTIONS = {
     "e2e": (True, _e2e),
     "costmodel": (True, _costmodel),
     "planning": (False, _planning),
+    "fetch_host": (True, _fetch_host),
     "rogue": (True, _rogue),
     "security_cost": (True, _security_cost),
     "pd_vllm": (False, _pd_vllm),
@@ -229,8 +240,8 @@ SECTIONS = {
 #: seconds each section may take in the default sweep on a 2-core box (sum 300 s: the 5-minute
 #: goal of issue 21); a section past its budget is not cut short (its rows would be lost) but
 #: summary.md's section table says it ran over, by how much, so the total's cause is in plain view
-BUDGET_S = {"descriptors": 5, "kernels": 30, "e2e": 50, "costmodel": 50, "planning": 5, "rogue": 20,
-            "security_cost": 15, "pd_vllm": 125}
+BUDGET_S = {"descriptors": 5, "kernels": 30, "e2e": 50, "costmodel": 50, "planning": 5, "fetch_host": 15,
+            "rogue": 20, "security_cost": 15, "pd_vllm": 110}
 #: peak memory every bench must stay under (issue 21: the quick grid once peaked at 10 GB)
 MEMORY_GOAL_GB = 4.0
 

@@ -366,6 +366,38 @@ def test_debug_state_is_plain_json_with_the_documented_keys(engines):
     check_destination(e.D[0], 0, 2, kv, dst, e.before[0])
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_cache_to_cache_lists_are_prepared_once_per_peer(engines, mode):
+    """DIRECT runs and direct slices post indices into lists prepared once per peer (vLLM's own
+    per-request path): many requests, scattered and in runs, each byte-exact, and each peer
+    keeps the one set of lists it was first read by; the counted descriptors are the runs NIXL
+    posts once the pairs adjacent on both sides merged."""
+    models = [RegionModel.gqa("l0", 4, 16), RegionModel.mla("mla", 24, torch.float16)]
+    e = engines(2, 1, mode=mode, models=models, p_layout="HND", p_storage="separate", modes="direct_slice")
+    rng = np.random.default_rng(7)
+    posting = e.da if mode == "pull" else e.pa  # the side that posts the READs (pull) or WRITEs (push)
+    for k, run in enumerate((False, True, False, True)):
+        n = 9
+        src = np.arange(20, 20 + n) if run else rng.permutation(64)[:n]
+        dst = np.arange(3, 3 + n) if run else rng.permutation(48)[:n]
+        before = [snapshot(x) for x in e.D]
+        kv = e.request(src)
+        for p in e.pa:
+            p.hold(f"r{k}", src)
+        e.da[0].fetch(f"r{k}", "P", src, dst)
+        res = e.drive(1)[0]
+        assert res[0].ok, res
+        check_destination(e.D[0], 0, 1, kv, dst, before[0])
+        if mode == "pull":
+            # l0: each prefill rank's 2 of 4 heads into our blocks, one per (rank, K/V, block) whatever
+            # the runs; the latent: half the positions from each replica, one run each when in runs
+            assert res[0].descriptors == 2 * 2 * n + (2 if run else n)
+        for a in posting:
+            peers = a.debug_state()["peers"]
+            assert all(v["row_lists"] == 1 for v in peers.values()), peers
+        e.settle()
+
+
 def test_flow_is_the_name_and_mode_its_alias():
     """``flow=`` names pull/push; ``mode=`` (its old name) still works for one release, and the
     two may not disagree. Checked before any NIXL agent is made (transport given)."""

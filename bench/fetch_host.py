@@ -1,0 +1,249 @@
+"""Host time of one small zero-copy fetch: what decides the small real-engine cells.
+
+A small request (a few hundred tokens: ~1-2 MB) loads within one or two engine steps whichever
+connector moves it, so its time to KV loaded is the host work around the READs: planning the
+request, posting, polling, the protocol's messages. This times exactly that, in one process
+over NIXL (UCX on this host), P2 -> D1, for the three small models of ``bench/pd_vllm.py``'s
+cells: a DeepSeek-V2-like MLA cache (REPLICATE latents, DIRECT runs), the small Llama on vLLM's
+CPU cache (one K||V stream per layer, K dim-major: DIRECT_SLICE head slices) and that Llama with
+an MLA draft layer in the same blocks (both). 22 blocks of 16 tokens, ids scattered.
+
+* ``kvtriton``: the decode rank's own time in ``fetch()`` and every ``progress()``/``results()``
+  call until its result, through real agents, the prefill ranks' holds offered ahead
+  (``consumer`` named, what the vLLM connector does) and the prefill ranks progressed between
+  its polls (untimed: their own processes when serving); checked byte for byte against the
+  global-head oracle once;
+* ``floor``: the same READs posted raw over lists prepared once (what NixlConnector posts per
+  request: one READ per source rank, indices into per-block descriptor lists), the time in
+  its own post and poll calls: no agent, no messages, no protocol. The ratio kvtriton / floor
+  is the agent's per-request overhead on the decode's thread, the engine's.
+
+A READ's completion here also waits for the source's UCX worker to progress once the decode has
+sent that source any message (NIXL completes a transfer with an endpoint flush, which then needs
+the peer's answer): the prefill's progress cadence bounds it in serving (its agent's thread,
+``progress_interval_s``; NixlConnector's prefill spins NIXL's own progress thread instead).
+
+Rounds interleave the two, so load on a shared host hits both alike. Run alone:
+``python bench/fetch_host.py [--reps 40]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import qfields, quantiles_of  # bench/timing.py
+
+NUM_BLOCKS, BLOCK, BLOCKS_PER_REQUEST = 136, 16, 22
+P_TP, D_TP = 2, 1
+
+
+def _models(kind: str):
+    from kvtriton.testing.oracle import RegionModel
+
+    gqa = [RegionModel.gqa(f"layer.{i}", 2, 32, torch.float32) for i in range(2)]
+    mla = [RegionModel.mla(f"mla.{i}", 576, torch.float32) for i in range(2)]
+    return {"mla": mla, "gqa": gqa, "gqa+mla-draft": gqa + mla[:1]}[kind]
+
+
+CASES = ("mla", "gqa", "gqa+mla-draft")
+
+
+class Case:
+    """Two prefill ranks and one decode rank of one model kind, in this process."""
+
+    def __init__(self, kind: str, seed: int):
+        from kvtriton.agent import TransferAgent
+        from kvtriton.testing.oracle import make_global_kv, make_rank_regions
+
+        self.kind, self.models = kind, _models(kind)
+        gen = torch.Generator().manual_seed(seed)
+        self.src = [make_rank_regions(self.models, r, P_TP, NUM_BLOCKS, BLOCK, layout="HND", storage="vllm_cpu",
+                                      gen=gen) for r in range(P_TP)]
+        self.dst = make_rank_regions(self.models, 0, D_TP, NUM_BLOCKS, BLOCK, layout="HND", storage="vllm_cpu",
+                                     gen=gen)
+        self.kv = make_global_kv(self.models, BLOCKS_PER_REQUEST, BLOCK, gen)
+        kw = dict(staging_bytes=8 << 20, timeout_s=30.0, impl="torch")
+        self.p = [TransferAgent(f"P-{kind}", r, P_TP, self.src[r], **kw) for r in range(P_TP)]
+        self.d = TransferAgent(f"D-{kind}", 0, D_TP, self.dst, **kw)
+        for a in self.p:
+            self.d.add_remote(a.metadata())
+            a.add_remote(self.d.metadata())
+        self.rng = np.random.default_rng(seed)
+        self.count = 0
+        self.descriptors = 0
+        self.ways = ""
+
+    def ids(self) -> tuple[np.ndarray, np.ndarray]:
+        return (self.rng.permutation(NUM_BLOCKS)[:BLOCKS_PER_REQUEST],
+                self.rng.permutation(NUM_BLOCKS)[:BLOCKS_PER_REQUEST])
+
+    def fetch_ms(self, check: bool = False) -> float:
+        """One request: holds offered ahead (untimed), then fetch() to its result (timed)."""
+        from kvtriton.testing.oracle import check_destination, load_source, snapshot
+
+        src, dst = self.ids()
+        req = f"{self.kind}-{self.count}"
+        self.count += 1
+        if check:
+            for r, regs in enumerate(self.src):
+                load_source(regs, r, P_TP, self.kv, src)
+            before = snapshot(self.dst)
+        for a in self.p:
+            a.hold(req, src, lease_s=30, consumer=f"D-{self.kind}")
+        deadline = time.monotonic() + 10
+        while not self.d.has_offer(f"P-{self.kind}", req):  # what an engine step later finds in place
+            for a in (*self.p, self.d):
+                a.progress()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fetch_host: no offer of {req} in 10 s")
+        for _ in range(8):  # every offer (one per prefill rank) taken in
+            for a in (*self.p, self.d):
+                a.progress()
+        # the decode rank's own time: its fetch() and every progress() and results() call until the
+        # result; the prefill ranks (their own processes when serving) progress between its polls,
+        # untimed, as promptly as the floor's peers do
+        spent = 0.0
+        t0 = time.perf_counter()
+        self.d.fetch(req, f"P-{self.kind}", src, dst)
+        spent += time.perf_counter() - t0
+        while True:
+            t1 = time.perf_counter()
+            self.d.progress()
+            res = self.d.results()
+            spent += time.perf_counter() - t1
+            if res:
+                break
+            for a in self.p:
+                a.progress()
+            if time.perf_counter() - t0 > 10:
+                raise TimeoutError(f"fetch_host: {req} did not finish in 10 s")
+        ms = spent * 1e3
+        if not res[0].ok:
+            raise res[0].error
+        self.descriptors = res[0].descriptors
+        self.ways = ",".join(f"{w} {n}" for w, n in res[0].ways)
+        if check:
+            check_destination(self.dst, 0, D_TP, self.kv, dst, before)
+        for _ in range(8):  # the prefill ranks take the Done in and free the hold
+            for a in (*self.p, self.d):
+                a.progress()
+        for a in self.p:
+            a.freed()
+        return ms
+
+    def close(self) -> None:
+        for a in (*self.p, self.d):
+            a.close()
+
+
+class Floor:
+    """The same READs posted raw: per source rank, lists over both caches prepared once (one
+    strided row per region, stream and slice: the blocks' ranges) and one READ per request of
+    the indices its blocks name, as NixlConnector posts; no agent, no message."""
+
+    def __init__(self, case: Case):
+        from kvtriton.plan import build_plan, direct_block_rows, slice_block_rows
+        from kvtriton.transport.nixl import NixlTransport
+
+        self.case = case
+        self.a = NixlTransport(f"floor-d-{case.kind}")
+        self.b = [NixlTransport(f"floor-p{r}-{case.kind}") for r in range(P_TP)]
+        self.a.register([t for r in case.dst for t in r.streams])
+        dst_specs = [r.spec for r in case.dst]
+        plan = build_plan(0, D_TP, dst_specs, P_TP, [r.spec for r in case.src[0]], modes="direct_slice")
+        self.sides = []
+        for r, b in enumerate(self.b):
+            b.register([t for reg in case.src[r] for t in reg.streams])
+            peer = self.a.add_remote(b.metadata())
+            b.add_remote(self.a.metadata())
+            src_specs = [x.spec for x in case.src[r]]
+            rows = [direct_block_rows(plan, src_specs, dst_specs, r)]
+            if plan.staged:  # a payload read as head slices (forced above: every region of the plan is zero-copy)
+                rows += [slice_block_rows(p, src_specs, dst_specs) for p in plan.staged if p.src_rank == r]
+            for rw in (x for x in rows if len(x)):
+                local = self._rows(case.dst, rw, rw.dst_offset, rw.dst_stride, rw.dst_blocks)
+                remote = self._rows(case.src[r], rw, rw.src_offset, rw.src_stride, rw.src_blocks)
+                self.sides.append((b, rw, self.a.prep_local(local, "DRAM"), self.a.prep_remote(peer, remote, "DRAM")))
+
+    @staticmethod
+    def _rows(regions, rows, offset, stride, blocks) -> np.ndarray:
+        addr = np.array([regions[g].streams[j].data_ptr() for g, j in zip(rows.region.tolist(), rows.stream.tolist())],
+                        dtype=np.int64)
+        return np.stack([addr + offset, rows.tile, np.zeros_like(offset), stride, blocks], axis=1)
+
+    def fetch_ms(self) -> float:
+        from kvtriton.transport.nixl import XferStatus
+
+        src, dst = self.case.ids()
+        spent = 0.0
+        t0 = time.perf_counter()
+        xfers = []
+        for b, rows, local, remote in self.sides:
+            s_idx, d_idx, _, _ = rows.select(src, dst)
+            if s_idx.size:
+                xfers.append((b, self.a.post("READ", local, d_idx, remote, s_idx)))
+        spent += time.perf_counter() - t0
+        for b, x in xfers:
+            while True:
+                t1 = time.perf_counter()
+                done = self.a.poll(x) is XferStatus.DONE
+                spent += time.perf_counter() - t1
+                if done:
+                    break
+                b.poll_notifs()  # the peer's own progress (untimed), as its process would
+            self.a.release(x)
+        return spent * 1e3
+
+    def close(self) -> None:
+        for t in (self.a, *self.b):
+            t.close()
+
+
+def run_fetch_host(reps: int = 40, progress=None) -> list[dict]:
+    """One row per model kind: the decode's host time in kvtriton's fetch() to its result and in
+    the raw floor's posts and polls, ms (p20/p50/p80)."""
+    torch.set_num_threads(1)
+    rows = []
+    for i, kind in enumerate(CASES):
+        case = Case(kind, seed=40 + i)
+        floor = Floor(case)
+        try:
+            for _ in range(3):
+                case.fetch_ms()
+                floor.fetch_ms()
+            case.fetch_ms(check=True)  # byte for byte, once (its time is not counted)
+            ours, raw = [], []
+            for k in range(reps):
+                for name in (("ours", "raw") if k % 2 == 0 else ("raw", "ours")):
+                    (ours.append(case.fetch_ms()) if name == "ours" else raw.append(floor.fetch_ms()))
+            q_ours, q_raw = quantiles_of(ours), quantiles_of(raw)
+            rows.append(dict(case=kind, p_tp=P_TP, d_tp=D_TP, blocks=BLOCKS_PER_REQUEST, descriptors=case.descriptors,
+                             ways=case.ways, **qfields("kvtriton_ms", q_ours), **qfields("floor_ms", q_raw),
+                             ratio=round(q_ours[1] / q_raw[1], 2)))
+        finally:
+            floor.close()
+            case.close()
+        if progress is not None:
+            progress(kind)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=40)
+    args = ap.parse_args()
+    for r in run_fetch_host(args.reps):
+        print(f"fetch_host {r['case']}: kvtriton {r['kvtriton_ms']:.3f} ms [{r['kvtriton_ms_p20']:.3f}-"
+              f"{r['kvtriton_ms_p80']:.3f}], floor {r['floor_ms']:.3f} ms, ratio {r['ratio']:.2f}; "
+              f"{r['descriptors']} descriptors ({r['ways']})")
+
+
+if __name__ == "__main__":
+    main()
