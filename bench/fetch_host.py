@@ -23,8 +23,9 @@ sent that source any message (NIXL completes a transfer with an endpoint flush, 
 the peer's answer): the prefill's progress cadence bounds it in serving (its agent's thread,
 ``progress_interval_s``; NixlConnector's prefill spins NIXL's own progress thread instead).
 
-Rounds interleave the two, so load on a shared host hits both alike. Run alone:
-``python bench/fetch_host.py [--reps 40]``.
+Requests alternate between the two, so load on a shared host hits both alike. Run alone:
+``python bench/fetch_host.py [--reps 40]``; an older kvtriton (a checkout on ``PYTHONPATH``)
+with ``--no-floor``.
 """
 
 from __future__ import annotations
@@ -206,29 +207,39 @@ class Floor:
             t.close()
 
 
-def run_fetch_host(reps: int = 40, progress=None) -> list[dict]:
+def run_fetch_host(reps: int = 40, progress=None, floor: bool = True) -> list[dict]:
     """One row per model kind: the decode's host time in kvtriton's fetch() to its result and in
-    the raw floor's posts and polls, ms (p20/p50/p80)."""
+    the raw floor's posts and polls, ms (p20/p50/p80). ``floor=False``: kvtriton's rows only (the
+    floor is built with planner functions an older kvtriton lacks: how a checkout of one is
+    timed against this one)."""
     torch.set_num_threads(1)
     rows = []
     for i, kind in enumerate(CASES):
         case = Case(kind, seed=40 + i)
-        floor = Floor(case)
+        raw_floor = Floor(case) if floor else None
         try:
             for _ in range(3):
                 case.fetch_ms()
-                floor.fetch_ms()
+                if raw_floor is not None:
+                    raw_floor.fetch_ms()
             case.fetch_ms(check=True)  # byte for byte, once (its time is not counted)
             ours, raw = [], []
-            for k in range(reps):
-                for name in (("ours", "raw") if k % 2 == 0 else ("raw", "ours")):
-                    (ours.append(case.fetch_ms()) if name == "ours" else raw.append(floor.fetch_ms()))
-            q_ours, q_raw = quantiles_of(ours), quantiles_of(raw)
-            rows.append(dict(case=kind, p_tp=P_TP, d_tp=D_TP, blocks=BLOCKS_PER_REQUEST, descriptors=case.descriptors,
-                             ways=case.ways, **qfields("kvtriton_ms", q_ours), **qfields("floor_ms", q_raw),
-                             ratio=round(q_ours[1] / q_raw[1], 2)))
+            for k in range(reps):  # alternating which goes first
+                if raw_floor is not None and k % 2:
+                    raw.append(raw_floor.fetch_ms())
+                ours.append(case.fetch_ms())
+                if raw_floor is not None and not k % 2:
+                    raw.append(raw_floor.fetch_ms())
+            q_ours = quantiles_of(ours)
+            row = dict(case=kind, p_tp=P_TP, d_tp=D_TP, blocks=BLOCKS_PER_REQUEST, descriptors=case.descriptors,
+                       ways=case.ways, **qfields("kvtriton_ms", q_ours))
+            if raw:
+                q_raw = quantiles_of(raw)
+                row.update(qfields("floor_ms", q_raw), ratio=round(q_ours[1] / q_raw[1], 2))
+            rows.append(row)
         finally:
-            floor.close()
+            if raw_floor is not None:
+                raw_floor.close()
             case.close()
         if progress is not None:
             progress(kind)
@@ -238,11 +249,13 @@ def run_fetch_host(reps: int = 40, progress=None) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--no-floor", action="store_true",
+                    help="kvtriton's rows only (to time a checkout of an older kvtriton on PYTHONPATH)")
     args = ap.parse_args()
-    for r in run_fetch_host(args.reps):
+    for r in run_fetch_host(args.reps, floor=not args.no_floor):
+        floor = f", floor {r['floor_ms']:.3f} ms, ratio {r['ratio']:.2f}" if "floor_ms" in r else ""
         print(f"fetch_host {r['case']}: kvtriton {r['kvtriton_ms']:.3f} ms [{r['kvtriton_ms_p20']:.3f}-"
-              f"{r['kvtriton_ms_p80']:.3f}], floor {r['floor_ms']:.3f} ms, ratio {r['ratio']:.2f}; "
-              f"{r['descriptors']} descriptors ({r['ways']})")
+              f"{r['kvtriton_ms_p80']:.3f}]{floor}; {r['descriptors']} descriptors ({r['ways']})")
 
 
 if __name__ == "__main__":

@@ -398,6 +398,34 @@ def test_cache_to_cache_lists_are_prepared_once_per_peer(engines, mode):
         e.settle()
 
 
+def test_messages_are_fenced_reading_only_the_peers_staging(engines):
+    """After the decode's messages to a source (RunsDone, Done) one fence READ follows in the
+    background (``Links.fence``): over a transport whose messages lack remote completion (TCP
+    here) a later READ would otherwise wait for that source's next progress. Each fence reads
+    the source's staging into a buffer of the reader's own and is released once landed; loads
+    stay byte-exact and the sources' staging is untouched."""
+    models = [RegionModel.mla("mla", 64, torch.float16), RegionModel.mla("mla2", 32, torch.float16)]
+    e = engines(2, 1, models=models, p_layout="HND", p_storage="separate")
+    rng = np.random.default_rng(11)
+    staging_before = [a.pool.tensor.clone() for a in e.pa]
+    for k in range(4):
+        src, dst = rng.permutation(64)[:10], rng.permutation(48)[:10]
+        before = [snapshot(x) for x in e.D]
+        kv = e.request(src)
+        for p in e.pa:
+            p.hold(f"r{k}", src, consumer="D")
+        e.settle(0.1)
+        e.da[0].fetch(f"r{k}", "P", src, dst)
+        res = e.drive(1)[0]
+        assert res[0].ok, res
+        check_destination(e.D[0], 0, 1, kv, dst, before[0])
+        e.settle(0.2)
+        peers = e.da[0].debug_state()["peers"]
+        # one fence per load per source rank (its RunsDone and Done), landed and released
+        assert all(v["fences"] == k + 1 and not v["fencing"] and not v["unflushed"] for v in peers.values()), peers
+    assert all(torch.equal(a.pool.tensor, b) for a, b in zip(e.pa, staging_before))
+
+
 def test_flow_is_the_name_and_mode_its_alias():
     """``flow=`` names pull/push; ``mode=`` (its old name) still works for one release, and the
     two may not disagree. Checked before any NIXL agent is made (transport given)."""

@@ -17,8 +17,9 @@ Schema (top level)::
                            "cost" (its cost model as a dict, or None), "authenticated" (added
                            with authenticated=True), "generation" (its registration generation),
                            "silent_s" (seconds since its last message), "row_lists" (sets of
-                           cache-to-cache lists prepared with it and kept: DIRECT runs, slices)}}:
-                           ranks connected now
+                           cache-to-cache lists prepared with it and kept: DIRECT runs, slices),
+                           "fences" (fence READs posted to it), "fencing" (one in flight now),
+                           "unflushed" (messages sent since its last fence)}}: ranks connected now
     holds                 {req: {"block_ids" (held ids, in order), "consumer" (the engine the hold
                            is bound to, named or bound on first use; None: unbound),
                            "lease_s", "expires_in_s" (seconds to the end of the lease, < 0: past
@@ -128,7 +129,8 @@ def _snapshot(agent) -> dict[str, Any]:
                                 "staging_slots": p.md.staging.num_slots, "slot_bytes": p.md.staging.slot_bytes,
                                 "chunk_bytes": p.md.staging.chunk_bytes, "cost": _cost(p.md.cost),
                                 "authenticated": p.authenticated, "generation": p.md.generation,
-                                "silent_s": now - p.heard, "row_lists": len(p.row_lists)}
+                                "silent_s": now - p.heard, "row_lists": len(p.row_lists), "fences": p.fences,
+                                "fencing": p.fence_xfer is not None, "unflushed": p.unflushed}
                   for key, p in links.peers.items()},
         "holds": {req: {"block_ids": h.block_ids.tolist(), "consumer": h.consumer, "lease_s": h.lease_s,
                         "expires_in_s": h.deadline - now, "done_from": sorted(_name(*k) for k in h.done_from)}

@@ -20,7 +20,7 @@ from .device import Completion
 from .settings import Flow, Settings
 from .stats import Stats
 
-__all__ = ["Chunk", "Flow", "Links", "Peer", "RowsPost", "Settings", "logger", "slot_descs"]
+__all__ = ["FENCE_BYTES", "Chunk", "Flow", "Links", "Peer", "RowsPost", "Settings", "logger", "slot_descs"]
 
 logger = logging.getLogger("kvtriton.agent")
 
@@ -62,6 +62,10 @@ class Peer:
     served_at: float = 0.0  # when this rank last accepted a transfer from it (see .source.eager)
     # prepared lists over both caches, by (rows, reading): kept until the peer is released (see Links.rows_lists)
     row_lists: dict = field(default_factory=dict, repr=False)
+    unflushed: bool = False  # we sent it a message since its endpoint was last fenced (see Links.fence)
+    fence_xfer: object = None  # the fence READ in flight
+    fence_remote: object = None  # PreppedList: FENCE_BYTES at its staging's start
+    fences: int = 0  # fences posted to it
 
     @property
     def key(self) -> tuple[str, int]:
@@ -104,6 +108,9 @@ class RowsPost:
     owned: bool = False
 
 
+#: bytes a fence READs (see :meth:`Links.fence`)
+FENCE_BYTES = 64
+
 #: prepared row lists a peer keeps (a plan's DIRECT rows, a payload's slice rows, per direction:
 #: a handful); past it a transfer prepares its own and releases them (never evicts a list in use)
 MAX_ROW_LISTS = 16
@@ -139,6 +146,7 @@ class Links:
                            for r in settings.regions)
         self.tables = CacheTables.of(self.addrs, self.spans)
         self.local_staging = None  # PreppedList over our slots, once registered
+        self.fence_local = None  # PreppedList over our fence buffer (FENCE_BYTES), once registered
 
     def exposed(self, per_stream: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
         """What the metadata tells peers of our cache (addresses or spans, per region and stream):
@@ -174,6 +182,9 @@ class Links:
 
     def forget(self, peer: Peer) -> None:
         """Drop a peer; its NIXL state is released once no transfer uses it any more."""
+        if peer.fence_xfer is not None:
+            self.retire(peer.fence_xfer, lambda: None)
+            peer.fence_xfer = None
         self.peers.pop(peer.key, None)
         self.by_agent.pop(peer.agent, None)
         self.dead.append(peer)
@@ -190,6 +201,48 @@ class Links:
                 logger.info("notification to %s lost: %s", peer.agent, e)
                 return
             raise PeerDisconnectedError(f"{peer.md.engine}:{peer.md.rank} unreachable: {e}") from e
+        peer.unflushed = True
+
+    def fence(self) -> None:
+        """After messages to a peer, READ :data:`FENCE_BYTES` of its staging (into our fence
+        buffer, nothing else touched) once, in the background: keeps its endpoint flushed.
+
+        Why: NIXL completes a transfer with an endpoint flush, and where UCX carries messages on a
+        lane without remote completion (TCP: this host's only one besides CMA), a flush after
+        any message waits for the peer's worker to answer. A READ we post later would then wait
+        for the peer's next progress (its agent's thread, up to ``progress_interval_s``; a
+        prefill engine's GIL on top) even with the bytes already copied at the post. A fence
+        pays that wait between requests instead: the next READ completes at its post (a small
+        load in one engine step). (The first two READs from a peer's cache still wait for it: UCX
+        wires that up then.) One fence per peer at a time; called every progress()."""
+        if self.fence_local is None:
+            return
+        for peer in self.peers.values():
+            if peer.fence_xfer is not None:
+                try:
+                    if self.transport.poll(peer.fence_xfer) is XferStatus.PROC:
+                        continue
+                except TransportError:
+                    pass  # the peer is gone: its transfers fail where they are used
+                self._release_quietly(peer.fence_xfer)
+                peer.fence_xfer = None
+            if not peer.unflushed:
+                continue
+            peer.unflushed = False
+            try:
+                if peer.fence_remote is None:
+                    at = np.array([[peer.md.staging.addr, FENCE_BYTES, peer.md.dev]], dtype=np.int64)
+                    peer.fence_remote = self.transport.prep_remote(peer.agent, at, peer.md.mem)
+                peer.fence_xfer = self.transport.post("READ", self.fence_local, [0], peer.fence_remote, [0])
+                peer.fences += 1
+            except TransportError as e:
+                logger.info("fence to %s not posted: %s", peer.agent, e)
+
+    def _release_quietly(self, xfer) -> None:
+        try:
+            self.transport.release(xfer)
+        except TransportError:
+            pass
 
     # ------------------------------------------------------------------ transfers
     def post_chunk(self, op: str, ch: Chunk, peer: Peer, notif: wire.Message | None = None):
