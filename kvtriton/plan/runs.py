@@ -165,8 +165,8 @@ def direct_runs(
     if len(blocks) > 1 and (np.diff(arrays[1]) < 0).any():  # groups interleave: back to region order
         order = np.argsort(arrays[1], kind="stable")
         arrays = [a[order] for a in arrays]
-    src_rank, region, stream, src_offset, dst_offset, nbytes = arrays
-    return Runs(src_rank, region, stream, src_offset, dst_offset, nbytes)
+    ranks, region, stream, src_offset, dst_offset, nbytes = arrays
+    return Runs(ranks, region, stream, src_offset, dst_offset, nbytes)
 
 
 def _split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -319,7 +319,7 @@ def _starts_of(blocks: np.ndarray) -> np.ndarray:
     return starts
 
 
-def _block_rows(rows: list[tuple[int, ...]]) -> BlockRows:
+def _block_rows(rows: Sequence[tuple[int, ...]]) -> BlockRows:
     cols = np.array(rows, dtype=np.int64).reshape(-1, 11).T
     for c in cols:
         c.setflags(write=False)
