@@ -148,6 +148,8 @@ def test_settings_are_checked():
     assert ConnectorSettings.from_extra_config({"consumer": "decode-0"}).consumer == "decode-0"
     assert s.eager_guess and not ConnectorSettings.from_extra_config({"eager_guess": False}).eager_guess
     assert (s.register, s.integrity) == ("all", False)
+    assert (s.idle_wait_s, s.replicate_stripe, s.agent_stripe) == (0.002, 1, 1)  # one replica, as NixlConnector
+    assert ConnectorSettings.from_extra_config({"replicate_stripe": 0}).agent_stripe is None  # every replica
     hardened = ConnectorSettings.from_extra_config({"register": "staging", "integrity": True})
     assert (hardened.register, hardened.integrity) == ("staging", True)
     for bad, match in (({"consumer": 3}, "must be str"), ({"eager_guess": 0}, "must be bool"),
@@ -157,7 +159,9 @@ def test_settings_are_checked():
                        ({"cost_model": "desc_us=0"}, "not a number in"), ({"cost_model": "desc_us=x"}, "not a number"),
                        ({"cost_model": "desc_us=inf"}, "not a number"), ({"cost_model": "speed=3"}, "not one of"),
                        ({"cost_model": "desc_us=1,desc_us=2"}, "twice"),
-                       ({"integrity": 1}, "must be bool")):
+                       ({"integrity": 1}, "must be bool"), ({"idle_wait_s": -0.001}, "0 to 0.1 seconds"),
+                       ({"idle_wait_s": 1}, "0 to 0.1 seconds"), ({"idle_wait_s": float("nan")}, "0 to 0.1"),
+                       ({"replicate_stripe": -1}, ">= 0"), ({"replicate_stripe": 1.0}, "must be int")):
         with pytest.raises(SettingsError, match=match):
             ConnectorSettings.from_extra_config(bad)
 

@@ -1,8 +1,9 @@
 """MLA on real vLLM engines: a tiny DeepSeek-V2 (2 MLA layers, the real latent 512 + 64) through
 KVTritonConnector at P2->D1 and P1->D2 (vLLM's CPU build, the test bed of ``make vllm-bed``).
 
-An MLA latent is the same on every rank (REPLICATE): P2->D1 reads stripes of it from both
-prefill replicas, P1->D2 gives every decode rank the whole latent. Oracles per pair, on one pair
+An MLA latent is the same on every rank (REPLICATE): P2->D1 reads it from one prefill replica
+(the connector's default ``replicate_stripe`` 1, as NixlConnector) or stripes each request over
+both (``replicate_stripe`` 0), P1->D2 gives every decode rank the whole latent. Oracles per pair, on one pair
 of engines: a negative control (the prefill's blocks overwritten before the load) changes the
 tokens; tokens equal the decode computing the prompt itself, at most one prompt token is
 computed per request, every region's bytes on the decode equal the prefill's (per-region digests,
@@ -55,11 +56,13 @@ def prompts():
 # and vLLM gave its freed last block to the 170-token request's next token (the decode's MLA cache
 # writes showed slot 48 = that block's row 0 written by the other request). region_digests now
 # digests a copy the decode rank takes when the load is reported finished, over every prompt token.
-@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
-def test_mla_tokens_bytes_descriptors(model_dir, tmp_path, prompts, p_tp, d_tp):
+@pytest.mark.parametrize("p_tp,d_tp,stripe", [(2, 1, 1), (2, 1, 0), (1, 2, 1)],
+                         ids=["P2D1-one-replica", "P2D1-striped", "P1D2"])
+def test_mla_tokens_bytes_descriptors(model_dir, tmp_path, prompts, p_tp, d_tp, stripe):
     # no pack ahead of the pull (eager_guess off), so the negative control can run after the transfer
     pair = EnginePair(VLLM_PY, model_dir, tmp_path, p_tp, d_tp, block_size=BLOCK, engine_options=MLA_OPTIONS,
-                      p_extra={"eager_guess": False})
+                      p_extra={"eager_guess": False, "replicate_stripe": stripe},
+                      d_extra={"replicate_stripe": stripe})
     try:
         # the transfer first: vLLM reuses freed blocks LIFO, so only fresh engines give consecutive blocks
         res = pair.transfer(prompts, tag="x")
@@ -82,11 +85,12 @@ def test_mla_tokens_bytes_descriptors(model_dir, tmp_path, prompts, p_tp, d_tp):
                                             [v["local"] for v in loads.values()])  # fresh engines: consecutive
         assert 0 < ours < nixl, (ours, nixl)
 
-        # P2->D1: the decode reads its stripes from both replicas
+        # P2->D1: the decode reads from one replica, or its stripes from both
         states = pair.decode.call("debug_state")["states"]
         reading = [s["reading"][f"prefill-tp{p_tp}"] for s in states]
         if p_tp > 1:
-            assert all(sorted(r["source_ranks"]) == list(range(p_tp)) for r in reading), reading
+            want = [[0]] if stripe == 1 else [list(range(p_tp))]
+            assert [sorted(r["source_ranks"]) for r in reading] == want, reading
         pair.negative_control(prompts, ref)
     finally:
         pair.close()

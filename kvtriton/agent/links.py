@@ -63,6 +63,7 @@ class Peer:
     # prepared lists over both caches, by (rows, reading): kept until the peer is released (see Links.rows_lists)
     row_lists: dict = field(default_factory=dict, repr=False)
     unflushed: bool = False  # we sent it a message since its endpoint was last fenced (see Links.fence)
+    fence_due: bool = False  # unflushed at the previous fence() call: fenced at this one
     fence_xfer: object = None  # the fence READ in flight
     fence_remote: object = None  # PreppedList: FENCE_BYTES at its staging's start
     fences: int = 0  # fences posted to it
@@ -214,7 +215,9 @@ class Links:
         prefill engine's GIL on top) even with the bytes already copied at the post. A fence
         pays that wait between requests instead: the next READ completes at its post (a small
         load in one engine step). (The first two READs from a peer's cache still wait for it: UCX
-        wires that up then.) One fence per peer at a time; called every progress()."""
+        wires that up then.) One fence per peer at a time; called every progress(), it posts one
+        call after the messages: the call that sent a load's last messages returns its result
+        without a fence's post in the way, and the next load comes later still."""
         if self.fence_local is None:
             return
         for peer in self.peers.values():
@@ -228,7 +231,10 @@ class Links:
                 peer.fence_xfer = None
             if not peer.unflushed:
                 continue
-            peer.unflushed = False
+            if not peer.fence_due:
+                peer.fence_due = True
+                continue
+            peer.unflushed = peer.fence_due = False
             try:
                 if peer.fence_remote is None:
                     at = np.array([[peer.md.staging.addr, FENCE_BYTES, peer.md.dev]], dtype=np.int64)
@@ -414,9 +420,10 @@ class Links:
         if not s_idx.size:
             return None
         # callers checked the ids against both caches; an index past its row would name another row's block
-        for ids, blocks, side in ((src_ids, rows.src_blocks, "source"), (dst_ids, rows.dst_blocks, "destination")):
-            if len(ids) and (int(np.min(ids)) < 0 or int(np.max(ids)) >= int(blocks.min())):
-                raise ProtocolError(f"{side} block ids outside [0, {int(blocks.min())}) for direct rows")
+        for ids, blocks, side in ((src_ids, rows.num_blocks[0], "source"),
+                                  (dst_ids, rows.num_blocks[1], "destination")):
+            if len(ids) and (int(np.min(ids)) < 0 or int(np.max(ids)) >= blocks):
+                raise ProtocolError(f"{side} block ids outside [0, {blocks}) for direct rows")
         ll, rl, owned = self.rows_lists(peer, rows, reading=reading)
         local_idx, remote_idx = (d_idx, s_idx) if reading else (s_idx, d_idx)
         return RowsPost(ll, rl, local_idx, remote_idx, count, nbytes, owned)

@@ -286,6 +286,23 @@ class BlockRows:
         """Per row: consecutive blocks' ranges lie back to back on both sides (runs merge)."""
         return (self.src_stride == self.tile) & (self.dst_stride == self.tile)
 
+    @functools.cached_property
+    def _groups(self) -> tuple[tuple[int, int, np.ndarray, np.ndarray, int, int, int], ...]:
+        """Per stripe share ``(part, parts)``: its rows' starts (columns), how many of them
+        merge runs, how many rows, their bytes per block; what :meth:`select` needs, once."""
+        s_start, d_start = self._starts
+        groups = []
+        for part, parts in dict.fromkeys(zip(self.part.tolist(), self.parts.tolist())):
+            rows = np.flatnonzero((self.part == part) & (self.parts == parts))
+            groups.append((part, parts, s_start[rows][:, None], d_start[rows][:, None],
+                           int(self._contiguous[rows].sum()), int(rows.size), int(self.tile[rows].sum())))
+        return tuple(groups)
+
+    @functools.cached_property
+    def num_blocks(self) -> tuple[int, int]:
+        """The fewest blocks of any row, source and destination: every block id must be below."""
+        return int(self.src_blocks.min()), int(self.dst_blocks.min())
+
     def select(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
         """``(src_idx, dst_idx, descriptors, nbytes)`` of a compacted request: the index pairs
         into the rows' prepared lists (row by row, positions in order), how many descriptors
@@ -293,24 +310,26 @@ class BlockRows:
         src_ids = np.asarray(src_ids, dtype=np.int64)
         dst_ids = np.asarray(dst_ids, dtype=np.int64)
         n = src_ids.size
-        s_start, d_start = self._starts
-        cols: list[list[np.ndarray]] = [[], []]
+        s_cols: list[np.ndarray] = []
+        d_cols: list[np.ndarray] = []
         descriptors = nbytes = 0
-        for part, parts in dict.fromkeys(zip(self.part.tolist(), self.parts.tolist())):
-            rows = np.flatnonzero((self.part == part) & (self.parts == parts))
+        for part, parts, s_start, d_start, merged, rows, tile in self._groups:
             lo, hi = (0, n) if parts == 0 else _split_bounds(n, parts)[part]
             if hi == lo:
                 continue
             sid, did = src_ids[lo:hi], dst_ids[lo:hi]
-            cols[0].append((s_start[rows][:, None] + sid[None, :]).ravel())
-            cols[1].append((d_start[rows][:, None] + did[None, :]).ravel())
-            merged = int(self._contiguous[rows].sum())
-            runs = pair_runs(sid, did)[0].size if merged else 0
-            descriptors += merged * runs + (rows.size - merged) * sid.size
-            nbytes += int(self.tile[rows].sum()) * sid.size
-        if not cols[0]:
+            s_cols.append((s_start + sid).ravel())
+            d_cols.append((d_start + did).ravel())
+            if merged:  # runs consecutive on both sides: one descriptor each once NIXL merges them
+                runs = 1 + int(np.count_nonzero((np.diff(sid) != 1) | (np.diff(did) != 1)))
+                descriptors += merged * runs
+            descriptors += (rows - merged) * sid.size
+            nbytes += tile * sid.size
+        if not s_cols:
             return _EMPTY.copy(), _EMPTY.copy(), 0, 0
-        return np.concatenate(cols[0]), np.concatenate(cols[1]), descriptors, nbytes
+        if len(s_cols) == 1:
+            return s_cols[0], d_cols[0], descriptors, nbytes
+        return np.concatenate(s_cols), np.concatenate(d_cols), descriptors, nbytes
 
 
 def _starts_of(blocks: np.ndarray) -> np.ndarray:

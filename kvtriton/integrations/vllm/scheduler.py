@@ -87,6 +87,8 @@ class StepMessages:
     holds: dict[str, tuple[int, ...]] = field(default_factory=dict)
     confirms: set[str] = field(default_factory=set)
     releases: set[str] = field(default_factory=set)
+    #: no tokens scheduled this step (no forward runs): the workers may wait for their loads
+    idle: bool = False
 
 
 def parse_remote_params(params: Mapping[str, Any], block_size: int) -> RemoteSource:
@@ -204,6 +206,7 @@ class SchedulerSide:
     def build_messages(self, scheduler_output) -> StepMessages:
         """This step's messages; the state for the next step starts empty."""
         msgs, self._next = self._next, StepMessages()
+        msgs.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         if self._prefills:
             self._track_prefills(scheduler_output, msgs)
         return msgs

@@ -19,6 +19,9 @@ from ...protocol.auth import Credential
 
 __all__ = ["ConnectorSettings", "SettingsError"]
 
+#: the longest ``idle_wait_s``: what a request arriving at an idle decode engine may wait for a step
+MAX_IDLE_WAIT_S = 0.1
+
 
 class SettingsError(KVTritonError, ValueError):
     """``kv_connector_extra_config`` holds an unknown key or a bad value."""
@@ -45,6 +48,13 @@ class ConnectorSettings:
     handshake_timeout_s: per attempt, to reach a prefill rank's handshake port.
     handshake_attempts:  attempts before the requests waiting on that engine fail.
     progress_interval_s: pause of the background progress thread between polls.
+    idle_wait_s:         decode side: in a step with no tokens scheduled (every running request
+                         waits for its KV), ``get_finished`` waits up to this long for the loads
+                         in flight, polling the agent, so a small load is reported in the step
+                         that started it rather than the next one (one engine step sooner to the
+                         scheduler). Never in a step that runs a forward (its output would wait);
+                         a request arriving meanwhile is scheduled at most this much later.
+                         ``0``: never wait. Default 0.002.
     impl:                repack implementation (``"auto"``, ``"triton"``, ``"torch"``).
     kv_cache_layout:     layout asked of vLLM for attention caches (``"LBHNC"``: head-major
                          blocks, so a head slice of a block is contiguous); ``""`` asks for none.
@@ -86,6 +96,13 @@ class ConnectorSettings:
     modes:               force a route for every region (``"staged"``, ``"direct"``...) or per
                          region (``"name=staged,name2=direct"``), as the agent's ``modes=``; both
                          engines must give the same. ``""`` (default): the planner chooses.
+    replicate_stripe:    over how many prefill replicas a decode rank splits each request's
+                         REPLICATE regions (an MLA latent): ``1`` (default) reads them from one
+                         prefill rank, as vLLM's NixlConnector does: the decode's own link bounds
+                         the load either way, and each replica more costs a small load a post,
+                         a poll and an ack. ``0``: every prefill rank serves (``P_TP // D_TP``
+                         replicas, the agent's default: spreads the prefill's egress). Both
+                         engines must give the same.
     """
 
     host: str = "127.0.0.1"
@@ -101,6 +118,7 @@ class ConnectorSettings:
     handshake_timeout_s: float = 5.0
     handshake_attempts: int = 3
     progress_interval_s: float = 0.001
+    idle_wait_s: float = 0.002
     impl: str = "auto"
     kv_cache_layout: str = "LBHNC"
     cost_model: str = "default"
@@ -114,6 +132,12 @@ class ConnectorSettings:
     tls_ca_file: str = ""
     allowed_peers: tuple = ()
     modes: str = ""
+    replicate_stripe: int = 1
+
+    @property
+    def agent_stripe(self) -> int | None:
+        """``replicate_stripe`` as the agent takes it (None: its default, every replica serves)."""
+        return self.replicate_stripe or None
 
     @property
     def transfer_flow(self) -> str:
@@ -198,6 +222,10 @@ class ConnectorSettings:
                 raise bad(name, "> 0 seconds")
         if self.progress_interval_s < 0:
             raise bad("progress_interval_s", ">= 0 seconds")
+        if self.replicate_stripe < 0:
+            raise bad("replicate_stripe", ">= 0 (1: one prefill replica per decode rank; 0: every one serves)")
+        if not 0 <= self.idle_wait_s <= MAX_IDLE_WAIT_S:
+            raise bad("idle_wait_s", f"0 to {MAX_IDLE_WAIT_S} seconds (an idle step's wait for its loads)")
         if self.impl not in ("auto", "triton", "torch"):
             raise bad("impl", "'auto', 'triton' or 'torch'")
         if self.cost_model not in ("default", "measured"):

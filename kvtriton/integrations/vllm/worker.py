@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 #: handshakes in flight at once (one thread each); a load that needs another is recomputed
 MAX_MEETINGS = 8
+#: an idle step's pause between polls of its loads (a sleep: the agent's thread gets the GIL)
+_IDLE_POLL_S = 50e-6
 _MAX_LOGGED_PEERS = 1024
 
 
@@ -93,6 +96,7 @@ class WorkerSide:
                                    slot_bytes=s.slot_bytes, flow=s.transfer_flow, chunk_bytes=s.chunk_bytes or None,
                                    inflight_chunks=s.inflight_chunks, timeout_s=s.timeout_s, impl=s.impl,
                                    cost=cost, eager_guess=s.eager_guess, modes=s.agent_modes,
+                                   replicate_stripe=s.agent_stripe,
                                    require_authenticated_peers=self.credential is not None, register=s.register,
                                    integrity=s.integrity)
         self.server: MetadataServer | None = None
@@ -191,7 +195,11 @@ class WorkerSide:
         for f in self.agent.freed():
             with self._lock:
                 self._freed.add(f.req_id)
-        for r in self.agent.results():
+        results = self.agent.results()
+        msgs = self._msgs
+        if msgs is not None and msgs.idle and self.settings.idle_wait_s > 0:
+            results = self._await_loads(results, time.monotonic() + self.settings.idle_wait_s)
+        for r in results:
             self.stats["loads" if r.ok else "failed"] += 1
             self.stats["descriptors"] += r.descriptors
             self.stats["bytes"] += r.bytes
@@ -206,6 +214,21 @@ class WorkerSide:
             self._confirmed -= sending
             recving, self._recving = self._recving, set()
         return sending, recving
+
+    def _await_loads(self, results: list, deadline: float) -> list:
+        """``results`` and those of the loads in flight that finish before ``deadline``: an idle
+        step (no forward) has nothing else to do, and a load it reports now reaches the
+        scheduler a step sooner. Loads still waiting for a handshake are not waited for."""
+        while time.monotonic() < deadline:
+            done = {r.req_id for r in results}
+            with self._lock:
+                pending = any(remote not in done for remote in self._by_remote)
+            if not pending:
+                break
+            time.sleep(_IDLE_POLL_S)
+            self.agent.progress(wait=False)
+            results = results + self.agent.results()
+        return results
 
     def take_stats(self) -> dict | None:
         """This rank's statistics since the previous call (:mod:`.stats`), None when nothing moved."""
@@ -339,7 +362,8 @@ class WorkerSide:
         try:
             # the ranks it reads from, and any no decode rank reads whose done it owes (their holds
             # would otherwise end by lease)
-            ranks = meeting_ranks(self.rank, self.tp_size, self.agent.specs, src.tp_size)
+            ranks = meeting_ranks(self.rank, self.tp_size, self.agent.specs, src.tp_size,
+                                  replicate_stripe=self.settings.agent_stripe)
             for r in ranks:
                 md = exchange_metadata(src.host, src.port + r, self.agent.metadata(), credential=self.credential,
                                        timeout_s=self.settings.handshake_timeout_s,
