@@ -63,7 +63,6 @@ class Peer:
     # prepared lists over both caches, by (rows, reading): kept until the peer is released (see Links.rows_lists)
     row_lists: dict = field(default_factory=dict, repr=False)
     unflushed: bool = False  # we sent it a message since its endpoint was last fenced (see Links.fence)
-    fence_due: bool = False  # unflushed at the previous fence() call: fenced at this one
     fence_xfer: object = None  # the fence READ in flight
     fence_remote: object = None  # PreppedList: FENCE_BYTES at its staging's start
     fences: int = 0  # fences posted to it
@@ -215,9 +214,7 @@ class Links:
         prefill engine's GIL on top) even with the bytes already copied at the post. A fence
         pays that wait between requests instead: the next READ completes at its post (a small
         load in one engine step). (The first two READs from a peer's cache still wait for it: UCX
-        wires that up then.) One fence per peer at a time; called every progress(), it posts one
-        call after the messages: the call that sent a load's last messages returns its result
-        without a fence's post in the way, and the next load comes later still."""
+        wires that up then.) One fence per peer at a time; called every progress()."""
         if self.fence_local is None:
             return
         for peer in self.peers.values():
@@ -231,10 +228,7 @@ class Links:
                 peer.fence_xfer = None
             if not peer.unflushed:
                 continue
-            if not peer.fence_due:
-                peer.fence_due = True
-                continue
-            peer.unflushed = peer.fence_due = False
+            peer.unflushed = False
             try:
                 if peer.fence_remote is None:
                     at = np.array([[peer.md.staging.addr, FENCE_BYTES, peer.md.dev]], dtype=np.int64)
