@@ -403,7 +403,10 @@ def test_messages_are_fenced_reading_only_the_peers_staging(engines):
     background (``Links.fence``): over a transport whose messages lack remote completion (TCP
     here) a later READ would otherwise wait for that source's next progress. Each fence reads
     the source's staging into a buffer of the reader's own and is released once landed; loads
-    stay byte-exact and the sources' staging is untouched."""
+    stay byte-exact and the sources' staging is untouched. Only the side that posts transfers
+    fences: a source that only messages (its offers) never does, since a fence of its own made
+    the decode's next READ wait for the source's progress. So with the offers taken in, a load
+    lands with only the decode rank progressing (after the first two, which wire UCX up)."""
     models = [RegionModel.mla("mla", 64, torch.float16), RegionModel.mla("mla2", 32, torch.float16)]
     e = engines(2, 1, models=models, p_layout="HND", p_storage="separate")
     rng = np.random.default_rng(11)
@@ -416,13 +419,14 @@ def test_messages_are_fenced_reading_only_the_peers_staging(engines):
             p.hold(f"r{k}", src, consumer="D")
         e.settle(0.1)
         e.da[0].fetch(f"r{k}", "P", src, dst)
-        res = e.drive(1)[0]
+        res = e.drive(1, agents=e.da if k >= 2 else None)[0]
         assert res[0].ok, res
         check_destination(e.D[0], 0, 1, kv, dst, before[0])
         e.settle(0.2)
         peers = e.da[0].debug_state()["peers"]
         # one fence per load per source rank (its RunsDone and Done), landed and released
         assert all(v["fences"] == k + 1 and not v["fencing"] and not v["unflushed"] for v in peers.values()), peers
+        assert all(v["fences"] == 0 for p in e.pa for v in p.debug_state()["peers"].values())
     assert all(torch.equal(a.pool.tensor, b) for a, b in zip(e.pa, staging_before))
 
 

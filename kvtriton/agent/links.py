@@ -63,6 +63,7 @@ class Peer:
     # prepared lists over both caches, by (rows, reading): kept until the peer is released (see Links.rows_lists)
     row_lists: dict = field(default_factory=dict, repr=False)
     unflushed: bool = False  # we sent it a message since its endpoint was last fenced (see Links.fence)
+    initiator: bool = False  # we posted a transfer to it (READ or WRITE): only such peers are fenced
     fence_xfer: object = None  # the fence READ in flight
     fence_remote: object = None  # PreppedList: FENCE_BYTES at its staging's start
     fences: int = 0  # fences posted to it
@@ -214,7 +215,12 @@ class Links:
         prefill engine's GIL on top) even with the bytes already copied at the post. A fence
         pays that wait between requests instead: the next READ completes at its post (a small
         load in one engine step). (The first two READs from a peer's cache still wait for it: UCX
-        wires that up then.) One fence per peer at a time; called every progress()."""
+        wires that up then.) One fence per peer at a time; called every progress().
+
+        Only peers we post transfers to are fenced (``Peer.initiator``: a decode's sources in
+        pull, a prefill's destinations in push): a fence is itself a transfer, and one posted
+        by the side that only messages (a prefill after its offer) made the *other* side's next
+        READ wait for this side's progress, the very wait fences remove."""
         if self.fence_local is None:
             return
         for peer in self.peers.values():
@@ -226,7 +232,7 @@ class Links:
                     pass  # the peer is gone: its transfers fail where they are used
                 self._release_quietly(peer.fence_xfer)
                 peer.fence_xfer = None
-            if not peer.unflushed:
+            if not (peer.unflushed and peer.initiator):
                 continue
             peer.unflushed = False
             try:
@@ -237,6 +243,13 @@ class Links:
                 peer.fences += 1
             except TransportError as e:
                 logger.info("fence to %s not posted: %s", peer.agent, e)
+
+    def _initiated(self, remote) -> None:
+        """We posted a transfer against ``remote`` (a prepared list of a peer's): fence that peer."""
+        key = self.by_agent.get(remote.agent)
+        peer = self.peers.get(key) if key is not None else None
+        if peer is not None:
+            peer.initiator = True
 
     def _release_quietly(self, xfer) -> None:
         try:
@@ -250,6 +263,7 @@ class Links:
         idx = np.arange(ch.nslots)
         xfer = self.transport.post(op, self.local_staging, ch.slot + idx, peer.staging, ch.remote_slot + idx,
                                    notif.encode() if notif is not None else b"")
+        peer.initiator = True
         self.stats.staged_descriptors += 1
         return xfer
 
@@ -258,6 +272,7 @@ class Links:
         ``one_sided_descriptors``)."""
         idx = np.arange(count)
         xfer = self.transport.post(op, local, idx, remote, idx, b"")
+        self._initiated(remote)
         self.stats.one_sided_descriptors += count
         return xfer
 
@@ -427,6 +442,7 @@ class Links:
         with ``one_sided`` as ``one_sided_descriptors``)."""
         xfer = self.transport.post(op, rp.local, rp.local_idx, rp.remote, rp.remote_idx,
                                    notif.encode() if notif is not None else b"")
+        self._initiated(rp.remote)
         if one_sided:
             self.stats.one_sided_descriptors += rp.count
         else:
