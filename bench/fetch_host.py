@@ -6,7 +6,8 @@ request, posting, polling, the protocol's messages. This times exactly that, in 
 over NIXL (UCX on this host), P2 -> D1, for the three small models of ``bench/pd_vllm.py``'s
 cells: a DeepSeek-V2-like MLA cache (REPLICATE latents, DIRECT runs), the small Llama on vLLM's
 CPU cache (one K||V stream per layer, K dim-major: DIRECT_SLICE head slices) and that Llama with
-an MLA draft layer in the same blocks (both). 22 blocks of 16 tokens, ids scattered.
+an MLA draft layer in the same blocks (both). 22 blocks of 16 tokens, ids scattered; REPLICATE
+regions read from one prefill replica, as the vLLM connector does by default.
 
 * ``kvtriton``: the decode rank's own time in ``fetch()`` and every ``progress()``/``results()``
   call until its result, through real agents, the prefill ranks' holds offered ahead
@@ -70,7 +71,9 @@ class Case:
         self.dst = make_rank_regions(self.models, 0, D_TP, NUM_BLOCKS, BLOCK, layout="HND", storage="vllm_cpu",
                                      gen=gen)
         self.kv = make_global_kv(self.models, BLOCKS_PER_REQUEST, BLOCK, gen)
-        kw = dict(staging_bytes=8 << 20, timeout_s=30.0, impl="torch")
+        # one replica per decode rank for REPLICATE regions: the vLLM connector's default
+        # (replicate_stripe 1, as NixlConnector reads an MLA latent)
+        kw = dict(staging_bytes=8 << 20, timeout_s=30.0, impl="torch", replicate_stripe=1)
         self.p = [TransferAgent(f"P-{kind}", r, P_TP, self.src[r], **kw) for r in range(P_TP)]
         self.d = TransferAgent(f"D-{kind}", 0, D_TP, self.dst, **kw)
         for a in self.p:
@@ -158,7 +161,8 @@ class Floor:
         self.b = [NixlTransport(f"floor-p{r}-{case.kind}") for r in range(P_TP)]
         self.a.register([t for r in case.dst for t in r.streams])
         dst_specs = [r.spec for r in case.dst]
-        plan = build_plan(0, D_TP, dst_specs, P_TP, [r.spec for r in case.src[0]], modes="direct_slice")
+        plan = build_plan(0, D_TP, dst_specs, P_TP, [r.spec for r in case.src[0]], modes="direct_slice",
+                          replicate_stripe=1)
         self.sides = []
         for r, b in enumerate(self.b):
             b.register([t for reg in case.src[r] for t in reg.streams])
