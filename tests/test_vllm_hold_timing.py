@@ -42,7 +42,7 @@ def engines():
     worker = WorkerSide(settings, engine_id="P", rank=0, tp_size=1, regions=_regions(gen), serve=False)
     dst_regions = _regions(gen)
     decode = TransferAgent("D", 0, 1, dst_regions, staging_bytes=1 << 20, slot_bytes=1024, timeout_s=10.0,
-                           modes="staged", impl="torch")
+                           modes="staged", impl="torch", replicate_stripe=settings.agent_stripe)  # as the connector
     decode.start()
     try:
         worker.agent.add_remote(decode.metadata())
