@@ -60,7 +60,7 @@ CASES = ("mla", "gqa", "gqa+mla-draft")
 class Case:
     """Two prefill ranks and one decode rank of one model kind, in this process."""
 
-    def __init__(self, kind: str, seed: int):
+    def __init__(self, kind: str, seed: int, stripe: int | None = 1):
         from kvtriton.agent import TransferAgent
         from kvtriton.testing.oracle import make_global_kv, make_rank_regions
 
@@ -71,9 +71,10 @@ class Case:
         self.dst = make_rank_regions(self.models, 0, D_TP, NUM_BLOCKS, BLOCK, layout="HND", storage="vllm_cpu",
                                      gen=gen)
         self.kv = make_global_kv(self.models, BLOCKS_PER_REQUEST, BLOCK, gen)
-        # one replica per decode rank for REPLICATE regions: the vLLM connector's default
-        # (replicate_stripe 1, as NixlConnector reads an MLA latent)
-        kw = dict(staging_bytes=8 << 20, timeout_s=30.0, impl="torch", replicate_stripe=1)
+        # REPLICATE regions from ``stripe`` replicas: 1, the vLLM connector's default (as
+        # NixlConnector reads an MLA latent); None, the agent's (every replica serves)
+        self.stripe = stripe
+        kw = dict(staging_bytes=8 << 20, timeout_s=30.0, impl="torch", replicate_stripe=stripe)
         self.p = [TransferAgent(f"P-{kind}", r, P_TP, self.src[r], **kw) for r in range(P_TP)]
         self.d = TransferAgent(f"D-{kind}", 0, D_TP, self.dst, **kw)
         for a in self.p:
@@ -162,7 +163,7 @@ class Floor:
         self.a.register([t for r in case.dst for t in r.streams])
         dst_specs = [r.spec for r in case.dst]
         plan = build_plan(0, D_TP, dst_specs, P_TP, [r.spec for r in case.src[0]], modes="direct_slice",
-                          replicate_stripe=1)
+                          replicate_stripe=case.stripe)
         self.sides = []
         for r, b in enumerate(self.b):
             b.register([t for reg in case.src[r] for t in reg.streams])
@@ -211,15 +212,15 @@ class Floor:
             t.close()
 
 
-def run_fetch_host(reps: int = 40, progress=None, floor: bool = True) -> list[dict]:
+def run_fetch_host(reps: int = 40, progress=None, floor: bool = True, stripe: int | None = 1) -> list[dict]:
     """One row per model kind: the decode's host time in kvtriton's fetch() to its result and in
-    the raw floor's posts and polls, ms (p20/p50/p80). ``floor=False``: kvtriton's rows only (the
-    floor is built with planner functions an older kvtriton lacks: how a checkout of one is
-    timed against this one)."""
+    the raw floor's posts and polls, ms (p20/p50/p80); ``stripe``: see :class:`Case`.
+    ``floor=False``: kvtriton's rows only (the floor is built with planner functions an older
+    kvtriton lacks: how a checkout of one is timed against this one)."""
     torch.set_num_threads(1)
     rows = []
     for i, kind in enumerate(CASES):
-        case = Case(kind, seed=40 + i)
+        case = Case(kind, seed=40 + i, stripe=stripe)
         raw_floor = Floor(case) if floor else None
         try:
             for _ in range(3):
@@ -255,8 +256,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--no-floor", action="store_true",
                     help="kvtriton's rows only (to time a checkout of an older kvtriton on PYTHONPATH)")
+    ap.add_argument("--replicate-stripe", type=int, default=1,
+                    help="replicas a REPLICATE region is read from (1: the vLLM connector's default; 0: every one)")
     args = ap.parse_args()
-    for r in run_fetch_host(args.reps, floor=not args.no_floor):
+    for r in run_fetch_host(args.reps, floor=not args.no_floor, stripe=args.replicate_stripe or None):
         floor = f", floor {r['floor_ms']:.3f} ms, ratio {r['ratio']:.2f}" if "floor_ms" in r else ""
         print(f"fetch_host {r['case']}: kvtriton {r['kvtriton_ms']:.3f} ms [{r['kvtriton_ms_p20']:.3f}-"
               f"{r['kvtriton_ms_p80']:.3f}]{floor}; {r['descriptors']} descriptors ({r['ways']})")

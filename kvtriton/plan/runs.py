@@ -321,8 +321,7 @@ class BlockRows:
             s_cols.append((s_start + sid).ravel())
             d_cols.append((d_start + did).ravel())
             if merged:  # runs consecutive on both sides: one descriptor each once NIXL merges them
-                runs = 1 + int(np.count_nonzero((np.diff(sid) != 1) | (np.diff(did) != 1)))
-                descriptors += merged * runs
+                descriptors += merged * pair_runs(sid, did)[0].size
             descriptors += (rows - merged) * sid.size
             nbytes += tile * sid.size
         if not s_cols:
