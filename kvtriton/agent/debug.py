@@ -98,7 +98,7 @@ def _snapshot(agent) -> dict[str, Any]:
     src, dst, links, s = agent._source, agent._destination, agent._links, agent._s
     now = time.monotonic()
     serves = [{"xid": v.xid, "req": v.req_id, "peer": _name(*v.peer.key), "engine": v.peer.md.engine,
-               "rank": v.peer.md.rank, "flow": v.flow.value, "offered": getattr(v, "offered", False),
+               "rank": v.peer.md.rank, "flow": v.flow.value, "offered": src.serves.offers.offered(v),
                "staged": v.read is not None,
                "chunks": v.n_chunks, "blocks_per_chunk": v.chunks.blocks_per_chunk if v.chunks is not None else 0,
                "next_chunk": v.next_chunk, "acked": v.acked, "inflight": len(v.inflight),
@@ -110,7 +110,7 @@ def _snapshot(agent) -> dict[str, Any]:
         for key, what in (("by_peer", v["peer"]), ("by_engine", v["engine"]), ("by_flow", v["flow"])):
             counts[key][what] = counts[key].get(what, 0) + 1
     offered: dict[str, list[str]] = {}
-    for (_, req), v in src.serves.offered.items():
+    for (_, req), v in src.serves.offers.untouched.items():
         offered.setdefault(req, []).append(_name(*v.peer.key))
     parts = {xid: {"req": p.fetch.req_id, "src_rank": p.src_rank, "way": p.way.value, "chunks": p.n_chunks,
                    "chunks_done": p.chunks_done, "offered": p.offered, "reads_cache": p.lease is not None,

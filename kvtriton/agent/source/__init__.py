@@ -2,15 +2,17 @@
 
 * :class:`~.holds.Holds`: held requests, their consumer, done, renew, the lease, freed requests;
 * :class:`~.share.StagingShare`: the staging each peer engine may keep, reserving and quarantine;
-* :class:`~.serves.Serves`: the open transfers, one class per flow (:class:`~.serves.PullServe`,
-  :class:`~.serves.PushServe`), their steps, offers and end;
+* :class:`~.serves.Serves`: the open transfers, their messages, steps and end; one class per
+  flow (:class:`~.flows.PullServe`, :class:`~.flows.PushServe`), each accepting its own requests;
+* :class:`~.offers.Offers`: the transfers offered ahead of a pull, one home for an offer's state;
 * :class:`~.eager.EagerPacks`: packs made ahead of the pull (given what it needs, no way back
   to the Source);
 * :class:`~.packing.PackBatch`: the chunks of one step packed in as few launches as possible.
 
 The :class:`Source` wires them and keeps what crosses them: opening a transfer a destination
-asks for (here: the checks of who may take what), a hold's end (its transfers and packs go),
-expiry. Plans come from the rank's :class:`~..plan_book.PlanBook` (by the destination's cost
+asks for (here: the checks of who may take what, giving an :class:`~.admission.Admitted` transfer
+or a :class:`~.admission.Rejection`; then its flow's class accepts it), a hold's end (its
+transfers and packs go), expiry. Plans come from the rank's :class:`~..plan_book.PlanBook` (by the destination's cost
 model); the per-request part of a plan is a :class:`~kvtriton.plan.RequestPlan`, made once
 per request on this side: :meth:`RequestPlan.for_serve` when a pull or push arrives
 (:meth:`Source.open`), :meth:`RequestPlan.for_hold` for a pack made ahead (:mod:`.eager`).
@@ -27,17 +29,18 @@ import time
 import numpy as np
 
 from ...errors import KVTritonError, PlanError
-from ...plan import RequestPlan, Way
+from ...plan import RequestPayload, RequestPlan, TransferPlan, Way
 from ...protocol import wire
-from ..device import event_done
 from ..links import Flow, Links, Peer
 from ..plan_book import PlanBook
 from ..settings import Settings
 from ..stats import Stats
+from .admission import Admitted, Rejection
 from .eager import EagerPacks
+from .flows import Asked, PullServe, PushServe, Serve
 from .holds import FreedRequest, Hold, Holds
 from .packing import PackBatch
-from .serves import MAX_SERVES_PER_PEER, PullServe, PushServe, Serve, Serves
+from .serves import MAX_SERVES_PER_PEER, Serves
 from .share import StagingShare
 
 __all__ = ["MAX_SERVES_PER_PEER", "FreedRequest", "Hold", "PullServe", "PushServe", "Serve", "Source"]
@@ -54,10 +57,12 @@ class Source:
         self.share = StagingShare(settings, links, evict=lambda engine, keep: self.eager.evict(engine, keep))
         self.batch = PackBatch(settings, stats)  # chunks reserved in this step, packed at its end
         self.serves = Serves(settings, links, stats, self.holds, self.share, self.batch,
+                             take_packed=lambda *pull: self.eager.take(*pull),
                              eager_returned=lambda nslots: self.eager.returned(nslots))
+        offers = self.serves.offers
         self.eager = EagerPacks(settings, links, stats, self.holds, plans, self.share, self.batch,
-                                serving=self.serves.serving, offer=self.serves.offer,
-                                offer_runs=self.serves.offer_runs, withdraw_offers=self.serves.withdraw_offers)
+                                serving=self.serves.serving, offer=offers.pack, offer_runs=offers.cache,
+                                withdraw_offers=offers.withdraw)
 
     # ------------------------------------------------------------------ holds
     def hold(self, req_id: str, block_ids: np.ndarray, lease_s: float, consumer: str | None, ready=None) -> None:
@@ -76,7 +81,7 @@ class Source:
 
     def packed_ahead(self, req_id: str) -> int:
         """Chunks of ``req_id`` packed ahead whose pack has completed (offered ones included)."""
-        return self.eager.ready_chunks(req_id) + self.serves.offered_chunks(req_id)
+        return self.eager.ready_chunks(req_id) + self.serves.offers.chunks(req_id)
 
     def busy(self) -> bool:
         """Something is held or served."""
@@ -95,7 +100,7 @@ class Source:
             self._end_hold(hold, "done", finished_engine=peer.md.engine)
 
     def on_renew(self, peer: Peer, m: wire.Renew) -> None:
-        self.holds.on_renew(peer, m, offered=(peer.agent, m.req) in self.serves.offered)
+        self.holds.on_renew(peer, m, offered=self.serves.offers.made_to(peer, m.req))
 
     # ------------------------------------------------------------------ messages of open transfers
     def on_grant(self, peer: Peer, m: wire.Grant) -> None:
@@ -112,106 +117,106 @@ class Source:
 
     # ------------------------------------------------------------------ opening a transfer
     def on_pull(self, peer: Peer, m: wire.Pull) -> None:
-        self.open(peer, m, Flow.PULL)
+        self.open(peer, m, PullServe)
 
     def on_push(self, peer: Peer, m: wire.Push) -> None:
-        self.open(peer, m, Flow.PUSH)
+        self.open(peer, m, PushServe)
 
-    def open(self, peer: Peer, m: wire.Pull | wire.Push, flow: Flow) -> None:
-        """Start serving a transfer the destination asked for, or reject it with the reason."""
-        xid, req, me = m.xid, m.req, self.s.name
+    def open(self, peer: Peer, m: Asked, flow: type[Serve[Asked]]) -> None:
+        """Start serving a transfer the destination asked for, or reject it with the reason: the
+        source's checks (:meth:`_admit`), then its flow's own (:meth:`~.flows.Serve.accept`)."""
+        try:
+            admitted = self._admit(peer, m, flow.flow)
+            serve = flow.accept(m, peer, admitted, self.serves)
+        except Rejection as no:
+            if no.refused:
+                self.stats.refused += 1
+            self.links.send(peer, wire.Reject(m.xid, self.links.reason(peer, no.reason)), quiet=True)
+            return
+        self.serves.add(serve)
+        self.holds.bind(admitted.hold, peer)  # the first accepted transfer binds an unbound hold to its engine
+        peer.served_at = time.monotonic()  # an engine that reads from us is not idle (see .eager.guess)
+        serve.opened(self.serves)
 
-        def reject(reason: str) -> None:
-            self.links.send(peer, wire.Reject(xid, self.links.reason(peer, reason)), quiet=True)
-
-        if (peer.agent, xid) in self.serves.by_key:
-            return reject(f"transfer id {xid!r} is already in use")
-        if flow is not self.s.flow:
-            return reject(f"{me} runs in {self.s.flow.value} mode, got a {flow.value} request")
-        hold = self.holds.get(req)
-        if hold is None:
-            return reject(f"request {req!r} is not held by {me} (never held, finished or lease expired)")
-        if hold.consumer is not None and hold.consumer != peer.md.engine:
-            self.stats.refused += 1
-            return reject(f"request {req!r} is held by {me} for engine {hold.consumer!r}, not {peer.md.engine!r}")
-        if hold.consumer is None and not self.links.trusted(peer):
-            self.stats.refused += 1  # trust on first use, among authenticated engines only
-            return reject(f"request {req!r} is not bound to an engine yet and {peer.agent} did not authenticate: "
-                          "an unbound hold binds only to an authenticated engine")
-        if not self.serves.room(peer):
-            self.stats.refused += 1
-            return reject(f"{peer.agent} already has {MAX_SERVES_PER_PEER} transfers open on {me}")
+    def _admit(self, peer: Peer, m: wire.Pull | wire.Push, flow: Flow) -> Admitted:
+        """Every check of the source, in the order their reasons are reported: who may take
+        what (:meth:`_entitled`), the request against the plan both engines share
+        (:meth:`_request`), the way its bytes travel (:meth:`_way`); raises :class:`Rejection`."""
+        hold = self._entitled(peer, m, flow)
         ids = np.asarray(m.ids, dtype=np.int64)
         if ids.size == 0 or not np.isin(ids, hold.block_ids).all():
-            return reject(f"block ids of {req!r} are not a subset of the {hold.block_ids.size} held blocks")
+            raise Rejection(f"block ids of {m.req!r} are not a subset of the {hold.block_ids.size} held blocks")
+        plan, r = self._request(peer, m, hold, ids)
+        payload, runs = r.payload(self.s.rank), r.sends_runs(self.s.rank)
+        if payload is None and not runs:
+            raise Rejection(f"{self.s.name} has nothing to send to {peer.md.engine}:{m.dst_rank}")
+        if self._way(peer, m, r, payload).reads_source_cache:  # the peer READs our cache blocks itself
+            return Admitted(hold, plan, r, ids, None, None, runs=True, reads_cache=True)
+        if payload is None:
+            return Admitted(hold, plan, r, ids, None, None, runs=runs, reads_cache=False)
+        if not payload.chunks.fits(self.s.chunk_bytes):
+            raise Rejection(f"chunk of {m.chunk_blocks} blocks does not fit staging chunks of "
+                            f"{self.s.chunk_bytes} bytes")
+        return Admitted(hold, plan, r, ids, payload.read, payload.chunks, runs=runs, reads_cache=False)
+
+    def _entitled(self, peer: Peer, m: wire.Pull | wire.Push, flow: Flow) -> Hold:
+        """The hold ``peer`` may open transfer ``m`` of: a fresh transfer id, this rank's flow, a
+        held request bound to the peer's engine (or bindable by it), room for one more transfer."""
+        me, req = self.s.name, m.req
+        if (peer.agent, m.xid) in self.serves.by_key:
+            raise Rejection(f"transfer id {m.xid!r} is already in use")
+        if flow is not self.s.flow:
+            raise Rejection(f"{me} runs in {self.s.flow.value} mode, got a {flow.value} request")
+        hold = self.holds.get(req)
+        if hold is None:
+            raise Rejection(f"request {req!r} is not held by {me} (never held, finished or lease expired)")
+        if hold.consumer is not None and hold.consumer != peer.md.engine:
+            raise Rejection(f"request {req!r} is held by {me} for engine {hold.consumer!r}, not {peer.md.engine!r}",
+                            refused=True)
+        if hold.consumer is None and not self.links.trusted(peer):  # trust on first use, authenticated only
+            raise Rejection(f"request {req!r} is not bound to an engine yet and {peer.agent} did not authenticate: "
+                            "an unbound hold binds only to an authenticated engine", refused=True)
+        if not self.serves.room(peer):
+            raise Rejection(f"{peer.agent} already has {MAX_SERVES_PER_PEER} transfers open on {me}", refused=True)
+        return hold
+
+    def _request(self, peer: Peer, m: wire.Pull | wire.Push, hold: Hold,
+                 ids: np.ndarray) -> tuple[TransferPlan, RequestPlan]:
+        """The plan this rank serves ``peer`` by, checked against the one the peer planned ``m``
+        with, and this side's plan of the request, made once: what the transfer is checked
+        against and served by."""
         dst_rank, eng = m.dst_rank, peer.md.engine
         if dst_rank != peer.md.rank:
-            return reject(f"dst_rank {dst_rank} does not match the sender's rank {peer.md.rank}")
+            raise Rejection(f"dst_rank {dst_rank} does not match the sender's rank {peer.md.rank}")
         try:
             plan = self.plans.serving(peer.md)
         except KVTritonError as e:
-            return reject(f"cannot plan for {eng}:{dst_rank}: {e}")
+            raise Rejection(f"cannot plan for {eng}:{dst_rank}: {e}") from e
         if m.plan != plan.digest():
-            return reject(f"{eng}:{dst_rank} planned this transfer differently from {me} "
-                          "(modes, cost model or replicate stripe differ between the engines)")
+            raise Rejection(f"{eng}:{dst_rank} planned this transfer differently from {self.s.name} "
+                            "(modes, cost model or replicate stripe differ between the engines)")
         if not plan.maps_tokens and (m.tiles or m.tokens):
-            return reject("tiles and a token count sent, but the engines' block sizes are equal")
-        try:  # this side's plan of the request, made once: what the pull is checked against and served by
+            raise Rejection("tiles and a token count sent, but the engines' block sizes are equal")
+        try:
             r = RequestPlan.for_serve(plan, self.s.rank, ids, held_blocks=hold.block_ids.size,
                                       chunk_blocks=m.chunk_blocks, num_tokens=m.tokens, tiles=m.tiles)
         except PlanError as e:
-            return reject(f"token map of {req!r}: {e}" if plan.maps_tokens else str(e))
-        payload, has_runs = r.payload(self.s.rank), r.sends_runs(self.s.rank)
-        if payload is None and not has_runs:
-            return reject(f"{me} has nothing to send to {eng}:{dst_rank}")
-        read, chunks = (payload.read, payload.chunks) if payload is not None else (None, None)
-        way = m.way if flow is Flow.PULL else Way.STAGED.value
+            raise Rejection(f"token map of {m.req!r}: {e}" if plan.maps_tokens else str(e)) from e
+        return plan, r
+
+    def _way(self, peer: Peer, m: wire.Pull | wire.Push, r: RequestPlan, payload: RequestPayload | None) -> Way:
+        """The way this rank's payload travels: the one the pull asks (among those the plan
+        allows), staged for a push."""
+        target = f"{peer.md.engine}:{m.dst_rank}"
+        read = payload.read if payload is not None else None
+        way = m.way if isinstance(m, wire.Pull) else Way.STAGED.value
         if read is not None and way not in {w.value for w in read.ways}:
-            return reject(f"{eng}:{dst_rank} asks for way {way!r}; the plan allows {[w.value for w in read.ways]}")
+            raise Rejection(f"{target} asks for way {way!r}; the plan allows {[w.value for w in read.ways]}")
         if read is None and way != Way.STAGED.value:
-            return reject(f"{me} sends {eng}:{dst_rank} no staged payload: way {way!r} is meaningless")
-        if Way(way).reads_source_cache:  # the peer READs our cache blocks itself: nothing to pack
-            if flow is not Flow.PULL or r.tokens is not None:
-                return reject(f"{way} is a pull of equal block sizes only")
-            read, chunks, has_runs = None, None, True
-            self.eager.take(req, peer, r.digest, ids, None)  # a pack made ahead for it is not needed
-        if chunks is not None and not chunks.fits(self.s.chunk_bytes):
-            return reject(f"chunk of {m.chunk_blocks} blocks does not fit staging chunks of "
-                          f"{self.s.chunk_bytes} bytes")
-        cls = PullServe if flow is Flow.PULL else PushServe
-        serve = cls(xid, req, peer, read, r.src_ids, chunks, self.s.timeout_s, time.monotonic() + self.s.timeout_s,
-                    tokens=r.tokens, ready=hold.ready)
-        if isinstance(serve, PushServe):
-            n = r.num_tiles
-            dst_ids = np.asarray(m.dst_ids, dtype=np.int64)
-            nb = min(s.num_blocks for s in peer.md.regions)
-            if dst_ids.size != n or (dst_ids.size and (dst_ids.min() < 0 or dst_ids.max() >= nb)) \
-                    or np.unique(dst_ids).size != dst_ids.size:
-                return reject(f"push: dst_ids must be {n} distinct ids in [0, {nb})")
-            try:
-                serve.runs = self.links.prep_runs(plan, peer, ids, dst_ids, reading=False)
-            except KVTritonError as e:
-                return reject(f"push: {e}")
-        elif chunks is not None:  # packed ahead for exactly this pull: Ready goes out this progress()
-            serve.inflight = self.eager.take(req, peer, r.digest, ids if r.tokens is None else None, chunks)
-            serve.next_chunk = len(serve.inflight)
-        offered = self.serves.offered.get((peer.agent, req))
-        if isinstance(serve, PullServe) and offered is not None and offered.offered:
-            self.serves.take_offer(serve, offered)  # pulled instead of taken (late offer, or a suffix)
-        self.serves.add(serve)
-        self.holds.bind(hold, peer)  # the first accepted transfer binds an unbound hold to its engine
-        peer.served_at = time.monotonic()  # an engine that reads from us is not idle (see .eager.guess)
-        if isinstance(serve, PullServe) and has_runs:
-            # the blocks stay held (up to the hold's hard bound) until the reader sends RunsDone
-            serve.runs_reader = True
-            if not event_done(serve.ready):  # the engine is still writing them: the serve's step sends it
-                serve.runs_announce = True
-                return
-            try:
-                self.links.send(peer, wire.RunsReady(xid))
-            except KVTritonError:
-                self.serves.drop(serve)  # frees chunks it took from an eager pack too
-                raise
+            raise Rejection(f"{self.s.name} sends {target} no staged payload: way {way!r} is meaningless")
+        if Way(way).reads_source_cache and (not isinstance(m, wire.Pull) or r.tokens is not None):
+            raise Rejection(f"{way} is a pull of equal block sizes only")
+        return Way(way)
 
     # ------------------------------------------------------------------ progress
     def advance(self) -> None:

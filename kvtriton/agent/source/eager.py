@@ -65,6 +65,7 @@ not decline it (no abort) and pulls, and the pull takes it over (one round trip,
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -73,7 +74,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import KVTritonError, StagingError
-from ...plan import ChunkGeometry, CostModel, RequestPayload, RequestPlan, choose_way
+from ...plan import ChunkGeometry, CostModel, Payload, RequestPayload, RequestPlan, choose_way
 from ..device import event_done
 from ..links import Chunk, Flow, Links, Peer, logger
 from ..plan_book import PlanBook
@@ -86,8 +87,8 @@ from .share import StagingShare
 __all__ = ["EagerPacks", "Packed", "suffix_chunks"]
 
 
-def suffix_chunks(packed_ids: np.ndarray, packed: ChunkGeometry, inflight: dict, ids: np.ndarray,
-                  chunks: ChunkGeometry) -> tuple[dict, dict] | None:
+def suffix_chunks(packed_ids: np.ndarray, packed: ChunkGeometry, inflight: dict[int, Chunk], ids: np.ndarray,
+                  chunks: ChunkGeometry) -> tuple[dict[int, Chunk], dict[int, Chunk]] | None:
     """Match a pull of ``ids`` cut into ``chunks`` with chunks ``inflight`` (chunk -> Chunk) packed
     for ``packed_ids`` cut into ``packed``: when ``ids`` is a suffix of ``packed_ids`` starting on
     a packed chunk boundary and every chunk of the pull is a packed chunk (same positions, hence
@@ -122,7 +123,7 @@ class Packed:
     peer: Peer
     request: RequestPlan  # what was assumed (RequestPlan.for_hold): every held block, in order
     payload: RequestPayload  # this rank's payload of it, in the widest chunks that fit both sides
-    inflight: dict = field(default_factory=dict)  # chunk -> Chunk, chunks 0..k-1
+    inflight: dict[int, Chunk] = field(default_factory=dict)  # chunks 0..k-1, by number
 
     @property
     def digest(self) -> str:
@@ -138,7 +139,7 @@ class Packed:
         return self.payload.chunks
 
     @property
-    def read(self):
+    def read(self) -> Payload:
         return self.payload.read
 
     @property
@@ -149,6 +150,14 @@ class Packed:
     @property
     def nslots(self) -> int:
         return sum(ch.nslots for ch in self.inflight.values())
+
+
+class LetGo(enum.Enum):
+    """Why a pack leaves the table of packs not offered yet (:meth:`EagerPacks._let_go`)."""
+
+    OFFERED = "offered"  # announced: its offered transfer owns it, its slots stay in the budget until it ends
+    TAKEN = "taken"  # a pull takes its chunks (or frees them, a miss): they leave the budget
+    FREED = "freed"  # never announced, so nobody reads it: its slots are retired (once its pack ran)
 
 
 class EagerPacks:
@@ -231,9 +240,7 @@ class EagerPacks:
             if not self.share.room_for_offers(packed.peer.md.engine):
                 continue  # offered packs would leave the engine's lazy pulls no staging: stays evictable
             if hold is not None and hold.consumer in (None, packed.peer.md.engine) and self.offer(hold, packed):
-                del self.packs[req][rank]  # announced: the offered transfer owns it (slots still counted here)
-                if not self.packs[req]:
-                    del self.packs[req]
+                self._let_go(req, rank, LetGo.OFFERED)
         self.unoffered = waiting
 
     def _pack_hold(self, hold: Hold) -> None:
@@ -241,8 +248,7 @@ class EagerPacks:
         engine = hold.consumer or self.guess()
         if ids.size == 0 or engine is None:
             return
-        out: dict[int, Packed] = {}
-        self.packs[hold.req_id] = out
+        out: dict[int, Packed] = {}  # listed below once one rank's pack reserved chunks
         for peer in self.links.engine_peers(engine):
             if hold.consumer is None and not self.links.trusted(peer):
                 continue  # a guess goes to authenticated ranks only (a named consumer was chosen)
@@ -265,6 +271,8 @@ class EagerPacks:
                 payload = request.payload(self.s.rank)
             except StagingError:
                 continue
+            if payload is None:  # never: the plan has this rank's payload (above)
+                continue
             if self._read_from_cache(request, payload, peer):  # nothing to pack: offer our cache blocks instead
                 # only to a named consumer: a guessed engine's offer could not be withdrawn from
                 # under a read once another engine binds the hold (its pull gets RunsReady instead)
@@ -285,12 +293,11 @@ class EagerPacks:
                 self._queue(hold, packed, ch)
             if packed.inflight:
                 out[peer.md.rank] = packed
+                self.packs[hold.req_id] = out
                 if len(packed.inflight) == chunks.count:
                     self.unoffered.append((hold.req_id, peer.md.rank))
                 self.stats.eager_chunks += len(packed.inflight)
-        if not out:
-            del self.packs[hold.req_id]
-        elif hold.consumer is None:
+        if out and hold.consumer is None:
             self.stats.eager_guessed += 1
 
     def _queue(self, hold: Hold, packed: Packed, ch: Chunk) -> None:
@@ -306,11 +313,7 @@ class EagerPacks:
         """The launcher refused a chunk of ``packed``: the whole pack goes (served lazily)."""
         logger.warning("eager pack of %s for %s failed: %s", req, packed.peer.agent, e)
         if self.packs.get(req, {}).get(rank) is packed:
-            del self.packs[req][rank]
-            if not self.packs[req]:
-                del self.packs[req]
-            self.slots -= packed.nslots
-            self._free(packed)
+            self._let_go(req, rank, LetGo.FREED)
 
     def _read_from_cache(self, request: RequestPlan, payload: RequestPayload, peer: Peer) -> bool:
         """Whether ``peer`` will most likely READ this payload straight from our cache
@@ -326,19 +329,16 @@ class EagerPacks:
                           peer.md.cost or CostModel(), chunks=payload.chunks.count).reads_source_cache
 
     # ------------------------------------------------------------------ using
-    def take(self, req: str, peer: Peer, digest: str, ids: np.ndarray | None, chunks: ChunkGeometry | None) -> dict:
+    def take(self, req: str, peer: Peer, digest: str, ids: np.ndarray | None,
+             chunks: ChunkGeometry | None) -> dict[int, Chunk]:
         """The chunks packed for ``peer``'s pull of ``req`` when they are exactly what it asks, or
         the packed chunks of a suffix it asks (:func:`suffix_chunks`; the others are freed): then
         they leave the eager budget and belong to the transfer, renumbered as its chunks. Else {}
         (a pack for this rank that does not match is freed). ``ids`` None: a token-mapped pull
         (never packed ahead)."""
-        by_rank = self.packs.get(req)
-        packed = by_rank.pop(peer.md.rank, None) if by_rank else None
-        if by_rank is not None and not by_rank:
-            del self.packs[req]
+        packed = self._let_go(req, peer.md.rank, LetGo.TAKEN)
         if packed is None:
             return {}
-        self.slots -= packed.nslots
         got = None
         if packed.peer is peer and packed.digest == digest and chunks is not None and ids is not None:
             got = suffix_chunks(packed.ids, packed.chunks, packed.inflight, ids, chunks)
@@ -360,19 +360,14 @@ class EagerPacks:
     def release(self, req: str) -> None:
         """The hold went (released, expired, done): its packs are freed (never announced, so
         no peer can be reading them)."""
-        for packed in self.packs.pop(req, {}).values():
-            self.slots -= packed.nslots
-            self._free(packed)
+        for rank in list(self.packs.get(req, {})):
+            self._let_go(req, rank, LetGo.FREED)
 
     def peer_lost(self, peer: Peer) -> None:
         for req in list(self.packs):
             packed = self.packs[req].get(peer.md.rank)
             if packed is not None and packed.peer is peer:
-                del self.packs[req][peer.md.rank]
-                self.slots -= packed.nslots
-                self._free(packed)
-                if not self.packs[req]:
-                    del self.packs[req]
+                self._let_go(req, peer.md.rank, LetGo.FREED)
 
     def evict(self, engine: str | None, keep: str | None) -> bool:
         """Free the oldest pack (of ``engine``, or any) not of request ``keep``, so a real pull
@@ -382,28 +377,34 @@ class EagerPacks:
                 continue
             for rank, packed in by_rank.items():
                 if engine is None or packed.peer.md.engine == engine:
-                    del by_rank[rank]
-                    if not by_rank:
-                        del self.packs[req]
-                    self.slots -= packed.nslots
                     self.stats.eager_evicted += 1
-                    self._free(packed)
+                    self._let_go(req, rank, LetGo.FREED)
                     return True
         return False
 
     def bound(self, req: str, engine: str) -> None:
         """Hold ``req`` was bound to ``engine``: what was packed for another engine (a guess) is
         freed, and its offers are withdrawn (that engine may be reading them: quarantined)."""
-        by_rank = self.packs.get(req, {})
-        for rank, packed in list(by_rank.items()):
+        for rank, packed in list(self.packs.get(req, {}).items()):
             if packed.peer.md.engine != engine:
-                del by_rank[rank]
-                self.slots -= packed.nslots
                 self.stats.eager_misses += 1
-                self._free(packed)
-        if req in self.packs and not by_rank:
-            del self.packs[req]
+                self._let_go(req, rank, LetGo.FREED)
         self.stats.eager_misses += self.withdraw_offers(req, engine)
+
+    def _let_go(self, req: str, rank: int, why: LetGo) -> Packed | None:
+        """The one way a pack leaves the table: the pack of ``req`` for destination rank ``rank``
+        (None when there is none) is unlisted (and its request with it when it was the last),
+        then what ``why`` says is done with its slots."""
+        by_rank = self.packs.get(req)
+        packed = by_rank.pop(rank, None) if by_rank is not None else None
+        if by_rank is not None and not by_rank:
+            del self.packs[req]
+        if packed is None or why is LetGo.OFFERED:
+            return packed
+        self.slots -= packed.nslots
+        if why is LetGo.FREED:
+            self._free(packed)
+        return packed
 
     def _free(self, packed: Packed) -> None:
         # a pack still running on our stream keeps its slots until it completes: an unpack or a

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,6 +36,9 @@ from ...protocol import wire
 from ..links import Links, Peer
 from ..plan_book import PlanBook
 from ..stats import Stats
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FreedRequest", "Hold", "Holds"]
 
@@ -57,8 +61,8 @@ class Hold:
     lease_s: float
     deadline: float  # end of the lease: a renewal from the consumer moves it
     consumer: str | None = None  # the engine entitled to it (None: the first whose pull is accepted)
-    done_from: set = field(default_factory=set)  # (engine, rank) of every done received
-    ready: object = None  # torch.cuda.Event after which the engine's blocks are final (None: they are)
+    done_from: set[tuple[str, int]] = field(default_factory=set)  # (engine, rank) of every done received
+    ready: torch.cuda.Event | None = None  # after it the engine's blocks are final (None: they are)
 
 
 class Holds:
@@ -80,7 +84,8 @@ class Holds:
     def get(self, req_id: str) -> Hold | None:
         return self.held.get(req_id)
 
-    def place(self, req_id: str, block_ids: np.ndarray, lease_s: float, consumer: str | None, ready) -> Hold:
+    def place(self, req_id: str, block_ids: np.ndarray, lease_s: float, consumer: str | None,
+              ready: torch.cuda.Event | None) -> Hold:
         hold = self.held[req_id] = Hold(req_id, block_ids, lease_s, time.monotonic() + lease_s, consumer,
                                         ready=ready)
         return hold
