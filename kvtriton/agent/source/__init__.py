@@ -133,6 +133,7 @@ class Source:
                 self.stats.refused += 1
             self.links.send(peer, wire.Reject(m.xid, self.links.reason(peer, no.reason)), quiet=True)
             return
+        self.serves.offers.asked(serve)  # an untouched offer of the request to that rank: taken over or withdrawn
         self.serves.add(serve)
         self.holds.bind(admitted.hold, peer)  # the first accepted transfer binds an unbound hold to its engine
         peer.served_at = time.monotonic()  # an engine that reads from us is not idle (see .eager.guess)

@@ -7,15 +7,17 @@
   are WRITten into its cache. Accepting a push checks the destination ids and prepares the runs.
 
 Over :class:`Serve`, what both keep. :class:`~.serves.Serves` owns the open transfers; a flow's
-steps are given it (``serves``) to ask for links, staging and the pack batch.
+steps are given it (``serves``, typed as :class:`Serving`: what they ask of it) for links,
+staging and the pack batch.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -25,15 +27,44 @@ from ...protocol import wire
 from ...transport.handles import Xfer
 from ..device import event_done
 from ..integrity import seal
-from ..links import Chunk, Flow, Peer, RowsPost
+from ..links import Chunk, Flow, Links, Peer, RowsPost
+from ..settings import Settings
+from ..stats import Stats
 from .admission import Admitted, Rejection
+from .holds import Holds
+from .share import StagingShare
 
 if TYPE_CHECKING:
     import torch
 
-    from .serves import Serves
+__all__ = ["PullServe", "PushServe", "Serve", "Serving", "TakePacked"]
 
-__all__ = ["PullServe", "PushServe", "Serve"]
+# (request, peer, plan digest, ids asked or None, chunks asked or None) -> the chunks packed ahead it takes
+TakePacked = Callable[[str, Peer, str, "np.ndarray | None", "ChunkGeometry | None"], dict[int, Chunk]]
+
+
+class Serving(Protocol):
+    """What the transfers' steps (and the offers, :mod:`.offers`) ask of the rank serving them:
+    its :class:`~.serves.Serves`, described here so that the flows need not import the table."""
+
+    s: Settings
+    links: Links
+    stats: Stats
+    holds: Holds
+    share: StagingShare
+    by_key: dict[tuple[str, str], Serve]
+    take_packed: TakePacked
+
+    def room(self, peer: Peer) -> bool: ...
+
+    def add(self, serve: Serve) -> None: ...
+
+    def remove(self, serve: Serve) -> None: ...
+
+    def reserve(self, serve: Serve, chunk: int) -> Chunk | None: ...
+
+    def drop(self, serve: Serve, notify: str | None = None, quarantine: bool | None = None) -> None: ...
+
 
 # the message a flow's transfers are asked by: a pull, or a push
 Asked = TypeVar("Asked", wire.Pull, wire.Push)
@@ -61,12 +92,12 @@ class Serve(Generic[Asked]):
     waiting_engine: bool = False  # blocked on the hold's event (the engine still writing the blocks)
 
     @classmethod
-    def accept(cls, m: Asked, peer: Peer, admitted: Admitted, serves: Serves) -> Serve[Asked]:
+    def accept(cls, m: Asked, peer: Peer, admitted: Admitted, serves: Serving) -> Serve[Asked]:
         """The transfer ``m`` asks, which passed the source's checks, set up for its flow; raises
         :class:`~.admission.Rejection` when what its flow checks refuses it."""
         raise NotImplementedError
 
-    def opened(self, serves: Serves) -> None:
+    def opened(self, serves: Serving) -> None:
         """It is served now (added, its hold bound): what its flow does at once."""
 
     @property
@@ -85,15 +116,15 @@ class Serve(Generic[Asked]):
     def complete(self) -> bool:
         return self.acked == self.n_chunks and not self.inflight
 
-    def advance(self, serves: Serves) -> None:
+    def advance(self, serves: Serving) -> None:
         """Send what was packed, then reserve the next chunks (packed at the end of the step)."""
         raise NotImplementedError
 
-    def send_packed(self, serves: Serves) -> None:
+    def send_packed(self, serves: Serving) -> None:
         """Send the chunks whose pack finished."""
         raise NotImplementedError
 
-    def ended(self, serves: Serves, told: bool, until: float) -> None:
+    def ended(self, serves: Serving, told: bool, until: float) -> None:
         """The transfer was dropped (``told``: its peer may still be reading, slots quarantined
         ``until``): what its flow keeps besides its chunks goes."""
 
@@ -108,10 +139,9 @@ class PullServe(Serve[wire.Pull]):
     runs_announce: bool = False  # RunsReady not sent yet (the hold's event had not completed)
 
     @classmethod
-    def accept(cls, m: wire.Pull, peer: Peer, admitted: Admitted, serves: Serves) -> PullServe:
+    def accept(cls, m: wire.Pull, peer: Peer, admitted: Admitted, serves: Serving) -> PullServe:
         """A pull takes what was packed ahead for exactly it (its Ready goes out this progress();
-        one that reads our cache needs no pack: it is freed), then an offer of the same request
-        to the same rank (taken over or withdrawn, see :meth:`~.offers.Offers.pulled`)."""
+        one that reads our cache needs no pack: it is freed)."""
         r, timeout_s = admitted.request, serves.s.timeout_s
         serve = cls(m.xid, m.req, peer, admitted.read, r.src_ids, admitted.chunks, timeout_s,
                     time.monotonic() + timeout_s, tokens=r.tokens, ready=admitted.hold.ready,
@@ -120,10 +150,9 @@ class PullServe(Serve[wire.Pull]):
             ids = admitted.ids if r.tokens is None else None  # a token-mapped pull is never packed ahead
             serve.inflight = serves.take_packed(m.req, peer, r.digest, ids, admitted.chunks)
             serve.next_chunk = len(serve.inflight)
-        serves.offers.pulled(serve)
         return serve
 
-    def opened(self, serves: Serves) -> None:
+    def opened(self, serves: Serving) -> None:
         if not self.runs_reader:
             return
         if not event_done(self.ready):  # the engine is still writing them: the serve's step sends it
@@ -139,7 +168,7 @@ class PullServe(Serve[wire.Pull]):
     def complete(self) -> bool:
         return super().complete and not self.runs_reader
 
-    def advance(self, serves: Serves) -> None:
+    def advance(self, serves: Serving) -> None:
         # announce every chunk whose pack finished, then reserve the next while staging allows
         self.waiting_local = self.waiting_engine = False
         if self.runs_announce:  # DIRECT runs: the peer reads the cache once the engine's writes are done
@@ -155,7 +184,7 @@ class PullServe(Serve[wire.Pull]):
                 return  # staging full: wait for acks (here or of other transfers)
             self.next_chunk += 1
 
-    def send_packed(self, serves: Serves) -> None:
+    def send_packed(self, serves: Serving) -> None:
         """A ``ready`` for every chunk whose pack finished."""
         for ch in self.inflight.values():
             if ch.kernel is not None and ch.kernel.done():
@@ -163,7 +192,7 @@ class PullServe(Serve[wire.Pull]):
                 serves.links.send(self.peer, wire.Ready(self.xid, ch.index, ch.slot, ch.nslots, ch.nbytes,
                                                         seal(serves.s, serves.stats, ch)))
 
-    def ended(self, serves: Serves, told: bool, until: float) -> None:
+    def ended(self, serves: Serving, told: bool, until: float) -> None:
         if self.runs_reader and told:  # the peer may still be reading our cache: keep the blocks a while
             serves.holds.keep_until(self.req_id, until)
 
@@ -180,7 +209,7 @@ class PushServe(Serve[wire.Push]):
     runs_xfer: Xfer | None = None  # the WRITE of the DIRECT runs, until it completes
 
     @classmethod
-    def accept(cls, m: wire.Push, peer: Peer, admitted: Admitted, serves: Serves) -> PushServe:
+    def accept(cls, m: wire.Push, peer: Peer, admitted: Admitted, serves: Serving) -> PushServe:
         """A push names the destination block of every tile; its DIRECT runs are prepared here."""
         r = admitted.request
         n, nb = r.num_tiles, min(s.num_blocks for s in peer.md.regions)
@@ -200,7 +229,7 @@ class PushServe(Serve[wire.Push]):
     def complete(self) -> bool:
         return super().complete and self.runs is None
 
-    def advance(self, serves: Serves) -> None:
+    def advance(self, serves: Serving) -> None:
         links, runs = serves.links, self.runs
         if runs is not None and self.runs_xfer is None and event_done(self.ready):
             self.runs_xfer = links.post_rows("WRITE", runs, wire.RunsReady(self.xid))
@@ -220,7 +249,7 @@ class PushServe(Serve[wire.Push]):
             self.grants.popleft()
             ch.remote_slot = grant.slot
 
-    def send_packed(self, serves: Serves) -> None:
+    def send_packed(self, serves: Serving) -> None:
         """A landed WRITE frees its slots; a finished pack is written."""
         links = serves.links
         for chunk, ch in list(self.inflight.items()):
@@ -235,7 +264,7 @@ class PushServe(Serve[wire.Push]):
                 ch.xfer = links.post_chunk("WRITE", ch, self.peer, wire.Data(self.xid, ch.index, ch.nbytes,
                                                                               seal(serves.s, serves.stats, ch)))
 
-    def ended(self, serves: Serves, told: bool, until: float) -> None:
+    def ended(self, serves: Serving, told: bool, until: float) -> None:
         if self.runs is not None:
             serves.links.retire(self.runs_xfer, serves.links.release_post(self.runs))
             self.runs, self.runs_xfer = None, None

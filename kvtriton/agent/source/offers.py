@@ -7,7 +7,7 @@ destination rank ahead of its pull, as a transfer of its own (why and when: :mod
   *untouched*, nothing heard from its peer yet (its silence is not counted, the lease rules);
 * **read** (:meth:`Offers.read`): its first ack or RunsDone; from then on a pull like any other
   (and it binds the hold, see :meth:`~.holds.Holds.bind`);
-* **pulled** (:meth:`Offers.pulled`): a pull of the same request from the same rank takes its
+* **pulled** (:meth:`Offers.asked`): a pull of the same request from the same rank takes its
   chunks over, or it is withdrawn;
 * **declined** (:meth:`Offers.declined`: the peer aborts it) or **withdrawn**
   (:meth:`Offers.withdraw`: the hold went to another engine);
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from ...errors import KVTritonError, ProtocolError
 from ...plan import OfferTerms, RequestPlan
@@ -29,11 +28,8 @@ from ..links import Peer
 from ..settings import Settings
 from ..stats import Stats
 from .eager import Packed, suffix_chunks
-from .flows import PullServe, Serve
+from .flows import PullServe, Serve, Serving
 from .holds import Hold
-
-if TYPE_CHECKING:
-    from .serves import Serves
 
 __all__ = ["Offers"]
 
@@ -49,7 +45,7 @@ class Offers:
     """The offers of one source rank, made as transfers of ``serves`` (which owns them as it
     owns every transfer). ``eager_returned(nslots)``: slots of the eager budget are free again."""
 
-    def __init__(self, settings: Settings, stats: Stats, serves: Serves, *,
+    def __init__(self, settings: Settings, stats: Stats, serves: Serving, *,
                  eager_returned: Callable[[int], None]):
         self.s, self.stats, self.serves = settings, stats, serves
         self.eager_returned = eager_returned
@@ -138,10 +134,11 @@ class Offers:
         self.stats.eager_offer_reads += 1
         self.untouched.pop((serve.peer.agent, serve.req_id), None)
 
-    def pulled(self, serve: PullServe) -> None:
-        """``serve``, a pull being accepted, takes over the chunks of its peer's untouched offer
-        of the same request when they are its payload or the packed chunks of a suffix it asks
-        (a -1 prefix, see :mod:`.eager`); the offer is withdrawn in any case."""
+    def asked(self, serve: Serve) -> None:
+        """``serve``, a transfer being accepted (a pull: only a pull rank offers), takes over the
+        chunks of its peer's untouched offer of the same request when they are its payload or
+        the packed chunks of a suffix it asks (a -1 prefix, see :mod:`.eager`); the offer is
+        withdrawn in any case."""
         offered = self.untouched.get((serve.peer.agent, serve.req_id))
         if offered is None:
             return

@@ -26,15 +26,12 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-import numpy as np
-
 from ...errors import KVTritonError, ProtocolError
-from ...plan import ChunkGeometry
 from ...protocol import wire
 from ..links import Chunk, Links, Peer, logger
 from ..settings import Settings
 from ..stats import Stats
-from .flows import PullServe, PushServe, Serve
+from .flows import PullServe, PushServe, Serve, TakePacked
 from .holds import Holds
 from .offers import Offers
 from .packing import PackBatch, PackJob
@@ -45,9 +42,6 @@ __all__ = ["MAX_SERVES_PER_PEER", "PullServe", "PushServe", "Serve", "Serves"]
 MAX_SERVES_PER_PEER = 4096  # transfers one peer rank may have open on this rank at once
 
 Flowing = TypeVar("Flowing", PullServe, PushServe)
-
-# (request, peer, plan digest, ids asked or None, chunks asked or None) -> the chunks packed ahead it takes
-TakePacked = Callable[[str, Peer, str, np.ndarray | None, ChunkGeometry | None], dict[int, Chunk]]
 
 
 class Serves:
