@@ -7,14 +7,15 @@ travels (:mod:`kvtriton.plan.ways`), or a part of DIRECT runs only.
   straight into our cache blocks (no unpack), and Ack it.
 * :class:`ReadUnpackPart` (pull): after the source's RunsReady we READ its cache blocks into
   our staging and unpack (no pack, no Ready, no Ack).
-* :class:`DirectSlicePart` (pull): after the source's RunsReady we READ each segment's head
-  slice from its cache blocks straight into ours (no pass, no staging, no Ready, no Ack).
 * :class:`GrantedPart` (push): we grant a slot per chunk, the source WRITEs it (Data), we unpack.
-* :class:`DirectPart`: no staged payload, DIRECT runs only.
+* :class:`DirectPart`: zero copy only: DIRECT runs, and (pull) the payload's head slices when
+  it travels DIRECT_SLICE, READ from the source's cache blocks straight into ours (no pass, no
+  staging, no Ready, no Ack).
 
-DIRECT runs of a part (any class) are its :class:`RunsTransfer`. In pull, a part that reads the
-source's cache (DIRECT runs, READ_UNPACK or DIRECT_SLICE) holds a :class:`CacheLease`: it waits for the
-source's RunsReady and ends with one RunsDone once every such READ has landed.
+The zero-copy rows of a part (any class; :meth:`~kvtriton.plan.PairPlan.rows`: DIRECT runs, and
+head slices) are its :class:`RunsTransfer`: one transfer per source rank. In pull, a part that
+reads the source's cache (zero-copy rows or READ_UNPACK) holds a :class:`CacheLease`: it waits for
+the source's RunsReady and ends with one RunsDone once every such READ has landed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 
 from ...errors import ProtocolError
 from ...ops import unpack
-from ...plan import RequestPayload, Way, ceil_div, slice_block_rows, tile_runs
+from ...plan import BlockRows, RequestPayload, Way, ceil_div, tile_runs
 from ...protocol import wire
 from ..device import event_done
 from ..integrity import verify
@@ -38,17 +39,19 @@ from .fetch import Fetch
 
 @dataclass(eq=False)
 class RunsTransfer:
-    """A part's DIRECT runs: pending until they landed (pull: our READ; push: the source's
-    WRITE, told by its RunsReady)."""
+    """A part's zero-copy rows (its pair's :meth:`~kvtriton.plan.PairPlan.rows`: DIRECT runs, and
+    the payload's head slices when it travels DIRECT_SLICE): pending until they landed (pull:
+    our one READ; push: the source's WRITE, told by its RunsReady)."""
 
+    rows: BlockRows
+    direct: bool = True  # the rows include DIRECT runs (else the payload's head slices only)
     pending: bool = True
-    xfer: object = None  # pull: the READ of the runs
+    xfer: object = None  # pull: the READ of the rows
     post: RowsPost | None = None
 
     def read(self, links: Links, f: Fetch, peer: Peer) -> None:
-        """Pull: READ this source rank's DIRECT runs of ``f``."""
-        rp = f.request
-        post = links.prep_runs(rp.plan, peer, rp.src_ids, rp.dst_ids, reading=True)
+        """Pull: READ this source rank's rows of ``f``, in one transfer."""
+        post = links.prep_rows(peer, self.rows, f.src_ids, f.dst_ids, reading=True)
         if post is None:
             self.pending = False
             return
@@ -114,7 +117,7 @@ class Part:
         """How this part's bytes travel, as :mod:`~kvtriton.agent.stats` labels them: its
         payload's way (a push's is staged), and ``"direct"`` when it has DIRECT runs."""
         payload = (self.way.value,) if self.payload is not None else ()
-        return payload + ((DIRECT_WAY,) if self.runs is not None else ())
+        return payload + ((DIRECT_WAY,) if self.runs is not None and self.runs.direct else ())
 
     @property
     def runs_pending(self) -> bool:
@@ -262,7 +265,31 @@ class Part:
 
 
 class DirectPart(Part):
-    """A source rank that sends DIRECT runs only (no staged payload)."""
+    """A source rank whose part is zero copy only, one READ (pull) of its rows: DIRECT runs
+    (no staged payload), and the payload's head slices when it travels DIRECT_SLICE (chosen for
+    this request): once the source confirmed it holds the blocks (RunsReady, or a slot-less
+    offer) and the engine is done with our blocks' previous contents, every row READ from the
+    source's cache blocks straight into ours (over lists prepared once per peer); nothing is
+    packed, staged or unpacked. The payload, when there is one, only says what the pull names
+    (its way and blocks per chunk). RunsDone once the READ landed."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        if self.payload is not None:  # its head slices: read from the source's cache
+            self.way = Way.DIRECT_SLICE
+            if self.lease is None:
+                self.lease = CacheLease()
+
+    @property
+    def n_chunks(self) -> int:
+        return 0  # nothing chunked: every position lands with the one READ
+
+    def defined(self, n: int) -> np.ndarray:
+        return np.full(n, not self._reading_cache(), dtype=bool)
+
+    def _reading_cache(self) -> bool:
+        return super()._reading_cache() or (self.payload is not None and self.lease is not None
+                                            and not self.lease.done)
 
     def take_offer(self, offer: wire.Offer) -> None:
         """Pull: the source offered its cache blocks (no slots, sent once the engine's writes
@@ -270,6 +297,21 @@ class DirectPart(Part):
         super().take_offer(offer)
         if self.lease is not None and not offer.slots:
             self.lease.go = True
+
+    def on_ready(self, peer: Peer, m: wire.Ready) -> None:
+        if self.payload is None:
+            super().on_ready(peer, m)
+        raise ProtocolError(f"ready for {m.xid!r}, which reads the source's cache ({self.way.value}): "
+                            "nothing is packed")
+
+    def read_runs(self, peer: Peer) -> None:
+        # head slices land in our blocks without a stream: only once the engine is done with them
+        if self.payload is None or event_done(self.fetch.ready):
+            super().read_runs(peer)
+
+    def _post(self, peer: Peer) -> None:
+        if self.lease is not None and self.lease.go:
+            self.read_runs(peer)
 
 
 class PayloadPart(Part):
@@ -452,47 +494,6 @@ class ReadUnpackPart(SourceCachePart):
 
     def _cache_reads_landed(self) -> bool:
         return self.reads_landed == self.n_chunks
-
-
-class DirectSlicePart(SourceCachePart):
-    """Pull, DIRECT_SLICE chosen for this request: after the source's RunsReady (or its
-    slot-less offer), and once the engine is done with our blocks' previous contents, READ every
-    segment's head slice from the source's cache blocks straight into ours in one transfer
-    (:func:`~kvtriton.plan.slice_block_rows`, over lists prepared once per peer); nothing is
-    packed, staged or unpacked. The payload's
-    chunks only say which positions the transfer defined: all of them once it landed. RunsDone
-    then."""
-
-    way = Way.DIRECT_SLICE
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.posted = False
-
-    def _post(self, peer: Peer) -> None:
-        f, links = self.fetch, self.links
-        # the NIC writes our blocks without a stream: only once the engine is done with them
-        if not self.lease.go or self.posted or not event_done(f.ready):
-            return
-        rows = slice_block_rows(self.payload.read, peer.md.regions, self.s.specs)
-        post = links.prep_rows(peer, rows, f.src_ids, f.dst_ids, reading=True)
-        ch = Chunk(0, -1, 0, post.nbytes)  # the one transfer of every slice; no local slot
-        if post.owned:
-            ch.lists = (post.local, post.remote)
-        self.inflight[ch.index] = ch
-        self.posted = True
-        links.stats.slice_payloads += 1
-        with f.posting(post.count, post.nbytes):
-            ch.xfer = links.post_rows("READ", post, one_sided=True)
-
-    def _landed(self, ch: Chunk, peer: Peer) -> None:
-        self.fetch.touch()
-        self.inflight.pop(ch.index, None)
-        self.consumed.update(range(self.n_chunks))  # every position's bytes are in our cache
-        self.chunks_done = self.n_chunks
-
-    def _cache_reads_landed(self) -> bool:
-        return self.chunks_done == self.n_chunks  # the one transfer landed (a payload has a chunk at least)
 
 
 class GrantedPart(PayloadPart):

@@ -189,7 +189,8 @@ class Source:
                     or np.unique(dst_ids).size != dst_ids.size:
                 return reject(f"push: dst_ids must be {n} distinct ids in [0, {nb})")
             try:
-                serve.runs = self.links.prep_runs(plan, peer, ids, dst_ids, reading=False)
+                rows = self.plans.serving_pair(peer.md).rows()  # DIRECT runs: a push's payload is staged
+                serve.runs = self.links.prep_rows(peer, rows, ids, dst_ids, reading=False)
             except KVTritonError as e:
                 return reject(f"push: {e}")
         elif chunks is not None:  # packed ahead for exactly this pull: Ready goes out this progress()
