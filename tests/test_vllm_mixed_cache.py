@@ -83,7 +83,7 @@ SLICE_PER_REQUEST = "desc_us=1.0,pack_gbps=10,unpack_gbps=5,pass_us=300"
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
 def test_mla_draft_with_the_target_sliced_per_request(models, tmp_path, prompts, p_tp, d_tp):
     """The same cache with the ways chosen per request (auto modes): the decode READs each target
-    layer's head slices from the prefill's cache blocks straight into its own (DirectSlicePart, the
+    layer's head slices from the prefill's cache blocks straight into its own (DirectPart, the
     hold offering its cache), the draft's latent DIRECT; every region's bytes compared. The negative
     control first: overwriting the prefill's blocks before the load must change the tokens (nothing
     is packed ahead on this way)."""

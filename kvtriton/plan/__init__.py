@@ -76,7 +76,8 @@ from .ways import (
 
 __all__ = [
     "STAGED_LAYOUT_VERSION", "ceil_div", "Route", "Way", "Segment", "Payload", "ChunkGeometry", "DirectRead",
-    "TransferPlan", "CostModel", "PairPlan", "Runs", "BlockRows", "id_runs", "pair_runs", "direct_runs", "direct_block_rows",
+    "TransferPlan", "CostModel", "PairPlan", "Runs", "BlockRows", "id_runs",
+    "pair_runs", "direct_runs", "direct_block_rows",
     "tile_runs", "slice_runs", "slice_block_rows", "slice_descriptor_count", "staged_descriptor_count",
     "read_unpack_problem", "pack_place_problem",
     "direct_slice_way_problem", "payload_ways", "one_sided_descriptors", "way_descriptors", "choose_way", "TokenMap",

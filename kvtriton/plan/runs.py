@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -116,8 +115,9 @@ def direct_runs(
     region, then source rank, then stream.
 
     Cost: regions are grouped by geometry (:func:`direct_groups`; a
-    :class:`~kvtriton.plan.PairPlan` does it once per pair of ranks); a request then finds its runs once per group with numpy and repeats them for the group's
-    regions (DeepSeek-V3's 61 MLA layers are one group), so the Python work is per group, not
+    :class:`~kvtriton.plan.PairPlan` does it once per pair of ranks); a request then finds its
+    runs once per group with numpy and repeats them for the group's regions (DeepSeek-V3's 61
+    MLA layers are one group), so the Python work is per group, not
     per region or block; what remains is linear in the descriptors returned.
     """
     return runs_of_groups(direct_groups(plan, src_specs, dst_specs), src_ids, dst_ids, src_rank)

@@ -1,5 +1,5 @@
 """The destination side of a rank: fetches and their parts (one class per way a payload
-travels, and one for DIRECT runs alone), offers received, READ (pull) or grants (push),
+travels through staging, and one for zero copy: DIRECT runs and head slices), offers received, READ (pull) or grants (push),
 unpack, acks, and each fetch's finish or failure. :class:`Destination` composes them."""
 
 from .core import Destination
@@ -8,7 +8,6 @@ from .fetches import Fetches, RequestResult
 from .offers import MAX_OFFERS_PER_PEER, Offers
 from .parts import (
                     DirectPart,
-                    DirectSlicePart,
                     GrantedPart,
                     PackPlacePart,
                     Part,
@@ -20,4 +19,4 @@ from .parts import (
 
 __all__ = ["Destination", "Fetch", "Fetches", "RequestResult", "Offers", "MAX_OFFERS_PER_PEER", "Part",
            "PayloadPart", "DirectPart", "StagedPart", "PackPlacePart", "SourceCachePart", "ReadUnpackPart",
-           "DirectSlicePart", "GrantedPart"]
+           "GrantedPart"]
