@@ -1,6 +1,7 @@
 """The destination side of a rank: fetches and their parts (one class per way a payload
-travels through staging, and one for zero copy: DIRECT runs and head slices), offers received, READ (pull) or grants (push),
-unpack, acks, and each fetch's finish or failure. :class:`Destination` composes them."""
+travels through staging, and one for zero copy: DIRECT runs and head slices), offers received,
+READ (pull) or grants (push), unpack, acks, and each fetch's finish or failure.
+:class:`Destination` composes them."""
 
 from .core import Destination
 from .fetch import Fetch
