@@ -33,7 +33,7 @@ class PlanBook:
 
     def __init__(self, settings: Settings):
         self.s = settings
-        self.served: dict[tuple[str, int, CostModel], TransferPlan] = {}  # (engine, rank, its model) -> plan
+        self.served: dict[tuple[str, int, CostModel | None], TransferPlan] = {}  # (engine, rank, its model) -> plan
         self.reads: dict[str, TransferPlan] = {}  # source engine -> the plan this rank reads it by
         self.unreadable: dict[str, PlanError] = {}  # source engines a forced mode rules out reading from
         # the pairs' plans (PairPlan), one per peer: (engine, rank, its model) -> the pair it is served by, and

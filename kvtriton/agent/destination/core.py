@@ -64,7 +64,7 @@ class Destination:
                                    pairs={r: self.plans.reading_pair(p.md) for r, p in peers.items()},
                                    packed={r for r, p in peers.items() if self.offers.packed(p, req_id)},
                                    push=self.s.flow is Flow.PUSH)
-        blocks = max(rp.src_ids.size, rp.dst_ids.size)
+        blocks = max(rp.src_ids.size, rp.num_tiles)  # num_tiles: the destination ids
         if blocks > wire.MAX_REQUEST_BLOCKS:
             raise PlanError(f"fetch {req_id!r}: {blocks} blocks is more than a request may "
                             f"have (kvtriton.protocol.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS}); split it")
@@ -128,9 +128,10 @@ class Destination:
                 if part.lease is not None and part.lease.go:  # the source confirmed the blocks: READ the runs now
                     part.read_runs(peer)
                 continue
-            chunk_blocks = part.chunks.blocks_per_chunk if part.payload is not None else 0
+            chunk_blocks = part.payload.chunks.blocks_per_chunk if part.payload is not None else 0
+            msg: wire.Message
             if self.s.flow is Flow.PUSH:
-                msg = wire.Push(part.xid, f.req_id, self.s.rank, ids, tuple(rp.dst_ids.tolist()), chunk_blocks,
+                msg = wire.Push(part.xid, f.req_id, self.s.rank, ids, tuple(f.dst_ids.tolist()), chunk_blocks,
                                 rp.digest, **tok)
             else:  # DIRECT runs (and the ways reading its cache) wait for the source to confirm it holds the blocks
                 msg = wire.Pull(part.xid, f.req_id, self.s.rank, ids, chunk_blocks, rp.digest, **tok,

@@ -23,13 +23,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ...errors import ProtocolError
 from ...ops import unpack
-from ...plan import BlockRows, RequestPayload, Way, ceil_div, tile_runs
+from ...plan import BlockRows, ChunkGeometry, RequestPayload, Way, ceil_div, tile_runs
 from ...protocol import wire
+from ...transport import Xfer
 from ..device import event_done
 from ..integrity import verify
 from ..links import Chunk, Links, Peer, RowsPost, Settings
@@ -46,7 +48,7 @@ class RunsTransfer:
     rows: BlockRows
     direct: bool = True  # the rows include DIRECT runs (else the payload's head slices only)
     pending: bool = True
-    xfer: object = None  # pull: the READ of the rows
+    xfer: Xfer | None = None  # pull: the READ of the rows
     post: RowsPost | None = None
 
     def read(self, links: Links, f: Fetch, peer: Peer) -> None:
@@ -60,15 +62,16 @@ class RunsTransfer:
             self.xfer = links.post_rows("READ", post)
 
     def poll(self, links: Links) -> None:
-        if self.xfer is not None and links.done(self.xfer):
+        if self.xfer is not None and self.post is not None and links.done(self.xfer):
             links.retire(self.xfer, links.release_post(self.post))
             self.xfer, self.pending = None, False
 
     def release(self, links: Links) -> None:
-        if self.xfer is not None:
-            links.retire(self.xfer, links.release_post(self.post))
-        elif self.post is not None:
-            links.release_post(self.post)()
+        if self.post is not None:
+            if self.xfer is not None:
+                links.retire(self.xfer, links.release_post(self.post))
+            else:
+                links.release_post(self.post)()
         self.post = None
 
     @property
@@ -105,7 +108,7 @@ class Part:
 
     # ------------------------------------------------------------------ state
     @property
-    def chunks(self):
+    def chunks(self) -> ChunkGeometry | None:
         return self.payload.chunks if self.payload is not None else None
 
     @property
@@ -170,14 +173,14 @@ class Part:
 
     def runs_written(self) -> None:
         """Push: the source's RunsReady: it has written our cache with the DIRECT runs."""
-        if not self.runs_pending:
+        if self.runs is None or not self.runs.pending:
             raise ProtocolError(f"unexpected RunsReady for {self.xid!r}: no DIRECT runs pending")
         self.runs.pending = False
 
     # ------------------------------------------------------------------ progress
     def read_runs(self, peer: Peer) -> None:
         """Pull, once the source confirmed it holds the blocks: READ the DIRECT runs."""
-        if self.runs_pending and self.runs.xfer is None:
+        if self.runs is not None and self.runs.pending and self.runs.xfer is None:
             self.runs.read(self.links, self.fetch, peer)
 
     def start_reads(self, peer: Peer) -> None:
@@ -211,8 +214,7 @@ class Part:
                 self._consumed(ch, peer)
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:
-        """A chunk's READ landed in our staging: unpack it."""
-        self._unpack(ch)
+        """A chunk's transfer landed (only a part with a payload posts chunks)."""
 
     def _post(self, peer: Peer) -> None:
         """Post what this part's way posts next (nothing for DIRECT runs alone)."""
@@ -227,19 +229,6 @@ class Part:
                 and self._cache_reads_landed():
             lease.done = True
             self.links.send(peer, wire.RunsDone(self.xid), quiet=True)
-
-    def _unpack(self, ch: Chunk) -> None:
-        s, f, p = self.s, self.fetch, self.payload
-        lo, hi = p.chunks.bounds(ch.index)
-        offs = p.segment_offsets(ch.index, base=s.pool.offset(ch.slot))
-        tokens = f.tokens
-        with s.lanes.launching(after=f.ready):
-            if tokens is None:
-                unpack(s.regions, p.read.segments, offs, f.dst_ids[lo:hi], s.pool.tensor, impl=s.impl)
-            else:
-                unpack(s.regions, p.read.segments, offs, tokens.dst_ids, s.pool.tensor, impl=s.impl,
-                       tiles=tokens.tiles[lo:hi], num_tokens=tokens.num_tokens)
-        ch.kernel = s.lanes.completion()  # the fetch is reported only once it is done
 
     def _consumed(self, ch: Chunk, peer: Peer) -> None:
         self.fetch.touch()
@@ -273,7 +262,7 @@ class DirectPart(Part):
     packed, staged or unpacked. The payload, when there is one, only says what the pull names
     (its way and blocks per chunk). RunsDone once the READ landed."""
 
-    def __init__(self, *args):
+    def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         if self.payload is not None:  # its head slices: read from the source's cache
             self.way = Way.DIRECT_SLICE
@@ -319,15 +308,35 @@ class PayloadPart(Part):
 
     payload: RequestPayload
 
+    def _landed(self, ch: Chunk, peer: Peer) -> None:
+        """A chunk's READ landed in our staging: unpack it."""
+        self._unpack(ch)
+
+    def _unpack(self, ch: Chunk) -> None:
+        s, f, p = self.s, self.fetch, self.payload
+        lo, hi = p.chunks.bounds(ch.index)
+        offs = p.segment_offsets(ch.index, base=s.pool.offset(ch.slot))
+        tokens = f.tokens
+        with s.lanes.launching(after=f.ready):
+            if tokens is None:
+                unpack(s.regions, p.read.segments, offs, f.dst_ids[lo:hi], s.pool.tensor, impl=s.impl)
+            else:
+                if tokens.dst_ids is None:  # the destination's token map has them (TokenMap.for_source has not)
+                    raise ProtocolError(f"fetch {f.req_id!r}: a token map without destination ids")
+                unpack(s.regions, p.read.segments, offs, tokens.dst_ids, s.pool.tensor, impl=s.impl,
+                       tiles=tokens.tiles[lo:hi], num_tokens=tokens.num_tokens)
+        ch.kernel = s.lanes.completion()  # the fetch is reported only once it is done
+
+
 
 class AnnouncedPart(PayloadPart):
     """Pull, a packed payload (staged or pack_place): the source's Ready of each chunk (or its
     offer announcing them all) is kept until a local slot (or the cache blocks) can take its
     READ; each chunk is acked once used, so the source may reuse its slots."""
 
-    def __init__(self, *args):
+    def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.readies: deque = deque()
+        self.readies: deque[wire.Ready] = deque()
         self.announced: set[int] = set()
 
     def on_ready(self, peer: Peer, m: wire.Ready) -> None:
@@ -411,10 +420,10 @@ class PackPlacePart(AnnouncedPart):
             st = peer.md.staging
             remote = st.addr + ready.slot * st.slot_bytes + runs.staging_offset
             ch = Chunk(ready.chunk, -1, 0, ready.nbytes, remote_slot=ready.slot)
-            ch.lists = links.prep_pieces(peer, local, remote, runs.nbytes)
+            ll, rl = ch.lists = links.prep_pieces(peer, local, remote, runs.nbytes)
             self.inflight[ch.index] = ch
             with f.posting(len(runs), ready.nbytes):
-                ch.xfer = links.post_pieces("READ", *ch.lists, len(runs))
+                ch.xfer = links.post_pieces("READ", ll, rl, len(runs))
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:
         self._consumed(ch, peer)  # the READ placed the tiles in our cache: nothing to unpack
@@ -427,7 +436,9 @@ class SourceCachePart(PayloadPart):
     our RunsDone, so the part always holds a :class:`CacheLease`, refuses any Ready, and posts
     its reads as soon as the lease is given; subclasses say what they post and when it landed."""
 
-    def __init__(self, *args):
+    lease: CacheLease
+
+    def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         if self.lease is None:  # whether or not it has DIRECT runs: it reads the source's cache
             self.lease = CacheLease()
@@ -456,7 +467,7 @@ class ReadUnpackPart(SourceCachePart):
 
     way = Way.READ_UNPACK
 
-    def __init__(self, *args):
+    def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.next_read = 0  # the next chunk to READ from the source's cache
         self.reads_landed = 0  # chunks whose READ has landed
@@ -478,15 +489,15 @@ class ReadUnpackPart(SourceCachePart):
                 runs = tile_runs(self.payload.read, peer.md.regions, f.src_ids[lo:hi])
                 remote = self.links.cache_addrs(peer.tables, runs.region, runs.stream,
                                                 runs.cache_offset, runs.nbytes, peer.agent)
-                ch.lists = self.links.prep_pieces(peer, pool.addr + pool.offset(slot) + runs.staging_offset, remote,
-                                                  runs.nbytes)
+                ll, rl = ch.lists = self.links.prep_pieces(
+                    peer, pool.addr + pool.offset(slot) + runs.staging_offset, remote, runs.nbytes)
             except BaseException:
                 pool.free(slot, ch.nslots)
                 raise
             self.inflight[c] = ch
             self.next_read += 1
             with f.posting(len(runs), nbytes):
-                ch.xfer = self.links.post_pieces("READ", *ch.lists, len(runs))
+                ch.xfer = self.links.post_pieces("READ", ll, rl, len(runs))
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:
         self.reads_landed += 1
@@ -500,7 +511,7 @@ class GrantedPart(PayloadPart):
     """Push: grant a local slot per chunk (up to the in-flight bound); the source WRITEs the
     chunk into it and says Data; unpack."""
 
-    def __init__(self, *args):
+    def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.next_grant = 0
 
