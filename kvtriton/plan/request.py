@@ -13,19 +13,14 @@ destination connects to before any source metadata arrives.
 A :class:`RequestPlan` is what one request between two ranks moves, made once (pure: numpy and
 the standard library, over :mod:`kvtriton.plan` and the token maps above).
 
-A :class:`~kvtriton.plan.TransferPlan` is made once per (destination rank, source engine); a
-request adds block ids. Before this module each role derived the rest itself (compacted ids or
-the token map, the source ranks sending DIRECT runs, each staged payload's chunk geometry, the
-digests an offer carries). A :class:`RequestPlan` holds all of it, for the three places that
-need it:
-
-* the destination, at ``fetch()``: :meth:`RequestPlan.for_fetch` checks and compacts the ids
-  (or maps tokens), fits each payload to the chunk cap of its source rank;
-* the source, when a pull or push arrives: :meth:`RequestPlan.for_serve` rebuilds the same
-  request from what the destination sent (ids, tiles, token count, blocks per chunk), so the
-  source checks the pull against it;
-* the source's eager packs, before any pull: :meth:`RequestPlan.for_hold` assumes the
-  destination asks every held block in order (what it packs ahead and offers).
+A :class:`~kvtriton.plan.TransferPlan` is made once per (destination rank, source engine), a
+:class:`~kvtriton.plan.PairPlan` once per pair of ranks; a request adds block ids. A
+:class:`RequestPlan` holds the rest (compacted ids or the token map, the source ranks sending
+DIRECT runs, each payload's chunks and way, the digests an offer carries), for the three places
+that need it: the destination at ``fetch()`` (:meth:`RequestPlan.for_fetch`: checks the ids,
+chooses the ways), the source when a pull or push arrives (:meth:`RequestPlan.for_serve`, from
+what the destination sent), and the source's eager packs before any pull
+(:meth:`RequestPlan.for_hold`: every held block in order, the ways guessed).
 
 Both sides of an offer describe it with :class:`OfferTerms`: the source sends the terms of
 its pack, the destination compares them with the terms of its own request.
@@ -397,14 +392,10 @@ class RequestPlan:
     dst_ids : np.ndarray or None
         ``int64 [num_tiles]``: the destination block of each staged tile and DIRECT position
         (``None`` on the source, which never learns them).
-    tokens : TokenMap or None
-        The token map when the engines' block sizes differ.
-    num_tiles : int
-        Staged tiles (and DIRECT positions) per source rank.
-    payloads : Mapping[int, RequestPayload]
-        Per source rank with a staged payload that fits its chunk cap.
-    unfit : Mapping[int, StagingError]
-        Per source rank whose payload does not fit, the reason.
+    tokens, num_tiles : TokenMap or None, int
+        The token map when the engines' block sizes differ; staged tiles (and DIRECT positions).
+    payloads, unfit : Mapping[int, RequestPayload], Mapping[int, StagingError]
+        Per source rank, its staged payload that fits its chunk cap, or why it does not.
     pairs : Mapping[int, PairPlan]
         Per source rank, the pair's plan the request was made over (``{}``: none given).
     ways : Mapping[int, Way]

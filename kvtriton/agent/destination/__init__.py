@@ -14,10 +14,9 @@ from .parts import (
                     Part,
                     PayloadPart,
                     ReadUnpackPart,
-                    SourceCachePart,
                     StagedPart,
 )
 
 __all__ = ["Destination", "Fetch", "Fetches", "RequestResult", "Offers", "MAX_OFFERS_PER_PEER", "Part",
-           "PayloadPart", "DirectPart", "StagedPart", "PackPlacePart", "SourceCachePart", "ReadUnpackPart",
+           "PayloadPart", "DirectPart", "StagedPart", "PackPlacePart", "ReadUnpackPart",
            "GrantedPart"]

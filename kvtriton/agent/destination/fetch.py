@@ -6,17 +6,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...errors import KVTritonError, PlanError
 from ...plan import RequestPlan, TokenMap
 
-if TYPE_CHECKING:  # parts import this module
+if TYPE_CHECKING:
     import torch
-
-    from .parts import Part
 
 
 @dataclass(eq=False)
@@ -29,7 +27,7 @@ class Fetch:
     timeout_s: float  # without progress for this long the fetch fails
     deadline: float
     request: RequestPlan  # made once, at fetch()
-    parts: dict[int, Part] = field(default_factory=dict)  # by source rank
+    parts: dict[int, Any] = field(default_factory=dict)  # by source rank: its Part (.parts imports this module)
     error: KVTritonError | None = None
     descriptors: int = 0
     nbytes: int = 0

@@ -430,18 +430,23 @@ class PackPlacePart(AnnouncedPart):
 
 
 
-class SourceCachePart(PayloadPart):
-    """Pull, a payload whose way READs the source's cache blocks (:attr:`Way.reads_source_cache`):
-    the source packs nothing and holds the blocks from its RunsReady (or slot-less offer) until
-    our RunsDone, so the part always holds a :class:`CacheLease`, refuses any Ready, and posts
-    its reads as soon as the lease is given; subclasses say what they post and when it landed."""
+class ReadUnpackPart(PayloadPart):
+    """Pull, READ_UNPACK: after the source's RunsReady (or its slot-less offer), READ the next
+    chunks' tiles straight out of its cache blocks into our staging, where the packed payload
+    would have put them (one descriptor per segment and run of consecutive source ids), and
+    unpack; RunsDone once every READ landed. The source packs nothing and holds the blocks from
+    its RunsReady (or slot-less offer) until our RunsDone, so the part always holds a
+    :class:`CacheLease` and refuses any Ready."""
 
+    way = Way.READ_UNPACK
     lease: CacheLease
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         if self.lease is None:  # whether or not it has DIRECT runs: it reads the source's cache
             self.lease = CacheLease()
+        self.next_read = 0  # the next chunk to READ from the source's cache
+        self.reads_landed = 0  # chunks whose READ has landed
 
     def take_offer(self, offer: wire.Offer) -> None:
         super().take_offer(offer)
@@ -457,20 +462,6 @@ class SourceCachePart(PayloadPart):
 
     def _reading_cache(self) -> bool:
         return super()._reading_cache() or not self.lease.done
-
-
-class ReadUnpackPart(SourceCachePart):
-    """Pull, READ_UNPACK: after the source's RunsReady (or its slot-less offer), READ the next
-    chunks' tiles straight out of its cache blocks into our staging, where the packed payload
-    would have put them (one descriptor per segment and run of consecutive source ids), and
-    unpack; RunsDone once every READ landed."""
-
-    way = Way.READ_UNPACK
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.next_read = 0  # the next chunk to READ from the source's cache
-        self.reads_landed = 0  # chunks whose READ has landed
 
     def _post(self, peer: Peer) -> None:
         if not self.lease.go:
