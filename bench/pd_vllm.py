@@ -82,17 +82,20 @@ def _sum_stats(per_rank) -> dict:
 
 
 _WAY_COUNTERS = {"direct": "direct_descriptors", "one_sided": "one_sided_descriptors",
-                 "staged": "staged_descriptors", "slice_payloads": "slice_payloads"}
+                 "staged": "staged_descriptors"}
 
 
 def _ways(decode, connector: str) -> dict:
-    """kvtriton: the decode ranks' descriptors by how they moved (DIRECT/DIRECT_SLICE runs, one-sided
-    READs, staged chunks) and the payloads the per-request direct_slice way moved (its descriptors
-    among the one-sided ones), summed over ranks; {} for NixlConnector (no agent)."""
+    """kvtriton: the decode ranks' descriptors by how they moved (zero copy: DIRECT runs and head
+    slices; one-sided READs; staged chunks) and the payloads the per-request direct_slice way moved
+    (the loads' records), summed over ranks; {} for NixlConnector (no agent)."""
     if connector != "kvtriton":
         return {}
     per_rank = decode.call("agent_stats")["stats"] or ()
-    return {k: sum((s or {}).get(c, 0) for s in per_rank) for k, c in _WAY_COUNTERS.items()}
+    out = {k: sum((s or {}).get(c, 0) for s in per_rank) for k, c in _WAY_COUNTERS.items()}
+    loads = decode.call("transfer_stats")["stats"] or ()
+    out["slice_payloads"] = sum((s or {}).get("payloads_direct_slice", 0) for s in loads)
+    return out
 
 
 def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, layers: int = 2, head_dim: int = 32,

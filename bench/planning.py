@@ -1,12 +1,14 @@
 """Planning cost per request: what the planner adds to every fetch, in microseconds.
 
-A plan is built once per (destination rank, source engine) at handshake; a request only adds its
-block ids. Per request a decode rank checks and compacts the ids (:func:`compact_request`), cuts
-each staged payload into chunks (:meth:`ChunkGeometry.fit`) with its segment offsets, chooses the
-way each payload travels by its runs (:func:`choose_way`; the head slices of a DIRECT_SLICE way
-are its descriptors, :func:`slice_runs`), and turns the DIRECT regions into coalesced runs
-(:func:`direct_runs`), and puts the plan's digest in every message (:meth:`TransferPlan.digest`,
-hashed once per plan). This times exactly that, on one
+A plan is built once per (destination rank, source engine) at handshake, and a
+:class:`PairPlan` per source rank when its peer is added (the pair's geometry); a request only
+adds its block ids. Per request a decode rank checks and compacts the ids
+(:func:`compact_request`), cuts each staged payload into chunks (:meth:`ChunkGeometry.fit`) with
+its segment offsets, chooses the way each payload travels by its runs
+(:meth:`PairPlan.choose_way`; the head slices of a DIRECT_SLICE way are its descriptors,
+:meth:`PairPlan.slice_runs`), and turns the DIRECT regions into coalesced runs
+(:func:`runs_of_groups` over the groups found once), and puts the plan's digest in every
+message (:meth:`TransferPlan.digest`, hashed once per plan). This times exactly that, on one
 thread, for 1k- and 128k-token requests (block ids in shuffled runs of 8 blocks, as a paged
 allocator hands them out after some churn), for a staged model (Llama-3-70B, P4->D8) and a
 direct one (DeepSeek-V3 MLA, P8->D4: zero-copy runs). Goal: <= 50 us and flat in block count
@@ -21,16 +23,8 @@ from __future__ import annotations
 from presets import PRESETS, fragmented_block_ids, specs_for  # bench/presets.py
 from timing import qfields, quantiles_ms  # bench/timing.py
 
-from kvtriton.plan import (
-    ChunkGeometry,
-    CostModel,
-    Way,
-    build_plan,
-    choose_way,
-    compact_request,
-    direct_runs,
-    slice_runs,
-)
+from kvtriton.plan import ChunkGeometry, CostModel, PairPlan, Way, build_plan, compact_request
+from kvtriton.plan.runs import direct_groups, runs_of_groups
 
 CHUNK_BYTES = 64 << 20
 
@@ -50,6 +44,8 @@ def planning_rows(quick: bool = False) -> list[dict]:
             src_ids = fragmented_block_ids(n, num_blocks, 8, seed=1)
             dst_ids = fragmented_block_ids(n, num_blocks, 8, seed=2)
             out = {}
+            pairs = {r: PairPlan(plan, r, src, dst, plan_cost) for r in plan.source_ranks}  # at add_remote
+            groups = direct_groups(plan, src, dst)
 
             def per_request():
                 plan.digest()
@@ -58,11 +54,12 @@ def planning_rows(quick: bool = False) -> list[dict]:
                 for read in plan.staged:
                     g = ChunkGeometry.fit(read.bytes_per_block, s.size, CHUNK_BYTES)
                     read.segment_offsets(g.bounds(0)[1] - g.bounds(0)[0])
-                    way = choose_way(read, src, dst, s, t, plan_cost, chunks=g.count)
+                    pair = pairs[read.src_rank]
+                    way = pair.choose_way(s, t, chunks=g.count)
                     if way is Way.DIRECT_SLICE:
-                        slices += len(slice_runs(read, src, dst, s, t))
+                        slices += len(pair.slice_runs(s, t))
                     ways.append(way.value)
-                out["runs"] = len(direct_runs(plan, src, dst, s, t)) if plan.direct else 0
+                out["runs"] = len(runs_of_groups(groups, s, t)) if plan.direct else 0
                 out["ways"], out["slices"] = "+".join(sorted(set(ways))), slices
 
             reps = (200 if tokens < 10_000 else 20) // (4 if quick else 1)

@@ -23,6 +23,8 @@ from test_plan_per_request import pieces_of_rows, pieces_of_runs
 from kvtriton.errors import PlanError
 from kvtriton.plan import (
     CostModel,
+    PairPlan,
+    RequestPlan,
     Route,
     Way,
     build_plan,
@@ -433,6 +435,45 @@ def test_the_slice_is_a_way_chosen_per_request_by_its_runs(p_tp, d_tp, one_sided
     # NHD caches: no slice is one range, so no such way
     nhd = build_plan(0, d_tp, _specs(_split(4), 0, d_tp, "NHD"), p_tp, _specs(_split(4), 0, p_tp, "NHD"), cost=BAND)
     assert all(WAY_DS not in s.ways for s in nhd.staged)
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2), (2, 1)])
+def test_a_pair_plan_is_the_functions_over_geometry_computed_once(p_tp, d_tp):
+    """PairPlan (made once per peer) chooses, counts and lists exactly what the functions do over
+    the spec lists; a DIRECT_SLICE part's rows are the DIRECT rows then the slice rows, one
+    table (one READ) whose selection counts both; RequestPlan.for_fetch records the pair's choice
+    per source rank, and for_hold the same choice over its own ids, labelled a guess."""
+    models = _models(4)  # two GQA regions staged (the slice a per-request way) and an MLA latent DIRECT
+    dst, src = _specs(models, 0, d_tp), _specs(models, 0, p_tp)
+    band = _band(4 // max(p_tp, d_tp))  # the slice a per-request way for these heads
+    plan = build_plan(0, d_tp, dst, p_tp, src, cost=band)
+    assert plan.staged
+    pairs = {r: PairPlan(plan, r, src, dst, band) for r in plan.source_ranks}
+    rng = np.random.default_rng(1)
+    chosen = set()
+    for s, t in ((rng.permutation(8)[:6], rng.permutation(8)[:6]), (np.arange(1, 7), np.arange(2, 8))):
+        rp = RequestPlan.for_fetch(plan, s, t, src_num_blocks=8, dst_num_blocks=8, chunk_bytes=1 << 20, pairs=pairs)
+        for read in plan.staged:
+            pair = pairs[read.src_rank]
+            assert WAY_DS in read.ways
+            chosen.add(rp.way(read.src_rank))
+            want = choose_way(read, src, dst, s, t, band)
+            assert pair.choose_way(s, t) is want and rp.way(read.src_rank) is want
+            for way in read.ways:
+                assert pair.way_descriptors(way, s, t) == way_descriptors(read, way, src, dst, s, t)
+            assert pair.slice_runs(s, t).src_offset.tolist() == slice_runs(read, src, dst, s, t).src_offset.tolist()
+            rows = pair.rows(WAY_DS)
+            direct, sliced = pair.rows(), slice_block_rows(read, src, dst)
+            assert len(rows) == len(direct) + len(sliced) and rows is pair.rows(WAY_DS)  # made once
+            count = rows.select(s, t)[2]
+            assert count == direct.select(s, t)[2] + sliced.select(s, t)[2]
+            assert count == len(direct_runs(plan, src, dst, s, t, src_rank=read.src_rank)) \
+                + len(slice_runs(read, src, dst, s, t))
+        assert not rp.guessed
+    assert WAY_DS in chosen  # scattered ids: the slice way, read with the DIRECT rows in one table
+    assert any(len(p.direct_rows) for p in pairs.values())  # the latent's rows (one replica's)
+    hold = RequestPlan.for_hold(plan, s, chunk_bytes=1 << 20, pairs=pairs)
+    assert hold.guessed and all(hold.way(r.src_rank) is choose_way(r, src, dst, s, s, band) for r in plan.staged)
 
 
 def test_a_whole_block_slice_coalesces_runs_on_both_sides():

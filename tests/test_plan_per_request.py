@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtriton.errors import PlanError
-from kvtriton.plan import build_plan, compact_request, compact_tokens, direct_block_rows, direct_runs
+from kvtriton.plan import PairPlan, build_plan, compact_request, compact_tokens, direct_block_rows, direct_runs
 from kvtriton.regions import Region
 
 
@@ -128,7 +128,8 @@ def test_block_rows_name_the_pieces_direct_runs_move(src_tp):
             s_idx, d_idx, count, nbytes = rows.select(src, dst)
             assert (count, nbytes) == (len(runs), runs.total_bytes)
             assert pieces_of_rows(rows, s_idx, d_idx) == pieces_of_runs(runs, lambda g, j, nb: tiles[g, j])
-    assert direct_block_rows(plan, specs, specs, 0) is direct_block_rows(plan, specs, specs, 0)  # memoised
+    pair = PairPlan(plan, 0, specs, specs)  # made once per peer: its rows computed once
+    assert pair.rows() is pair.rows() and pair.rows().key == direct_block_rows(plan, specs, specs, 0).key
 
 
 def test_direct_runs_rank_mapping_with_different_strides_and_cache_refresh():

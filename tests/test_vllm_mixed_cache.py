@@ -83,7 +83,7 @@ SLICE_PER_REQUEST = "desc_us=1.0,pack_gbps=10,unpack_gbps=5,pass_us=300"
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
 def test_mla_draft_with_the_target_sliced_per_request(models, tmp_path, prompts, p_tp, d_tp):
     """The same cache with the ways chosen per request (auto modes): the decode READs each target
-    layer's head slices from the prefill's cache blocks straight into its own (DirectSlicePart, the
+    layer's head slices from the prefill's cache blocks straight into its own (DirectPart, the
     hold offering its cache), the draft's latent DIRECT; every region's bytes compared. The negative
     control first: overwriting the prefill's blocks before the load must change the tokens (nothing
     is packed ahead on this way)."""
@@ -95,10 +95,14 @@ def test_mla_draft_with_the_target_sliced_per_request(models, tmp_path, prompts,
         ref = pair.reference(prompts, "ref")
         pair.negative_control(prompts, ref)
         before = pair.decode.call("agent_stats")["stats"]
+        loads_before = pair.decode.call("transfer_stats")["stats"]
         res = pair.transfer(prompts, ref)
         after = pair.decode.call("agent_stats")["stats"]
+        loads_after = pair.decode.call("transfer_stats")["stats"]
         kinds = res["digests"]["kinds"]
-        sliced = sum(a["slice_payloads"] - b["slice_payloads"] for a, b in zip(after, before))
+        # payloads by way: the loads' records (the agent counts descriptors, slices among the zero-copy ones)
+        sliced = sum(a.get("payloads_direct_slice", 0) - b.get("payloads_direct_slice", 0)
+                     for a, b in zip(loads_after, loads_before))
         print(f"GQA+MLA-draft per request P{p_tp}->D{d_tp}: tokens identical {res['identical']}/{res['n']}, "
               f"regions byte-equal {res['digests']['regions']} ({json.dumps(kinds)}), slice payloads {sliced}, "
               f"descriptors {res['descriptors']}")

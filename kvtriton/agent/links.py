@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import PeerDisconnectedError, ProtocolError, TransportError
-from ..plan import BlockRows, TransferPlan, direct_block_rows
+from ..plan import BlockRows
 from ..protocol import wire
 from ..transport.nixl import XferStatus
 from .device import Completion
@@ -423,8 +423,10 @@ class Links:
 
     def prep_rows(self, peer: Peer, rows: BlockRows, src_ids: np.ndarray, dst_ids: np.ndarray, *,
                   reading: bool) -> RowsPost | None:
-        """What ``rows`` move between us and ``peer`` for a compacted request (``src_ids`` /
-        ``dst_ids``: the source's and the destination's block per position), None when nothing."""
+        """What ``rows`` (a pair's zero-copy rows, :meth:`~kvtriton.plan.PairPlan.rows`) move
+        between us and ``peer`` for a compacted request (``src_ids`` / ``dst_ids``: the source's
+        and the destination's block per position), prepared for one transfer; None when
+        nothing. ``reading``: we are the destination (pull); else we are the source writing."""
         s_idx, d_idx, count, nbytes = rows.select(src_ids, dst_ids)
         if not s_idx.size:
             return None
@@ -437,30 +439,15 @@ class Links:
         local_idx, remote_idx = (d_idx, s_idx) if reading else (s_idx, d_idx)
         return RowsPost(ll, rl, local_idx, remote_idx, count, nbytes, owned)
 
-    def post_rows(self, op: str, rp: RowsPost, notif: wire.Message | None = None, *, one_sided: bool = False):
-        """READ or WRITE what :meth:`prep_rows` prepared (counted as ``direct_descriptors``, or
-        with ``one_sided`` as ``one_sided_descriptors``)."""
+    def post_rows(self, op: str, rp: RowsPost, notif: wire.Message | None = None):
+        """READ or WRITE what :meth:`prep_rows` prepared: one transfer of a source rank's
+        zero-copy rows, DIRECT runs and head slices alike (counted as ``direct_descriptors``)."""
         xfer = self.transport.post(op, rp.local, rp.local_idx, rp.remote, rp.remote_idx,
                                    notif.encode() if notif is not None else b"")
         self._initiated(rp.remote)
-        if one_sided:
-            self.stats.one_sided_descriptors += rp.count
-        else:
-            self.stats.direct_descriptors += rp.count
+        self.stats.direct_descriptors += rp.count
         return xfer
 
     def release_post(self, rp: RowsPost) -> Callable[[], None]:
         """A cleanup for a transfer of ``rp``: releases its lists if they were its own."""
         return self.release_lists(rp.local, rp.remote) if rp.owned else (lambda: None)
-
-    def prep_runs(self, plan: TransferPlan, peer: Peer, src_ids, dst_ids, *, reading: bool) -> RowsPost | None:
-        """The DIRECT runs between us and ``peer`` (:func:`~kvtriton.plan.direct_block_rows`:
-        only this pair's share of a stripe), prepared (:meth:`prep_rows`), or None when this
-        pair has none. ``reading``: we are the destination (pull); else we are the source
-        writing to ``peer``. All ranks of one engine share geometry (each rank's was checked at
-        add_remote), so one spec list serves them all."""
-        if reading:
-            rows = direct_block_rows(plan, peer.md.regions, self.s.specs, peer.md.rank)
-        else:
-            rows = direct_block_rows(plan, self.s.specs, peer.md.regions, self.s.rank)
-        return self.prep_rows(peer, rows, src_ids, dst_ids, reading=reading) if len(rows) else None

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..errors import IncompatibleRemoteError, KVTritonError, PlanError
-from ..plan import CostModel, TransferPlan, Way, build_plan
+from ..plan import CostModel, PairPlan, TransferPlan, Way, build_plan
 from ..protocol import wire
 from ..regions import RegionSpec
 from .settings import Settings, one_sided_forced
@@ -33,9 +33,13 @@ class PlanBook:
 
     def __init__(self, settings: Settings):
         self.s = settings
-        self.served: dict[tuple[str, int, CostModel], TransferPlan] = {}  # (engine, rank, its model) -> plan
+        self.served: dict[tuple[str, int, CostModel | None], TransferPlan] = {}  # (engine, rank, its model) -> plan
         self.reads: dict[str, TransferPlan] = {}  # source engine -> the plan this rank reads it by
         self.unreadable: dict[str, PlanError] = {}  # source engines a forced mode rules out reading from
+        # the pairs' plans (PairPlan), one per peer: (engine, rank, its model) -> the pair it is served by, and
+        # (engine, source rank) -> the pair read by; each kept with the metadata it was made from
+        self.served_pairs: dict[tuple[str, int, CostModel | None], tuple[wire.RankMetadata, PairPlan]] = {}
+        self.read_pairs: dict[tuple[str, int], tuple[wire.RankMetadata, PairPlan]] = {}
         self._own: TransferPlan | None = None
 
     def serving(self, md: wire.RankMetadata, rank: int | None = None) -> TransferPlan:
@@ -50,6 +54,31 @@ class PlanBook:
             check_reach(plan, md, source=self.s.cache_registered, destination=bool(md.addrs and all(md.addrs)))
             self.served[key] = plan
         return plan
+
+    def serving_pair(self, md: wire.RankMetadata) -> PairPlan:
+        """The :class:`~kvtriton.plan.PairPlan` of this rank serving the rank ``md`` describes
+        (:meth:`serving`'s plan, the peer's cost model choosing its ways): made once per peer.
+        Raises KVTritonError when the pair cannot be planned."""
+        key = (md.engine, md.rank, md.cost)
+        got = self.served_pairs.get(key)
+        if got is not None and got[0] is md:
+            return got[1]
+        pair = PairPlan(self.serving(md), self.s.rank, self.s.specs, md.regions, md.cost or CostModel())
+        self.served_pairs[key] = (md, pair)
+        return pair
+
+    def reading_pair(self, md: wire.RankMetadata) -> PairPlan:
+        """The :class:`~kvtriton.plan.PairPlan` of this rank reading from the source rank ``md``
+        describes, by the plan kept for its engine (:meth:`read_by`) and this rank's cost model:
+        made once per peer (again when the peer or the engine's plan changed)."""
+        key = (md.engine, md.rank)
+        plan = self.read_by(md.engine)
+        got = self.read_pairs.get(key)
+        if got is not None and got[0] is md and got[1].plan is plan:
+            return got[1]
+        pair = PairPlan(plan, md.rank, md.regions, self.s.specs, self.s.cost)
+        self.read_pairs[key] = (md, pair)
+        return pair
 
     def reading(self, md: wire.RankMetadata) -> TransferPlan:
         """The plan this rank reads from ``md``'s engine by, by this rank's own cost model: the

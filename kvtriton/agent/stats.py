@@ -81,13 +81,11 @@ class Stats:
     staged_descriptors: int = 0
     """Staged chunks posted (one descriptor each), READ or WRITE."""
     direct_descriptors: int = 0
-    """DIRECT runs posted (zero-copy, cache to cache)."""
+    """Zero-copy descriptors posted, cache to cache: DIRECT runs and head slices alike (a
+    region's, fixed by the plan, or a payload's, chosen per request: one row type, one post
+    per source rank)."""
     one_sided_descriptors: int = 0
-    """Pieces posted by a one-sided way (read_unpack, pack_place, and the per-request
-    direct_slice: head slices cache to cache)."""
-    slice_payloads: int = 0
-    """Destination side: payloads this rank READ by the per-request direct_slice way (their
-    pieces count in ``one_sided_descriptors``)."""
+    """Pieces posted by a one-sided way through staging (read_unpack, pack_place)."""
     eager_chunks: int = 0
     """Chunks packed ahead of their pull (:mod:`.source.eager`)."""
     eager_pull_hits: int = 0

@@ -11,6 +11,8 @@ Pure: numpy and the standard library only (plus :mod:`kvtriton.errors` and the t
 * :mod:`~kvtriton.plan.runs`: :class:`Runs`, the one descriptor table of coalesced block-id runs
   (DIRECT and one-sided), and descriptor counts;
 * :mod:`~kvtriton.plan.ways`: one-sided feasibility and the per-request choice of a way;
+* :mod:`~kvtriton.plan.pair`: :class:`PairPlan`, the geometry of one (source rank,
+  destination rank) pair every request between them needs, made once when the peer is added;
 * :mod:`~kvtriton.plan.request`: per-request id checks, token maps between block sizes, and the
   source ranks a destination needs;
 * :mod:`~kvtriton.plan.build`: the validation gate, the one parser of ``modes=`` and
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 
 from .build import ForcedModes, ModesArg, build_plan, check_compatible, direct_slice_problem, parse_modes
 from .cost import CostModel
+from .pair import PairPlan
 from .request import (
     OfferTerms,
     RequestPayload,
@@ -73,7 +76,8 @@ from .ways import (
 
 __all__ = [
     "STAGED_LAYOUT_VERSION", "ceil_div", "Route", "Way", "Segment", "Payload", "ChunkGeometry", "DirectRead",
-    "TransferPlan", "CostModel", "Runs", "BlockRows", "id_runs", "pair_runs", "direct_runs", "direct_block_rows",
+    "TransferPlan", "CostModel", "PairPlan", "Runs", "BlockRows", "id_runs",
+    "pair_runs", "direct_runs", "direct_block_rows",
     "tile_runs", "slice_runs", "slice_block_rows", "slice_descriptor_count", "staged_descriptor_count",
     "read_unpack_problem", "pack_place_problem",
     "direct_slice_way_problem", "payload_ways", "one_sided_descriptors", "way_descriptors", "choose_way", "TokenMap",

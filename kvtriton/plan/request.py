@@ -13,19 +13,14 @@ destination connects to before any source metadata arrives.
 A :class:`RequestPlan` is what one request between two ranks moves, made once (pure: numpy and
 the standard library, over :mod:`kvtriton.plan` and the token maps above).
 
-A :class:`~kvtriton.plan.TransferPlan` is made once per (destination rank, source engine); a
-request adds block ids. Before this module each role derived the rest itself (compacted ids or
-the token map, the source ranks sending DIRECT runs, each staged payload's chunk geometry, the
-digests an offer carries). A :class:`RequestPlan` holds all of it, for the three places that
-need it:
-
-* the destination, at ``fetch()``: :meth:`RequestPlan.for_fetch` checks and compacts the ids
-  (or maps tokens), fits each payload to the chunk cap of its source rank;
-* the source, when a pull or push arrives: :meth:`RequestPlan.for_serve` rebuilds the same
-  request from what the destination sent (ids, tiles, token count, blocks per chunk), so the
-  source checks the pull against it;
-* the source's eager packs, before any pull: :meth:`RequestPlan.for_hold` assumes the
-  destination asks every held block in order (what it packs ahead and offers).
+A :class:`~kvtriton.plan.TransferPlan` is made once per (destination rank, source engine), a
+:class:`~kvtriton.plan.PairPlan` once per pair of ranks; a request adds block ids. A
+:class:`RequestPlan` holds the rest (compacted ids or the token map, the source ranks sending
+DIRECT runs, each payload's chunks and way, the digests an offer carries), for the three places
+that need it: the destination at ``fetch()`` (:meth:`RequestPlan.for_fetch`: checks the ids,
+chooses the ways), the source when a pull or push arrives (:meth:`RequestPlan.for_serve`, from
+what the destination sent), and the source's eager packs before any pull
+(:meth:`RequestPlan.for_hold`: every held block in order, the ways guessed).
 
 Both sides of an offer describe it with :class:`OfferTerms`: the source sends the terms of
 its pack, the destination compares them with the terms of its own request.
@@ -35,16 +30,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
 from ..errors import PlanError, StagingError
 from ..spec import Kind, RegionSpec
+from .pair import PairPlan
 from .topology import replicate_sources, split_sources
-from .types import ChunkGeometry, Payload, TransferPlan, ceil_div
+from .types import ChunkGeometry, Payload, TransferPlan, Way, ceil_div
 
 __all__ = ["TokenMap", "compact_tokens", "source_positions", "compact_request", "required_source_ranks",
            "done_ranks", "meeting_ranks", "RequestPlan", "RequestPayload", "OfferTerms", "ids_digest"]
@@ -380,15 +376,50 @@ def _caps(chunk_bytes: int | Mapping[int, int], rank: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class RequestPlan:
-    """Everything one request between a destination rank and a source engine moves.
+    """Everything one request between a destination rank and a source engine moves, and how.
 
-    ``src_ids``: the source block ids read, in order (what the wire carries; with a token map,
-    :attr:`TokenMap.read_ids`). ``dst_ids``: the destination block of each staged tile and
-    DIRECT position (``None`` on the source, which never learns them). ``tokens``: the token
-    map when the engines' block sizes differ, else None. ``num_tiles``: staged tiles (and
-    DIRECT positions) per source rank. ``payloads``: per source rank with a staged payload that
-    fits its chunk cap; ``unfit``: per source rank whose payload does not fit, the reason.
-    Make one with :meth:`for_fetch`, :meth:`for_serve` or :meth:`for_hold`."""
+    Made once per request and side: :meth:`for_fetch` (the destination, which chooses the
+    ways), :meth:`for_serve` (the source, from what the destination sent), :meth:`for_hold`
+    (the source's guess before any pull).
+
+    Attributes
+    ----------
+    plan : TransferPlan
+        The pair's plan (every source rank of the engine).
+    src_ids : np.ndarray
+        ``int64 [n_read]``: the source block ids read, in order (what the wire carries; with a
+        token map, :attr:`TokenMap.read_ids`).
+    dst_ids : np.ndarray or None
+        ``int64 [num_tiles]``: the destination block of each staged tile and DIRECT position
+        (``None`` on the source, which never learns them).
+    tokens, num_tiles : TokenMap or None, int
+        The token map when the engines' block sizes differ; staged tiles (and DIRECT positions).
+    payloads, unfit : Mapping[int, RequestPayload], Mapping[int, StagingError]
+        Per source rank, its staged payload that fits its chunk cap, or why it does not.
+    pairs : Mapping[int, PairPlan]
+        Per source rank, the pair's plan the request was made over (``{}``: none given).
+    ways : Mapping[int, Way]
+        Per source rank with a payload, how it travels for this request (the destination's
+        choice; on the source, the way the pull named; ``{}`` when no pair was given).
+    guessed : bool
+        The ids and ways are the source's guess (:meth:`for_hold`), not a destination's request.
+
+    Example
+    -------
+    >>> import torch
+    >>> from kvtriton.plan import PairPlan, RequestPlan, build_plan
+    >>> from kvtriton.regions import Region
+    >>> k = torch.zeros(8, 16, 4, 128, dtype=torch.bfloat16)       # P rank: 4 of 8 heads
+    >>> kd = torch.zeros(8, 16, 2, 128, dtype=torch.bfloat16)      # D rank: 2 of 8 heads
+    >>> p = Region.attention("l0", k, k.clone(), block_size=16, total_heads=8).spec
+    >>> d = Region.attention("l0", kd, kd.clone(), block_size=16, total_heads=8).spec
+    >>> plan = build_plan(3, 4, [d], 2, [p])
+    >>> pairs = {1: PairPlan(plan, 1, [p], [d])}
+    >>> rp = RequestPlan.for_fetch(plan, [5, 6, 7], [0, -1, 2], src_num_blocks=8, dst_num_blocks=8,
+    ...                            chunk_bytes=1 << 20, pairs=pairs)
+    >>> rp.src_ids.tolist(), rp.dst_ids.tolist(), rp.payload(1).chunks.count, rp.ways[1].value
+    ([5, 7], [0, 2], 1, 'pack_place')
+    """
 
     plan: TransferPlan
     src_ids: np.ndarray
@@ -397,17 +428,27 @@ class RequestPlan:
     num_tiles: int
     payloads: Mapping[int, RequestPayload]
     unfit: Mapping[int, StagingError]
+    pairs: Mapping[int, PairPlan] = field(default_factory=dict)
+    ways: Mapping[int, Way] = field(default_factory=dict)
+    guessed: bool = False
 
     # ------------------------------------------------------------------ makers
     @classmethod
     def for_fetch(cls, plan: TransferPlan, src_block_ids: Sequence[int] | np.ndarray,
                   dst_block_ids: Sequence[int] | np.ndarray, *, src_num_blocks: int, dst_num_blocks: int,
-                  chunk_bytes: int | Mapping[int, int], num_tokens: int | None = None) -> RequestPlan:
+                  chunk_bytes: int | Mapping[int, int], num_tokens: int | None = None,
+                  pairs: Mapping[int, PairPlan] | None = None, packed: Collection[int] = (),
+                  push: bool = False) -> RequestPlan:
         """The destination's request: ids checked and compacted (-1 on either side drops the
         position), or mapped token by token when the block sizes differ; each staged payload
         fitted to ``chunk_bytes`` (one cap, or one per source rank: the smaller of both sides'
         staging chunks). Raises :class:`PlanError` on bad ids; a payload that does not fit is
-        kept in :attr:`unfit` (the request fails when that rank's payload is asked for)."""
+        kept in :attr:`unfit` (the request fails when that rank's payload is asked for).
+
+        With ``pairs`` (per source rank, its :class:`PairPlan`) each payload's way is chosen
+        here, the one place it is (:attr:`ways`): STAGED for a ``push`` or a token map, else the
+        pair's cost model's choice for these ids (:meth:`PairPlan.choose_way`; ``packed``: the
+        source ranks that offered their payload packed already)."""
         tokens = None
         if plan.maps_tokens:
             bs, bd = _block_sizes(plan)
@@ -415,18 +456,25 @@ class RequestPlan:
             src, dst = tokens.read_ids, tokens.tile_dst_ids
         else:
             src, dst = compact_request(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks)
-        return cls._make(plan, src, dst, tokens, int(dst.size),
-                         lambda read, n: ChunkGeometry.fit(read.bytes_per_block, n, _caps(chunk_bytes, read.src_rank)))
+        rp = cls._make(plan, src, dst, tokens, int(dst.size),
+                       lambda read, n: ChunkGeometry.fit(read.bytes_per_block, n, _caps(chunk_bytes, read.src_rank)),
+                       pairs or {})
+        if pairs is not None:
+            staged = push or tokens is not None
+            object.__setattr__(rp, "ways", rp._choose(lambda r, p: Way.STAGED if staged else pairs[r].choose_way(
+                src, dst, chunks=p.chunks.count, packed=r in packed)))
+        return rp
 
     @classmethod
     def for_serve(cls, plan: TransferPlan, src_rank: int, read_ids: Sequence[int] | np.ndarray, *,
                   held_blocks: int, chunk_blocks: int, num_tokens: int = 0,
-                  tiles: Sequence[int] = ()) -> RequestPlan:
+                  tiles: Sequence[int] = (), pair: PairPlan | None = None, way: Way = Way.STAGED) -> RequestPlan:
         """The source's view of a request a destination asked for: ``read_ids`` (the source ids
         it sent), and with a token map its ``tiles`` and ``num_tokens`` (checked against the
         ``held_blocks`` of the hold: :class:`PlanError` when they do not fit). The payload of
         ``src_rank`` is cut in the ``chunk_blocks`` the destination asked (checking them against
-        this side's staging is :meth:`ChunkGeometry.fits`). A token count or tiles sent for a
+        this side's staging is :meth:`ChunkGeometry.fits`), and travels the ``way`` it named
+        (checking it against the plan is the caller's). A token count or tiles sent for a
         plan of equal block sizes is the caller's to refuse (they are ignored here)."""
         ids = np.asarray(read_ids, dtype=np.int64).reshape(-1)
         tokens = None
@@ -439,24 +487,36 @@ class RequestPlan:
         read = plan.payload(src_rank)
         if read is not None:
             payloads[src_rank] = RequestPayload(read, ChunkGeometry(read.bytes_per_block, n, chunk_blocks))
-        return cls(plan, ids, None, tokens, n, payloads, {})
+        return cls(plan, ids, None, tokens, n, payloads, {}, {} if pair is None else {src_rank: pair},
+                   {src_rank: way} if read is not None else {})
 
     @classmethod
-    def for_hold(cls, plan: TransferPlan, block_ids: np.ndarray, *,
-                 chunk_bytes: int | Mapping[int, int]) -> RequestPlan:
+    def for_hold(cls, plan: TransferPlan, block_ids: np.ndarray, *, chunk_bytes: int | Mapping[int, int],
+                 pairs: Mapping[int, PairPlan] | None = None,
+                 dst_ids: np.ndarray | None = None) -> RequestPlan:
         """The request a source guesses before any pull (eager packs): every held block, in
-        order, each position its own tile (the destination's ids are not known). Only for
-        plans of equal block sizes (:class:`PlanError` otherwise: a token map's tiles depend on
-        the destination's ids)."""
+        order, each position its own tile. With ``pairs`` each payload's way is guessed by the
+        same choice a fetch makes (:meth:`PairPlan.choose_way`, the destination's cost model),
+        over ``dst_ids``, the destination blocks the hold is for when known; unknown (``None``),
+        the destination's ids are taken to run as ours do (our ids stand in for them: a wrong
+        guess costs one declined offer). :attr:`guessed` is set. Only for plans of equal block
+        sizes (:class:`PlanError` otherwise: a token map's tiles depend on the destination's ids)."""
         if plan.maps_tokens:
             raise PlanError("a token-mapped request cannot be planned before the destination's ids are known")
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        return cls._make(plan, ids, None, None, int(ids.size),
-                         lambda read, n: ChunkGeometry.fit(read.bytes_per_block, n, _caps(chunk_bytes, read.src_rank)))
+        guess = ids if dst_ids is None else np.asarray(dst_ids, dtype=np.int64).reshape(-1)
+        rp = cls._make(plan, ids, None, None, int(ids.size),
+                       lambda read, n: ChunkGeometry.fit(read.bytes_per_block, n, _caps(chunk_bytes, read.src_rank)),
+                       pairs or {}, guessed=True)
+        if pairs is not None:
+            object.__setattr__(rp, "ways", rp._choose(
+                lambda r, p: pairs[r].choose_way(ids, guess, chunks=p.chunks.count)))
+        return rp
 
     @classmethod
     def _make(cls, plan: TransferPlan, src: np.ndarray, dst: np.ndarray | None, tokens: TokenMap | None, n: int,
-              fit) -> RequestPlan:
+              fit: Callable[[Payload, int], ChunkGeometry], pairs: Mapping[int, PairPlan],
+              guessed: bool = False) -> RequestPlan:
         payloads: dict[int, RequestPayload] = {}
         unfit: dict[int, StagingError] = {}
         for read in plan.staged:
@@ -464,7 +524,15 @@ class RequestPlan:
                 payloads[read.src_rank] = RequestPayload(read, fit(read, n))
             except StagingError as e:
                 unfit[read.src_rank] = e
-        return cls(plan, src, dst, tokens, n, payloads, unfit)
+        return cls(plan, src, dst, tokens, n, payloads, unfit, pairs, {}, guessed)
+
+    def _choose(self, choose: Callable[[int, RequestPayload], Way]) -> dict[int, Way]:
+        """Per source rank whose payload fits and whose pair is known, ``choose(rank, payload)``."""
+        return {r: choose(r, p) for r, p in self.payloads.items() if r in self.pairs}
+
+    def way(self, src_rank: int) -> Way:
+        """How ``src_rank``'s payload travels for this request (STAGED when not chosen)."""
+        return self.ways.get(src_rank, Way.STAGED)
 
     # ------------------------------------------------------------------ what it moves
     @property

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -21,8 +20,9 @@ import numpy as np
 from ..spec import RegionSpec
 from .types import ChunkGeometry, Payload, TransferPlan, Way
 
-__all__ = ["Runs", "BlockRows", "id_runs", "pair_runs", "direct_runs", "direct_block_rows", "tile_runs", "slice_runs",
-           "slice_block_rows", "slice_descriptor_count", "staged_descriptor_count"]
+__all__ = ["Runs", "BlockRows", "DirectGroup", "id_runs", "pair_runs", "direct_runs", "direct_groups", "runs_of_groups",
+           "direct_block_rows", "tile_runs", "slice_runs", "slice_columns", "runs_of_slices", "slice_block_rows",
+           "slice_count", "slice_descriptor_count", "staged_descriptor_count"]
 
 _EMPTY = np.zeros(0, np.int64)  # copied into results (callers may write theirs)
 
@@ -114,16 +114,23 @@ def direct_runs(
     ranks or a mapping rank -> list when strides differ between ranks. Entries are ordered by
     region, then source rank, then stream.
 
-    Cost: regions are grouped by geometry once per (plan, spec lists) (:func:`_direct_groups`);
-    a request then finds its runs once per group with numpy and repeats them for the group's
-    regions (DeepSeek-V3's 61 MLA layers are one group), so the Python work is per group, not
+    Cost: regions are grouped by geometry (:func:`direct_groups`; a
+    :class:`~kvtriton.plan.PairPlan` does it once per pair of ranks); a request then finds its
+    runs once per group with numpy and repeats them for the group's regions (DeepSeek-V3's 61
+    MLA layers are one group), so the Python work is per group, not
     per region or block; what remains is linear in the descriptors returned.
     """
-    n = src_ids.size
+    return runs_of_groups(direct_groups(plan, src_specs, dst_specs), src_ids, dst_ids, src_rank)
+
+
+def runs_of_groups(groups: Sequence[DirectGroup], src_ids: np.ndarray, dst_ids: np.ndarray,
+                   src_rank: int | None = None) -> Runs:
+    """:func:`direct_runs` over groups found already (:func:`direct_groups`)."""
     src_ids = np.asarray(src_ids, dtype=np.int64)
     dst_ids = np.asarray(dst_ids, dtype=np.int64)
+    n = src_ids.size
     blocks: list[list[np.ndarray]] = []  # per group: its six columns
-    for group in _direct_groups(plan, src_specs, dst_specs):
+    for group in groups:
         # a stripe splits the request over the replicas; a DIRECT_SLICE region's ranks each send every block
         parts = [(0, n)] * len(group.src_ranks) if group.sliced else _split_bounds(n, len(group.src_ranks))
         base: list[list[np.ndarray]] = [[] for _ in range(5)]
@@ -181,7 +188,7 @@ def _split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
-class _DirectGroup:
+class DirectGroup:
     """DIRECT (or DIRECT_SLICE) regions whose runs are byte-for-byte alike: the same source ranks,
     and per rank and stream the same ``(bytes per block, source block stride, destination block
     stride, source offset in a block, destination offset in a block)``. ``sliced``: every rank
@@ -193,31 +200,17 @@ class _DirectGroup:
     sliced: bool = False
 
 
-_GROUP_CACHE_ENTRIES = 8
-
-
-def _direct_groups(plan: TransferPlan, src_specs: Sequence[RegionSpec] | Mapping[int, Sequence[RegionSpec]],
-                   dst_specs: Sequence[RegionSpec]) -> tuple[_DirectGroup, ...]:
-    """The plan's DIRECT regions grouped by geometry, memoised on the plan per spec lists.
-
-    A cache entry keeps the spec objects it was computed from and is used only while the lists
-    passed hold the very same (immutable) :class:`RegionSpec` objects: an identity check per
-    region, much cheaper than reading each spec's geometry again."""
-    cache = plan.__dict__.setdefault("_direct_group_cache", {})
-    ranks = cache.get("ranks")
-    if ranks is None:
-        ranks = cache["ranks"] = tuple(sorted({r for d in plan.direct for r in d.src_ranks}))
+def direct_groups(plan: TransferPlan, src_specs: Sequence[RegionSpec] | Mapping[int, Sequence[RegionSpec]],
+                  dst_specs: Sequence[RegionSpec]) -> tuple[DirectGroup, ...]:
+    """The plan's DIRECT regions grouped by geometry (:class:`DirectGroup`): what
+    :func:`direct_runs` finds runs for, once per group. Computed on every call: a
+    :class:`~kvtriton.plan.PairPlan` computes it once per pair of ranks and keeps it."""
+    ranks = tuple(sorted({r for d in plan.direct for r in d.src_ranks}))
     if isinstance(src_specs, Mapping):
         by_rank: Mapping[int, Sequence[RegionSpec]] | None = src_specs
         lists: tuple[Sequence[RegionSpec], ...] = tuple(src_specs[r] for r in ranks)
     else:
         by_rank, lists = None, (src_specs,)
-    key = (by_rank is not None, ranks if by_rank is not None else (), tuple(map(id, lists)), id(dst_specs))
-    hit = cache.get(key)
-    if hit is not None:
-        snap_src, snap_dst, groups = hit
-        if _same_objects(snap_dst, dst_specs) and all(_same_objects(a, b) for a, b in zip(snap_src, lists)):
-            return groups
     by_key: dict[tuple, list[int]] = {}
     for dr in plan.direct:
         d = dst_specs[dr.region]
@@ -231,15 +224,8 @@ def _direct_groups(plan: TransferPlan, src_specs: Sequence[RegionSpec] | Mapping
                                    h_s * s.strides[j][2] * s.itemsize, h_d * d.strides[j][2] * d.itemsize)
                                   for j in range(d.num_streams)))
         by_key.setdefault((dr.src_ranks, tuple(per_rank), dr.sliced), []).append(dr.region)
-    groups = tuple(_DirectGroup(k[0], k[1], tuple(v), k[2]) for k, v in by_key.items())
-    if len(cache) > _GROUP_CACHE_ENTRIES:  # list(): a snapshot, safe if another thread plans too
-        cache.pop(next(k for k in list(cache) if k != "ranks"), None)
-    cache[key] = (tuple(tuple(x) for x in lists), tuple(dst_specs), groups)
+    groups = tuple(DirectGroup(k[0], k[1], tuple(v), k[2]) for k, v in by_key.items())
     return groups
-
-
-def _same_objects(a: Sequence, b: Sequence) -> bool:
-    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 @dataclass(frozen=True, eq=False)
@@ -272,6 +258,20 @@ class BlockRows:
 
     def __len__(self) -> int:
         return int(self.tile.size)
+
+    @classmethod
+    def concat(cls, *rows: BlockRows) -> BlockRows:
+        """Every row of ``rows``, in order: one table a transfer posts at once (a source rank's
+        DIRECT rows and its payload's slice rows: one READ)."""
+        rows = tuple(r for r in rows if len(r))
+        if len(rows) == 1:
+            return rows[0]
+        out = []
+        for f in dataclasses.fields(cls):
+            col = np.concatenate([getattr(r, f.name) for r in rows]) if rows else _EMPTY.copy()
+            col.setflags(write=False)
+            out.append(col)
+        return cls(*out)
 
     @functools.cached_property
     def key(self) -> bytes:
@@ -350,13 +350,7 @@ def direct_block_rows(plan: TransferPlan, src_specs: Sequence[RegionSpec], dst_s
     ``src_rank`` sends: per region and stream, whole blocks or its head slice; a striped
     region's row reads the rank's share of each request. Row order is :func:`direct_runs`'s
     (region, then stream), so :meth:`BlockRows.select` names the same descriptors it lists.
-    Memoised on the plan per rank and spec lists (their objects' identity, as
-    :func:`_direct_groups`): a request pays no Python per region."""
-    cache = plan.__dict__.setdefault("_block_rows_cache", {})
-    key = (src_rank, id(src_specs), id(dst_specs))
-    hit = cache.get(key)
-    if hit is not None and _same_objects(hit[0], src_specs) and _same_objects(hit[1], dst_specs):
-        return hit[2]
+    Computed on every call (a :class:`~kvtriton.plan.PairPlan` keeps its pair's)."""
     rows = []
     for dr in plan.direct:
         if src_rank not in dr.src_ranks:
@@ -369,29 +363,19 @@ def direct_block_rows(plan: TransferPlan, src_specs: Sequence[RegionSpec], dst_s
             rows.append((dr.region, j, d.tile_bytes(j, nh), h_s * sp.strides[j][2] * sp.itemsize,
                          h_d * d.strides[j][2] * d.itemsize, sp.block_stride_bytes(j), d.block_stride_bytes(j),
                          sp.num_blocks, d.num_blocks, part, parts))
-    out = _block_rows(rows)
-    if len(cache) >= _SLICE_CACHE_ENTRIES:  # list(): a snapshot, safe if another thread plans too
-        cache.pop(next(iter(list(cache))), None)
-    cache[key] = (tuple(src_specs), tuple(dst_specs), out)
-    return out
+    return _block_rows(rows)
 
 
-def slice_block_rows(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec]) -> BlockRows:
+def slice_block_rows(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec],
+                     cols: np.ndarray | None = None) -> BlockRows:
     """The rows (:class:`BlockRows`) of ``read``'s payload moved DIRECT_SLICE: one per segment,
     its head slice of every block, every position (:func:`slice_runs`'s descriptors, in its
-    order). Memoised with the columns it is made of (:func:`_slice_columns`)."""
-    cols = _slice_columns(read, src_specs, dst_specs)
-    cache = read.__dict__.setdefault("_slice_rows_cache", {})
-    hit = cache.get(id(cols))
-    if hit is not None and hit[0] is cols:
-        return hit[1]
+    order). ``cols``: its :func:`slice_columns`, when known."""
+    if cols is None:
+        cols = slice_columns(read, src_specs, dst_specs)
     rows = [(r, j, tile, s_off, d_off, s_stride, d_stride, src_specs[r].num_blocks, dst_specs[r].num_blocks, 0, 0)
             for r, j, tile, s_stride, d_stride, s_off, d_off in cols.tolist()]
-    out = _block_rows(rows)
-    if len(cache) >= _SLICE_CACHE_ENTRIES:
-        cache.pop(next(iter(list(cache))), None)
-    cache[id(cols)] = (cols, out)
-    return out
+    return _block_rows(rows)
 
 
 def tile_runs(read: Payload, specs: Sequence[RegionSpec], ids: np.ndarray, way: Way = Way.READ_UNPACK) -> Runs:
@@ -428,22 +412,12 @@ def tile_runs(read: Payload, specs: Sequence[RegionSpec], ids: np.ndarray, way: 
     return Runs(src_rank, region_c, stream_c, cache_off, staging_off, nbytes, ("cache", "staging"))
 
 
-_SLICE_CACHE_ENTRIES = 8
-
-
-def _slice_columns(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec]) -> np.ndarray:
-    """Per segment of ``read`` (rows, int64): region, stream, tile bytes, source block stride, our
-    block stride, the slice's offset inside a source block, inside ours. The slice's validation
-    (:func:`~kvtriton.plan.direct_slice_way_problem`) made each one range from its first head's row.
-
-    Memoised on the payload per spec lists (their objects' identity, as :func:`_direct_groups`):
-    every request of a payload reads the same columns, so a request pays no Python per segment
-    (Llama-70B's 160 segments cost ~1 ms a request before)."""
-    cache = read.__dict__.setdefault("_slice_column_cache", {})
-    key = (id(src_specs), id(dst_specs))
-    hit = cache.get(key)
-    if hit is not None and _same_objects(hit[0], src_specs) and _same_objects(hit[1], dst_specs):
-        return hit[2]
+def slice_columns(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec]) -> np.ndarray:
+    """Per segment of ``read`` (rows, int64, read-only): region, stream, tile bytes, source block
+    stride, our block stride, the slice's offset inside a source block, inside ours. The slice's
+    validation (:func:`~kvtriton.plan.direct_slice_way_problem`) made each one range from its
+    first head's row. Python per segment (Llama-70B's 160 segments: ~1 ms): a
+    :class:`~kvtriton.plan.PairPlan` computes it once per pair, a request then pays none."""
     rows = []
     for g in read.segments:
         sp, d = src_specs[g.region], dst_specs[g.region]
@@ -452,9 +426,6 @@ def _slice_columns(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Se
                      g.src_head * sp.strides[j][2] * sp.itemsize, g.dst_head * d.strides[j][2] * d.itemsize))
     cols = np.array(rows, np.int64).reshape(-1, 7)
     cols.setflags(write=False)
-    if len(cache) >= _SLICE_CACHE_ENTRIES:  # list(): a snapshot, safe if another thread plans too
-        cache.pop(next(iter(list(cache))), None)
-    cache[key] = (tuple(src_specs), tuple(dst_specs), cols)
     return cols
 
 
@@ -466,7 +437,11 @@ def _whole_slices(cols: np.ndarray) -> np.ndarray:
 def slice_descriptor_count(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec],
                            src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
     """How many descriptors :func:`slice_runs` gives for this request (without building them)."""
-    cols = _slice_columns(read, src_specs, dst_specs)
+    return slice_count(slice_columns(read, src_specs, dst_specs), src_ids, dst_ids)
+
+
+def slice_count(cols: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
+    """:func:`slice_descriptor_count` over a payload's :func:`slice_columns`."""
     n = int(np.asarray(src_ids).size)
     k = int(_whole_slices(cols).sum())
     runs = pair_runs(np.asarray(src_ids, np.int64), np.asarray(dst_ids, np.int64))[0].size if k else 0
@@ -481,10 +456,14 @@ def slice_runs(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequen
     sides where the slice is the whole block and blocks lie back to back on both sides.
     Entries are ordered by segment, then position. One numpy pass per kind of segment (whole
     or partial slices), whatever the number of segments."""
+    return runs_of_slices(read.src_rank, slice_columns(read, src_specs, dst_specs), src_ids, dst_ids)
+
+
+def runs_of_slices(src_rank: int, cols: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray) -> Runs:
+    """:func:`slice_runs` over a payload's :func:`slice_columns` (``src_rank``: who sends it)."""
     src_ids = np.asarray(src_ids, dtype=np.int64)
     dst_ids = np.asarray(dst_ids, dtype=np.int64)
     n = src_ids.size
-    cols = _slice_columns(read, src_specs, dst_specs)
     whole = _whole_slices(cols)
     singles = (np.arange(n, dtype=np.int64), np.ones(n, np.int64))
     out: list[list[np.ndarray]] = [[] for _ in range(6)]
@@ -507,7 +486,7 @@ def slice_runs(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequen
     if len(out[0]) > 1:  # whole and partial slices both: back to segment order
         order = np.argsort(seg, kind="stable")
         region, stream, src_off, dst_off, nbytes = (a[order] for a in (region, stream, src_off, dst_off, nbytes))
-    return Runs(np.full(nbytes.size, read.src_rank, np.int64), region, stream, src_off, dst_off, nbytes)
+    return Runs(np.full(nbytes.size, src_rank, np.int64), region, stream, src_off, dst_off, nbytes)
 
 
 def staged_descriptor_count(plan: TransferPlan, num_blocks: int, chunk_bytes: int | None = None) -> int:

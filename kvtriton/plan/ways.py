@@ -47,8 +47,7 @@ fetch of exactly those blocks READs at once, with no pull to the source process.
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -59,7 +58,8 @@ from .runs import id_runs, slice_descriptor_count
 from .types import Payload, Segment, Way
 
 __all__ = ["read_unpack_problem", "pack_place_problem", "direct_slice_way_problem", "head_range_problem",
-           "payload_ways", "one_sided_descriptors", "way_descriptors", "choose_way"]
+           "payload_ways", "coalesces", "one_sided_descriptors", "one_sided_count", "way_descriptors", "choose_way",
+           "cheapest_way"]
 
 
 def _same_tile_order(spec: RegionSpec, seg: Segment) -> bool:
@@ -155,19 +155,12 @@ def payload_ways(src_rank: int, segs: Sequence[Segment], forced_way: Mapping[int
     return tuple(w for w in Way if problems[w] is None)
 
 
-def _coalesces(read: Payload, specs: Sequence[RegionSpec]) -> np.ndarray:
-    """Per segment: consecutive blocks lie back to back in the cache (a run is one range).
-    Memoised on the payload per spec list (its objects' identity): every request of a payload
-    asks it again (Llama-70B's 160 segments cost ~70 us a request before)."""
-    cache = read.__dict__.setdefault("_coalesce_cache", {})
-    hit = cache.get(id(specs))
-    if hit is not None and len(hit[0]) == len(specs) and all(map(operator.is_, hit[0], specs)):
-        return hit[1]
+def coalesces(read: Payload, specs: Sequence[RegionSpec]) -> np.ndarray:
+    """Per segment of ``read`` (bool, read-only): consecutive blocks lie back to back in the
+    cache ``specs`` describes (a run is one range). Python per segment (Llama-70B's 160: ~70 us):
+    a :class:`~kvtriton.plan.PairPlan` computes it once per pair, a request then pays none."""
     out = np.array([specs[g.region].block_stride_bytes(g.stream) == g.tile_bytes for g in read.segments], bool)
     out.setflags(write=False)
-    if len(cache) >= 8:  # list(): a snapshot, safe if another thread plans too
-        cache.pop(next(iter(list(cache))), None)
-    cache[id(specs)] = (tuple(specs), out)
     return out
 
 
@@ -176,8 +169,12 @@ def one_sided_descriptors(read: Payload, specs: Sequence[RegionSpec], ids: np.nd
     """How many descriptors :func:`~kvtriton.plan.tile_runs` gives for ``ids`` cut into
     ``chunks`` chunks (a chunk boundary splits a run: at most one more descriptor per
     coalescing segment)."""
+    return one_sided_count(coalesces(read, specs), ids, chunks)
+
+
+def one_sided_count(coal: np.ndarray, ids: np.ndarray, chunks: int = 1) -> int:
+    """:func:`one_sided_descriptors` over a payload's :func:`coalesces` of the cache side."""
     ids = np.asarray(ids, dtype=np.int64)
-    coal = _coalesces(read, specs)
     runs = id_runs(ids)[0].size
     n_coal = int(coal.sum())
     return n_coal * (runs + max(0, chunks - 1)) + (coal.size - n_coal) * ids.size
@@ -205,18 +202,26 @@ def choose_way(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequen
     ``read.ways`` by ``cost`` for this request's descriptor counts (:func:`way_descriptors`;
     ties go to the earlier of STAGED, READ_UNPACK, PACK_PLACE, DIRECT_SLICE). ``chunks``: the
     staged chunks of the payload. ``packed``: the source has packed it already (an offer), so
-    the ways that read its cache instead would save nothing."""
+    the ways that read its cache instead would save nothing. The agents choose through
+    :meth:`~kvtriton.plan.PairPlan.choose_way` (the same choice over geometry computed once
+    per pair); this computes the geometry on every call."""
+    return cheapest_way(read, cost, int(np.asarray(dst_ids).size), chunks, packed,
+                        lambda way: way_descriptors(read, way, src_specs, dst_specs, src_ids, dst_ids, chunks))
+
+
+def cheapest_way(read: Payload, cost: CostModel, num_blocks: int, chunks: int, packed: bool,
+                 descriptors: Callable[[Way], int]) -> Way:
+    """:func:`choose_way` given ``descriptors(way)``, what the request costs by each one-sided way."""
     ways = read.ways
     if len(ways) == 1:
         return ways[0]
-    nbytes = read.payload_bytes(int(np.asarray(dst_ids).size))
+    nbytes = read.payload_bytes(num_blocks)
     segments = len(read.segments)
     best, best_us = Way.STAGED, cost.staged_us(nbytes, chunks, segments=segments)
     for way in ways:
         if way is Way.STAGED or (packed and way.reads_source_cache):
             continue
-        us = cost.way_us(way, nbytes, way_descriptors(read, way, src_specs, dst_specs, src_ids, dst_ids, chunks),
-                         segments=segments, chunks=chunks)
+        us = cost.way_us(way, nbytes, descriptors(way), segments=segments, chunks=chunks)
         if us < best_us:
             best, best_us = way, us
     return best

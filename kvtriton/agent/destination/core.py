@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 
 from ...errors import KVTritonError, PlanError, ProtocolError, RequestAbortedError, RequestRejectedError, StagingError
-from ...plan import RequestPayload, RequestPlan, Way, choose_way
+from ...plan import RequestPlan, Way
 from ...protocol import wire
 from ..links import Flow, Links, Peer, Settings
 from ..plan_book import PlanBook
@@ -20,7 +20,6 @@ from .offers import Offers
 from .parts import (
     CacheLease,
     DirectPart,
-    DirectSlicePart,
     GrantedPart,
     PackPlacePart,
     Part,
@@ -30,7 +29,7 @@ from .parts import (
 )
 
 _PULL_PARTS: dict[Way, type[Part]] = {Way.STAGED: StagedPart, Way.READ_UNPACK: ReadUnpackPart,
-                                       Way.PACK_PLACE: PackPlacePart, Way.DIRECT_SLICE: DirectSlicePart}
+                                       Way.PACK_PLACE: PackPlacePart, Way.DIRECT_SLICE: DirectPart}
 
 
 class Destination:
@@ -52,14 +51,20 @@ class Destination:
         missing = [r for r in plan.source_ranks if (engine, r) not in self.links.peers]
         if missing:
             raise KeyError(f"engine {engine!r}: no metadata yet for ranks {missing}")
+        peers = {r: self.links.peers[(engine, r)] for r in plan.source_ranks}
         src_specs = self.links.engine_peers(engine)[0].md.regions
-        caps = {s.src_rank: min(self.s.chunk_bytes, self.links.peers[(engine, s.src_rank)].md.staging.chunk_bytes)
+        caps = {s.src_rank: min(self.s.chunk_bytes, peers[s.src_rank].md.staging.chunk_bytes)
                 for s in plan.staged}  # a chunk fits both sides' staging
+        # the way of each payload is chosen in the request's plan (an offer the source made means
+        # it is packed already)
         rp = RequestPlan.for_fetch(plan, remote_block_ids, local_block_ids,
                                    src_num_blocks=min(s.num_blocks for s in src_specs),
                                    dst_num_blocks=min(s.num_blocks for s in self.s.specs),
-                                   chunk_bytes=caps, num_tokens=num_tokens)
-        blocks = max(rp.src_ids.size, rp.dst_ids.size)
+                                   chunk_bytes=caps, num_tokens=num_tokens,
+                                   pairs={r: self.plans.reading_pair(p.md) for r, p in peers.items()},
+                                   packed={r for r, p in peers.items() if self.offers.packed(p, req_id)},
+                                   push=self.s.flow is Flow.PUSH)
+        blocks = max(rp.src_ids.size, rp.num_tiles)  # num_tiles: the destination ids
         if blocks > wire.MAX_REQUEST_BLOCKS:
             raise PlanError(f"fetch {req_id!r}: {blocks} blocks is more than a request may "
                             f"have (kvtriton.protocol.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS}); split it")
@@ -83,22 +88,27 @@ class Destination:
             self.fetches.fail(f, e)
 
     def _part(self, f: Fetch, peer: Peer, src_rank: int) -> Part:
-        """``src_rank``'s part of ``f``: the class of the way its payload travels, taking the
-        source's offer when it is exactly this part."""
+        """``src_rank``'s part of ``f``: the class of the way its payload travels (chosen in the
+        request's plan), taking the source's offer when it is exactly this part. Its zero-copy
+        rows (DIRECT runs, and the payload's head slices when it travels DIRECT_SLICE) are one
+        :class:`RunsTransfer`: one READ."""
         rp, pull = f.request, self.s.flow is Flow.PULL
         payload = rp.payload(src_rank)  # StagingError: it does not fit a chunk
-        runs = RunsTransfer() if rp.sends_runs(src_rank) else None
+        way = rp.way(src_rank)
         if payload is None:
             cls: type[Part] = DirectPart
         elif not pull:
             cls = GrantedPart
         else:
-            cls = _PULL_PARTS[self._way(f, payload, peer)]
+            cls = _PULL_PARTS[way]
             if cls is ReadUnpackPart:  # nothing in the source's staging: our chunks only
                 payload = payload.refit(self.s.chunk_bytes)
+        direct = rp.sends_runs(src_rank)
+        rows = rp.pairs[src_rank].rows(way if pull else Way.STAGED)
+        runs = RunsTransfer(rows, direct) if direct or (cls is DirectPart and payload is not None) else None
         xid = self.fetches.new_xid(f.req_id, src_rank)
         taken = self.fetches.parts.__contains__
-        if cls.way.reads_source_cache or (cls is DirectPart and pull and runs is not None):  # they read the cache
+        if way.reads_source_cache and pull or (cls is DirectPart and pull and runs is not None):  # they read the cache
             offer = self.offers.take_cache(peer, f.req_id, rp, taken)
         else:
             offer = self.offers.take_packed(peer, f.req_id, rp, src_rank, taken)
@@ -107,15 +117,6 @@ class Destination:
         if offer is not None:
             part.take_offer(offer)
         return part
-
-    def _way(self, f: Fetch, payload: RequestPayload, peer: Peer) -> Way:
-        """How ``payload`` travels for a pull of ``f``: the cost model's choice for this
-        request (an offer the source made means it is packed already); STAGED with a token map."""
-        rp = f.request
-        if rp.tokens is not None:
-            return Way.STAGED
-        return choose_way(payload.read, peer.md.regions, self.s.specs, rp.src_ids, rp.dst_ids, self.s.cost,
-                          chunks=payload.chunks.count, packed=self.offers.packed(peer, f.req_id))
 
     def _start(self, f: Fetch) -> None:
         """Ask each source rank for its part (an offered part asks nothing)."""
@@ -127,9 +128,10 @@ class Destination:
                 if part.lease is not None and part.lease.go:  # the source confirmed the blocks: READ the runs now
                     part.read_runs(peer)
                 continue
-            chunk_blocks = part.chunks.blocks_per_chunk if part.payload is not None else 0
+            chunk_blocks = part.payload.chunks.blocks_per_chunk if part.payload is not None else 0
+            msg: wire.Message
             if self.s.flow is Flow.PUSH:
-                msg = wire.Push(part.xid, f.req_id, self.s.rank, ids, tuple(rp.dst_ids.tolist()), chunk_blocks,
+                msg = wire.Push(part.xid, f.req_id, self.s.rank, ids, tuple(f.dst_ids.tolist()), chunk_blocks,
                                 rp.digest, **tok)
             else:  # DIRECT runs (and the ways reading its cache) wait for the source to confirm it holds the blocks
                 msg = wire.Pull(part.xid, f.req_id, self.s.rank, ids, chunk_blocks, rp.digest, **tok,

@@ -6,11 +6,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import KVTritonError
+from ...errors import KVTritonError, PlanError
 from ...plan import RequestPlan, TokenMap
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(eq=False)
@@ -23,13 +27,13 @@ class Fetch:
     timeout_s: float  # without progress for this long the fetch fails
     deadline: float
     request: RequestPlan  # made once, at fetch()
-    parts: dict = field(default_factory=dict)  # src_rank -> Part
+    parts: dict[int, Any] = field(default_factory=dict)  # by source rank: its Part (.parts imports this module)
     error: KVTritonError | None = None
     descriptors: int = 0
     nbytes: int = 0
     post_s: float = 0.0  # time spent in NIXL's post calls of its transfers (host side)
     renew_at: float = 0.0  # when the holds this fetch reads are renewed next
-    ready: object = None  # torch.cuda.Event: the engine is done with the local blocks (unpacks wait)
+    ready: torch.cuda.Event | None = None  # the engine is done with the local blocks (unpacks wait)
 
     @property
     def src_ids(self) -> np.ndarray:
@@ -37,7 +41,10 @@ class Fetch:
 
     @property
     def dst_ids(self) -> np.ndarray:
-        return self.request.dst_ids
+        ids = self.request.dst_ids
+        if ids is None:  # a fetch's request is the destination's (RequestPlan.for_fetch): it has them
+            raise PlanError(f"fetch {self.req_id!r}: its request has no destination ids")
+        return ids
 
     @property
     def tokens(self) -> TokenMap | None:

@@ -60,10 +60,10 @@ class Offers:
             return None
         p = rp.payloads.get(src_rank)
         want = rp.offer_terms(src_rank)
-        ok = want is not None and _terms(offer) == want and not taken(offer.xid) \
+        ok = p is not None and want is not None and _terms(offer) == want and not taken(offer.xid) \
             and len(offer.slots) == 2 * p.chunks.count \
             and len(offer.digests) in (0, wire.DIGEST_BYTES * p.chunks.count)  # none, or one per chunk
-        if ok:
+        if ok and p is not None:
             st = peer.md.staging
             for c in range(p.chunks.count):
                 slot, nslots = offer.slots[2 * c], offer.slots[2 * c + 1]

@@ -7,14 +7,15 @@ travels (:mod:`kvtriton.plan.ways`), or a part of DIRECT runs only.
   straight into our cache blocks (no unpack), and Ack it.
 * :class:`ReadUnpackPart` (pull): after the source's RunsReady we READ its cache blocks into
   our staging and unpack (no pack, no Ready, no Ack).
-* :class:`DirectSlicePart` (pull): after the source's RunsReady we READ each segment's head
-  slice from its cache blocks straight into ours (no pass, no staging, no Ready, no Ack).
 * :class:`GrantedPart` (push): we grant a slot per chunk, the source WRITEs it (Data), we unpack.
-* :class:`DirectPart`: no staged payload, DIRECT runs only.
+* :class:`DirectPart`: zero copy only: DIRECT runs, and (pull) the payload's head slices when
+  it travels DIRECT_SLICE, READ from the source's cache blocks straight into ours (no pass, no
+  staging, no Ready, no Ack).
 
-DIRECT runs of a part (any class) are its :class:`RunsTransfer`. In pull, a part that reads the
-source's cache (DIRECT runs, READ_UNPACK or DIRECT_SLICE) holds a :class:`CacheLease`: it waits for the
-source's RunsReady and ends with one RunsDone once every such READ has landed.
+The zero-copy rows of a part (any class; :meth:`~kvtriton.plan.PairPlan.rows`: DIRECT runs, and
+head slices) are its :class:`RunsTransfer`: one transfer per source rank. In pull, a part that
+reads the source's cache (zero-copy rows or READ_UNPACK) holds a :class:`CacheLease`: it waits for
+the source's RunsReady and ends with one RunsDone once every such READ has landed.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ...errors import ProtocolError
 from ...ops import unpack
-from ...plan import RequestPayload, Way, ceil_div, slice_block_rows, tile_runs
+from ...plan import BlockRows, ChunkGeometry, RequestPayload, Way, ceil_div, tile_runs
 from ...protocol import wire
+from ...transport import Xfer
 from ..device import event_done
 from ..integrity import verify
 from ..links import Chunk, Links, Peer, RowsPost, Settings
@@ -38,17 +41,19 @@ from .fetch import Fetch
 
 @dataclass(eq=False)
 class RunsTransfer:
-    """A part's DIRECT runs: pending until they landed (pull: our READ; push: the source's
-    WRITE, told by its RunsReady)."""
+    """A part's zero-copy rows (its pair's :meth:`~kvtriton.plan.PairPlan.rows`: DIRECT runs, and
+    the payload's head slices when it travels DIRECT_SLICE): pending until they landed (pull:
+    our one READ; push: the source's WRITE, told by its RunsReady)."""
 
+    rows: BlockRows
+    direct: bool = True  # the rows include DIRECT runs (else the payload's head slices only)
     pending: bool = True
-    xfer: object = None  # pull: the READ of the runs
+    xfer: Xfer | None = None  # pull: the READ of the rows
     post: RowsPost | None = None
 
     def read(self, links: Links, f: Fetch, peer: Peer) -> None:
-        """Pull: READ this source rank's DIRECT runs of ``f``."""
-        rp = f.request
-        post = links.prep_runs(rp.plan, peer, rp.src_ids, rp.dst_ids, reading=True)
+        """Pull: READ this source rank's rows of ``f``, in one transfer."""
+        post = links.prep_rows(peer, self.rows, f.src_ids, f.dst_ids, reading=True)
         if post is None:
             self.pending = False
             return
@@ -57,15 +62,16 @@ class RunsTransfer:
             self.xfer = links.post_rows("READ", post)
 
     def poll(self, links: Links) -> None:
-        if self.xfer is not None and links.done(self.xfer):
+        if self.xfer is not None and self.post is not None and links.done(self.xfer):
             links.retire(self.xfer, links.release_post(self.post))
             self.xfer, self.pending = None, False
 
     def release(self, links: Links) -> None:
-        if self.xfer is not None:
-            links.retire(self.xfer, links.release_post(self.post))
-        elif self.post is not None:
-            links.release_post(self.post)()
+        if self.post is not None:
+            if self.xfer is not None:
+                links.retire(self.xfer, links.release_post(self.post))
+            else:
+                links.release_post(self.post)()
         self.post = None
 
     @property
@@ -102,7 +108,7 @@ class Part:
 
     # ------------------------------------------------------------------ state
     @property
-    def chunks(self):
+    def chunks(self) -> ChunkGeometry | None:
         return self.payload.chunks if self.payload is not None else None
 
     @property
@@ -114,7 +120,7 @@ class Part:
         """How this part's bytes travel, as :mod:`~kvtriton.agent.stats` labels them: its
         payload's way (a push's is staged), and ``"direct"`` when it has DIRECT runs."""
         payload = (self.way.value,) if self.payload is not None else ()
-        return payload + ((DIRECT_WAY,) if self.runs is not None else ())
+        return payload + ((DIRECT_WAY,) if self.runs is not None and self.runs.direct else ())
 
     @property
     def runs_pending(self) -> bool:
@@ -167,14 +173,14 @@ class Part:
 
     def runs_written(self) -> None:
         """Push: the source's RunsReady: it has written our cache with the DIRECT runs."""
-        if not self.runs_pending:
+        if self.runs is None or not self.runs.pending:
             raise ProtocolError(f"unexpected RunsReady for {self.xid!r}: no DIRECT runs pending")
         self.runs.pending = False
 
     # ------------------------------------------------------------------ progress
     def read_runs(self, peer: Peer) -> None:
         """Pull, once the source confirmed it holds the blocks: READ the DIRECT runs."""
-        if self.runs_pending and self.runs.xfer is None:
+        if self.runs is not None and self.runs.pending and self.runs.xfer is None:
             self.runs.read(self.links, self.fetch, peer)
 
     def start_reads(self, peer: Peer) -> None:
@@ -208,8 +214,7 @@ class Part:
                 self._consumed(ch, peer)
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:
-        """A chunk's READ landed in our staging: unpack it."""
-        self._unpack(ch)
+        """A chunk's transfer landed (only a part with a payload posts chunks)."""
 
     def _post(self, peer: Peer) -> None:
         """Post what this part's way posts next (nothing for DIRECT runs alone)."""
@@ -224,19 +229,6 @@ class Part:
                 and self._cache_reads_landed():
             lease.done = True
             self.links.send(peer, wire.RunsDone(self.xid), quiet=True)
-
-    def _unpack(self, ch: Chunk) -> None:
-        s, f, p = self.s, self.fetch, self.payload
-        lo, hi = p.chunks.bounds(ch.index)
-        offs = p.segment_offsets(ch.index, base=s.pool.offset(ch.slot))
-        tokens = f.tokens
-        with s.lanes.launching(after=f.ready):
-            if tokens is None:
-                unpack(s.regions, p.read.segments, offs, f.dst_ids[lo:hi], s.pool.tensor, impl=s.impl)
-            else:
-                unpack(s.regions, p.read.segments, offs, tokens.dst_ids, s.pool.tensor, impl=s.impl,
-                       tiles=tokens.tiles[lo:hi], num_tokens=tokens.num_tokens)
-        ch.kernel = s.lanes.completion()  # the fetch is reported only once it is done
 
     def _consumed(self, ch: Chunk, peer: Peer) -> None:
         self.fetch.touch()
@@ -262,7 +254,31 @@ class Part:
 
 
 class DirectPart(Part):
-    """A source rank that sends DIRECT runs only (no staged payload)."""
+    """A source rank whose part is zero copy only, one READ (pull) of its rows: DIRECT runs
+    (no staged payload), and the payload's head slices when it travels DIRECT_SLICE (chosen for
+    this request): once the source confirmed it holds the blocks (RunsReady, or a slot-less
+    offer) and the engine is done with our blocks' previous contents, every row READ from the
+    source's cache blocks straight into ours (over lists prepared once per peer); nothing is
+    packed, staged or unpacked. The payload, when there is one, only says what the pull names
+    (its way and blocks per chunk). RunsDone once the READ landed."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        if self.payload is not None:  # its head slices: read from the source's cache
+            self.way = Way.DIRECT_SLICE
+            if self.lease is None:
+                self.lease = CacheLease()
+
+    @property
+    def n_chunks(self) -> int:
+        return 0  # nothing chunked: every position lands with the one READ
+
+    def defined(self, n: int) -> np.ndarray:
+        return np.full(n, not self._reading_cache(), dtype=bool)
+
+    def _reading_cache(self) -> bool:
+        return super()._reading_cache() or (self.payload is not None and self.lease is not None
+                                            and not self.lease.done)
 
     def take_offer(self, offer: wire.Offer) -> None:
         """Pull: the source offered its cache blocks (no slots, sent once the engine's writes
@@ -271,11 +287,46 @@ class DirectPart(Part):
         if self.lease is not None and not offer.slots:
             self.lease.go = True
 
+    def on_ready(self, peer: Peer, m: wire.Ready) -> None:
+        if self.payload is None:
+            super().on_ready(peer, m)
+        raise ProtocolError(f"ready for {m.xid!r}, which reads the source's cache ({self.way.value}): "
+                            "nothing is packed")
+
+    def read_runs(self, peer: Peer) -> None:
+        # head slices land in our blocks without a stream: only once the engine is done with them
+        if self.payload is None or event_done(self.fetch.ready):
+            super().read_runs(peer)
+
+    def _post(self, peer: Peer) -> None:
+        if self.lease is not None and self.lease.go:
+            self.read_runs(peer)
+
 
 class PayloadPart(Part):
     """A part with a staged payload (the ways below differ in how its chunks travel)."""
 
     payload: RequestPayload
+
+    def _landed(self, ch: Chunk, peer: Peer) -> None:
+        """A chunk's READ landed in our staging: unpack it."""
+        self._unpack(ch)
+
+    def _unpack(self, ch: Chunk) -> None:
+        s, f, p = self.s, self.fetch, self.payload
+        lo, hi = p.chunks.bounds(ch.index)
+        offs = p.segment_offsets(ch.index, base=s.pool.offset(ch.slot))
+        tokens = f.tokens
+        with s.lanes.launching(after=f.ready):
+            if tokens is None:
+                unpack(s.regions, p.read.segments, offs, f.dst_ids[lo:hi], s.pool.tensor, impl=s.impl)
+            else:
+                if tokens.dst_ids is None:  # the destination's token map has them (TokenMap.for_source has not)
+                    raise ProtocolError(f"fetch {f.req_id!r}: a token map without destination ids")
+                unpack(s.regions, p.read.segments, offs, tokens.dst_ids, s.pool.tensor, impl=s.impl,
+                       tiles=tokens.tiles[lo:hi], num_tokens=tokens.num_tokens)
+        ch.kernel = s.lanes.completion()  # the fetch is reported only once it is done
+
 
 
 class AnnouncedPart(PayloadPart):
@@ -283,9 +334,9 @@ class AnnouncedPart(PayloadPart):
     offer announcing them all) is kept until a local slot (or the cache blocks) can take its
     READ; each chunk is acked once used, so the source may reuse its slots."""
 
-    def __init__(self, *args):
+    def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.readies: deque = deque()
+        self.readies: deque[wire.Ready] = deque()
         self.announced: set[int] = set()
 
     def on_ready(self, peer: Peer, m: wire.Ready) -> None:
@@ -369,26 +420,33 @@ class PackPlacePart(AnnouncedPart):
             st = peer.md.staging
             remote = st.addr + ready.slot * st.slot_bytes + runs.staging_offset
             ch = Chunk(ready.chunk, -1, 0, ready.nbytes, remote_slot=ready.slot)
-            ch.lists = links.prep_pieces(peer, local, remote, runs.nbytes)
+            ll, rl = ch.lists = links.prep_pieces(peer, local, remote, runs.nbytes)
             self.inflight[ch.index] = ch
             with f.posting(len(runs), ready.nbytes):
-                ch.xfer = links.post_pieces("READ", *ch.lists, len(runs))
+                ch.xfer = links.post_pieces("READ", ll, rl, len(runs))
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:
         self._consumed(ch, peer)  # the READ placed the tiles in our cache: nothing to unpack
 
 
 
-class SourceCachePart(PayloadPart):
-    """Pull, a payload whose way READs the source's cache blocks (:attr:`Way.reads_source_cache`):
-    the source packs nothing and holds the blocks from its RunsReady (or slot-less offer) until
-    our RunsDone, so the part always holds a :class:`CacheLease`, refuses any Ready, and posts
-    its reads as soon as the lease is given; subclasses say what they post and when it landed."""
+class ReadUnpackPart(PayloadPart):
+    """Pull, READ_UNPACK: after the source's RunsReady (or its slot-less offer), READ the next
+    chunks' tiles straight out of its cache blocks into our staging, where the packed payload
+    would have put them (one descriptor per segment and run of consecutive source ids), and
+    unpack; RunsDone once every READ landed. The source packs nothing and holds the blocks from
+    its RunsReady (or slot-less offer) until our RunsDone, so the part always holds a
+    :class:`CacheLease` and refuses any Ready."""
 
-    def __init__(self, *args):
+    way = Way.READ_UNPACK
+    lease: CacheLease
+
+    def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         if self.lease is None:  # whether or not it has DIRECT runs: it reads the source's cache
             self.lease = CacheLease()
+        self.next_read = 0  # the next chunk to READ from the source's cache
+        self.reads_landed = 0  # chunks whose READ has landed
 
     def take_offer(self, offer: wire.Offer) -> None:
         super().take_offer(offer)
@@ -404,20 +462,6 @@ class SourceCachePart(PayloadPart):
 
     def _reading_cache(self) -> bool:
         return super()._reading_cache() or not self.lease.done
-
-
-class ReadUnpackPart(SourceCachePart):
-    """Pull, READ_UNPACK: after the source's RunsReady (or its slot-less offer), READ the next
-    chunks' tiles straight out of its cache blocks into our staging, where the packed payload
-    would have put them (one descriptor per segment and run of consecutive source ids), and
-    unpack; RunsDone once every READ landed."""
-
-    way = Way.READ_UNPACK
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.next_read = 0  # the next chunk to READ from the source's cache
-        self.reads_landed = 0  # chunks whose READ has landed
 
     def _post(self, peer: Peer) -> None:
         if not self.lease.go:
@@ -436,15 +480,15 @@ class ReadUnpackPart(SourceCachePart):
                 runs = tile_runs(self.payload.read, peer.md.regions, f.src_ids[lo:hi])
                 remote = self.links.cache_addrs(peer.tables, runs.region, runs.stream,
                                                 runs.cache_offset, runs.nbytes, peer.agent)
-                ch.lists = self.links.prep_pieces(peer, pool.addr + pool.offset(slot) + runs.staging_offset, remote,
-                                                  runs.nbytes)
+                ll, rl = ch.lists = self.links.prep_pieces(
+                    peer, pool.addr + pool.offset(slot) + runs.staging_offset, remote, runs.nbytes)
             except BaseException:
                 pool.free(slot, ch.nslots)
                 raise
             self.inflight[c] = ch
             self.next_read += 1
             with f.posting(len(runs), nbytes):
-                ch.xfer = self.links.post_pieces("READ", *ch.lists, len(runs))
+                ch.xfer = self.links.post_pieces("READ", ll, rl, len(runs))
 
     def _landed(self, ch: Chunk, peer: Peer) -> None:
         self.reads_landed += 1
@@ -454,52 +498,11 @@ class ReadUnpackPart(SourceCachePart):
         return self.reads_landed == self.n_chunks
 
 
-class DirectSlicePart(SourceCachePart):
-    """Pull, DIRECT_SLICE chosen for this request: after the source's RunsReady (or its
-    slot-less offer), and once the engine is done with our blocks' previous contents, READ every
-    segment's head slice from the source's cache blocks straight into ours in one transfer
-    (:func:`~kvtriton.plan.slice_block_rows`, over lists prepared once per peer); nothing is
-    packed, staged or unpacked. The payload's
-    chunks only say which positions the transfer defined: all of them once it landed. RunsDone
-    then."""
-
-    way = Way.DIRECT_SLICE
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.posted = False
-
-    def _post(self, peer: Peer) -> None:
-        f, links = self.fetch, self.links
-        # the NIC writes our blocks without a stream: only once the engine is done with them
-        if not self.lease.go or self.posted or not event_done(f.ready):
-            return
-        rows = slice_block_rows(self.payload.read, peer.md.regions, self.s.specs)
-        post = links.prep_rows(peer, rows, f.src_ids, f.dst_ids, reading=True)
-        ch = Chunk(0, -1, 0, post.nbytes)  # the one transfer of every slice; no local slot
-        if post.owned:
-            ch.lists = (post.local, post.remote)
-        self.inflight[ch.index] = ch
-        self.posted = True
-        links.stats.slice_payloads += 1
-        with f.posting(post.count, post.nbytes):
-            ch.xfer = links.post_rows("READ", post, one_sided=True)
-
-    def _landed(self, ch: Chunk, peer: Peer) -> None:
-        self.fetch.touch()
-        self.inflight.pop(ch.index, None)
-        self.consumed.update(range(self.n_chunks))  # every position's bytes are in our cache
-        self.chunks_done = self.n_chunks
-
-    def _cache_reads_landed(self) -> bool:
-        return self.chunks_done == self.n_chunks  # the one transfer landed (a payload has a chunk at least)
-
-
 class GrantedPart(PayloadPart):
     """Push: grant a local slot per chunk (up to the in-flight bound); the source WRITEs the
     chunk into it and says Data; unpack."""
 
-    def __init__(self, *args):
+    def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.next_grant = 0
 

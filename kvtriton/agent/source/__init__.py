@@ -200,7 +200,8 @@ class Source:
             raise Rejection("tiles and a token count sent, but the engines' block sizes are equal")
         try:
             r = RequestPlan.for_serve(plan, self.s.rank, ids, held_blocks=hold.block_ids.size,
-                                      chunk_blocks=m.chunk_blocks, num_tokens=m.tokens, tiles=m.tiles)
+                                      chunk_blocks=m.chunk_blocks, num_tokens=m.tokens, tiles=m.tiles,
+                                      pair=self.plans.serving_pair(peer.md))
         except PlanError as e:
             raise Rejection(f"token map of {m.req!r}: {e}" if plan.maps_tokens else str(e)) from e
         return plan, r

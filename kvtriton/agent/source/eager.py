@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import KVTritonError, StagingError
-from ...plan import ChunkGeometry, CostModel, Payload, RequestPayload, RequestPlan, choose_way
+from ...plan import ChunkGeometry, Payload, RequestPayload, RequestPlan
 from ..device import event_done
 from ..links import Chunk, Flow, Links, Peer, logger
 from ..plan_book import PlanBook
@@ -259,7 +259,9 @@ class EagerPacks:
             if plan.maps_tokens:
                 continue  # token maps: the tiles depend on the decode's ids
             # the chunks the destination derives: the smaller of both sides' chunk sizes
-            request = RequestPlan.for_hold(plan, ids, chunk_bytes=min(self.s.chunk_bytes, peer.md.staging.chunk_bytes))
+            # the ways are guessed by the destination's own choice (its cost model, in the chunks it derives)
+            request = RequestPlan.for_hold(plan, ids, chunk_bytes=min(self.s.chunk_bytes, peer.md.staging.chunk_bytes),
+                                           pairs={self.s.rank: self.plans.serving_pair(peer.md)})
             if plan.payload(self.s.rank) is None:
                 # DIRECT runs only (whole blocks or head slices): nothing to pack; offering the
                 # cache blocks confirms them as RunsReady would, so the fetch READs with no pull.
@@ -317,16 +319,10 @@ class EagerPacks:
 
     def _read_from_cache(self, request: RequestPlan, payload: RequestPayload, peer: Peer) -> bool:
         """Whether ``peer`` will most likely READ this payload straight from our cache
-        (read_unpack or direct_slice): forced, or what its cost model picks for these ids, in the
-        chunks it derives (the destination's own ids are not known here, ours stand in for them;
-        its choice decides, a wrong guess costs one declined offer)."""
-        read = payload.read
-        if not any(w.reads_source_cache for w in read.ways):
-            return False
-        if len(read.ways) == 1:
-            return True
-        return choose_way(read, self.s.specs, peer.md.regions, request.src_ids, request.src_ids,
-                          peer.md.cost or CostModel(), chunks=payload.chunks.count).reads_source_cache
+        (read_unpack or direct_slice): the way the hold's guessed request chose for it
+        (:meth:`RequestPlan.for_hold`: forced, or what its cost model picks for these ids; a
+        wrong guess costs one declined offer)."""
+        return request.way(self.s.rank).reads_source_cache
 
     # ------------------------------------------------------------------ using
     def take(self, req: str, peer: Peer, digest: str, ids: np.ndarray | None,

@@ -218,7 +218,8 @@ class PushServe(Serve[wire.Push]):
                 or np.unique(dst_ids).size != dst_ids.size:
             raise Rejection(f"push: dst_ids must be {n} distinct ids in [0, {nb})")
         try:
-            runs = serves.links.prep_runs(admitted.plan, peer, admitted.ids, dst_ids, reading=False)
+            rows = r.pairs[serves.s.rank].rows()  # the DIRECT rows: a push's payload is staged
+            runs = serves.links.prep_rows(peer, rows, admitted.ids, dst_ids, reading=False)
         except KVTritonError as e:
             raise Rejection(f"push: {e}") from e
         timeout_s = serves.s.timeout_s

@@ -203,6 +203,8 @@ class WorkerSide:
             self.stats["loads" if r.ok else "failed"] += 1
             self.stats["descriptors"] += r.descriptors
             self.stats["bytes"] += r.bytes
+            for way, n in r.ways:  # source-rank payloads by the way they travelled (the record's labels)
+                self.stats[f"payloads_{way}"] = self.stats.get(f"payloads_{way}", 0) + n
             if r.ok:  # a failure is counted by its load (_finish_load), with the loads refused before any fetch
                 self.window.transfer(r)
             logger.debug("load of %s: %s in %.1f ms, %d descriptors, %d bytes", r.req_id,

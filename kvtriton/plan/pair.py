@@ -1,0 +1,167 @@
+"""The plan of one pair of ranks: what one source rank sends one destination rank, made once.
+
+Pure (numpy). A :class:`~kvtriton.plan.TransferPlan` says what a destination rank reads from a
+source engine; every request between one source rank and that destination then needs the same
+geometry of the pair's caches: per staged payload its feasible ways, which segments coalesce
+runs on either side, its head slices' rows and columns; per DIRECT region its groups and rows.
+A :class:`PairPlan` computes all of it once, when the peer is added (vLLM's NIXL connector does
+the same: a flat plan per remote engine at handshake, executors with no model branching; the
+split follows FlashInfer's ``plan()`` / ``run()``), and a request only adds its block ids:
+:class:`~kvtriton.plan.RequestPlan` chooses each payload's way through :meth:`PairPlan.choose_way`
+and a part posts :meth:`PairPlan.rows`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..errors import PlanError
+from ..spec import RegionSpec
+from .cost import CostModel
+from .runs import (
+    BlockRows,
+    Runs,
+    direct_block_rows,
+    direct_groups,
+    runs_of_groups,
+    runs_of_slices,
+    slice_block_rows,
+    slice_columns,
+    slice_count,
+    tile_runs,
+)
+from .types import Payload, TransferPlan, Way
+from .ways import cheapest_way, coalesces, one_sided_count
+
+__all__ = ["PairPlan"]
+
+
+class PairPlan:
+    """Everything source rank ``src_rank`` sends the destination rank of ``plan``, whatever the
+    request: made once per (peer, source rank), immutable after.
+
+    Parameters
+    ----------
+    plan : TransferPlan
+        The destination rank's plan of the source engine (both sides compute the same one).
+    src_rank : int
+        The source rank of this pair.
+    src_specs, dst_specs : Sequence[RegionSpec]
+        The source rank's and the destination rank's region specs, one per region.
+    cost : CostModel, optional
+        The destination's model, by which a request's way is chosen (default :class:`CostModel`).
+
+    Attributes
+    ----------
+    payload : Payload or None
+        The staged payload ``src_rank`` sends (``None``: DIRECT runs only, or nothing).
+    ways : tuple[Way, ...]
+        How that payload may travel (``()`` without one).
+    direct_rows : BlockRows
+        The DIRECT and DIRECT_SLICE regions' rows this rank sends (zero rows: none), one per
+        (region, stream).
+    slice_rows : BlockRows or None
+        The payload's head slices, one row per segment, when it may travel DIRECT_SLICE.
+
+    Example
+    -------
+    >>> import numpy as np, torch
+    >>> from kvtriton.plan import PairPlan, build_plan
+    >>> from kvtriton.regions import Region
+    >>> k = torch.zeros(8, 16, 4, 128, dtype=torch.bfloat16)       # P rank: 4 of 8 heads
+    >>> kd = torch.zeros(8, 16, 2, 128, dtype=torch.bfloat16)      # D rank: 2 of 8 heads
+    >>> p = Region.attention("l0", k, k.clone(), block_size=16, total_heads=8).spec
+    >>> d = Region.attention("l0", kd, kd.clone(), block_size=16, total_heads=8).spec
+    >>> plan = build_plan(3, 4, [d], 2, [p])    # P TP2 -> D TP4: D3 reads heads 2-3 of P1
+    >>> pair = PairPlan(plan, 1, [p], [d])      # once, when P1 is added
+    >>> [w.value for w in pair.ways], len(pair.direct_rows)
+    (['staged', 'pack_place'], 0)
+    >>> pair.choose_way(np.arange(4), np.arange(4), chunks=1).value   # per request: 4 ids in one run
+    'pack_place'
+    """
+
+    __slots__ = ("plan", "src_rank", "src_specs", "dst_specs", "cost", "payload", "ways", "direct_rows",
+                 "slice_rows", "_groups", "_slice_cols", "_coalesce", "_rows")
+
+    def __init__(self, plan: TransferPlan, src_rank: int, src_specs: Sequence[RegionSpec],
+                 dst_specs: Sequence[RegionSpec], cost: CostModel | None = None):
+        self.plan, self.src_rank = plan, src_rank
+        self.src_specs: tuple[RegionSpec, ...] = tuple(src_specs)
+        self.dst_specs: tuple[RegionSpec, ...] = tuple(dst_specs)
+        self.cost = cost if cost is not None else CostModel()
+        self.payload: Payload | None = plan.payload(src_rank)
+        self.ways: tuple[Way, ...] = self.payload.ways if self.payload is not None else ()
+        self._groups = tuple(g for g in direct_groups(plan, self.src_specs, self.dst_specs)
+                             if src_rank in g.src_ranks)
+        self.direct_rows: BlockRows = direct_block_rows(plan, self.src_specs, self.dst_specs, src_rank)
+        self._slice_cols: np.ndarray | None = None
+        self.slice_rows: BlockRows | None = None
+        self._coalesce: dict[Way, np.ndarray] = {}
+        p = self.payload
+        if p is not None:
+            if Way.DIRECT_SLICE in p.ways:
+                self._slice_cols = slice_columns(p, self.src_specs, self.dst_specs)
+                self.slice_rows = slice_block_rows(p, self.src_specs, self.dst_specs, self._slice_cols)
+            if Way.READ_UNPACK in p.ways:
+                self._coalesce[Way.READ_UNPACK] = coalesces(p, self.src_specs)
+            if Way.PACK_PLACE in p.ways:
+                self._coalesce[Way.PACK_PLACE] = coalesces(p, self.dst_specs)
+        # the zero-copy rows a part posts in one transfer, by the way its payload travels
+        self._rows: dict[Way, BlockRows] = {Way.STAGED: self.direct_rows}
+        if self.slice_rows is not None:
+            self._rows[Way.DIRECT_SLICE] = BlockRows.concat(self.direct_rows, self.slice_rows)
+
+    def __repr__(self) -> str:
+        return (f"PairPlan(src_rank={self.src_rank}, dst_rank={self.plan.dst_rank}, "
+                f"ways={[w.value for w in self.ways]}, direct_rows={len(self.direct_rows)})")
+
+    # ------------------------------------------------------------------ zero copy
+    def rows(self, way: Way = Way.STAGED) -> BlockRows:
+        """The zero-copy rows of this pair's part of a request whose payload travels ``way``:
+        the DIRECT rows, and the payload's head slices when ``way`` is DIRECT_SLICE (one table:
+        one transfer). Any other way moves the payload through staging: the DIRECT rows only."""
+        return self._rows.get(way, self.direct_rows)
+
+    def direct_runs(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> Runs:
+        """:func:`~kvtriton.plan.direct_runs` of this source rank for a compacted request."""
+        return runs_of_groups(self._groups, src_ids, dst_ids, self.src_rank)
+
+    def slice_runs(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> Runs:
+        """:func:`~kvtriton.plan.slice_runs` of the payload for a compacted request."""
+        return runs_of_slices(self.src_rank, self._slices(), src_ids, dst_ids)
+
+    def tile_runs(self, ids: np.ndarray, way: Way) -> Runs:
+        """:func:`~kvtriton.plan.tile_runs` of the payload by one-sided ``way`` (``ids``: the
+        cache side's ids: the source's for READ_UNPACK, ours for PACK_PLACE)."""
+        specs = self.src_specs if way is Way.READ_UNPACK else self.dst_specs
+        return tile_runs(self._payload(), specs, ids, way)
+
+    # ------------------------------------------------------------------ the way
+    def way_descriptors(self, way: Way, src_ids: np.ndarray, dst_ids: np.ndarray, chunks: int = 1) -> int:
+        """:func:`~kvtriton.plan.way_descriptors` of the payload, over the pair's geometry."""
+        if way is Way.READ_UNPACK or way is Way.PACK_PLACE:
+            coal = self._coalesce.get(way)
+            if coal is None:
+                specs = self.src_specs if way is Way.READ_UNPACK else self.dst_specs
+                coal = coalesces(self._payload(), specs)
+            return one_sided_count(coal, src_ids if way is Way.READ_UNPACK else dst_ids, chunks)
+        if way is Way.DIRECT_SLICE:
+            return slice_count(self._slices(), src_ids, dst_ids)
+        return chunks
+
+    def choose_way(self, src_ids: np.ndarray, dst_ids: np.ndarray, *, chunks: int = 1, packed: bool = False) -> Way:
+        """:func:`~kvtriton.plan.choose_way` of the payload by the pair's cost model."""
+        return cheapest_way(self._payload(), self.cost, int(np.asarray(dst_ids).size), chunks, packed,
+                            lambda way: self.way_descriptors(way, src_ids, dst_ids, chunks))
+
+    def _payload(self) -> Payload:
+        if self.payload is None:
+            raise PlanError(f"source rank {self.src_rank} sends destination rank {self.plan.dst_rank} no payload")
+        return self.payload
+
+    def _slices(self) -> np.ndarray:
+        if self._slice_cols is None:
+            self._slice_cols = slice_columns(self._payload(), self.src_specs, self.dst_specs)
+        return self._slice_cols
