@@ -16,38 +16,14 @@ from ..errors import PeerDisconnectedError, ProtocolError, TransportError
 from ..plan import BlockRows, TransferPlan, direct_block_rows
 from ..protocol import wire
 from ..transport.nixl import XferStatus
+from .addresses import CacheTables
 from .device import Completion
 from .settings import Flow, Settings
 from .stats import Stats
 
-__all__ = ["FENCE_BYTES", "Chunk", "Flow", "Links", "Peer", "RowsPost", "Settings", "logger", "slot_descs"]
+__all__ = ["Chunk", "Flow", "Links", "Peer", "RowsPost", "Settings", "logger"]
 
 logger = logging.getLogger("kvtriton.agent")
-
-
-class StreamTable:
-    """A per (region, stream) table of metadata (addresses or spans) flattened once, so a
-    request looks up one entry per descriptor with one numpy gather."""
-
-    def __init__(self, table: tuple[tuple[int, ...], ...]):
-        self.flat = np.array([v for row in table for v in row], dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum([len(row) for row in table])[:-1]]).astype(np.int64)
-
-    def at(self, region: np.ndarray, stream: np.ndarray) -> np.ndarray:
-        return self.flat[self.starts[region] + stream]
-
-
-@dataclass(frozen=True)
-class CacheTables:
-    """One rank's cache as the metadata declares it: per (region, stream), the address of element
-    0 (``addrs``) and the bytes from there that may be touched (``spans``)."""
-
-    addrs: StreamTable
-    spans: StreamTable
-
-    @classmethod
-    def of(cls, addrs: tuple[tuple[int, ...], ...], spans: tuple[tuple[int, ...], ...]) -> CacheTables:
-        return cls(StreamTable(addrs), StreamTable(spans))
 
 
 @dataclass(eq=False)
@@ -62,11 +38,6 @@ class Peer:
     served_at: float = 0.0  # when this rank last accepted a transfer from it (see .source.eager)
     # prepared lists over both caches, by (rows, reading): kept until the peer is released (see Links.rows_lists)
     row_lists: dict = field(default_factory=dict, repr=False)
-    unflushed: bool = False  # we sent it a message since its endpoint was last fenced (see Links.fence)
-    initiator: bool = False  # we posted a transfer to it (READ or WRITE): only such peers are fenced
-    fence_xfer: object = None  # the fence READ in flight
-    fence_remote: object = None  # PreppedList: FENCE_BYTES at its staging's start
-    fences: int = 0  # fences posted to it
 
     @property
     def key(self) -> tuple[str, int]:
@@ -109,21 +80,9 @@ class RowsPost:
     owned: bool = False
 
 
-#: bytes a fence READs (see :meth:`Links.fence`)
-FENCE_BYTES = 64
-
 #: prepared row lists a peer keeps (a plan's DIRECT rows, a payload's slice rows, per direction:
 #: a handful); past it a transfer prepares its own and releases them (never evicts a list in use)
 MAX_ROW_LISTS = 16
-
-
-def slot_descs(addr: int, num_slots: int, slot_bytes: int, dev: int) -> np.ndarray:
-    """One ``(addr, len, dev)`` descriptor per staging slot."""
-    d = np.empty((num_slots, 3), dtype=np.int64)
-    d[:, 0] = addr + np.arange(num_slots, dtype=np.int64) * slot_bytes
-    d[:, 1] = slot_bytes
-    d[:, 2] = dev
-    return d
 
 
 class Links:
@@ -147,7 +106,6 @@ class Links:
                            for r in settings.regions)
         self.tables = CacheTables.of(self.addrs, self.spans)
         self.local_staging = None  # PreppedList over our slots, once registered
-        self.fence_local = None  # PreppedList over our fence buffer (FENCE_BYTES), once registered
 
     def exposed(self, per_stream: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
         """What the metadata tells peers of our cache (addresses or spans, per region and stream):
@@ -159,6 +117,7 @@ class Links:
         self.peers[peer.key] = peer
         self.by_agent[peer.agent] = peer.key
         self.engine_tp[peer.md.engine] = peer.md.tp
+        self.transport.fences.add(peer.agent, peer.md.staging.addr, peer.md.dev, peer.md.mem)
 
     def trusted(self, peer: Peer) -> bool:
         """Whether ``peer`` may be trusted beyond what names it: bind an unbound hold, receive a
@@ -183,9 +142,9 @@ class Links:
 
     def forget(self, peer: Peer) -> None:
         """Drop a peer; its NIXL state is released once no transfer uses it any more."""
-        if peer.fence_xfer is not None:
-            self.retire(peer.fence_xfer, lambda: None)
-            peer.fence_xfer = None
+        fence = self.transport.fences.forget(peer.agent)
+        if fence is not None:
+            self.retire(fence, lambda: None)
         self.peers.pop(peer.key, None)
         self.by_agent.pop(peer.agent, None)
         self.dead.append(peer)
@@ -202,60 +161,6 @@ class Links:
                 logger.info("notification to %s lost: %s", peer.agent, e)
                 return
             raise PeerDisconnectedError(f"{peer.md.engine}:{peer.md.rank} unreachable: {e}") from e
-        peer.unflushed = True
-
-    def fence(self) -> None:
-        """After messages to a peer, READ :data:`FENCE_BYTES` of its staging (into our fence
-        buffer, nothing else touched) once, in the background: keeps its endpoint flushed.
-
-        Why: NIXL completes a transfer with an endpoint flush, and where UCX carries messages on a
-        lane without remote completion (TCP: this host's only one besides CMA), a flush after
-        any message waits for the peer's worker to answer. A READ we post later would then wait
-        for the peer's next progress (its agent's thread, up to ``progress_interval_s``; a
-        prefill engine's GIL on top) even with the bytes already copied at the post. A fence
-        pays that wait between requests instead: the next READ completes at its post (a small
-        load in one engine step). (The first two READs from a peer's cache still wait for it: UCX
-        wires that up then.) One fence per peer at a time; called every progress().
-
-        Only peers we post transfers to are fenced (``Peer.initiator``: a decode's sources in
-        pull, a prefill's destinations in push): a fence is itself a transfer, and one posted
-        by the side that only messages (a prefill after its offer) made the *other* side's next
-        READ wait for this side's progress, the very wait fences remove."""
-        if self.fence_local is None:
-            return
-        for peer in self.peers.values():
-            if peer.fence_xfer is not None:
-                try:
-                    if self.transport.poll(peer.fence_xfer) is XferStatus.PROC:
-                        continue
-                except TransportError:
-                    pass  # the peer is gone: its transfers fail where they are used
-                self._release_quietly(peer.fence_xfer)
-                peer.fence_xfer = None
-            if not (peer.unflushed and peer.initiator):
-                continue
-            peer.unflushed = False
-            try:
-                if peer.fence_remote is None:
-                    at = np.array([[peer.md.staging.addr, FENCE_BYTES, peer.md.dev]], dtype=np.int64)
-                    peer.fence_remote = self.transport.prep_remote(peer.agent, at, peer.md.mem)
-                peer.fence_xfer = self.transport.post("READ", self.fence_local, [0], peer.fence_remote, [0])
-                peer.fences += 1
-            except TransportError as e:
-                logger.info("fence to %s not posted: %s", peer.agent, e)
-
-    def _initiated(self, remote) -> None:
-        """We posted a transfer against ``remote`` (a prepared list of a peer's): fence that peer."""
-        key = self.by_agent.get(remote.agent)
-        peer = self.peers.get(key) if key is not None else None
-        if peer is not None:
-            peer.initiator = True
-
-    def _release_quietly(self, xfer) -> None:
-        try:
-            self.transport.release(xfer)
-        except TransportError:
-            pass
 
     # ------------------------------------------------------------------ transfers
     def post_chunk(self, op: str, ch: Chunk, peer: Peer, notif: wire.Message | None = None):
@@ -263,7 +168,6 @@ class Links:
         idx = np.arange(ch.nslots)
         xfer = self.transport.post(op, self.local_staging, ch.slot + idx, peer.staging, ch.remote_slot + idx,
                                    notif.encode() if notif is not None else b"")
-        peer.initiator = True
         self.stats.staged_descriptors += 1
         return xfer
 
@@ -272,7 +176,6 @@ class Links:
         ``one_sided_descriptors``)."""
         idx = np.arange(count)
         xfer = self.transport.post(op, local, idx, remote, idx, b"")
-        self._initiated(remote)
         self.stats.one_sided_descriptors += count
         return xfer
 
@@ -442,7 +345,6 @@ class Links:
         with ``one_sided`` as ``one_sided_descriptors``)."""
         xfer = self.transport.post(op, rp.local, rp.local_idx, rp.remote, rp.remote_idx,
                                    notif.encode() if notif is not None else b"")
-        self._initiated(rp.remote)
         if one_sided:
             self.stats.one_sided_descriptors += rp.count
         else:

@@ -50,7 +50,8 @@ from collections.abc import Callable
 from ..errors import IncompatibleRemoteError, KVTritonError, PeerDisconnectedError, PeerRefusedError
 from ..plan import check_compatible
 from ..protocol import wire
-from .links import Links, Peer, logger, slot_descs
+from .addresses import slot_descs
+from .links import Links, Peer, logger
 from .settings import Settings
 from .stats import Stats
 
