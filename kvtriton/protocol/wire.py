@@ -51,8 +51,7 @@ import msgpack
 
 from ..errors import ProtocolError, TopologyError
 from ..plan import STAGED_LAYOUT_VERSION, CostModel, head_range
-from ..regions import Kind, Layout, RegionSpec
-from ..spec import DTYPE_ITEMSIZE
+from ..spec import DTYPE_ITEMSIZE, Kind, Layout, RegionSpec
 
 __all__ = [
     "PROTOCOL_VERSION", "RankMetadata", "StagingInfo", "encode_metadata", "decode_metadata", "Message", "Pull",
