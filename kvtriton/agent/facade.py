@@ -13,7 +13,8 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -173,7 +174,7 @@ class TransferAgent:
             raise
         self._source = Source(settings, self._links, self._plans, self._stats)
         self._destination = Destination(settings, self._links, self._plans)
-        self._handlers = {
+        self._handlers: dict[type[wire.Message], Callable[[Peer, Any], object]] = {
             wire.Pull: self._source.on_pull,
             wire.Push: self._source.on_push,
             wire.Grant: self._source.on_grant,

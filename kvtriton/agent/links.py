@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import PeerDisconnectedError, ProtocolError, TransportError
 from ..plan import BlockRows, TransferPlan, direct_block_rows
 from ..protocol import wire
-from ..transport.nixl import XferStatus
+from ..transport.nixl import MemType, NixlTransport, Op, PreppedList, Xfer, XferStatus
 from .addresses import CacheTables
 from .device import Completion
 from .settings import Flow, Settings
@@ -30,7 +30,7 @@ logger = logging.getLogger("kvtriton.agent")
 class Peer:
     md: wire.RankMetadata
     agent: str
-    staging: object  # PreppedList over the peer's staging slots
+    staging: PreppedList  # over the peer's staging slots
     authenticated: bool = False  # its metadata came over an authenticated exchange (see .peers)
     heard: float = 0.0  # time.monotonic() of its last message (or of its registration)
     pinged: float = 0.0  # when it was last sent a liveness check
@@ -57,10 +57,10 @@ class Chunk:
     slot: int
     nslots: int
     nbytes: int
-    xfer: object = None  # transport Xfer in flight (READ or WRITE)
+    xfer: Xfer | None = None  # in flight (READ or WRITE)
     kernel: Completion | None = None  # the pack/unpack launched on it, until its result is used
     remote_slot: int = -1
-    lists: tuple = ()  # one-sided staging: the prepared (local, remote) lists its READ uses
+    lists: tuple[PreppedList, ...] = ()  # one-sided staging: the prepared (local, remote) lists its READ uses
     digest: bytes = b""  # integrity=True: the source's digest of the packed bytes (see .integrity)
 
 
@@ -71,8 +71,8 @@ class RowsPost:
     released with it), the index pairs, the descriptors they post once NIXL merged the pairs
     adjacent on both sides, and their bytes."""
 
-    local: object
-    remote: object
+    local: PreppedList
+    remote: PreppedList
     local_idx: np.ndarray
     remote_idx: np.ndarray
     count: int
@@ -88,24 +88,24 @@ MAX_ROW_LISTS = 16
 class Links:
     """The peer table and everything that talks to the transport on behalf of both roles."""
 
-    def __init__(self, settings: Settings, transport, stats: Stats):
+    def __init__(self, settings: Settings, transport: NixlTransport, stats: Stats):
         self.s = settings
         self.transport = transport
         self.stats = stats
-        self.mem = "VRAM" if settings.device.type == "cuda" else "DRAM"
+        self.mem: MemType = "VRAM" if settings.device.type == "cuda" else "DRAM"
         self.dev = settings.device.index or 0
         self.peers: dict[tuple[str, int], Peer] = {}
         self.by_agent: dict[str, tuple[str, int]] = {}
         self.engine_tp: dict[str, int] = {}
-        # transfers to finish before their memory is reused: (xfer, cleanup, not_before)
-        # (transfer, cleanup, not before, pack/unpack completion): slots retired but not free yet
-        self.zombies: list[tuple[object, Callable[[], None], float, object]] = []
+        # transfers to finish before their memory is reused, slots retired but not free yet:
+        # (transfer, cleanup, not before, pack/unpack completion)
+        self.zombies: list[tuple[Xfer | None, Callable[[], None], float, Completion | None]] = []
         self.dead: list[Peer] = []
         self.addrs = tuple(tuple(t.data_ptr() for t in r.streams) for r in settings.regions)
         self.spans = tuple(tuple(wire.stream_span(r.spec, j) for j in range(r.spec.num_streams))
                            for r in settings.regions)
         self.tables = CacheTables.of(self.addrs, self.spans)
-        self.local_staging = None  # PreppedList over our slots, once registered
+        self.local_staging: PreppedList | None = None  # over our slots, once registered
 
     def exposed(self, per_stream: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
         """What the metadata tells peers of our cache (addresses or spans, per region and stream):
@@ -163,15 +163,17 @@ class Links:
             raise PeerDisconnectedError(f"{peer.md.engine}:{peer.md.rank} unreachable: {e}") from e
 
     # ------------------------------------------------------------------ transfers
-    def post_chunk(self, op: str, ch: Chunk, peer: Peer, notif: wire.Message | None = None):
+    def post_chunk(self, op: Op, ch: Chunk, peer: Peer, notif: wire.Message | None = None) -> Xfer:
         """READ or WRITE one staged chunk: its local slot run against ``ch.remote_slot``'s."""
+        if self.local_staging is None:
+            raise TransportError(f"{self.s.name}: staging is not registered yet")
         idx = np.arange(ch.nslots)
         xfer = self.transport.post(op, self.local_staging, ch.slot + idx, peer.staging, ch.remote_slot + idx,
                                    notif.encode() if notif is not None else b"")
         self.stats.staged_descriptors += 1
         return xfer
 
-    def post_pieces(self, op: str, local, remote, count: int) -> object:
+    def post_pieces(self, op: Op, local, remote, count: int) -> Xfer:
         """READ or WRITE the ``count`` one-sided pieces of :meth:`prep_pieces` (counted as
         ``one_sided_descriptors``)."""
         idx = np.arange(count)
@@ -201,13 +203,14 @@ class Links:
             raise
         return ll, rl
 
-    def done(self, xfer) -> bool:
+    def done(self, xfer: Xfer) -> bool:
         st = self.transport.poll(xfer)
         if st is XferStatus.ERR:
             raise TransportError(f"{xfer.op} with {xfer.remote!r} failed")
         return st is XferStatus.DONE
 
-    def retire(self, xfer, cleanup: Callable[[], None], not_before: float = 0.0, kernel=None) -> None:
+    def retire(self, xfer: Xfer | None, cleanup: Callable[[], None], not_before: float = 0.0,
+               kernel: Completion | None = None) -> None:
         """Abort ``xfer`` (if any) and run ``cleanup`` once it can no longer touch our memory,
         ``not_before`` has passed and ``kernel`` (a pack/unpack still running on the agent's
         stream into or out of the slots) has completed; until then its slots stay allocated."""
@@ -229,7 +232,7 @@ class Links:
                 on_free(ch)
 
         for ch in inflight.values():
-            self.retire(ch.xfer, lambda ch=ch: free(ch), not_before=not_before, kernel=ch.kernel)
+            self.retire(ch.xfer, functools.partial(free, ch), not_before=not_before, kernel=ch.kernel)
         inflight.clear()
 
     def reap(self) -> None:
@@ -264,18 +267,19 @@ class Links:
         busy_with = {getattr(z[0], "remote", None) for z in keep if z[0] is not None}
         for peer in [p for p in self.dead if p.agent not in busy_with]:
             self.dead.remove(peer)
-            local_rows = [(self.transport.release_list, lists[0]) for lists in peer.row_lists.values()]
+            releases = [functools.partial(self.transport.release_list, lists[0]) for lists in peer.row_lists.values()]
             peer.row_lists.clear()  # their remote halves go with the peer's agent
-            for release, what in [*local_rows, (self.transport.release_list, peer.staging),
-                                  (self.transport.remove_remote, peer.agent)]:
+            releases += [functools.partial(self.transport.release_list, peer.staging),
+                         functools.partial(self.transport.remove_remote, peer.agent)]
+            for release in releases:
                 try:
-                    release(what)
+                    release()
                 except TransportError:
                     pass
 
-    def release_lists(self, *lists) -> Callable[[], None]:
+    def release_lists(self, *lists: PreppedList) -> Callable[[], None]:
         """A cleanup that releases prepared lists (best effort: a failure only leaks a handle)."""
-        def cb():
+        def cb() -> None:
             for pl in lists:
                 try:
                     self.transport.release_list(pl)
@@ -284,7 +288,7 @@ class Links:
         return cb
 
     # ------------------------------------------------------------------ cache-to-cache rows
-    def rows_lists(self, peer: Peer, rows: BlockRows, *, reading: bool) -> tuple[object, object, bool]:
+    def rows_lists(self, peer: Peer, rows: BlockRows, *, reading: bool) -> tuple[PreppedList, PreppedList, bool]:
         """``(local list, remote list, owned)`` prepared over ``rows`` between our cache and
         ``peer``'s (``reading``: we hold the destination side), one strided row per side and row
         (prepared in ~0.1 ms whatever the caches' size). Made once per peer, rows and direction
@@ -340,7 +344,7 @@ class Links:
         local_idx, remote_idx = (d_idx, s_idx) if reading else (s_idx, d_idx)
         return RowsPost(ll, rl, local_idx, remote_idx, count, nbytes, owned)
 
-    def post_rows(self, op: str, rp: RowsPost, notif: wire.Message | None = None, *, one_sided: bool = False):
+    def post_rows(self, op: Op, rp: RowsPost, notif: wire.Message | None = None, *, one_sided: bool = False):
         """READ or WRITE what :meth:`prep_rows` prepared (counted as ``direct_descriptors``, or
         with ``one_sided`` as ``one_sided_descriptors``)."""
         xfer = self.transport.post(op, rp.local, rp.local_idx, rp.remote, rp.remote_idx,
