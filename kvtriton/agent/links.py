@@ -60,7 +60,7 @@ class Chunk:
     xfer: Xfer | None = None  # in flight (READ or WRITE)
     kernel: Completion | None = None  # the pack/unpack launched on it, until its result is used
     remote_slot: int = -1
-    lists: tuple[PreppedList, ...] = ()  # one-sided staging: the prepared (local, remote) lists its READ uses
+    lists: tuple = ()  # one-sided staging: the prepared (local, remote) lists its READ uses
     digest: bytes = b""  # integrity=True: the source's digest of the packed bytes (see .integrity)
 
 
