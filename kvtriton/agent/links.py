@@ -1,6 +1,7 @@
 """What both roles of a rank share: the peer table, sending, posting and retiring transfers,
 kernel completions, and the prepared descriptor lists of DIRECT runs (its settings are
-:mod:`.settings`, its counters :mod:`.stats`)."""
+:mod:`.settings`, its counters :mod:`.stats`, the addresses it checks :mod:`.addresses`; the
+fences that keep a peer's endpoint flushed are the transport's, :mod:`kvtriton.transport.fence`)."""
 
 from __future__ import annotations
 
