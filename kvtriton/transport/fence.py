@@ -23,16 +23,14 @@ buffer fences land in (:meth:`Fences.arm`) and calls :meth:`Fences.flush` once p
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from ..errors import TransportError
-from .handles import MemType, PreppedList, Xfer, XferStatus
-
-if TYPE_CHECKING:
-    from .nixl import NixlTransport
+from .handles import MemType, Op, PreppedList, Xfer, XferStatus
 
 __all__ = ["FENCE_BYTES", "Fence", "Fences"]
 
@@ -56,11 +54,22 @@ class Fence:
     count: int = 0  # fences posted to it
 
 
+class Posting(Protocol):
+    """What fences need of their transport (:class:`~.nixl.NixlTransport`'s calls)."""
+
+    def prep_local(self, descs: np.ndarray, mem_type: MemType) -> PreppedList: ...
+    def prep_remote(self, agent_name: str, descs: np.ndarray, mem_type: MemType) -> PreppedList: ...
+    def post(self, op: Op, local: PreppedList, local_idx: Sequence[int] | np.ndarray, remote: PreppedList,
+             remote_idx: Sequence[int] | np.ndarray, notif: bytes = b"") -> Xfer: ...
+    def poll(self, x: Xfer) -> XferStatus: ...
+    def release(self, x: Xfer) -> None: ...
+
+
 class Fences:
     """The fences of one :class:`~.nixl.NixlTransport`, one :class:`Fence` per peer agent named
     by :meth:`add` (see the module docstring)."""
 
-    def __init__(self, transport: NixlTransport) -> None:
+    def __init__(self, transport: Posting) -> None:
         self._transport = transport
         self._local: PreppedList | None = None  # our buffer fences READ into, once armed
         self.peers: dict[str, Fence] = {}

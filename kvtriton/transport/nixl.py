@@ -66,17 +66,8 @@ from .handles import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "MemType",
-    "NixlTransport",
-    "Op",
-    "PeerDisconnectedError",
-    "PreppedList",
-    "Registration",
-    "TransportError",
-    "Xfer",
-    "XferStatus",
-]
+__all__ = ["MemType", "NixlTransport", "Op", "PeerDisconnectedError", "PreppedList", "Registration", "TransportError",
+           "Xfer", "XferStatus"]
 
 logger = logging.getLogger(__name__)
 
