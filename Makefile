@@ -26,9 +26,10 @@ test: setup lint triton-compat vllm-bed sglang-bed
 	KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
 	KVTRITON_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -q
 
-# `make test` runs it first: ruff over the whole tree (rules in pyproject.toml), mypy over the pure
-# layers. Those packages are typed; a path not there (yet) is left out rather than failing.
-TYPED ?= kvtriton/plan kvtriton/protocol
+# `make test` runs it first: ruff over the whole tree (rules in pyproject.toml), mypy over the typed
+# layers (the planner, the protocol, the agent and the ops); a path not there (yet) is left out
+# rather than failing.
+TYPED ?= kvtriton/plan kvtriton/protocol kvtriton/agent kvtriton/ops
 
 lint: setup
 	$(PY) -m ruff check .

@@ -400,7 +400,7 @@ def test_cache_to_cache_lists_are_prepared_once_per_peer(engines, mode):
 
 def test_messages_are_fenced_reading_only_the_peers_staging(engines):
     """After the decode's messages to a source (RunsDone, Done) one fence READ follows in the
-    background (``Links.fence``): over a transport whose messages lack remote completion (TCP
+    background (``NixlTransport.fences``): over a transport whose messages lack remote completion (TCP
     here) a later READ would otherwise wait for that source's next progress. Each fence reads
     the source's staging into a buffer of the reader's own and is released once landed; loads
     stay byte-exact and the sources' staging is untouched. Only the side that posts transfers

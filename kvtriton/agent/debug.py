@@ -129,8 +129,8 @@ def _snapshot(agent) -> dict[str, Any]:
                                 "staging_slots": p.md.staging.num_slots, "slot_bytes": p.md.staging.slot_bytes,
                                 "chunk_bytes": p.md.staging.chunk_bytes, "cost": _cost(p.md.cost),
                                 "authenticated": p.authenticated, "generation": p.md.generation,
-                                "silent_s": now - p.heard, "row_lists": len(p.row_lists), "fences": p.fences,
-                                "fencing": p.fence_xfer is not None, "unflushed": p.unflushed}
+                                "silent_s": now - p.heard, "row_lists": len(p.row_lists),
+                                **links.transport.fences.state(p.agent)}
                   for key, p in links.peers.items()},
         "holds": {req: {"block_ids": h.block_ids.tolist(), "consumer": h.consumer, "lease_s": h.lease_s,
                         "expires_in_s": h.deadline - now, "done_from": sorted(_name(*k) for k in h.done_from)}

@@ -96,12 +96,13 @@ class Lanes:
         ``torch.cuda.Event``; the stream waits for it on the device, the host does not).
         Temporaries allocated inside (block ids, segment tables) belong to that stream, so the
         caching allocator reuses them only after the kernels that read them."""
-        if not self.cuda:
+        stream = self.stream
+        if stream is None:  # CPU: nothing to order
             yield
             return
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if after is not None:
-                self.stream.wait_event(after)
+                stream.wait_event(after)
             yield
 
     def completion(self) -> Completion:

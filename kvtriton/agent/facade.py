@@ -13,7 +13,8 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,10 +29,12 @@ from ..errors import (
 from ..plan import CostModel, ModesArg, TransferPlan
 from ..protocol import wire
 from ..regions import Region
+from ..transport.fence import FENCE_BYTES
 from . import debug
+from .addresses import slot_descs
 from .destination import Destination, RequestResult
 from .device import ready_event
-from .links import FENCE_BYTES, Links, Peer, logger, slot_descs
+from .links import Links, Peer, logger
 from .peers import MAX_PEER_ENGINES, MAX_PEERS, Admission, PeerTable
 from .plan_book import PlanBook
 from .settings import make_settings
@@ -171,7 +174,7 @@ class TransferAgent:
             raise
         self._source = Source(settings, self._links, self._plans, self._stats)
         self._destination = Destination(settings, self._links, self._plans)
-        self._handlers = {
+        self._handlers: dict[type[wire.Message], Callable[[Peer, Any], object]] = {
             wire.Pull: self._source.on_pull,
             wire.Push: self._source.on_push,
             wire.Grant: self._source.on_grant,
@@ -223,14 +226,13 @@ class TransferAgent:
             storages[s.data_ptr()] = s.nbytes()
         descs = [(addr, n, links.dev) for addr, n in sorted(storages.items())]
         descs.append((self.pool.addr, self.pool.nbytes, links.dev))
-        # what fences READ into (Links.fence): nothing of ours a peer's bytes may land in otherwise
+        # what fences READ into (transport.fences): nothing of ours a peer's bytes may land in otherwise
         self._fence = torch.empty(FENCE_BYTES, dtype=torch.uint8, device=self._s.device)
         descs.append((self._fence.data_ptr(), FENCE_BYTES, links.dev))
         self._registration = self.transport.register(descs, links.mem)
         links.local_staging = self.transport.prep_local(
             slot_descs(self.pool.addr, self.pool.num_slots, self.pool.slot_bytes, links.dev), links.mem)
-        links.fence_local = self.transport.prep_local(
-            np.array([[self._fence.data_ptr(), FENCE_BYTES, links.dev]], dtype=np.int64), links.mem)
+        self.transport.fences.arm(self._fence.data_ptr(), links.dev, links.mem)
 
     def metadata(self) -> bytes:
         """This rank's handshake metadata (msgpack bytes) for :meth:`add_remote` on peers.
@@ -470,7 +472,7 @@ class TransferAgent:
                 self._handle_messages()
                 self._source.advance()
                 self._destination.advance()
-                self._links.fence()
+                self.transport.fences.flush()
                 self._links.reap()
                 self._expire()
             return True

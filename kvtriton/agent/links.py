@@ -1,6 +1,7 @@
 """What both roles of a rank share: the peer table, sending, posting and retiring transfers,
 kernel completions, and the prepared descriptor lists of DIRECT runs (its settings are
-:mod:`.settings`, its counters :mod:`.stats`)."""
+:mod:`.settings`, its counters :mod:`.stats`, the addresses it checks :mod:`.addresses`; the
+fences that keep a peer's endpoint flushed are the transport's, :mod:`kvtriton.transport.fence`)."""
 
 from __future__ import annotations
 
@@ -15,46 +16,22 @@ import numpy as np
 from ..errors import PeerDisconnectedError, ProtocolError, TransportError
 from ..plan import BlockRows
 from ..protocol import wire
-from ..transport.nixl import XferStatus
+from ..transport.nixl import MemType, NixlTransport, Op, PreppedList, Xfer, XferStatus
+from .addresses import CacheTables
 from .device import Completion
 from .settings import Flow, Settings
 from .stats import Stats
 
-__all__ = ["FENCE_BYTES", "Chunk", "Flow", "Links", "Peer", "RowsPost", "Settings", "logger", "slot_descs"]
+__all__ = ["Chunk", "Flow", "Links", "Peer", "RowsPost", "Settings", "logger"]
 
 logger = logging.getLogger("kvtriton.agent")
-
-
-class StreamTable:
-    """A per (region, stream) table of metadata (addresses or spans) flattened once, so a
-    request looks up one entry per descriptor with one numpy gather."""
-
-    def __init__(self, table: tuple[tuple[int, ...], ...]):
-        self.flat = np.array([v for row in table for v in row], dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum([len(row) for row in table])[:-1]]).astype(np.int64)
-
-    def at(self, region: np.ndarray, stream: np.ndarray) -> np.ndarray:
-        return self.flat[self.starts[region] + stream]
-
-
-@dataclass(frozen=True)
-class CacheTables:
-    """One rank's cache as the metadata declares it: per (region, stream), the address of element
-    0 (``addrs``) and the bytes from there that may be touched (``spans``)."""
-
-    addrs: StreamTable
-    spans: StreamTable
-
-    @classmethod
-    def of(cls, addrs: tuple[tuple[int, ...], ...], spans: tuple[tuple[int, ...], ...]) -> CacheTables:
-        return cls(StreamTable(addrs), StreamTable(spans))
 
 
 @dataclass(eq=False)
 class Peer:
     md: wire.RankMetadata
     agent: str
-    staging: object  # PreppedList over the peer's staging slots
+    staging: PreppedList  # over the peer's staging slots
     authenticated: bool = False  # its metadata came over an authenticated exchange (see .peers)
     heard: float = 0.0  # time.monotonic() of its last message (or of its registration)
     pinged: float = 0.0  # when it was last sent a liveness check
@@ -62,11 +39,6 @@ class Peer:
     served_at: float = 0.0  # when this rank last accepted a transfer from it (see .source.eager)
     # prepared lists over both caches, by (rows, reading): kept until the peer is released (see Links.rows_lists)
     row_lists: dict = field(default_factory=dict, repr=False)
-    unflushed: bool = False  # we sent it a message since its endpoint was last fenced (see Links.fence)
-    initiator: bool = False  # we posted a transfer to it (READ or WRITE): only such peers are fenced
-    fence_xfer: object = None  # the fence READ in flight
-    fence_remote: object = None  # PreppedList: FENCE_BYTES at its staging's start
-    fences: int = 0  # fences posted to it
 
     @property
     def key(self) -> tuple[str, int]:
@@ -86,7 +58,7 @@ class Chunk:
     slot: int
     nslots: int
     nbytes: int
-    xfer: object = None  # transport Xfer in flight (READ or WRITE)
+    xfer: Xfer | None = None  # in flight (READ or WRITE)
     kernel: Completion | None = None  # the pack/unpack launched on it, until its result is used
     remote_slot: int = -1
     lists: tuple = ()  # one-sided staging: the prepared (local, remote) lists its READ uses
@@ -100,8 +72,8 @@ class RowsPost:
     released with it), the index pairs, the descriptors they post once NIXL merged the pairs
     adjacent on both sides, and their bytes."""
 
-    local: object
-    remote: object
+    local: PreppedList
+    remote: PreppedList
     local_idx: np.ndarray
     remote_idx: np.ndarray
     count: int
@@ -109,45 +81,32 @@ class RowsPost:
     owned: bool = False
 
 
-#: bytes a fence READs (see :meth:`Links.fence`)
-FENCE_BYTES = 64
-
 #: prepared row lists a peer keeps (a plan's DIRECT rows, a payload's slice rows, per direction:
 #: a handful); past it a transfer prepares its own and releases them (never evicts a list in use)
 MAX_ROW_LISTS = 16
 
 
-def slot_descs(addr: int, num_slots: int, slot_bytes: int, dev: int) -> np.ndarray:
-    """One ``(addr, len, dev)`` descriptor per staging slot."""
-    d = np.empty((num_slots, 3), dtype=np.int64)
-    d[:, 0] = addr + np.arange(num_slots, dtype=np.int64) * slot_bytes
-    d[:, 1] = slot_bytes
-    d[:, 2] = dev
-    return d
-
-
 class Links:
     """The peer table and everything that talks to the transport on behalf of both roles."""
 
-    def __init__(self, settings: Settings, transport, stats: Stats):
+    def __init__(self, settings: Settings, transport: NixlTransport, stats: Stats):
         self.s = settings
         self.transport = transport
         self.stats = stats
-        self.mem = "VRAM" if settings.device.type == "cuda" else "DRAM"
+        self.mem: MemType = "VRAM" if settings.device.type == "cuda" else "DRAM"
         self.dev = settings.device.index or 0
         self.peers: dict[tuple[str, int], Peer] = {}
         self.by_agent: dict[str, tuple[str, int]] = {}
         self.engine_tp: dict[str, int] = {}
-        # transfers to finish before their memory is reused: (xfer, cleanup, not_before)
-        # (transfer, cleanup, not before, pack/unpack completion): slots retired but not free yet
-        self.zombies: list[tuple[object, Callable[[], None], float, object]] = []
+        # transfers to finish before their memory is reused, slots retired but not free yet:
+        # (transfer, cleanup, not before, pack/unpack completion)
+        self.zombies: list[tuple[Xfer | None, Callable[[], None], float, Completion | None]] = []
         self.dead: list[Peer] = []
         self.addrs = tuple(tuple(t.data_ptr() for t in r.streams) for r in settings.regions)
         self.spans = tuple(tuple(wire.stream_span(r.spec, j) for j in range(r.spec.num_streams))
                            for r in settings.regions)
         self.tables = CacheTables.of(self.addrs, self.spans)
-        self.local_staging = None  # PreppedList over our slots, once registered
-        self.fence_local = None  # PreppedList over our fence buffer (FENCE_BYTES), once registered
+        self.local_staging: PreppedList | None = None  # over our slots, once registered
 
     def exposed(self, per_stream: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
         """What the metadata tells peers of our cache (addresses or spans, per region and stream):
@@ -159,6 +118,7 @@ class Links:
         self.peers[peer.key] = peer
         self.by_agent[peer.agent] = peer.key
         self.engine_tp[peer.md.engine] = peer.md.tp
+        self.transport.fences.add(peer.agent, peer.md.staging.addr, peer.md.dev, peer.md.mem)
 
     def trusted(self, peer: Peer) -> bool:
         """Whether ``peer`` may be trusted beyond what names it: bind an unbound hold, receive a
@@ -183,9 +143,9 @@ class Links:
 
     def forget(self, peer: Peer) -> None:
         """Drop a peer; its NIXL state is released once no transfer uses it any more."""
-        if peer.fence_xfer is not None:
-            self.retire(peer.fence_xfer, lambda: None)
-            peer.fence_xfer = None
+        fence = self.transport.fences.forget(peer.agent)
+        if fence is not None:
+            self.retire(fence, lambda: None)
         self.peers.pop(peer.key, None)
         self.by_agent.pop(peer.agent, None)
         self.dead.append(peer)
@@ -202,77 +162,23 @@ class Links:
                 logger.info("notification to %s lost: %s", peer.agent, e)
                 return
             raise PeerDisconnectedError(f"{peer.md.engine}:{peer.md.rank} unreachable: {e}") from e
-        peer.unflushed = True
-
-    def fence(self) -> None:
-        """After messages to a peer, READ :data:`FENCE_BYTES` of its staging (into our fence
-        buffer, nothing else touched) once, in the background: keeps its endpoint flushed.
-
-        Why: NIXL completes a transfer with an endpoint flush, and where UCX carries messages on a
-        lane without remote completion (TCP: this host's only one besides CMA), a flush after
-        any message waits for the peer's worker to answer. A READ we post later would then wait
-        for the peer's next progress (its agent's thread, up to ``progress_interval_s``; a
-        prefill engine's GIL on top) even with the bytes already copied at the post. A fence
-        pays that wait between requests instead: the next READ completes at its post (a small
-        load in one engine step). (The first two READs from a peer's cache still wait for it: UCX
-        wires that up then.) One fence per peer at a time; called every progress().
-
-        Only peers we post transfers to are fenced (``Peer.initiator``: a decode's sources in
-        pull, a prefill's destinations in push): a fence is itself a transfer, and one posted
-        by the side that only messages (a prefill after its offer) made the *other* side's next
-        READ wait for this side's progress, the very wait fences remove."""
-        if self.fence_local is None:
-            return
-        for peer in self.peers.values():
-            if peer.fence_xfer is not None:
-                try:
-                    if self.transport.poll(peer.fence_xfer) is XferStatus.PROC:
-                        continue
-                except TransportError:
-                    pass  # the peer is gone: its transfers fail where they are used
-                self._release_quietly(peer.fence_xfer)
-                peer.fence_xfer = None
-            if not (peer.unflushed and peer.initiator):
-                continue
-            peer.unflushed = False
-            try:
-                if peer.fence_remote is None:
-                    at = np.array([[peer.md.staging.addr, FENCE_BYTES, peer.md.dev]], dtype=np.int64)
-                    peer.fence_remote = self.transport.prep_remote(peer.agent, at, peer.md.mem)
-                peer.fence_xfer = self.transport.post("READ", self.fence_local, [0], peer.fence_remote, [0])
-                peer.fences += 1
-            except TransportError as e:
-                logger.info("fence to %s not posted: %s", peer.agent, e)
-
-    def _initiated(self, remote) -> None:
-        """We posted a transfer against ``remote`` (a prepared list of a peer's): fence that peer."""
-        key = self.by_agent.get(remote.agent)
-        peer = self.peers.get(key) if key is not None else None
-        if peer is not None:
-            peer.initiator = True
-
-    def _release_quietly(self, xfer) -> None:
-        try:
-            self.transport.release(xfer)
-        except TransportError:
-            pass
 
     # ------------------------------------------------------------------ transfers
-    def post_chunk(self, op: str, ch: Chunk, peer: Peer, notif: wire.Message | None = None):
+    def post_chunk(self, op: Op, ch: Chunk, peer: Peer, notif: wire.Message | None = None) -> Xfer:
         """READ or WRITE one staged chunk: its local slot run against ``ch.remote_slot``'s."""
+        if self.local_staging is None:
+            raise TransportError(f"{self.s.name}: staging is not registered yet")
         idx = np.arange(ch.nslots)
         xfer = self.transport.post(op, self.local_staging, ch.slot + idx, peer.staging, ch.remote_slot + idx,
                                    notif.encode() if notif is not None else b"")
-        peer.initiator = True
         self.stats.staged_descriptors += 1
         return xfer
 
-    def post_pieces(self, op: str, local, remote, count: int) -> object:
+    def post_pieces(self, op: Op, local, remote, count: int) -> Xfer:
         """READ or WRITE the ``count`` one-sided pieces of :meth:`prep_pieces` (counted as
         ``one_sided_descriptors``)."""
         idx = np.arange(count)
         xfer = self.transport.post(op, local, idx, remote, idx, b"")
-        self._initiated(remote)
         self.stats.one_sided_descriptors += count
         return xfer
 
@@ -298,13 +204,14 @@ class Links:
             raise
         return ll, rl
 
-    def done(self, xfer) -> bool:
+    def done(self, xfer: Xfer) -> bool:
         st = self.transport.poll(xfer)
         if st is XferStatus.ERR:
             raise TransportError(f"{xfer.op} with {xfer.remote!r} failed")
         return st is XferStatus.DONE
 
-    def retire(self, xfer, cleanup: Callable[[], None], not_before: float = 0.0, kernel=None) -> None:
+    def retire(self, xfer: Xfer | None, cleanup: Callable[[], None], not_before: float = 0.0,
+               kernel: Completion | None = None) -> None:
         """Abort ``xfer`` (if any) and run ``cleanup`` once it can no longer touch our memory,
         ``not_before`` has passed and ``kernel`` (a pack/unpack still running on the agent's
         stream into or out of the slots) has completed; until then its slots stay allocated."""
@@ -326,7 +233,7 @@ class Links:
                 on_free(ch)
 
         for ch in inflight.values():
-            self.retire(ch.xfer, lambda ch=ch: free(ch), not_before=not_before, kernel=ch.kernel)
+            self.retire(ch.xfer, functools.partial(free, ch), not_before=not_before, kernel=ch.kernel)
         inflight.clear()
 
     def reap(self) -> None:
@@ -361,18 +268,19 @@ class Links:
         busy_with = {getattr(z[0], "remote", None) for z in keep if z[0] is not None}
         for peer in [p for p in self.dead if p.agent not in busy_with]:
             self.dead.remove(peer)
-            local_rows = [(self.transport.release_list, lists[0]) for lists in peer.row_lists.values()]
+            releases = [functools.partial(self.transport.release_list, lists[0]) for lists in peer.row_lists.values()]
             peer.row_lists.clear()  # their remote halves go with the peer's agent
-            for release, what in [*local_rows, (self.transport.release_list, peer.staging),
-                                  (self.transport.remove_remote, peer.agent)]:
+            releases += [functools.partial(self.transport.release_list, peer.staging),
+                         functools.partial(self.transport.remove_remote, peer.agent)]
+            for release in releases:
                 try:
-                    release(what)
+                    release()
                 except TransportError:
                     pass
 
-    def release_lists(self, *lists) -> Callable[[], None]:
+    def release_lists(self, *lists: PreppedList) -> Callable[[], None]:
         """A cleanup that releases prepared lists (best effort: a failure only leaks a handle)."""
-        def cb():
+        def cb() -> None:
             for pl in lists:
                 try:
                     self.transport.release_list(pl)
@@ -381,7 +289,7 @@ class Links:
         return cb
 
     # ------------------------------------------------------------------ cache-to-cache rows
-    def rows_lists(self, peer: Peer, rows: BlockRows, *, reading: bool) -> tuple[object, object, bool]:
+    def rows_lists(self, peer: Peer, rows: BlockRows, *, reading: bool) -> tuple[PreppedList, PreppedList, bool]:
         """``(local list, remote list, owned)`` prepared over ``rows`` between our cache and
         ``peer``'s (``reading``: we hold the destination side), one strided row per side and row
         (prepared in ~0.1 ms whatever the caches' size). Made once per peer, rows and direction
@@ -439,12 +347,11 @@ class Links:
         local_idx, remote_idx = (d_idx, s_idx) if reading else (s_idx, d_idx)
         return RowsPost(ll, rl, local_idx, remote_idx, count, nbytes, owned)
 
-    def post_rows(self, op: str, rp: RowsPost, notif: wire.Message | None = None):
+    def post_rows(self, op: Op, rp: RowsPost, notif: wire.Message | None = None) -> Xfer:
         """READ or WRITE what :meth:`prep_rows` prepared: one transfer of a source rank's
         zero-copy rows, DIRECT runs and head slices alike (counted as ``direct_descriptors``)."""
         xfer = self.transport.post(op, rp.local, rp.local_idx, rp.remote, rp.remote_idx,
                                    notif.encode() if notif is not None else b"")
-        self._initiated(rp.remote)
         self.stats.direct_descriptors += rp.count
         return xfer
 

@@ -46,11 +46,13 @@ import enum
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from ..errors import IncompatibleRemoteError, KVTritonError, PeerDisconnectedError, PeerRefusedError
 from ..plan import check_compatible
 from ..protocol import wire
-from .links import Links, Peer, logger, slot_descs
+from .addresses import slot_descs
+from .links import Links, Peer, logger
 from .settings import Settings
 from .stats import Stats
 
@@ -169,7 +171,8 @@ class PeerTable:
         old.pinged = time.monotonic()
         return self.nonce
 
-    def await_answer(self, old: Peer, nonce: int, lock, progress: Callable[[], None] | None) -> int | None:
+    def await_answer(self, old: Peer, nonce: int, lock: AbstractContextManager,
+                     progress: Callable[[], object] | None) -> int | None:
         """Wait up to ``probe_s`` for ``old``'s answer to check ``nonce`` (the caller does not hold
         ``lock``, the agent's: answers arrive through ``progress()``, which this calls when given,
         i.e. when no progress thread runs), checking again every 0.1 s: UCX may take a moment to

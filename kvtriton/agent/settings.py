@@ -11,7 +11,8 @@ import torch
 
 from ..errors import PlanError
 from ..plan import CostModel, ModesArg, check_compatible, parse_modes
-from ..regions import Region, RegionSpec
+from ..regions import Region
+from ..spec import RegionSpec
 from ..staging import StagingPool
 from .device import Lanes
 

@@ -73,18 +73,21 @@ def warm(s: Settings, reads: Iterable[tuple[str, Payload]], done: set) -> list[t
                 if n > fits:
                     break
                 ids = np.full(n, -1, dtype=np.int64)
-                mapped = dict(pair_ids=ids)  # both sides skip every position: nothing moves
+                pair_ids: np.ndarray | None = ids  # both sides skip every position: nothing moves
+                tiles: np.ndarray | None = None
+                num_tokens: int | None = None
                 seg = read.segments[0]
                 if seg.src_block_size is not None:  # token-mapped (block sizes differ): n whole tiles
-                    mapped = dict(tiles=np.arange(n), num_tokens=n * seg.block_size)
+                    pair_ids, tiles, num_tokens = None, np.arange(n), n * seg.block_size
                     if op == "pack":  # ids per source position covering those tokens
                         ids = np.full(-(-n * seg.block_size // seg.src_block_size), -1, dtype=np.int64)
                 offs = read.segment_offsets(n)
-                key = (op, launch_config_for(op, s.regions, read.segments, offs, ids, staging, **mapped))
+                key = (op, launch_config_for(op, s.regions, read.segments, offs, ids, staging, pair_ids=pair_ids,
+                                             tiles=tiles, num_tokens=num_tokens))
                 if key in done:
                     continue
                 (pack if op == "pack" else unpack)(s.regions, read.segments, offs, ids, staging, impl=s.impl,
-                                                   **mapped)
+                                                   pair_ids=pair_ids, tiles=tiles, num_tokens=num_tokens)
                 done.add(key)
                 new.append(key)
     s.lanes.synchronize()

@@ -83,11 +83,11 @@ def tile_config(max_rows: int, max_row_words: int, word_bytes: int, vec: int) ->
         )
     rw = int(max_row_words)
     widest = max(vec, min(_next_pow2(rw), MAX_BLOCK_W_BYTES // word_bytes))
-    best = None
-    bw = widest
+    best = (ceil_div(rw, widest) * (widest + ITER_OVERHEAD_WORDS), widest)  # (cost, BLOCK_W)
+    bw = widest // 2
     while bw >= vec:
         cost = ceil_div(rw, bw) * (bw + ITER_OVERHEAD_WORDS)
-        if best is None or cost < best[0]:
+        if cost < best[0]:
             best = (cost, bw)
         bw //= 2
     block_w = best[1]

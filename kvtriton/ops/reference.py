@@ -128,10 +128,11 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
         if c_rows is None or s_rows is None:  # heads of a token not contiguous on one side
             if (cache_bs, bt) not in groups:
                 groups[(cache_bs, bt)] = _unit_groups(m, cache_bs, bt)
-            if groups[(cache_bs, bt)] is None:
+            units = groups[(cache_bs, bt)]
+            if units is None:
                 _indexed_copy(pack, cache_w, staged, m.c_row[m.row_sel], m.row_sel, cache_bs, bt)
                 continue
-            _copy_units(pack, cache_w, staged, groups[(cache_bs, bt)], m.g, cache_bs, bt)
+            _copy_units(pack, cache_w, staged, units, m.g, cache_bs, bt)
             if m.rest_sel is not None:
                 _indexed_copy(pack, cache_w, staged, m.c_row_rest, m.rest_sel, cache_bs, bt)
             continue
@@ -140,7 +141,7 @@ def _mapped(pack: bool, regions, segments, offsets, block_ids, staging, tiles, n
             _copy_rows(pack, c_rows, s_rows, m.c_row if every else m.c_row[m.row_sel], None if every else m.row_sel)
             continue
         _copy_rows(pack, _units(c_rows, m.g), _units(s_rows, m.g), m.c_unit, m.unit_sel)
-        if m.rest_sel is not None:
+        if m.c_row_rest is not None:  # set with rest_sel
             _copy_rows(pack, c_rows, s_rows, m.c_row_rest, m.rest_sel)
 
 
@@ -162,6 +163,8 @@ def _mapped_parts(pack: bool, region: Region, seg: Segment, head: int, cache_dm:
     else:
         staged_parts = token_parts(staged.view(n, nh, bt, seg.head_dim), seg.dim_major)
     cuts = sorted({0, cache_dm, seg.dim_major, seg.head_dim} - {seg.head_dim})
+    rows: torch.Tensor | None  # None with sel
+    sel: torch.Tensor | None
     if groups is None:
         rows, sel = m.c_row[m.row_sel], m.row_sel
     else:

@@ -45,14 +45,13 @@ region's ``addrs`` and ``spans`` are empty (in every region, or in none).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import msgpack
 
 from ..errors import ProtocolError, TopologyError
 from ..plan import STAGED_LAYOUT_VERSION, CostModel, head_range
-from ..regions import Kind, Layout, RegionSpec
-from ..spec import DTYPE_ITEMSIZE
+from ..spec import DTYPE_ITEMSIZE, Kind, Layout, RegionSpec
 
 __all__ = [
     "PROTOCOL_VERSION", "RankMetadata", "StagingInfo", "encode_metadata", "decode_metadata", "Message", "Pull",
@@ -63,6 +62,8 @@ __all__ = [
 
 PROTOCOL_VERSION = 2
 _MAX_U64 = (1 << 64) - 1
+# where a rank's cache and staging live (the transport's memory types)
+_MEM_TYPES: dict[str, Literal["DRAM", "VRAM"]] = {"DRAM": "DRAM", "VRAM": "VRAM"}
 # The largest request (in blocks, after dropping -1 positions) one fetch or hold may name: 128K
 # blocks is 2M tokens at 16 tokens a block. It bounds what one ``pull`` costs a source's
 # ``progress()`` (decoding, checking and indexing its ids); fetch() and hold() raise beyond it.
@@ -98,7 +99,7 @@ class RankMetadata:
     tp: int
     agent: str
     agent_md: bytes
-    mem: str  # "DRAM" or "VRAM"
+    mem: Literal["DRAM", "VRAM"]
     dev: int
     regions: tuple[RegionSpec, ...]
     addrs: tuple[tuple[int, ...], ...]  # per region, per stream: address of element 0 (none: not registered)
@@ -155,9 +156,10 @@ def decode_metadata(data: bytes) -> RankMetadata:
     rank = _int(d, "rank", "metadata", 0, tp - 1)
     agent = _name(d, "agent", "metadata")
     agent_md = _get(d, "agent_md", bytes, "metadata")
-    mem = _get(d, "mem", str, "metadata")
-    if mem not in ("DRAM", "VRAM"):
-        raise ProtocolError(f"metadata: mem must be DRAM or VRAM, got {mem!r}")
+    raw_mem = _get(d, "mem", str, "metadata")
+    mem = _MEM_TYPES.get(raw_mem)
+    if mem is None:
+        raise ProtocolError(f"metadata: mem must be DRAM or VRAM, got {raw_mem!r}")
     dev = _int(d, "dev", "metadata", 0, 1 << 16)
     st = _get(d, "staging", dict, "metadata")
     staging = StagingInfo(_int(st, "addr", "staging", 0, _MAX_U64),

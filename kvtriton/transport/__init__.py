@@ -1,5 +1,6 @@
 """Transfer backends (NIXL). Importing this package does not import ``nixl``."""
 
+from .fence import FENCE_BYTES, Fence, Fences
 from .nixl import (
     MemType,
     NixlTransport,
@@ -13,6 +14,9 @@ from .nixl import (
 )
 
 __all__ = [
+    "FENCE_BYTES",
+    "Fence",
+    "Fences",
     "MemType",
     "NixlTransport",
     "Op",

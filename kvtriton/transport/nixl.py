@@ -47,6 +47,7 @@ import numpy as np
 # --- errors -------------------------------------------------------------------------------------
 # The typed errors live in kvtriton.errors; this is the only place the transport names them.
 from ..errors import PeerDisconnectedError, TransportError
+from .fence import Fences
 from .handles import (
     OPS,
     MemType,
@@ -65,17 +66,8 @@ from .handles import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "MemType",
-    "NixlTransport",
-    "Op",
-    "PeerDisconnectedError",
-    "PreppedList",
-    "Registration",
-    "TransportError",
-    "Xfer",
-    "XferStatus",
-]
+__all__ = ["MemType", "NixlTransport", "Op", "PeerDisconnectedError", "PreppedList", "Registration", "TransportError",
+           "Xfer", "XferStatus"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +147,8 @@ class NixlTransport:
         self._remotes: set[str] = set()
         self._pending: dict[str, list[bytes]] = {}
         self._closed = False
+        # the UCX flush workaround (see .fence): this transport's sends and posts mark its peers
+        self.fences = Fences(self)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -473,6 +467,7 @@ class NixlTransport:
         except BaseException:
             self._quiet(self._release_xfer, x)
             raise
+        self.fences.posted(remote.agent)
         return x
 
     def repost(self, x: Xfer, notif: bytes | None = None) -> XferStatus:
@@ -488,6 +483,7 @@ class NixlTransport:
             raise ValueError("repost: transfer is still in progress")
         x.status = XferStatus.PROC
         x.status = self._post(x, x._notif if notif is None else as_bytes(notif, "notif"))
+        self.fences.posted(x.remote)
         return x.status
 
     def _post(self, x: Xfer, notif: bytes) -> XferStatus:
@@ -555,6 +551,7 @@ class NixlTransport:
                     f"send_notif: no metadata for {agent_name!r}; the sender must add_remote() the receiver"
                 ) from e
             raise self._translate(e, f"send_notif to {agent_name!r}", agent_name) from e
+        self.fences.sent(agent_name)
 
     def poll_notifs(self) -> dict[str, list[bytes]]:
         """New notifications, keyed by sender name (``str``), in arrival order per sender.
