@@ -3,7 +3,7 @@
 SGLang's command line has no free-form options for a transfer backend, so the settings come from
 the environment of every SGLang process: ``KVTRITON_SGLANG_CONFIG`` holds a JSON object (or
 ``@path`` of a file holding one) with the keys of the vLLM connector's
-``kv_connector_extra_config`` (:class:`~kvtriton.integrations.vllm.settings.ConnectorSettings`:
+``kv_connector_extra_config`` (the shared :class:`~kvtriton.integrations.settings.TransferSettings`:
 ``staging_bytes``, ``timeout_s``, ``lease_s``, ``auth_secret_file``, TLS files, ``modes``...),
 minus the two SGLang decides (``host``: the address SGLang's bootstrap registered for each rank;
 ``kv_cache_layout``: SGLang's pool is token-major), plus ``handshake_port_offset``. Every key is
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import KVTritonError
-from ..vllm.settings import ConnectorSettings, SettingsError
+from ..settings import SettingsError, TransferSettings
 
 __all__ = ["ENV", "BackendSettings", "SettingsError", "UnsupportedSetupError"]
 
@@ -44,7 +44,7 @@ class UnsupportedSetupError(KVTritonError, ValueError):
 class BackendSettings:
     """The connector settings every rank uses, and where prefill ranks serve handshakes."""
 
-    agent: ConnectorSettings
+    agent: TransferSettings
     handshake_port_offset: int = 1
 
     @classmethod
@@ -58,11 +58,7 @@ class BackendSettings:
         if decided:
             raise SettingsError(f"{ENV}: {decided} are decided by SGLang (bootstrap addresses, its pool layout, "
                                 f"the decode that registers a request); remove them")
-        try:
-            agent = ConnectorSettings.from_extra_config(values)
-        except SettingsError as e:
-            raise SettingsError(str(e).replace("kv_connector_extra_config", ENV)) from None
-        return cls(agent, offset)
+        return cls(TransferSettings.from_mapping(values, source=ENV), offset)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> BackendSettings:
