@@ -16,7 +16,8 @@ port ``tp + 1`` apart from the next one.
 
 The credential is the project's (:mod:`kvtriton.protocol.auth`), read as the vLLM connector reads
 it: ``auth_secret_file`` (default: ``KVTRITON_AUTH_SECRET_FILE``) and/or the TLS files. With one,
-metadata moves only after the peer proved it.
+metadata moves only after the peer proved it, and control messages carry a seal
+(:mod:`kvtriton.protocol.seal`), which needs the shared secret: TLS alone is refused at start.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import KVTritonError
+from ...protocol.auth import Credential
+from ...protocol.seal import KEY_PURPOSE, ControlSigner
 from ..settings import SettingsError, TransferSettings
 
-__all__ = ["ENV", "BackendSettings", "SettingsError", "UnsupportedSetupError"]
+__all__ = ["ENV", "BackendSettings", "SettingsError", "UnsupportedSetupError", "control_signer", "refuse_tls_only"]
 
 ENV = "KVTRITON_SGLANG_CONFIG"
 _SGLANG_DECIDES = ("host", "port", "kv_cache_layout", "consumer")
@@ -86,3 +89,22 @@ class BackendSettings:
             raise SettingsError(f"handshake port {port} (bootstrap port {bootstrap_port} + offset "
                                 f"{self.handshake_port_offset} + rank {rank}) is not a TCP port")
         return port
+
+
+def control_signer(credential: Credential | None, engine: str, rank: int, *,
+                   handshake_timeout_s: float) -> ControlSigner | None:
+    """The signer for a manager's credential: None without one (dev mode, unsigned), refused for
+    TLS alone. The window is a few handshake timeouts (at least 30 s: hosts' clocks differ)."""
+    if credential is None:
+        return None
+    refuse_tls_only(credential)
+    return ControlSigner(credential.derive_key(KEY_PURPOSE), engine, rank,
+                         window_s=max(30.0, 4 * handshake_timeout_s))
+
+
+def refuse_tls_only(credential: Credential | None) -> None:
+    """:class:`UnsupportedSetupError` for a credential without a shared secret (checked at start)."""
+    if credential is not None and not credential.has_secret:
+        raise UnsupportedSetupError("the kvtriton SGLang backend with a TLS-only credential: SGLang's ZMQ control "
+                                    "sockets carry no TLS, so its control messages need auth_secret_file (or "
+                                    "KVTRITON_AUTH_SECRET_FILE) to be signed; TLS alone is not enough")
