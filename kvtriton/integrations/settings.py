@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Self
+from typing import Any, TypeVar
 
 from ..errors import KVTritonError
 from ..plan import CostModel
@@ -21,6 +21,8 @@ from ..protocol.allowlist import AllowlistError, PeerAllowlist
 from ..protocol.auth import Credential
 
 __all__ = ["MAX_IDLE_WAIT_S", "SettingsError", "TransferSettings"]
+
+_Settings = TypeVar("_Settings", bound="TransferSettings")
 
 #: the longest ``idle_wait_s``: what a request arriving at an idle decode engine may wait for a step
 MAX_IDLE_WAIT_S = 0.1
@@ -180,7 +182,7 @@ class TransferSettings:
         return CostModel(**vals, source=f"pinned: cost_model {self.cost_model!r}")
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None, *, source: str = "settings") -> Self:
+    def from_mapping(cls: type[_Settings], values: Mapping[str, Any] | None, *, source: str = "settings") -> _Settings:
         """``values`` checked; ``source`` names them in errors (``kv_connector_extra_config``...)."""
         values = dict(values or {})
         known = {f.name: f for f in fields(cls)}
@@ -189,7 +191,7 @@ class TransferSettings:
             raise SettingsError(f"{source}: unknown keys {unknown}; known keys are {sorted(known)}")
         if "auth_secret_file" not in values and os.environ.get("KVTRITON_AUTH_SECRET_FILE"):
             values["auth_secret_file"] = os.environ["KVTRITON_AUTH_SECRET_FILE"]
-        checked = {}
+        checked: dict[str, Any] = {}
         for name, value in values.items():
             want = type(known[name].default)
             if want is tuple and isinstance(value, list):
