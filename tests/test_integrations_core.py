@@ -16,7 +16,7 @@ from kvtriton.errors import AuthenticationError, ProtocolError, RequestRejectedE
 from kvtriton.integrations.core import Meetings, PrefillEngine, RankAddress, make_agent, serve_metadata
 from kvtriton.integrations.settings import SettingsError, TransferSettings
 from kvtriton.integrations.sglang.settings import ENV, BackendSettings
-from kvtriton.integrations.vllm.settings import ConnectorSettings
+from kvtriton.integrations.vllm.settings import from_extra_config
 from kvtriton.plan import CostModel, meeting_ranks
 from kvtriton.protocol import wire
 from kvtriton.protocol.allowlist import PeerAllowlist
@@ -42,13 +42,13 @@ def _calls(path: pathlib.Path, name: str) -> int:
 
 def test_both_engines_read_the_same_settings_and_name_their_source_in_errors():
     values = {"timeout_s": 7, "replicate_stripe": 0, "cost_model": "desc_us=1.8,pass_us=90", "modes": "staged"}
-    vllm = ConnectorSettings.from_extra_config(values)
+    vllm = from_extra_config(values)
     sglang = BackendSettings.from_mapping(values).agent
     assert type(sglang) is TransferSettings and isinstance(vllm, TransferSettings)
     assert {f: getattr(vllm, f) for f in values} == {f: getattr(sglang, f) for f in values}
     assert vllm.timeout_s == 7.0 and vllm.agent_stripe is None
     with pytest.raises(SettingsError, match=r"^kv_connector_extra_config\['timeout_s'\]"):
-        ConnectorSettings.from_extra_config({"timeout_s": 0})
+        from_extra_config({"timeout_s": 0})
     with pytest.raises(SettingsError, match=rf"^{ENV}\['timeout_s'\]"):
         BackendSettings.from_mapping({"timeout_s": 0})
     with pytest.raises(SettingsError, match=r"^settings: unknown keys \['nope'\]"):

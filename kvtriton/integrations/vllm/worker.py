@@ -36,7 +36,7 @@ from ...protocol.handshake import MetadataServer
 from ...regions import Region
 from ..core import Meeting, Meetings, PrefillEngine, RankAddress, make_agent, serve_metadata
 from .scheduler import LoadSpec, StepMessages
-from .settings import ConnectorSettings, SettingsError
+from .settings import SettingsError, TransferSettings
 from .stats import WorkerStats
 
 __all__ = ["WorkerSide"]
@@ -58,7 +58,7 @@ class WorkerSide:
     """Worker-side state of one rank. Thread-safe: the engine thread calls the step methods, the
     handshake thread completes meetings, the agent's own thread moves data."""
 
-    def __init__(self, settings: ConnectorSettings, *, engine_id: str, rank: int, tp_size: int,
+    def __init__(self, settings: TransferSettings, *, engine_id: str, rank: int, tp_size: int,
                  regions: Sequence[Region], serve: bool):
         self.settings, self.engine_id, self.rank, self.tp_size = settings, engine_id, rank, tp_size
         s = settings
