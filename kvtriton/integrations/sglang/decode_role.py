@@ -98,7 +98,10 @@ class DecodeRole:
 
     def forget_engine(self, addr: str) -> None:
         """The prefill at ``addr`` is gone (SGLang's heartbeat): meet it again next time."""
-        self.meetings.forget(prefill_engine(addr, 0).key)
+        try:
+            self.meetings.forget(prefill_engine(addr, 0).key)
+        except ValueError:  # not an address: never met
+            pass
 
     # ------------------------------------------------------------------ a room
     def want(self, room_id: int, page_ids, aux_index: int, decode_prefix_len: int) -> list[dict]:
