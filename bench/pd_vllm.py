@@ -112,13 +112,13 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     their logs). ``profile``: a folder; py-spy (``$PY_SPY`` or on ``PATH``) samples both engines,
     their worker processes included, over the measured requests and writes one flame graph each.
     kvtriton only: ``eager`` names the decode engine as the consumer of the prefill's holds (a
-    fixed pairing, ``consumer`` in ConnectorSettings), so the prefill packs each request as soon
+    fixed pairing, ``consumer`` in the connector settings), so the prefill packs each request as soon
     as it finishes; ``staging_mib`` (0: the default) sizes the prefill engine's staging pool.
     ``before_measure``: called once the engines are up, before the first request (compare: wait
     for the previous run's engines to be gone). ``closing``: a list; when given, the engines are
     closed by a thread appended to it (the caller joins it) instead of before returning, so the
     next run's engines start meanwhile. ``modes``: kvtriton only, forces the agents' modes
-    (ConnectorSettings ``modes``, e.g. ``"pack_place"`` or ``"direct_slice"``) on both engines, for A/Bs.
+    (the connector setting ``modes``, e.g. ``"pack_place"`` or ``"direct_slice"``) on both engines, for A/Bs.
     ``say``: where lines go (default print; ``quiet`` keeps only the phases line).
     ``concurrent_start``: both engines start at once, each on its own cores (None, the default,
     and True); False: one after the other, the one with more ranks first (see

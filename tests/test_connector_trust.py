@@ -18,7 +18,7 @@ from test_handshake_auth import RogueListener  # a listener without the secret (
 
 from kvtriton import Region
 from kvtriton.integrations.vllm.scheduler import LoadSpec, RemoteSource, SchedulerSide, StepMessages
-from kvtriton.integrations.vllm.settings import ConnectorSettings, SettingsError
+from kvtriton.integrations.vllm.settings import SettingsError, from_extra_config
 from kvtriton.integrations.vllm.worker import WorkerSide
 from kvtriton.protocol.allowlist import AllowlistError, PeerAllowlist
 from kvtriton.testing.vllm_bed import free_port_range
@@ -48,13 +48,13 @@ class Bed:
         self.gen, self.engine, self.p_extra = gen, engine, p_extra or {}
         self.prefill = self._prefill()
         self.d_regions = regions(gen, fill=False)
-        self.decode = WorkerSide(ConnectorSettings.from_extra_config({**COMMON, **(d_extra or {})}), engine_id="D",
+        self.decode = WorkerSide(from_extra_config({**COMMON, **(d_extra or {})}), engine_id="D",
                                  rank=0, tp_size=1, regions=self.d_regions, serve=False)
         self._n = 0
 
     def _prefill(self):
         self.p_regions = regions(self.gen, fill=True)
-        return WorkerSide(ConnectorSettings.from_extra_config({**COMMON, "port": self.port, **self.p_extra}),
+        return WorkerSide(from_extra_config({**COMMON, "port": self.port, **self.p_extra}),
                           engine_id=self.engine, rank=0, tp_size=1, regions=self.p_regions, serve=True)
 
     def restart_prefill(self):
@@ -212,12 +212,12 @@ def test_a_timed_out_engine_is_met_again_on_the_next_load(bed_factory, secret_fi
 
 def test_settings_refuse_bad_trust_keys(tmp_path):
     with pytest.raises(SettingsError, match="allowed_peers"):
-        ConnectorSettings.from_extra_config({"allowed_peers": ["10.0.0.0/33"]})
+        from_extra_config({"allowed_peers": ["10.0.0.0/33"]})
     with pytest.raises(SettingsError, match="tls_cert_file"):
-        ConnectorSettings.from_extra_config({"tls_cert_file": "a.pem"})
+        from_extra_config({"tls_cert_file": "a.pem"})
     with pytest.raises(SettingsError, match="must be tuple"):
-        ConnectorSettings.from_extra_config({"allowed_peers": "127.0.0.1"})
-    assert ConnectorSettings.from_extra_config({}).credential() is None
+        from_extra_config({"allowed_peers": "127.0.0.1"})
+    assert from_extra_config({}).credential() is None
 
 
 def test_allowlist_entries():

@@ -12,9 +12,9 @@ import pytest
 from kvtriton.errors import AuthenticationError
 from kvtriton.integrations.sglang.inline import InlineProgress
 from kvtriton.integrations.sglang.messages import STATUS_TAG, Ready, Want
-from kvtriton.integrations.sglang.settings import UnsupportedSetupError
-from kvtriton.integrations.sglang.signing import KEY_PURPOSE, SEAL_MAGIC, ControlSigner, control_signer
+from kvtriton.integrations.sglang.settings import UnsupportedSetupError, control_signer
 from kvtriton.protocol.auth import Credential
+from kvtriton.protocol.seal import KEY_PURPOSE, SEAL_MAGIC, ControlSigner
 from kvtriton.testing.oracle import RegionModel, check_destination
 from kvtriton.testing.pair import EnginePair
 

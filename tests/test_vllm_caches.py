@@ -134,23 +134,23 @@ def test_bad_caches_raise_region_errors():
 
 
 def test_settings_are_checked():
-    from kvtriton.integrations.vllm.settings import ConnectorSettings, SettingsError
+    from kvtriton.integrations.vllm.settings import SettingsError, from_extra_config
 
-    s = ConnectorSettings.from_extra_config({"port": 6000, "lease_s": 5, "mode": "push"})
+    s = from_extra_config({"port": 6000, "lease_s": 5, "mode": "push"})
     assert s.port == 6000 and s.lease_s == 5.0 and s.mode == "push" and s.cost_model == "default"
-    assert ConnectorSettings.from_extra_config({"cost_model": "measured"}).cost_model == "measured"
-    assert s.pinned_cost() is None and ConnectorSettings.from_extra_config({"cost_model": "measured"}).pinned_cost() \
+    assert from_extra_config({"cost_model": "measured"}).cost_model == "measured"
+    assert s.pinned_cost() is None and from_extra_config({"cost_model": "measured"}).pinned_cost() \
         is None
-    pinned = ConnectorSettings.from_extra_config({"cost_model": "desc_us=1.5, pass_us=90"}).pinned_cost()
+    pinned = from_extra_config({"cost_model": "desc_us=1.5, pass_us=90"}).pinned_cost()
     assert (pinned.desc_us, pinned.pass_us, pinned.pack_gbps) == (1.5, 90.0, CostModel().pack_gbps)
     assert pinned.source.startswith("pinned")
-    assert ConnectorSettings.from_extra_config({}).consumer == ""  # holds bound to the first engine that asks
-    assert ConnectorSettings.from_extra_config({"consumer": "decode-0"}).consumer == "decode-0"
-    assert s.eager_guess and not ConnectorSettings.from_extra_config({"eager_guess": False}).eager_guess
+    assert from_extra_config({}).consumer == ""  # holds bound to the first engine that asks
+    assert from_extra_config({"consumer": "decode-0"}).consumer == "decode-0"
+    assert s.eager_guess and not from_extra_config({"eager_guess": False}).eager_guess
     assert (s.register, s.integrity) == ("all", False)
     assert (s.idle_wait_s, s.replicate_stripe, s.agent_stripe) == (0.002, 1, 1)  # one replica, as NixlConnector
-    assert ConnectorSettings.from_extra_config({"replicate_stripe": 0}).agent_stripe is None  # every replica
-    hardened = ConnectorSettings.from_extra_config({"register": "staging", "integrity": True})
+    assert from_extra_config({"replicate_stripe": 0}).agent_stripe is None  # every replica
+    hardened = from_extra_config({"register": "staging", "integrity": True})
     assert (hardened.register, hardened.integrity) == ("staging", True)
     for bad, match in (({"consumer": 3}, "must be str"), ({"eager_guess": 0}, "must be bool"),
                        ({"prot": 1}, "unknown keys"), ({"port": "6000"}, "must be int"), ({"port": 0}, "TCP port"),
@@ -163,7 +163,7 @@ def test_settings_are_checked():
                        ({"idle_wait_s": 1}, "0 to 0.1 seconds"), ({"idle_wait_s": float("nan")}, "0 to 0.1"),
                        ({"replicate_stripe": -1}, ">= 0"), ({"replicate_stripe": 1.0}, "must be int")):
         with pytest.raises(SettingsError, match=match):
-            ConnectorSettings.from_extra_config(bad)
+            from_extra_config(bad)
 
 
 def test_remote_params_are_checked():
@@ -194,12 +194,12 @@ def test_cpu_attention_caches_are_described_as_k_dim_major(gen):
 
 
 def test_connector_flow_and_its_old_name_mode():
-    from kvtriton.integrations.vllm.settings import ConnectorSettings, SettingsError
+    from kvtriton.integrations.vllm.settings import SettingsError, from_extra_config
 
-    assert ConnectorSettings.from_extra_config({}).transfer_flow == "pull"
-    assert ConnectorSettings.from_extra_config({"flow": "push"}).transfer_flow == "push"
-    assert ConnectorSettings.from_extra_config({"mode": "push"}).transfer_flow == "push"
+    assert from_extra_config({}).transfer_flow == "pull"
+    assert from_extra_config({"flow": "push"}).transfer_flow == "push"
+    assert from_extra_config({"mode": "push"}).transfer_flow == "push"
     with pytest.raises(SettingsError, match="old name of 'flow'"):
-        ConnectorSettings.from_extra_config({"flow": "pull", "mode": "push"})
+        from_extra_config({"flow": "pull", "mode": "push"})
     with pytest.raises(SettingsError, match="'pull' or 'push'"):
-        ConnectorSettings.from_extra_config({"flow": "both"})
+        from_extra_config({"flow": "both"})

@@ -17,7 +17,7 @@ import torch
 
 from kvtriton.agent import TransferAgent
 from kvtriton.integrations.vllm.scheduler import StepMessages
-from kvtriton.integrations.vllm.settings import ConnectorSettings
+from kvtriton.integrations.vllm.settings import TransferSettings, from_extra_config
 from kvtriton.integrations.vllm.worker import WorkerSide
 from kvtriton.regions import Region
 
@@ -37,7 +37,7 @@ def _regions(gen):
 @pytest.fixture
 def engines():
     gen = torch.Generator().manual_seed(19)
-    settings = ConnectorSettings(consumer="D", modes="staged", impl="torch", staging_bytes=1 << 20,
+    settings = TransferSettings(consumer="D", modes="staged", impl="torch", staging_bytes=1 << 20,
                                  slot_bytes=1024, timeout_s=10.0)
     worker = WorkerSide(settings, engine_id="P", rank=0, tp_size=1, regions=_regions(gen), serve=False)
     dst_regions = _regions(gen)
@@ -121,10 +121,10 @@ def test_negative_control_a_write_after_the_hold_is_missed(engines):
 def test_modes_setting_reaches_the_agent_as_it_takes_it():
     from kvtriton.integrations.vllm.settings import SettingsError
 
-    assert ConnectorSettings().agent_modes is None
-    assert ConnectorSettings.from_extra_config({"modes": "staged"}).agent_modes == "staged"
-    assert ConnectorSettings.from_extra_config({"modes": "a=staged,b=direct"}).agent_modes == {
+    assert TransferSettings().agent_modes is None
+    assert from_extra_config({"modes": "staged"}).agent_modes == "staged"
+    assert from_extra_config({"modes": "a=staged,b=direct"}).agent_modes == {
         "a": "staged", "b": "direct"}
     for bad in ("a=", "=staged", "a=staged,b", "a=b=c"):
         with pytest.raises(SettingsError, match="modes"):
-            ConnectorSettings.from_extra_config({"modes": bad})
+            from_extra_config({"modes": bad})

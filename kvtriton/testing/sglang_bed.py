@@ -317,8 +317,8 @@ def _rogue(prefill: Engine, decode: Engine, room: int, seed: int, n_tokens: int,
     import zmq
 
     from ..integrations.sglang.messages import STATUS_TAG, Abort, Ready, Want
-    from ..integrations.sglang.signing import KEY_PURPOSE, ControlSigner
     from ..protocol.auth import Credential
+    from ..protocol.seal import KEY_PURPOSE, ControlSigner
 
     n_pages = -(-n_tokens // PAGE)
     d_pages, p_pages = _room_pages(rng, n_pages), _room_pages(rng, n_pages)

@@ -5,9 +5,10 @@ bases (``decode.py`` calls ``try_ensure_parallel_info`` and reads ``prefill_info
 bootstrap server, the topology registration and the ``/route`` queries, the ``KVPoll`` state of
 each room (``request_status``, ``failure_records``), timeouts, heartbeats and the ABORT message
 are SGLang's own. What moves, and how, is kvtriton's: one
-:class:`~kvtriton.agent.TransferAgent` per TP rank over views of SGLang's K/V pool
-(:mod:`.caches`), the prefill and decode parts in :mod:`.prefill_role` / :mod:`.decode_role`,
-their messages in :mod:`.messages`.
+:class:`~kvtriton.agent.TransferAgent` per TP rank over views of SGLang's K/V pool (:mod:`.caches`),
+made from the settings as the vLLM connector's are (:func:`~kvtriton.integrations.core.make_agent`),
+the prefill and decode parts in :mod:`.prefill_role` / :mod:`.decode_role`, their messages in
+:mod:`.messages`.
 
 A case the backend does not move is refused when the manager is built, before anything is
 registered, with :class:`~.settings.UnsupportedSetupError` naming it (:func:`refuse_unsupported`).
@@ -35,24 +36,23 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.runtime_context import get_disagg, get_parallel, get_serving
 from sglang.srt.utils.network import NetworkAddress
 
-from ...agent import TransferAgent
 from ...errors import AuthenticationError, KVTritonError, ProtocolError
-from ...plan import CostModel
 from ...protocol.handshake import MetadataServer
+from ...protocol.seal import ControlSigner
+from ..core import make_agent, serve_metadata
 from .caches import aux_views, kv_regions, local_heads
 from .decode_role import DecodeRole
 from .inline import InlineProgress
 from .messages import ABORT_SEALED_TAG, READY_TAG, STATUS_TAG, WANT_TAG, Abort, Ready, Want
 from .prefill_role import PrefillRole
-from .settings import BackendSettings, UnsupportedSetupError
-from .signing import ControlSigner, control_signer, refuse_tls_only
+from .settings import BackendSettings, UnsupportedSetupError, control_signer, refuse_tls_only
 
 __all__ = ["KVTritonKVBootstrapServer", "KVTritonKVManager", "KVTritonKVReceiver", "KVTritonKVSender",
            "refuse_unsupported", "total_kv_heads"]
 
 logger = logging.getLogger(__name__)
 
-#: tags of our control messages: sealed when the credential has a secret (:mod:`.signing`)
+#: tags of our control messages: sealed when the credential has a secret (:mod:`kvtriton.protocol.seal`)
 _SIGNED_TAGS = (WANT_TAG, READY_TAG, STATUS_TAG, ABORT_SEALED_TAG)
 _REFUSED_LOG_EVERY_S = 5.0
 
@@ -109,7 +109,7 @@ def total_kv_heads(args, server_args) -> int:
 
 
 class KVTritonKVManager(CommonKVManager):
-    """SGLang's KV manager of one TP rank, moving KV with a :class:`TransferAgent`."""
+    """SGLang's KV manager of one TP rank, moving KV with a :class:`~kvtriton.agent.TransferAgent`."""
 
     kv_status_msg_tag = STATUS_TAG
     kv_status_msg_carries_reason = True
@@ -136,12 +136,8 @@ class KVTritonKVManager(CommonKVManager):
         port = self.bootstrap_port if self.is_prefill else get_serving().port
         where = self.dist_init_addr or f"{self.local_ip}:{port}"
         s = self.settings.agent
-        self.agent = TransferAgent(
-            f"sglang-{'prefill' if self.is_prefill else 'decode'}@{where}", self.attn_tp_rank, self.attn_tp_size,
-            regions, staging_bytes=s.staging_bytes, slot_bytes=s.slot_bytes, flow=s.transfer_flow,
-            chunk_bytes=s.chunk_bytes or None, inflight_chunks=s.inflight_chunks, timeout_s=s.timeout_s, impl=s.impl,
-            cost=CostModel(), eager_guess=s.eager_guess, modes=s.agent_modes,
-            require_authenticated_peers=self.credential is not None, register=s.register, integrity=s.integrity)
+        self.agent = make_agent(s, f"sglang-{'prefill' if self.is_prefill else 'decode'}@{where}", self.attn_tp_rank,
+                                self.attn_tp_size, regions, self.credential)
         self.signer: ControlSigner | None = control_signer(self.credential, self.agent.engine_id, self.attn_tp_rank,
                                                            handshake_timeout_s=s.handshake_timeout_s)
         self.refused_messages = 0  # control messages refused (bad or missing seal, wrong sender)
@@ -154,8 +150,8 @@ class KVTritonKVManager(CommonKVManager):
             if self.is_prefill:
                 self.prefill = PrefillRole(self, self.agent, aux, lease_s=s.lease_s, poll=KVPoll)
                 port = self.settings.handshake_port(self.bootstrap_port, self.attn_tp_rank)
-                self.server = MetadataServer(self.local_ip, port, self.agent.metadata, self._add_remote,
-                                             credential=self.credential, io_timeout_s=s.handshake_timeout_s).start()
+                self.server = serve_metadata(self.agent, self.credential, self.local_ip, port,
+                                             io_timeout_s=s.handshake_timeout_s)
             else:
                 self.decode = DecodeRole(self, self.agent, aux, self.settings, self.credential, poll=KVPoll,
                                          handshake_port=self.settings.handshake_port)
@@ -171,9 +167,6 @@ class KVTritonKVManager(CommonKVManager):
             self._start_heartbeat_checker_thread()
 
     # ------------------------------------------------------------------ what the roles call
-    def _add_remote(self, metadata: bytes) -> str:
-        return self.agent.add_remote(metadata, authenticated=self.credential is not None)
-
     def send(self, ip: str, port: int, frames: list[bytes]) -> None:
         if self.signer is not None:
             frames = self.signer.seal(frames)

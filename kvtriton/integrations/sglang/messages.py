@@ -13,7 +13,7 @@ every frame is ASCII or raw bytes, checked before use (a peer on the socket is u
 
 Failures travel as SGLang's own status message (``CommonKVManager.send_kv_status_message``),
 tagged :data:`STATUS_TAG`, with a reason. With a cluster secret every one of these is sealed
-(:mod:`.signing`), and a decode's abort travels as ``KVT_ABORT`` (``room, engine, rank``: sealed,
+(:mod:`kvtriton.protocol.seal`), and a decode's abort travels as ``KVT_ABORT`` (``room, engine, rank``: sealed,
 unlike SGLang's own ``ABORT``, which the prefill then refuses).
 """
 

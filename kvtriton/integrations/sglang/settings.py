@@ -3,7 +3,7 @@
 SGLang's command line has no free-form options for a transfer backend, so the settings come from
 the environment of every SGLang process: ``KVTRITON_SGLANG_CONFIG`` holds a JSON object (or
 ``@path`` of a file holding one) with the keys of the vLLM connector's
-``kv_connector_extra_config`` (:class:`~kvtriton.integrations.vllm.settings.ConnectorSettings`:
+``kv_connector_extra_config`` (the shared :class:`~kvtriton.integrations.settings.TransferSettings`:
 ``staging_bytes``, ``timeout_s``, ``lease_s``, ``auth_secret_file``, TLS files, ``modes``...),
 minus the two SGLang decides (``host``: the address SGLang's bootstrap registered for each rank;
 ``kv_cache_layout``: SGLang's pool is token-major), plus ``handshake_port_offset``. Every key is
@@ -16,7 +16,8 @@ port ``tp + 1`` apart from the next one.
 
 The credential is the project's (:mod:`kvtriton.protocol.auth`), read as the vLLM connector reads
 it: ``auth_secret_file`` (default: ``KVTRITON_AUTH_SECRET_FILE``) and/or the TLS files. With one,
-metadata moves only after the peer proved it.
+metadata moves only after the peer proved it, and control messages carry a seal
+(:mod:`kvtriton.protocol.seal`), which needs the shared secret: TLS alone is refused at start.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import KVTritonError
-from ..vllm.settings import ConnectorSettings, SettingsError
+from ...protocol.auth import Credential
+from ...protocol.seal import KEY_PURPOSE, ControlSigner
+from ..settings import SettingsError, TransferSettings
 
-__all__ = ["ENV", "BackendSettings", "SettingsError", "UnsupportedSetupError"]
+__all__ = ["ENV", "BackendSettings", "SettingsError", "UnsupportedSetupError", "control_signer", "refuse_tls_only"]
 
 ENV = "KVTRITON_SGLANG_CONFIG"
 _SGLANG_DECIDES = ("host", "port", "kv_cache_layout", "consumer")
@@ -44,7 +47,7 @@ class UnsupportedSetupError(KVTritonError, ValueError):
 class BackendSettings:
     """The connector settings every rank uses, and where prefill ranks serve handshakes."""
 
-    agent: ConnectorSettings
+    agent: TransferSettings
     handshake_port_offset: int = 1
 
     @classmethod
@@ -58,11 +61,7 @@ class BackendSettings:
         if decided:
             raise SettingsError(f"{ENV}: {decided} are decided by SGLang (bootstrap addresses, its pool layout, "
                                 f"the decode that registers a request); remove them")
-        try:
-            agent = ConnectorSettings.from_extra_config(values)
-        except SettingsError as e:
-            raise SettingsError(str(e).replace("kv_connector_extra_config", ENV)) from None
-        return cls(agent, offset)
+        return cls(TransferSettings.from_mapping(values, source=ENV), offset)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> BackendSettings:
@@ -90,3 +89,22 @@ class BackendSettings:
             raise SettingsError(f"handshake port {port} (bootstrap port {bootstrap_port} + offset "
                                 f"{self.handshake_port_offset} + rank {rank}) is not a TCP port")
         return port
+
+
+def control_signer(credential: Credential | None, engine: str, rank: int, *,
+                   handshake_timeout_s: float) -> ControlSigner | None:
+    """The signer for a manager's credential: None without one (dev mode, unsigned), refused for
+    TLS alone. The window is a few handshake timeouts (at least 30 s: hosts' clocks differ)."""
+    if credential is None:
+        return None
+    refuse_tls_only(credential)
+    return ControlSigner(credential.derive_key(KEY_PURPOSE), engine, rank,
+                         window_s=max(30.0, 4 * handshake_timeout_s))
+
+
+def refuse_tls_only(credential: Credential | None) -> None:
+    """:class:`UnsupportedSetupError` for a credential without a shared secret (checked at start)."""
+    if credential is not None and not credential.has_secret:
+        raise UnsupportedSetupError("the kvtriton SGLang backend with a TLS-only credential: SGLang's ZMQ control "
+                                    "sockets carry no TLS, so its control messages need auth_secret_file (or "
+                                    "KVTRITON_AUTH_SECRET_FILE) to be signed; TLS alone is not enough")

@@ -7,7 +7,7 @@ Load it with::
         "kv_connector_module_path": "kvtriton.integrations.vllm",
         "kv_role": "kv_producer",            # prefill; "kv_consumer" for decode, "kv_both" for either
         "kv_load_failure_policy": "recompute",  # decode: recompute blocks whose load failed
-        "kv_connector_extra_config": {"port": 5710},  # see ConnectorSettings
+        "kv_connector_extra_config": {"port": 5710},  # see kvtriton.integrations.settings.TransferSettings
     }
 
 The scheduler side lives in :mod:`.scheduler`, the worker side in :mod:`.worker`; this class only
@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .caches import regions_from_vllm_caches
 from .metrics import KVTritonConnectorStats, KVTritonPromMetrics
 from .scheduler import SchedulerSide, StepMessages
-from .settings import ConnectorSettings
+from .settings import from_extra_config
 from .worker import WorkerSide
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,7 +58,7 @@ class KVTritonConnector(KVConnectorBase_V1):
         if os.environ.get("KVTRITON_DEBUG"):  # every control message and load, in every rank's log
             _debug_logging()
         kv = vllm_config.kv_transfer_config
-        self.settings = ConnectorSettings.from_extra_config(kv.kv_connector_extra_config)
+        self.settings = from_extra_config(kv.kv_connector_extra_config)
         self.engine_id = str(kv.engine_id)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.block_size = vllm_config.cache_config.block_size
@@ -79,7 +79,7 @@ class KVTritonConnector(KVConnectorBase_V1):
         if model is None or getattr(model, "use_mla", False):
             return None
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
-        return ConnectorSettings.from_extra_config(extra).kv_cache_layout or None
+        return from_extra_config(extra).kv_cache_layout or None
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:

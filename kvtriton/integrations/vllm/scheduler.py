@@ -31,11 +31,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import KVTritonError
 from ...plan import ceil_div
 from ...protocol.allowlist import PeerAllowlist
+
+if TYPE_CHECKING:
+    from ..core import PrefillEngine
 
 __all__ = ["SchedulerSide", "StepMessages", "LoadSpec", "RemoteSource", "parse_remote_params", "ParamsError"]
 
@@ -60,6 +63,13 @@ class RemoteSource:
     request_id: str
     block_ids: tuple[int, ...]
     block_size: int  # tokens per block of the prefill engine
+
+    @property
+    def engine(self) -> PrefillEngine:
+        """The prefill engine it names (untrusted: checked when met)."""
+        from ..core import PrefillEngine  # the scheduler side never loads the agent
+
+        return PrefillEngine(self.engine_id, self.host, self.port, self.tp_size)
 
 
 @dataclass(frozen=True)

@@ -5,16 +5,12 @@ handshake side channel, and the translation of agent events into vLLM's terms.
   its engine is busy (or idle) and a decode rank's READs and unpacks go on between steps.
 * A prefill rank serves its metadata on ``port + rank`` (:class:`~kvtriton.protocol.handshake.MetadataServer`);
   a caller's metadata goes through the agent's validation gate before anything is prepared.
-* A decode rank meets a prefill engine lazily, on its first load, in a background thread, and only
-  the prefill ranks its plan reads from, plus those no decode rank reads that it tells when it is
-  done (:func:`~kvtriton.plan.meeting_ranks`): every hold then ends at its last reader's done. Loads
-  wait for it; a handshake that fails fails them, and the next request tries again.
-* The address a request names is untrusted: it must be in ``allowed_peers``, and once an engine
-  was met with the cluster credential its address is pinned (a request naming it elsewhere fails
-  before any connection, its blocks recomputed). Meetings are keyed by engine *and* address, so a
-  forged request's meeting never holds honest loads; at most :data:`MAX_MEETINGS` run at once,
-  each on its own thread (a silent address delays only the loads that named it), and a load
-  past the cap is recomputed. A load that timed out makes the next one meet its engine again.
+* A decode rank meets a prefill engine lazily, on its first load, in a background thread
+  (:class:`~kvtriton.integrations.core.Meetings`: which ranks, identity, pinning; the address a
+  request names is untrusted and must be in ``allowed_peers``). Loads wait for it; a handshake
+  that fails fails them, and the next request tries again. At most :data:`MAX_MEETINGS` run at
+  once (a silent address delays only the loads that named it); a load refused before any
+  connection, or past the cap, is recomputed. A load that timed out meets its engine again.
 * A failed load is still reported in ``finished_recving``, and its local blocks in
   ``get_block_ids_with_load_errors`` (vLLM then recomputes them, with
   ``kv_load_failure_policy="recompute"``). A lost prefill engine is met again on its next request.
@@ -32,26 +28,15 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
-from ...agent import TransferAgent
-from ...errors import (
-    AuthenticationError,
-    KVTritonError,
-    PeerDisconnectedError,
-    ProtocolError,
-    RequestRejectedError,
-    TransferTimeoutError,
-)
-from ...plan import CostModel, meeting_ranks
-from ...protocol import wire
-from ...protocol.handshake import MetadataServer, exchange_metadata
+from ...errors import KVTritonError, PeerDisconnectedError, ProtocolError, RequestRejectedError, TransferTimeoutError
+from ...protocol.handshake import MetadataServer
 from ...regions import Region
-from .scheduler import LoadSpec, RemoteSource, StepMessages
-from .settings import ConnectorSettings, SettingsError
+from ..core import Meeting, Meetings, PrefillEngine, RankAddress, make_agent, serve_metadata
+from .scheduler import LoadSpec, StepMessages
+from .settings import SettingsError, TransferSettings
 from .stats import WorkerStats
 
 __all__ = ["WorkerSide"]
@@ -62,23 +47,18 @@ logger = logging.getLogger(__name__)
 MAX_MEETINGS = 8
 #: an idle step's pause between polls of its loads (a sleep: the agent's thread gets the GIL)
 _IDLE_POLL_S = 50e-6
-_MAX_LOGGED_PEERS = 1024
 
 
-@dataclass
-class _Engine:
-    """A prefill engine at one address as this rank knows it: met (``ready``) or being met (a
-    failed meeting forgets it, so its next request tries again)."""
-
-    ready: bool = False
-    waiting: dict[str, LoadSpec] = field(default_factory=dict)  # loads held until the handshake ends
+def _rank_address(engine: PrefillEngine, rank: int) -> RankAddress:
+    """Rank ``rank`` of a prefill engine serves its metadata on ``port + rank``."""
+    return RankAddress(engine.host, engine.port + rank)
 
 
 class WorkerSide:
     """Worker-side state of one rank. Thread-safe: the engine thread calls the step methods, the
     handshake thread completes meetings, the agent's own thread moves data."""
 
-    def __init__(self, settings: ConnectorSettings, *, engine_id: str, rank: int, tp_size: int,
+    def __init__(self, settings: TransferSettings, *, engine_id: str, rank: int, tp_size: int,
                  regions: Sequence[Region], serve: bool):
         self.settings, self.engine_id, self.rank, self.tp_size = settings, engine_id, rank, tp_size
         s = settings
@@ -86,34 +66,21 @@ class WorkerSide:
             raise SettingsError(f"kv_connector_extra_config['consumer'] = {s.consumer!r} is this engine's own id: "
                                 f"expected the id of the decode engine that reads this engine's holds")
         self.credential = s.credential()  # files read now: a bad one fails at start
-        self._allowed = s.peer_allowlist()
-        cost = s.pinned_cost() or CostModel()
-        if s.cost_model == "measured":
-            from ...costmodel import load_or_measure
-
-            cost = load_or_measure(regions[0].device.type, s.impl)
-        self.agent = TransferAgent(engine_id, rank, tp_size, regions, staging_bytes=s.staging_bytes,
-                                   slot_bytes=s.slot_bytes, flow=s.transfer_flow, chunk_bytes=s.chunk_bytes or None,
-                                   inflight_chunks=s.inflight_chunks, timeout_s=s.timeout_s, impl=s.impl,
-                                   cost=cost, eager_guess=s.eager_guess, modes=s.agent_modes,
-                                   replicate_stripe=s.agent_stripe,
-                                   require_authenticated_peers=self.credential is not None, register=s.register,
-                                   integrity=s.integrity)
+        allowed = s.peer_allowlist()
+        self.agent = make_agent(s, engine_id, rank, tp_size, regions, self.credential)
         self.server: MetadataServer | None = None
         try:
-            if serve:  # with a credential, the server calls this only for callers that proved it
-                self.server = MetadataServer(s.host, s.port + rank, self.agent.metadata, self._add_remote,
-                                             credential=self.credential,
-                                             io_timeout_s=s.handshake_timeout_s).start()
+            if serve:
+                self.server = serve_metadata(self.agent, self.credential, s.host, s.port + rank,
+                                             io_timeout_s=s.handshake_timeout_s)
         except BaseException:
             self.agent.close()
             raise
         self.agent.start(s.progress_interval_s)
         self._lock = threading.Lock()
-        self._handshakes = ThreadPoolExecutor(max_workers=MAX_MEETINGS, thread_name_prefix=f"kvtriton-meet-{rank}")
-        self._engines: dict[tuple[str, str, int], _Engine] = {}  # by (engine id, host, port)
-        self._pinned: dict[str, tuple[str, int]] = {}  # engine id -> address of its authenticated meeting
-        self._refused_peers: set[tuple[str, str, int]] = set()  # logged once each
+        self.meetings = Meetings(self.agent, s, self.credential, locate=_rank_address, on_met=self._met,
+                                 on_failed=self._not_met, threads=MAX_MEETINGS, max_meetings=MAX_MEETINGS,
+                                 allowed=allowed)
         self._active: dict[str, LoadSpec] = {}  # fetch issued, by our request id
         self._by_remote: dict[str, str] = {}  # the agent knows a fetch by the prefill's request id
         self._cancelled: set[str] = set()
@@ -122,9 +89,8 @@ class WorkerSide:
         self._confirmed: set[str] = set()  # holds the scheduler kept blocks for (delay_free)
         self._freed: set[str] = set()  # holds the agent freed, not yet reported
         self._msgs: StepMessages | None = None
-        #: loads this rank finished well, the descriptors they posted and the bytes they moved
-        #: and the loads refused before any connection (outside allowed_peers, a pinned engine named
-        #: at another address, more than MAX_MEETINGS handshakes at once)
+        #: loads this rank finished well, the descriptors they posted, the bytes they moved, and the
+        #: loads refused before any connection (Meetings.refusal)
         self.stats = {"loads": 0, "descriptors": 0, "bytes": 0, "failed": 0, "refused_peer": 0}
         self.window = WorkerStats()  # what vLLM's stats path takes each step (take_stats)
         self._applied = self._started = False
@@ -246,53 +212,22 @@ class WorkerSide:
         self._msgs = None
 
     # ------------------------------------------------------------------ loads
-    def _add_remote(self, metadata: bytes) -> str:
-        # with a credential, only callers that proved it get here (the server's and our exchange's)
-        return self.agent.add_remote(metadata, authenticated=self.credential is not None)
-
-    def _refusal(self, src) -> KVTritonError | None:
-        """Why a load from ``src`` must not connect anywhere, or None. Caller holds the lock."""
-        if not self._allowed.allows(src.engine_id, src.host, src.port):
-            return RequestRejectedError(f"engine {src.engine_id!r} at {src.host}:{src.port} is not in allowed_peers")
-        pinned = self._pinned.get(src.engine_id)
-        if pinned is not None and pinned != (src.host, src.port):
-            return AuthenticationError(f"engine {src.engine_id!r} was met at {pinned[0]}:{pinned[1]}; a request "
-                                       f"naming it at {src.host}:{src.port} is refused")
-        key = (src.engine_id, src.host, src.port)
-        if key not in self._engines and sum(not e.ready for e in self._engines.values()) >= MAX_MEETINGS:
-            return RequestRejectedError(f"{MAX_MEETINGS} handshakes are in flight; engine {src.engine_id!r} at "
-                                        f"{src.host}:{src.port} is met on a later request")
-        return None
-
     def _load(self, load: LoadSpec) -> None:
-        src = load.source
-        key = (src.engine_id, src.host, src.port)
-        with self._lock:
-            refused = self._refusal(src)
-            if refused is None:
-                eng = self._engines.get(key)
-                if eng is None:
-                    eng = self._engines[key] = _Engine()
-                    self._handshakes.submit(self._meet, src)
-                if not eng.ready:
-                    eng.waiting[load.req_id] = load
-                    return
-            else:
+        engine = load.source.engine
+        refused = self.meetings.refusal(engine)
+        if refused is not None:  # computed locally
+            with self._lock:
                 self.stats["refused_peer"] += 1
-                if key not in self._refused_peers and len(self._refused_peers) < _MAX_LOGGED_PEERS:
-                    self._refused_peers.add(key)
-                    logger.warning("load of %s refused before any connection, computing it locally: %s",
-                                   load.req_id, refused)
-        if refused is not None:
             self._finish_load(load, refused)
-            return
-        self._fetch(load)
+        elif self.meetings.join(engine, load.req_id, load) is not None:  # else it waits for the meeting
+            self._fetch(load)
 
     def _fetch(self, load: LoadSpec) -> None:
         with self._lock:
             duplicate = load.source.request_id in self._by_remote
             if not duplicate:
-                self._activate(load)
+                self._active[load.req_id] = load
+                self._by_remote[load.source.request_id] = load.req_id
         if duplicate:  # a proxy sent two decode requests for one prefill: the first one loads
             self._finish_load(load, RequestRejectedError(
                 f"prefill request {load.source.request_id!r} is already being loaded by another request"))
@@ -303,18 +238,13 @@ class WorkerSide:
         except (KVTritonError, KeyError) as e:
             self._result(load.source.request_id, e if isinstance(e, KVTritonError) else ProtocolError(str(e)))
 
-    def _activate(self, load: LoadSpec) -> None:
-        self._active[load.req_id] = load
-        self._by_remote.setdefault(load.source.request_id, load.req_id)
-
     def _cancel(self, rid: str) -> None:
+        parked = self.meetings.unpark(rid)
         with self._lock:
-            for eng in self._engines.values():
-                load = eng.waiting.pop(rid, None)
-                if load is not None:  # never started: done at once
-                    if load.report:
-                        self._recving.add(rid)
-                    return
+            if parked is not None:  # never started: done at once
+                if parked.report:
+                    self._recving.add(rid)
+                return
             load = self._active.get(rid)
             if load is None:
                 return
@@ -343,63 +273,20 @@ class WorkerSide:
                 if load.report:
                     blocks = load.local_block_ids if undefined is None else undefined
                     self._load_errors.update(b for b in blocks if b >= 0)
-                if isinstance(error, (PeerDisconnectedError, TransferTimeoutError)):
-                    # a lost or silent engine (restarted, say) is met again on its next load
-                    src = load.source
-                    eng = self._engines.get((src.engine_id, src.host, src.port))
-                    if eng is not None and eng.ready:
-                        del self._engines[(src.engine_id, src.host, src.port)]
             if load.report:
                 self._recving.add(load.req_id)
+        if isinstance(error, (PeerDisconnectedError, TransferTimeoutError)):
+            # a lost or silent engine (restarted, say) is met again on its next load
+            self.meetings.forget(load.source.engine.key, met_only=True)
 
-    def _fail_waiting(self, src: RemoteSource, error: KVTritonError) -> None:
-        with self._lock:
-            eng = self._engines.pop((src.engine_id, src.host, src.port), None)
-            waiting = list(eng.waiting.values()) if eng else []
-        for load in waiting:
-            self._finish_load(load, error)
-
-    # ------------------------------------------------------------------ handshake (background thread)
-    def _meet(self, src: RemoteSource) -> None:
-        try:
-            # the ranks it reads from, and any no decode rank reads whose done it owes (their holds
-            # would otherwise end by lease)
-            ranks = meeting_ranks(self.rank, self.tp_size, self.agent.specs, src.tp_size,
-                                  replicate_stripe=self.settings.agent_stripe)
-            for r in ranks:
-                md = exchange_metadata(src.host, src.port + r, self.agent.metadata(), credential=self.credential,
-                                       timeout_s=self.settings.handshake_timeout_s,
-                                       attempts=self.settings.handshake_attempts)
-                # who answered, checked before NIXL connects to it (the address came from a proxy)
-                got = wire.decode_metadata(md)
-                if (got.engine, got.rank, got.tp) != (src.engine_id, r, src.tp_size):
-                    raise ProtocolError(f"{src.host}:{src.port + r} serves {got.engine!r} rank {got.rank} of "
-                                        f"tp={got.tp}; the request names {src.engine_id!r} rank {r} of "
-                                        f"tp={src.tp_size}")
-                with self._lock:  # two authenticated meetings raced for one engine id: the first one holds it
-                    pinned = self._pinned.get(src.engine_id)
-                    if pinned is not None and pinned != (src.host, src.port):
-                        raise AuthenticationError(f"engine {src.engine_id!r} was met at {pinned[0]}:{pinned[1]}; "
-                                                  f"{src.host}:{src.port} claims it too")
-                    if self.credential is not None:
-                        self._pinned[src.engine_id] = (src.host, src.port)
-                self._add_remote(md)
-        except KVTritonError as e:
-            logger.warning("handshake with %s at %s:%d failed: %s", src.engine_id, src.host, src.port, e)
-            self._fail_waiting(src, e)
-            return
-        except Exception as e:  # noqa: BLE001 - a handshake must never kill the worker
-            logger.exception("handshake with %s failed", src.engine_id)
-            self._fail_waiting(src, ProtocolError(f"handshake failed: {type(e).__name__}: {e}"))
-            return
-        with self._lock:
-            eng = self._engines.get((src.engine_id, src.host, src.port))
-            if eng is None:
-                return
-            eng.ready = True
-            waiting, eng.waiting = list(eng.waiting.values()), {}
-        for load in waiting:
+    # ------------------------------------------------------------------ meetings (their thread)
+    def _met(self, meeting: Meeting, parked: list[LoadSpec]) -> None:
+        for load in parked:
             self._fetch(load)
+
+    def _not_met(self, meeting: Meeting, parked: list[LoadSpec], error: KVTritonError) -> None:
+        for load in parked:
+            self._finish_load(load, error)
 
     # ------------------------------------------------------------------ teardown
     def staging_in_use(self) -> int:
@@ -408,7 +295,7 @@ class WorkerSide:
         return pool.num_slots - pool.free_slots
 
     def close(self) -> None:
-        self._handshakes.shutdown(wait=False, cancel_futures=True)
+        self.meetings.close()
         if self.server is not None:
             self.server.close()
         self.agent.close()

@@ -1,8 +1,9 @@
-"""Signed control messages on SGLang's ZMQ sockets (no SGLang import).
+"""The seal: a frame that proves who sent a multipart control message, and that it is fresh.
 
-SGLang's PULL sockets take a message from whoever reaches them. With a shared secret in the
-cluster credential, every control message of ours (``WANT``, ``READY``, the ``STATUS``-tagged
-failures) carries one more frame, the *seal*::
+The SGLang backend's control messages travel on SGLang's ZMQ sockets, whose PULL ends take a
+message from whoever reaches them. With a shared secret in the cluster credential, every control
+message of ours (``WANT``, ``READY``, the ``STATUS``-tagged failures, ``KVT_ABORT``) carries one
+more frame, the *seal*::
 
     b"KVTS1" | time_ns (8, big-endian) | nonce (16) | rank (4) | len(engine) (2) | engine | MAC (32)
 
@@ -16,8 +17,9 @@ window, at most ``max_nonces``: when full, the oldest is dropped and nothing old
 accepted any more, so memory is bounded and no replay gets through). Any failure is an
 :class:`~kvtriton.errors.AuthenticationError`; a refused message changes nothing.
 
-Without a credential (dev mode) messages go unsigned, as before. A TLS-only credential cannot sign
-them (ZMQ's sockets here are SGLang's, without TLS): :func:`control_signer` refuses it at start.
+Without a credential (dev mode) messages go unsigned. A TLS-only credential cannot seal them
+(ZMQ's sockets there are SGLang's, without TLS): the backend refuses it at start
+(:func:`kvtriton.integrations.sglang.settings.control_signer`).
 """
 
 from __future__ import annotations
@@ -31,10 +33,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ...errors import AuthenticationError
-from .settings import UnsupportedSetupError
+from ..errors import AuthenticationError
 
-__all__ = ["KEY_PURPOSE", "SEAL_MAGIC", "ControlSigner", "Opened", "control_signer", "refuse_tls_only"]
+__all__ = ["KEY_PURPOSE", "SEAL_MAGIC", "ControlSigner", "Opened"]
 
 KEY_PURPOSE = b"sglang-zmq-control-v1"
 SEAL_MAGIC = b"KVTS1"
@@ -136,21 +137,3 @@ class ControlSigner:
     def remembered(self) -> int:
         with self._lock:
             return len(self._seen)
-
-
-def control_signer(credential, engine: str, rank: int, *, handshake_timeout_s: float) -> ControlSigner | None:
-    """The signer for a manager's credential: None without one (dev mode, unsigned), refused for
-    TLS alone. The window is a few handshake timeouts (at least 30 s: hosts' clocks differ)."""
-    if credential is None:
-        return None
-    refuse_tls_only(credential)
-    return ControlSigner(credential.derive_key(KEY_PURPOSE), engine, rank,
-                         window_s=max(30.0, 4 * handshake_timeout_s))
-
-
-def refuse_tls_only(credential) -> None:
-    """:class:`UnsupportedSetupError` for a credential without a shared secret (checked at start)."""
-    if credential is not None and not credential.has_secret:
-        raise UnsupportedSetupError("the kvtriton SGLang backend with a TLS-only credential: SGLang's ZMQ control "
-                                    "sockets carry no TLS, so its control messages need auth_secret_file (or "
-                                    "KVTRITON_AUTH_SECRET_FILE) to be signed; TLS alone is not enough")

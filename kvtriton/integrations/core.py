@@ -1,0 +1,265 @@
+"""What both integrations need from the library: the agent their settings make, and the meeting
+of a prefill engine by a decode rank (no engine import).
+
+* :func:`make_agent`: the one place an engine's :class:`~.settings.TransferSettings` become a
+  :class:`~kvtriton.agent.TransferAgent`, so every setting an engine accepts reaches its agent
+  (the cost model included: pinned, measured on this host, or the default).
+* :class:`Meetings`: a decode rank meets each prefill engine once, on a thread of its own, before
+  its first load. It connects to the prefill ranks the planner names
+  (:func:`~kvtriton.plan.meeting_ranks`: those it reads from, plus those no decode rank reads
+  that it tells when it is done, so every hold ends at its last reader's done), checks who
+  answered before NIXL connects to it, and, with the cluster credential, pins the engine to the
+  address it was met at. Requests wait (parked) until the meeting ends; a failed meeting hands
+  them back with the typed error, and the next request tries again. What a rank's address is
+  (vLLM: ``port + rank``; SGLang: its bootstrap's ``/route`` row) is the caller's ``locate``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..agent import TransferAgent
+from ..errors import AuthenticationError, KVTritonError, ProtocolError, RequestRejectedError
+from ..plan import CostModel, meeting_ranks, required_source_ranks
+from ..protocol import wire
+from ..protocol.allowlist import PeerAllowlist
+from ..protocol.auth import Credential
+from ..protocol.handshake import MetadataServer, exchange_metadata
+from ..regions import Region
+from .settings import TransferSettings
+
+__all__ = ["Meeting", "Meetings", "PrefillEngine", "RankAddress", "cost_model", "make_agent", "serve_metadata"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_LOGGED_REFUSALS = 1024
+
+
+def cost_model(settings: TransferSettings, device_type: str) -> CostModel:
+    """The model ``cost_model`` names: pinned numbers, measured on this host and device (cached
+    after the first time), or the default constants."""
+    pinned = settings.pinned_cost()
+    if pinned is not None:
+        return pinned
+    if settings.cost_model == "measured":
+        from ..costmodel import load_or_measure
+
+        return load_or_measure(device_type, settings.impl)
+    return CostModel()
+
+
+def make_agent(settings: TransferSettings, engine_id: str, rank: int, tp_size: int, regions: Sequence[Region],
+               credential: Credential | None) -> TransferAgent:
+    """The agent of one engine rank, with every agent setting of ``settings``; with a credential,
+    it accepts only peers that proved it."""
+    s = settings
+    return TransferAgent(engine_id, rank, tp_size, regions, staging_bytes=s.staging_bytes, slot_bytes=s.slot_bytes,
+                         flow=s.transfer_flow, chunk_bytes=s.chunk_bytes or None, inflight_chunks=s.inflight_chunks,
+                         timeout_s=s.timeout_s, impl=s.impl, cost=cost_model(s, regions[0].device.type),
+                         eager_guess=s.eager_guess, modes=s.agent_modes, replicate_stripe=s.agent_stripe,
+                         require_authenticated_peers=credential is not None, register=s.register,
+                         integrity=s.integrity)
+
+
+def serve_metadata(agent: TransferAgent, credential: Credential | None, host: str, port: int, *,
+                   io_timeout_s: float) -> MetadataServer:
+    """A prefill rank's handshake server, started: it answers with ``agent``'s metadata and adds
+    each caller's (with a credential, only callers that proved it get that far)."""
+    def add_remote(metadata: bytes) -> str:
+        return agent.add_remote(metadata, authenticated=credential is not None)
+
+    return MetadataServer(host, port, agent.metadata, add_remote, credential=credential,
+                          io_timeout_s=io_timeout_s).start()
+
+
+@dataclass(frozen=True)
+class PrefillEngine:
+    """A prefill engine as a request names it (untrusted until met). ``engine_id``: the id it
+    must answer with, or None: whatever its first rank answers (the others must agree);
+    ``host``, ``port``: the address the request names (vLLM: rank 0's handshake port; SGLang:
+    the bootstrap server)."""
+
+    engine_id: str | None
+    host: str
+    port: int
+    tp: int
+
+    @property
+    def key(self) -> Hashable:
+        """What meetings are kept by: the engine *and* its address, so a forged request's meeting
+        never holds honest ones."""
+        return (self.engine_id, self.host, self.port)
+
+    @property
+    def where(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class RankAddress:
+    """Where a prefill rank serves its metadata, and what the caller keeps of it (``row``)."""
+
+    host: str
+    port: int
+    row: Any = None
+
+
+@dataclass
+class Meeting:
+    """One prefill engine at one address: met (``ready``) or being met."""
+
+    target: PrefillEngine
+    ready: bool = False
+    engine: str = ""  # the id it answered with
+    ranks: tuple[int, ...] = ()  # the prefill ranks met (meeting_ranks)
+    reads: tuple[int, ...] = ()  # those this rank reads from (required_source_ranks)
+    rows: dict[int, Any] = field(default_factory=dict)  # prefill rank -> RankAddress.row
+    parked: dict[Hashable, Any] = field(default_factory=dict)  # requests waiting for it
+
+
+class Meetings:
+    """The meetings of one decode rank with prefill engines. Thread-safe.
+
+    ``locate(target, rank)``: a prefill rank's :class:`RankAddress`; ``on_met(meeting, parked)``
+    and ``on_failed(meeting, parked, error)`` are called (without the lock) with the requests
+    parked on a meeting when it ends; ``max_meetings``: meetings in progress at once (a request
+    needing another is refused), None: no cap; ``allowed``: the engines a request may name
+    (refused before any connection), None: any."""
+
+    def __init__(self, agent: TransferAgent, settings: TransferSettings, credential: Credential | None, *,
+                 locate: Callable[[PrefillEngine, int], RankAddress],
+                 on_met: Callable[[Meeting, list[Any]], None],
+                 on_failed: Callable[[Meeting, list[Any], KVTritonError], None],
+                 threads: int, max_meetings: int | None = None, allowed: PeerAllowlist | None = None):
+        self.agent, self.settings, self.credential = agent, settings, credential
+        self.locate, self.on_met, self.on_failed = locate, on_met, on_failed
+        self.max_meetings, self.allowed = max_meetings, allowed
+        self._lock = threading.Lock()
+        self._meetings: dict[Hashable, Meeting] = {}
+        self._pinned: dict[str, str] = {}  # engine id -> where its authenticated meeting was
+        self._refused: set[Hashable] = set()  # refused targets, logged once each
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"kvtriton-meet-{agent.rank}")
+
+    # ------------------------------------------------------------------ requests
+    def refusal(self, target: PrefillEngine) -> KVTritonError | None:
+        """Why a request naming ``target`` must not connect anywhere (an engine outside
+        ``allowed``, a pinned engine named at another address, too many meetings in progress),
+        or None. A refusal is logged once per engine and address (a flood must not flood the log)."""
+        why = self._refusal(target)
+        if why is not None:
+            with self._lock:
+                first = target.key not in self._refused and len(self._refused) < _MAX_LOGGED_REFUSALS
+                self._refused.add(target.key)
+            if first:
+                logger.warning("a request naming %r at %s refused before any connection: %s", target.engine_id,
+                               target.where, why)
+        return why
+
+    def _refusal(self, target: PrefillEngine) -> KVTritonError | None:
+        if self.allowed is not None and not self.allowed.allows(target.engine_id or "", target.host, target.port):
+            return RequestRejectedError(f"engine {target.engine_id!r} at {target.where} is not in allowed_peers")
+        with self._lock:
+            pinned = self._pinned.get(target.engine_id) if target.engine_id is not None else None
+            if pinned is not None and pinned != target.where:
+                return AuthenticationError(f"engine {target.engine_id!r} was met at {pinned}; a request naming it "
+                                           f"at {target.where} is refused")
+            if (self.max_meetings is not None and target.key not in self._meetings
+                    and sum(not m.ready for m in self._meetings.values()) >= self.max_meetings):
+                return RequestRejectedError(f"{self.max_meetings} handshakes are in flight; engine "
+                                            f"{target.engine_id!r} at {target.where} is met on a later request")
+        return None
+
+    def join(self, target: PrefillEngine, request: Hashable, parked: Any) -> Meeting | None:
+        """The meeting with ``target`` if it is met; else None, with ``parked`` waiting for it
+        under ``request`` (a meeting is started if none is in progress)."""
+        with self._lock:
+            meeting = self._meetings.get(target.key)
+            if meeting is None:
+                meeting = self._meetings[target.key] = Meeting(target)
+                self._pool.submit(self._meet, meeting)
+            if meeting.ready:
+                return meeting
+            meeting.parked[request] = parked
+            return None
+
+    def met(self, key: Hashable) -> Meeting | None:
+        with self._lock:
+            meeting = self._meetings.get(key)
+            return meeting if meeting is not None and meeting.ready else None
+
+    def unpark(self, request: Hashable) -> Any:
+        """The request parked under ``request`` (no longer waiting), or None."""
+        with self._lock:
+            for meeting in self._meetings.values():
+                if request in meeting.parked:
+                    return meeting.parked.pop(request)
+        return None
+
+    def forget(self, key: Hashable, *, met_only: bool = False) -> None:
+        """Meet the engine at ``key`` again next time (it was lost); ``met_only``: unless its
+        meeting is still in progress."""
+        with self._lock:
+            meeting = self._meetings.get(key)
+            if meeting is not None and (meeting.ready or not met_only):
+                del self._meetings[key]
+
+    # ------------------------------------------------------------------ the meeting (a thread of the pool)
+    def _meet(self, meeting: Meeting) -> None:
+        target, s = meeting.target, self.settings
+        agent = self.agent
+        try:
+            stripe = s.agent_stripe
+            ranks = meeting_ranks(agent.rank, agent.tp, agent.specs, target.tp, replicate_stripe=stripe)
+            reads = required_source_ranks(agent.rank, agent.tp, agent.specs, target.tp, replicate_stripe=stripe)
+            engine, rows = target.engine_id, {}
+            for r in ranks:
+                at = self.locate(target, r)
+                md = exchange_metadata(at.host, at.port, agent.metadata(), credential=self.credential,
+                                       timeout_s=s.handshake_timeout_s, attempts=s.handshake_attempts)
+                # who answered, checked before NIXL connects to it (the address came from a request)
+                got = wire.decode_metadata(md)
+                if (got.engine, got.rank, got.tp) != (engine or got.engine, r, target.tp):
+                    raise ProtocolError(f"{at.host}:{at.port} serves {got.engine!r} rank {got.rank} of tp={got.tp}; "
+                                        f"the request names {engine or target.where!r} rank {r} of tp={target.tp}")
+                engine = got.engine
+                self._pin(engine, target.where)
+                agent.add_remote(md, authenticated=self.credential is not None)
+                rows[r] = at.row
+        except KVTritonError as e:
+            self._failed(meeting, e)
+            return
+        except Exception as e:  # noqa: BLE001 - a meeting must never kill the rank
+            if not isinstance(e, (KeyError, ValueError, OSError)):
+                logger.exception("meeting %s at %s", target.engine_id, target.where)
+            self._failed(meeting, ProtocolError(f"handshake failed: {type(e).__name__}: {e}"))
+            return
+        with self._lock:  # (forgotten meanwhile: its parked requests go on; the next ones meet again)
+            meeting.engine, meeting.ranks, meeting.reads, meeting.rows = engine or "", ranks, reads, rows
+            meeting.ready = True
+            parked, meeting.parked = list(meeting.parked.values()), {}
+        self.on_met(meeting, parked)
+
+    def _pin(self, engine: str, where: str) -> None:
+        with self._lock:  # two authenticated meetings raced for one engine id: the first one holds it
+            pinned = self._pinned.get(engine)
+            if pinned is not None and pinned != where:
+                raise AuthenticationError(f"engine {engine!r} was met at {pinned}; {where} claims it too")
+            if self.credential is not None:
+                self._pinned[engine] = where
+
+    def _failed(self, meeting: Meeting, error: KVTritonError) -> None:
+        logger.warning("handshake with %s at %s failed: %s", meeting.target.engine_id or "the prefill engine",
+                       meeting.target.where, error)
+        with self._lock:
+            if self._meetings.get(meeting.target.key) is meeting:
+                del self._meetings[meeting.target.key]
+            parked, meeting.parked = list(meeting.parked.values()), {}
+        self.on_failed(meeting, parked, error)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
