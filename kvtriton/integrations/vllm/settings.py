@@ -84,7 +84,10 @@ class ConnectorSettings:
     auth_secret_file:    path of the cluster's shared secret (at least 16 bytes; every engine
                          of the cluster reads the same one). Default: the environment variable
                          ``KVTRITON_AUTH_SECRET_FILE``. With a secret (and/or TLS), handshakes
-                         are answered and sent only after the peer proved it.
+                         are answered and sent only after the peer proved it. Set but empty,
+                         an empty file, or a file group or others can read: an error at start.
+    auth_secret_strict_modes: refuse a secret file that group or others can read or write (as
+                         ssh does; default true). False: only a warning.
     tls_cert_file:       mutual TLS on the handshake: this engine's certificate (PEM), its
     tls_key_file:        private key and the CA that signs every engine of the cluster; give
     tls_ca_file:         all three or none. A prefill's certificate must name its ``host``.
@@ -127,6 +130,7 @@ class ConnectorSettings:
     register: str = "all"
     integrity: bool = False
     auth_secret_file: str = ""
+    auth_secret_strict_modes: bool = True
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_ca_file: str = ""
@@ -182,7 +186,14 @@ class ConnectorSettings:
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise SettingsError(f"kv_connector_extra_config: unknown keys {unknown}; known keys are {sorted(known)}")
-        if "auth_secret_file" not in extra and os.environ.get("KVTRITON_AUTH_SECRET_FILE"):
+        if "auth_secret_file" in extra and isinstance(extra["auth_secret_file"], str) \
+                and not extra["auth_secret_file"].strip():  # set but empty: not "no credential" by accident
+            raise SettingsError("kv_connector_extra_config['auth_secret_file'] is set but empty: name the shared "
+                                "secret file, or leave the key out to run without a secret")
+        if "auth_secret_file" not in extra and "KVTRITON_AUTH_SECRET_FILE" in os.environ:
+            if not os.environ["KVTRITON_AUTH_SECRET_FILE"].strip():
+                raise SettingsError("KVTRITON_AUTH_SECRET_FILE is set but empty: name the shared secret file, or "
+                                    "unset it to run without a secret")
             extra["auth_secret_file"] = os.environ["KVTRITON_AUTH_SECRET_FILE"]
         values = {}
         for name, value in extra.items():
@@ -254,4 +265,6 @@ class ConnectorSettings:
     def credential(self) -> Credential | None:
         """The cluster credential the files name (read now), or None when none is configured."""
         return Credential.from_files(secret_file=self.auth_secret_file or None, cert_file=self.tls_cert_file or None,
-                                     key_file=self.tls_key_file or None, ca_file=self.tls_ca_file or None)
+                                     key_file=self.tls_key_file or None, ca_file=self.tls_ca_file or None,
+                                     strict_modes=self.auth_secret_strict_modes,
+                                     setting="auth_secret_file (or KVTRITON_AUTH_SECRET_FILE)")
