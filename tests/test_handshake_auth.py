@@ -324,6 +324,22 @@ def test_mutual_tls_round_trip(pki, with_secret):
     assert peer.got == [cmd]
 
 
+def test_a_secret_on_one_side_of_mutual_tls_is_a_mismatch_on_both_sides(pki):
+    """Both sides pass TLS; only one holds the secret: each side says credential mismatch."""
+    secret = secrets.token_bytes(32)
+    for server_secret, client_secret, text in ((secret, None, "requires a shared secret and we have none"),
+                                               (None, secret, "it has no shared secret and we have one")):
+        srv, peer = serve(tls(pki, "server", secret=server_secret), marker())
+        with srv:
+            with pytest.raises(AuthenticationError, match=f"credential mismatch: .*{text}"):
+                exchange_metadata("127.0.0.1", srv.port, marker(), credential=tls(pki, "client", secret=client_secret),
+                                  timeout_s=3, attempts=1)
+            deadline = time.monotonic() + 2  # the server counts after it answered
+            while srv.stats["mismatch"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert peer.got == [] and srv.stats["mismatch"] == 1
+
+
 def test_mutual_tls_refuses_a_client_of_another_ca_or_none(pki):
     srv, peer = serve(tls(pki, "server"), marker())
     with srv:

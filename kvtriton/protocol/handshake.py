@@ -403,7 +403,8 @@ class MetadataServer:
         try:
             kind, client_nonce = _read_frame(conn, self._frame_deadline(deadline), {_HELLO: NONCE_BYTES}, first)
         except _UnexpectedFrame as e:  # e.g. a plain request: refused from its header, its metadata never read
-            self._refuse(conn, deadline, "it sent a request without a credential" if e.kind == _REQUEST else "")
+            self._refuse(conn, deadline,
+                         "it sent a plain request (it has no shared secret)" if e.kind == _REQUEST else "")
         except ProtocolError:
             raise _Refused() from None  # not our protocol (or version) at all: silence
         if len(client_nonce) != NONCE_BYTES:
@@ -469,7 +470,9 @@ def _exchange_plain(sock: socket.socket, host: str, port: int, metadata: bytes, 
         if credential is None:  # we have nothing it could have refused: say what is missing
             raise AuthenticationError(f"{host}:{port} refused us: credential mismatch: it requires a cluster "
                                       f"credential and we have none (set the shared secret and/or TLS files)")
-        raise AuthenticationError(f"{host}:{port} refused us: it did not accept our credential")
+        # TLS alone passed (else we would not be here): it wants the shared secret too
+        raise AuthenticationError(f"{host}:{port} refused us: credential mismatch: it requires a shared secret and "
+                                  f"we have none (TLS only)")
     raise RequestRejectedError(f"{host}:{port} refused our metadata: {payload.decode('utf-8', 'replace')}")
 
 
