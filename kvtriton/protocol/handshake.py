@@ -371,14 +371,14 @@ class MetadataServer:
             pass
         raise _Refused(mismatch)
 
-    def _gate(self, meeting: Meeting) -> str | None:
+    def _gate(self, meeting: Meeting) -> bytes | None:
         """The gate's verdict on an authenticated (or credential-less) caller: None to serve it,
-        or the refusal reason it may know."""
+        or the refusal reason it may know (UTF-8, within the reason's cap)."""
         try:
             self._on_meeting(meeting)
         except KVTritonError as e:
             self.stats["refused"] += 1
-            return f"{type(e).__name__}: {e}"[:_MAX_REASON_BYTES]
+            return f"{type(e).__name__}: {e}".encode()[:_MAX_REASON_BYTES]
         return None
 
     def _serve_plain(self, conn: socket.socket, src: str, first: float, deadline: float) -> None:
@@ -394,7 +394,7 @@ class MetadataServer:
             raise _Refused("it has a shared secret and this server has none")
         reason = self._gate(Meeting(payload))
         if reason is not None:
-            _write_frame(conn, _REPLY_ERROR, reason.encode(), deadline)
+            _write_frame(conn, _REPLY_ERROR, reason, deadline)
             return
         _write_frame(conn, _REPLY_OK, self._metadata(), deadline)
         self.stats["served"] += 1
@@ -434,7 +434,7 @@ class MetadataServer:
             self._refuse(conn, deadline)
         reason = self._gate(Meeting(md, keys.pair))
         if reason is not None:  # sealed: only the authenticated caller reads why
-            out = seal(keys.seal_send, reason.encode(), _SEAL_REFUSAL)
+            out = seal(keys.seal_send, reason, _SEAL_REFUSAL)
             _write_frame(conn, _SEALED_ERROR,
                          cred.proof(b"refusal", client_nonce, server_nonce, out, VERSION) + out, deadline)
             return
