@@ -114,6 +114,7 @@ def run(backend: str, prefill_tp: int, decode_tp: int, *, prompts: int = 4, prom
             for i in range(first, prompts)]
     secret = work / "secret"
     secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)  # a secret file others can read is refused
     env = {"KVTRITON_AUTH_SECRET_FILE": str(secret), **(env or {})}
     t0 = time.time()
     with ServerProcess.start(python, model, tp=1, page_size=page, log_dir=work, name="plain", env=env) as plain:

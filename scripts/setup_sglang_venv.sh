@@ -61,6 +61,6 @@ PYEOF
 "$PY" -m pip freeze | grep -iE '^(torch|torchvision)==' > "$WHEELS/constraints.txt"
 "$PY" -m pip install -q -r "$WHEELS/requirements.txt" -c "$WHEELS/constraints.txt"
 "$PY" -m pip install -q --no-deps "$WHL"
-"$PY" -m pip install -q "nixl>=1.5.1,<1.5.2" msgpack einops pytest -c "$WHEELS/constraints.txt"
+"$PY" -m pip install -q "nixl>=1.5.1,<1.5.2" msgpack einops cryptography pytest -c "$WHEELS/constraints.txt"
 "$PY" -m pip install -q --no-deps -e "$SRC"
 "$PY" -c "import sglang, torch, torchvision, nixl, kvtriton; print('sglang', sglang.__version__, 'torch', torch.__version__)"

@@ -42,7 +42,7 @@ TORCH_VERSION=$("$PY" -c "import torch; print(torch.__version__)")
 echo "torch==$TORCH_VERSION" > "$WHEELS/constraints.txt"
 "$PY" -m pip install -q -r "$WHEELS/requirements.txt" -c "$WHEELS/constraints.txt"
 "$PY" -m pip install -q --no-deps "$WHL"
-"$PY" -m pip install -q "nixl>=1.5.1,<1.5.2" msgpack einops pytest -c "$WHEELS/constraints.txt"
+"$PY" -m pip install -q "nixl>=1.5.1,<1.5.2" msgpack einops cryptography pytest -c "$WHEELS/constraints.txt"
 "$PY" -m pip install -q --no-deps -e .
 # upstream vLLM 0.33 (CUDA build): only imported, never run; kept apart so 0.32 stays the default
 "$PY" -m pip install -q --no-deps --target "$VENV/vllm033" "$VLLM_UPSTREAM"

@@ -167,7 +167,9 @@ def test_a_forged_first_request_does_not_poison_later_loads(bed_factory, secret_
         done, errors = bed.load("r1", [3, 4], [0, 1], port=rogue.port)  # the real engine id, a rogue address
         assert done and errors == {0, 1}
         assert rogue.connections == 1 and b"agent" not in rogue.received  # only our HELLO: no metadata
-        assert len(rogue.received) == 8 + 2 + 32  # frame header + nonce
+        # frame header + nonce, then the fixed credential-mismatch notice (header + text)
+        assert len(rogue.received) == 8 + 2 + 32 + 10 + len(b"credential mismatch: the server's proof does not "
+                                                             b"verify under our secret")
     finally:
         rogue.close()
     for i, (remote, local) in enumerate((([3, 4], [0, 1]), ([8, 9], [10, 11]), ([12], [13]))):

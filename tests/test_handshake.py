@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtriton.errors import IncompatibleRemoteError, PeerDisconnectedError, ProtocolError, RequestRejectedError
-from kvtriton.protocol.handshake import MAX_FRAME_BYTES, MetadataServer, exchange_metadata
+from kvtriton.protocol.handshake import MAX_FRAME_BYTES, VERSION, MetadataServer, exchange_metadata
 
 
 class Recorder:
@@ -69,9 +69,9 @@ def test_slow_and_malformed_clients_cost_only_their_own_connections():
         assert exchange_metadata("127.0.0.1", srv.port, b"honest", timeout_s=1, attempts=1) == b"md"
         assert time.monotonic() - t0 < 1
         for bad in (b"GET / HTTP/1.1\r\n\r\n",  # not our magic
-                    struct.pack(">4sBBI", b"KVTH", 1, 1, MAX_FRAME_BYTES + 1),  # oversized: refused unread
-                    struct.pack(">4sBBI", b"KVTH", 1, 9, 3) + b"abc",  # wrong frame kind
-                    struct.pack(">4sBBI", b"KVTH", 1, 1, 100) + b"short"):  # truncated, then silence
+                    struct.pack(">4sBBI", b"KVTH", VERSION, 1, MAX_FRAME_BYTES + 1),  # oversized: refused unread
+                    struct.pack(">4sBBI", b"KVTH", VERSION, 9, 3) + b"abc",  # wrong frame kind
+                    struct.pack(">4sBBI", b"KVTH", VERSION, 1, 100) + b"short"):  # truncated, then silence
             with socket.create_connection(("127.0.0.1", srv.port)) as c:
                 c.sendall(bad)
                 c.settimeout(2)
@@ -94,7 +94,7 @@ def test_a_reply_that_is_not_a_frame_is_a_protocol_error():
         conn, _ = lsock.accept()
         with conn:
             conn.recv(1 << 16)
-            conn.sendall(struct.pack(">4sBBI", b"KVTH", 1, 7, 0))
+            conn.sendall(struct.pack(">4sBBI", b"KVTH", VERSION, 7, 0))
 
     th = threading.Thread(target=answer, daemon=True)
     th.start()

@@ -18,7 +18,7 @@ import pytest
 
 from kvtriton.errors import AuthenticationError, KVTritonError, PeerDisconnectedError, RequestRejectedError
 from kvtriton.protocol.auth import NONCE_BYTES, PROOF_BYTES, Credential
-from kvtriton.protocol.handshake import MetadataServer, exchange_metadata
+from kvtriton.protocol.handshake import VERSION, MetadataServer, exchange_metadata
 
 HEADER = struct.Struct(">4sBBI")
 HELLO, CHALLENGE, PROVE = 4, 5, 6
@@ -85,9 +85,9 @@ def test_raw_tcp_client_gets_no_metadata_bytes(secret_cred):
             assert time.monotonic() - t0 < 2.5
         # today's plain request with its metadata: the generic refusal and nothing else
         with socket.create_connection(("127.0.0.1", srv.port)) as c:
-            c.sendall(HEADER.pack(b"KVTH", 1, 1, 9) + b"client-md")
+            c.sendall(HEADER.pack(b"KVTH", VERSION, 1, 9) + b"client-md")
             got = recv_all(c)
-        assert got == HEADER.pack(b"KVTH", 1, 3, 7) + b"refused"
+        assert got == HEADER.pack(b"KVTH", VERSION, 3, 7) + b"refused"
         # junk
         with socket.create_connection(("127.0.0.1", srv.port)) as c:
             c.sendall(b"GET / HTTP/1.1\r\n\r\n")
@@ -102,15 +102,15 @@ def test_forged_proof_is_refused_generically(secret_cred):
     smd = marker()
     srv, peer = serve(secret_cred, smd)
     with srv, socket.create_connection(("127.0.0.1", srv.port)) as c:
-        c.sendall(HEADER.pack(b"KVTH", 1, HELLO, NONCE_BYTES) + secrets.token_bytes(NONCE_BYTES))
+        c.sendall(HEADER.pack(b"KVTH", VERSION, HELLO, NONCE_BYTES) + secrets.token_bytes(NONCE_BYTES))
         c.settimeout(3)
         head = c.recv(HEADER.size, socket.MSG_WAITALL)
         assert HEADER.unpack(head)[2:] == (CHALLENGE, NONCE_BYTES + PROOF_BYTES)
         challenge = c.recv(NONCE_BYTES + PROOF_BYTES, socket.MSG_WAITALL)
         assert smd not in challenge
         forged = secrets.token_bytes(PROOF_BYTES) + b"client-md"
-        c.sendall(HEADER.pack(b"KVTH", 1, PROVE, len(forged)) + forged)
-        assert recv_all(c) == HEADER.pack(b"KVTH", 1, 3, 7) + b"refused"
+        c.sendall(HEADER.pack(b"KVTH", VERSION, PROVE, len(forged)) + forged)
+        assert recv_all(c) == HEADER.pack(b"KVTH", VERSION, 3, 7) + b"refused"
     assert peer.got == [] and srv.stats["unauthenticated"] == 1
 
 
@@ -121,8 +121,9 @@ def test_wrong_secret_client_is_refused_and_sends_nothing(secret_cred):
         with pytest.raises(AuthenticationError, match="did not prove"):
             exchange_metadata("127.0.0.1", srv.port, cmd, credential=Credential(secret=secrets.token_bytes(32)),
                               timeout_s=3)
-        # and a client with no credential at all: refused, generically
-        with pytest.raises(AuthenticationError, match="did not accept our credential"):
+        # and a client with no credential at all: refused, generically; it says what it lacks
+        with pytest.raises(AuthenticationError, match="credential mismatch: it requires a cluster credential and "
+                                                      "we have none"):
             exchange_metadata("127.0.0.1", srv.port, cmd, timeout_s=3, attempts=1)
     assert peer.got == [] and srv.stats["served"] == 0
 
@@ -154,7 +155,7 @@ class RogueListener:
                 conn.settimeout(1)
                 try:
                     self.received += conn.recv(HEADER.size + NONCE_BYTES, socket.MSG_WAITALL)
-                    conn.sendall(HEADER.pack(b"KVTH", 1, CHALLENGE, NONCE_BYTES + PROOF_BYTES)
+                    conn.sendall(HEADER.pack(b"KVTH", VERSION, CHALLENGE, NONCE_BYTES + PROOF_BYTES)
                                  + secrets.token_bytes(NONCE_BYTES + PROOF_BYTES))
                     self.received += recv_all(conn, 1.0)
                 except OSError:
@@ -175,7 +176,9 @@ def test_listener_without_the_secret_never_gets_our_metadata(secret_cred):
     finally:
         rogue.close()
     assert rogue.connections == 1 and cmd not in rogue.received
-    assert len(rogue.received) == HEADER.size + NONCE_BYTES  # the HELLO (a fresh nonce) and nothing else
+    # the HELLO (a fresh nonce), then the fixed mismatch notice, and nothing else
+    assert len(rogue.received) == HEADER.size + NONCE_BYTES + HEADER.size + len(
+        b"credential mismatch: the server's proof does not verify under our secret")
     # a server of this version that has no credential: our HELLO is not its protocol; nothing sent
     plain, peer = serve(None, marker())
     with plain:
@@ -319,6 +322,22 @@ def test_mutual_tls_round_trip(pki, with_secret):
         assert exchange_metadata("127.0.0.1", srv.port, cmd, credential=tls(pki, "client", secret=secret),
                                  timeout_s=3) == smd
     assert peer.got == [cmd]
+
+
+def test_a_secret_on_one_side_of_mutual_tls_is_a_mismatch_on_both_sides(pki):
+    """Both sides pass TLS; only one holds the secret: each side says credential mismatch."""
+    secret = secrets.token_bytes(32)
+    for server_secret, client_secret, text in ((secret, None, "requires a shared secret and we have none"),
+                                               (None, secret, "it has no shared secret and we have one")):
+        srv, peer = serve(tls(pki, "server", secret=server_secret), marker())
+        with srv:
+            with pytest.raises(AuthenticationError, match=f"credential mismatch: .*{text}"):
+                exchange_metadata("127.0.0.1", srv.port, marker(), credential=tls(pki, "client", secret=client_secret),
+                                  timeout_s=3, attempts=1)
+            deadline = time.monotonic() + 2  # the server counts after it answered
+            while srv.stats["mismatch"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert peer.got == [] and srv.stats["mismatch"] == 1
 
 
 def test_mutual_tls_refuses_a_client_of_another_ca_or_none(pki):

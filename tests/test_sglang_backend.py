@@ -45,6 +45,7 @@ def test_settings_from_env_json_and_file(tmp_path):
 def test_settings_secret_from_environment(tmp_path):
     secret = tmp_path / "secret"
     secret.write_bytes(b"s" * 32)
+    secret.chmod(0o600)  # a secret file others can read is refused
     import os
 
     old = os.environ.get("KVTRITON_AUTH_SECRET_FILE")

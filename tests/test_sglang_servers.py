@@ -55,6 +55,7 @@ class Pair:
         self.p_tp, self.d_tp, self.rooms = p_tp, d_tp, iter(range(1000, 10**6))
         secret = log_dir / "secret"  # the handshakes authenticate, as a deployment's would
         secret.write_bytes(os.urandom(32))
+        secret.chmod(0o600)  # a secret file others can read is refused
         self.env = {**ENV, "KVTRITON_AUTH_SECRET_FILE": str(secret)}
         self.prefill = ServerProcess.start(SGL_PY, model_dir, tp=p_tp, mode="prefill", backend=backend,
                                            page_size=PAGE, cpus=engine_cpus(p_tp, 0), log_dir=log_dir,

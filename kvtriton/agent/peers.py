@@ -10,12 +10,15 @@ the facade's drop path fails their transfers and forgets them).
 * **One agent, one rank.** A NIXL agent stands for one (engine, rank): an agent already in the
   table under another engine id or rank is refused (one agent registering 50 engine ids would
   shrink every honest engine's staging share to one chunk).
-* **Identity pinned.** An (engine, rank) belongs to the agent that registered it, at its
-  registration generation (``RankMetadata.generation``, the time the agent was made: a restart
-  registers a higher one). Another agent claiming it is refused unless its generation is newer
-  and the old agent is gone. "Gone" is decided by a liveness check: a ``Ping`` with a fresh
-  nonce to the old agent (:meth:`probe`), and a wait of up to ``probe_s`` for its ``Pong`` of
-  that nonce (messages it sent before, still in flight, prove nothing):
+* **Identity pinned.** An (engine, rank) belongs to the agent that registered it. Its
+  *registration generation* is counted here, per identity (1 for its first agent, +1 for each
+  agent that took it over): the generation a peer sends (``RankMetadata.generation``) is never
+  compared, so a registration at 2^64-1 locks nobody out and a restart whose clock stepped back
+  is not refused (issue 33, finding 5; the sent value only says the peer speaks ``Ping``).
+  Another agent claiming a live identity is refused unless the old agent is gone. "Gone" is
+  decided by a liveness check: a ``Ping`` with a fresh nonce to the old agent (:meth:`probe`),
+  and a wait of up to ``probe_s`` for its ``Pong`` of that nonce (messages it sent before, still
+  in flight, prove nothing):
 
   - the ping cannot be sent (UCX reports the agent disconnected): gone, replaced;
   - it answers: alive, the newcomer is refused (a live peer is never replaced);
@@ -23,9 +26,9 @@ the facade's drop path fails their transfers and forgets them).
     credential, so it is one of us restarting); an unauthenticated newcomer only when the old
     agent had also been silent for ``timeout_s`` before the check.
 
-  A replay of an older registration (generation not newer than the one recorded for that
-  (engine, rank), live or dropped) is refused. Once dropped (replaced or expired), an
-  (engine, rank) is free for its next generation.
+  A replay of an older registration (an agent that held the identity before and was dropped or
+  replaced: the last :data:`_FORMER_AGENTS` are remembered per identity) is refused. Once
+  dropped (replaced or expired), an (engine, rank) is free for its next agent.
 * **Bounds.** At most ``max_peers`` ranks in the table and ``max_peer_engines`` engines: a
   registration beyond either is refused (the table was unbounded: 352 accepted).
 * **Expiry.** A peer silent for a third of ``expiry_s`` is pinged (an idle honest peer answers
@@ -44,9 +47,10 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 
 from ..errors import IncompatibleRemoteError, KVTritonError, PeerDisconnectedError, PeerRefusedError
 from ..plan import check_compatible
@@ -62,6 +66,17 @@ MAX_PEERS = 256  # ranks one rank may know (32 engines of TP 8)
 MAX_PEER_ENGINES = 64  # engines one rank may know
 _PROBE_MAX_S = 2.0  # the longest a liveness check of a contested identity waits for an answer
 _SCAN_S = 0.05  # expiry scans the table at most this often (progress() runs far more often)
+_FORMER_AGENTS = 16  # agents remembered per identity after they left it (their replays are refused)
+
+
+@dataclass
+class _Pin:
+    """Who an (engine, rank) belongs to: its current (or last) agent, the generation counted
+    here (strictly increasing per identity, +1 per agent that took it), the agents before."""
+
+    agent: str
+    generation: int
+    former: deque[str] = field(default_factory=lambda: deque(maxlen=_FORMER_AGENTS))
 
 
 class Admission(enum.Enum):
@@ -86,8 +101,8 @@ class PeerTable:
         if not self.expiry_s > 0:
             raise ValueError(f"peer_expiry_s must be > 0, got {expiry_s!r}")
         self.probe_s = min(settings.timeout_s, _PROBE_MAX_S)
-        # (engine, rank) -> (agent, generation) of its last accepted registration, live or dropped
-        self.pins: OrderedDict[tuple[str, int], tuple[str, int]] = OrderedDict()
+        # (engine, rank) -> its last accepted registration, live or dropped
+        self.pins: OrderedDict[tuple[str, int], _Pin] = OrderedDict()
         self.nonce = 0
         self.next_scan = 0.0
 
@@ -147,10 +162,10 @@ class PeerTable:
             raise self._refuse(f"agent {md.agent!r} is registered here as {other[0]}:{other[1]}; one NIXL agent "
                                f"stands for one engine rank, not also {md.engine}:{md.rank}")
         pin = self.pins.get(key)
-        if pin is not None and md.generation <= pin[1]:
-            raise self._refuse(f"{md.engine}:{md.rank}: registration generation {md.generation} of agent "
-                               f"{md.agent!r} is not newer than {pin[1]} of agent {pin[0]!r} (a stale or "
-                               f"replayed registration); a restarted rank registers a newer one")
+        if pin is not None and (md.agent in pin.former or (old is None and md.agent == pin.agent)):
+            raise self._refuse(f"{md.engine}:{md.rank}: agent {md.agent!r} held it before and left it: a stale or "
+                               f"replayed registration, not newer than generation {pin.generation} here; a "
+                               f"restarted rank registers with a new agent")
         if old is not None:
             return Admission.CONTESTED
         if len(links.peers) >= self.max_peers:
@@ -211,8 +226,7 @@ class PeerTable:
                                    f"once it has been silent for timeout_s ({self.s.timeout_s} s)")
         if self.links.peers.get(old.key) is old:
             self.stats.peers_replaced += 1
-            logger.warning("peer %s: agent %s replaced by its restart %s (generation %d)", who, old.agent,
-                           md.agent, md.generation)
+            logger.warning("peer %s: agent %s replaced by its restart %s", who, old.agent, md.agent)
             drop(old)
         seen = self.admit(md, authenticated)
         if seen is Admission.CONTESTED:  # a third agent took it while the check waited
@@ -235,7 +249,12 @@ class PeerTable:
         peer = Peer(md, name, staging, authenticated=authenticated, heard=time.monotonic())
         self.links.add(peer)
         key = peer.key
-        self.pins[key] = (md.agent, md.generation)
+        pin = self.pins.get(key)
+        if pin is None:
+            self.pins[key] = _Pin(md.agent, 1)
+        else:
+            pin.former.append(pin.agent)
+            pin.agent, pin.generation = md.agent, pin.generation + 1
         self.pins.move_to_end(key)
         while len(self.pins) > 4 * self.max_peers:  # forget the oldest dropped identities first
             stale = next((k for k in self.pins if k not in self.links.peers), None)

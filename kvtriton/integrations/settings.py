@@ -90,7 +90,10 @@ class TransferSettings:
     auth_secret_file:    path of the cluster's shared secret (at least 16 bytes; every engine
                          of the cluster reads the same one). Default: the environment variable
                          ``KVTRITON_AUTH_SECRET_FILE``. With a secret (and/or TLS), handshakes
-                         are answered and sent only after the peer proved it.
+                         are answered and sent only after the peer proved it. Set but empty,
+                         an empty file, or a file group or others can read: an error at start.
+    auth_secret_strict_modes: refuse a secret file that group or others can read or write (as
+                         ssh does; default true). False: only a warning.
     tls_cert_file:       mutual TLS on the handshake: this engine's certificate (PEM), its
     tls_key_file:        private key and the CA that signs every engine of the cluster; give
     tls_ca_file:         all three or none. A prefill's certificate must name its ``host``.
@@ -133,6 +136,7 @@ class TransferSettings:
     register: str = "all"
     integrity: bool = False
     auth_secret_file: str = ""
+    auth_secret_strict_modes: bool = True
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_ca_file: str = ""
@@ -189,7 +193,14 @@ class TransferSettings:
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise SettingsError(f"{source}: unknown keys {unknown}; known keys are {sorted(known)}")
-        if "auth_secret_file" not in values and os.environ.get("KVTRITON_AUTH_SECRET_FILE"):
+        if "auth_secret_file" in values and isinstance(values["auth_secret_file"], str) \
+                and not values["auth_secret_file"].strip():  # set but empty: not "no credential" by accident
+            raise SettingsError(f"{source}['auth_secret_file'] is set but empty: name the shared "
+                                "secret file, or leave the key out to run without a secret")
+        if "auth_secret_file" not in values and "KVTRITON_AUTH_SECRET_FILE" in os.environ:
+            if not os.environ["KVTRITON_AUTH_SECRET_FILE"].strip():
+                raise SettingsError("KVTRITON_AUTH_SECRET_FILE is set but empty: name the shared secret file, or "
+                                    "unset it to run without a secret")
             values["auth_secret_file"] = os.environ["KVTRITON_AUTH_SECRET_FILE"]
         checked: dict[str, Any] = {}
         for name, value in values.items():
@@ -261,4 +272,6 @@ class TransferSettings:
     def credential(self) -> Credential | None:
         """The cluster credential the files name (read now), or None when none is configured."""
         return Credential.from_files(secret_file=self.auth_secret_file or None, cert_file=self.tls_cert_file or None,
-                                     key_file=self.tls_key_file or None, ca_file=self.tls_ca_file or None)
+                                     key_file=self.tls_key_file or None, ca_file=self.tls_ca_file or None,
+                                     strict_modes=self.auth_secret_strict_modes,
+                                     setting="auth_secret_file (or KVTRITON_AUTH_SECRET_FILE)")

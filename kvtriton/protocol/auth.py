@@ -10,10 +10,16 @@ credential every engine of the cluster was started with:
   connection, reflected to the other role, or moved onto other metadata;
 * and/or **mutual TLS** from certificate files (the standard :mod:`ssl` module; both sides present
   a certificate the cluster CA signed, ``CERT_REQUIRED`` both ways, the server's checked against
-  the host name the caller dialled). TLS also keeps the metadata confidential on the wire; the
-  secret alone authenticates it but does not hide it.
+  the host name the caller dialled). TLS also keeps the metadata confidential on the wire.
 
-Only the standard library's primitives (:mod:`hmac`, :mod:`secrets`, :mod:`ssl`) are used.
+With the secret, each meeting also derives **session keys** (:meth:`Credential.session_keys`:
+HKDF-SHA256 over the secret, salted with both nonces, bound to the transcript's digest), so the
+metadata travels sealed (ChaCha20-Poly1305, one key per direction): a relay that forwards the
+bytes between two members learns nothing it can use, and cannot complete a meeting of its own.
+The same derivation yields the pair's :class:`PairKeys` for messages after the meeting.
+
+Primitives: the standard library's :mod:`hmac`, :mod:`secrets`, :mod:`ssl`, and the
+``cryptography`` package's HKDF and ChaCha20-Poly1305 (no home-made constructions).
 
 Example
 -------
@@ -31,10 +37,18 @@ import hmac
 import logging
 import os
 import ssl
+import stat
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ..errors import AuthenticationError
 
-__all__ = ["Credential", "NONCE_BYTES", "PROOF_BYTES", "MIN_SECRET_BYTES"]
+__all__ = ["Credential", "PairKeys", "SessionKeys", "seal", "unseal", "NONCE_BYTES", "PROOF_BYTES",
+           "MIN_SECRET_BYTES", "SEAL_OVERHEAD"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +56,54 @@ NONCE_BYTES = 32
 PROOF_BYTES = hashlib.sha256().digest_size
 #: a shorter secret is refused: it could be guessed offline from one observed proof
 MIN_SECRET_BYTES = 16
+#: what :func:`seal` adds to a plaintext (the Poly1305 tag)
+SEAL_OVERHEAD = 16
+_KEY_BYTES = 32
+#: each session key seals exactly one message per meeting (keys are fresh per connection: both
+#: nonces salt them), so a constant AEAD nonce never repeats under one key
+_SEAL_NONCE = bytes(12)
+
+
+@dataclass(frozen=True)
+class PairKeys:
+    """The keys one side of a meeting keeps for the messages it exchanges with that peer later:
+    ``send`` for what it sends, ``recv`` for what it receives (the peer holds them swapped).
+    Fresh per meeting; unused by the handshake itself (kept for per-message MACs)."""
+
+    send: bytes
+    recv: bytes
+
+    def __repr__(self) -> str:  # never the keys
+        return "PairKeys(<32-byte send key>, <32-byte recv key>)"
+
+
+@dataclass(frozen=True)
+class SessionKeys:
+    """What one meeting derives for one side: the keys that seal the metadata each way, and the
+    pair's :class:`PairKeys` for later."""
+
+    seal_send: bytes
+    seal_recv: bytes
+    pair: PairKeys
+
+    def __repr__(self) -> str:
+        return "SessionKeys(<keys>)"
+
+
+def seal(key: bytes, plaintext: bytes, label: bytes) -> bytes:
+    """ChaCha20-Poly1305 of ``plaintext`` under ``key`` (one message per key, see
+    :data:`_SEAL_NONCE`), with ``label`` as associated data (which frame of which protocol)."""
+    return ChaCha20Poly1305(key).encrypt(_SEAL_NONCE, plaintext, label)
+
+
+def unseal(key: bytes, sealed: bytes, label: bytes) -> bytes:
+    """The plaintext :func:`seal` sealed; :class:`~kvtriton.errors.AuthenticationError` when the
+    bytes were not sealed under ``key`` and ``label`` or were changed on the way."""
+    try:
+        return ChaCha20Poly1305(key).decrypt(_SEAL_NONCE, sealed, label)
+    except InvalidTag:
+        raise AuthenticationError("sealed handshake payload does not open under the session key "
+                                  "(changed in transit, or sealed under another secret)") from None
 
 
 class Credential:
@@ -77,21 +139,43 @@ class Credential:
 
     @classmethod
     def from_files(cls, *, secret_file: str | None = None, cert_file: str | None = None, key_file: str | None = None,
-                   ca_file: str | None = None) -> Credential | None:
-        """The credential these files hold, or None when no file is named (no credential)."""
+                   ca_file: str | None = None, strict_modes: bool = True,
+                   setting: str = "secret_file") -> Credential | None:
+        """The credential these files hold, or None when no file is named (None: no credential).
+
+        ``secret_file`` given but empty, a file that holds nothing, or (with ``strict_modes``, as
+        ssh does) a file that group or others may read is an
+        :class:`~kvtriton.errors.AuthenticationError` naming ``setting`` (the operator's name for
+        it), never a silent start without a credential. ``strict_modes=False`` only warns.
+        """
+        if secret_file is not None and not secret_file.strip():
+            raise AuthenticationError(f"{setting} is set but empty: name the shared secret file, or unset it to run "
+                                      f"without a secret (every client that reaches the port then gets the metadata)")
         if not (secret_file or cert_file or key_file or ca_file):
             return None
         secret = None
         if secret_file:
             try:
                 with open(secret_file, "rb") as f:
+                    mode = os.fstat(f.fileno()).st_mode  # the file we read, not whatever the path names later
                     secret = f.read(1 << 16).strip()  # a trailing newline from an editor is not part of it
-                mode = os.stat(secret_file).st_mode
             except OSError as e:
-                raise AuthenticationError(f"cannot read the shared secret file {secret_file!r}: {e}") from None
+                raise AuthenticationError(f"{setting}: cannot read the shared secret file {secret_file!r}: {e}") \
+                    from None
+            if not stat.S_ISREG(mode):
+                raise AuthenticationError(f"{setting}: the shared secret file {secret_file!r} is not a regular file")
             if mode & 0o077:
+                if strict_modes:
+                    raise AuthenticationError(
+                        f"{setting}: the shared secret file {secret_file!r} is readable or writable by group or "
+                        f"others (mode {mode & 0o777:o}); chmod 600 it, or allow it explicitly (strict modes off)")
                 logger.warning("the shared secret file %s is readable by group or others (mode %o): expected 0600",
                                secret_file, mode & 0o777)
+            if not secret:
+                raise AuthenticationError(f"{setting}: the shared secret file {secret_file!r} is empty")
+            if len(secret) < MIN_SECRET_BYTES:
+                raise AuthenticationError(f"{setting}: the shared secret in {secret_file!r} has {len(secret)} bytes; "
+                                          f"at least {MIN_SECRET_BYTES} are needed")
         return cls(secret=secret, cert_file=cert_file or None, key_file=key_file or None, ca_file=ca_file or None)
 
     @property
@@ -119,6 +203,25 @@ class Credential:
                version: int = 1) -> bool:
         """Whether ``proof`` is this transcript's (constant-time comparison)."""
         return hmac.compare_digest(proof, self.proof(role, client_nonce, server_nonce, payload, version))
+
+    def session_keys(self, client: bool, client_nonce: bytes, server_nonce: bytes, transcript: bytes,
+                     version: int) -> SessionKeys:
+        """The keys of one meeting, for the client's side (``client=True``) or the server's.
+
+        HKDF-SHA256 with the secret as input key material, both nonces as salt, and the version
+        and the SHA-256 of the transcript so far (every frame both sides exchanged before the keys
+        are used) as info; four independent 32-byte keys: the metadata seal each way and the
+        pair's message keys each way. Another connection, version or transcript gives other keys.
+        """
+        if self._secret is None:
+            raise AuthenticationError("this credential has no shared secret to derive session keys from")
+        info = b"kvtriton-session|v%d|" % version + hashlib.sha256(transcript).digest()
+        okm = HKDF(algorithm=hashes.SHA256(), length=4 * _KEY_BYTES, salt=client_nonce + server_nonce,
+                   info=info).derive(self._secret)
+        c2s, s2c, msg_c2s, msg_s2c = (okm[i:i + _KEY_BYTES] for i in range(0, 4 * _KEY_BYTES, _KEY_BYTES))
+        if client:
+            return SessionKeys(seal_send=c2s, seal_recv=s2c, pair=PairKeys(send=msg_c2s, recv=msg_s2c))
+        return SessionKeys(seal_send=s2c, seal_recv=c2s, pair=PairKeys(send=msg_s2c, recv=msg_c2s))
 
     def derive_key(self, purpose: bytes) -> bytes:
         """A key for one other use of the secret (e.g. sealing control messages), derived as

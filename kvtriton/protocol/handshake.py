@@ -15,17 +15,28 @@ it (mutual TLS, then or instead the shared secret's challenge-response)::
     HELLO(client nonce)                 ->
                                         <-      CHALLENGE(server nonce, server proof)
     [client checks the server's proof; a listener without the secret gets nothing more]
-    PROVE(client proof, client metadata) ->
-    [server checks the client's proof; a client without it gets a generic refusal]
-                                        <-      PROVEN(reply proof, server metadata) or ERROR(reason)
+    [both derive the session keys: HKDF(secret, both nonces, the transcript so far)]
+    PROVE(client proof, sealed client metadata) ->
+    [server checks the client's proof and opens the seal; a client without it gets a generic refusal]
+                                        <-      PROVEN(reply proof, sealed server metadata)
+                                                or SEALED_ERROR(proof, sealed reason)
 
-Each proof binds the version, its role, both nonces and the metadata it carries
-(:meth:`Credential.proof <kvtriton.protocol.auth.Credential.proof>`). Without a credential the
-exchange is the plain one (REQUEST, then OK or ERROR), and one warning is logged.
+Each proof binds the version, its role, both nonces and the sealed bytes it carries
+(:meth:`Credential.proof <kvtriton.protocol.auth.Credential.proof>`). The metadata is sealed
+(ChaCha20-Poly1305) under keys derived from the secret, both nonces and the transcript
+(:meth:`Credential.session_keys <kvtriton.protocol.auth.Credential.session_keys>`, one key per
+direction): a relay that forwards the bytes between two members sees no metadata, and without
+the secret it can neither open a seal nor make one. :func:`meet` and ``on_meeting`` also return
+the pair's message keys (:class:`~kvtriton.protocol.auth.PairKeys`). With TLS alone, TLS keeps
+the metadata confidential (no pair keys). Without a credential the exchange is the plain one
+(REQUEST, then OK or ERROR), and one warning is logged. A credential on one side only, or two
+different secrets, is reported as a credential mismatch on both sides.
 
 Frames: ``b"KVTH"``, a version byte, a kind byte, a big-endian u32 length, then the payload.
 Nothing is unpickled; payloads are the agent's msgpack metadata (validated by the agent) or UTF-8
-text. Every read and write has a deadline, frames are bounded (:data:`MAX_FRAME_BYTES`).
+text. Every read and write has a deadline; every frame must arrive whole within
+``frame_timeout_s``; each kind has its own size cap, checked from the header before the body is
+read (a HELLO is 32 bytes; metadata at most :data:`MAX_FRAME_BYTES`).
 
 The server is bounded: one thread watches every accepted connection that has not spoken yet
 (an idle socket costs a file descriptor, never a worker); a connection must deliver its first
@@ -55,25 +66,56 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import NoReturn
 
 from ..errors import AuthenticationError, KVTritonError, PeerDisconnectedError, ProtocolError, RequestRejectedError
-from .auth import NONCE_BYTES, PROOF_BYTES, Credential
+from .auth import NONCE_BYTES, PROOF_BYTES, SEAL_OVERHEAD, Credential, PairKeys, seal, unseal
 
-__all__ = ["MetadataServer", "exchange_metadata", "MAX_FRAME_BYTES"]
+__all__ = ["MetadataServer", "Meeting", "meet", "exchange_metadata", "MAX_FRAME_BYTES", "VERSION"]
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVTH"
-VERSION = 1
+#: 2: metadata sealed under session keys (issue 33); a version-1 peer is refused as another protocol
+VERSION = 2
 _HEADER = struct.Struct(">4sBBI")  # magic, version, kind, payload length
 _REQUEST, _REPLY_OK, _REPLY_ERROR = 1, 2, 3
-_HELLO, _CHALLENGE, _PROVE, _PROVEN = 4, 5, 6, 7
+_HELLO, _CHALLENGE, _PROVE, _PROVEN, _SEALED_ERROR = 4, 5, 6, 7, 8
 #: all an unauthenticated client ever learns: no geometry, no reason
 _REFUSED = b"refused"
+#: what a server without a secret answers a HELLO, and a client whose secret differs tells the
+#: server: a credential mismatch is reported as such on both sides (it reveals nothing else)
+_NO_SECRET = b"credential mismatch: this server has no shared secret"
+_OTHER_SECRET = b"credential mismatch: the server's proof does not verify under our secret"
 #: Largest payload either side accepts (a model's metadata is tens of KiB; NIXL's part is small).
 MAX_FRAME_BYTES = 16 << 20
+#: largest refusal reason (the gate's message, truncated)
+_MAX_REASON_BYTES = 1 << 16
+#: the seal labels: which frame of which protocol (associated data of each seal)
+_SEAL_PROVE = b"kvtriton-handshake|v%d|prove" % VERSION
+_SEAL_PROVEN = b"kvtriton-handshake|v%d|proven" % VERSION
+_SEAL_REFUSAL = b"kvtriton-handshake|v%d|refusal" % VERSION
 _warned_client = False
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """What one side learned from a meeting: the peer's ``metadata``, and the pair's message
+    keys (None without a shared secret: TLS alone or no credential)."""
+
+    metadata: bytes
+    keys: PairKeys | None = None
+
+
+class _UnexpectedFrame(ProtocolError):
+    """A frame whose kind is not expected here, or longer than its kind allows: refused from its
+    header alone, its body never read."""
+
+    def __init__(self, kind: int, length: int, why: str):
+        super().__init__(why)
+        self.kind, self.length = kind, length
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
@@ -90,23 +132,38 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     return bytes(buf)
 
 
-def _read_frame(sock: socket.socket, deadline: float, header_deadline: float | None = None) -> tuple[int, bytes]:
+def _read_frame(sock: socket.socket, deadline: float, caps: Mapping[int, int],
+                header_deadline: float | None = None) -> tuple[int, bytes]:
+    """One frame, whole by ``deadline`` (its header by ``header_deadline`` too). ``caps`` maps
+    each kind expected here to its largest payload: any other kind, or a longer payload, is
+    :class:`_UnexpectedFrame` from the header alone (an unauthenticated HELLO is 32 bytes, not
+    16 MiB read before anyone looks at it)."""
     header = _recv_exact(sock, _HEADER.size, deadline if header_deadline is None else min(deadline, header_deadline))
     magic, version, kind, length = _HEADER.unpack(header)
     if magic != MAGIC or version != VERSION:
-        raise ProtocolError(f"not a kvtriton handshake frame (magic {magic!r}, version {version}); "
+        raise ProtocolError(f"not a kvtriton handshake frame of this version (magic {magic!r}, version {version}); "
                             f"expected {MAGIC!r} version {VERSION}")
-    if length > MAX_FRAME_BYTES:
-        raise ProtocolError(f"handshake frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    if kind not in caps:
+        raise _UnexpectedFrame(kind, length, f"unexpected handshake frame kind {kind} (expected {sorted(caps)})")
+    if length > caps[kind]:
+        raise _UnexpectedFrame(kind, length, f"handshake frame kind {kind} of {length} bytes exceeds its "
+                                             f"{caps[kind]}-byte limit")
     return kind, _recv_exact(sock, length, deadline)
 
 
-def _write_frame(sock: socket.socket, kind: int, payload: bytes, deadline: float) -> None:
+def _frame(kind: int, payload: bytes) -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, kind, len(payload)) + payload
+
+
+def _write_frame(sock: socket.socket, kind: int, payload: bytes, deadline: float) -> bytes:
+    """Send one frame; returns its bytes (for the transcript)."""
     left = deadline - time.monotonic()
     if left <= 0:
         raise TimeoutError("deadline passed")
     sock.settimeout(left)
-    sock.sendall(_HEADER.pack(MAGIC, VERSION, kind, len(payload)) + payload)
+    data = _frame(kind, payload)
+    sock.sendall(data)
+    return data
 
 
 def _tls_handshake(sock: ssl.SSLSocket, deadline: float) -> None:
@@ -120,6 +177,10 @@ def _tls_handshake(sock: ssl.SSLSocket, deadline: float) -> None:
 class _Refused(Exception):
     """Internal: this connection gets the generic refusal and nothing else."""
 
+    def __init__(self, mismatch: str = ""):
+        super().__init__(mismatch)
+        self.mismatch = mismatch
+
 
 class MetadataServer:
     """Serves one rank's metadata on ``host:port`` and takes each caller's metadata.
@@ -130,11 +191,15 @@ class MetadataServer:
     on_peer:         called with the caller's metadata bytes before answering; a
                      :class:`~kvtriton.errors.KVTritonError` it raises is sent back as the refusal.
                      With a credential it is called only for callers that proved it.
+    on_meeting:      instead of ``on_peer``: called with the :class:`Meeting` (the caller's
+                     metadata and the pair's message keys).
     credential:      the cluster :class:`~kvtriton.protocol.auth.Credential` callers must prove;
                      None: anyone who reaches the port gets the metadata (a warning at start).
     io_timeout_s:    a connection must finish its whole exchange within this time.
     first_bytes_timeout_s: ... and deliver its first bytes (TLS handshake and first frame header
                      included) within this time from its accept.
+    frame_timeout_s: every frame must arrive whole within this time from the start of its read
+                     (a HELLO trickled a byte at a time is dropped, not waited for).
     max_connections: connections served at once (a worker thread each);
     max_active_per_source: ... of them from one source address.
     max_pending:     silent connections watched at once (the oldest is dropped for a new one);
@@ -143,19 +208,27 @@ class MetadataServer:
     ``port=0`` picks a free port (see :attr:`port`).
     """
 
-    def __init__(self, host: str, port: int, metadata: Callable[[], bytes], on_peer: Callable[[bytes], object],
-                 *, credential: Credential | None = None, io_timeout_s: float = 5.0,
-                 first_bytes_timeout_s: float = 2.0, max_connections: int = 8, max_active_per_source: int = 4,
-                 max_pending: int = 256, max_pending_per_source: int = 32):
+    def __init__(self, host: str, port: int, metadata: Callable[[], bytes],
+                 on_peer: Callable[[bytes], object] | None = None, *, on_meeting: Callable[[Meeting], object] | None
+                 = None, credential: Credential | None = None, io_timeout_s: float = 5.0,
+                 first_bytes_timeout_s: float = 2.0, frame_timeout_s: float = 2.0, max_connections: int = 8,
+                 max_active_per_source: int = 4, max_pending: int = 256, max_pending_per_source: int = 32):
+        if (on_peer is None) == (on_meeting is None):
+            raise ValueError("give exactly one of on_peer and on_meeting")
         for name, v in (("max_connections", max_connections), ("max_active_per_source", max_active_per_source),
                         ("max_pending", max_pending), ("max_pending_per_source", max_pending_per_source)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         self.host = host
-        self._metadata, self._on_peer = metadata, on_peer
+        self._metadata = metadata
+        self._on_meeting: Callable[[Meeting], object] = (
+            on_meeting if on_meeting is not None else (lambda m: on_peer(m.metadata)))  # type: ignore[misc]
         self._credential = credential
         self._io_timeout = float(io_timeout_s)
         self._first_timeout = min(float(first_bytes_timeout_s), self._io_timeout)
+        self._frame_timeout = min(float(frame_timeout_s), self._io_timeout)
+        if self._frame_timeout <= 0:
+            raise ValueError(f"frame_timeout_s must be > 0, got {frame_timeout_s}")
         self._max_active, self._max_active_src = max_connections, max_active_per_source
         self._max_pending, self._max_pending_src = max_pending, max_pending_per_source
         self._lock = threading.Lock()
@@ -166,9 +239,11 @@ class MetadataServer:
         self.port = self._sock.getsockname()[1]
         self._thread: threading.Thread | None = None
         #: served, refused (by the gate, to an authenticated caller), unauthenticated (generic
-        #: refusal or silence), failed (I/O or protocol), turned_away (dropped unserved: idle past
-        #: the first-bytes deadline, or evicted for a newer connection)
-        self.stats = {"served": 0, "refused": 0, "unauthenticated": 0, "failed": 0, "turned_away": 0}
+        #: refusal or silence), mismatch (of those, a caller whose credential differs from ours:
+        #: none, another secret, a secret where we have none), failed (I/O or protocol),
+        #: turned_away (dropped unserved: idle past the first-bytes deadline, or evicted)
+        self.stats = {"served": 0, "refused": 0, "unauthenticated": 0, "mismatch": 0, "failed": 0,
+                      "turned_away": 0}
 
     def start(self) -> MetadataServer:
         if self._thread is None:
@@ -219,6 +294,7 @@ class MetadataServer:
             if len(pending) >= self._max_pending:
                 self._drop(sel, pending, ready, next(iter(pending)))
             conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see meet()
             pending[conn] = (src, time.monotonic())
             sel.register(conn, selectors.EVENT_READ, src)
 
@@ -263,12 +339,16 @@ class MetadataServer:
                 if cred is not None and cred.has_secret:
                     self._serve_secret(conn, cred, first, deadline)
                 else:
-                    self._serve_plain(conn, first, deadline)
+                    self._serve_plain(conn, src, first, deadline)
             finally:
                 conn.close()
-        except _Refused:
+        except _Refused as e:
             self.stats["unauthenticated"] += 1
-            logger.info("handshake from %s on port %d: did not prove the credential", src, self.port)
+            if e.mismatch:
+                self.stats["mismatch"] += 1
+                logger.warning("handshake from %s on port %d: credential mismatch: %s", src, self.port, e.mismatch)
+            else:
+                logger.info("handshake from %s on port %d: did not prove the credential", src, self.port)
         except ssl.SSLError as e:
             self.stats["unauthenticated"] += 1
             logger.info("handshake from %s on port %d: TLS refused: %s", src, self.port, e)
@@ -281,49 +361,86 @@ class MetadataServer:
                 if self._active[src] <= 0:
                     del self._active[src]
 
-    def _refuse(self, conn: socket.socket, deadline: float) -> None:
+    def _frame_deadline(self, deadline: float) -> float:
+        return min(deadline, time.monotonic() + self._frame_timeout)
+
+    def _refuse(self, conn: socket.socket, deadline: float, mismatch: str = "") -> NoReturn:
         try:
             _write_frame(conn, _REPLY_ERROR, _REFUSED, deadline)
         except (OSError, TimeoutError):
             pass
-        raise _Refused()
+        raise _Refused(mismatch)
 
-    def _answer(self, conn: socket.socket, payload: bytes, deadline: float, ok_kind: int,
-                sign: Callable[[bytes], bytes] = lambda md: b"") -> None:
+    def _gate(self, meeting: Meeting) -> bytes | None:
+        """The gate's verdict on an authenticated (or credential-less) caller: None to serve it,
+        or the refusal reason it may know (UTF-8, within the reason's cap)."""
         try:
-            self._on_peer(payload)
-        except KVTritonError as e:  # the caller proved the credential (or none is configured): it may know why
+            self._on_meeting(meeting)
+        except KVTritonError as e:
             self.stats["refused"] += 1
-            _write_frame(conn, _REPLY_ERROR, f"{type(e).__name__}: {e}".encode()[:65536], deadline)
-            return
-        md = self._metadata()
-        _write_frame(conn, ok_kind, sign(md) + md, deadline)
-        self.stats["served"] += 1
+            return f"{type(e).__name__}: {e}".encode()[:_MAX_REASON_BYTES]
+        return None
 
-    def _serve_plain(self, conn: socket.socket, first: float, deadline: float) -> None:
-        kind, payload = _read_frame(conn, deadline, first)
-        if kind != _REQUEST:
+    def _serve_plain(self, conn: socket.socket, src: str, first: float, deadline: float) -> None:
+        try:
+            kind, payload = _read_frame(conn, self._frame_deadline(deadline),
+                                        {_REQUEST: MAX_FRAME_BYTES, _HELLO: NONCE_BYTES}, first)
+        except _UnexpectedFrame:
             if self._credential is not None:  # TLS only: the caller proved itself, but speaks another protocol
                 self._refuse(conn, deadline)
-            raise ProtocolError(f"expected a request frame, got kind {kind}")
-        self._answer(conn, payload, deadline, _REPLY_OK)
+            raise
+        if kind == _HELLO:  # the caller has a shared secret and we have none: say so, both sides
+            _write_frame(conn, _REPLY_ERROR, _NO_SECRET, deadline)
+            raise _Refused("it has a shared secret and this server has none")
+        reason = self._gate(Meeting(payload))
+        if reason is not None:
+            _write_frame(conn, _REPLY_ERROR, reason, deadline)
+            return
+        _write_frame(conn, _REPLY_OK, self._metadata(), deadline)
+        self.stats["served"] += 1
 
     def _serve_secret(self, conn: socket.socket, cred: Credential, first: float, deadline: float) -> None:
         try:
-            kind, client_nonce = _read_frame(conn, deadline, first)
+            kind, client_nonce = _read_frame(conn, self._frame_deadline(deadline), {_HELLO: NONCE_BYTES}, first)
+        except _UnexpectedFrame as e:  # e.g. a plain request: refused from its header, its metadata never read
+            self._refuse(conn, deadline,
+                         "it sent a plain request (it has no shared secret)" if e.kind == _REQUEST else "")
         except ProtocolError:
-            raise _Refused() from None  # not our protocol at all: silence
-        if kind != _HELLO or len(client_nonce) != NONCE_BYTES:
-            self._refuse(conn, deadline)  # e.g. a plain request: its metadata is dropped unread
+            raise _Refused() from None  # not our protocol (or version) at all: silence
+        if len(client_nonce) != NONCE_BYTES:
+            self._refuse(conn, deadline)
         server_nonce = secrets.token_bytes(NONCE_BYTES)
-        _write_frame(conn, _CHALLENGE, server_nonce + cred.proof(b"server", client_nonce, server_nonce), deadline)
-        kind, payload = _read_frame(conn, deadline)
-        if kind != _PROVE or len(payload) < PROOF_BYTES:
+        hello = _frame(_HELLO, client_nonce)
+        challenge = _write_frame(conn, _CHALLENGE,
+                                 server_nonce + cred.proof(b"server", client_nonce, server_nonce, version=VERSION),
+                                 deadline)
+        try:
+            kind, payload = _read_frame(conn, self._frame_deadline(deadline), {
+                _PROVE: PROOF_BYTES + SEAL_OVERHEAD + MAX_FRAME_BYTES, _REPLY_ERROR: len(_OTHER_SECRET)})
+        except _UnexpectedFrame:
             self._refuse(conn, deadline)
-        proof, md = payload[:PROOF_BYTES], payload[PROOF_BYTES:]
-        if not cred.verify(proof, b"client", client_nonce, server_nonce, md):
+        if kind == _REPLY_ERROR:  # the client could not verify our proof: it holds another secret
+            raise _Refused("its secret differs from ours (our proof did not verify)"
+                           if payload == _OTHER_SECRET else "")
+        if len(payload) < PROOF_BYTES + SEAL_OVERHEAD:
             self._refuse(conn, deadline)
-        self._answer(conn, md, deadline, _PROVEN, lambda own: cred.proof(b"reply", client_nonce, server_nonce, own))
+        proof, sealed = payload[:PROOF_BYTES], payload[PROOF_BYTES:]
+        if not cred.verify(proof, b"client", client_nonce, server_nonce, sealed, VERSION):
+            self._refuse(conn, deadline)
+        keys = cred.session_keys(False, client_nonce, server_nonce, hello + challenge, VERSION)
+        try:
+            md = unseal(keys.seal_recv, sealed, _SEAL_PROVE)
+        except AuthenticationError:
+            self._refuse(conn, deadline)
+        reason = self._gate(Meeting(md, keys.pair))
+        if reason is not None:  # sealed: only the authenticated caller reads why
+            out = seal(keys.seal_send, reason, _SEAL_REFUSAL)
+            _write_frame(conn, _SEALED_ERROR,
+                         cred.proof(b"refusal", client_nonce, server_nonce, out, VERSION) + out, deadline)
+            return
+        out = seal(keys.seal_send, self._metadata(), _SEAL_PROVEN)
+        _write_frame(conn, _PROVEN, cred.proof(b"reply", client_nonce, server_nonce, out, VERSION) + out, deadline)
+        self.stats["served"] += 1
 
     def close(self) -> None:
         """Stop accepting; connections being served finish within ``io_timeout_s``."""
@@ -343,54 +460,99 @@ class MetadataServer:
         self.close()
 
 
-def _exchange_once(sock: socket.socket, host: str, port: int, metadata: bytes, credential: Credential | None,
-                   deadline: float) -> bytes:
-    """One attempt on a connected socket; raises what :func:`exchange_metadata` documents."""
-    if credential is None or not credential.has_secret:
-        _write_frame(sock, _REQUEST, metadata, deadline)
-        kind, payload = _read_frame(sock, deadline)
-        if kind == _REPLY_OK:
-            return payload
-        ok = _REPLY_OK
-    else:
-        client_nonce = secrets.token_bytes(NONCE_BYTES)
-        _write_frame(sock, _HELLO, client_nonce, deadline)
-        kind, payload = _read_frame(sock, deadline)
-        if kind != _CHALLENGE or len(payload) != NONCE_BYTES + PROOF_BYTES:
-            raise AuthenticationError(f"{host}:{port} did not answer the credential challenge (frame kind {kind}); "
-                                      f"our metadata was not sent")
-        server_nonce, proof = payload[:NONCE_BYTES], payload[NONCE_BYTES:]
-        if not credential.verify(proof, b"server", client_nonce, server_nonce):
-            raise AuthenticationError(f"{host}:{port} did not prove the cluster secret; our metadata was not sent")
-        _write_frame(sock, _PROVE, credential.proof(b"client", client_nonce, server_nonce, metadata) + metadata,
-                     deadline)
-        kind, payload = _read_frame(sock, deadline)
-        if kind == _PROVEN:
-            proof, md = payload[:PROOF_BYTES], payload[PROOF_BYTES:]
-            if len(proof) != PROOF_BYTES or not credential.verify(proof, b"reply", client_nonce, server_nonce, md):
-                raise AuthenticationError(f"{host}:{port} answered with metadata that does not carry its proof")
-            return md
-        ok = _PROVEN
+def _exchange_plain(sock: socket.socket, host: str, port: int, metadata: bytes, credential: Credential | None,
+                    deadline: float) -> Meeting:
+    _write_frame(sock, _REQUEST, metadata, deadline)
+    kind, payload = _read_frame(sock, deadline, {_REPLY_OK: MAX_FRAME_BYTES, _REPLY_ERROR: _MAX_REASON_BYTES})
+    if kind == _REPLY_OK:
+        return Meeting(payload)
+    if payload == _REFUSED:
+        if credential is None:  # we have nothing it could have refused: say what is missing
+            raise AuthenticationError(f"{host}:{port} refused us: credential mismatch: it requires a cluster "
+                                      f"credential and we have none (set the shared secret and/or TLS files)")
+        # TLS alone passed (else we would not be here): it wants the shared secret too
+        raise AuthenticationError(f"{host}:{port} refused us: credential mismatch: it requires a shared secret and "
+                                  f"we have none (TLS only)")
+    raise RequestRejectedError(f"{host}:{port} refused our metadata: {payload.decode('utf-8', 'replace')}")
+
+
+def _exchange_secret(sock: socket.socket, host: str, port: int, metadata: bytes, credential: Credential,
+                     deadline: float) -> Meeting:
+    client_nonce = secrets.token_bytes(NONCE_BYTES)
+    hello = _write_frame(sock, _HELLO, client_nonce, deadline)
+    try:
+        kind, payload = _read_frame(sock, deadline, {_CHALLENGE: NONCE_BYTES + PROOF_BYTES,
+                                                     _REPLY_ERROR: len(_NO_SECRET)})
+    except _UnexpectedFrame as e:
+        raise AuthenticationError(f"{host}:{port} did not answer the credential challenge (frame kind {e.kind}); "
+                                  f"our metadata was not sent") from None
     if kind == _REPLY_ERROR:
-        if payload == _REFUSED:
-            raise AuthenticationError(f"{host}:{port} refused us: it did not accept our credential")
-        raise RequestRejectedError(f"{host}:{port} refused our metadata: {payload.decode('utf-8', 'replace')}")
-    raise ProtocolError(f"{host}:{port} answered with frame kind {kind}, expected {ok} or {_REPLY_ERROR}")
+        if payload == _NO_SECRET:
+            raise AuthenticationError(f"{host}:{port} refused us: credential mismatch: it has no shared secret "
+                                      f"and we have one; our metadata was not sent")
+        raise AuthenticationError(f"{host}:{port} refused our credential challenge; our metadata was not sent")
+    if len(payload) != NONCE_BYTES + PROOF_BYTES:
+        raise AuthenticationError(f"{host}:{port} sent a malformed challenge; our metadata was not sent")
+    server_nonce, proof = payload[:NONCE_BYTES], payload[NONCE_BYTES:]
+    if not credential.verify(proof, b"server", client_nonce, server_nonce, version=VERSION):
+        try:  # tell it why we leave (fixed bytes, nothing of ours): the mismatch reads as such on both sides
+            _write_frame(sock, _REPLY_ERROR, _OTHER_SECRET, deadline)
+        except (OSError, TimeoutError):
+            pass
+        raise AuthenticationError(f"{host}:{port} did not prove the cluster secret (credential mismatch: another "
+                                  f"secret, or not a member); our metadata was not sent")
+    keys = credential.session_keys(True, client_nonce, server_nonce, hello + _frame(_CHALLENGE, payload), VERSION)
+    out = seal(keys.seal_send, metadata, _SEAL_PROVE)
+    _write_frame(sock, _PROVE, credential.proof(b"client", client_nonce, server_nonce, out, VERSION) + out, deadline)
+    kind, payload = _read_frame(sock, deadline, {_PROVEN: PROOF_BYTES + SEAL_OVERHEAD + MAX_FRAME_BYTES,
+                                                 _SEALED_ERROR: PROOF_BYTES + SEAL_OVERHEAD + _MAX_REASON_BYTES,
+                                                 _REPLY_ERROR: len(_REFUSED)})
+    if kind == _REPLY_ERROR:
+        raise AuthenticationError(f"{host}:{port} refused us: it did not accept our credential")
+    proof, sealed = payload[:PROOF_BYTES], payload[PROOF_BYTES:]
+    role, label = (b"reply", _SEAL_PROVEN) if kind == _PROVEN else (b"refusal", _SEAL_REFUSAL)
+    if len(proof) != PROOF_BYTES or not credential.verify(proof, role, client_nonce, server_nonce, sealed, VERSION):
+        raise AuthenticationError(f"{host}:{port} answered with a payload that does not carry its proof")
+    plain = unseal(keys.seal_recv, sealed, label)
+    if kind == _SEALED_ERROR:
+        raise RequestRejectedError(f"{host}:{port} refused our metadata: {plain.decode('utf-8', 'replace')}")
+    return Meeting(plain, keys.pair)
+
+
+def _exchange_once(sock: socket.socket, host: str, port: int, metadata: bytes, credential: Credential | None,
+                   deadline: float) -> Meeting:
+    """One attempt on a connected socket; raises what :func:`meet` documents."""
+    try:
+        if credential is None or not credential.has_secret:
+            return _exchange_plain(sock, host, port, metadata, credential, deadline)
+        return _exchange_secret(sock, host, port, metadata, credential, deadline)
+    except _UnexpectedFrame as e:
+        raise ProtocolError(f"{host}:{port} answered with {e}") from None
 
 
 def exchange_metadata(host: str, port: int, metadata: bytes, *, credential: Credential | None = None,
                       timeout_s: float = 5.0, attempts: int = 3, backoff_s: float = 0.2) -> bytes:
-    """Send our metadata to the :class:`MetadataServer` on ``host:port``; return its metadata.
+    """The server's metadata from :func:`meet` (same arguments, same errors)."""
+    return meet(host, port, metadata, credential=credential, timeout_s=timeout_s, attempts=attempts,
+                backoff_s=backoff_s).metadata
+
+
+def meet(host: str, port: int, metadata: bytes, *, credential: Credential | None = None,
+         timeout_s: float = 5.0, attempts: int = 3, backoff_s: float = 0.2) -> Meeting:
+    """Send our metadata to the :class:`MetadataServer` on ``host:port``; return its metadata and
+    the pair's keys (a :class:`Meeting`).
 
     With a ``credential`` the server must prove it (TLS certificate and/or the secret's proof)
-    before our metadata leaves, and we prove it in turn; without one, a warning is logged once.
+    before our metadata leaves, and we prove it in turn; with the secret both metadata travel
+    sealed under the meeting's session keys. Without one, a warning is logged once.
     Each attempt must finish within ``timeout_s``; an unreachable or silent server is retried
     ``attempts`` times with a doubling ``backoff_s`` pause. Raises
     :class:`~kvtriton.errors.PeerDisconnectedError` when no attempt got an answer,
-    :class:`~kvtriton.errors.AuthenticationError` when either side's proof failed (not retried),
+    :class:`~kvtriton.errors.AuthenticationError` when either side's proof failed or the two
+    credentials differ (the message says "credential mismatch"; not retried),
     :class:`~kvtriton.errors.RequestRejectedError` when the server refused our metadata (its
     reason is in the message; not retried), :class:`~kvtriton.errors.ProtocolError` for a reply
-    that is not a handshake frame.
+    that is not a handshake frame of this version.
     """
     global _warned_client
     if attempts < 1:
@@ -407,6 +569,9 @@ def exchange_metadata(host: str, port: int, metadata: bytes, *, credential: Cred
         deadline = time.monotonic() + timeout_s
         try:
             with socket.create_connection((host, port), timeout=timeout_s) as raw:
+                # small frames, each waited for: Nagle's wait for the peer's delayed ACK cost
+                # ~40 ms a round with TLS and the secret together
+                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if ctx is None:
                     return _exchange_once(raw, host, port, metadata, credential, deadline)
                 with ctx.wrap_socket(raw, server_hostname=host, do_handshake_on_connect=False) as sock:
