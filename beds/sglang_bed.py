@@ -1,7 +1,7 @@
 """SGLang's real disaggregation classes in child processes, for the backend's conformance tests.
 
 Runs in the SGLang test bed's interpreter (``make sglang-bed``), never in the main one: it
-imports SGLang. ``python -m kvtriton.testing.sglang_bed CASE`` plays one case and prints one
+imports SGLang. ``python -m beds.sglang_bed CASE`` plays one case and prints one
 JSON line (``tests/test_sglang_conformance.py`` runs it and asserts on that line).
 
 Each rank is a process of its own (``spawn``) holding what an SGLang scheduler would hand the
@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from .child import AgentChild, ChildProcess
+from kvtriton.testing.child import AgentChild, ChildProcess
 
 __all__ = ["CASES", "run_case"]
 
@@ -71,7 +71,7 @@ def _rank_main(conn, role: str, rank: int, tp: int, cfg: dict) -> None:
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
-    from ..integrations.sglang import plugin
+    from kvtriton.integrations.sglang import plugin
 
     plugin.register()  # what SGLang's loader does in each process, before parsing arguments
     kv_class = disagg_utils.get_kv_class  # the hooked one (a name bound before the hook would be SGLang's)
@@ -220,7 +220,7 @@ class Engine:
             # up before any rank registers (a rank that starts first would exhaust its retries)
             from sglang.srt.disaggregation import utils as disagg_utils
 
-            from ..integrations.sglang import plugin
+            from kvtriton.integrations.sglang import plugin
 
             plugin.register()
             cls = disagg_utils.get_kv_class(disagg_utils.TransferBackend("kvtriton"),
@@ -316,9 +316,9 @@ def _rogue(prefill: Engine, decode: Engine, room: int, seed: int, n_tokens: int,
 
     import zmq
 
-    from ..integrations.sglang.messages import STATUS_TAG, Abort, Ready, Want
-    from ..integrations.sglang.signing import KEY_PURPOSE, ControlSigner
-    from ..protocol.auth import Credential
+    from kvtriton.integrations.sglang.messages import STATUS_TAG, Abort, Ready, Want
+    from kvtriton.integrations.sglang.signing import KEY_PURPOSE, ControlSigner
+    from kvtriton.protocol.auth import Credential
 
     n_pages = -(-n_tokens // PAGE)
     d_pages, p_pages = _room_pages(rng, n_pages), _room_pages(rng, n_pages)

@@ -1,4 +1,4 @@
-"""``python -m kvtriton.testing.sglang_launch ARGS``: SGLang's ``python -m sglang.launch_server ARGS``
+"""``python -m beds.sglang_launch ARGS``: SGLang's ``python -m sglang.launch_server ARGS``
 with the test bed's hooks (:mod:`.sglang_hooks`) installed in every process of the server.
 
 Why a wrapper and not a plugin: SGLang spawns its scheduler processes (``mp`` start method
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-from kvtriton.testing import sglang_hooks
+from beds import sglang_hooks
 
 sglang_hooks.install()
 

@@ -1,6 +1,6 @@
 """Real SGLang servers on this CPU for the SGLang backend's Tier 2 tests and ``bench/pd_sglang.py``.
 
-Each server is ``python -m kvtriton.testing.sglang_launch`` (SGLang's own ``launch_server`` with
+Each server is ``python -m beds.sglang_launch`` (SGLang's own ``launch_server`` with
 the bed's observing hooks, :mod:`.sglang_hooks`) in the SGLang test bed's Python (``make
 sglang-bed``), run on CPU the one way SGLang runs without its CUDA kernels: ``SGLANG_USE_CPU_ENGINE=1
 --device cpu --attention-backend torch_native --disable-overlap-schedule``, gloo between TP ranks,
@@ -43,6 +43,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from . import child_env
 from .vllm_bed import engine_cpus, free_port_range
 from .vllm_models import TinyLlama
 
@@ -60,8 +61,8 @@ CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable
 def make_model(python: str, path: str | os.PathLike, model: TinyLlama = SGLANG_LLAMA, timeout_s: float = 300) -> Path:
     """Write the tiny Llama to ``path`` with the bed's Python (which has transformers)."""
     path = Path(path)
-    subprocess.run([python, "-m", "kvtriton.testing.vllm_models", "llama", str(path), json.dumps(model.__dict__)],
-                   check=True, timeout=timeout_s, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    subprocess.run([python, "-m", "beds.vllm_models", "llama", str(path), json.dumps(model.__dict__)],
+                   check=True, timeout=timeout_s, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=child_env())
     return path
 
 
@@ -126,7 +127,7 @@ class ServerProcess:
         log_dir.mkdir(parents=True, exist_ok=True)
         events = BedEvents(log_dir / f"{name}.events")
         port, nccl = free_port_range(1), free_port_range(1)
-        cmd = [python, "-m", "kvtriton.testing.sglang_launch", "--model-path", str(model_dir),
+        cmd = [python, "-m", "beds.sglang_launch", "--model-path", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--tp", str(tp), "--nccl-port", str(nccl),
                "--page-size", str(page_size), "--max-total-tokens", str(max_total_tokens), *CPU_ARGS]
         bootstrap = None
@@ -140,8 +141,8 @@ class ServerProcess:
                 bootstrap = free_port_range(tp + 2)
                 cmd += ["--disaggregation-bootstrap-port", str(bootstrap)]
         cmd += list(extra_args)
-        child_env = dict(os.environ)
-        child_env.update({
+        env_out = child_env()
+        env_out.update({
             "SGLANG_USE_CPU_ENGINE": "1", "SGLANG_CPU_OMP_THREADS_BIND": cpus or engine_cpus(tp, 0, 1),
             "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1", "GLOO_SOCKET_IFNAME": "lo", "SGLANG_HOST_IP": "127.0.0.1",
@@ -152,16 +153,16 @@ class ServerProcess:
             # as on a CPU torch build (pynccl.py:73-79)
             "SGLANG_NCCL_SO_PATH": "/nonexistent/kvtriton-bed-no-nccl.so",
         })
-        child_env.pop("TRITON_INTERPRET", None)
-        child_env.update(env or {})
+        env_out.pop("TRITON_INTERPRET", None)
+        env_out.update(env or {})
         if not real_kernels:
-            child_env["PYTHONPATH"] = os.pathsep.join([str(CPU_OPS), *filter(None, [child_env.get("PYTHONPATH")])])
+            env_out["PYTHONPATH"] = os.pathsep.join([str(CPU_OPS), *filter(None, [env_out.get("PYTHONPATH")])])
         log_path = log_dir / f"{name}.log"
         with open(log_path, "w") as log:
             log.write("$ " + " ".join(cmd) + "\n")
             log.flush()
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=child_env, start_new_session=True)
+                                    env=env_out, start_new_session=True)
         server = cls(proc, log_path, f"http://127.0.0.1:{port}", events, tp, bootstrap)
         try:
             server.wait_ready(timeout_s)

@@ -39,8 +39,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from . import child_env
 from .vllm_models import TinyLlama, make_tiny_llama
 
 __all__ = ["EngineProcess", "make_tiny_llama", "TinyLlama", "engine_cpus", "free_port_range"]
@@ -113,7 +115,7 @@ class EngineProcess:
               engine_options: dict | None = None, patches: tuple[str, ...] = (), log_stats: bool = False,
               keep_loads: bool = True, timeout_s: float = 240.0) -> EngineProcess:
         log_path = Path(log_dir) / f"{name}.log"
-        cmd = [python, "-m", "kvtriton.testing.vllm_bed", "--model", str(model_dir), "--tp", str(tp),
+        cmd = [python, "-m", "beds.vllm_bed", "--model", str(model_dir), "--tp", str(tp),
                "--connector", connector, "--role", role, "--port", str(port), "--block-size", str(block_size),
                "--max-model-len", str(max_model_len), "--extra", json.dumps(extra or {}),
                "--engine-options", json.dumps(engine_options or {}), "--patches", ",".join(patches)]
@@ -123,19 +125,19 @@ class EngineProcess:
             cmd.append("--log-stats")
         if not keep_loads:
             cmd.append("--no-keep-loads")
-        child_env = dict(os.environ)
-        child_env.update({
+        env_out = child_env()
+        env_out.update({
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "OMP_WAIT_POLICY": "PASSIVE",
             "VLLM_CPU_OMP_THREADS_BIND": cpus or ("|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
                                                   if tp > 1 else "all"),
             "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         })
-        child_env.pop("TRITON_INTERPRET", None)
-        child_env.update(env or {})
+        env_out.pop("TRITON_INTERPRET", None)
+        env_out.update(env or {})
         log = open(log_path, "w")
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                                env=child_env, start_new_session=True)
+                                env=env_out, start_new_session=True)
         bed = cls(proc, log_path, {})
         try:
             bed.info = bed._read(timeout_s)
@@ -203,15 +205,9 @@ class EngineProcess:
 def _child(args) -> None:
     import logging
 
-    import torch
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
     logging.basicConfig(stream=sys.stderr, level=logging.INFO)
     if os.environ.get("KVTRITON_DEBUG"):
         logging.getLogger("kvtriton").setLevel(logging.DEBUG)
-    kv_config = None
-    extra = json.loads(args.extra)
     if os.environ.get("KVTRITON_BED_TRACE"):
         _trace_connector_calls()
     if os.environ.get("KVTRITON_BED_WATCHDOG"):
@@ -221,6 +217,13 @@ def _child(args) -> None:
 
         faulthandler.dump_traceback_later(3, repeat=True,
                                           file=open(f"{os.environ['KVTRITON_BED_STACKS']}.{os.getpid()}", "w"))
+    _BedEngine(args).serve()
+
+
+def _kv_config(args) -> dict | None:
+    """vLLM's ``kv_transfer_config`` for ``--connector`` (None: no connector)."""
+    kv_config = None
+    extra = json.loads(args.extra)
     if args.connector in ("kvtriton", "kvtriton-plugin"):
         kv_config = {"kv_connector": "KVTritonConnector", "kv_connector_module_path": "kvtriton.integrations.vllm",
                      "kv_role": args.role, "kv_load_failure_policy": "recompute",
@@ -241,163 +244,191 @@ def _child(args) -> None:
         vllm_patches.apply(args.patches.split(","))
         if kv_config is not None and args.connector in ("kvtriton", "nixl"):  # NixlConnector's workers too
             kv_config["kv_connector_module_path"] = vllm_patches.__name__
-    options = {"dtype": "float32", **json.loads(args.engine_options)}
-    llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True,
-              block_size=args.block_size, tensor_parallel_size=args.tp, max_model_len=args.max_model_len,
-              distributed_executor_backend="mp" if args.tp > 1 else None, enable_prefix_caching=False,
-              kv_transfer_config=kv_config, seed=0, disable_log_stats=not args.log_stats, **options)
-    engine = llm.llm_engine
-    core = engine.engine_core.engine_core
-    sched = core.scheduler
-    scheduled: dict[str, int] = {}  # request id -> prompt tokens the engine computed
-    schedule = sched.schedule
+    return kv_config
 
-    def counting_schedule(*a, **kw):
-        out = schedule(*a, **kw)
+
+def _owns(rid: str, ext_id: str) -> bool:
+    """Whether engine request ``rid`` is external request ``ext_id`` (vLLM may add a ``-suffix``)."""
+    return rid == ext_id or rid.rsplit("-", 1)[0] == ext_id
+
+
+class _BedEngine:
+    """One vLLM engine in the child, answering the parent's JSON lines: ``{"op": ...}`` picks a
+    handler from :attr:`commands`, whose dict is the answer (``exit`` ends the loop)."""
+
+    def __init__(self, args):
+        import torch
+        from vllm import LLM
+
+        self.args = args
+        self.kv_config = _kv_config(args)
+        options = {"dtype": "float32", **json.loads(args.engine_options)}
+        llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True,
+                  block_size=args.block_size, tensor_parallel_size=args.tp, max_model_len=args.max_model_len,
+                  distributed_executor_backend="mp" if args.tp > 1 else None, enable_prefix_caching=False,
+                  kv_transfer_config=self.kv_config, seed=0, disable_log_stats=not args.log_stats, **options)
+        self.torch_version = torch.__version__
+        self.engine = llm.llm_engine
+        self.sched = self.engine.engine_core.engine_core.scheduler
+        self.scheduled: dict[str, int] = {}  # request id -> prompt tokens the engine computed
+        self._schedule = self.sched.schedule
+        self.sched.schedule = self._counting_schedule  # the scheduler's own outputs: what the engine really computed
+        self.block_pool = self.sched.kv_cache_manager.block_pool
+        self.total_blocks = self.block_pool.get_num_free_blocks()
+        self.submitted: dict[str, tuple[int, float]] = {}
+        self.first_token: dict[str, float] = {}
+        self.finished: dict[str, dict] = {}
+        if args.connector == "nixl":
+            self.connector_rpc("count_nixl_descriptors")
+        if args.connector != "none":
+            self.connector_rpc("time_loads", not args.no_keep_loads)
+        self.kv_in: dict[str, float] = {}  # request id -> when the scheduler learned its KV is loaded
+        self._kv_finished = self.sched._update_from_kv_xfer_finished
+        self.sched._update_from_kv_xfer_finished = self._timed_kv_finished
+        self.commands: dict[str, Callable[[dict], dict]] = {
+            "generate": self.generate, "submit": self.submit_steps, "abort": self.abort, "drain": self.drain,
+            "state": self.state, "load_times": self.load_times,
+            "agent_stats": lambda cmd: {"stats": self.connector_rpc("agent_stats")},
+            "transfer_stats": lambda cmd: {"stats": self.connector_rpc("transfer_stats")},
+            "digest": lambda cmd: {"digests": self.connector_rpc("digest", cmd["block_ids"], cmd["num_tokens"],
+                                                                 cmd.get("loaded"))},
+            "loaded_blocks": lambda cmd: {"loads": self.connector_rpc("loaded_blocks")},
+            # this process's Prometheus registry, as vLLM's /metrics would serve it
+            "metrics": lambda cmd: {"samples": _samples(cmd.get("prefix", "vllm:"))},
+            "debug_state": lambda cmd: {"states": self.connector_rpc("debug_state")},
+            "scramble": lambda cmd: {"scrambled": self.connector_rpc("scramble", cmd["block_ids"], cmd.get("seed", 0))},
+        }
+
+    # ------------------------------------------------------------------ the engine's hooks
+    def _counting_schedule(self, *a, **kw):
+        out = self._schedule(*a, **kw)
         # the prompt positions among each step's tokens: schedule() has already advanced
         # num_computed_tokens, so the step covered [after - n, after); tokens past the prompt
         # (decode steps, speculative draft tokens) are not prompt tokens
         for rid, n in out.num_scheduled_tokens.items():
-            req = sched.requests.get(rid)
+            req = self.sched.requests.get(rid)
             if req is None:
                 continue
             after, prompt = req.num_computed_tokens, req.num_prompt_tokens
-            scheduled[rid] = scheduled.get(rid, 0) + max(0, min(after, prompt) - (after - n))
+            self.scheduled[rid] = self.scheduled.get(rid, 0) + max(0, min(after, prompt) - (after - n))
         return out
 
-    sched.schedule = counting_schedule  # the scheduler's own outputs: what the engine really computed
-    block_pool = sched.kv_cache_manager.block_pool
-    total_blocks = block_pool.get_num_free_blocks()
+    def _timed_kv_finished(self, kv_connector_output):
+        now = time.perf_counter()
+        for rid in kv_connector_output.finished_recving or ():
+            self.kv_in.setdefault(rid, now)
+        return self._kv_finished(kv_connector_output)
 
-    def computed_for(ext_id: str) -> int:
-        return sum(n for rid, n in scheduled.items() if rid == ext_id or rid.rsplit("-", 1)[0] == ext_id)
-
-    def submit(reqs):
-        for r in reqs:
-            extra_args = {"kv_transfer_params": r["kv_transfer_params"]} if r.get("kv_transfer_params") else None
-            sp = SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
-                                extra_args=extra_args)
-            engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]), sp)
-            submitted[r["id"]] = (len(r["prompt"]), time.perf_counter())
-
-    def step_until(ids, timeout_s):
-        deadline = time.monotonic() + timeout_s
-        while any(i not in finished for i in ids):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"requests {sorted(set(ids) - set(finished))} did not finish in {timeout_s} s")
-            for o in engine.step():
-                if o.outputs and o.outputs[0].token_ids and o.request_id not in first_token:
-                    first_token[o.request_id] = time.perf_counter()
-                if o.finished:
-                    n_prompt, t0 = submitted.get(o.request_id, (len(o.prompt_token_ids or ()), time.perf_counter()))
-                    toks = list(o.outputs[0].token_ids) if o.outputs else []
-                    finished[o.request_id] = {
-                        "id": o.request_id, "tokens": toks, "kv_transfer_params": o.kv_transfer_params,
-                        "finish_reason": o.outputs[0].finish_reason if o.outputs else None,
-                        "seconds": time.perf_counter() - t0,
-                        "ttft_s": first_token.pop(o.request_id, time.perf_counter()) - t0,
-                        # prompt tokens this engine computed (counted per step, see counting_schedule)
-                        "prompt_computed": computed_for(o.request_id),
-                    }
-
-    def connector_rpc(fn_name, *a):
+    def connector_rpc(self, fn_name, *a):
         def call(worker, name=fn_name, args=a):
             from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
             if not has_kv_transfer_group():
                 return None
-            from kvtriton.testing.vllm_hooks import BedHooks
+            from beds.vllm_hooks import BedHooks
 
             return getattr(BedHooks, name)(get_kv_transfer_group(), *args)
-        return engine.collective_rpc(call)
+        return self.engine.collective_rpc(call)
 
-    submitted: dict[str, tuple[int, float]] = {}
-    first_token: dict[str, float] = {}
-    if args.connector == "nixl":
-        connector_rpc("count_nixl_descriptors")
-    if args.connector != "none":
-        connector_rpc("time_loads", not args.no_keep_loads)
-    kv_in: dict[str, float] = {}  # request id -> when the scheduler learned its KV is loaded
-    kv_finished = sched._update_from_kv_xfer_finished
+    def _computed_for(self, ext_id: str) -> int:
+        return sum(n for rid, n in self.scheduled.items() if _owns(rid, ext_id))
 
-    def timed_kv_finished(kv_connector_output):
-        now = time.perf_counter()
-        for rid in kv_connector_output.finished_recving or ():
-            kv_in.setdefault(rid, now)
-        return kv_finished(kv_connector_output)
+    def _submit(self, reqs) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
-    sched._update_from_kv_xfer_finished = timed_kv_finished
+        for r in reqs:
+            extra_args = {"kv_transfer_params": r["kv_transfer_params"]} if r.get("kv_transfer_params") else None
+            sp = SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
+                                extra_args=extra_args)
+            self.engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]), sp)
+            self.submitted[r["id"]] = (len(r["prompt"]), time.perf_counter())
 
-    def load_times(ext_ids):
+    def _step_until(self, ids, timeout_s) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(i not in self.finished for i in ids):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests {sorted(set(ids) - set(self.finished))} did not finish in {timeout_s} s")
+            for o in self.engine.step():
+                if o.outputs and o.outputs[0].token_ids and o.request_id not in self.first_token:
+                    self.first_token[o.request_id] = time.perf_counter()
+                if o.finished:
+                    n_prompt, t0 = self.submitted.get(o.request_id,
+                                                      (len(o.prompt_token_ids or ()), time.perf_counter()))
+                    toks = list(o.outputs[0].token_ids) if o.outputs else []
+                    self.finished[o.request_id] = {
+                        "id": o.request_id, "tokens": toks, "kv_transfer_params": o.kv_transfer_params,
+                        "finish_reason": o.outputs[0].finish_reason if o.outputs else None,
+                        "seconds": time.perf_counter() - t0,
+                        "ttft_s": self.first_token.pop(o.request_id, time.perf_counter()) - t0,
+                        # prompt tokens this engine computed (counted per step, see _counting_schedule)
+                        "prompt_computed": self._computed_for(o.request_id),
+                    }
+
+    # ------------------------------------------------------------------ the commands
+    def generate(self, cmd: dict) -> dict:
+        self._submit(cmd["requests"])
+        ids = [r["id"] for r in cmd["requests"]]
+        self._step_until(ids, cmd.get("seconds", 300))
+        return {"outputs": [self.finished.pop(i) for i in ids]}
+
+    def submit_steps(self, cmd: dict) -> dict:
+        self._submit(cmd["requests"])
+        for _ in range(cmd.get("steps", 1)):
+            self.engine.step()
+        return {"ok": True}
+
+    def abort(self, cmd: dict) -> dict:
+        self.engine.abort_request(cmd["ids"])
+        return {"ok": True}
+
+    def drain(self, cmd: dict) -> dict:
+        """Step until no request is left or the time is up."""
+        deadline = time.monotonic() + cmd.get("seconds", 30)
+        while (self.engine.has_unfinished_requests() or self.sched.has_requests()) and time.monotonic() < deadline:
+            self.engine.step()
+            time.sleep(cmd.get("pause_s", 0.005))
+        return {"ok": True, "requests": len(self.sched.requests)}
+
+    def state(self, cmd: dict) -> dict:
+        return {"free_blocks": self.block_pool.get_num_free_blocks(), "total_blocks": self.total_blocks,
+                "requests": len(self.sched.requests), "staging_in_use": self.connector_rpc("staging_in_use")}
+
+    def load_times(self, cmd: dict) -> dict:
         """Per request: ``worker_s`` = first start_load_kv on any rank to the last rank reporting
         it loaded; ``scheduler_s`` = submitted to the scheduler learning it is loaded."""
-        per_rank = connector_rpc("load_times") or []
+        ext_ids = cmd["ids"]
+        per_rank = self.connector_rpc("load_times") or []
         out = {}
         for ext in ext_ids:
-            own = lambda rid, ext=ext: rid == ext or rid.rsplit("-", 1)[0] == ext  # noqa: E731
-            spans = [t for r in per_rank for rid, t in (r or {}).items() if own(rid)]
-            seen = [t for rid, t in kv_in.items() if own(rid)]
-            t_sub = submitted.get(ext, (0, None))[1]
+            spans = [t for r in per_rank for rid, t in (r or {}).items() if _owns(rid, ext)]
+            seen = [t for rid, t in self.kv_in.items() if _owns(rid, ext)]
+            t_sub = self.submitted.get(ext, (0, None))[1]
             out[ext] = {"worker_s": max(t[1] for t in spans) - min(t[0] for t in spans) if spans else None,
                         "scheduler_s": seen[0] - t_sub if seen and t_sub is not None else None,
                         "ranks": len(spans)}
-        for rid in [rid for rid in kv_in if any(rid == e or rid.rsplit("-", 1)[0] == e for e in ext_ids)]:
-            del kv_in[rid]
-        return out
-    finished: dict[str, dict] = {}
-    _say({"ready": True, "total_blocks": total_blocks, "engine_id": kv_config.get("engine_id") if kv_config else None,
-          "pid": os.getpid(), "torch": torch.__version__,
-          "kvtriton": sys.modules["kvtriton"].__file__})  # which checkout the engine runs (PYTHONPATH)
-    for line in sys.stdin:
-        try:
-            cmd = json.loads(line)
-            op = cmd["op"]
-            if op == "exit":
-                _say({"ok": True})
-                break
-            if op == "generate":
-                submit(cmd["requests"])
-                ids = [r["id"] for r in cmd["requests"]]
-                step_until(ids, cmd.get("seconds", 300))
-                _say({"outputs": [finished.pop(i) for i in ids]})
-            elif op == "submit":
-                submit(cmd["requests"])
-                for _ in range(cmd.get("steps", 1)):
-                    engine.step()
-                _say({"ok": True})
-            elif op == "abort":
-                engine.abort_request(cmd["ids"])
-                _say({"ok": True})
-            elif op == "drain":  # step until no request is left or the time is up
-                deadline = time.monotonic() + cmd.get("seconds", 30)
-                while (engine.has_unfinished_requests() or sched.has_requests()) and time.monotonic() < deadline:
-                    engine.step()
-                    time.sleep(cmd.get("pause_s", 0.005))
-                _say({"ok": True, "requests": len(sched.requests)})
-            elif op == "state":
-                _say({"free_blocks": block_pool.get_num_free_blocks(), "total_blocks": total_blocks,
-                      "requests": len(sched.requests), "staging_in_use": connector_rpc("staging_in_use")})
-            elif op == "agent_stats":
-                _say({"stats": connector_rpc("agent_stats")})
-            elif op == "load_times":
-                _say({"times": load_times(cmd["ids"])})
-            elif op == "transfer_stats":
-                _say({"stats": connector_rpc("transfer_stats")})
-            elif op == "digest":
-                _say({"digests": connector_rpc("digest", cmd["block_ids"], cmd["num_tokens"], cmd.get("loaded"))})
-            elif op == "loaded_blocks":
-                _say({"loads": connector_rpc("loaded_blocks")})
-            elif op == "metrics":  # this process's Prometheus registry, as vLLM's /metrics would serve it
-                _say({"samples": _samples(cmd.get("prefix", "vllm:"))})
-            elif op == "debug_state":
-                _say({"states": connector_rpc("debug_state")})
-            elif op == "scramble":
-                _say({"scrambled": connector_rpc("scramble", cmd["block_ids"], cmd.get("seed", 0))})
-            else:
-                _say({"error": f"unknown op {op!r}"})
-        except Exception as e:  # noqa: BLE001 - report, keep serving
-            import traceback
-            traceback.print_exc()
-            _say({"error": f"{type(e).__name__}: {e}"})
+        for rid in [rid for rid in self.kv_in if any(_owns(rid, e) for e in ext_ids)]:
+            del self.kv_in[rid]
+        return {"times": out}
+
+    # ------------------------------------------------------------------ the loop
+    def serve(self) -> None:
+        _say({"ready": True, "total_blocks": self.total_blocks,
+              "engine_id": self.kv_config.get("engine_id") if self.kv_config else None,
+              "pid": os.getpid(), "torch": self.torch_version,
+              "kvtriton": sys.modules["kvtriton"].__file__})  # which checkout the engine runs (PYTHONPATH)
+        for line in sys.stdin:
+            try:
+                cmd = json.loads(line)
+                op = cmd["op"]
+                if op == "exit":
+                    _say({"ok": True})
+                    break
+                handler = self.commands.get(op)
+                _say(handler(cmd) if handler is not None else {"error": f"unknown op {op!r}"})
+            except Exception as e:  # noqa: BLE001 - report, keep serving
+                import traceback
+                traceback.print_exc()
+                _say({"error": f"{type(e).__name__}: {e}"})
 
 
 def _samples(prefix: str) -> list[dict]:
@@ -487,7 +518,7 @@ def main(argv=None) -> None:
     p.add_argument("--engine-id", default=None)
     p.add_argument("--extra", default="{}")
     p.add_argument("--engine-options", default="{}", help="JSON: more keyword arguments for LLM(...)")
-    p.add_argument("--patches", default="", help="comma-separated names from kvtriton.testing.vllm_patches")
+    p.add_argument("--patches", default="", help="comma-separated names from beds.vllm_patches")
     p.add_argument("--log-stats", action="store_true", help="vLLM's stat loggers on (Prometheus registry: op metrics)")
     p.add_argument("--no-keep-loads", action="store_true",
                    help="no copy of each load's blocks (the byte oracle's input): benches, where the copy "

@@ -13,7 +13,7 @@ writes a config + safetensors folder once (an existing ``config.json`` is kept).
 
 From a shell (the bed's Python)::
 
-    python -m kvtriton.testing.vllm_models deepseek /tmp/ds '{"layers": 2}'
+    python -m beds.vllm_models deepseek /tmp/ds '{"layers": 2}'
 """
 
 from __future__ import annotations

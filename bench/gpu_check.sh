@@ -97,7 +97,7 @@ if ! step install 180 bash -c '"$0" -m pip install -q --no-index --no-deps --no-
 fi
 
 # 3. 16-byte accesses in the sm_90 PTX this Triton produces (no GPU needed).
-step ptx 180 "$PY" tests/ptx_check.py
+step ptx 180 "$PY" scripts/ptx_check.py
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>> "$LOG"; then
     (( FAILED )) && finish 1 "no CUDA device, and a step above FAILED"

@@ -1,14 +1,14 @@
 """Prefill/decode disaggregation on real SGLang servers: kvtriton's backend or SGLang's own nixl.
 
 Starts a plain server (the reference), then a prefill server and a decode server (SGLang 0.5.23 on
-CPU, the test bed from ``make sglang-bed``; :mod:`kvtriton.testing.sglang_servers`) with
+CPU, the test bed from ``make sglang-bed``; :mod:`beds.sglang_servers`) with
 ``--disaggregation-transfer-backend BACKEND`` on the bed's tiny Llama, and posts each prompt as
 SGLang's router does (one body to both servers, one bootstrap room per request), one request at a
 time. Per request it reports:
 
 * ``kv_loaded_ms``: the prefill's last ``send()`` of the request (its KV is computed) to the last
   decode rank's receiver polling ``Success`` (the same hooks for any backend:
-  :mod:`kvtriton.testing.sglang_hooks`; wall clocks of one host);
+  :mod:`beds.sglang_hooks`; wall clocks of one host);
 * ``receiver_ms``: the first decode receiver made to the last one done (includes the prefill);
 * ``descriptors``: descriptors handed to NIXL by both servers' ranks for the request (counted at
   NIXL's ``initialize_xfer``/``make_prepped_xfer``, so any backend is counted alike) and, for
@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvtriton.testing.sglang_servers import (  # noqa: E402
+from beds.sglang_servers import (  # noqa: E402
     SGLANG_LLAMA,
     ServerProcess,
     engine_cpus,

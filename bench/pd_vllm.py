@@ -50,14 +50,15 @@ sys.path.insert(0, str(ROOT))
 
 from report import fmt_ms, median_known, pd_vllm_table  # noqa: E402  bench/report.py
 
-from kvtriton.testing.vllm_bed import EngineProcess, TinyLlama, engine_cpus, free_port_range  # noqa: E402
-from kvtriton.testing.vllm_models import TinyDeepseek  # noqa: E402
+from beds import child_env  # noqa: E402
+from beds.vllm_bed import EngineProcess, TinyLlama, engine_cpus, free_port_range  # noqa: E402
+from beds.vllm_models import TinyDeepseek  # noqa: E402
 
 DEFAULT_VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 
 # vLLM CPU: MLA runs on CPU_MLA (named: AMX_MLA would be picked on AMX hosts) at block 16, with the
 # rotary custom op off (it is wrong for DeepSeek's 3-D q_pe); the mixed cache also needs the bed's
-# two capability patches (kvtriton/testing/vllm_patches.py)
+# two capability patches (beds/vllm_patches.py)
 MLA_OPTIONS = {"attention_config": {"backend": "CPU_MLA"}, "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
 MODEL_KINDS = ("llama", "deepseek", "llama+mla-draft")
 MIXED_PATCHES = ("cpu-attention-block-16", "mla-metadata-target-head-size")
@@ -331,14 +332,14 @@ def _close_all(engines) -> None:
 
 
 def _make(python: str, kind: str, path: Path, options: dict) -> Path:
-    """Write a tiny model with the bed's Python (kvtriton/testing/vllm_models.py); a model already
+    """Write a tiny model with the bed's Python (beds/vllm_models.py); a model already
     written there (same kind and shape: the folder is named by them) is reused, so the runs of
     :func:`compare` sharing a ``log_dir`` make it once."""
     done = path / ".made"
     if done.exists() and done.read_text() == json.dumps(options, sort_keys=True):
         return path
-    subprocess.run([python, "-m", "kvtriton.testing.vllm_models", kind, str(path), json.dumps(options)], check=True,
-                   timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([python, "-m", "beds.vllm_models", kind, str(path), json.dumps(options)], check=True,
+                   timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
     done.write_text(json.dumps(options, sort_keys=True))
     return path
 

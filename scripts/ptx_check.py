@@ -8,7 +8,7 @@ Triton we check, in the main venv, and on a GPU machine before anything is insta
 
 Prints one line per kernel (``name: N x op, ...``) and exits 0 when every access is 16 bytes wide,
 1 when not, 2 when this Triton has no CUDA backend able to compile.
-usage: python tests/ptx_check.py
+usage: python scripts/ptx_check.py
 """
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ import pytest
 import torch
 from test_handshake_auth import RogueListener  # a listener without the secret (tests/ is on sys.path)
 
+from beds.vllm_bed import free_port_range
 from kvtriton import Region
 from kvtriton.integrations.vllm.scheduler import LoadSpec, RemoteSource, SchedulerSide, StepMessages
 from kvtriton.integrations.vllm.settings import ConnectorSettings, SettingsError
 from kvtriton.integrations.vllm.worker import WorkerSide
 from kvtriton.protocol.allowlist import AllowlistError, PeerAllowlist
-from kvtriton.testing.vllm_bed import free_port_range
 
 pytestmark = pytest.mark.nixl
 BLOCKS, HEADS, BS, DIM = 16, 2, 4, 32

@@ -30,7 +30,7 @@ def test_kernels_compile_to_16_byte_accesses():
     staging side. A dropped or misplaced alignment hint compiles fine and runs correctly, just at a
     fraction of the bandwidth."""
     pytest.importorskip("triton.backends.nvidia.compiler")
-    res = subprocess.run([sys.executable, str(ROOT / "tests" / "ptx_check.py")], env=_env(), capture_output=True,
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "ptx_check.py")], env=_env(), capture_output=True,
                          text=True, timeout=300)
     if res.returncode == 2:
         pytest.skip(res.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 """Tier 1: SGLang's real disaggregation classes with the ``kvtriton`` backend, no model.
 
 Everything runs in the SGLang test bed (``make sglang-bed``): the plugin through SGLang's own
-plugin loader; the backend's refusals; and :mod:`kvtriton.testing.sglang_bed`, which starts the
+plugin loader; the backend's refusals; and :mod:`beds.sglang_bed`, which starts the
 prefill and decode ranks as separate processes holding SGLang's real pool and metadata buffers,
 SGLang's bootstrap server, and the manager, sender and receiver that
 ``get_kv_class`` returns, over real NIXL. Each case checks every byte of the decode pages and
@@ -17,8 +17,8 @@ import subprocess
 import pytest
 from sglang_bed_python import bed_env, sglang_bed_python
 
-from kvtriton.testing.sglang_bed import HEAD_DIM, HEADS, ITEM, LAYERS, MODEL_CONFIG, PAGE
-from kvtriton.testing.vllm_bed import free_port_range
+from beds.sglang_bed import HEAD_DIM, HEADS, ITEM, LAYERS, MODEL_CONFIG, PAGE
+from beds.vllm_bed import free_port_range
 
 pytestmark = [pytest.mark.sglang, pytest.mark.nixl]
 PY = sglang_bed_python()
@@ -123,7 +123,7 @@ def test_unsupported_cases_refused_at_start(tmp_path):
 def _run(case: str, tmp_path) -> dict:
     (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIG))
     base = free_port_range(60)
-    res = subprocess.run([PY, "-m", "kvtriton.testing.sglang_bed", case, "--base-port", str(base), "--model",
+    res = subprocess.run([PY, "-m", "beds.sglang_bed", case, "--base-port", str(base), "--model",
                           str(tmp_path)], env=bed_env(), capture_output=True, text=True, timeout=2400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return json.loads(res.stdout.strip().splitlines()[-1])

@@ -3,11 +3,11 @@
 
 A prefill server and a decode server of different TP sizes run SGLang's own scheduler, pools and
 bootstrap server with ``--disaggregation-transfer-backend kvtriton``; requests are posted as
-SGLang's router posts them (:func:`kvtriton.testing.sglang_servers.pd_generate`). Oracles: the decode's
+SGLang's router posts them (:func:`beds.sglang_servers.pd_generate`). Oracles: the decode's
 greedy tokens equal a non-disaggregated server's for prompts of several lengths that are not
 multiples of the page size; every decode rank's receiver reached Success and the agents posted
 descriptors for it (counted per request from their stats); a negative control (the prefill's
-source pages scrambled just before they are sent, :mod:`kvtriton.testing.sglang_hooks`) changes
+source pages scrambled just before they are sent, :mod:`beds.sglang_hooks`) changes
 the tokens, so the KV the decode used really travelled, then turned off they match again.
 """
 
@@ -17,7 +17,7 @@ import random
 import pytest
 from sglang_bed_python import bed_env, sglang_bed_python
 
-from kvtriton.testing.sglang_servers import ServerProcess, engine_cpus, make_model, pd_generate
+from beds.sglang_servers import ServerProcess, engine_cpus, make_model, pd_generate
 
 pytestmark = pytest.mark.sglang
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from vllm_bed_python import vllm_bed_python
 
-from kvtriton.testing.vllm_bed import EngineProcess, engine_cpus, free_port_range
+from beds import child_env
+from beds.vllm_bed import EngineProcess, engine_cpus, free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.vllm
@@ -35,9 +36,9 @@ D_EXTRA = {"timeout_s": 8.0, "handshake_timeout_s": 20.0, "handshake_attempts": 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([VLLM_PY, "-c", "import sys; from kvtriton.testing.vllm_bed import make_tiny_llama; "
+    subprocess.run([VLLM_PY, "-c", "import sys; from beds.vllm_bed import make_tiny_llama; "
                     "make_tiny_llama(sys.argv[1])", str(path)], check=True, timeout=300,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
     return path
 
 

@@ -9,7 +9,7 @@ its head of every block as one staged chunk (one descriptor each: 2 per request)
 receives every head of every block of the prompt (``blocks * 2 layers * K,V * 32 tokens * 2 heads
 * 32 * 4 bytes``). Requests go one at a time and the registry is read before and after each, so
 the values are checked per request, not only as sums; each transfer is also checked for tokens
-and bytes (:meth:`~kvtriton.testing.vllm_pair.EnginePair.transfer`).
+and bytes (:meth:`~beds.vllm_pair.EnginePair.transfer`).
 The failure case: a decode request naming a prefill request the prefill does not hold is
 rejected (counted once, by kind), and the held request it should have read expires on each
 prefill rank (one expired lease per rank).
@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 from vllm_bed_python import vllm_bed_python
 
-from kvtriton.testing.vllm_bed import TinyLlama
-from kvtriton.testing.vllm_pair import EnginePair
+from beds import child_env
+from beds.vllm_bed import TinyLlama
+from beds.vllm_pair import EnginePair
 
 pytestmark = pytest.mark.vllm
 VLLM_PY = vllm_bed_python()
@@ -43,9 +44,9 @@ EXTRA = {"modes": "staged"}  # equal on both engines (the plans' digests must ag
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([VLLM_PY, "-c", "import sys; from kvtriton.testing.vllm_bed import make_tiny_llama; "
+    subprocess.run([VLLM_PY, "-c", "import sys; from beds.vllm_bed import make_tiny_llama; "
                     "make_tiny_llama(sys.argv[1])", str(path)], check=True, timeout=300,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
     return path
 
 

@@ -11,7 +11,7 @@ a stale draft region; the digests catch that.
 
 vLLM CPU refuses this model twice (no common kernel block size of its CPU attention and MLA
 backends; the MLA metadata checking the target's head size): the bed relaxes both declarations
-(:mod:`kvtriton.testing.vllm_patches`); GPU backends need none of it for the block size.
+(:mod:`beds.vllm_patches`); GPU backends need none of it for the block size.
 """
 
 import json
@@ -21,7 +21,8 @@ import subprocess
 import pytest
 from vllm_bed_python import vllm_bed_python
 
-from kvtriton.testing.vllm_pair import EnginePair
+from beds import child_env
+from beds.vllm_pair import EnginePair
 
 pytestmark = pytest.mark.vllm
 VLLM_PY = vllm_bed_python()
@@ -35,8 +36,8 @@ PATCHES = ("cpu-attention-block-16", "mla-metadata-target-head-size")
 def models(tmp_path_factory):
     target, draft = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("eagle3-mla")
     for kind, path in (("llama", target), ("eagle3-mla", draft)):
-        subprocess.run([VLLM_PY, "-m", "kvtriton.testing.vllm_models", kind, str(path), "{}"], check=True,
-                       timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run([VLLM_PY, "-m", "beds.vllm_models", kind, str(path), "{}"], check=True,
+                       timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
     return target, draft
 
 

@@ -7,7 +7,7 @@ both (``replicate_stripe`` 0), P1->D2 gives every decode rank the whole latent. 
 of engines: a negative control (the prefill's blocks overwritten before the load) changes the
 tokens; tokens equal the decode computing the prompt itself, at most one prompt token is
 computed per request, every region's bytes on the decode equal the prefill's (per-region digests,
-:meth:`~kvtriton.testing.vllm_pair.EnginePair.region_digests`), and requests whose blocks are
+:meth:`~beds.vllm_pair.EnginePair.region_digests`), and requests whose blocks are
 consecutive on both sides post fewer descriptors than NixlConnector's one per layer and block.
 
 vLLM CPU notes (see README): CPU_MLA takes only block 16 and latent 576, and its rotary op is
@@ -21,7 +21,8 @@ import subprocess
 import pytest
 from vllm_bed_python import vllm_bed_python
 
-from kvtriton.testing.vllm_pair import EnginePair
+from beds import child_env
+from beds.vllm_pair import EnginePair
 
 pytestmark = pytest.mark.vllm
 VLLM_PY = vllm_bed_python()
@@ -38,9 +39,9 @@ MLA_OPTIONS = {"attention_config": {"backend": "CPU_MLA"},
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-deepseek")
-    subprocess.run([VLLM_PY, "-m", "kvtriton.testing.vllm_models", "deepseek", str(path),
+    subprocess.run([VLLM_PY, "-m", "beds.vllm_models", "deepseek", str(path),
                     f'{{"layers": {LAYERS}}}'], check=True, timeout=300,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
     return path
 
 

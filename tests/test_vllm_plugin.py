@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from vllm_bed_python import vllm_bed_python
 
-from kvtriton.testing.vllm_bed import EngineProcess, engine_cpus, free_port_range
+from beds import child_env
+from beds.vllm_bed import EngineProcess, engine_cpus, free_port_range
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (pyproject.toml is read as the user's pip reads it)
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,9 +61,9 @@ def plugin_env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([VLLM_PY, "-c", "import sys; from kvtriton.testing.vllm_bed import make_tiny_llama; "
+    subprocess.run([VLLM_PY, "-c", "import sys; from beds.vllm_bed import make_tiny_llama; "
                     "make_tiny_llama(sys.argv[1])", str(path)], check=True, timeout=300,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
     return path
 
 

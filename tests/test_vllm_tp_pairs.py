@@ -18,7 +18,8 @@ import subprocess
 import pytest
 from vllm_bed_python import vllm_bed_python
 
-from kvtriton.testing.vllm_pair import EnginePair
+from beds import child_env
+from beds.vllm_pair import EnginePair
 
 pytestmark = pytest.mark.vllm
 VLLM_PY = vllm_bed_python()
@@ -30,8 +31,8 @@ ONE_HEAD = {"kv_heads": 1, "heads": 4, "head_dim": 32, "hidden": 128}
 
 def _model(tmp_path_factory, name, options):
     path = tmp_path_factory.mktemp(name)
-    subprocess.run([VLLM_PY, "-m", "kvtriton.testing.vllm_models", "llama", str(path), json.dumps(options)],
-                   check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([VLLM_PY, "-m", "beds.vllm_models", "llama", str(path), json.dumps(options)],
+                   check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
     return path
 
 

@@ -145,7 +145,7 @@ def _ptx() -> Check:
         return Check("PTX 16-byte check", False, f"{type(e).__name__}: {e}", fix)
     if status == 1:
         return Check("PTX 16-byte check", False, "; ".join(lines),
-                     "the kernels compile to narrower accesses with this Triton: run tests/ptx_check.py, report it")
+                     "the kernels compile to narrower accesses with this Triton: run scripts/ptx_check.py, report it")
     return Check("PTX 16-byte check", status == 0, lines[-1].removeprefix("ptx_check: "), fix if status else "")
 
 

@@ -6,7 +6,7 @@ at module level (``sglang/srt/mem_cache/allocation.py:46`` ``assign_req_to_token
 speculative-decoding ops), and PyPI publishes sgl-kernel only as its CUDA build
 (``sglang-kernel`` 0.4.10 fails to import here: ``libcuda.so.1: cannot open shared object
 file``); the CPU build is compiled from SGLang's sources, which no registry carries. So the
-bed's servers (and only they: :mod:`kvtriton.testing.sglang_servers` puts this folder on their
+bed's servers (and only they: :mod:`beds.sglang_servers` puts this folder on their
 ``PYTHONPATH``) get torch implementations of the two memory ops the CPU path of a plain Llama
 calls, with the semantics of SGLang's own Triton kernels. Every other name raises when called,
 naming the op. ``torch.ops.sgl_kernel`` stays empty, so SGLang's Intel AMX backend
@@ -48,7 +48,7 @@ def __getattr__(name):
 
     def missing(*args, **kwargs):
         raise NotImplementedError(f"sgl_kernel.{name} is not in the kvtriton test bed's CPU op stand-in "
-                                  "(kvtriton/testing/sglang_cpu_ops): this server path needs the real CPU build")
+                                  "(beds/sglang_cpu_ops): this server path needs the real CPU build")
 
     missing.__name__ = name
     return missing
