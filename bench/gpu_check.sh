@@ -5,8 +5,7 @@
 # Steps, each under a timeout (and all together under GPU_CHECK_BUDGET seconds, default 480),
 # each one's result printed as it ends:
 #   1 versions   python, torch/CUDA, Triton and the test dependencies, nvidia-smi
-#   2 install    this checkout, editable, with no index and no dependencies (kvtriton.kernels exists
-#                only once installed: pyproject maps kernels/ onto it)
+#   2 install    this checkout, editable, with no index and no dependencies
 #   3 ptx        both kernels compiled for sm_90 by this Triton: 16-byte global accesses
 #   4 tests      the `gpu`-marked tests: kernels and launcher validation on CUDA, the >2^31-element
 #                cache, the no-host-sync check

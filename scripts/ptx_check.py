@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:
-    sys.path.insert(0, str(ROOT))  # the checkout's kernels/ (a top-level package here) and kvtriton/
-    import kernels
+    sys.path.insert(0, str(ROOT))  # the checkout's kvtriton/ (its __init__ imports neither torch nor NIXL)
+    from kvtriton import kernels
     from kvtriton.ptx_check import check
 
     status, lines = check(kernels)
