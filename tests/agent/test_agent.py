@@ -10,6 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from helpers.engines import MODELS
 
 from kvtriton.agent import TransferAgent
 from kvtriton.errors import (
@@ -29,18 +30,10 @@ from kvtriton.testing.oracle import (
     make_rank_regions,
     snapshot,
 )
-from kvtriton.testing.pair import EnginePair
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.nixl
 
-MODELS = [RegionModel.gqa("l0", 4, 16), RegionModel.mla("mla", 24, torch.float16),
-          RegionModel.gqa("l1", 4, 8, torch.float32)]
-
-
-def Engines(p_tp, d_tp, *, models=MODELS, **kw) -> EnginePair:
-    """The two-engine harness (:class:`kvtriton.testing.pair.EnginePair`), this file's models by default."""
-    return EnginePair(p_tp, d_tp, models=models, **kw)
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])

@@ -7,9 +7,7 @@ and the bytes around it (staging canaries, untouched cache blocks) are checked t
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -35,8 +33,6 @@ from kvtriton.testing.oracle import (
 )
 from kvtriton.testing.rogue import RogueRig
 from kvtriton.testing.seams import Wiretap
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 BS, HD = 4, 16
 
@@ -329,7 +325,7 @@ def test_an_eager_pack_refused_for_one_rank_leaves_the_others_and_goes_lazily(en
 @needs_nixl
 def test_token_mapped_pulls_share_a_launch_too():
     # block sizes differ (4 -> 6 tokens): the four decode ranks' pulls carry the same token map
-    from test_block_size_agent import Pair  # the block-size-change harness
+    from helpers.block_size_pair import Pair  # the block-size-change harness
 
     e = Pair(1, 4, 4, 6, "pull", models=[RegionModel.gqa("l0", 8, 16)], chunk_bytes=16 << 10)
     try:

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers.block_size_pair import MODELS, Pair
 
 from kvtriton.errors import PlanError
 from kvtriton.protocol import wire
@@ -19,26 +20,14 @@ from kvtriton.testing.oracle import (
     make_global_tokens,
     snapshot,
 )
-from kvtriton.testing.pair import EnginePair
 from kvtriton.testing.seams import Wiretap
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.nixl
 
-MODELS = [RegionModel.gqa("l0", 4, 16), RegionModel.mla("mla", 24, torch.float16),
-          RegionModel.gqa("l1", 4, 8, torch.float32)]
 # vLLM's CPU cache: one K||V stream per layer, K dim-major per (block, head) tile
 CPU_MODELS = [RegionModel("l0", Kind.SPLIT, 4, (32,), torch.float32), RegionModel.mla("mla", 24, torch.float16),
               RegionModel("l1", Kind.SPLIT, 4, (16,), torch.bfloat16)]
-
-
-def Pair(p_tp, d_tp, p_bs, d_bs, mode, seed=0, models=MODELS, p_storage="joint", d_storage="separate",
-         **agent_kw) -> EnginePair:
-    """The two-engine harness with block sizes ``p_bs`` -> ``d_bs`` (the decode cache padded: its
-    blocks are not contiguous), chunks of 4 KiB unless ``agent_kw`` says otherwise."""
-    return EnginePair(p_tp, d_tp, models=models, mode=mode, seed=seed, block_size=p_bs, d_block_size=d_bs,
-                      p_layout="HND" if p_storage == "vllm_cpu" else "NHD", p_storage=p_storage,
-                      d_storage=d_storage, d_pad_blocks=1, **{"chunk_bytes": 4096, **agent_kw})
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])

@@ -27,7 +27,7 @@ from kvtriton.plan.models import PRESETS, from_hf_config, load_model, rank_specs
 from kvtriton.spec import Kind
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (pyproject.toml is read as the user's pip reads it)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SCRIPT = PYPROJECT["project"]["scripts"]["kvtriton"]
 

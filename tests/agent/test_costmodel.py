@@ -93,7 +93,7 @@ def test_source_plans_with_the_destinations_model(mode):
     """Decode prefers DIRECT, prefill's own model would say STAGED: the transfer must still agree
     (the source plans with the model the decode rank's metadata carries) and be byte-exact."""
     pytest.importorskip("nixl")
-    from test_agent import Engines
+    from helpers.engines import Engines
 
     from kvtriton.agent import TransferAgent
 

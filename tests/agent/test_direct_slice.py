@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_plan_per_request import pieces_of_rows, pieces_of_runs
+from helpers.specs import pieces_of_rows, pieces_of_runs
 
 from kvtriton.errors import PlanError
 from kvtriton.plan import (

@@ -5,17 +5,12 @@ Every transfer is checked byte for byte against the oracle, bytes outside its bl
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from helpers.engines import MODELS  # the engines fixture in conftest.py builds its harness
 
 from kvtriton.testing.oracle import RegionModel, check_destination
 from kvtriton.testing.rogue import RogueRig
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_agent import MODELS  # noqa: E402  (the engines fixture in conftest.py builds its harness)
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.nixl

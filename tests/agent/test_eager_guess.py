@@ -6,21 +6,16 @@ oracle on fresh random data, bytes outside its blocks included; staging is check
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from helpers.engines import MODELS, Engines  # the two-engine harness
 
 from kvtriton.agent import TransferAgent
 from kvtriton.errors import RequestRejectedError
 from kvtriton.protocol import wire
 from kvtriton.testing.oracle import check_destination, load_source, make_global_kv, make_rank_regions, snapshot
 from kvtriton.testing.rogue import PACKING_MODEL
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_agent import MODELS, Engines  # noqa: E402  (the two-engine harness of test_agent.py)
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.nixl

@@ -34,7 +34,7 @@ from kvtriton.transport.nixl import (  # noqa: E402
 
 pytestmark = pytest.mark.nixl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SIZE = 1 << 20  # bytes in each of the target's buffers
 SLOTS = 16  # equal, adjacent slots per buffer
 SLOT = SIZE // SLOTS

@@ -10,7 +10,7 @@ every step) progresses the agent itself. The bytes are checked against the prefi
 import time
 
 import pytest
-from test_connector_trust import Bed  # tests/ is on sys.path
+from helpers.connector_bed import Bed
 
 from kvtriton.integrations.vllm.scheduler import StepMessages
 

@@ -15,7 +15,7 @@ import json
 import subprocess
 
 import pytest
-from sglang_bed_python import bed_env, sglang_bed_python
+from helpers.sglang_bed_python import bed_env, sglang_bed_python
 
 from beds.sglang_bed import HEAD_DIM, HEADS, ITEM, LAYERS, MODEL_CONFIG, PAGE
 from beds.vllm_bed import free_port_range

@@ -15,7 +15,7 @@ import os
 import random
 
 import pytest
-from sglang_bed_python import bed_env, sglang_bed_python
+from helpers.sglang_bed_python import bed_env, sglang_bed_python
 
 from beds.sglang_servers import ServerProcess, engine_cpus, make_model, pd_generate
 

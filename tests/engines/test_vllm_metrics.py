@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_bed_python import vllm_bed_python
+from helpers.vllm_bed_python import vllm_bed_python
 
 from beds import child_env
 from beds.vllm_bed import TinyLlama
@@ -31,7 +31,7 @@ from beds.vllm_pair import EnginePair
 
 pytestmark = pytest.mark.vllm
 VLLM_PY = vllm_bed_python()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 BLOCK = 32
 P_TP, D_TP = 2, 1
@@ -59,9 +59,9 @@ def pair(model_dir, tmp_path_factory):
 
 
 def test_stats_classes_through_vllm_032_and_033():
-    """vLLM's own KVConnectorProm / KVConnectorLogging build and feed ours (tests/vllm_metrics_check.py)."""
+    """vLLM's own KVConnectorProm / KVConnectorLogging build and feed ours (tests/engines/vllm_metrics_check.py)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = str(ROOT / "tests" / "vllm_metrics_check.py")
+    script = str(ROOT / "tests" / "engines" / "vllm_metrics_check.py")
     out = subprocess.run([VLLM_PY, script], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and "ok 0.32" in out.stdout, out.stderr[-3000:]
     up = Path(VLLM_PY).parent.parent / "vllm033"  # beside the bed's packages (scripts/setup_vllm_venv.sh)

@@ -19,7 +19,7 @@ import random
 import subprocess
 
 import pytest
-from vllm_bed_python import vllm_bed_python
+from helpers.vllm_bed_python import vllm_bed_python
 
 from beds import child_env
 from beds.vllm_pair import EnginePair

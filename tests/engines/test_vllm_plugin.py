@@ -19,13 +19,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from vllm_bed_python import vllm_bed_python
+from helpers.vllm_bed_python import vllm_bed_python
 
 from beds import child_env
 from beds.vllm_bed import EngineProcess, engine_cpus, free_port_range
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (pyproject.toml is read as the user's pip reads it)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.vllm
 VLLM_PY = vllm_bed_python()
 

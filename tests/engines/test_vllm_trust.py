@@ -11,13 +11,15 @@ from the prefill (at most one prompt token computed per request), so nothing was
 import secrets
 
 import pytest
-from test_handshake_auth import RogueListener  # a listener without the secret (tests/ is on sys.path)
-from test_vllm_connector import Pair, model_dir, prompts  # noqa: F401  (module fixtures)
+from helpers.handshake import RogueListener  # a listener without the secret
+from helpers.vllm_bed_python import vllm_bed_python
+from helpers.vllm_engines import Pair  # the model_dir and prompts fixtures: conftest.py
 
 pytestmark = pytest.mark.vllm
+vllm_bed_python()  # this module is skipped where the bed is missing (an error in CI)
 
 
-def test_forged_params_are_computed_locally_and_do_not_poison_later_loads(model_dir, tmp_path, prompts):  # noqa: F811
+def test_forged_params_are_computed_locally_and_do_not_poison_later_loads(model_dir, tmp_path, prompts):
     secret = tmp_path / "secret"
     secret.write_bytes(secrets.token_hex(32).encode())
     secret.chmod(0o600)

@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from beds import child_env
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (tests/helpers/ -> ..)
 
 
 def sglang_bed_python() -> str:
@@ -23,4 +25,4 @@ def sglang_bed_python() -> str:
 def bed_env() -> dict:
     """The environment of a bed process: this checkout first on ``PYTHONPATH``, so the bed runs
     the code under test whichever checkout its editable kvtriton points at."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return child_env()

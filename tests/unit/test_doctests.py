@@ -1,4 +1,4 @@
-"""Every ``>>>`` example in kvtriton's docstrings runs (here rather than with pytest's
+"""Every ``>>>`` example in kvtriton's docstrings (and the engine beds') runs (here rather than with pytest's
 ``--doctest-modules`` so that conftest has set TRITON_INTERPRET before any kernel is decorated)."""
 
 import doctest
@@ -7,9 +7,10 @@ import pkgutil
 
 import pytest
 
+import beds
 import kvtriton
 
-MODULES = sorted(m.name for m in pkgutil.walk_packages(kvtriton.__path__, "kvtriton."))
+MODULES = sorted(m.name for pkg in (kvtriton, beds) for m in pkgutil.walk_packages(pkg.__path__, f"{pkg.__name__}."))
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_plan import gqa_specs, mla_specs
+from helpers.specs import gqa_specs, mla_specs
 
 from kvtriton.plan import build_plan, check_tp, done_ranks, meeting_ranks, required_source_ranks
 from kvtriton.testing.oracle import RegionModel, check_destination

@@ -20,10 +20,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from kvtriton.kernels import segment_table
-from kvtriton.kernels._addressing import _row_offsets
 
 from kvtriton import LaunchError, Layout, Region, Segment, build_plan, ops
+from kvtriton.kernels import segment_table
+from kvtriton.kernels._addressing import _row_offsets
 from kvtriton.ops import heuristics, pack_reference, unpack_reference
 from kvtriton.plan import Route
 from kvtriton.testing.oracle import (

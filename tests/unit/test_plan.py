@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 import torch
+from helpers.specs import gqa_specs, mla_specs
 
 from bench.baselines import per_token_descriptor_count, vllm_direct_descriptor_count
 from kvtriton.errors import IncompatibleRemoteError, PlanError, StagingError
@@ -10,21 +11,9 @@ from kvtriton.plan import (
     build_plan,
     compact_request,
     direct_runs,
-    head_range,
     staged_descriptor_count,
 )
 from kvtriton.regions import Layout, Region
-
-
-def gqa_specs(layers, heads, head_dim, rank, tp, block_size, num_blocks=1024, layout=Layout.NHD,
-              dtype=torch.bfloat16):
-    h = head_range(rank, tp, heads)
-    local = h[1] - h[0]
-    shape = (num_blocks, block_size, local, head_dim) if layout is Layout.NHD else (
-        num_blocks, local, block_size, head_dim)
-    t = torch.empty(shape, dtype=dtype, device="meta")  # geometry only, no memory
-    return [Region.attention(f"layer.{i}", t, t, layout=layout, block_size=block_size,
-                             total_heads=heads).spec for i in range(layers)]
 
 
 def test_llama70b_p4_d8_descriptor_counts():
@@ -170,11 +159,6 @@ def test_chunk_geometry_covers_the_request_once():
     assert ChunkGeometry.fit(100, 0, 4096).count == 0
     with pytest.raises(StagingError, match="more than a chunk"):
         ChunkGeometry.fit(5000, 3, 4096)
-
-
-def mla_specs(rank, tp, block_size, num_blocks=64):
-    t = torch.empty(num_blocks, block_size, 64, dtype=torch.bfloat16, device="meta")
-    return [Region.mla("mla.0", t, block_size=block_size).spec]
 
 
 @pytest.mark.parametrize("heads", [1, 2, 4, 6, 8])

@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from helpers.specs import pieces_of_rows, pieces_of_runs
 
 from kvtriton.errors import PlanError
 from kvtriton.plan import build_plan, compact_request, compact_tokens, direct_block_rows, direct_runs
@@ -82,31 +83,6 @@ def test_direct_runs_of_one_source_rank_are_its_rows_of_the_whole(src_tp):
     for r in range(src_tp):
         assert runs_rows(direct_runs(plan, specs, specs, src, dst, src_rank=r)) == [x for x in every if x[0] == r]
     assert len(direct_runs(plan, specs, specs, src, dst, src_rank=src_tp + 1)) == 0
-
-
-def pieces_of_runs(runs, tile_of):
-    """Every block's piece of ``runs``: a run of k blocks split into its k tiles."""
-    out = []
-    for region, stream, s_off, d_off, nbytes in zip(runs.region.tolist(), runs.stream.tolist(),
-                                                    runs.src_offset.tolist(), runs.dst_offset.tolist(),
-                                                    runs.nbytes.tolist()):
-        tile = tile_of(region, stream, nbytes)
-        out += [(region, stream, s_off + i * tile, d_off + i * tile, tile) for i in range(nbytes // tile)]
-    return sorted(out)
-
-
-def pieces_of_rows(rows, src_idx, dst_idx):
-    """What each index pair of prepared rows names: row r's descriptor b is block b's range."""
-    s_start = np.concatenate([[0], np.cumsum(rows.src_blocks)[:-1]])
-    d_start = np.concatenate([[0], np.cumsum(rows.dst_blocks)[:-1]])
-    out = []
-    for si, di in zip(src_idx.tolist(), dst_idx.tolist()):
-        r = int(np.searchsorted(s_start, si, side="right") - 1)
-        assert int(np.searchsorted(d_start, di, side="right") - 1) == r  # a pair never crosses rows
-        sb, db = si - s_start[r], di - d_start[r]
-        out.append((int(rows.region[r]), int(rows.stream[r]), int(sb * rows.src_stride[r] + rows.src_offset[r]),
-                    int(db * rows.dst_stride[r] + rows.dst_offset[r]), int(rows.tile[r])))
-    return sorted(out)
 
 
 @pytest.mark.parametrize("src_tp", [1, 2, 3])
@@ -187,7 +163,7 @@ def test_compact_request_returns_copies_and_rejects_before_anything():
 
 
 def test_plan_memos_equal_fresh_values():
-    from test_plan import gqa_specs
+    from helpers.specs import gqa_specs
 
     dst, src = gqa_specs(4, 8, 128, 1, 4, 16), gqa_specs(4, 8, 128, 0, 2, 16)
     plan = build_plan(1, 4, dst, 2, src)
