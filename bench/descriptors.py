@@ -10,9 +10,13 @@ vLLM-style direct head-slice reads (K||V packed, and K/V separate) and per-token
 
 from __future__ import annotations
 
-from baselines import per_token_descriptor_count, vllm_direct_descriptor_count  # bench/baselines.py
-from presets import fragmented_block_ids, specs_for  # bench/presets.py
+if not __package__:  # `python bench/descriptors.py`: run as `python -m bench.descriptors` (bench/_as_module.py)
+    import _as_module
 
+    _as_module.run_as_module(__file__)
+
+from bench.baselines import per_token_descriptor_count, vllm_direct_descriptor_count  # bench/baselines.py
+from bench.presets import fragmented_block_ids, specs_for  # bench/presets.py
 from kvtriton.errors import KVTritonError
 from kvtriton.plan import build_plan, compact_request, direct_runs, staged_descriptor_count
 
@@ -115,8 +119,8 @@ def _ratio(theirs: int, ours: int) -> float:
 
 
 if __name__ == "__main__":
-    from presets import BLOCK_SIZES, PRESETS, TOKENS, TP_PAIRS  # bench/presets.py
-    from report import print_table  # bench/report.py
+    from bench.presets import BLOCK_SIZES, PRESETS, TOKENS, TP_PAIRS  # bench/presets.py
+    from bench.report import print_table  # bench/report.py
 
     print_table(descriptor_rows(PRESETS.values(), TP_PAIRS, BLOCK_SIZES, TOKENS))
 

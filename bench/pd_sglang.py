@@ -35,6 +35,11 @@ Run from the repository root with kvtriton's venv (the servers use ``.venv-sglan
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/pd_sglang.py`: run as `python -m bench.pd_sglang` (bench/_as_module.py)
+    import _as_module
+
+    _as_module.run_as_module(__file__)
+
 import argparse
 import json
 import os
@@ -45,10 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from beds.sglang_servers import (  # noqa: E402
+from beds.sglang_servers import (
     SGLANG_LLAMA,
     ServerProcess,
     engine_cpus,
@@ -56,6 +58,7 @@ from beds.sglang_servers import (  # noqa: E402
     pd_generate,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 AGENT_DESCRIPTORS = ("staged_descriptors", "direct_descriptors", "one_sided_descriptors")
 PAIRS = ((1, 2), (2, 1))

@@ -34,6 +34,11 @@ Run from the repository root with kvtriton's venv (the engines use ``.venv-vllm`
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/pd_vllm.py`: run as `python -m bench.pd_vllm` (bench/_as_module.py)
+    import _as_module
+
+    _as_module.run_as_module(__file__)
+
 import argparse
 import json
 import os
@@ -45,15 +50,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from beds import child_env
+from beds.vllm_bed import EngineProcess, TinyLlama, engine_cpus, free_port_range
+from beds.vllm_models import TinyDeepseek
+from bench.report import fmt_ms, median_known, pd_vllm_table  # bench/report.py
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from report import fmt_ms, median_known, pd_vllm_table  # noqa: E402  bench/report.py
-
-from beds import child_env  # noqa: E402
-from beds.vllm_bed import EngineProcess, TinyLlama, engine_cpus, free_port_range  # noqa: E402
-from beds.vllm_models import TinyDeepseek  # noqa: E402
-
 DEFAULT_VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 
 # vLLM CPU: MLA runs on CPU_MLA (named: AMX_MLA would be picked on AMX hosts) at block 16, with the

@@ -18,9 +18,8 @@ group of regions with equal geometry, not per region.
 
 from __future__ import annotations
 
-from presets import PRESETS, fragmented_block_ids, specs_for  # bench/presets.py
-from timing import qfields, quantiles_ms  # bench/timing.py
-
+from bench.presets import PRESETS, fragmented_block_ids, specs_for  # bench/presets.py
+from bench.timing import qfields, quantiles_ms  # bench/timing.py
 from kvtriton.plan import (
     ChunkGeometry,
     CostModel,

@@ -6,11 +6,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
 
 def test_long_rows_one_row_per_metric_with_quantiles():
-    from report import long_rows
+    from bench.report import long_rows
 
     rows = [dict(section="e2e", case="c", transport="tcp", bytes=64, method="m", descriptors=3, ms=2.0,
                  ms_p20=1.5, ms_p80=2.5, gbps="", note="")]
@@ -23,19 +21,19 @@ def test_long_rows_one_row_per_metric_with_quantiles():
 
 
 def test_costmodel_summary_line():
-    from report import summary_line
+    from bench.report import summary_line
 
     rows = [dict(ratio=1.0), dict(ratio=1.2), dict(ratio=1.05), dict(transport="tcp", chosen="failed")]
     assert summary_line(rows) == "cost model: chosen/best worst 1.20, median 1.05 over 3 cells"
     assert summary_line([]) == "cost model: no cells ran"
-    from report import noise_line
+    from bench.report import noise_line
 
     rows[1]["miss_beyond_noise"] = "yes"
     assert noise_line(rows).endswith("1 of 3 cells, worst 1.20")
 
 
 def test_quantiles_of():
-    from timing import qfields, quantiles_of
+    from bench.timing import qfields, quantiles_of
 
     assert quantiles_of([5.0]) == (5.0, 5.0, 5.0)
     q = quantiles_of([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
@@ -44,8 +42,8 @@ def test_quantiles_of():
 
 
 def test_costgrid_judge_and_tie_line():
-    from costgrid import judge
-    from report import tie_line
+    from bench.costgrid import judge
+    from bench.report import tie_line
 
     assert judge({"staged": (4.0, 5.0, 6.0), "direct": (4.5, 5.5, 6.5)}, "staged") == ("staged", 1.0, "hit")
     best, ratio, verdict = judge({"staged": (4.0, 5.0, 6.0), "direct": (3.0, 4.0, 4.5)}, "staged")
@@ -56,7 +54,7 @@ def test_costgrid_judge_and_tie_line():
 
 
 def test_costgrid_sampling_alternates_and_extends_only_close_calls(monkeypatch):
-    import costgrid
+    from bench import costgrid
 
     # a fake fetch returns the ms it "took"; the sampler's timer is replaced by that value
     monkeypatch.setattr(costgrid, "quantiles_ms", lambda fn, reps, warmup=0: (0.0, fn(), 0.0))
@@ -83,7 +81,7 @@ def test_costgrid_sampling_alternates_and_extends_only_close_calls(monkeypatch):
 
 def test_summary_writes_one_table_per_section_that_ran(tmp_path):
     """bench/report.py formats rows only: the outputs exist and each section that ran has its heading."""
-    from report import write_outputs
+    from bench.report import write_outputs
 
     rows = [dict(section="descriptors", preset="p", p_tp=4, d_tp=8, block_size=16, tokens=8192, kvtriton=1,
                  kvtriton_staged=1, kvtriton_direct=0, kvtriton_staged_chunked=6, vllm_kv_packed=40960,
@@ -106,7 +104,7 @@ def test_summary_writes_one_table_per_section_that_ran(tmp_path):
 def test_summary_starts_with_a_five_line_headline(tmp_path):
     """summary.md: the title, then five lines (descriptors, e2e ratio, grid verdict, real-engine
     ratio, GPU or not) computed from the rows, before any table; a section that did not run says so."""
-    from report import HEADLINE, headline_lines, write_outputs
+    from bench.report import HEADLINE, headline_lines, write_outputs
 
     base = "vLLM 0.33 direct 8 KiB K||V reads"
     cell = dict(section="costmodel", grid="small", transport="shm", p_tp=2, d_tp=4, heads_per_rank=1, block_size=16,
@@ -151,7 +149,7 @@ def test_summary_starts_with_a_five_line_headline(tmp_path):
     assert [h.split(": ", 1)[1] for h in empty[:3]] == ["not run"] * 3 and "not run" in empty[3]
     assert empty[4] == "- **GPU**: NVIDIA H200"
 def test_security_cost_rows_get_their_table():
-    from report import summary_lines
+    from bench.report import summary_lines
 
     rows = [dict(section="security_cost", case="same-layout", variant=v, layers=1, tokens=16, mib=0.1, ms=ms,
                  ms_p20=ms, ms_p80=ms, ratio=ms / 2.0, routes="staged", digested=0)
@@ -166,7 +164,7 @@ def test_peak_memory_counts_the_children_a_bench_starts():
     import subprocess
     import time
 
-    from memory import PeakMemory, process_memory, tree
+    from bench.memory import PeakMemory, process_memory, tree
 
     if not Path("/proc/self/statm").exists():
         pytest.skip("no /proc: the sampler reports 'not measured' there")
@@ -194,8 +192,8 @@ def test_peak_memory_counts_the_children_a_bench_starts():
 def test_sweep_reports_sections_over_budget_or_memory_goal(tmp_path):
     """Each section's own row: wall time against its budget and peak memory; an overrun is said in
     summary.md (never silent), the --full sweep has no budget."""
-    from report import write_outputs
-    from sweep import BUDGET_S, section_row
+    from bench.report import write_outputs
+    from bench.sweep import BUDGET_S, section_row
 
     assert sum(BUDGET_S.values()) <= 300  # the default sweep's 5-minute goal, section by section
     ok = section_row("planning", 1.0, {"tree_pss_gb": 0.3, "largest_rss_gb": 0.3, "largest": "python"}, False)
@@ -217,7 +215,7 @@ def test_sweep_reports_sections_over_budget_or_memory_goal(tmp_path):
 def test_pd_vllm_rows_keep_model_kinds_apart(tmp_path):
     """A deepseek row at the same pair as the llama one gets its own table line (with bytes per
     request); the headline's ratio reads the llama rows only."""
-    from report import headline_lines, summary_lines
+    from bench.report import headline_lines, summary_lines
 
     def row(connector, kind, ms, desc, nbytes):
         return dict(section="pd_vllm", connector=connector, prefill_tp=2, decode_tp=1, pd_size="small",
@@ -240,7 +238,7 @@ def test_pd_vllm_compare_starts_the_next_engines_while_the_last_close(monkeypatc
     import threading
     import time
 
-    import pd_vllm
+    from bench import pd_vllm
 
     events, closed = [], threading.Event()
 
@@ -272,8 +270,8 @@ def test_pd_vllm_compare_starts_the_next_engines_while_the_last_close(monkeypatc
 def test_costgrid_paired_ratios_cancel_load_shared_by_a_round():
     """Two ways timed back to back per round: a load burst that slows a whole round cancels in the
     same-round ratio; the paired line names a cell whose chosen way lost in >= 80% of rounds."""
-    from costgrid import paired_ratios
-    from report import paired_line, rss_line
+    from bench.costgrid import paired_ratios
+    from bench.report import paired_line, rss_line
 
     load = [1.0, 3.0, 1.0, 5.0, 1.0, 2.0]  # the host's slowdown in each round
     samples = {"staged": [1.1 * x for x in load], "direct": [1.0 * x for x in load]}
@@ -292,7 +290,7 @@ def test_costgrid_paired_ratios_cancel_load_shared_by_a_round():
 def test_pd_vllm_start_order():
     """Both connectors' engines start at once by default; one after the other on request, more
     ranks (the TP engine spawning workers) first."""
-    from pd_vllm import _start_order
+    from bench.pd_vllm import _start_order
 
     p2d1 = {"prefill": {"tp": 2}, "decode": {"tp": 1}}
     p1d2 = {"prefill": {"tp": 1}, "decode": {"tp": 2}}
