@@ -362,7 +362,10 @@ def test_pins_are_the_tested_ranges():
 
 
 def test_every_package_is_installed():
-    """``[tool.setuptools] packages`` lists every package of the library (a wheel holds only those)."""
-    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    """``[tool.setuptools.packages.find]`` finds every package of the library and nothing else
+    (a wheel holds only those: not beds/, tests/ or bench/)."""
+    from setuptools import find_packages
+
+    listed = set(find_packages(str(ROOT), **PYPROJECT["tool"]["setuptools"]["packages"]["find"]))
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "kvtriton").rglob("__init__.py")}
-    assert found | {"kvtriton.kernels"} == listed
+    assert found == listed and "kvtriton.kernels" in listed
