@@ -2,7 +2,7 @@
 
 Runs in the SGLang test bed's interpreter (``make sglang-bed``), never in the main one: it
 imports SGLang. ``python -m beds.sglang_bed CASE`` plays one case and prints one
-JSON line (``tests/test_sglang_conformance.py`` runs it and asserts on that line).
+JSON line (``tests/engines/test_sglang_conformance.py`` runs it and asserts on that line).
 
 Each rank is a process of its own (``spawn``) holding what an SGLang scheduler would hand the
 backend: the published ``ServerArgs`` of its engine (``publish`` with its world rank, the

@@ -149,7 +149,7 @@ EOF
 fi
 if "$PY" -c 'import nixl' 2> /dev/null; then
     step nixl 240 "$PY" -m pytest -m "nixl and gpu" -q -rs -s -p no:cacheprovider \
-        --junitxml="$OUT/pytest-nixl.xml" tests/test_nixl_gpu.py tests/test_agent_streams.py
+        --junitxml="$OUT/pytest-nixl.xml" tests/agent/test_nixl_gpu.py tests/agent/test_agent_streams.py
 elif [ -n "$BUNDLE" ]; then
     report "[nixl] FAILED: $BUNDLE is unpacked, but NIXL does not import from it:"
     "$PY" -c 'import nixl' 2>&1 | tail -n 5 | tee -a "$LOG"

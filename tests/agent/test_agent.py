@@ -258,7 +258,7 @@ def test_duplicate_ready_fails_the_request(engines):
 @pytest.mark.parametrize("setting,kw", [
     ("replicate_stripe", dict(replicate_stripe=1)),  # decode reads MLA from one replica, prefill expects two
     ("modes", dict(modes="staged")),
-])  # cost models may differ: the source plans with the destination's (tests/test_costmodel.py)
+])  # cost models may differ: the source plans with the destination's (tests/agent/test_costmodel.py)
 def test_engines_with_different_planning_settings_refuse_to_connect(setting, kw):
     # they would plan the same transfer differently: refused at the handshake, naming the setting
     gen = torch.Generator().manual_seed(0)

@@ -1,7 +1,7 @@
 """The connector's scheduler side on the vLLM that this Python imports (0.32 CPU build or upstream
 0.33), with vLLM's own config, Request, SchedulerOutput and KVCacheBlocks types: the proxy
 protocol from a prefill request to a decode load and its cancellation. Run by
-tests/test_vllm_connector.py under each vLLM; prints one ``ok <version>`` line."""
+tests/engines/test_vllm_connector.py under each vLLM; prints one ``ok <version>`` line."""
 
 import sys
 
