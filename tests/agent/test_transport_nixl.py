@@ -320,14 +320,14 @@ def test_process_exits_cleanly_after_disconnect():
     ``ucs_arbiter_group_is_empty``) unless the worker is driven once more; the wrapper does that
     when it translates the error. Fail one post, call nothing else, exit, check rc."""
     code = (
-        "import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
-        "import test_transport_nixl as m\n"
-        "print('timings', m._disconnect_scenario('sub', full=False, close=False))\n"
+        "import runpy, sys; sys.path[:0] = [sys.argv[1]]\n"
+        "m = runpy.run_path(sys.argv[2], run_name='disconnect_child')  # this module's code, not a test run\n"
+        "print('timings', m['_disconnect_scenario']('sub', full=False, close=False))\n"
     )
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     try:
         r = subprocess.run(
-            [sys.executable, "-c", code, str(REPO), str(Path(__file__).parent)],
+            [sys.executable, "-c", code, str(REPO), str(Path(__file__).resolve())],
             capture_output=True, text=True, timeout=120, env=env, cwd=REPO,
         )
     except subprocess.TimeoutExpired as e:  # run() kills the child on timeout
