@@ -69,7 +69,7 @@ TRITON_COMPAT      ?= triton==3.6.0
 
 .PHONY: triton-compat
 triton-compat: $(TRITON_COMPAT_VENV)/.installed
-	TRITON_DEFAULT_FP_FUSION=1 $(TRITON_COMPAT_VENV)/bin/python tests/ptx_check.py
+	TRITON_DEFAULT_FP_FUSION=1 $(TRITON_COMPAT_VENV)/bin/python scripts/ptx_check.py
 
 $(TRITON_COMPAT_VENV)/.installed:
 	$(PYTHON) -m venv $(TRITON_COMPAT_VENV)

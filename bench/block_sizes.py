@@ -23,6 +23,11 @@ chunk). Run alone: ``python bench/block_sizes.py [--quick]``.
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/block_sizes.py`: run as `python -m bench.block_sizes` (bench/_as_module.py)
+    import _as_module
+
+    _as_module.run_as_module(__file__)
+
 import argparse
 import os
 import time

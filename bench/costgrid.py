@@ -34,6 +34,11 @@ over shared memory, what the default sweep runs). Each group of cells runs in it
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/costgrid.py`: run as `python -m bench.costgrid` (bench/_as_module.py)
+    import _as_module
+
+    _as_module.run_as_module(__file__)
+
 import argparse
 import json
 import os
@@ -45,10 +50,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import vllm_direct_descriptor_count  # noqa: E402  bench/baselines.py
-from report import summary_line  # noqa: E402  bench/report.py
-from timing import qfields, quantiles_ms, quantiles_of  # noqa: E402  bench/timing.py
+from bench.baselines import vllm_direct_descriptor_count  # bench/baselines.py
+from bench.report import summary_line  # bench/report.py
+from bench.timing import qfields, quantiles_ms, quantiles_of  # bench/timing.py
 
 PAIRS = [(2, 4), (4, 2), (2, 2)]
 

@@ -2,19 +2,25 @@
 
 Pure planning, no data: for every preset x TP pair x block size, the plan of every decode rank is
 built from region specs (meta tensors), a request of ``TOKENS`` tokens is laid out in fragmented
-block ids (runs of 8), and the worst decode rank's counts are kept: kvtriton staged (one per
-source->destination pair, unchunked and in 64 MiB chunks) plus its coalesced DIRECT runs, against
-vLLM-style direct head-slice reads (K||V packed, and K/V separate) and per-token slices
-(bench/baselines.py). The sweep's ``descriptors`` section; ``python bench/descriptors.py`` prints it.
+block ids (runs of 8), and the worst decode rank's counts are kept: kvtriton's route, staged (one
+per source->destination pair, unchunked and in 64 MiB chunks) plus its coalesced DIRECT runs,
+against vLLM NixlConnector's head-slice reads (K||V packed, and K/V separate; both counted by
+:func:`kvtriton.plan.count.count_descriptors`, as ``kvtriton plan`` counts them) and per-token
+slices (bench/baselines.py). The sweep's ``descriptors`` section; ``python bench/descriptors.py`` prints it.
 """
 
 from __future__ import annotations
 
-from baselines import per_token_descriptor_count, vllm_direct_descriptor_count  # bench/baselines.py
-from presets import fragmented_block_ids, specs_for  # bench/presets.py
+if not __package__:  # `python bench/descriptors.py`: run as `python -m bench.descriptors` (bench/_as_module.py)
+    import _as_module
 
+    _as_module.run_as_module(__file__)
+
+from bench.baselines import per_token_descriptor_count, vllm_direct_descriptor_count  # bench/baselines.py
+from bench.presets import fragmented_block_ids, specs_for  # bench/presets.py
 from kvtriton.errors import KVTritonError
-from kvtriton.plan import build_plan, compact_request, direct_runs, staged_descriptor_count
+from kvtriton.plan import build_plan, compact_request
+from kvtriton.plan.count import count_descriptors
 
 CHUNK_BYTES = 64 << 20  # the default staging chunk the "chunked" column assumes
 
@@ -39,18 +45,17 @@ def descriptor_rows(presets, pairs, block_sizes, tokens) -> list[dict]:
                         dst = specs_for(preset, d, d_tp, num_blocks, bs)
                         plan = build_plan(d, d_tp, dst, p_tp, src)
                         s, t = compact_request(src_ids, dst_ids, num_blocks, num_blocks)
-                        runs = direct_runs(plan, src, dst, s, t)
-                        # the source ranks holding this rank's SPLIT heads, staged or read as direct slices
+                        count = count_descriptors(plan, src, dst, s, t, n)  # kvtriton plan's count
+                        chunked = count_descriptors(plan, src, dst, s, t, n, chunk_bytes=CHUNK_BYTES)
+                        # per-token slices: the source ranks holding this rank's SPLIT heads
                         k = max(1, len({x.src_rank for x in plan.staged}
                                        | {r for d in plan.direct if d.sliced for r in d.src_ranks}))
                         counts = dict(
-                            kvtriton_staged=staged_descriptor_count(plan, n),
-                            kvtriton_direct=len(runs),
-                            kvtriton_staged_chunked=staged_descriptor_count(plan, n, CHUNK_BYTES),
-                            vllm_kv_packed=vllm_direct_descriptor_count(k, preset.split_layers, n)
-                            + vllm_direct_descriptor_count(1, preset.replicate_layers, n),
-                            vllm_kv_separate=vllm_direct_descriptor_count(k, preset.split_layers, n, 2)
-                            + vllm_direct_descriptor_count(1, preset.replicate_layers, n),
+                            kvtriton_staged=count.staged,
+                            kvtriton_direct=count.direct,
+                            kvtriton_staged_chunked=chunked.staged,
+                            vllm_kv_packed=count.nixl_connector,
+                            vllm_kv_separate=count.nixl_connector_kv_separate,
                             per_token=per_token_descriptor_count(k, preset.split_layers, tokens)
                             + vllm_direct_descriptor_count(1, preset.replicate_layers, n),
                         )
@@ -90,10 +95,8 @@ def model_kind_rows(kinds: dict, pairs) -> list[dict]:
                     dst = specs_for(preset, d, d_tp, num_blocks, bs)
                     plan = build_plan(d, d_tp, dst, p_tp, src)
                     s, t = compact_request(src_ids, dst_ids, num_blocks, num_blocks)
-                    ours = staged_descriptor_count(plan, n) + len(direct_runs(plan, src, dst, s, t))
-                    k = max(1, len(plan.source_ranks))
-                    theirs = (vllm_direct_descriptor_count(min(k, p_tp), preset.split_layers, n)
-                              + vllm_direct_descriptor_count(1, preset.replicate_layers, n))
+                    count = count_descriptors(plan, src, dst, s, t, n)  # kvtriton plan's count
+                    ours, theirs = count.route, count.nixl_connector
                     payload = n * sum(r.tile_bytes(j, r.local_heads) for r in dst for j in range(r.num_streams))
                     if worst is None or ours > worst[0]:
                         worst = (ours, theirs, payload, "+".join(sorted({m.value for m in plan.modes})))
@@ -115,8 +118,8 @@ def _ratio(theirs: int, ours: int) -> float:
 
 
 if __name__ == "__main__":
-    from presets import BLOCK_SIZES, PRESETS, TOKENS, TP_PAIRS  # bench/presets.py
-    from report import print_table  # bench/report.py
+    from bench.presets import BLOCK_SIZES, PRESETS, TOKENS, TP_PAIRS  # bench/presets.py
+    from bench.report import print_table  # bench/report.py
 
     print_table(descriptor_rows(PRESETS.values(), TP_PAIRS, BLOCK_SIZES, TOKENS))
 

@@ -36,17 +36,20 @@ Run alone: ``python bench/e2e.py [--layers N] [--ids runs]``.
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/e2e.py`: run as `python -m bench.e2e` (bench/_as_module.py)
+    import _as_module
+
+    _as_module.run_as_module(__file__)
+
 import argparse
 import multiprocessing as mp
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import qfields, quantiles_ms, quantiles_of  # bench/timing.py
+from bench.timing import qfields, quantiles_ms, quantiles_of  # bench/timing.py
 
 HEADS, HEAD_DIM, BLOCK = 8, 128, 16
 # (prefill TP, decode TP): decode rank 0 reads global heads 0..dst_heads-1, from source ranks 0..k-1.
@@ -518,7 +521,6 @@ def run_e2e_matrix(quick: bool = False, configs=CONFIGS, timeout_s: float = 240,
     first config of each pair. ``progress(what)``: called as each configuration finishes."""
     import json
     import subprocess
-    import sys
     import tempfile
 
     rows: list[dict] = []

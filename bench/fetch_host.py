@@ -31,16 +31,18 @@ with ``--no-floor``.
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/fetch_host.py`: run as `python -m bench.fetch_host` (bench/_as_module.py)
+    import _as_module
+
+    _as_module.run_as_module(__file__)
+
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import qfields, quantiles_of  # bench/timing.py
+from bench.timing import qfields, quantiles_of  # bench/timing.py
 
 NUM_BLOCKS, BLOCK, BLOCKS_PER_REQUEST = 136, 16, 22
 P_TP, D_TP = 2, 1

@@ -5,8 +5,7 @@
 # Steps, each under a timeout (and all together under GPU_CHECK_BUDGET seconds, default 480),
 # each one's result printed as it ends:
 #   1 versions   python, torch/CUDA, Triton and the test dependencies, nvidia-smi
-#   2 install    this checkout, editable, with no index and no dependencies (kvtriton.kernels exists
-#                only once installed: pyproject maps kernels/ onto it)
+#   2 install    this checkout, editable, with no index and no dependencies
 #   3 ptx        both kernels compiled for sm_90 by this Triton: 16-byte global accesses
 #   4 tests      the `gpu`-marked tests: kernels and launcher validation on CUDA, the >2^31-element
 #                cache, the no-host-sync check
@@ -97,7 +96,7 @@ if ! step install 180 bash -c '"$0" -m pip install -q --no-index --no-deps --no-
 fi
 
 # 3. 16-byte accesses in the sm_90 PTX this Triton produces (no GPU needed).
-step ptx 180 "$PY" tests/ptx_check.py
+step ptx 180 "$PY" scripts/ptx_check.py
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>> "$LOG"; then
     (( FAILED )) && finish 1 "no CUDA device, and a step above FAILED"
@@ -150,7 +149,7 @@ EOF
 fi
 if "$PY" -c 'import nixl' 2> /dev/null; then
     step nixl 240 "$PY" -m pytest -m "nixl and gpu" -q -rs -s -p no:cacheprovider \
-        --junitxml="$OUT/pytest-nixl.xml" tests/test_nixl_gpu.py tests/test_agent_streams.py
+        --junitxml="$OUT/pytest-nixl.xml" tests/agent/test_nixl_gpu.py tests/agent/test_agent_streams.py
 elif [ -n "$BUNDLE" ]; then
     report "[nixl] FAILED: $BUNDLE is unpacked, but NIXL does not import from it:"
     "$PY" -c 'import nixl' 2>&1 | tail -n 5 | tee -a "$LOG"

@@ -21,6 +21,11 @@ its rows come from one tiny case (2 blocks) and are labelled "interpreter: not a
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/kernel_speed.py`: run as `python -m bench.kernel_speed` (bench/_as_module.py)
+    import _as_module
+
+    _as_module.run_as_module(__file__)
+
 import time
 from collections.abc import Sequence
 
@@ -28,8 +33,8 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from timing import qfields, quantiles_ms, quantiles_of  # bench/timing.py
 
+from bench.timing import qfields, quantiles_ms, quantiles_of  # bench/timing.py
 from kvtriton import ops
 from kvtriton.errors import KVTritonError
 from kvtriton.ops import pack_reference, unpack_reference
@@ -337,7 +342,7 @@ if __name__ == "__main__":
     # them too)
     import sys
 
-    from presets import PRESETS  # bench/presets.py
+    from bench.presets import PRESETS  # bench/presets.py
 
     preset = PRESETS[sys.argv[1] if len(sys.argv) > 1 else "llama3-70b"].truncated(8)
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -18,6 +18,11 @@ anything that holds its memory for longer than a sample (every bench here).
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/memory.py`: run as `python -m bench.memory` (bench/_as_module.py)
+    import _as_module
+
+    _as_module.run_as_module(__file__)
+
 import json
 import os
 import subprocess

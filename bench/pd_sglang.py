@@ -1,14 +1,14 @@
 """Prefill/decode disaggregation on real SGLang servers: kvtriton's backend or SGLang's own nixl.
 
 Starts a plain server (the reference), then a prefill server and a decode server (SGLang 0.5.23 on
-CPU, the test bed from ``make sglang-bed``; :mod:`kvtriton.testing.sglang_servers`) with
+CPU, the test bed from ``make sglang-bed``; :mod:`beds.sglang_servers`) with
 ``--disaggregation-transfer-backend BACKEND`` on the bed's tiny Llama, and posts each prompt as
 SGLang's router does (one body to both servers, one bootstrap room per request), one request at a
 time. Per request it reports:
 
 * ``kv_loaded_ms``: the prefill's last ``send()`` of the request (its KV is computed) to the last
   decode rank's receiver polling ``Success`` (the same hooks for any backend:
-  :mod:`kvtriton.testing.sglang_hooks`; wall clocks of one host);
+  :mod:`beds.sglang_hooks`; wall clocks of one host);
 * ``receiver_ms``: the first decode receiver made to the last one done (includes the prefill);
 * ``descriptors``: descriptors handed to NIXL by both servers' ranks for the request (counted at
   NIXL's ``initialize_xfer``/``make_prepped_xfer``, so any backend is counted alike) and, for
@@ -35,6 +35,11 @@ Run from the repository root with kvtriton's venv (the servers use ``.venv-sglan
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/pd_sglang.py`: run as `python -m bench.pd_sglang` (bench/_as_module.py)
+    import _as_module
+
+    _as_module.run_as_module(__file__)
+
 import argparse
 import json
 import os
@@ -45,10 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from kvtriton.testing.sglang_servers import (  # noqa: E402
+from beds.sglang_servers import (
     SGLANG_LLAMA,
     ServerProcess,
     engine_cpus,
@@ -56,6 +58,7 @@ from kvtriton.testing.sglang_servers import (  # noqa: E402
     pd_generate,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 AGENT_DESCRIPTORS = ("staged_descriptors", "direct_descriptors", "one_sided_descriptors")
 PAIRS = ((1, 2), (2, 1))

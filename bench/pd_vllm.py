@@ -34,6 +34,11 @@ Run from the repository root with kvtriton's venv (the engines use ``.venv-vllm`
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/pd_vllm.py`: run as `python -m bench.pd_vllm` (bench/_as_module.py)
+    import _as_module
+
+    _as_module.run_as_module(__file__)
+
 import argparse
 import json
 import os
@@ -45,19 +50,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from beds import child_env
+from beds.vllm_bed import EngineProcess, TinyLlama, engine_cpus, free_port_range
+from beds.vllm_models import TinyDeepseek
+from bench.report import fmt_ms, median_known, pd_vllm_table  # bench/report.py
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from report import fmt_ms, median_known, pd_vllm_table  # noqa: E402  bench/report.py
-
-from kvtriton.testing.vllm_bed import EngineProcess, TinyLlama, engine_cpus, free_port_range  # noqa: E402
-from kvtriton.testing.vllm_models import TinyDeepseek  # noqa: E402
-
 DEFAULT_VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 
 # vLLM CPU: MLA runs on CPU_MLA (named: AMX_MLA would be picked on AMX hosts) at block 16, with the
 # rotary custom op off (it is wrong for DeepSeek's 3-D q_pe); the mixed cache also needs the bed's
-# two capability patches (kvtriton/testing/vllm_patches.py)
+# two capability patches (beds/vllm_patches.py)
 MLA_OPTIONS = {"attention_config": {"backend": "CPU_MLA"}, "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
 MODEL_KINDS = ("llama", "deepseek", "llama+mla-draft")
 MIXED_PATCHES = ("cpu-attention-block-16", "mla-metadata-target-head-size")
@@ -334,14 +337,14 @@ def _close_all(engines) -> None:
 
 
 def _make(python: str, kind: str, path: Path, options: dict) -> Path:
-    """Write a tiny model with the bed's Python (kvtriton/testing/vllm_models.py); a model already
+    """Write a tiny model with the bed's Python (beds/vllm_models.py); a model already
     written there (same kind and shape: the folder is named by them) is reused, so the runs of
     :func:`compare` sharing a ``log_dir`` make it once."""
     done = path / ".made"
     if done.exists() and done.read_text() == json.dumps(options, sort_keys=True):
         return path
-    subprocess.run([python, "-m", "kvtriton.testing.vllm_models", kind, str(path), json.dumps(options)], check=True,
-                   timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([python, "-m", "beds.vllm_models", kind, str(path), json.dumps(options)], check=True,
+                   timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
     done.write_text(json.dumps(options, sort_keys=True))
     return path
 

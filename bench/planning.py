@@ -20,9 +20,8 @@ group of regions with equal geometry, not per region.
 
 from __future__ import annotations
 
-from presets import PRESETS, fragmented_block_ids, specs_for  # bench/presets.py
-from timing import qfields, quantiles_ms  # bench/timing.py
-
+from bench.presets import PRESETS, fragmented_block_ids, specs_for  # bench/presets.py
+from bench.timing import qfields, quantiles_ms  # bench/timing.py
 from kvtriton.plan import ChunkGeometry, CostModel, PairPlan, Way, build_plan, compact_request
 from kvtriton.plan.runs import direct_groups, runs_of_groups
 

@@ -1,5 +1,7 @@
-"""Model presets, TP pairs and block-id patterns of the sweep (KV geometry only; numbers from the
-public configs). Every benchmark that needs a model or a request shape takes it from here."""
+"""Model presets, TP pairs and block-id patterns of the sweep (KV geometry only). Every benchmark
+that needs a model or a request shape takes it from here; the presets are the library's table
+(:data:`kvtriton.plan.models.PRESETS`, what ``kvtriton plan --model`` takes), each region given
+the torch dtype the timing runs allocate."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import numpy as np
 import torch
 
 from kvtriton.plan import ceil_div, head_range
+from kvtriton.plan.models import PRESETS as MODELS
+from kvtriton.plan.models import ModelKV
 from kvtriton.regions import Kind, Layout, Region, RegionSpec
 from kvtriton.testing.oracle import RegionModel
 
@@ -38,6 +42,12 @@ class Preset:
                 extra.append(r)
         return Preset(self.name, tuple(head + extra))
 
+    @classmethod
+    def of(cls, model: ModelKV) -> Preset:
+        """The library's model with each region's dtype as torch's."""
+        return cls(model.name, tuple(RegionModel(x.name, x.kind, x.total_heads, x.head_dims, getattr(torch, x.dtype))
+                                     for x in model.layers))
+
 
 def specs_for(preset: Preset, rank: int, tp: int, num_blocks: int, block_size: int,
               layout: Layout = Layout.HND) -> list[RegionSpec]:
@@ -65,16 +75,8 @@ def _mla(prefix, layers, dim=576, dtype=torch.bfloat16):
     return tuple(RegionModel.mla(f"{prefix}.{i}", dim, dtype) for i in range(layers))
 
 
-PRESETS = {
-    "llama3-8b": Preset("llama3-8b", _gqa("layers", 32, 8, 128)),
-    "llama3-70b": Preset("llama3-70b", _gqa("layers", 80, 8, 128)),
-    # Qwen2.5-7B: 28 layers, 4 KV heads -> TP8 replicates every head twice
-    "qwen2.5-7b": Preset("qwen2.5-7b", _gqa("layers", 28, 4, 128)),
-    # DeepSeek-V3: 61 MLA layers, latent 512 + rope 64 = 576, identical on every rank
-    "deepseek-v3": Preset("deepseek-v3", _mla("layers", 61)),
-    # a GQA target (Llama-3-8B geometry) with a one-layer MLA draft in the same cache
-    "llama3-8b+mla-draft": Preset("llama3-8b+mla-draft", _gqa("layers", 32, 8, 128) + _mla("draft", 1)),
-}
+# the library's table (kvtriton/plan/models.py), one place for the models' numbers
+PRESETS = {name: Preset.of(model) for name, model in MODELS.items()}
 
 # (prefill TP, decode TP)
 TP_PAIRS = [(1, 2), (2, 1), (4, 8), (8, 4), (2, 3), (8, 16)]

@@ -21,6 +21,11 @@ writes ``bench/results/rogue.md``. Bounded: about 30 s on a 2-core VM.
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/rogue.py`: run as `python -m bench.rogue` (bench/_as_module.py)
+    import _as_module
+
+    _as_module.run_as_module(__file__)
+
 import logging
 import sys
 import time
@@ -29,8 +34,8 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import torch
-from report import rogue_summary  # bench/report.py
 
+from bench.report import rogue_summary  # bench/report.py
 from kvtriton.agent import TransferAgent
 from kvtriton.protocol import wire
 from kvtriton.testing.oracle import (

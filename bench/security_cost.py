@@ -26,16 +26,18 @@ Run alone: ``python bench/security_cost.py [--layers 4] [--tokens 1024] [--reps 
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/security_cost.py`: run as `python -m bench.security_cost` (bench/_as_module.py)
+    import _as_module
+
+    _as_module.run_as_module(__file__)
+
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import quantiles_of  # bench/timing.py
+from bench.timing import quantiles_of  # bench/timing.py
 
 HEADS, HEAD_DIM, BLOCK = 8, 128, 16
 VARIANTS = {"default": {}, "staging": {"register": "staging"}, "integrity": {"integrity": True},

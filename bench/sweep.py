@@ -57,6 +57,11 @@ bench/report.py). Reproduce: ``make sweep`` (or ``.venv/bin/python bench/sweep.p
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/sweep.py`: run as `python -m bench.sweep` (bench/_as_module.py)
+    import _as_module
+
+    _as_module.run_as_module(__file__)
+
 import argparse
 import datetime as _dt
 import importlib.util
@@ -69,14 +74,9 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-# the benchmarks are sibling scripts, each runnable on its own; put them on the path when the sweep
-# is imported (tests) rather than run (python bench/sweep.py puts bench/ first by itself)
-sys.path.insert(0, str(HERE))
-
-from descriptors import descriptor_rows, model_kind_rows  # noqa: E402  bench/descriptors.py
-from memory import PeakMemory  # noqa: E402  bench/memory.py
-from presets import (  # noqa: E402  bench/presets.py
+from bench.descriptors import descriptor_rows, model_kind_rows  # bench/descriptors.py
+from bench.memory import PeakMemory  # bench/memory.py
+from bench.presets import (  # bench/presets.py
     BLOCK_SIZES,
     PD_KIND_PAIRS,
     PD_MODEL_KINDS,
@@ -85,7 +85,9 @@ from presets import (  # noqa: E402  bench/presets.py
     TP_PAIRS,
     Preset,
 )
-from report import pd_vllm_table, print_table, write_outputs  # noqa: E402  bench/report.py
+from bench.report import pd_vllm_table, print_table, write_outputs  # bench/report.py
+
+HERE = Path(__file__).resolve().parent
 
 try:
     from tqdm import tqdm
@@ -143,8 +145,8 @@ def _descriptors(args, presets, device, bar) -> list[dict]:
 
 
 def _kernels(args, presets, device, bar) -> list[dict]:
-    from block_sizes import kernel_rows  # bench/block_sizes.py: block-size changes vs equal sizes
-    from kernel_speed import run_kernel_bench  # bench/kernel_speed.py
+    from bench.block_sizes import kernel_rows  # bench/block_sizes.py: block-size changes vs equal sizes
+    from bench.kernel_speed import run_kernel_bench  # bench/kernel_speed.py
 
     quick = not args.full
     cases = [(p.name, list(p.truncated(4 if quick else 8).regions), *_pair(p), 16, TOKENS // 16)
@@ -165,8 +167,8 @@ E2E_SMALL = dict(pairs=("p4d8",), ids=("random",), configs=[("shm", None, 0), ("
 
 
 def _e2e(args, presets, device, bar) -> list[dict]:
-    import e2e  # bench/e2e.py
-    from block_sizes import e2e_rows  # bench/block_sizes.py
+    from bench import e2e  # bench/e2e.py
+    from bench.block_sizes import e2e_rows  # bench/block_sizes.py
 
     kw = {} if args.full else E2E_SMALL
     n = len(kw.get("pairs", e2e.PAIRS)) * len(kw.get("ids", e2e.IDS)) * len(kw.get("configs", e2e.CONFIGS))
@@ -178,7 +180,7 @@ def _e2e(args, presets, device, bar) -> list[dict]:
 
 
 def _costmodel(args, presets, device, bar) -> list[dict]:
-    import costgrid  # bench/costgrid.py
+    from bench import costgrid  # bench/costgrid.py
 
     # default: the small grid (8 cells, shared memory); --full: the quick grid (48 cells per
     # transport, what the sweep ran before); --full-grid: every block size of 16-128
@@ -189,7 +191,7 @@ def _costmodel(args, presets, device, bar) -> list[dict]:
 
 
 def _planning(args, presets, device, bar) -> list[dict]:
-    from planning import planning_rows  # bench/planning.py
+    from bench.planning import planning_rows  # bench/planning.py
 
     rows = [{"section": "planning", **r} for r in planning_rows(quick=not args.full)]
     bar.step("planned")
@@ -197,21 +199,21 @@ def _planning(args, presets, device, bar) -> list[dict]:
 
 
 def _fetch_host(args, presets, device, bar) -> list[dict]:
-    from fetch_host import CASES, run_fetch_host  # bench/fetch_host.py
+    from bench.fetch_host import CASES, run_fetch_host  # bench/fetch_host.py
 
     bar.total(len(CASES))
     return [{"section": "fetch_host", **r} for r in run_fetch_host(40 if args.full else 15, progress=bar.step)]
 
 
 def _rogue(args, presets, device, bar) -> list[dict]:
-    import rogue  # bench/rogue.py
+    from bench import rogue  # bench/rogue.py
 
     bar.total(len(rogue.SCENARIOS) + rogue.load_runs(not args.full))
     return [{"section": "rogue", **r} for r in rogue.run_rogue_bench(quick=not args.full, progress=bar.step)]
 
 
 def _security_cost(args, presets, device, bar) -> list[dict]:
-    from security_cost import run_security_cost  # bench/security_cost.py
+    from bench.security_cost import run_security_cost  # bench/security_cost.py
 
     rows = run_security_cost() if args.full else run_security_cost(layers=2, tokens=512, reps=3)
     bar.step("timed")
@@ -343,7 +345,7 @@ PD_PAIRS_SMALL = ((2, 1),)
 def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
     """Both connectors on the same engines and prompts (bench/pd_vllm.py): ``quick``, the small
     model at P2->D1; else ``size`` at P2->D1 and P1->D2."""
-    import pd_vllm  # bench/pd_vllm.py
+    from bench import pd_vllm  # bench/pd_vllm.py
 
     if pd_vllm.vllm_python() is None:
         print("pd_vllm: skipped, no vLLM test bed (make vllm-bed)")

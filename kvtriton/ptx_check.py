@@ -1,7 +1,7 @@
 """Compile the pack and unpack kernels for sm_90 and check their global accesses are 16 bytes wide.
 
 Needs Triton only (no GPU, no torch): it compiles the kernels of the package it is given, so it
-runs from a bare checkout (``tests/ptx_check.py`` hands it the checkout's ``kernels/``: the
+runs from a bare checkout (``scripts/ptx_check.py`` hands it the checkout's ``kvtriton/kernels/``: the
 small Triton-only venv ``make test`` builds for the oldest Triton we check, and a GPU machine
 before anything is installed, ``bench/gpu_check.sh``) and from an installed kvtriton
 (``kvtriton doctor`` hands it ``kvtriton.kernels``).

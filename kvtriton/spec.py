@@ -34,7 +34,7 @@ class Layout(str, enum.Enum):
 # Every dtype name a region may declare (torch's spelling, as kvtriton.regions writes it) and its
 # itemsize: a peer's metadata naming anything else,
 # or another width, is refused at decode (kvtriton.protocol.wire)
-# (tests/test_wire.py checks the table against torch).
+# (tests/unit/test_wire.py checks the table against torch).
 DTYPE_ITEMSIZE: dict[str, int] = {
     "bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "uint32": 4, "int32": 4, "uint64": 8, "int64": 8,
     "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex32": 4, "complex64": 8, "complex128": 16,

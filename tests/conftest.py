@@ -44,9 +44,9 @@ def device(request):
 
 @pytest.fixture
 def engines():
-    """``engines(...)`` makes a prefill/decode pair of agents over NIXL (test_agent.Engines: the
+    """``engines(...)`` makes a prefill/decode pair of agents over NIXL (helpers.engines.Engines: the
     two-engine harness kvtriton.testing.pair.EnginePair); every pair made is closed after the test."""
-    from test_agent import Engines  # imported lazily: it needs NIXL, most tests do not
+    from helpers.engines import Engines  # imported lazily: it needs NIXL, most tests do not
 
     made = []
 

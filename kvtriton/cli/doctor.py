@@ -30,7 +30,7 @@ from pathlib import Path
 
 __all__ = ["Check", "TESTED", "checks", "add_arguments", "run"]
 
-# what was tested, as pyproject.toml pins it (tests/test_cli.py checks the two agree): [low, high)
+# what was tested, as pyproject.toml pins it (tests/agent/test_cli.py checks the two agree): [low, high)
 TESTED = {"nixl": ("1.5.1", "1.5.2"), "vllm": ("0.32", "0.34")}
 PLUGIN = ("kvtriton", "kvtriton.integrations.vllm.plugin:register")  # the vllm.general_plugins entry point
 
@@ -145,7 +145,7 @@ def _ptx() -> Check:
         return Check("PTX 16-byte check", False, f"{type(e).__name__}: {e}", fix)
     if status == 1:
         return Check("PTX 16-byte check", False, "; ".join(lines),
-                     "the kernels compile to narrower accesses with this Triton: run tests/ptx_check.py, report it")
+                     "the kernels compile to narrower accesses with this Triton: run scripts/ptx_check.py, report it")
     return Check("PTX 16-byte check", status == 0, lines[-1].removeprefix("ptx_check: "), fix if status else "")
 
 

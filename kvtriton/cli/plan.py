@@ -7,7 +7,7 @@ request of ``tokens`` tokens whose block ids come in runs of ``run`` consecutive
 engines (the sweep's fragmented pattern, ``bench/presets.py``). For each decode rank it reports
 the source ranks and heads, each region's route, each payload's ways with their descriptors,
 bytes per descriptor and estimated time, the way the cost model chooses, and what vLLM's
-NixlConnector posts for the same request (:func:`nixl_connector_descriptors`).
+NixlConnector posts for the same request: every count from :func:`~kvtriton.plan.count.count_descriptors`.
 """
 
 from __future__ import annotations
@@ -20,37 +20,12 @@ import time
 import numpy as np
 
 from ..errors import KVTritonError, PlanError
-from ..plan import (
-    ChunkGeometry,
-    CostModel,
-    build_plan,
-    ceil_div,
-    check_tp,
-    choose_way,
-    compact_request,
-    direct_runs,
-    head_range,
-    split_sources,
-    way_descriptors,
-)
+from ..plan import CostModel, build_plan, ceil_div, check_tp, compact_request, head_range, split_sources
+from ..plan.count import count_descriptors, nixl_connector_descriptors
 from ..plan.models import ModelKV, load_model, rank_specs
 from ..spec import Kind, Layout
 
 __all__ = ["nixl_connector_descriptors", "block_ids", "explain", "format_text", "add_arguments", "run"]
-
-
-def nixl_connector_descriptors(num_sources: int, num_layers: int, num_blocks: int, kv_streams: int = 1) -> int:
-    """The baseline: descriptors vLLM's NixlConnector posts per decode rank for one request,
-    ``num_sources * kv_streams * num_layers * num_blocks``: one READ per (source rank, layer,
-    block) of the decode rank's head slice, K and V of a block in one descriptor
-    (``kv_streams=1``, vLLM 0.33), or one each (``kv_streams=2``). The same formula as
-    ``bench/baselines.py``'s ``vllm_direct_descriptor_count`` (the sweep's baseline column); the
-    planner never plans this path, it is here only to put kvtriton's counts beside it.
-
-    >>> nixl_connector_descriptors(1, 80, 512)  # Llama-3-70B P4 -> D8, 8k tokens in 16-token blocks
-    40960
-    """
-    return num_sources * kv_streams * num_layers * num_blocks
 
 
 def block_ids(num_blocks: int, run: int) -> np.ndarray:
@@ -112,33 +87,19 @@ def explain(model: ModelKV, prefill_tp: int, decode_tp: int, *, block_size: int 
         dst = rank_specs(model, d, decode_tp, num_blocks, block_size, layout)
         plan = build_plan(d, decode_tp, dst, prefill_tp, src, cost=cost)
         s, t = compact_request(ids, ids, num_blocks, num_blocks)
-        direct = direct_runs(plan, src, dst, s, t)
-        payloads, staged_desc, chosen_desc = [], 0, 0
-        for read in plan.staged:
+        count = count_descriptors(plan, src, dst, s, t, n, cost=cost, chunk_bytes=chunk_bytes)
+        payloads = []
+        for read, pc in zip(plan.staged, count.payloads):
             nbytes = read.payload_bytes(n)
-            chunks = ChunkGeometry.fit(read.bytes_per_block, n, chunk_bytes).count if chunk_bytes else 1
-            ways = {}
-            for way in read.ways:
-                k = way_descriptors(read, way, src, dst, s, t, chunks)
-                ways[way.value] = dict(descriptors=k, bytes_per_descriptor=round(nbytes / k),
-                                       est_ms=round(cost.way_us(way, nbytes, k, segments=len(read.segments),
-                                                                   chunks=chunks) / 1e3, 3))
-            chosen = choose_way(read, src, dst, s, t, cost, chunks=chunks)
-            staged_desc += chunks
-            chosen_desc += ways[chosen.value]["descriptors"]
+            ways = {way.value: dict(descriptors=k, bytes_per_descriptor=round(nbytes / k),
+                                    est_ms=round(cost.way_us(way, nbytes, k, segments=len(read.segments),
+                                                             chunks=pc.chunks) / 1e3, 3))
+                    for way, k in pc.ways.items()}
             payloads.append(dict(src_rank=read.src_rank, bytes=nbytes, segments=len(read.segments),
-                                 regions=len({g.region for g in read.segments}), chunks=chunks,
-                                 ways=ways, chosen=chosen.value))
+                                 regions=len({g.region for g in read.segments}), chunks=pc.chunks,
+                                 ways=ways, chosen=pc.chosen.value))
         moved = sum(n * sum(spec.tile_bytes(j, spec.local_heads) for j in range(spec.num_streams)) for spec in dst)
-        by_heads = {}
-        for x in split:
-            if x.total_heads not in by_heads:
-                by_heads[x.total_heads] = len(split_sources(d, decode_tp, prefill_tp, x.total_heads))
-        k_split = [by_heads[x.total_heads] for x in split]
-        replicate = len(model.layers) - len(split)
-        vllm = sum(nixl_connector_descriptors(k, 1, n) for k in k_split) + nixl_connector_descriptors(1, replicate, n)
-        vllm_sep = (sum(nixl_connector_descriptors(k, 1, n, 2) for k in k_split)
-                    + nixl_connector_descriptors(1, replicate, n))
+        vllm = count.nixl_connector
         out_ranks.append(dict(
             decode_rank=d, sources=_sources(model, d, prefill_tp, decode_tp),
             replicate_sources=sorted({r for dr in plan.direct if not dr.sliced for r in dr.src_ranks}
@@ -146,11 +107,11 @@ def explain(model: ModelKV, prefill_tp: int, decode_tp: int, *, block_size: int 
                                         if any(dst[g.region].kind is Kind.REPLICATE for g in p.segments)}),
             routes=[dict(region=spec.name, route=r.value) for spec, r in zip(dst, plan.routes)],
             payloads=payloads,
-            direct=dict(regions=len(plan.direct), descriptors=len(direct), bytes=direct.total_bytes,
-                        bytes_per_descriptor=round(direct.total_bytes / len(direct)) if len(direct) else 0),
-            kvtriton=dict(staged_descriptors=staged_desc, descriptors=chosen_desc + len(direct), bytes=moved),
+            direct=dict(regions=len(plan.direct), descriptors=count.direct, bytes=count.direct_bytes,
+                        bytes_per_descriptor=round(count.direct_bytes / count.direct) if count.direct else 0),
+            kvtriton=dict(staged_descriptors=count.staged, descriptors=count.total, bytes=moved),
             vllm=dict(descriptors=vllm, bytes_per_descriptor=round(moved / vllm) if vllm else 0,
-                      descriptors_kv_separate=vllm_sep)))
+                      descriptors_kv_separate=count.nixl_connector_kv_separate)))
     return dict(
         model=model.name, regions=len(model.layers), split_regions=len(split),
         replicate_regions=len(model.layers) - len(split), dtypes=sorted({x.dtype for x in model.layers}),

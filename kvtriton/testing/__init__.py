@@ -1,4 +1,5 @@
-"""Test and benchmark support shipped with the package (nothing in the library imports it).
+"""Test and benchmark support shipped with the package, what a user tests with (nothing in the
+library imports it; the CI engine beds, real vLLM and SGLang, live in the checkout's ``beds/``).
 
 * :mod:`.oracle`: the global-head oracle (random caches, expected bytes, byte-exact checks).
 * :mod:`.pair`: one prefill and one decode engine in this process (:class:`~.pair.EnginePair`).
@@ -7,5 +8,5 @@
 * :mod:`.cluster`: a multi-process prefill/decode cluster, each rank an agent child process.
 * :mod:`.seams`: what tests inject that the agent's public API does not take (forged or held-back
   messages, events, lanes); tests observe through ``TransferAgent.debug_state()`` and ``stats``.
-* :mod:`.rogue`, :mod:`.vllm_bed`: a rogue peer next to honest engines; vLLM engine beds.
+* :mod:`.rogue`: a rogue peer next to honest engines.
 """

@@ -2,7 +2,7 @@
 
 :class:`RogueRig` builds a prefill engine P, an honest decode engine D and a rogue engine R
 whose handshake with P is genuine; the rogue then sends whatever control messages a test or
-benchmark forges (tests/test_rogue.py, bench/rogue.py). Everything is driven by hand from one
+benchmark forges (tests/agent/test_rogue.py, bench/rogue.py). Everything is driven by hand from one
 thread; nothing here is used by the library itself."""
 
 from __future__ import annotations

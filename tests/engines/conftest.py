@@ -1,0 +1,26 @@
+"""Fixtures of the real-engine tests: the tiny GQA Llama (written once per module with the vLLM
+bed's Python) and the prompts; a module that needs another model defines its own ``model_dir``."""
+
+import random
+import subprocess
+
+import pytest
+from helpers.vllm_bed_python import vllm_bed_python
+from helpers.vllm_engines import LENGTHS
+
+from beds import child_env
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([vllm_bed_python(), "-c", "import sys; from beds.vllm_bed import make_tiny_llama; "
+                    "make_tiny_llama(sys.argv[1])", str(path)], check=True, timeout=300,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(7)
+    return [[rng.randrange(512) for _ in range(n)] for n in LENGTHS]

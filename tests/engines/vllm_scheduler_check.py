@@ -1,0 +1,81 @@
+"""The connector's scheduler side on the vLLM that this Python imports (0.32 CPU build or upstream
+0.33), with vLLM's own config, Request, SchedulerOutput and KVCacheBlocks types: the proxy
+protocol from a prefill request to a decode load and its cancellation. Run by
+tests/engines/test_vllm_connector.py under each vLLM; prints one ``ok <version>`` line."""
+
+import sys
+
+assert "vllm" not in sys.modules, "import kvtriton imported vLLM"
+import kvtriton.integrations.vllm as integration  # noqa: E402
+
+assert "vllm" not in sys.modules, "importing the integration package imported vLLM"
+
+import vllm  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+BLOCK = 16
+
+
+def connector(role: str, engine_id: str):
+    cfg = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVTritonConnector", kv_connector_module_path="kvtriton.integrations.vllm", kv_role=role,
+            engine_id=engine_id, kv_connector_extra_config={"port": 6100, "lease_s": 7.0}),
+        parallel_config=ParallelConfig(tensor_parallel_size=1), cache_config=CacheConfig(block_size=BLOCK))
+    return integration.KVTritonConnector(cfg, KVConnectorRole.SCHEDULER, None)
+
+
+def request(rid: str, n: int, params: dict) -> Request:
+    return Request(rid, list(range(n)), SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}),
+                   None)
+
+
+def step(conn, new=(), tokens=None):
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = list(new)
+    out.num_scheduled_tokens = dict(tokens or {})
+    return conn.build_connector_meta(out).messages
+
+
+# prefill: a do_remote_decode request is held after the step that completes its prompt
+p = connector("kv_producer", "P")
+preq = request("p1", 40, {"do_remote_decode": True})
+assert p.get_num_new_matched_tokens(preq, 0) == (0, False)
+p.update_state_after_alloc(preq, KVCacheBlocks(blocks=([],)), 0)
+msgs = step(p, [NewRequestData.from_request(preq, ([4, 5, 6],))], {"p1": 40})
+assert msgs.holds == {"p1": (4, 5, 6)}, msgs
+preq.status = RequestStatus.FINISHED_LENGTH_CAPPED
+delay, params = p.request_finished(preq, [4, 5, 6])
+assert delay and params["remote_block_ids"] == [4, 5, 6] and params["remote_engine_id"] == "P", params
+assert params["remote_port"] == 6100 and params["tp_size"] == 1 and params["do_remote_prefill"]
+assert step(p).confirms == {"p1"}
+# a prefill that ends any other way is released, never reported
+preq2 = request("p2", 20, {"do_remote_decode": True})
+p.get_num_new_matched_tokens(preq2, 0)
+assert step(p, [NewRequestData.from_request(preq2, ([9, 10],))], {"p2": 20}).holds == {"p2": (9, 10)}
+preq2.status = RequestStatus.FINISHED_ABORTED
+assert p.request_finished(preq2, [9, 10]) == (False, None)
+assert step(p).releases == {"p2"}
+
+# decode: every prompt token comes from the prefill; blocks pair by position; abort cancels
+d = connector("kv_consumer", "D")
+dreq = request("d1", 40, dict(params))
+assert d.get_num_new_matched_tokens(dreq, 0) == (40, True)
+d.update_state_after_alloc(dreq, KVCacheBlocks(blocks=([KVCacheBlock(b) for b in (7, 8, 9)],)), 40)
+load = step(d).loads["d1"]
+assert load.remote_block_ids == (4, 5, 6) and load.local_block_ids == (7, 8, 9) and load.report
+assert load.source.request_id == "p1" and load.source.engine_id == "P"
+dreq.status = RequestStatus.FINISHED_ABORTED
+assert d.request_finished(dreq, [7, 8, 9]) == (False, None)
+assert step(d).cancels == {"d1"}
+# malformed params: computed locally, never loaded
+bad = request("d2", 40, {**params, "remote_block_ids": ["x"]})
+assert d.get_num_new_matched_tokens(bad, 0) == (0, False)
+assert integration.KVTritonConnector.get_required_kvcache_layout(p._vllm_config) in (None, "LBHNC")
+print("ok", vllm.__version__)

@@ -1,0 +1,178 @@
+"""Per-request planning: the fast paths (grouped DIRECT runs, bitmap distinct check, memoised plan
+values) against straightforward per-region / per-id references, and the validation they keep."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from helpers.specs import pieces_of_rows, pieces_of_runs
+
+from kvtriton.errors import PlanError
+from kvtriton.plan import PairPlan, build_plan, compact_request, compact_tokens, direct_block_rows, direct_runs
+from kvtriton.regions import Region
+
+
+def reference_runs(plan, src_specs, dst_specs, src_ids, dst_ids):
+    """The per-region, per-rank, per-stream loop direct_runs replaced (region, rank, stream order)."""
+    rows = []
+    n = src_ids.size
+    for dr in plan.direct:
+        d = dst_specs[dr.region]
+        for rank, part in zip(dr.src_ranks, np.array_split(np.arange(n), len(dr.src_ranks))):
+            s = (src_specs[rank] if isinstance(src_specs, dict) else src_specs)[dr.region]
+            for j in range(d.num_streams):
+                tile = d.tile_bytes(j, d.local_heads)
+                ss, ds = s.block_stride_bytes(j), d.block_stride_bytes(j)
+                k = 0
+                while k < part.size:
+                    length = 1
+                    if ss == tile and ds == tile:
+                        while (k + length < part.size and src_ids[part[k + length]] == src_ids[part[k]] + length
+                               and dst_ids[part[k + length]] == dst_ids[part[k]] + length):
+                            length += 1
+                    i = part[k]
+                    rows.append((rank, dr.region, j, src_ids[i] * ss, dst_ids[i] * ds, length * tile))
+                    k += length
+    return rows
+
+
+def runs_rows(runs):
+    return list(zip(runs.src_rank.tolist(), runs.region.tolist(), runs.stream.tolist(), runs.src_offset.tolist(),
+                    runs.dst_offset.tolist(), runs.nbytes.tolist()))
+
+
+def mixed_specs(num_blocks=64, gqa=True):
+    """MLA latents of two widths (one stream) interleaved with joint-K/V GQA regions (two strided
+    streams; only when ``gqa``: whole-block DIRECT needs equal TP for a SPLIT region): geometry
+    groups whose regions interleave in plan order."""
+    specs = []
+    for i in range(6):
+        if gqa and i % 3 == 2:
+            kv = torch.empty(num_blocks, 2, 16, 2, 64, dtype=torch.bfloat16, device="meta")
+            specs.append(Region.attention(f"l{i}", kv=kv, block_size=16, total_heads=2).spec)
+        else:
+            lat = torch.empty(num_blocks, 16, 96 + 32 * (i % 2), dtype=torch.bfloat16, device="meta")
+            specs.append(Region.mla(f"l{i}", lat, block_size=16).spec)
+    return specs
+
+
+@pytest.mark.parametrize("src_tp", [1, 2, 3])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_direct_runs_match_per_region_reference(src_tp, seed):
+    rng = np.random.default_rng(seed)
+    specs = mixed_specs(gqa=src_tp == 1)
+    plan = build_plan(0, 1, specs, src_tp, specs, modes="direct")
+    for n in (0, 1, 2, 5, 37):
+        ids = rng.permutation(64)[:n]
+        src = np.sort(ids) if seed else ids  # sorted: long runs; shuffled: mostly single blocks
+        dst = rng.permutation(64)[:n] if seed == 0 else np.arange(n) + 3
+        runs = direct_runs(plan, specs, specs, src, dst)
+        assert runs_rows(runs) == reference_runs(plan, specs, specs, src, dst)
+
+
+@pytest.mark.parametrize("src_tp", [2, 3])
+def test_direct_runs_of_one_source_rank_are_its_rows_of_the_whole(src_tp):
+    """What one pair of ranks posts (``src_rank=``) is exactly that rank's rows of every rank's
+    runs, in the same order; a rank the plan does not read gives none."""
+    rng = np.random.default_rng(src_tp)
+    specs = mixed_specs(gqa=False)
+    plan = build_plan(0, 1, specs, src_tp, specs, modes="direct")
+    src, dst = rng.permutation(64)[:29], np.arange(29) + 5
+    every = runs_rows(direct_runs(plan, specs, specs, src, dst))
+    for r in range(src_tp):
+        assert runs_rows(direct_runs(plan, specs, specs, src, dst, src_rank=r)) == [x for x in every if x[0] == r]
+    assert len(direct_runs(plan, specs, specs, src, dst, src_rank=src_tp + 1)) == 0
+
+
+@pytest.mark.parametrize("src_tp", [1, 2, 3])
+def test_block_rows_name_the_pieces_direct_runs_move(src_tp):
+    """The index form a request posts over prepared lists (:func:`direct_block_rows`) names, block
+    by block, exactly the bytes of :func:`direct_runs` for that source rank; its descriptor
+    count is the runs' (NIXL merges the pairs adjacent on both sides) and its bytes theirs."""
+    rng = np.random.default_rng(10 + src_tp)
+    specs = mixed_specs(gqa=src_tp == 1)
+    plan = build_plan(0, 1, specs, src_tp, specs, modes="direct")
+    tiles = {(d.region, j): specs[d.region].tile_bytes(j, specs[d.region].local_heads) for d in plan.direct
+             for j in range(specs[d.region].num_streams)}
+    for n in (0, 1, 5, 37):
+        src = rng.permutation(64)[:n] if n % 2 else np.sort(rng.permutation(64)[:n])
+        dst = np.arange(n) + 7 if n % 2 else rng.permutation(64)[:n]
+        for r in range(src_tp + 1):  # the last: a rank the plan does not read
+            runs = direct_runs(plan, specs, specs, src, dst, src_rank=r)
+            rows = direct_block_rows(plan, specs, specs, r)
+            s_idx, d_idx, count, nbytes = rows.select(src, dst)
+            assert (count, nbytes) == (len(runs), runs.total_bytes)
+            assert pieces_of_rows(rows, s_idx, d_idx) == pieces_of_runs(runs, lambda g, j, nb: tiles[g, j])
+    pair = PairPlan(plan, 0, specs, specs)  # made once per peer: its rows computed once
+    assert pair.rows() is pair.rows() and pair.rows().key == direct_block_rows(plan, specs, specs, 0).key
+
+
+def test_direct_runs_rank_mapping_with_different_strides_and_cache_refresh():
+    specs = mixed_specs(gqa=False)
+    wide = mixed_specs(gqa=False)
+    # rank 1 stores its latents with a padded block stride: runs there never coalesce
+    padded = [dataclasses.replace(s, strides=tuple((st[0] + 8, st[1], st[2]) for st in s.strides))
+              if s.num_streams == 1 else s for s in wide]
+    plan = build_plan(0, 1, specs, 2, specs, modes="direct")
+    src, dst = np.arange(10, 30), np.arange(20)
+    by_rank = {0: specs, 1: padded}
+    got = direct_runs(plan, by_rank, specs, src, dst)
+    assert runs_rows(got) == reference_runs(plan, by_rank, specs, src, dst)
+    # the memo must not serve rank 1's old geometry once the lists hold other specs
+    again = {0: specs, 1: specs}
+    assert runs_rows(direct_runs(plan, again, specs, src, dst)) == reference_runs(plan, again, specs, src, dst)
+    padded[:] = specs  # same list object, new contents
+    assert runs_rows(direct_runs(plan, by_rank, specs, src, dst)) == reference_runs(plan, by_rank, specs, src, dst)
+
+
+def test_direct_runs_repeat_one_group_for_many_layers():
+    lat = torch.empty(128, 16, 576, dtype=torch.bfloat16, device="meta")
+    specs = [Region.mla(f"mla{i}", lat, block_size=16).spec for i in range(61)]
+    plan = build_plan(0, 4, specs, 8, specs)
+    rng = np.random.default_rng(3)
+    src = np.concatenate([np.arange(a, a + 8) for a in rng.permutation(16)[:8] * 8])
+    dst = np.concatenate([np.arange(a, a + 8) for a in rng.permutation(16)[:8] * 8])
+    runs = direct_runs(plan, specs, specs, src, dst)
+    assert runs_rows(runs) == reference_runs(plan, specs, specs, src, dst)
+    assert runs.region.tolist() == sorted(runs.region.tolist())
+
+
+@pytest.mark.parametrize("num_blocks", [16, 1 << 20])  # bitmap path, then the sorted path
+def test_distinct_check_both_paths(num_blocks):
+    ids = np.arange(8) * (num_blocks // 8)
+    s, d = compact_request(np.arange(8), ids, 8, num_blocks)
+    assert d.tolist() == ids.tolist()
+    bad = ids.copy()
+    bad[5] = bad[2]
+    with pytest.raises(PlanError, match=rf"repeat: \[{bad[2]}\]"):
+        compact_request(np.arange(8), bad, 8, num_blocks)
+    with pytest.raises(PlanError, match="repeat"):
+        compact_tokens(np.arange(8), bad, 8, num_blocks, 16, 16)
+
+
+def test_compact_request_returns_copies_and_rejects_before_anything():
+    src, dst = np.arange(4, dtype=np.int64), np.arange(4, dtype=np.int64)
+    s, d = compact_request(src, dst, 4, 4)
+    src[0] = dst[0] = 3  # the caller reuses its arrays: the compacted request must not change
+    assert s.tolist() == [0, 1, 2, 3] and d.tolist() == [0, 1, 2, 3]
+    for args, msg in ((([0, -2], [0, 1], 4, 4)), "source block id -2 at position 1"), \
+                     ((([0, 1], [0, 4], 4, 4)), "destination block id 4 at position 1"):
+        with pytest.raises(PlanError, match=msg):
+            compact_request(*args)
+    assert compact_request([], [], 4, 4)[0].size == 0
+
+
+def test_plan_memos_equal_fresh_values():
+    from helpers.specs import gqa_specs
+
+    dst, src = gqa_specs(4, 8, 128, 1, 4, 16), gqa_specs(4, 8, 128, 0, 2, 16)
+    plan = build_plan(1, 4, dst, 2, src)
+    fresh = build_plan(1, 4, dst, 2, src)
+    assert plan.digest() == plan.digest() == fresh.digest()
+    read = plan.staged[0]
+    assert read.bytes_per_block == sum(s.tile_bytes for s in read.segments)
+    tiles = [s.tile_bytes for s in read.segments]
+    want = [7 * sum(tiles[:i]) + 100 for i in range(len(tiles))]
+    assert read.segment_offsets(7, base=100).tolist() == want
+    assert read.segment_offsets(7, base=100).tolist() == want  # the cached starts are not modified
