@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ProtocolError
+
 __all__ = ["CacheTables", "StreamTable", "slot_descs"]
 
 
@@ -33,6 +35,15 @@ class CacheTables:
     @classmethod
     def of(cls, addrs: tuple[tuple[int, ...], ...], spans: tuple[tuple[int, ...], ...]) -> CacheTables:
         return cls(StreamTable(addrs), StreamTable(spans))
+
+    def addresses(self, region: np.ndarray, stream: np.ndarray, offset: np.ndarray, nbytes: np.ndarray,
+                  whose: str) -> np.ndarray:
+        """Addresses of byte ranges ``[offset, offset + nbytes)`` of (region, stream) tensors;
+        :class:`ProtocolError` when one falls outside its declared span (``whose`` names the
+        rank that declared them: a peer's metadata is untrusted)."""
+        if (offset < 0).any() or (offset + nbytes > self.spans.at(region, stream)).any():
+            raise ProtocolError(f"one-sided pieces fall outside the regions {whose} declared")
+        return self.addrs.at(region, stream) + offset
 
 
 def slot_descs(addr: int, num_slots: int, slot_bytes: int, dev: int) -> np.ndarray:

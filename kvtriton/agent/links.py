@@ -182,27 +182,20 @@ class Links:
         self.stats.one_sided_descriptors += count
         return xfer
 
-    @staticmethod
-    def cache_addrs(tables: CacheTables, region: np.ndarray, stream: np.ndarray, offset: np.ndarray,
-                    nbytes: np.ndarray, whose: str) -> np.ndarray:
-        """Addresses of byte ranges ``[offset, offset + nbytes)`` of (region, stream) tensors
-        declared by ``tables`` (ours or a peer's); :class:`ProtocolError` when one falls outside
-        its declared span."""
-        if (offset < 0).any() or (offset + nbytes > tables.spans.at(region, stream)).any():
-            raise ProtocolError(f"one-sided pieces fall outside the regions {whose} declared")
-        return tables.addrs.at(region, stream) + offset
-
     def prep_pieces(self, peer: Peer, local_addr: np.ndarray, remote_addr: np.ndarray, nbytes: np.ndarray):
         """Prepared (local, remote) lists of byte ranges paired one to one (callers bound them)."""
         local = np.stack([local_addr, nbytes, np.full_like(nbytes, self.dev)], axis=1)
         remote = np.stack([remote_addr, nbytes, np.full_like(nbytes, peer.md.dev)], axis=1)
+        return self._prep(peer, local, remote)
+
+    def _prep(self, peer: Peer, local: np.ndarray, remote: np.ndarray) -> tuple[PreppedList, PreppedList]:
+        """Prepared lists over our ``local`` descriptors and ``peer``'s ``remote`` ones (both or neither)."""
         ll = self.transport.prep_local(local, self.mem)
         try:
-            rl = self.transport.prep_remote(peer.agent, remote, peer.md.mem)
+            return ll, self.transport.prep_remote(peer.agent, remote, peer.md.mem)
         except BaseException:
             self.transport.release_list(ll)
             raise
-        return ll, rl
 
     def done(self, xfer: Xfer) -> bool:
         st = self.transport.poll(xfer)
@@ -318,12 +311,7 @@ class Links:
                                    np.full_like(off, self.dev if tables is self.tables else peer.md.dev),
                                    stride, blocks], axis=1))
         local, remote = (sides[1], sides[0]) if reading else (sides[0], sides[1])
-        ll = self.transport.prep_local(local, self.mem)
-        try:
-            rl = self.transport.prep_remote(peer.agent, remote, peer.md.mem)
-        except BaseException:
-            self.transport.release_list(ll)
-            raise
+        ll, rl = self._prep(peer, local, remote)
         owned = len(peer.row_lists) >= MAX_ROW_LISTS
         if not owned:
             peer.row_lists[key] = (ll, rl)

@@ -415,8 +415,8 @@ class PackPlacePart(AnnouncedPart):
             runs = tile_runs(self.payload.read, self.s.specs, f.dst_ids[lo:hi])
             if (runs.staging_offset + runs.nbytes > ready.nbytes).any():  # the plan's own sizes: a bug, not a peer
                 raise ProtocolError(f"pack_place: chunk {ready.chunk} tiles exceed its {ready.nbytes} bytes")
-            local = links.cache_addrs(links.tables, runs.region, runs.stream, runs.cache_offset,
-                                      runs.nbytes, "this rank")
+            local = links.tables.addresses(runs.region, runs.stream, runs.cache_offset, runs.nbytes,
+                                           "this rank")
             st = peer.md.staging
             remote = st.addr + ready.slot * st.slot_bytes + runs.staging_offset
             ch = Chunk(ready.chunk, -1, 0, ready.nbytes, remote_slot=ready.slot)
@@ -478,8 +478,8 @@ class ReadUnpackPart(PayloadPart):
             try:
                 lo, hi = chunks.bounds(c)
                 runs = tile_runs(self.payload.read, peer.md.regions, f.src_ids[lo:hi])
-                remote = self.links.cache_addrs(peer.tables, runs.region, runs.stream,
-                                                runs.cache_offset, runs.nbytes, peer.agent)
+                remote = peer.tables.addresses(runs.region, runs.stream, runs.cache_offset,
+                                               runs.nbytes, peer.agent)
                 ll, rl = ch.lists = self.links.prep_pieces(
                     peer, pool.addr + pool.offset(slot) + runs.staging_offset, remote, runs.nbytes)
             except BaseException:

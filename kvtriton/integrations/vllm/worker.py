@@ -14,10 +14,8 @@ handshake side channel, and the translation of agent events into vLLM's terms.
 * A failed load is still reported in ``finished_recving``, and its local blocks in
   ``get_block_ids_with_load_errors`` (vLLM then recomputes them, with
   ``kv_load_failure_policy="recompute"``). A lost prefill engine is met again on its next request.
-* On CUDA the agent moves blocks on a stream of its own. Holds are placed after the forward, with
-  an event recorded on the engine's current stream: packs of those blocks (and reads of DIRECT
-  regions) wait for it. A load is reported finished only after the unpacks that wrote its blocks
-  completed on the device, so the next forward may read them from any stream.
+* On CUDA the agent moves blocks on its own stream; holds carry an event of the engine's stream
+  (packs and DIRECT reads wait for it); a load is finished only once its unpacks completed.
 
 No vLLM import: the connector passes plain values in.
 """
