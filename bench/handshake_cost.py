@@ -18,18 +18,21 @@ Run alone: ``python bench/handshake_cost.py [--reps 200] [--md-bytes 32768]``.
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/handshake_cost.py`: run as `python -m bench.handshake_cost` (bench/_as_module.py)
+    import _as_module
+
+    _as_module.run_as_module(__file__)
+
 import argparse
 import secrets
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's kvtriton first
-from kvtriton.protocol.auth import Credential  # noqa: E402
-from kvtriton.protocol.handshake import MetadataServer, exchange_metadata  # noqa: E402
+from kvtriton.protocol.auth import Credential
+from kvtriton.protocol.handshake import MetadataServer, exchange_metadata
 
 
 def _openssl(*args: str, cwd: Path) -> None:
