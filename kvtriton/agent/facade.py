@@ -88,8 +88,10 @@ class TransferAgent:
     require_authenticated_peers: a cluster credential is configured: only peers added with
                    ``add_remote(..., authenticated=True)`` are trusted. An unauthenticated peer
                    reads only holds that name its engine; it never binds an unbound hold, is
-                   never guessed, never replaces a silent restart, and its refusals say only
-                   "refused" (the reason is logged here). Default False: every peer is trusted.
+                   never guessed, never stands for a rank of an engine that registered
+                   authenticated (live, stalled or expired; an authenticated registration drops
+                   the engine's unauthenticated ranks), and its refusals say only "refused" (the
+                   reason is logged here). Default False: every peer is trusted.
     max_peers, max_peer_engines: bounds of the peer table (ranks, engines); a registration
                    beyond either raises :class:`~kvtriton.errors.PeerRefusedError`.
     peer_expiry_s: a peer silent this long is dropped (its transfers fail, its staging returns);
@@ -280,6 +282,9 @@ class TransferAgent:
             with self._lock, self._s.lanes.on_device():
                 # build the plan first: a mismatch raises before anything is prepared
                 plan = self._plans.plan_reading(md)  # the kept one, else a new one
+                for p in peers.untrusted_of(md.engine, authenticated):  # the credential outranks them
+                    self._drop_peer(p, PeerDisconnectedError(f"peer {p.md.engine}:{p.md.rank} was replaced by an "
+                                                             f"authenticated agent of its engine"))
                 seen = peers.admit(md, authenticated)
                 if seen is not Admission.CONTESTED:
                     return md.engine if seen is Admission.KNOWN else self._connect(md, plan, authenticated)

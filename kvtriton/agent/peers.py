@@ -29,6 +29,13 @@ the facade's drop path fails their transfers and forgets them).
   A replay of an older registration (an agent that held the identity before and was dropped or
   replaced: the last :data:`_FORMER_AGENTS` are remembered per identity) is refused. Once
   dropped (replaced or expired), an (engine, rank) is free for its next agent.
+* **Authenticated engines stay theirs** (issue 33, finding 4). With a credential configured
+  (``require_authenticated_peers``), an engine any of whose ranks registered authenticated, live
+  or since dropped (its pins remember it), is closed to unauthenticated agents: they are refused
+  for every rank of it, before any liveness check, so none replaces a stalled or expired rank, nor
+  stands next to one and reads the holds named for the engine. The other way round, an
+  authenticated registration drops the engine's unauthenticated ranks at once
+  (:meth:`untrusted_of`): whoever came first without the credential locks nobody out.
 * **Bounds.** At most ``max_peers`` ranks in the table and ``max_peer_engines`` engines: a
   registration beyond either is refused (the table was unbounded: 352 accepted).
 * **Expiry.** A peer silent for a third of ``expiry_s`` is pinged (an idle honest peer answers
@@ -76,6 +83,7 @@ class _Pin:
 
     agent: str
     generation: int
+    authenticated: bool = False  # an agent of this identity proved the credential (see sealed)
     former: deque[str] = field(default_factory=lambda: deque(maxlen=_FORMER_AGENTS))
 
 
@@ -156,11 +164,16 @@ class PeerTable:
         old = links.peers.get(key)
         if old is not None and old.agent == md.agent:
             old.authenticated = old.authenticated or authenticated  # met again, over a proven exchange
+            if authenticated:
+                self.pins[key].authenticated = True
             return Admission.KNOWN
         other = links.by_agent.get(md.agent)
         if other is not None:
             raise self._refuse(f"agent {md.agent!r} is registered here as {other[0]}:{other[1]}; one NIXL agent "
                                f"stands for one engine rank, not also {md.engine}:{md.rank}")
+        if self.generic(authenticated) and self.sealed(md.engine):
+            raise self._refuse(f"engine {md.engine!r} registered authenticated here; an unauthenticated agent "
+                               f"({md.agent!r}) stands for none of its ranks")
         pin = self.pins.get(key)
         if pin is not None and (md.agent in pin.former or (old is None and md.agent == pin.agent)):
             raise self._refuse(f"{md.engine}:{md.rank}: agent {md.agent!r} held it before and left it: a stale or "
@@ -174,6 +187,21 @@ class PeerTable:
         if md.engine not in engines and len(engines) >= self.max_engines:
             raise self._refuse(f"{self.s.name} knows {len(engines)} peer engines, its limit (max_peer_engines)")
         return Admission.NEW
+
+    def sealed(self, engine: str) -> bool:
+        """Whether ``engine`` is closed to unauthenticated agents: one of its ranks registered
+        authenticated (its pin remembers it after the agent left)."""
+        return any(pin.authenticated for (e, _), pin in self.pins.items() if e == engine)
+
+    def untrusted_of(self, engine: str, authenticated: bool) -> list[Peer]:
+        """The ranks of ``engine`` a registration made with ``authenticated`` drops before it is
+        admitted: with a credential configured, an authenticated one drops every unauthenticated
+        rank of its engine (they would read its holds, or keep its identity from it)."""
+        if not (self.s.require_authenticated and authenticated):
+            return []
+        out = [p for p in self.links.peers.values() if p.md.engine == engine and not p.authenticated]
+        self.stats.peers_replaced += len(out)
+        return out
 
     def probe(self, old: Peer) -> int | None:
         """Send ``old`` a liveness check; its nonce, or None when it cannot be sent (the agent
@@ -251,13 +279,15 @@ class PeerTable:
         key = peer.key
         pin = self.pins.get(key)
         if pin is None:
-            self.pins[key] = _Pin(md.agent, 1)
+            self.pins[key] = pin = _Pin(md.agent, 1)
         else:
             pin.former.append(pin.agent)
             pin.agent, pin.generation = md.agent, pin.generation + 1
+        pin.authenticated = pin.authenticated or authenticated
         self.pins.move_to_end(key)
-        while len(self.pins) > 4 * self.max_peers:  # forget the oldest dropped identities first
-            stale = next((k for k in self.pins if k not in self.links.peers), None)
+        while len(self.pins) > 4 * self.max_peers:  # forget the oldest dropped identities, unauthenticated first
+            dropped = [k for k in self.pins if k not in self.links.peers]
+            stale = next((k for k in dropped if not self.pins[k].authenticated), dropped[0] if dropped else None)
             if stale is None:
                 break
             del self.pins[stale]
