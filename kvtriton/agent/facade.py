@@ -35,7 +35,7 @@ from .addresses import slot_descs
 from .destination import Destination, RequestResult
 from .device import ready_event
 from .links import Links, Peer, logger
-from .peers import MAX_PEER_ENGINES, MAX_PEERS, Admission, PeerTable
+from .peers import MAX_PEER_BLOCKS, MAX_PEER_ENGINES, MAX_PEER_SLOTS, MAX_PEERS, Admission, PeerTable
 from .plan_book import PlanBook
 from .settings import make_settings
 from .source import FreedRequest, Source
@@ -97,6 +97,10 @@ class TransferAgent:
     peer_expiry_s: a peer silent this long is dropped (its transfers fail, its staging returns);
                    one silent a third of it is pinged first, which a live peer answers from its
                    progress loop. Default ``max(4 * timeout_s, 60)``. See :mod:`kvtriton.agent.peers`.
+    max_peer_slots, max_peer_blocks: the most staging slots, and cache blocks in one region, a
+                   peer's metadata may declare (never below this rank's own); checked before the
+                   agent's lock is taken: more raises :class:`~kvtriton.errors.PeerRefusedError`
+                   naming the setting, nothing built.
     register:      ``"all"`` (default) registers cache and staging with NIXL; ``"staging"`` only
                    the staging pool (no cache address in the metadata, every region STAGED).
     integrity:     digest each staged chunk after its pack, check it before unpack (a mismatch:
@@ -142,6 +146,8 @@ class TransferAgent:
         max_peers: int = MAX_PEERS,
         max_peer_engines: int = MAX_PEER_ENGINES,
         peer_expiry_s: float | None = None,
+        max_peer_slots: int = MAX_PEER_SLOTS,
+        max_peer_blocks: int = MAX_PEER_BLOCKS,
     ):
         self._s = settings = make_settings(  # the one copy of this rank's configuration
             engine_id=engine_id, rank=rank, tp=tp, regions=regions, staging_bytes=staging_bytes,
@@ -166,7 +172,8 @@ class TransferAgent:
         self._links = Links(settings, transport, self._stats)
         self._plans = PlanBook(settings)  # every plan this rank serves or reads by
         self._peers = PeerTable(settings, self._links, self._stats, max_peers=max_peers,
-                                max_peer_engines=max_peer_engines, expiry_s=peer_expiry_s)
+                                max_peer_engines=max_peer_engines, expiry_s=peer_expiry_s,
+                                max_peer_slots=max_peer_slots, max_peer_blocks=max_peer_blocks)
         try:
             with self._s.lanes.on_device():  # UCX registers VRAM in the current CUDA context
                 self._register()

@@ -37,7 +37,11 @@ the facade's drop path fails their transfers and forgets them).
   authenticated registration drops the engine's unauthenticated ranks at once
   (:meth:`untrusted_of`): whoever came first without the credential locks nobody out.
 * **Bounds.** At most ``max_peers`` ranks in the table and ``max_peer_engines`` engines: a
-  registration beyond either is refused (the table was unbounded: 352 accepted).
+  registration beyond either is refused (the table was unbounded: 352 accepted). A peer's sizes
+  are bounded before the agent's lock is taken and before any descriptor is built
+  (:meth:`PeerTable.check`, issue 33, finding 6): at most ``max_peer_slots`` staging slots (each
+  becomes a prepared descriptor: 2^24 of them held the lock 2-25 s) and ``max_peer_blocks`` cache
+  blocks per region, each never below this rank's own; its regions must be ours, one for one.
 * **Expiry.** A peer silent for a third of ``expiry_s`` is pinged (an idle honest peer answers
   from its progress loop); one silent for ``expiry_s``, or whose ping cannot be sent, is dropped:
   its transfers fail with :class:`~kvtriton.errors.PeerDisconnectedError` and the staging they
@@ -67,10 +71,12 @@ from .links import Links, Peer, logger
 from .settings import Settings
 from .stats import Stats
 
-__all__ = ["MAX_PEERS", "MAX_PEER_ENGINES", "Admission", "PeerTable"]
+__all__ = ["MAX_PEERS", "MAX_PEER_BLOCKS", "MAX_PEER_ENGINES", "MAX_PEER_SLOTS", "Admission", "PeerTable"]
 
 MAX_PEERS = 256  # ranks one rank may know (32 engines of TP 8)
 MAX_PEER_ENGINES = 64  # engines one rank may know
+MAX_PEER_SLOTS = 1 << 16  # a peer's staging slots (16 GiB of 256 KiB slots; ~10 ms of descriptors)
+MAX_PEER_BLOCKS = 1 << 24  # a peer region's cache blocks (256 M tokens at 16 a block)
 _PROBE_MAX_S = 2.0  # the longest a liveness check of a contested identity waits for an answer
 _SCAN_S = 0.05  # expiry scans the table at most this often (progress() runs far more often)
 _FORMER_AGENTS = 16  # agents remembered per identity after they left it (their replays are refused)
@@ -99,11 +105,16 @@ class PeerTable:
     """Admission and upkeep of one rank's peers (see the module docstring)."""
 
     def __init__(self, settings: Settings, links: Links, stats: Stats, *, max_peers: int = MAX_PEERS,
-                 max_peer_engines: int = MAX_PEER_ENGINES, expiry_s: float | None = None):
-        if int(max_peers) < 1 or int(max_peer_engines) < 1:
-            raise ValueError(f"max_peers and max_peer_engines must be >= 1, got {max_peers}, {max_peer_engines}")
+                 max_peer_engines: int = MAX_PEER_ENGINES, expiry_s: float | None = None,
+                 max_peer_slots: int = MAX_PEER_SLOTS, max_peer_blocks: int = MAX_PEER_BLOCKS):
+        if min(int(max_peers), int(max_peer_engines), int(max_peer_slots), int(max_peer_blocks)) < 1:
+            raise ValueError(f"max_peers, max_peer_engines, max_peer_slots and max_peer_blocks must be >= 1, got "
+                             f"{max_peers}, {max_peer_engines}, {max_peer_slots}, {max_peer_blocks}")
         self.s, self.links, self.stats = settings, links, stats
         self.max_peers, self.max_engines = int(max_peers), int(max_peer_engines)
+        # never below our own: an engine built like this one is always admitted
+        self.max_slots = max(int(max_peer_slots), settings.pool.num_slots)
+        self.max_blocks = max(int(max_peer_blocks), *(s.num_blocks for s in settings.specs))
         # default: well past any transfer's silence bound, so only a peer that is really gone goes
         self.expiry_s = float(expiry_s) if expiry_s is not None else max(4 * settings.timeout_s, 60.0)
         if not self.expiry_s > 0:
@@ -138,7 +149,16 @@ class PeerTable:
     def check(self, md: wire.RankMetadata) -> None:
         """The validation gate: per region (count and order, kind, dtype, head_dim, block_size,
         head counts vs TP), staging slots and the planning settings both engines must share;
-        :class:`~kvtriton.errors.IncompatibleRemoteError` naming the first difference."""
+        :class:`~kvtriton.errors.IncompatibleRemoteError` naming the first difference. First the
+        sizes (:class:`~kvtriton.errors.PeerRefusedError` naming the limit): the caller holds no
+        lock yet and nothing is built from them."""
+        if md.staging.num_slots > self.max_slots:
+            raise self._refuse(f"engine {md.engine!r}: {md.staging.num_slots} staging slots is more than "
+                               f"{self.s.name} accepts of a peer (max_peer_slots = {self.max_slots})")
+        blocks = max(r.num_blocks for r in md.regions)
+        if blocks > self.max_blocks:
+            raise self._refuse(f"engine {md.engine!r}: {blocks} cache blocks in a region is more than "
+                               f"{self.s.name} accepts of a peer (max_peer_blocks = {self.max_blocks})")
         if md.engine == self.s.engine_id:
             raise IncompatibleRemoteError(f"metadata is from this engine ({md.engine!r}), not a peer")
         known_tp = self.links.engine_tp.get(md.engine)
