@@ -289,7 +289,7 @@ class TransferAgent:
             with self._lock, self._s.lanes.on_device():
                 # build the plan first: a mismatch raises before anything is prepared
                 plan = self._plans.plan_reading(md)  # the kept one, else a new one
-                for p in peers.untrusted_of(md.engine, authenticated):  # the credential outranks them
+                for p in peers.untrusted_of(md, authenticated):  # the credential outranks them
                     self._drop_peer(p, PeerDisconnectedError(f"peer {p.md.engine}:{p.md.rank} was replaced by an "
                                                              f"authenticated agent of its engine"))
                 seen = peers.admit(md, authenticated)

@@ -213,13 +213,15 @@ class PeerTable:
         authenticated (its pin remembers it after the agent left)."""
         return any(pin.authenticated for (e, _), pin in self.pins.items() if e == engine)
 
-    def untrusted_of(self, engine: str, authenticated: bool) -> list[Peer]:
-        """The ranks of ``engine`` a registration made with ``authenticated`` drops before it is
-        admitted: with a credential configured, an authenticated one drops every unauthenticated
-        rank of its engine (they would read its holds, or keep its identity from it)."""
+    def untrusted_of(self, md: wire.RankMetadata, authenticated: bool) -> list[Peer]:
+        """The ranks of ``md``'s engine its registration made with ``authenticated`` drops before
+        it is admitted: with a credential configured, an authenticated one drops every
+        unauthenticated rank of its engine (they would read its holds, or keep its identity from
+        it) but its own agent, which it proves now (:meth:`admit` marks it authenticated)."""
         if not (self.s.require_authenticated and authenticated):
             return []
-        out = [p for p in self.links.peers.values() if p.md.engine == engine and not p.authenticated]
+        out = [p for p in self.links.peers.values()
+               if p.md.engine == md.engine and not p.authenticated and p.agent != md.agent]
         self.stats.peers_replaced += len(out)
         return out
 

@@ -154,3 +154,14 @@ def test_an_unauthenticated_squatter_does_not_lock_the_authenticated_engine_out(
         p.add_remote(squat.metadata(), authenticated=False)
     squat.close()
     assert _untouched(squat, before)
+
+
+def test_an_agent_met_again_authenticated_is_upgraded_not_dropped(made):
+    p = made("P", 1, require_authenticated_peers=True)
+    d = made("D", 2)
+    d.add_remote(p.metadata(), authenticated=True)
+    assert p.add_remote(d.metadata(), authenticated=False) == "D"
+    assert p.add_remote(d.metadata(), authenticated=True) == "D"  # the same agent, over a proven exchange
+    state = p.debug_state()["peers"]["D:0"]
+    assert state["agent"] == d.transport.name and state["authenticated"] and p.stats["peers_replaced"] == 0
+    _honest_fetch(p, d, "u", np.arange(4), np.arange(40, 44), 13)
