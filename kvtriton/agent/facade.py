@@ -263,7 +263,7 @@ class TransferAgent:
             generation=time.time_ns(),  # made once per agent: a restart registers a newer one
         ))
 
-    def add_remote(self, metadata: bytes, *, authenticated: bool = False) -> str:
+    def add_remote(self, metadata: bytes, *, authenticated: bool = False, takeover: bool = True) -> str:
         """Validate a peer rank's metadata and connect to it; returns its engine id.
 
         Runs the validation gate per region (count and order, kind, dtype, head_dim, block_size,
@@ -281,6 +281,8 @@ class TransferAgent:
         fail with :class:`~kvtriton.errors.PeerDisconnectedError`. A live peer is never replaced:
         :class:`~kvtriton.errors.PeerRefusedError`, as for an agent that already stands for another
         engine or rank, a stale generation, or a full table (``max_peers``, ``max_peer_engines``).
+        ``takeover=False``: another agent holding the (engine, rank) is refused at once, never
+        checked nor replaced (the caller met it at an address the engine has not proven itself on).
         """
         peers = self._peers
         try:
@@ -292,7 +294,7 @@ class TransferAgent:
                 for p in peers.untrusted_of(md, authenticated):  # the credential outranks them
                     self._drop_peer(p, PeerDisconnectedError(f"peer {p.md.engine}:{p.md.rank} was replaced by an "
                                                              f"authenticated agent of its engine"))
-                seen = peers.admit(md, authenticated)
+                seen = peers.admit(md, authenticated, takeover)
                 if seen is not Admission.CONTESTED:
                     return md.engine if seen is Admission.KNOWN else self._connect(md, plan, authenticated)
                 old = self._links.peers[(md.engine, md.rank)]  # a live agent holds it: is it still there?

@@ -177,9 +177,11 @@ class PeerTable:
                 f"engine {md.engine!r}: staging slot_bytes {md.staging.slot_bytes} differs from ours "
                 f"({self.s.pool.slot_bytes}); both engines must use the same slot size")
 
-    def admit(self, md: wire.RankMetadata, authenticated: bool) -> Admission:
+    def admit(self, md: wire.RankMetadata, authenticated: bool, takeover: bool = True) -> Admission:
         """Whether ``md``'s agent may take its (engine, rank); raises
-        :class:`~kvtriton.errors.PeerRefusedError` when it may not."""
+        :class:`~kvtriton.errors.PeerRefusedError` when it may not. ``takeover=False``: another
+        agent holding it is never checked nor replaced (a route the engine has not proven itself
+        on may reach only the agents it already has)."""
         key, links = (md.engine, md.rank), self.links
         old = links.peers.get(key)
         if old is not None and old.agent == md.agent:
@@ -200,6 +202,9 @@ class PeerTable:
                                f"replayed registration, not newer than generation {pin.generation} here; a "
                                f"restarted rank registers with a new agent")
         if old is not None:
+            if not takeover:
+                raise self._refuse(f"{md.engine}:{md.rank} is registered to agent {old.agent!r}; agent {md.agent!r}, "
+                                   f"met at an address the engine has not proven itself on, does not replace it")
             return Admission.CONTESTED
         if len(links.peers) >= self.max_peers:
             raise self._refuse(f"{self.s.name} knows {len(links.peers)} peer ranks, its limit (max_peers)")

@@ -11,7 +11,8 @@ of a prefill engine by a decode rank (no engine import).
   answered before NIXL connects to it. With the cluster credential an engine id is bound to the
   agents that proved it (the agent's peer table: a live rank is never replaced), and an address is
   only a route: a request naming a met engine at a new address meets it again there, where it
-  must prove the credential and be the same agents (or their restart) (issue 33, finding 2: an
+  must prove the credential as the agents it has: a new route never replaces one, even a silent
+  one (a restart elsewhere is met once its old agents expired) (issue 33, finding 2: an
   address pin let a relayed first meeting lock the real address out). An address that answered
   without the credential is refused before any connection for ``_UNPROVEN_S``. Requests wait
   (parked) until the meeting ends; a failed meeting hands them back with the typed error, and the
@@ -44,6 +45,7 @@ __all__ = ["Meeting", "Meetings", "PrefillEngine", "RankAddress", "cost_model", 
 logger = logging.getLogger(__name__)
 
 _MAX_LOGGED_REFUSALS = 1024
+_MAX_ROUTES = 16  # addresses remembered per engine
 _UNPROVEN_S = 300.0  # an address that answered without the credential is not dialled again this long
 
 
@@ -149,6 +151,7 @@ class Meetings:
         self._lock = threading.Lock()
         self._meetings: dict[Hashable, Meeting] = {}
         self._unproven: dict[str, float] = {}  # address -> until when it is refused (see _UNPROVEN_S)
+        self._routes: dict[str, list[str]] = {}  # engine id -> the addresses it proved itself at (credential)
         self._refused: set[Hashable] = set()  # refused targets, logged once each
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"kvtriton-meet-{agent.rank}")
 
@@ -234,7 +237,9 @@ class Meetings:
                     raise ProtocolError(f"{at.host}:{at.port} serves {got.engine!r} rank {got.rank} of tp={got.tp}; "
                                         f"the request names {engine or target.where!r} rank {r} of tp={target.tp}")
                 engine = got.engine
-                agent.add_remote(md, authenticated=self.credential is not None)
+                # a new route reaches only the agents the engine has: it never replaces one
+                agent.add_remote(md, authenticated=self.credential is not None,
+                                 takeover=self._proven(engine, target.where))
                 rows[r] = at.row
         except KVTritonError as e:
             self._failed(meeting, e)
@@ -245,10 +250,24 @@ class Meetings:
             self._failed(meeting, ProtocolError(f"handshake failed: {type(e).__name__}: {e}"))
             return
         with self._lock:  # (forgotten meanwhile: its parked requests go on; the next ones meet again)
+            if self.credential is not None and engine is not None:
+                routes = self._routes.setdefault(engine, [])
+                if target.where not in routes:
+                    routes.append(target.where)
+                    del routes[:-_MAX_ROUTES]
+                while len(self._routes) > _MAX_LOGGED_REFUSALS:
+                    del self._routes[next(iter(self._routes))]
             meeting.engine, meeting.ranks, meeting.reads, meeting.rows = engine or "", ranks, reads, rows
             meeting.ready = True
             parked, meeting.parked = list(meeting.parked.values()), {}
         self.on_met(meeting, parked)
+
+    def _proven(self, engine: str, where: str) -> bool:
+        """Whether ``engine`` has proven itself at ``where`` (or was never met: its first meeting
+        may take over a silent old agent, as a restart does)."""
+        with self._lock:
+            routes = self._routes.get(engine)
+            return self.credential is None or routes is None or where in routes
 
     def _failed(self, meeting: Meeting, error: KVTritonError) -> None:
         logger.warning("handshake with %s at %s failed: %s", meeting.target.engine_id or "the prefill engine",
