@@ -35,7 +35,7 @@ from .addresses import slot_descs
 from .destination import Destination, RequestResult
 from .device import ready_event
 from .links import Links, Peer, logger
-from .peers import MAX_PEER_ENGINES, MAX_PEERS, Admission, PeerTable
+from .peers import MAX_PEER_BLOCKS, MAX_PEER_ENGINES, MAX_PEER_SLOTS, MAX_PEERS, Admission, PeerTable
 from .plan_book import PlanBook
 from .settings import make_settings
 from .source import FreedRequest, Source
@@ -88,13 +88,19 @@ class TransferAgent:
     require_authenticated_peers: a cluster credential is configured: only peers added with
                    ``add_remote(..., authenticated=True)`` are trusted. An unauthenticated peer
                    reads only holds that name its engine; it never binds an unbound hold, is
-                   never guessed, never replaces a silent restart, and its refusals say only
-                   "refused" (the reason is logged here). Default False: every peer is trusted.
+                   never guessed, never stands for a rank of an engine that registered
+                   authenticated (live, stalled or expired; an authenticated registration drops
+                   the engine's unauthenticated ranks), and its refusals say only "refused" (the
+                   reason is logged here). Default False: every peer is trusted.
     max_peers, max_peer_engines: bounds of the peer table (ranks, engines); a registration
                    beyond either raises :class:`~kvtriton.errors.PeerRefusedError`.
     peer_expiry_s: a peer silent this long is dropped (its transfers fail, its staging returns);
                    one silent a third of it is pinged first, which a live peer answers from its
                    progress loop. Default ``max(4 * timeout_s, 60)``. See :mod:`kvtriton.agent.peers`.
+    max_peer_slots, max_peer_blocks: the most staging slots, and cache blocks in one region, a
+                   peer's metadata may declare (never below this rank's own); checked before the
+                   agent's lock is taken: more raises :class:`~kvtriton.errors.PeerRefusedError`
+                   naming the setting, nothing built.
     register:      ``"all"`` (default) registers cache and staging with NIXL; ``"staging"`` only
                    the staging pool (no cache address in the metadata, every region STAGED).
     integrity:     digest each staged chunk after its pack, check it before unpack (a mismatch:
@@ -140,6 +146,8 @@ class TransferAgent:
         max_peers: int = MAX_PEERS,
         max_peer_engines: int = MAX_PEER_ENGINES,
         peer_expiry_s: float | None = None,
+        max_peer_slots: int = MAX_PEER_SLOTS,
+        max_peer_blocks: int = MAX_PEER_BLOCKS,
     ):
         self._s = settings = make_settings(  # the one copy of this rank's configuration
             engine_id=engine_id, rank=rank, tp=tp, regions=regions, staging_bytes=staging_bytes,
@@ -164,7 +172,8 @@ class TransferAgent:
         self._links = Links(settings, transport, self._stats)
         self._plans = PlanBook(settings)  # every plan this rank serves or reads by
         self._peers = PeerTable(settings, self._links, self._stats, max_peers=max_peers,
-                                max_peer_engines=max_peer_engines, expiry_s=peer_expiry_s)
+                                max_peer_engines=max_peer_engines, expiry_s=peer_expiry_s,
+                                max_peer_slots=max_peer_slots, max_peer_blocks=max_peer_blocks)
         try:
             with self._s.lanes.on_device():  # UCX registers VRAM in the current CUDA context
                 self._register()
@@ -254,7 +263,7 @@ class TransferAgent:
             generation=time.time_ns(),  # made once per agent: a restart registers a newer one
         ))
 
-    def add_remote(self, metadata: bytes, *, authenticated: bool = False) -> str:
+    def add_remote(self, metadata: bytes, *, authenticated: bool = False, takeover: bool = True) -> str:
         """Validate a peer rank's metadata and connect to it; returns its engine id.
 
         Runs the validation gate per region (count and order, kind, dtype, head_dim, block_size,
@@ -272,6 +281,8 @@ class TransferAgent:
         fail with :class:`~kvtriton.errors.PeerDisconnectedError`. A live peer is never replaced:
         :class:`~kvtriton.errors.PeerRefusedError`, as for an agent that already stands for another
         engine or rank, a stale generation, or a full table (``max_peers``, ``max_peer_engines``).
+        ``takeover=False``: another agent holding the (engine, rank) is refused at once, never
+        checked nor replaced (the caller met it at an address the engine has not proven itself on).
         """
         peers = self._peers
         try:
@@ -280,7 +291,10 @@ class TransferAgent:
             with self._lock, self._s.lanes.on_device():
                 # build the plan first: a mismatch raises before anything is prepared
                 plan = self._plans.plan_reading(md)  # the kept one, else a new one
-                seen = peers.admit(md, authenticated)
+                for p in peers.untrusted_of(md, authenticated):  # the credential outranks them
+                    self._drop_peer(p, PeerDisconnectedError(f"peer {p.md.engine}:{p.md.rank} was replaced by an "
+                                                             f"authenticated agent of its engine"))
+                seen = peers.admit(md, authenticated, takeover)
                 if seen is not Admission.CONTESTED:
                     return md.engine if seen is Admission.KNOWN else self._connect(md, plan, authenticated)
                 old = self._links.peers[(md.engine, md.rank)]  # a live agent holds it: is it still there?

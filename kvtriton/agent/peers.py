@@ -29,8 +29,19 @@ the facade's drop path fails their transfers and forgets them).
   A replay of an older registration (an agent that held the identity before and was dropped or
   replaced: the last :data:`_FORMER_AGENTS` are remembered per identity) is refused. Once
   dropped (replaced or expired), an (engine, rank) is free for its next agent.
+* **Authenticated engines stay theirs** (issue 33, finding 4). With a credential configured
+  (``require_authenticated_peers``), an engine any of whose ranks registered authenticated, live
+  or since dropped (its pins remember it), is closed to unauthenticated agents: they are refused
+  for every rank of it, before any liveness check, so none replaces a stalled or expired rank, nor
+  stands next to one and reads the holds named for the engine. The other way round, an
+  authenticated registration drops the engine's unauthenticated ranks at once
+  (:meth:`untrusted_of`): whoever came first without the credential locks nobody out.
 * **Bounds.** At most ``max_peers`` ranks in the table and ``max_peer_engines`` engines: a
-  registration beyond either is refused (the table was unbounded: 352 accepted).
+  registration beyond either is refused (the table was unbounded: 352 accepted). A peer's sizes
+  are bounded before the agent's lock is taken and before any descriptor is built
+  (:meth:`PeerTable.check`, issue 33, finding 6): at most ``max_peer_slots`` staging slots (each
+  becomes a prepared descriptor: 2^24 of them held the lock 2-25 s) and ``max_peer_blocks`` cache
+  blocks per region, each never below this rank's own; its regions must be ours, one for one.
 * **Expiry.** A peer silent for a third of ``expiry_s`` is pinged (an idle honest peer answers
   from its progress loop); one silent for ``expiry_s``, or whose ping cannot be sent, is dropped:
   its transfers fail with :class:`~kvtriton.errors.PeerDisconnectedError` and the staging they
@@ -60,10 +71,12 @@ from .links import Links, Peer, logger
 from .settings import Settings
 from .stats import Stats
 
-__all__ = ["MAX_PEERS", "MAX_PEER_ENGINES", "Admission", "PeerTable"]
+__all__ = ["MAX_PEERS", "MAX_PEER_BLOCKS", "MAX_PEER_ENGINES", "MAX_PEER_SLOTS", "Admission", "PeerTable"]
 
 MAX_PEERS = 256  # ranks one rank may know (32 engines of TP 8)
 MAX_PEER_ENGINES = 64  # engines one rank may know
+MAX_PEER_SLOTS = 1 << 16  # a peer's staging slots (16 GiB of 256 KiB slots; ~10 ms of descriptors)
+MAX_PEER_BLOCKS = 1 << 24  # a peer region's cache blocks (256 M tokens at 16 a block)
 _PROBE_MAX_S = 2.0  # the longest a liveness check of a contested identity waits for an answer
 _SCAN_S = 0.05  # expiry scans the table at most this often (progress() runs far more often)
 _FORMER_AGENTS = 16  # agents remembered per identity after they left it (their replays are refused)
@@ -76,6 +89,7 @@ class _Pin:
 
     agent: str
     generation: int
+    authenticated: bool = False  # an agent of this identity proved the credential (see sealed)
     former: deque[str] = field(default_factory=lambda: deque(maxlen=_FORMER_AGENTS))
 
 
@@ -91,11 +105,16 @@ class PeerTable:
     """Admission and upkeep of one rank's peers (see the module docstring)."""
 
     def __init__(self, settings: Settings, links: Links, stats: Stats, *, max_peers: int = MAX_PEERS,
-                 max_peer_engines: int = MAX_PEER_ENGINES, expiry_s: float | None = None):
-        if int(max_peers) < 1 or int(max_peer_engines) < 1:
-            raise ValueError(f"max_peers and max_peer_engines must be >= 1, got {max_peers}, {max_peer_engines}")
+                 max_peer_engines: int = MAX_PEER_ENGINES, expiry_s: float | None = None,
+                 max_peer_slots: int = MAX_PEER_SLOTS, max_peer_blocks: int = MAX_PEER_BLOCKS):
+        if min(int(max_peers), int(max_peer_engines), int(max_peer_slots), int(max_peer_blocks)) < 1:
+            raise ValueError(f"max_peers, max_peer_engines, max_peer_slots and max_peer_blocks must be >= 1, got "
+                             f"{max_peers}, {max_peer_engines}, {max_peer_slots}, {max_peer_blocks}")
         self.s, self.links, self.stats = settings, links, stats
         self.max_peers, self.max_engines = int(max_peers), int(max_peer_engines)
+        # never below our own: an engine built like this one is always admitted
+        self.max_slots = max(int(max_peer_slots), settings.pool.num_slots)
+        self.max_blocks = max(int(max_peer_blocks), *(s.num_blocks for s in settings.specs))
         # default: well past any transfer's silence bound, so only a peer that is really gone goes
         self.expiry_s = float(expiry_s) if expiry_s is not None else max(4 * settings.timeout_s, 60.0)
         if not self.expiry_s > 0:
@@ -130,7 +149,16 @@ class PeerTable:
     def check(self, md: wire.RankMetadata) -> None:
         """The validation gate: per region (count and order, kind, dtype, head_dim, block_size,
         head counts vs TP), staging slots and the planning settings both engines must share;
-        :class:`~kvtriton.errors.IncompatibleRemoteError` naming the first difference."""
+        :class:`~kvtriton.errors.IncompatibleRemoteError` naming the first difference. First the
+        sizes (:class:`~kvtriton.errors.PeerRefusedError` naming the limit): the caller holds no
+        lock yet and nothing is built from them."""
+        if md.staging.num_slots > self.max_slots:
+            raise self._refuse(f"engine {md.engine!r}: {md.staging.num_slots} staging slots is more than "
+                               f"{self.s.name} accepts of a peer (max_peer_slots = {self.max_slots})")
+        blocks = max(r.num_blocks for r in md.regions)
+        if blocks > self.max_blocks:
+            raise self._refuse(f"engine {md.engine!r}: {blocks} cache blocks in a region is more than "
+                               f"{self.s.name} accepts of a peer (max_peer_blocks = {self.max_blocks})")
         if md.engine == self.s.engine_id:
             raise IncompatibleRemoteError(f"metadata is from this engine ({md.engine!r}), not a peer")
         known_tp = self.links.engine_tp.get(md.engine)
@@ -149,24 +177,34 @@ class PeerTable:
                 f"engine {md.engine!r}: staging slot_bytes {md.staging.slot_bytes} differs from ours "
                 f"({self.s.pool.slot_bytes}); both engines must use the same slot size")
 
-    def admit(self, md: wire.RankMetadata, authenticated: bool) -> Admission:
+    def admit(self, md: wire.RankMetadata, authenticated: bool, takeover: bool = True) -> Admission:
         """Whether ``md``'s agent may take its (engine, rank); raises
-        :class:`~kvtriton.errors.PeerRefusedError` when it may not."""
+        :class:`~kvtriton.errors.PeerRefusedError` when it may not. ``takeover=False``: another
+        agent holding it is never checked nor replaced (a route the engine has not proven itself
+        on may reach only the agents it already has)."""
         key, links = (md.engine, md.rank), self.links
         old = links.peers.get(key)
         if old is not None and old.agent == md.agent:
             old.authenticated = old.authenticated or authenticated  # met again, over a proven exchange
+            if authenticated:
+                self.pins[key].authenticated = True
             return Admission.KNOWN
         other = links.by_agent.get(md.agent)
         if other is not None:
             raise self._refuse(f"agent {md.agent!r} is registered here as {other[0]}:{other[1]}; one NIXL agent "
                                f"stands for one engine rank, not also {md.engine}:{md.rank}")
+        if self.generic(authenticated) and self.sealed(md.engine):
+            raise self._refuse(f"engine {md.engine!r} registered authenticated here; an unauthenticated agent "
+                               f"({md.agent!r}) stands for none of its ranks")
         pin = self.pins.get(key)
         if pin is not None and (md.agent in pin.former or (old is None and md.agent == pin.agent)):
             raise self._refuse(f"{md.engine}:{md.rank}: agent {md.agent!r} held it before and left it: a stale or "
                                f"replayed registration, not newer than generation {pin.generation} here; a "
                                f"restarted rank registers with a new agent")
         if old is not None:
+            if not takeover:
+                raise self._refuse(f"{md.engine}:{md.rank} is registered to agent {old.agent!r}; agent {md.agent!r}, "
+                                   f"met at an address the engine has not proven itself on, does not replace it")
             return Admission.CONTESTED
         if len(links.peers) >= self.max_peers:
             raise self._refuse(f"{self.s.name} knows {len(links.peers)} peer ranks, its limit (max_peers)")
@@ -174,6 +212,23 @@ class PeerTable:
         if md.engine not in engines and len(engines) >= self.max_engines:
             raise self._refuse(f"{self.s.name} knows {len(engines)} peer engines, its limit (max_peer_engines)")
         return Admission.NEW
+
+    def sealed(self, engine: str) -> bool:
+        """Whether ``engine`` is closed to unauthenticated agents: one of its ranks registered
+        authenticated (its pin remembers it after the agent left)."""
+        return any(pin.authenticated for (e, _), pin in self.pins.items() if e == engine)
+
+    def untrusted_of(self, md: wire.RankMetadata, authenticated: bool) -> list[Peer]:
+        """The ranks of ``md``'s engine its registration made with ``authenticated`` drops before
+        it is admitted: with a credential configured, an authenticated one drops every
+        unauthenticated rank of its engine (they would read its holds, or keep its identity from
+        it) but its own agent, which it proves now (:meth:`admit` marks it authenticated)."""
+        if not (self.s.require_authenticated and authenticated):
+            return []
+        out = [p for p in self.links.peers.values()
+               if p.md.engine == md.engine and not p.authenticated and p.agent != md.agent]
+        self.stats.peers_replaced += len(out)
+        return out
 
     def probe(self, old: Peer) -> int | None:
         """Send ``old`` a liveness check; its nonce, or None when it cannot be sent (the agent
@@ -251,13 +306,15 @@ class PeerTable:
         key = peer.key
         pin = self.pins.get(key)
         if pin is None:
-            self.pins[key] = _Pin(md.agent, 1)
+            self.pins[key] = pin = _Pin(md.agent, 1)
         else:
             pin.former.append(pin.agent)
             pin.agent, pin.generation = md.agent, pin.generation + 1
+        pin.authenticated = pin.authenticated or authenticated
         self.pins.move_to_end(key)
-        while len(self.pins) > 4 * self.max_peers:  # forget the oldest dropped identities first
-            stale = next((k for k in self.pins if k not in self.links.peers), None)
+        while len(self.pins) > 4 * self.max_peers:  # forget the oldest dropped identities, unauthenticated first
+            dropped = [k for k in self.pins if k not in self.links.peers]
+            stale = next((k for k in dropped if not self.pins[k].authenticated), dropped[0] if dropped else None)
             if stale is None:
                 break
             del self.pins[stale]

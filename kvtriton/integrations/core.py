@@ -7,10 +7,16 @@ of a prefill engine by a decode rank (no engine import).
 * :class:`Meetings`: a decode rank meets each prefill engine once, on a thread of its own, before
   its first load. It connects to the prefill ranks the planner names
   (:func:`~kvtriton.plan.meeting_ranks`: those it reads from, plus those no decode rank reads
-  that it tells when it is done, so every hold ends at its last reader's done), checks who
-  answered before NIXL connects to it, and, with the cluster credential, pins the engine to the
-  address it was met at. Requests wait (parked) until the meeting ends; a failed meeting hands
-  them back with the typed error, and the next request tries again. What a rank's address is
+  that it tells when it is done, so every hold ends at its last reader's done) and checks who
+  answered before NIXL connects to it. With the cluster credential an engine id is bound to the
+  agents that proved it (the agent's peer table: a live rank is never replaced), and an address is
+  only a route: a request naming a met engine at a new address meets it again there, where it
+  must prove the credential as the agents it has: a new route never replaces one, even a silent
+  one (a restart elsewhere is met once its old agents expired) (issue 33, finding 2: an
+  address pin let a relayed first meeting lock the real address out). An address that answered
+  without the credential is refused before any connection for ``_UNPROVEN_S``. Requests wait
+  (parked) until the meeting ends; a failed meeting hands them back with the typed error, and the
+  next request tries again. What a rank's address is
   (vLLM: ``port + rank``; SGLang: its bootstrap's ``/route`` row) is the caller's ``locate``.
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +45,8 @@ __all__ = ["Meeting", "Meetings", "PrefillEngine", "RankAddress", "cost_model", 
 logger = logging.getLogger(__name__)
 
 _MAX_LOGGED_REFUSALS = 1024
+_MAX_ROUTES = 16  # addresses remembered per engine
+_UNPROVEN_S = 300.0  # an address that answered without the credential is not dialled again this long
 
 
 def cost_model(settings: TransferSettings, device_type: str) -> CostModel:
@@ -141,14 +150,15 @@ class Meetings:
         self.max_meetings, self.allowed = max_meetings, allowed
         self._lock = threading.Lock()
         self._meetings: dict[Hashable, Meeting] = {}
-        self._pinned: dict[str, str] = {}  # engine id -> where its authenticated meeting was
+        self._unproven: dict[str, float] = {}  # address -> until when it is refused (see _UNPROVEN_S)
+        self._routes: dict[str, list[str]] = {}  # engine id -> the addresses it proved itself at (credential)
         self._refused: set[Hashable] = set()  # refused targets, logged once each
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"kvtriton-meet-{agent.rank}")
 
     # ------------------------------------------------------------------ requests
     def refusal(self, target: PrefillEngine) -> KVTritonError | None:
         """Why a request naming ``target`` must not connect anywhere (an engine outside
-        ``allowed``, a pinned engine named at another address, too many meetings in progress),
+        ``allowed``, an address that answered without the credential lately, too many meetings in progress),
         or None. A refusal is logged once per engine and address (a flood must not flood the log)."""
         why = self._refusal(target)
         if why is not None:
@@ -164,10 +174,10 @@ class Meetings:
         if self.allowed is not None and not self.allowed.allows(target.engine_id or "", target.host, target.port):
             return RequestRejectedError(f"engine {target.engine_id!r} at {target.where} is not in allowed_peers")
         with self._lock:
-            pinned = self._pinned.get(target.engine_id) if target.engine_id is not None else None
-            if pinned is not None and pinned != target.where:
-                return AuthenticationError(f"engine {target.engine_id!r} was met at {pinned}; a request naming it "
-                                           f"at {target.where} is refused")
+            until = self._unproven.get(target.where)
+            if until is not None and time.monotonic() < until:
+                return AuthenticationError(f"{target.where} answered without the cluster credential; a request "
+                                           f"naming engine {target.engine_id!r} there is refused for a while")
             if (self.max_meetings is not None and target.key not in self._meetings
                     and sum(not m.ready for m in self._meetings.values()) >= self.max_meetings):
                 return RequestRejectedError(f"{self.max_meetings} handshakes are in flight; engine "
@@ -227,8 +237,9 @@ class Meetings:
                     raise ProtocolError(f"{at.host}:{at.port} serves {got.engine!r} rank {got.rank} of tp={got.tp}; "
                                         f"the request names {engine or target.where!r} rank {r} of tp={target.tp}")
                 engine = got.engine
-                self._pin(engine, target.where)
-                agent.add_remote(md, authenticated=self.credential is not None)
+                # a new route reaches only the agents the engine has: it never replaces one
+                agent.add_remote(md, authenticated=self.credential is not None,
+                                 takeover=self._proven(engine, target.where))
                 rows[r] = at.row
         except KVTritonError as e:
             self._failed(meeting, e)
@@ -239,23 +250,33 @@ class Meetings:
             self._failed(meeting, ProtocolError(f"handshake failed: {type(e).__name__}: {e}"))
             return
         with self._lock:  # (forgotten meanwhile: its parked requests go on; the next ones meet again)
+            if self.credential is not None and engine is not None:
+                routes = self._routes.setdefault(engine, [])
+                if target.where not in routes:
+                    routes.append(target.where)
+                    del routes[:-_MAX_ROUTES]
+                while len(self._routes) > _MAX_LOGGED_REFUSALS:
+                    del self._routes[next(iter(self._routes))]
             meeting.engine, meeting.ranks, meeting.reads, meeting.rows = engine or "", ranks, reads, rows
             meeting.ready = True
             parked, meeting.parked = list(meeting.parked.values()), {}
         self.on_met(meeting, parked)
 
-    def _pin(self, engine: str, where: str) -> None:
-        with self._lock:  # two authenticated meetings raced for one engine id: the first one holds it
-            pinned = self._pinned.get(engine)
-            if pinned is not None and pinned != where:
-                raise AuthenticationError(f"engine {engine!r} was met at {pinned}; {where} claims it too")
-            if self.credential is not None:
-                self._pinned[engine] = where
+    def _proven(self, engine: str, where: str) -> bool:
+        """Whether ``engine`` has proven itself at ``where`` (or was never met: its first meeting
+        may take over a silent old agent, as a restart does)."""
+        with self._lock:
+            routes = self._routes.get(engine)
+            return self.credential is None or routes is None or where in routes
 
     def _failed(self, meeting: Meeting, error: KVTritonError) -> None:
         logger.warning("handshake with %s at %s failed: %s", meeting.target.engine_id or "the prefill engine",
                        meeting.target.where, error)
         with self._lock:
+            if self.credential is not None and isinstance(error, AuthenticationError):
+                self._unproven[meeting.target.where] = time.monotonic() + _UNPROVEN_S
+                while len(self._unproven) > _MAX_LOGGED_REFUSALS:
+                    del self._unproven[next(iter(self._unproven))]
             if self._meetings.get(meeting.target.key) is meeting:
                 del self._meetings[meeting.target.key]
             parked, meeting.parked = list(meeting.parked.values()), {}

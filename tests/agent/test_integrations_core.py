@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from kvtriton.errors import AuthenticationError, ProtocolError, RequestRejectedError
+from kvtriton.errors import PeerRefusedError, ProtocolError, RequestRejectedError
 from kvtriton.integrations.core import Meetings, PrefillEngine, RankAddress, make_agent, serve_metadata
 from kvtriton.integrations.settings import SettingsError, TransferSettings
 from kvtriton.integrations.sglang.settings import ENV, BackendSettings
@@ -229,15 +229,36 @@ def test_refusals_before_any_connection(cluster):
 
 
 @pytest.mark.nixl
-def test_an_authenticated_meeting_pins_its_engine_to_its_address(cluster):
+def test_an_authenticated_engine_named_at_a_new_address_is_met_again_there(cluster):
+    # issue 33, finding 2: an address is a route, not the pin: the engine proves itself there
+    # (before: refused for good, "was met at 127.0.0.1:1")
     c = cluster(1, 1, credential=Credential(secret=b"s" * 32))
     assert c.meetings.join(c.target("P", port=1), "a", "a") is None
     c.wait()
     assert c.met
-    refused = c.meetings.refusal(c.target("P", port=2))
-    assert isinstance(refused, AuthenticationError) and "was met at 127.0.0.1:1" in str(refused)
-    c.meetings.forget(c.target("P", port=1).key)
-    assert c.meetings.join(c.target("P", port=2), "b", "b") is None  # a meeting that races past the check
+    assert c.meetings.refusal(c.target("P", port=2)) is None
+    assert c.meetings.join(c.target("P", port=2), "b", "b") is None
+    c.wait()
+    (_, parked), = c.met[1:]
+    assert parked == ["b"] and not c.failed
+    assert [p["agent"] for p in c.decode.debug_state()["peers"].values()] == [c.prefill[0].transport.name]
+
+
+@pytest.mark.nixl
+def test_a_new_address_never_replaces_the_engine_s_agent_even_a_silent_one(cluster):
+    # issue 33, finding 2: a member with the secret serving "P" at an address a request names
+    # cannot take over the P it met elsewhere, though that P is silent (its progress never runs
+    # here, so a liveness check goes unanswered); before: replaced after the check
+    cred = Credential(secret=b"s" * 32)
+    c, imp = cluster(1, 1, credential=cred), cluster(1, 1, credential=cred)
+    c.meetings.locate = lambda target, rank: RankAddress(
+        "127.0.0.1", (c if target.port == 1 else imp).servers[rank].port)
+    assert c.meetings.join(c.target("P", port=1), "a", "a") is None
+    c.wait()
+    real = c.prefill[0].transport.name
+    assert c.meetings.join(c.target("P", port=2), "b", "b") is None
     c.wait()
     (_, parked, error), = c.failed
-    assert parked == ["b"] and isinstance(error, AuthenticationError)
+    assert parked == ["b"] and isinstance(error, PeerRefusedError), error
+    assert [p["agent"] for p in c.decode.debug_state()["peers"].values()] == [real]
+    assert c.meetings.join(c.target("P", port=1), "c", "c") is not None  # the real route still met

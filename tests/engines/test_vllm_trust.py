@@ -45,7 +45,7 @@ def test_forged_params_are_computed_locally_and_do_not_poison_later_loads(model_
         out = pair.decode_requests(prompts, params, "honest")
         assert [o["tokens"] for o in out] == ref
         assert all(o["prompt_computed"] <= 1 for o in out), [o["prompt_computed"] for o in out]
-        # 4. the engine is now pinned to its address: the rogue is not even dialled again
+        # 4. the rogue answered without the credential: it is not even dialled again (for 5 minutes)
         seen = rogue.connections
         params2 = pair.prefill_requests(prompts[:1], "p2")
         out = pair.decode_requests(prompts[:1], [{**params2[0], "remote_port": rogue.port}], "forged2")
