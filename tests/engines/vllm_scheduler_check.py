@@ -1,8 +1,9 @@
 """The connector's scheduler side on the vLLM that this Python imports (0.32 CPU build or upstream
-0.33), with vLLM's own config, Request, SchedulerOutput and KVCacheBlocks types: the proxy
+0.33 or 0.34), with vLLM's own config, Request, SchedulerOutput and KVCacheBlocks types: the proxy
 protocol from a prefill request to a decode load and its cancellation. Run by
 tests/engines/test_vllm_connector.py under each vLLM; prints one ``ok <version>`` line."""
 
+import inspect
 import sys
 
 assert "vllm" not in sys.modules, "import kvtriton imported vLLM"
@@ -18,6 +19,12 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+# upstream vLLM 0.34 refuses any config on an x86 CPU without triton-cpu (platforms/cpu.py); this
+# check builds configs and connectors, never runs a model, so it declares Triton present
+import vllm.triton_utils  # noqa: E402
+
+vllm.triton_utils.HAS_TRITON = True
 
 BLOCK = 16
 
@@ -36,6 +43,13 @@ def request(rid: str, n: int, params: dict) -> Request:
                    None)
 
 
+def new_data(req: Request, block_ids: list[int]) -> NewRequestData:
+    """NewRequestData as vLLM's scheduler makes it (0.34 also passes the tokens to prefill)."""
+    if "prefill_token_ids" in inspect.signature(NewRequestData.from_request).parameters:
+        return NewRequestData.from_request(req, (block_ids,), prefill_token_ids=list(req.prompt_token_ids))
+    return NewRequestData.from_request(req, (block_ids,))
+
+
 def step(conn, new=(), tokens=None):
     out = SchedulerOutput.make_empty()
     out.scheduled_new_reqs = list(new)
@@ -48,7 +62,7 @@ p = connector("kv_producer", "P")
 preq = request("p1", 40, {"do_remote_decode": True})
 assert p.get_num_new_matched_tokens(preq, 0) == (0, False)
 p.update_state_after_alloc(preq, KVCacheBlocks(blocks=([],)), 0)
-msgs = step(p, [NewRequestData.from_request(preq, ([4, 5, 6],))], {"p1": 40})
+msgs = step(p, [new_data(preq, [4, 5, 6])], {"p1": 40})
 assert msgs.holds == {"p1": (4, 5, 6)}, msgs
 preq.status = RequestStatus.FINISHED_LENGTH_CAPPED
 delay, params = p.request_finished(preq, [4, 5, 6])
@@ -58,7 +72,7 @@ assert step(p).confirms == {"p1"}
 # a prefill that ends any other way is released, never reported
 preq2 = request("p2", 20, {"do_remote_decode": True})
 p.get_num_new_matched_tokens(preq2, 0)
-assert step(p, [NewRequestData.from_request(preq2, ([9, 10],))], {"p2": 20}).holds == {"p2": (9, 10)}
+assert step(p, [new_data(preq2, [9, 10])], {"p2": 20}).holds == {"p2": (9, 10)}
 preq2.status = RequestStatus.FINISHED_ABORTED
 assert p.request_finished(preq2, [9, 10]) == (False, None)
 assert step(p).releases == {"p2"}
