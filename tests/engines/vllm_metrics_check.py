@@ -4,6 +4,7 @@ KVTritonConnector from the kv_transfer_config as vLLM's stat loggers do, build i
 metrics and its stats objects, and are fed two ranks' windows merged the way vLLM's executor
 merges them. Run by tests/test_vllm_metrics_stats.py under each vLLM; prints ``ok <version>``."""
 
+import importlib
 import sys
 
 import vllm
@@ -18,9 +19,7 @@ from kvtriton.integrations.vllm.stats import WorkerStats
 
 # upstream vLLM 0.34 refuses any config on an x86 CPU without triton-cpu (platforms/cpu.py); this
 # check builds configs and connectors, never runs a model, so it declares Triton present
-import vllm.triton_utils
-
-vllm.triton_utils.HAS_TRITON = True
+importlib.import_module("vllm.triton_utils").HAS_TRITON = True
 
 
 def fail(msg):
