@@ -15,7 +15,7 @@ assert "vllm" not in sys.modules, "importing the integration package imported vL
 import vllm  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, VllmConfig  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
@@ -28,11 +28,15 @@ importlib.import_module("vllm.triton_utils").HAS_TRITON = True
 BLOCK = 16
 
 
+def transfer_config(role: str, engine_id: str, **extra) -> KVTransferConfig:
+    return KVTransferConfig(kv_connector="KVTritonConnector", kv_connector_module_path="kvtriton.integrations.vllm",
+                            kv_role=role, engine_id=engine_id,
+                            kv_connector_extra_config={"port": 6100, "lease_s": 7.0, **extra})
+
+
 def connector(role: str, engine_id: str):
     cfg = VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVTritonConnector", kv_connector_module_path="kvtriton.integrations.vllm", kv_role=role,
-            engine_id=engine_id, kv_connector_extra_config={"port": 6100, "lease_s": 7.0}),
+        kv_transfer_config=transfer_config(role, engine_id),
         parallel_config=ParallelConfig(tensor_parallel_size=1), cache_config=CacheConfig(block_size=BLOCK))
     return integration.KVTritonConnector(cfg, KVConnectorRole.SCHEDULER, None)
 
@@ -67,6 +71,7 @@ preq.status = RequestStatus.FINISHED_LENGTH_CAPPED
 delay, params = p.request_finished(preq, [4, 5, 6])
 assert delay and params["remote_block_ids"] == [4, 5, 6] and params["remote_engine_id"] == "P", params
 assert params["remote_port"] == 6100 and params["tp_size"] == 1 and params["do_remote_prefill"]
+assert params["remote_num_tokens"] == 40, params  # as NixlConnector 0.34 sends it
 assert step(p).confirms == {"p1"}
 # a prefill that ends any other way is released, never reported
 preq2 = request("p2", 20, {"do_remote_decode": True})
@@ -91,4 +96,18 @@ assert step(d).cancels == {"d1"}
 bad = request("d2", 40, {**params, "remote_block_ids": ["x"]})
 assert d.get_num_new_matched_tokens(bad, 0) == (0, False)
 assert integration.KVTritonConnector.get_required_kvcache_layout(p._vllm_config) in (None, "LBHNC")
+
+# what this vLLM's base class asks of a connector: nothing left abstract, and 0.34's declarations
+Connector = integration.KVTritonConnector
+assert not Connector.__abstractmethods__, Connector.__abstractmethods__
+assert d.get_loaded_kv_cache_group_ids(dreq) == (0,)  # a load writes the request's own blocks
+try:
+    from vllm.config.kv_transfer import KVCacheAccess
+except ImportError:  # before 0.34: no extensible KV cache
+    assert not hasattr(KVConnectorBase_V1, "kv_cache_access")
+else:
+    assert Connector.kv_cache_access(transfer_config("kv_producer", "P")) == KVCacheAccess.REGISTERS
+    assert Connector.kv_cache_access(transfer_config("kv_producer", "P", register="staging")) == \
+        KVCacheAccess.IN_PROCESS  # only kvtriton's own staging pool is registered then
+    assert p._vllm_config.kv_transfer_config.registers_kv_cache_memory()  # what vLLM itself reads from it
 print("ok", vllm.__version__)
