@@ -3,7 +3,7 @@
 # CPU torch, NIXL, and kvtriton installed editable without dependencies; plus upstream vLLM 0.33.0
 # and 0.34.0 unpacked (no deps) into $VENV/vllm033 and $VENV/vllm034 for the connector's import and
 # scheduler checks against them (0.34's wheel: 239 MB, 0.5 GB unpacked).
-# About 4.2 GB and 3-4 minutes on a 2-core machine. Usage: setup_vllm_venv.sh VENV TORCH_SPEC
+# About 5.3 GB and 4 minutes on a loaded 2-core machine (0.34 adds 0.5 GB and ~20 s). Usage: setup_vllm_venv.sh VENV TORCH_SPEC
 set -euo pipefail
 VENV=${1:-.venv-vllm}
 TORCH=${2:-torch==2.13.0}

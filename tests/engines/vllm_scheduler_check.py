@@ -101,6 +101,10 @@ assert integration.KVTritonConnector.get_required_kvcache_layout(p._vllm_config)
 Connector = integration.KVTritonConnector
 assert not Connector.__abstractmethods__, Connector.__abstractmethods__
 assert d.get_loaded_kv_cache_group_ids(dreq) == (0,)  # a load writes the request's own blocks
+for hook in ("unregister_kv_caches", "restore_kv_caches"):  # sleep and wake (0.33 and later)
+    if hasattr(KVConnectorBase_V1, hook):
+        assert getattr(Connector, hook) is not getattr(KVConnectorBase_V1, hook), hook
+        getattr(d, hook)()  # a scheduler-side connector has no worker: nothing to do
 try:
     from vllm.config.kv_transfer import KVCacheAccess
 except ImportError:  # before 0.34: no extensible KV cache

@@ -139,6 +139,17 @@ class KVTritonConnector(KVConnectorBase_V1):
                     regions[0].spec.layout.value, regions[0].spec.head_dims,
                     f", handshake on {self.settings.host}:{self._worker.server.port}" if self._worker.server else "")
 
+    def unregister_kv_caches(self) -> None:
+        """Before sleep (vLLM >= 0.33; transfers drained by vLLM): the registration is dropped,
+        whatever is still in flight fails typed and is recomputed. Idempotent."""
+        if self._worker is not None:
+            self._worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """After wake: registered again under a newer generation; peers meet it again. Idempotent."""
+        if self._worker is not None:
+            self._worker.restore()
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, KVTritonMetadata):
