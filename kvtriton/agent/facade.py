@@ -25,6 +25,7 @@ from ..errors import (
     ProtocolError,
     RequestRejectedError,
     TransportError,
+    UnregisteredError,
 )
 from ..plan import CostModel, ModesArg, TransferPlan
 from ..protocol import wire
@@ -289,12 +290,18 @@ class TransferAgent:
             md = wire.decode_metadata(metadata)
             peers.check(md)
             with self._lock, self._s.lanes.on_device():
+                self._check_registered("meet a peer")
                 # build the plan first: a mismatch raises before anything is prepared
                 plan = self._plans.plan_reading(md)  # the kept one, else a new one
                 for p in peers.untrusted_of(md, authenticated):  # the credential outranks them
                     self._drop_peer(p, PeerDisconnectedError(f"peer {p.md.engine}:{p.md.rank} was replaced by an "
                                                              f"authenticated agent of its engine"))
                 seen = peers.admit(md, authenticated, takeover)
+                if seen is Admission.REREGISTERED:  # its old keys go with the old peer
+                    old = self._links.peers[(md.engine, md.rank)]
+                    self._drop_peer(old, PeerDisconnectedError(
+                        f"peer {md.engine}:{md.rank} registered its memory again; transfers it had are over"))
+                    return self._connect(md, plan, authenticated)
                 if seen is not Admission.CONTESTED:
                     return md.engine if seen is Admission.KNOWN else self._connect(md, plan, authenticated)
                 old = self._links.peers[(md.engine, md.rank)]  # a live agent holds it: is it still there?
@@ -388,6 +395,7 @@ class TransferAgent:
             raise ValueError(f"hold {req_id!r}: consumer must be another engine's id, got {consumer!r}")
         ready = ready_event(self.device, after)
         with self._lock, self._s.lanes.on_device():
+            self._check_registered(f"hold {req_id!r}")
             self._source.hold(req_id, ids, float(lease_s), consumer, ready)
 
     def packed_ahead(self, req_id: str) -> int:
@@ -448,6 +456,7 @@ class TransferAgent:
             raise ValueError(f"req_id must be a non-empty string of at most 512 characters, got {req_id!r:.80}")
         ready = ready_event(self.device, after)
         with self._lock, self._s.lanes.on_device():
+            self._check_registered(f"fetch {req_id!r}")
             self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s,
                                     num_tokens, ready)
 
@@ -581,6 +590,61 @@ class TransferAgent:
         self._destination.peer_lost(peer, error)
         self._source.peer_lost(peer)
         self._links.forget(peer)
+
+    # ------------------------------------------------------------------ registration (sleep and wake)
+    def unregister(self) -> None:
+        """Drop this rank's NIXL registration (cache, staging pool, fence) before its engine frees
+        or remaps that memory (vLLM's sleep, a weight update that borrows the KV cache).
+        Everything that could touch it ends first: fetches in flight fail with
+        :class:`~kvtriton.errors.UnregisteredError` (:meth:`results`; their blocks are undefined),
+        holds are released (:meth:`freed` reports them, ``"released"``), and every peer is
+        forgotten with its transfers (a peer holding this rank's metadata has stale keys: it
+        must meet this rank again after :meth:`restore`, which it may, its identity is no longer
+        pinned here). Until :meth:`restore`, :meth:`hold`, :meth:`fetch` and :meth:`add_remote`
+        raise ``UnregisteredError``. Idempotent."""
+        with self._lock, self._s.lanes.on_device():
+            if self._closed or self._registration is None:
+                return
+            why = f"{self._s.name} unregistered its memory (its engine sleeps); meet it again once restored"
+            self._destination.fail_all(UnregisteredError(why))
+            for req_id in list(self._source.holds.held):
+                self._source.release(req_id)
+            for peer in list(self._links.peers.values()):
+                self._drop_peer(peer, PeerDisconnectedError(why))
+                self._peers.pins.pop(peer.key, None)  # forgotten by us, not replaced: it may come back
+            self._s.lanes.synchronize()  # no pack or unpack still reads or writes the memory
+            deadline = time.monotonic() + self._s.timeout_s
+            while any(x is not None for x, *_ in self._links.zombies) and time.monotonic() < deadline:
+                self.transport.poll_notifs()  # drives UCX: aborted transfers settle
+                self._links.reap()
+            for pl in (self._links.local_staging, self.transport.fences.disarm()):
+                if pl is not None:
+                    self.transport.release_list(pl)
+            self._links.local_staging = None
+            self.transport.deregister(self._registration)
+            self._registration = None
+
+    def restore(self) -> None:
+        """Register this rank's memory again after :meth:`unregister` (the same regions: vLLM keeps
+        the cache's virtual addresses across sleep), with new handshake metadata of a newer
+        generation: a peer that meets this rank again drops its old keys and connects the new
+        ones (:class:`~kvtriton.agent.peers.Admission` ``REREGISTERED``). Idempotent."""
+        with self._lock, self._s.lanes.on_device():
+            if self._closed:
+                raise TransportError(f"{self._s.name} is closed")
+            if self._registration is not None:
+                return
+            self._register()
+            self._metadata = self._build_metadata()
+
+    @property
+    def registered(self) -> bool:
+        """Whether this rank's memory is registered (False between :meth:`unregister` and :meth:`restore`)."""
+        return self._registration is not None
+
+    def _check_registered(self, what: str) -> None:
+        if self._registration is None and not self._closed:
+            raise UnregisteredError(f"{self._s.name} cannot {what}: its memory is unregistered (restore() first)")
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -263,8 +263,9 @@ class Links:
             self.dead.remove(peer)
             releases = [functools.partial(self.transport.release_list, lists[0]) for lists in peer.row_lists.values()]
             peer.row_lists.clear()  # their remote halves go with the peer's agent
-            releases += [functools.partial(self.transport.release_list, peer.staging),
-                         functools.partial(self.transport.remove_remote, peer.agent)]
+            releases.append(functools.partial(self.transport.release_list, peer.staging))
+            if peer.agent not in self.by_agent:  # else its agent registered again and is a peer anew
+                releases.append(functools.partial(self.transport.remove_remote, peer.agent))
             for release in releases:
                 try:
                     release()

@@ -27,7 +27,10 @@ the facade's drop path fails their transfers and forgets them).
     agent had also been silent for ``timeout_s`` before the check.
 
   A replay of an older registration (an agent that held the identity before and was dropped or
-  replaced: the last :data:`_FORMER_AGENTS` are remembered per identity) is refused. Once
+  replaced: the last :data:`_FORMER_AGENTS` are remembered per identity) is refused. The same
+  agent with a newer ``RankMetadata.generation`` registered its memory again
+  (:meth:`~kvtriton.agent.TransferAgent.restore`): its old addresses and keys are dropped and the
+  new ones connected (only when authenticated, under ``require_authenticated_peers``). Once
   dropped (replaced or expired), an (engine, rank) is free for its next agent.
 * **Authenticated engines stay theirs** (issue 33, finding 4). With a credential configured
   (``require_authenticated_peers``), an engine any of whose ranks registered authenticated, live
@@ -99,6 +102,9 @@ class Admission(enum.Enum):
     KNOWN = "known"  # this very agent is in the table already: nothing to do
     NEW = "new"  # a free (engine, rank): connect it
     CONTESTED = "contested"  # a live agent holds the (engine, rank): probe it first
+    #: this very agent, with a newer registration (it unregistered and restored its memory, e.g.
+    #: across its engine's sleep): its old addresses and keys are dropped, the new ones connected
+    REREGISTERED = "reregistered"
 
 
 class PeerTable:
@@ -185,6 +191,9 @@ class PeerTable:
         key, links = (md.engine, md.rank), self.links
         old = links.peers.get(key)
         if old is not None and old.agent == md.agent:
+            if md.generation and old.md.generation and md.generation > old.md.generation and (
+                    authenticated or not self.s.require_authenticated):
+                return Admission.REREGISTERED  # the same agent registered its memory again (restore)
             old.authenticated = old.authenticated or authenticated  # met again, over a proven exchange
             if authenticated:
                 self.pins[key].authenticated = True
@@ -307,7 +316,7 @@ class PeerTable:
         pin = self.pins.get(key)
         if pin is None:
             self.pins[key] = pin = _Pin(md.agent, 1)
-        else:
+        elif pin.agent != md.agent:  # the same agent registering again is not a former one
             pin.former.append(pin.agent)
             pin.agent, pin.generation = md.agent, pin.generation + 1
         pin.authenticated = pin.authenticated or authenticated

@@ -31,7 +31,7 @@ from pathlib import Path
 __all__ = ["Check", "TESTED", "checks", "add_arguments", "run"]
 
 # what was tested, as pyproject.toml pins it (tests/agent/test_cli.py checks the two agree): [low, high)
-TESTED = {"nixl": ("1.5.1", "1.5.2"), "vllm": ("0.32", "0.34")}
+TESTED = {"nixl": ("1.5.1", "1.5.2"), "vllm": ("0.32", "0.35")}
 PLUGIN = ("kvtriton", "kvtriton.integrations.vllm.plugin:register")  # the vllm.general_plugins entry point
 
 

@@ -218,6 +218,13 @@ class Meetings:
             if meeting is not None and (meeting.ready or not met_only):
                 del self._meetings[key]
 
+    def forget_all(self) -> None:
+        """Meet every engine again next time (this rank re-registered: they hold its old keys);
+        meetings in progress finish and are kept (they exchange the metadata of now)."""
+        with self._lock:
+            for key in [k for k, m in self._meetings.items() if m.ready]:
+                del self._meetings[key]
+
     # ------------------------------------------------------------------ the meeting (a thread of the pool)
     def _meet(self, meeting: Meeting) -> None:
         target, s = meeting.target, self.settings

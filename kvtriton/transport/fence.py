@@ -79,6 +79,12 @@ class Fences:
         that nothing else uses: a peer's bytes land there)."""
         self._local = self._transport.prep_local(np.array([[addr, FENCE_BYTES, dev]], dtype=np.int64), mem)
 
+    def disarm(self) -> PreppedList | None:
+        """Stop fencing (our buffer is about to be deregistered); the prepared list over it, for
+        the caller to release. :meth:`arm` starts again."""
+        local, self._local = self._local, None
+        return local
+
     def add(self, agent: str, staging_addr: int, dev: int, mem: MemType) -> None:
         """Fence ``agent`` from now on, READing at ``staging_addr`` (its staging's start)."""
         self.peers[agent] = Fence(staging_addr, dev, mem)

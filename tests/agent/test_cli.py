@@ -356,7 +356,7 @@ def test_pins_are_the_tested_ranges():
 
     assert _in_range(md.version("nixl"), *TESTED["nixl"])
     assert not _in_range("1.5.2", *TESTED["nixl"]) and not _in_range("1.4.9", *TESTED["nixl"])
-    assert _in_range("0.33.1", *TESTED["vllm"]) and not _in_range("0.34.0", *TESTED["vllm"])
+    assert _in_range("0.34.0", *TESTED["vllm"]) and not _in_range("0.35.0", *TESTED["vllm"])
     assert PYPROJECT["project"]["entry-points"]["vllm.general_plugins"] == {
         "kvtriton": "kvtriton.integrations.vllm.plugin:register"}
 

@@ -25,7 +25,7 @@ from kvtriton.regions import Region
 
 BLOCKS, BS, DIM, HEADS = 8, 4, 16, 6
 SMALL = {"staging_bytes": 1 << 20, "slot_bytes": 4096, "handshake_timeout_s": 1.0, "handshake_attempts": 1}
-INTEGRATIONS = pathlib.Path(__file__).resolve().parents[1] / "kvtriton" / "integrations"
+INTEGRATIONS = pathlib.Path(__file__).resolve().parents[2] / "kvtriton" / "integrations"
 
 
 def _regions(tp: int, heads: int = HEADS) -> list[Region]:

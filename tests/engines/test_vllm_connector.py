@@ -46,18 +46,25 @@ def pair_1_1(model_dir, tmp_path_factory):
     pair.close()
 
 
-def test_scheduler_side_on_vllm_032_and_033():
+def test_scheduler_side_on_vllm_032():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([VLLM_PY, str(HERE / "vllm_scheduler_check.py")], capture_output=True, text=True,
                          timeout=300, env=env)
     assert out.returncode == 0 and "ok 0.32" in out.stdout, out.stderr[-3000:]
-    up = ROOT / ".venv-vllm" / "vllm033"
+
+
+@pytest.mark.parametrize("version", ["0.33", "0.34"])
+def test_scheduler_side_on_upstream_vllm(version):
+    """The same check against upstream vLLM's own classes, unpacked beside the bed (never run as an engine)."""
+    up = Path(VLLM_PY).parent.parent / f"vllm{version.replace('.', '')}"  # scripts/setup_vllm_venv.sh
     if not up.exists() and not os.environ.get("CI"):
-        pytest.skip("no upstream vLLM 0.33 next to the test bed")
-    env.update(PYTHONPATH=str(up), VLLM_TARGET_DEVICE="cpu")
+        pytest.skip(f"no upstream vLLM {version} next to the test bed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # upstream first; this checkout's kvtriton after it (where the bed's editable install is elsewhere)
+    env.update(PYTHONPATH=os.pathsep.join([str(up), str(ROOT), env.get("PYTHONPATH", "")]), VLLM_TARGET_DEVICE="cpu")
     out = subprocess.run([VLLM_PY, str(HERE / "vllm_scheduler_check.py")], capture_output=True, text=True,
                          timeout=300, env=env)
-    assert out.returncode == 0 and "ok 0.33" in out.stdout, out.stderr[-3000:]
+    assert out.returncode == 0 and f"ok {version}" in out.stdout, out.stderr[-3000:]
 
 
 def test_p1_d1_tokens_identical_and_nothing_recomputed(pair_1_1, prompts):

@@ -58,19 +58,21 @@ def pair(model_dir, tmp_path_factory):
     pair.close()
 
 
-def test_stats_classes_through_vllm_032_and_033():
-    """vLLM's own KVConnectorProm / KVConnectorLogging build and feed ours (tests/engines/vllm_metrics_check.py)."""
+@pytest.mark.parametrize("version", ["0.32", "0.33", "0.34"])
+def test_stats_classes_through_vllm(version):
+    """vLLM's own KVConnectorProm / KVConnectorLogging build and feed ours (tests/engines/vllm_metrics_check.py),
+    on the bed's vLLM (0.32) and on upstream 0.33 and 0.34 unpacked beside it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = str(ROOT / "tests" / "engines" / "vllm_metrics_check.py")
+    if version != "0.32":
+        up = Path(VLLM_PY).parent.parent / f"vllm{version.replace('.', '')}"  # scripts/setup_vllm_venv.sh
+        if not up.exists() and not os.environ.get("CI"):
+            pytest.skip(f"no upstream vLLM {version} next to the test bed")
+        # upstream first; this checkout's kvtriton after it (where the bed's editable install is elsewhere)
+        env.update(PYTHONPATH=os.pathsep.join([str(up), str(ROOT), env.get("PYTHONPATH", "")]),
+                   VLLM_TARGET_DEVICE="cpu")
     out = subprocess.run([VLLM_PY, script], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0 and "ok 0.32" in out.stdout, out.stderr[-3000:]
-    up = Path(VLLM_PY).parent.parent / "vllm033"  # beside the bed's packages (scripts/setup_vllm_venv.sh)
-    if not up.exists() and not os.environ.get("CI"):
-        pytest.skip("no upstream vLLM 0.33 next to the test bed")
-    # upstream 0.33 first; this checkout's kvtriton after it (where the bed's editable install is elsewhere)
-    env.update(PYTHONPATH=os.pathsep.join([str(up), str(ROOT), env.get("PYTHONPATH", "")]), VLLM_TARGET_DEVICE="cpu")
-    out = subprocess.run([VLLM_PY, script], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0 and "ok 0.33" in out.stdout, out.stderr[-3000:]
+    assert out.returncode == 0 and f"ok {version}" in out.stdout, out.stderr[-3000:]
 
 
 def scrape(engine) -> dict:

@@ -1,8 +1,10 @@
 """The connector's scheduler side on the vLLM that this Python imports (0.32 CPU build or upstream
-0.33), with vLLM's own config, Request, SchedulerOutput and KVCacheBlocks types: the proxy
+0.33 or 0.34), with vLLM's own config, Request, SchedulerOutput and KVCacheBlocks types: the proxy
 protocol from a prefill request to a decode load and its cancellation. Run by
 tests/engines/test_vllm_connector.py under each vLLM; prints one ``ok <version>`` line."""
 
+import importlib
+import inspect
 import sys
 
 assert "vllm" not in sys.modules, "import kvtriton imported vLLM"
@@ -13,20 +15,28 @@ assert "vllm" not in sys.modules, "importing the integration package imported vL
 import vllm  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, VllmConfig  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
+# upstream vLLM 0.34 refuses any config on an x86 CPU without triton-cpu (platforms/cpu.py); this
+# check builds configs and connectors, never runs a model, so it declares Triton present
+importlib.import_module("vllm.triton_utils").HAS_TRITON = True
+
 BLOCK = 16
+
+
+def transfer_config(role: str, engine_id: str, **extra) -> KVTransferConfig:
+    return KVTransferConfig(kv_connector="KVTritonConnector", kv_connector_module_path="kvtriton.integrations.vllm",
+                            kv_role=role, engine_id=engine_id,
+                            kv_connector_extra_config={"port": 6100, "lease_s": 7.0, **extra})
 
 
 def connector(role: str, engine_id: str):
     cfg = VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVTritonConnector", kv_connector_module_path="kvtriton.integrations.vllm", kv_role=role,
-            engine_id=engine_id, kv_connector_extra_config={"port": 6100, "lease_s": 7.0}),
+        kv_transfer_config=transfer_config(role, engine_id),
         parallel_config=ParallelConfig(tensor_parallel_size=1), cache_config=CacheConfig(block_size=BLOCK))
     return integration.KVTritonConnector(cfg, KVConnectorRole.SCHEDULER, None)
 
@@ -34,6 +44,13 @@ def connector(role: str, engine_id: str):
 def request(rid: str, n: int, params: dict) -> Request:
     return Request(rid, list(range(n)), SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}),
                    None)
+
+
+def new_data(req: Request, block_ids: list[int]) -> NewRequestData:
+    """NewRequestData as vLLM's scheduler makes it (0.34 also passes the tokens to prefill)."""
+    if "prefill_token_ids" in inspect.signature(NewRequestData.from_request).parameters:
+        return NewRequestData.from_request(req, (block_ids,), prefill_token_ids=list(req.prompt_token_ids))
+    return NewRequestData.from_request(req, (block_ids,))
 
 
 def step(conn, new=(), tokens=None):
@@ -48,17 +65,18 @@ p = connector("kv_producer", "P")
 preq = request("p1", 40, {"do_remote_decode": True})
 assert p.get_num_new_matched_tokens(preq, 0) == (0, False)
 p.update_state_after_alloc(preq, KVCacheBlocks(blocks=([],)), 0)
-msgs = step(p, [NewRequestData.from_request(preq, ([4, 5, 6],))], {"p1": 40})
+msgs = step(p, [new_data(preq, [4, 5, 6])], {"p1": 40})
 assert msgs.holds == {"p1": (4, 5, 6)}, msgs
 preq.status = RequestStatus.FINISHED_LENGTH_CAPPED
 delay, params = p.request_finished(preq, [4, 5, 6])
 assert delay and params["remote_block_ids"] == [4, 5, 6] and params["remote_engine_id"] == "P", params
 assert params["remote_port"] == 6100 and params["tp_size"] == 1 and params["do_remote_prefill"]
+assert params["remote_num_tokens"] == 40, params  # as NixlConnector 0.34 sends it
 assert step(p).confirms == {"p1"}
 # a prefill that ends any other way is released, never reported
 preq2 = request("p2", 20, {"do_remote_decode": True})
 p.get_num_new_matched_tokens(preq2, 0)
-assert step(p, [NewRequestData.from_request(preq2, ([9, 10],))], {"p2": 20}).holds == {"p2": (9, 10)}
+assert step(p, [new_data(preq2, [9, 10])], {"p2": 20}).holds == {"p2": (9, 10)}
 preq2.status = RequestStatus.FINISHED_ABORTED
 assert p.request_finished(preq2, [9, 10]) == (False, None)
 assert step(p).releases == {"p2"}
@@ -78,4 +96,22 @@ assert step(d).cancels == {"d1"}
 bad = request("d2", 40, {**params, "remote_block_ids": ["x"]})
 assert d.get_num_new_matched_tokens(bad, 0) == (0, False)
 assert integration.KVTritonConnector.get_required_kvcache_layout(p._vllm_config) in (None, "LBHNC")
+
+# what this vLLM's base class asks of a connector: nothing left abstract, and 0.34's declarations
+Connector = integration.KVTritonConnector
+assert not Connector.__abstractmethods__, Connector.__abstractmethods__
+assert d.get_loaded_kv_cache_group_ids(dreq) == (0,)  # a load writes the request's own blocks
+for hook in ("unregister_kv_caches", "restore_kv_caches"):  # sleep and wake (0.33 and later)
+    if hasattr(KVConnectorBase_V1, hook):
+        assert getattr(Connector, hook) is not getattr(KVConnectorBase_V1, hook), hook
+        getattr(d, hook)()  # a scheduler-side connector has no worker: nothing to do
+try:
+    from vllm.config.kv_transfer import KVCacheAccess
+except ImportError:  # before 0.34: no extensible KV cache
+    assert not hasattr(KVConnectorBase_V1, "kv_cache_access")
+else:
+    assert Connector.kv_cache_access(transfer_config("kv_producer", "P")) == KVCacheAccess.REGISTERS
+    assert Connector.kv_cache_access(transfer_config("kv_producer", "P", register="staging")) == \
+        KVCacheAccess.IN_PROCESS  # only kvtriton's own staging pool is registered then
+    assert p._vllm_config.kv_transfer_config.registers_kv_cache_memory()  # what vLLM itself reads from it
 print("ok", vllm.__version__)

@@ -181,6 +181,41 @@ def test_remote_params_are_checked():
     assert parse_remote_params({**good, "remote_block_size": 32}, 16).block_size == 32  # a block-size change
 
 
+def test_remote_num_tokens_sent_by_the_prefill_and_honoured_by_the_decode():
+    """vLLM 0.34's proxy protocol: the prefill's params carry ``remote_num_tokens`` (the prompt
+    tokens its held blocks hold); the decode loads no more than that, and refuses a count its
+    block ids cannot hold (computed locally)."""
+    from types import SimpleNamespace
+
+    from kvtriton.integrations.vllm.scheduler import ParamsError, SchedulerSide, parse_remote_params
+
+    p = SchedulerSide(engine_id="P", host="127.0.0.1", port=6000, tp_size=1, block_size=16)
+    preq = SimpleNamespace(request_id="p1", kv_transfer_params={"do_remote_decode": True}, num_prompt_tokens=40,
+                           status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
+    p.get_num_new_matched_tokens(preq, 0)
+    p._prefills["p1"].held = True  # the step that completed its prompt placed the hold
+    delay, params = p.request_finished(preq, [4, 5, 6])
+    assert delay and params["remote_num_tokens"] == 40 and params["remote_block_ids"] == [4, 5, 6]
+    assert parse_remote_params(params, 16).num_tokens == 40
+    assert parse_remote_params({k: v for k, v in params.items() if k != "remote_num_tokens"}, 16).num_tokens is None
+
+    d = SchedulerSide(engine_id="D", host="127.0.0.1", port=1, tp_size=1, block_size=16)
+
+    def matched(n_prompt, extra, computed=0):
+        req = SimpleNamespace(request_id="d", kv_transfer_params={**params, **extra}, num_prompt_tokens=n_prompt)
+        return d.get_num_new_matched_tokens(req, computed)
+
+    assert matched(40, {}) == (40, True)
+    assert matched(40, {"remote_num_tokens": 33}) == (33, True)  # fewer than the prompt: only those
+    assert matched(40, {"remote_num_tokens": 33}, computed=16) == (17, True)
+    assert matched(40, {"remote_num_tokens": 0}) == (0, False)  # nothing computed remotely: all local
+    assert matched(40, {"remote_num_tokens": None}) == (40, True)  # not said: what the blocks hold
+    for bad in (49, -1, True, "40", 40.0):  # 3 blocks of 16 hold at most 48 tokens
+        with pytest.raises(ParamsError, match="remote_num_tokens"):
+            parse_remote_params({**params, "remote_num_tokens": bad}, 16)
+        assert matched(40, {"remote_num_tokens": bad}) == (0, False)  # computed locally
+
+
 def test_cpu_attention_caches_are_described_as_k_dim_major(gen):
     caches = vllm_caches("LBHNC", 2, pad=0, mla_layers=("mtp.mla",), gen=gen)
     regions = regions_from_vllm_caches(caches, block_size=N, total_kv_heads=H, mla_layers=("mtp.mla",),

@@ -27,10 +27,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+try:  # vLLM >= 0.34: how a connector reaches the KV cache decides how the extensible cache allocates it
+    from vllm.config.kv_transfer import KVCacheAccess
+except ImportError:  # 0.32, 0.33: no extensible KV cache, nothing to declare
+    KVCacheAccess = None
+
 from .caches import regions_from_vllm_caches
 from .metrics import KVTritonConnectorStats, KVTritonPromMetrics
 from .scheduler import SchedulerSide, StepMessages
-from .settings import from_extra_config
+from .settings import SettingsError, from_extra_config
 from .worker import WorkerSide
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,6 +86,17 @@ class KVTritonConnector(KVConnectorBase_V1):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
         return from_extra_config(extra).kv_cache_layout or None
 
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):
+        """vLLM >= 0.34 (older ones never call it): the workers register the KV cache with NIXL
+        (``REGISTERS``: each cache segment backed by one physical allocation, which UCX can
+        register). ``register="staging"`` registers only kvtriton's own staging pool, so the cache
+        is reached in process only."""
+        extra = kv_transfer_config.kv_connector_extra_config if kv_transfer_config is not None else {}
+        if from_extra_config(extra).register == "staging":
+            return KVCacheAccess.IN_PROCESS
+        return KVCacheAccess.REGISTERS
+
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -97,11 +113,20 @@ class KVTritonConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+        """vLLM >= 0.34: a load writes the request's own blocks in every group it transfers, so
+        vLLM need not zero them first (as NixlConnector; the default assumes a prefix store)."""
+        groups = getattr(self._kv_cache_config, "transfer_group_ids", None)
+        if groups is None:
+            groups = range(len(getattr(self._kv_cache_config, "kv_cache_groups", None) or (0,)))
+        return tuple(groups)
+
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         first = next(iter(kv_caches.values()))
+        _check_staging_headroom(first.device, self.settings.staging_bytes)
         regions = regions_from_vllm_caches(
             kv_caches, block_size=self.block_size,
             total_kv_heads=self._vllm_config.model_config.get_total_num_kv_heads(),
@@ -113,6 +138,17 @@ class KVTritonConnector(KVConnectorBase_V1):
                     self._worker.rank, self.engine_id, len(regions), first.dtype, tuple(first.shape), first.stride(),
                     regions[0].spec.layout.value, regions[0].spec.head_dims,
                     f", handshake on {self.settings.host}:{self._worker.server.port}" if self._worker.server else "")
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep (vLLM >= 0.33; transfers drained by vLLM): the registration is dropped,
+        whatever is still in flight fails typed and is recomputed. Idempotent."""
+        if self._worker is not None:
+            self._worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """After wake: registered again under a newer generation; peers meet it again. Idempotent."""
+        if self._worker is not None:
+            self._worker.restore()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -166,6 +202,22 @@ class KVTritonConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+
+
+def _check_staging_headroom(device: torch.device, staging_bytes: int) -> None:
+    """The staging pool is allocated here, after vLLM sized the KV cache: vLLM 0.34 creates this
+    connector once warmup measured free memory and the cache was committed (with
+    ``gpu_memory_utilization`` 1.0 by default), so the pool fits only in headroom the user left.
+    Say so, rather than fail in an allocation deep in the agent."""
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    if free < staging_bytes:
+        raise SettingsError(
+            f"kvtriton's staging pool ({staging_bytes >> 20} MiB, kv_connector_extra_config['staging_bytes']) does "
+            f"not fit: {free >> 20} MiB of {total >> 20} MiB free on {device} once vLLM committed its KV cache. "
+            f"Leave headroom: lower gpu_memory_utilization by at least {staging_bytes / total:.4f} (plus a few "
+            f"hundred MiB for kernels), or lower staging_bytes")
 
 
 def _debug_logging() -> None:

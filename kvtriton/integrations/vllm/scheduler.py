@@ -7,13 +7,15 @@ It speaks NixlConnector's proxy protocol, so a vLLM P/D proxy works unchanged:
   step's messages tell every worker to **hold** its blocks (the workers place the hold right after
   that forward, so a decode may pull before the engine steps again). When the request finishes
   (length cap or stop) :meth:`SchedulerSide.request_finished` keeps its blocks (``delay_free``)
-  and returns the params a decode request needs (:func:`remote_params`); the next step
+  and returns the params a decode request needs (:func:`remote_params`, with
+  ``remote_num_tokens``, the prompt tokens its blocks hold, as NixlConnector 0.34 sends it); the next step
   **confirms** the hold, after which a worker reports the request in ``finished_sending`` once
   every consumer is done or the lease ends. A request that finishes any other way, or is
   preempted, has its hold **released** and is never reported.
 * **Decode** (``kv_consumer``): a request carrying those params is loaded asynchronously: all its
   prompt tokens beyond the local prefix come from the prefill engine
-  (``get_num_new_matched_tokens``), the blocks vLLM allocates are paired with the remote ones by
+  (``get_num_new_matched_tokens``; no more than ``remote_num_tokens`` when the params carry it,
+  checked against the block ids), the blocks vLLM allocates are paired with the remote ones by
   position (``update_state_after_alloc``; when the prefill engine's ``remote_block_size`` differs
   from ours, both lists are the request's tokens in each engine's blocks and the load carries the
   token count, see :func:`kvtriton.plan.compact_tokens`), and the next step's messages carry the **load** to the
@@ -63,6 +65,9 @@ class RemoteSource:
     request_id: str
     block_ids: tuple[int, ...]
     block_size: int  # tokens per block of the prefill engine
+    #: the prompt tokens the prefill computed into ``block_ids`` (``remote_num_tokens``, as
+    #: NixlConnector 0.34 sends it), None when the params do not say (older senders)
+    num_tokens: int | None = None
 
     @property
     def engine(self) -> PrefillEngine:
@@ -124,15 +129,23 @@ def parse_remote_params(params: Mapping[str, Any], block_size: int) -> RemoteSou
                           f"{MAX_REMOTE_BLOCKS} block ids >= 0")
     remote_bs = block_size if params.get("remote_block_size") is None else get(
         "remote_block_size", int, lambda v: 0 < v <= 1 << 20, "the prefill engine's block size (1..2**20)")
-    return RemoteSource(engine, host, port, tp, req, tuple(ids), remote_bs)
+    num_tokens = None if params.get("remote_num_tokens") is None else get(
+        "remote_num_tokens", int, lambda v: 0 <= v <= len(ids) * remote_bs,
+        f"the prefill's token count, at most what its {len(ids)} blocks of {remote_bs} hold")
+    return RemoteSource(engine, host, port, tp, req, tuple(ids), remote_bs, num_tokens)
 
 
 def remote_params(engine_id: str, host: str, port: int, tp_size: int, block_size: int, req_id: str,
-                  block_ids) -> dict[str, Any]:
-    """The ``kv_transfer_params`` a finished prefill returns for its decode request."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
-            "remote_host": host, "remote_port": port, "tp_size": tp_size, "remote_block_size": block_size,
-            "remote_request_id": req_id, "remote_block_ids": [int(b) for b in block_ids]}
+                  block_ids, num_tokens: int | None = None) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a finished prefill returns for its decode request;
+    ``remote_num_tokens``: the prompt tokens its held blocks hold (a decode on NixlConnector 0.34
+    declines a pull between different block sizes without it; None: not sent, as before 0.34)."""
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
+              "remote_host": host, "remote_port": port, "tp_size": tp_size, "remote_block_size": block_size,
+              "remote_request_id": req_id, "remote_block_ids": [int(b) for b in block_ids]}
+    if num_tokens is not None:
+        params["remote_num_tokens"] = int(num_tokens)
+    return params
 
 
 @dataclass
@@ -180,8 +193,12 @@ class SchedulerSide:
             params["do_remote_prefill"] = False
             return 0, False
         self._wanted[rid] = (source, num_computed_tokens)
-        # the prefill computed every prompt token; all but the local prefix come from it
-        count = min(int(request.num_prompt_tokens), len(source.block_ids) * source.block_size) - num_computed_tokens
+        # the prefill computed every prompt token (as many as remote_num_tokens says, when it
+        # says); all but the local prefix come from it
+        remote_tokens = len(source.block_ids) * source.block_size
+        if source.num_tokens is not None:
+            remote_tokens = source.num_tokens
+        count = min(int(request.num_prompt_tokens), remote_tokens) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -250,8 +267,9 @@ class SchedulerSide:
         status = getattr(request.status, "name", str(request.status))
         if prefill.held and block_ids and status in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"):
             self._next.confirms.add(rid)
+            tokens = min(prefill.num_prompt_tokens, len(block_ids) * self.block_size)
             return True, remote_params(self.engine_id, self.host, self.port, self.tp_size, self.block_size, rid,
-                                       block_ids)
+                                       block_ids, tokens)
         if prefill.held:
             self._next.releases.add(rid)
         return False, None

@@ -286,6 +286,22 @@ class WorkerSide:
         for load in parked:
             self._finish_load(load, error)
 
+    # ------------------------------------------------------------------ sleep and wake (vLLM >= 0.33)
+    def unregister(self) -> None:
+        """vLLM's ``unregister_kv_caches`` (sleep, or a weight update borrowing the cache): the
+        agent drops its registration. Loads in flight fail (:class:`~kvtriton.errors.UnregisteredError`;
+        reported in ``finished_recving`` with their blocks in the load errors: recomputed), holds
+        are released (their blocks go back to vLLM through ``finished_sending``), and every
+        engine met is met again after :meth:`restore` (each holds this rank's old keys; a prefill
+        that met this rank drops them when it meets its new registration)."""
+        self.agent.unregister()
+        self.meetings.forget_all()
+
+    def restore(self) -> None:
+        """vLLM's ``restore_kv_caches`` (wake): the agent registers the cache again, and the
+        handshake server answers with the new metadata (a newer generation) from now on."""
+        self.agent.restore()
+
     # ------------------------------------------------------------------ teardown
     def staging_in_use(self) -> int:
         """Staging slots allocated now (0 once everything settled): a leak check for tests."""
