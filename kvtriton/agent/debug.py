@@ -160,5 +160,6 @@ def _snapshot(agent) -> dict[str, Any]:
                                  for req, o in by_req.items()}
                    for key, by_req in dst.offers.by_peer.items()},
         "warmed": [{"op": op, "config": cfg._asdict()} for op, cfg in sorted(agent._warmed)],
-        "inbox": {"senders": len(agent._inbox), "messages": sum(len(q) for q in agent._inbox.values())},
+        "inbox": {"senders": len(agent._inbox.queues),
+                  "messages": sum(len(q) for q in agent._inbox.queues.values())},
     }

@@ -1,9 +1,9 @@
 """TransferAgent: the public API over the two roles of a rank (see :mod:`kvtriton.agent`).
 
-The facade owns what is not one role's: the constructor and registration, the handshake, the
-progress loop, the table from message type to handler, the paths that cross roles (a dead
-peer, expiry) and ``close``. Everything else is the source's (:mod:`.source`) or the
-destination's (:mod:`.destination`), over the links both share (:mod:`.links`).
+The facade owns what is not one role's: the constructor, the handshake, the progress loop, the
+table from message type to handler, the paths that cross roles (a dead peer, expiry, sleep) and
+``close``; the registration is :mod:`.registration`, the inbox :mod:`.inbox`. The rest is the
+source's (:mod:`.source`) or the destination's (:mod:`.destination`), over :mod:`.links`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,14 +29,14 @@ from ..errors import (
 from ..plan import CostModel, ModesArg, TransferPlan
 from ..protocol import wire
 from ..regions import Region
-from ..transport.fence import FENCE_BYTES
 from . import debug
-from .addresses import slot_descs
 from .destination import Destination, RequestResult
 from .device import ready_event
+from .inbox import Inbox
 from .links import Links, Peer, logger
 from .peers import MAX_PEER_BLOCKS, MAX_PEER_ENGINES, MAX_PEER_SLOTS, MAX_PEERS, Admission, PeerTable
 from .plan_book import PlanBook
+from .registration import Registration
 from .settings import make_settings
 from .source import FreedRequest, Source
 from .stats import Stats
@@ -64,8 +63,7 @@ class TransferAgent:
     chunk_bytes:   largest chunk (default: a quarter of the pool); a transfer uses the smaller of
                    both sides' values.
     inflight_chunks: chunks of one transfer in flight at once (pack i+1 while i is on the wire).
-    flow:          ``"pull"`` (decode READs) or ``"push"`` (prefill WRITEs); both sides must agree.
-    mode:          the old name of ``flow`` (kept for one release).
+    flow:          ``"pull"`` (decode READs) or ``"push"`` (prefill WRITEs); both agree (old name: ``mode``).
     timeout_s:     a fetch fails after this long without progress; a source reclaims
                    staging from a peer silent this long.
     modes:         force STAGED/DIRECT/READ_UNPACK/PACK_PLACE for all regions or per region
@@ -169,16 +167,16 @@ class TransferAgent:
         self._stats = Stats()  # one counter per event (see .stats)
         self._warmed: set = set()  # (op, LaunchConfig) compiled by warmup()
         self._warm_peers = bool(warmup)
-        self._inbox: dict[str, deque] = {}  # messages received, not handled yet, per sender
+        self._inbox = Inbox(self._stats)  # messages received, not handled yet, per sender
         self._links = Links(settings, transport, self._stats)
         self._plans = PlanBook(settings)  # every plan this rank serves or reads by
+        self._registration = Registration(settings, self._links, transport)
         self._peers = PeerTable(settings, self._links, self._stats, max_peers=max_peers,
                                 max_peer_engines=max_peer_engines, expiry_s=peer_expiry_s,
                                 max_peer_slots=max_peer_slots, max_peer_blocks=max_peer_blocks)
         try:
             with self._s.lanes.on_device():  # UCX registers VRAM in the current CUDA context
-                self._register()
-                self._metadata = self._build_metadata()
+                self._registration.register()
         except BaseException:
             self.transport.close()
             raise
@@ -228,41 +226,13 @@ class TransferAgent:
         return self._stats.as_dict()
 
     # ------------------------------------------------------------------ setup
-    def _register(self) -> None:
-        links = self._links
-        storages = {}
-        for t in (t for r in self.regions for t in r.streams) if self._s.cache_registered else ():
-            s = t.untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
-        descs = [(addr, n, links.dev) for addr, n in sorted(storages.items())]
-        descs.append((self.pool.addr, self.pool.nbytes, links.dev))
-        # what fences READ into (transport.fences): nothing of ours a peer's bytes may land in otherwise
-        self._fence = torch.empty(FENCE_BYTES, dtype=torch.uint8, device=self._s.device)
-        descs.append((self._fence.data_ptr(), FENCE_BYTES, links.dev))
-        self._registration = self.transport.register(descs, links.mem)
-        links.local_staging = self.transport.prep_local(
-            slot_descs(self.pool.addr, self.pool.num_slots, self.pool.slot_bytes, links.dev), links.mem)
-        self.transport.fences.arm(self._fence.data_ptr(), links.dev, links.mem)
-
     def metadata(self) -> bytes:
         """This rank's handshake metadata (msgpack bytes) for :meth:`add_remote` on peers.
 
         Built once, at construction: NIXL's agent is not thread-safe without its progress thread,
         and a handshake thread asking NIXL for its metadata while the progress thread drives UCX
         was seen to leave later notifications stuck for a minute."""
-        return self._metadata
-
-    def _build_metadata(self) -> bytes:
-        links = self._links
-        return wire.encode_metadata(wire.RankMetadata(
-            engine=self.engine_id, rank=self.rank, tp=self.tp, agent=self.transport.name,
-            agent_md=self.transport.metadata(), mem=links.mem, dev=links.dev,
-            regions=tuple(self.specs), addrs=links.exposed(links.addrs), spans=links.exposed(links.spans),
-            staging=wire.StagingInfo(self.pool.addr, self.pool.slot_bytes, self.pool.num_slots, self.chunk_bytes),
-            planning=self._s.planning(),
-            cost=self._s.cost,
-            generation=time.time_ns(),  # made once per agent: a restart registers a newer one
-        ))
+        return self._registration.metadata
 
     def add_remote(self, metadata: bytes, *, authenticated: bool = False, takeover: bool = True) -> str:
         """Validate a peer rank's metadata and connect to it; returns its engine id.
@@ -332,13 +302,10 @@ class TransferAgent:
         return md.engine
 
     def warmup(self, peers: bool = True) -> list:
-        """Compile now the kernel specialisations this rank will launch, so that no first
-        request compiles inside :meth:`progress` (0.5-2 s per specialisation on a GPU): those of
-        a peer with this rank's own geometry, and with ``peers`` those of every connected peer, as
-        source and as destination. Blocks until they ran (with every block id -1: no byte
-        changes). Returns the ``(op, LaunchConfig)`` pairs compiled by this call; empty under
-        the torch implementation. ``warmup=True`` at construction does this then, and for each
-        peer in :meth:`add_remote`."""
+        """Compile now the kernels this rank will launch (0.5-2 s each on a GPU, never inside
+        :meth:`progress`): a peer of its own geometry's, with ``peers`` every connected peer's,
+        both roles; run with block ids -1 (no byte changes). Returns the ``(op, LaunchConfig)``
+        pairs compiled (none under torch); ``warmup=True`` does it at construction and per peer."""
         with self._lock, self._s.lanes.on_device():
             reads = own_reads(self._plans) + (
                 peer_reads(self._plans, self._links.peers.values()) if peers else [])
@@ -525,33 +492,10 @@ class TransferAgent:
         with self._lock, self._s.lanes.on_device():
             return not (self._destination.fetches or self._source.busy() or self._links.zombies or self._inbox)
 
-    # one progress() call handles at most this many bytes of messages (at least one message),
-    # each counted with a fixed overhead (so at most ~512 small ones), taken round-robin across
-    # senders: a flood from one peer neither stalls the call nor starves the others; at most
-    # _INBOX_MAX messages wait per sender (the excess is dropped and counted as bad)
-    _MESSAGE_BUDGET_BYTES = 1 << 20
-    _MESSAGE_OVERHEAD_BYTES = 2048
-    _INBOX_MAX = 1 << 14
-
     def _handle_messages(self) -> None:
-        for sender, msgs in self.transport.poll_notifs().items():
-            q = self._inbox.setdefault(sender, deque())
-            for raw in msgs:
-                if len(q) >= self._INBOX_MAX:
-                    self._stats.bad_messages += 1  # flooding: dropped unread
-                    continue
-                q.append(raw)
-        budget = self._MESSAGE_BUDGET_BYTES
-        while self._inbox and budget > 0:
-            for sender in list(self._inbox):
-                q = self._inbox[sender]
-                raw = q.popleft()
-                if not q:
-                    del self._inbox[sender]
-                budget -= len(raw) + self._MESSAGE_OVERHEAD_BYTES
-                self._on_message(sender, raw)
-                if budget <= 0:
-                    break
+        self._inbox.add(self.transport.poll_notifs())
+        for sender, raw in self._inbox.drain():
+            self._on_message(sender, raw)
 
     def _on_message(self, sender: str, raw: bytes) -> None:
         peer = self._links.sender(sender)
@@ -593,17 +537,13 @@ class TransferAgent:
 
     # ------------------------------------------------------------------ registration (sleep and wake)
     def unregister(self) -> None:
-        """Drop this rank's NIXL registration (cache, staging pool, fence) before its engine frees
-        or remaps that memory (vLLM's sleep, a weight update that borrows the KV cache).
-        Everything that could touch it ends first: fetches in flight fail with
-        :class:`~kvtriton.errors.UnregisteredError` (:meth:`results`; their blocks are undefined),
-        holds are released (:meth:`freed` reports them, ``"released"``), and every peer is
-        forgotten with its transfers (a peer holding this rank's metadata has stale keys: it
-        must meet this rank again after :meth:`restore`, which it may, its identity is no longer
-        pinned here). Until :meth:`restore`, :meth:`hold`, :meth:`fetch` and :meth:`add_remote`
-        raise ``UnregisteredError``. Idempotent."""
+        """Drop this rank's NIXL registration (:mod:`.registration`) before its engine frees or
+        remaps that memory (vLLM's sleep). First fetches in flight fail with
+        :class:`~kvtriton.errors.UnregisteredError`, holds are released (:meth:`freed`), every
+        peer is forgotten and unpinned (it meets this rank again after :meth:`restore`). Until
+        then :meth:`hold`, :meth:`fetch` and :meth:`add_remote` raise ``UnregisteredError``."""
         with self._lock, self._s.lanes.on_device():
-            if self._closed or self._registration is None:
+            if self._closed or not self._registration.active:
                 return
             why = f"{self._s.name} unregistered its memory (its engine sleeps); meet it again once restored"
             self._destination.fail_all(UnregisteredError(why))
@@ -617,33 +557,23 @@ class TransferAgent:
             while any(x is not None for x, *_ in self._links.zombies) and time.monotonic() < deadline:
                 self.transport.poll_notifs()  # drives UCX: aborted transfers settle
                 self._links.reap()
-            for pl in (self._links.local_staging, self.transport.fences.disarm()):
-                if pl is not None:
-                    self.transport.release_list(pl)
-            self._links.local_staging = None
-            self.transport.deregister(self._registration)
-            self._registration = None
+            self._registration.deregister()
 
     def restore(self) -> None:
-        """Register this rank's memory again after :meth:`unregister` (the same regions: vLLM keeps
-        the cache's virtual addresses across sleep), with new handshake metadata of a newer
-        generation: a peer that meets this rank again drops its old keys and connects the new
-        ones (:class:`~kvtriton.agent.peers.Admission` ``REREGISTERED``). Idempotent."""
+        """Register the same regions again after :meth:`unregister` (vLLM keeps their addresses),
+        with metadata of a newer generation: a peer meeting it again swaps its old keys for the
+        new ones (:class:`~kvtriton.agent.peers.Admission` ``REREGISTERED``)."""
         with self._lock, self._s.lanes.on_device():
             if self._closed:
                 raise TransportError(f"{self._s.name} is closed")
-            if self._registration is not None:
-                return
-            self._register()
-            self._metadata = self._build_metadata()
+            if not self._registration.active:
+                self._registration.register()
 
-    @property
-    def registered(self) -> bool:
-        """Whether this rank's memory is registered (False between :meth:`unregister` and :meth:`restore`)."""
-        return self._registration is not None
+    registered = property(lambda self: self._registration.active,
+                          doc="False between :meth:`unregister` and :meth:`restore`.")
 
     def _check_registered(self, what: str) -> None:
-        if self._registration is None and not self._closed:
+        if not self._registration.active and not self._closed:
             raise UnregisteredError(f"{self._s.name} cannot {what}: its memory is unregistered (restore() first)")
 
     # ------------------------------------------------------------------ teardown
