@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...agent.stats import StatsCursor, failure_kind
 
-__all__ = ["WorkerStats", "EVENTS", "HISTOGRAMS", "MAX_RECORDS", "empty", "merge", "is_empty", "reduce",
+if TYPE_CHECKING:
+    from ...agent import RequestResult
+
+__all__ = ["WorkerStats", "count_result", "EVENTS", "HISTOGRAMS", "MAX_RECORDS", "empty", "merge", "is_empty", "reduce",
            "from_payload"]
 
 #: the per-transfer lists, in the order of one record
@@ -169,3 +172,12 @@ class WorkerStats:
                 _add(data["events"], event, moved[name])
         return None if is_empty(data) else data
 
+
+def count_result(counts: dict[str, int], r: RequestResult) -> None:
+    """A load's result in the worker's plain counters: loads or failed, descriptors, bytes, and
+    its source ranks' payloads by the way they travelled (``payloads_<way>``)."""
+    counts["loads" if r.ok else "failed"] += 1
+    counts["descriptors"] += r.descriptors
+    counts["bytes"] += r.bytes
+    for way, n in r.ways:
+        counts[f"payloads_{way}"] = counts.get(f"payloads_{way}", 0) + n

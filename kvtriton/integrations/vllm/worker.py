@@ -35,7 +35,7 @@ from ...regions import Region
 from ..core import Meeting, Meetings, PrefillEngine, RankAddress, make_agent, serve_metadata
 from .scheduler import LoadSpec, StepMessages
 from .settings import SettingsError, TransferSettings
-from .stats import WorkerStats
+from .stats import WorkerStats, count_result
 
 __all__ = ["WorkerSide"]
 
@@ -111,13 +111,10 @@ class WorkerSide:
             self.agent.progress(wait=False)
 
     def after_forward(self) -> None:
-        """Holds, confirms and releases, once every writer of this step's held blocks ran.
-        Called from ``wait_for_save`` (and, as a backstop, ``clear``), never from
-        ``get_finished``: with speculative decoding vLLM runs the drafter (whose KV lives in the
-        same blocks, e.g. an Eagle-3 MLA layer) after the target forward and after
-        ``get_finished``, and defers ``wait_for_save`` until the drafter is done. A hold placed
-        earlier would let an eager pack (or a read ordered by its CUDA event) take the draft KV
-        before it is written. Idempotent per step."""
+        """Holds, confirms and releases, once every writer of this step's held blocks ran: from
+        ``wait_for_save`` (backstop: ``clear``), never ``get_finished``, which vLLM calls before
+        the drafter (an Eagle-3 MLA layer in the same blocks) wrote its KV: an earlier hold would
+        let an eager pack take the draft KV unwritten. Idempotent per step."""
         msgs = self._msgs
         if msgs is None or self._applied:
             return
@@ -127,8 +124,7 @@ class WorkerSide:
             with self._lock:
                 self._confirmed.discard(rid)
                 self._freed.discard(rid)
-        # the forward and the drafter that wrote these blocks are queued on the engine's current
-        # stream: packs wait for it
+        # the forward and the drafter that wrote these blocks are on the engine's stream: packs wait
         after = self._cache_written() if msgs.holds else None
         for rid, ids in msgs.holds.items():
             try:
@@ -148,13 +144,9 @@ class WorkerSide:
         return event
 
     def finished(self) -> tuple[set[str], set[str]]:
-        """``(finished_sending, finished_recving)`` since the last call. Places no hold (see
-        :meth:`after_forward`): this step's confirms count from the next call on.
-
-        It progresses the agent first, on the engine's thread: an engine waiting for loads runs
-        its steps back to back in Python, and a background thread then gets the interpreter
-        only every ``sys.getswitchinterval()`` (5 ms), once per protocol hop. Skipped when the
-        background thread is progressing (it will have done the same)."""
+        """``(finished_sending, finished_recving)`` since the last call; places no hold
+        (:meth:`after_forward`). It progresses the agent first, on the engine's thread: an engine
+        stepping back to back leaves the agent's thread the interpreter only every 5 ms."""
         self.agent.progress(wait=False)
         for f in self.agent.freed():
             with self._lock:
@@ -164,11 +156,7 @@ class WorkerSide:
         if msgs is not None and msgs.idle and self.settings.idle_wait_s > 0:
             results = self._await_loads(results, time.monotonic() + self.settings.idle_wait_s)
         for r in results:
-            self.stats["loads" if r.ok else "failed"] += 1
-            self.stats["descriptors"] += r.descriptors
-            self.stats["bytes"] += r.bytes
-            for way, n in r.ways:  # source-rank payloads by the way they travelled (the record's labels)
-                self.stats[f"payloads_{way}"] = self.stats.get(f"payloads_{way}", 0) + n
+            count_result(self.stats, r)
             if r.ok:  # a failure is counted by its load (_finish_load), with the loads refused before any fetch
                 self.window.transfer(r)
             logger.debug("load of %s: %s in %.1f ms, %d descriptors, %d bytes", r.req_id,
@@ -288,18 +276,13 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ sleep and wake (vLLM >= 0.33)
     def unregister(self) -> None:
-        """vLLM's ``unregister_kv_caches`` (sleep, or a weight update borrowing the cache): the
-        agent drops its registration. Loads in flight fail (:class:`~kvtriton.errors.UnregisteredError`;
-        reported in ``finished_recving`` with their blocks in the load errors: recomputed), holds
-        are released (their blocks go back to vLLM through ``finished_sending``), and every
-        engine met is met again after :meth:`restore` (each holds this rank's old keys; a prefill
-        that met this rank drops them when it meets its new registration)."""
+        """``unregister_kv_caches``: loads in flight fail (recomputed), holds go back to vLLM,
+        engines met are met again after :meth:`restore` (:meth:`TransferAgent.unregister`)."""
         self.agent.unregister()
         self.meetings.forget_all()
 
     def restore(self) -> None:
-        """vLLM's ``restore_kv_caches`` (wake): the agent registers the cache again, and the
-        handshake server answers with the new metadata (a newer generation) from now on."""
+        """``restore_kv_caches``: registered again; the handshake serves the newer metadata."""
         self.agent.restore()
 
     # ------------------------------------------------------------------ teardown
