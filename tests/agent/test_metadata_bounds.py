@@ -13,40 +13,26 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from helpers.peer_agents import MODELS, Agents
 
-from kvtriton.agent import TransferAgent
 from kvtriton.errors import PeerRefusedError
 from kvtriton.testing.oracle import (
-    RegionModel,
     check_destination,
     load_source,
     make_global_kv,
-    make_rank_regions,
     snapshot,
 )
-from kvtriton.testing.rogue import BS, PACKING_MODEL
+from kvtriton.testing.rogue import BS
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.nixl
 
-MODELS = [RegionModel.gqa("l0", 4, 16)]
-KW = dict(staging_bytes=8 << 10, slot_bytes=1024, impl="torch", cost=PACKING_MODEL)
-
 
 @pytest.fixture
 def made():
-    out: list[TransferAgent] = []
-
-    def make(engine, seed, **kw):
-        regs = make_rank_regions(MODELS, 0, 1, 64, BS, gen=torch.Generator().manual_seed(seed))
-        a = TransferAgent(engine, 0, 1, regs, **{**KW, **kw})
-        a.test_regions = regs  # type: ignore[attr-defined]
-        out.append(a)
-        return a
-
-    yield make
-    for a in out:
-        a.close()
+    agents = Agents()
+    yield agents
+    agents.close()
 
 
 def lying(md: bytes, *, num_slots: int | None = None, num_blocks: int | None = None) -> bytes:

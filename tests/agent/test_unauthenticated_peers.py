@@ -12,46 +12,23 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers.peer_agents import Agents, request_kv
 
-from kvtriton.agent import TransferAgent
 from kvtriton.errors import PeerRefusedError
 from kvtriton.testing.oracle import (
-    RegionModel,
     check_destination,
-    load_source,
-    make_global_kv,
-    make_rank_regions,
     snapshot,
 )
-from kvtriton.testing.rogue import BS, PACKING_MODEL
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.nixl
 
-MODELS = [RegionModel.gqa("l0", 4, 16)]
-KW = dict(staging_bytes=8 << 10, slot_bytes=1024, impl="torch", cost=PACKING_MODEL)
-
 
 @pytest.fixture
 def made():
-    out: list[TransferAgent] = []
-
-    def make(engine, seed, *, rank=0, tp=1, timeout_s=5.0, **kw):
-        regs = make_rank_regions(MODELS, rank, tp, 64, BS, gen=torch.Generator().manual_seed(seed))
-        a = TransferAgent(engine, rank, tp, regs, timeout_s=timeout_s, **{**KW, **kw})
-        a.test_regions = regs  # type: ignore[attr-defined]
-        out.append(a)
-        return a
-
-    yield make
-    for a in out:
-        a.close()
-
-
-def _request(p, src, seed):
-    kv = make_global_kv(MODELS, len(src), BS, torch.Generator().manual_seed(seed))
-    load_source(p.test_regions, 0, 1, kv, src)
-    return kv
+    agents = Agents()
+    yield lambda engine, seed, *, timeout_s=5.0, **kw: agents(engine, seed, timeout_s=timeout_s, **kw)
+    agents.close()
 
 
 def _drive(agents, reader, timeout_s=20.0):
@@ -70,7 +47,7 @@ def _untouched(agent, before):
 
 
 def _honest_fetch(p, d, req, src, dst, seed, others=()):
-    kv = _request(p, src, seed)
+    kv = request_kv(p, src, seed)
     before = snapshot(d.test_regions)
     p.hold(req, src, consumer="D")
     d.fetch(req, "P", src, dst)
@@ -93,7 +70,7 @@ def test_a_stalled_authenticated_decode_is_not_replaced_by_an_unauthenticated_ag
         p.add_remote(imp.metadata(), authenticated=False)
     assert p.debug_state()["peers"]["D:0"]["agent"] == d.transport.name and p.stats["peers_replaced"] == 0
     src, dst = np.arange(6), np.arange(20, 26)
-    kv = _request(p, src, 9)
+    kv = request_kv(p, src, 9)
     p.hold("h", src, consumer="D")
     imp_before = snapshot(imp.test_regions)
     imp.fetch("h", "P", src, dst, timeout_s=1.0)  # P does not know its agent: its pull is dropped
