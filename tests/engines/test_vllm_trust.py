@@ -34,7 +34,10 @@ def test_forged_params_are_computed_locally_and_do_not_poison_later_loads(model_
         out = pair.decode_requests(prompts[:2], forged, "forged")
         assert [o["tokens"] for o in out] == ref[:2]
         assert rogue.connections >= 1 and b"decode-tp1" not in rogue.received and b"agent" not in rogue.received
-        assert len(rogue.received) % (8 + 2 + 32) == 0  # HELLO frames (header + nonce) only
+        # HELLO frames (header + nonce), each answered by the fixed mismatch notice (header + text), only
+        notice = b"credential mismatch: the server's proof does not verify under our secret"
+        hellos = bytes(rogue.received).count(notice)
+        assert len(rogue.received) == hellos * (10 + 32 + 10 + len(notice)), bytes(rogue.received)
         # 2. an address outside allowed_peers: computed locally, never connected to
         out = pair.decode_requests(prompts[2:3], [{**params[2], "remote_host": "127.0.0.2",
                                                    "remote_port": outside.port}], "outside")
