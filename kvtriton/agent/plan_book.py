@@ -36,9 +36,10 @@ class PlanBook:
         self.served: dict[tuple[str, int, CostModel | None], TransferPlan] = {}  # (engine, rank, its model) -> plan
         self.reads: dict[str, TransferPlan] = {}  # source engine -> the plan this rank reads it by
         self.unreadable: dict[str, PlanError] = {}  # source engines a forced mode rules out reading from
-        # the pairs' plans (PairPlan), one per peer: (engine, rank, its model) -> the pair it is served by, and
-        # (engine, source rank) -> the pair read by; each kept with the metadata it was made from
-        self.served_pairs: dict[tuple[str, int, CostModel | None], tuple[wire.RankMetadata, PairPlan]] = {}
+        # the pairs' plans (PairPlan), one per peer rank: (engine, rank) -> the pair it is served by, and
+        # (engine, source rank) -> the pair read by; each kept with the metadata it was made from (a peer
+        # that registers again, with another cost model say, replaces its entry)
+        self.served_pairs: dict[tuple[str, int], tuple[wire.RankMetadata, PairPlan]] = {}
         self.read_pairs: dict[tuple[str, int], tuple[wire.RankMetadata, PairPlan]] = {}
         self._own: TransferPlan | None = None
 
@@ -59,7 +60,7 @@ class PlanBook:
         """The :class:`~kvtriton.plan.PairPlan` of this rank serving the rank ``md`` describes
         (:meth:`serving`'s plan, the peer's cost model choosing its ways): made once per peer.
         Raises KVTritonError when the pair cannot be planned."""
-        key = (md.engine, md.rank, md.cost)
+        key = (md.engine, md.rank)
         got = self.served_pairs.get(key)
         if got is not None and got[0] is md:
             return got[1]
