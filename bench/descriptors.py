@@ -25,6 +25,11 @@ from kvtriton.plan.count import count_descriptors
 CHUNK_BYTES = 64 << 20  # the default staging chunk the "chunked" column assumes
 
 
+#: which vLLM releases default to a block size (kvtriton.cli.plan.VLLM_DEFAULT_BLOCK): 0.34 moved to 64,
+#: so its NixlConnector reads are 4x fewer and 4x larger than 0.33's for the same request.
+VLLM_DEFAULT_OF = {16: "0.32-0.33", 64: "0.34"}
+
+
 def descriptor_rows(presets, pairs, block_sizes, tokens) -> list[dict]:
     """One row per (preset, TP pair, block size): the worst decode rank's counts, kvtriton's and the
     baselines', and their ratios; a pair the planner refuses gets a ``note`` instead."""
@@ -37,7 +42,7 @@ def descriptor_rows(presets, pairs, block_sizes, tokens) -> list[dict]:
             dst_ids = fragmented_block_ids(n, num_blocks, 8, seed=2)
             for p_tp, d_tp in pairs:
                 row = dict(section="descriptors", preset=preset.name, p_tp=p_tp, d_tp=d_tp,
-                           block_size=bs, tokens=tokens)
+                           block_size=bs, tokens=tokens, vllm_default_of=VLLM_DEFAULT_OF.get(bs, ""))
                 try:
                     src = specs_for(preset, 0, p_tp, num_blocks, bs)
                     worst = None
@@ -60,6 +65,10 @@ def descriptor_rows(presets, pairs, block_sizes, tokens) -> list[dict]:
                             + vllm_direct_descriptor_count(1, preset.replicate_layers, n),
                         )
                         counts["kvtriton"] = counts["kvtriton_staged"] + counts["kvtriton_direct"]
+                        counts["kvtriton_chosen"] = count.total  # by the ways the default cost model chooses
+                        moved = sum(n * spec.tile_bytes(j, spec.local_heads) for spec in dst
+                                    for j in range(spec.num_streams))
+                        counts["vllm_read_bytes"] = round(moved / count.nixl_connector) if count.nixl_connector else 0
                         if worst is None or counts["kvtriton"] > worst["kvtriton"]:
                             worst = counts
                     row.update(worst)

@@ -156,9 +156,16 @@ def _headline_descriptors(desc: list[dict]) -> str:
     fewer = sum(1 for v in x if v < 1)
     why = (f"; in {fewer} cell(s) kvtriton posts more, larger descriptors: the cost model moves those head "
            "slices zero-copy (direct_slice) rather than repack them") if fewer else ""
+    by_release = []
+    for bs, release in ((16, "0.33"), (64, "0.34")):
+        cells = [r for r in ok if r["block_size"] == bs]
+        if cells:
+            kib = median_known([r.get("vllm_read_bytes") for r in cells])
+            by_release.append(f"vLLM {release} (block {bs}, reads of ~{(kib or 0) / 1024:,.0f} KiB) median "
+                              f"{np.median([r['vllm_packed_per_kvtriton'] for r in cells]):,.0f}x")
     return (f"vLLM K||V direct reads need {x[0]:,}x to {x[-1]:,}x as many as kvtriton (median "
             f"{np.median(x):,.0f}x) over {len(ok)} preset x P->D x block cells, one {ok[0]['tokens']}-token "
-            f"request{why}")
+            f"request" + (f"; {', '.join(by_release)}" if by_release else "") + why)
 
 
 def e2e_ratios(rows: list[dict], cfg: tuple) -> dict[str, float]:
@@ -261,18 +268,24 @@ def descriptor_summary(desc: list[dict]) -> list[str]:
              "runs of 8 consecutive blocks. Modes come from the default CostModel (CPU, 2.3 us "
              "per descriptor, 10 GB/s repack: whole-block SPLIT slices of >= ~11.5 KB go direct, "
              "e.g. 8->16 with 8 heads at block 64).", "",
-             "| preset | P->D | block | kvtriton | staged | direct | staged, chunked | vLLM K\\|\\|V "
-             "| vLLM K/V separate | per-token | **vLLM K\\|\\|V / kvtriton** | K/V separate / kvtriton |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "`vLLM default` names the vLLM releases whose default block size the row uses (0.34: 64, "
+             "so its reads are 4x fewer and 4x larger than 0.33's); `vLLM read` is the bytes of one of its "
+             "reads; `chosen` is kvtriton's descriptors by the ways the default cost model chooses.", "",
+             "| preset | P->D | block | vLLM default | kvtriton | chosen | staged | direct | staged, chunked "
+             "| vLLM K\\|\\|V | vLLM read | vLLM K/V separate | per-token | **vLLM K\\|\\|V / kvtriton** "
+             "| K/V separate / kvtriton |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in desc:
         if "note" in r:
             lines.append(f"| {r['preset']} | {r['p_tp']}->{r['d_tp']} | {r['block_size']} | "
-                         f"{r['note']} ||||||||| ")
+                         f"{r.get('vllm_default_of', '')} | {r['note']} |||||||||| ")
             continue
         lines.append(
-            f"| {r['preset']} | {r['p_tp']}->{r['d_tp']} | {r['block_size']} | {r['kvtriton']:,} | "
+            f"| {r['preset']} | {r['p_tp']}->{r['d_tp']} | {r['block_size']} | {r.get('vllm_default_of', '')} | "
+            f"{r['kvtriton']:,} | {r.get('kvtriton_chosen', 0):,} | "
             f"{r['kvtriton_staged']:,} | {r['kvtriton_direct']:,} | {r['kvtriton_staged_chunked']:,} | "
-            f"{r['vllm_kv_packed']:,} | {r['vllm_kv_separate']:,} | {r['per_token']:,} | "
+            f"{r['vllm_kv_packed']:,} | {r.get('vllm_read_bytes', 0) / 1024:,.0f} KiB | {r['vllm_kv_separate']:,} | "
+            f"{r['per_token']:,} | "
             f"**{r['vllm_packed_per_kvtriton']:,}x** | {r['vllm_separate_per_kvtriton']:,}x |")
     return lines + [""]
 

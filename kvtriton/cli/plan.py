@@ -25,7 +25,12 @@ from ..plan.count import count_descriptors, nixl_connector_descriptors
 from ..plan.models import ModelKV, load_model, rank_specs
 from ..spec import Kind, Layout
 
-__all__ = ["nixl_connector_descriptors", "block_ids", "explain", "format_text", "add_arguments", "run"]
+__all__ = ["VLLM_DEFAULT_BLOCK", "nixl_connector_descriptors", "block_ids", "explain", "format_text",
+           "add_arguments", "run"]
+
+#: vLLM's default block size per release the plan models (``config/cache.py``): 0.34 raised it to 64,
+#: so NixlConnector's reads of one request became 4x fewer and 4x larger (32 KiB for Llama-3-70B P4->D8).
+VLLM_DEFAULT_BLOCK = {"0.32": 16, "0.33": 16, "0.34": 64}
 
 
 def block_ids(num_blocks: int, run: int) -> np.ndarray:
@@ -59,14 +64,18 @@ def _sources(model: ModelKV, d: int, p_tp: int, d_tp: int) -> list[dict]:
 def explain(model: ModelKV, prefill_tp: int, decode_tp: int, *, block_size: int = 16, tokens: int = 8192,
             layout: Layout | str = Layout.HND, prefill_layout: Layout | str | None = None,
             cost: CostModel | None = None, run: int = 8, chunk_bytes: int | None = None,
-            ranks: list[int] | None = None) -> dict:
+            ranks: list[int] | None = None, vllm: str = "0.34") -> dict:
     """The report ``kvtriton plan`` prints (``--json`` prints exactly this): see the module
-    docstring. Raises the planner's typed errors (:class:`~kvtriton.errors.TopologyError` when a
+    docstring; ``vllm`` names the vLLM release whose NixlConnector is the baseline (its default block
+    size is :data:`VLLM_DEFAULT_BLOCK`, the caller's ``block_size`` whatever it is). Raises the
+    planner's typed errors (:class:`~kvtriton.errors.TopologyError` when a
     TP size cannot shard a region's heads, :class:`~kvtriton.errors.PlanError`, ...)."""
     cost = cost or CostModel()
     for what, v in (("tokens", tokens), ("block_size", block_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PlanError(f"{what} must be a positive integer, got {v!r}")
+    if vllm not in VLLM_DEFAULT_BLOCK:
+        raise PlanError(f"vllm must be one of {sorted(VLLM_DEFAULT_BLOCK)}, got {vllm!r}")
     if chunk_bytes is not None and chunk_bytes < 1:
         raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
     for x in model.layers:
@@ -99,7 +108,7 @@ def explain(model: ModelKV, prefill_tp: int, decode_tp: int, *, block_size: int 
                                  regions=len({g.region for g in read.segments}), chunks=pc.chunks,
                                  ways=ways, chosen=pc.chosen.value))
         moved = sum(n * sum(spec.tile_bytes(j, spec.local_heads) for j in range(spec.num_streams)) for spec in dst)
-        vllm = count.nixl_connector
+        theirs = count.nixl_connector
         out_ranks.append(dict(
             decode_rank=d, sources=_sources(model, d, prefill_tp, decode_tp),
             replicate_sources=sorted({r for dr in plan.direct if not dr.sliced for r in dr.src_ranks}
@@ -110,12 +119,13 @@ def explain(model: ModelKV, prefill_tp: int, decode_tp: int, *, block_size: int 
             direct=dict(regions=len(plan.direct), descriptors=count.direct, bytes=count.direct_bytes,
                         bytes_per_descriptor=round(count.direct_bytes / count.direct) if count.direct else 0),
             kvtriton=dict(staged_descriptors=count.staged, descriptors=count.total, bytes=moved),
-            vllm=dict(descriptors=vllm, bytes_per_descriptor=round(moved / vllm) if vllm else 0,
+            vllm=dict(descriptors=theirs, bytes_per_descriptor=round(moved / theirs) if theirs else 0,
                       descriptors_kv_separate=count.nixl_connector_kv_separate)))
     return dict(
         model=model.name, regions=len(model.layers), split_regions=len(split),
         replicate_regions=len(model.layers) - len(split), dtypes=sorted({x.dtype for x in model.layers}),
         prefill_tp=prefill_tp, decode_tp=decode_tp, block_size=block_size, tokens=tokens, blocks=n, run=run,
+        vllm=vllm, vllm_default_block=VLLM_DEFAULT_BLOCK[vllm],
         layout=Layout(layout).value, prefill_layout=Layout(prefill_layout or layout).value, chunk_bytes=chunk_bytes,
         cost_model=dict(cost.as_dict(), crossover_bytes=round(cost.crossover_bytes()), source=cost.source),
         ranks=out_ranks)
@@ -138,6 +148,12 @@ def _route_runs(routes: list[dict]) -> list[str]:
     return lines
 
 
+def _block_note(rep: dict) -> str:
+    if rep["block_size"] == rep["vllm_default_block"]:
+        return f" (vLLM {rep['vllm']}'s default)"
+    return f" (vLLM {rep['vllm']}'s default is {rep['vllm_default_block']})"
+
+
 def format_text(rep: dict) -> str:
     """The report as text, one block per decode rank."""
     c = rep["cost_model"]
@@ -145,7 +161,8 @@ def format_text(rep: dict) -> str:
     layout = rep["layout"] if rep["layout"] == rep["prefill_layout"] else f"{rep['prefill_layout']} -> {rep['layout']}"
     out = [f"kvtriton plan: {rep['model']}, {rep['regions']} regions ({rep['split_regions']} split, "
            f"{rep['replicate_regions']} replicate), {'/'.join(rep['dtypes'])}",
-           f"  P{rep['prefill_tp']} -> D{rep['decode_tp']}, block {rep['block_size']}, {rep['tokens']:,} tokens = "
+           f"  P{rep['prefill_tp']} -> D{rep['decode_tp']}, block {rep['block_size']}{_block_note(rep)}, "
+           f"{rep['tokens']:,} tokens = "
            f"{rep['blocks']:,} blocks ({ids}), layout {layout}"
            + (f", staging chunks of {_mib(rep['chunk_bytes'])}" if rep["chunk_bytes"] else ""),
            f"  cost model: {c['source']}: {c['desc_us']} us/descriptor, pack {c['pack_gbps']} GB/s, unpack "
@@ -178,7 +195,8 @@ def format_text(rep: dict) -> str:
         out.append(f"  kvtriton: {k['staged_descriptors']:,} staged descriptor{'s' * (k['staged_descriptors'] != 1)}"
                    f" + {r['direct']['descriptors']:,} direct; {k['descriptors']:,} by the chosen ways; "
                    f"{_mib(k['bytes'])}")
-        out.append(f"  vLLM NixlConnector: {v['descriptors']:,} descriptors of {v['bytes_per_descriptor']:,} B "
+        out.append(f"  vLLM {rep['vllm']} NixlConnector: {v['descriptors']:,} descriptors of "
+                   f"{v['bytes_per_descriptor']:,} B "
                    f"(one per source rank, region and block, a block's K and V together; "
                    f"{v['descriptors_kv_separate']:,} with K and V separate)")
     return "\n".join(out)
@@ -189,7 +207,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "(llama3-8b, llama3-70b, qwen2.5-7b, deepseek-v3, llama3-8b+mla-draft)")
     ap.add_argument("--prefill-tp", type=int, required=True)
     ap.add_argument("--decode-tp", type=int, required=True)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--vllm", choices=sorted(VLLM_DEFAULT_BLOCK), default="0.34",
+                    help="the vLLM release modelled: its default block size and its NixlConnector as the "
+                    "baseline (default 0.34: block 64; 0.32 and 0.33: block 16)")
+    ap.add_argument("--block-size", type=int, help="tokens per block (default: the --vllm release's default)")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens of the request (default 8192)")
     ap.add_argument("--layout", choices=[x.value for x in Layout], default="HND", help="the caches' layout")
     ap.add_argument("--prefill-layout", choices=[x.value for x in Layout], help="the prefill's, when it differs")
@@ -229,10 +250,11 @@ def run(args: argparse.Namespace) -> int:
     planner's typed error on stderr."""
     try:
         model = load_model(args.model, args.dtype)
-        rep = explain(model, args.prefill_tp, args.decode_tp, block_size=args.block_size, tokens=args.tokens,
+        block_size = args.block_size if args.block_size is not None else VLLM_DEFAULT_BLOCK[args.vllm]
+        rep = explain(model, args.prefill_tp, args.decode_tp, block_size=block_size, tokens=args.tokens,
                       layout=args.layout, prefill_layout=args.prefill_layout, cost=_cost(args.cost, args.device),
                       run=args.run, chunk_bytes=int(args.chunk_mib * 2**20) if args.chunk_mib else None,
-                      ranks=args.rank)
+                      ranks=args.rank, vllm=args.vllm)
     except KVTritonError as e:
         print(f"kvtriton plan: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -86,12 +86,14 @@ def _cache_file(cache: Path, **numbers) -> Path:
 
 # ------------------------------------------------------------------------------------------ plan
 def test_plan_llama3_70b_p4_d8(kvtriton, llama_config):
-    """The issue's figure: 1 staged descriptor per decode rank against vLLM's 40,960, exit 0."""
-    rc, out, err = kvtriton("plan", "--model", str(llama_config), "--prefill-tp", "4", "--decode-tp", "8", "--json")
+    """The issue's figure: 1 staged descriptor per decode rank against vLLM 0.33's 40,960, exit 0."""
+    rc, out, err = kvtriton("plan", "--model", str(llama_config), "--prefill-tp", "4", "--decode-tp", "8",
+                            "--vllm", "0.33", "--json")
     assert rc == 0, err
     rep = json.loads(out)
     assert (rep["regions"], rep["split_regions"], rep["blocks"]) == (80, 80, 512)
     assert rep["cost_model"]["source"].startswith("default")  # nothing cached, nothing measured
+    assert (rep["block_size"], rep["vllm"], rep["vllm_default_block"]) == (16, "0.33", 16)
     assert [r["decode_rank"] for r in rep["ranks"]] == list(range(8))
     payload_bytes = 512 * 80 * 2 * 16 * 1 * 128 * 2  # blocks x layers x K,V x tokens x 1 head x dim x bf16
     for r in rep["ranks"]:
@@ -112,15 +114,35 @@ def test_plan_llama3_70b_p4_d8(kvtriton, llama_config):
         assert r["kvtriton"]["staged_descriptors"] == 1
         assert r["vllm"] == dict(descriptors=40960, bytes_per_descriptor=8192, descriptors_kv_separate=81920)
     rc, text, err = kvtriton("plan", "--model", str(llama_config), "--prefill-tp", "4", "--decode-tp", "8",
-                             "--rank", "5")
+                             "--vllm", "0.33", "--rank", "5")
     assert rc == 0, err
     assert "decode rank 5:" in text and "decode rank 4:" not in text
-    assert "kvtriton: 1 staged descriptor " in text and "vLLM NixlConnector: 40,960 descriptors of 8,192 B" in text
+    assert "block 16 (vLLM 0.33's default)" in text
+    assert "kvtriton: 1 staged descriptor " in text and "vLLM 0.33 NixlConnector: 40,960 descriptors of 8,192 B" in text
+
+
+def test_plan_block_size_follows_the_vllm_release(kvtriton, llama_config):
+    """vLLM 0.34 made 64 the default block: with no --block-size the plan models it, and
+    NixlConnector's reads of the same request are 4x fewer and 4x larger (32 KiB)."""
+    args = ["plan", "--model", str(llama_config), "--prefill-tp", "4", "--decode-tp", "8", "--rank", "0"]
+    rc, out, err = kvtriton(*args, "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert (rep["block_size"], rep["blocks"], rep["vllm"]) == (64, 128, "0.34")
+    (r,) = rep["ranks"]
+    assert r["vllm"] == dict(descriptors=10240, bytes_per_descriptor=32768, descriptors_kv_separate=20480)
+    assert r["payloads"][0]["ways"]["staged"]["descriptors"] == 1
+    assert r["payloads"][0]["ways"]["pack_place"]["descriptors"] == 160 * 128 // 8
+    rc, text, err = kvtriton(*args, "--block-size", "16")
+    assert rc == 0 and "block 16 (vLLM 0.34's default is 64)" in text, err
+    assert "vLLM 0.34 NixlConnector: 40,960 descriptors of 8,192 B" in text
+    rc, _, err = kvtriton(*args, "--vllm", "0.31")
+    assert rc == 2 and "--vllm" in err
 
 
 def test_plan_counts_staging_chunks(kvtriton, llama_config):
     rc, out, err = kvtriton("plan", "--model", str(llama_config), "--prefill-tp", "4", "--decode-tp", "8",
-                            "--chunk-mib", "64", "--rank", "3", "--json")
+                            "--block-size", "16", "--chunk-mib", "64", "--rank", "3", "--json")
     assert rc == 0, err
     (r,) = json.loads(out)["ranks"]
     per_chunk = (64 << 20) // (80 * 2 * 16 * 128 * 2)  # whole blocks of one head, K and V, 80 layers
@@ -177,7 +199,8 @@ def test_plan_uses_the_cached_model_and_never_measures(kvtriton):
     """A cached model decides the way (descriptors free: direct_slice; cheap: the one-sided way;
     ruinous: staged);
     ``--cost default`` ignores it; no model is measured (no file appears when none is cached)."""
-    args = ["plan", "--model", "llama3-8b", "--prefill-tp", "1", "--decode-tp", "2", "--rank", "0", "--json"]
+    args = ["plan", "--model", "llama3-8b", "--prefill-tp", "1", "--decode-tp", "2", "--block-size", "16",
+            "--rank", "0", "--json"]
     rc, out, _ = kvtriton(*args)
     assert rc == 0 and not kvtriton.cache.exists()
     _cache_file(kvtriton.cache, desc_us=1e-3)
@@ -195,7 +218,7 @@ def test_plan_uses_the_cached_model_and_never_measures(kvtriton):
 def test_plan_mixed_cache_and_mla(kvtriton):
     """GQA target + MLA draft: the draft goes DIRECT in coalesced runs, the baseline counts it once."""
     rc, out, err = kvtriton("plan", "--model", "llama3-8b+mla-draft", "--prefill-tp", "2", "--decode-tp", "4",
-                            "--run", "0", "--json")
+                            "--vllm", "0.33", "--run", "0", "--json")
     assert rc == 0, err
     for r in json.loads(out)["ranks"]:
         assert [x["route"] for x in r["routes"]] == ["staged"] * 32 + ["direct"]
@@ -203,7 +226,8 @@ def test_plan_mixed_cache_and_mla(kvtriton):
         assert r["direct"] == dict(regions=1, descriptors=1, bytes=latent, bytes_per_descriptor=latent)
         assert r["kvtriton"]["staged_descriptors"] == 1
         assert r["vllm"]["descriptors"] == 32 * 512 + 512
-    rc, out, _ = kvtriton("plan", "--model", "deepseek-v3", "--prefill-tp", "8", "--decode-tp", "4", "--json")
+    rc, out, _ = kvtriton("plan", "--model", "deepseek-v3", "--prefill-tp", "8", "--decode-tp", "4", "--vllm", "0.33",
+                          "--json")
     r = json.loads(out)["ranks"][0]
     assert r["payloads"] == [] and r["replicate_sources"] == [0, 4]  # striped over two replicas
     assert r["direct"]["descriptors"] == 61 * 512 // 8 and r["vllm"]["descriptors"] == 61 * 512
