@@ -61,21 +61,23 @@ def _sources(model: ModelKV, d: int, p_tp: int, d_tp: int) -> list[dict]:
     return out
 
 
-def explain(model: ModelKV, prefill_tp: int, decode_tp: int, *, block_size: int = 16, tokens: int = 8192,
+def explain(model: ModelKV, prefill_tp: int, decode_tp: int, *, block_size: int | None = None, tokens: int = 8192,
             layout: Layout | str = Layout.HND, prefill_layout: Layout | str | None = None,
             cost: CostModel | None = None, run: int = 8, chunk_bytes: int | None = None,
             ranks: list[int] | None = None, vllm: str = "0.34") -> dict:
     """The report ``kvtriton plan`` prints (``--json`` prints exactly this): see the module
     docstring; ``vllm`` names the vLLM release whose NixlConnector is the baseline (its default block
-    size is :data:`VLLM_DEFAULT_BLOCK`, the caller's ``block_size`` whatever it is). Raises the
+    size is :data:`VLLM_DEFAULT_BLOCK`: ``block_size`` defaults to it). Raises the
     planner's typed errors (:class:`~kvtriton.errors.TopologyError` when a
     TP size cannot shard a region's heads, :class:`~kvtriton.errors.PlanError`, ...)."""
     cost = cost or CostModel()
+    if vllm not in VLLM_DEFAULT_BLOCK:
+        raise PlanError(f"vllm must be one of {sorted(VLLM_DEFAULT_BLOCK)}, got {vllm!r}")
+    if block_size is None:
+        block_size = VLLM_DEFAULT_BLOCK[vllm]
     for what, v in (("tokens", tokens), ("block_size", block_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PlanError(f"{what} must be a positive integer, got {v!r}")
-    if vllm not in VLLM_DEFAULT_BLOCK:
-        raise PlanError(f"vllm must be one of {sorted(VLLM_DEFAULT_BLOCK)}, got {vllm!r}")
     if chunk_bytes is not None and chunk_bytes < 1:
         raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
     for x in model.layers:
@@ -250,8 +252,7 @@ def run(args: argparse.Namespace) -> int:
     planner's typed error on stderr."""
     try:
         model = load_model(args.model, args.dtype)
-        block_size = args.block_size if args.block_size is not None else VLLM_DEFAULT_BLOCK[args.vllm]
-        rep = explain(model, args.prefill_tp, args.decode_tp, block_size=block_size, tokens=args.tokens,
+        rep = explain(model, args.prefill_tp, args.decode_tp, block_size=args.block_size, tokens=args.tokens,
                       layout=args.layout, prefill_layout=args.prefill_layout, cost=_cost(args.cost, args.device),
                       run=args.run, chunk_bytes=int(args.chunk_mib * 2**20) if args.chunk_mib else None,
                       ranks=args.rank, vllm=args.vllm)
