@@ -27,7 +27,9 @@ the facade's drop path fails their transfers and forgets them).
     agent had also been silent for ``timeout_s`` before the check.
 
   A replay of an older registration (an agent that held the identity before and was dropped or
-  replaced: the last :data:`_FORMER_AGENTS` are remembered per identity) is refused. The same
+  replaced: the last :data:`_FORMER_AGENTS` are remembered per identity) is refused; the agent
+  that held it last and was dropped (expired while its engine slept) is taken back with a
+  registration newer than its last one here, met authenticated. The same
   agent with a newer ``RankMetadata.generation`` registered its memory again
   (:meth:`~kvtriton.agent.TransferAgent.restore`): its old addresses and keys are dropped and the
   new ones connected (only when authenticated, under ``require_authenticated_peers``). Once
@@ -93,6 +95,9 @@ class _Pin:
     agent: str
     generation: int
     authenticated: bool = False  # an agent of this identity proved the credential (see sealed)
+    #: the ``RankMetadata.generation`` its current agent last registered with: compared only with
+    #: that same agent's next claim (a restore after it was dropped must be newer than this)
+    registered: int = 0
     former: deque[str] = field(default_factory=lambda: deque(maxlen=_FORMER_AGENTS))
 
 
@@ -206,7 +211,9 @@ class PeerTable:
             raise self._refuse(f"engine {md.engine!r} registered authenticated here; an unauthenticated agent "
                                f"({md.agent!r}) stands for none of its ranks")
         pin = self.pins.get(key)
-        if pin is not None and (md.agent in pin.former or (old is None and md.agent == pin.agent)):
+        if pin is not None and old is None and md.agent == pin.agent and self._restored(md, pin, authenticated):
+            pass  # dropped while it slept (expired), back with its memory registered again
+        elif pin is not None and (md.agent in pin.former or (old is None and md.agent == pin.agent)):
             raise self._refuse(f"{md.engine}:{md.rank}: agent {md.agent!r} held it before and left it: a stale or "
                                f"replayed registration, not newer than generation {pin.generation} here; a "
                                f"restarted rank registers with a new agent")
@@ -221,6 +228,14 @@ class PeerTable:
         if md.engine not in engines and len(engines) >= self.max_engines:
             raise self._refuse(f"{self.s.name} knows {len(engines)} peer engines, its limit (max_peer_engines)")
         return Admission.NEW
+
+    def _restored(self, md: wire.RankMetadata, pin: _Pin, authenticated: bool) -> bool:
+        """Whether the agent that held ``pin`` and was dropped comes back with a newer registration of
+        its own (:meth:`~kvtriton.agent.TransferAgent.restore` after a peer expired it): over an
+        authenticated meeting (or with no credential configured), and newer than the last one it
+        registered here, so a replay of a registration it had before stays refused."""
+        return bool(md.generation and pin.registered and md.generation > pin.registered
+                    and (authenticated or not self.s.require_authenticated))
 
     def sealed(self, engine: str) -> bool:
         """Whether ``engine`` is closed to unauthenticated agents: one of its ranks registered
@@ -320,6 +335,7 @@ class PeerTable:
             pin.former.append(pin.agent)
             pin.agent, pin.generation = md.agent, pin.generation + 1
         pin.authenticated = pin.authenticated or authenticated
+        pin.registered = md.generation
         self.pins.move_to_end(key)
         while len(self.pins) > 4 * self.max_peers:  # forget the oldest dropped identities, unauthenticated first
             dropped = [k for k in self.pins if k not in self.links.peers]

@@ -129,6 +129,10 @@ def test_an_impostor_cannot_take_over_a_live_decode_nor_read_its_hold(rig, made,
         time.sleep(0.01)
     assert len(got) == 1 and isinstance(got[0].error, TransferTimeoutError), got
     assert all(torch.equal(a, b) for now, was in zip(snapshot(imp_regs), imp_before) for a, b in zip(now, was))
+    end = time.monotonic() + 10  # the impostor's pull reaches P whenever UCX delivers it: bounded wait
+    while p.stats["bad_messages"] < 1 and time.monotonic() < end:
+        p.progress()
+        time.sleep(0.01)
     assert p.stats["bad_messages"] >= 1 and p.debug_state()["peers"]["D:0"]["agent"] == d.transport.name
     x.check_prefill_untouched()
 

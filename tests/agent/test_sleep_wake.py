@@ -27,11 +27,12 @@ BLOCKS, HEADS, BS, DIM = 16, 2, 4, 32
 def made():
     out: list[TransferAgent] = []
 
-    def make(engine: str, modes: str) -> TransferAgent:
+    def make(engine: str, modes: str, **kw) -> TransferAgent:
         caches = [torch.zeros(BLOCKS, HEADS, BS, DIM) for _ in range(2)]
         regs = [Region.attention(f"l{i}", c, layout="HND", block_size=BS, total_heads=HEADS)
                 for i, c in enumerate(caches)]
-        a = TransferAgent(engine, 0, 1, regs, staging_bytes=1 << 20, slot_bytes=4096, timeout_s=10.0, modes=modes)
+        a = TransferAgent(engine, 0, 1, regs, staging_bytes=1 << 20, slot_bytes=4096, timeout_s=10.0, modes=modes,
+                          **kw)
         a.test_caches = caches  # type: ignore[attr-defined]
         out.append(a)
         return a
@@ -125,3 +126,28 @@ def test_destination_sleeps_with_a_fetch_in_flight_then_wakes(made, modes):
     meet(p, d)  # the source drops the destination's old keys and connects the new ones
     p.release("r")
     transfer_is_exact(p, d, "after", gen)
+
+
+def test_a_peer_that_expired_the_sleeper_meets_it_again_after_restore(made):
+    """A decode that dropped the prefill while it slept (silent past ``peer_expiry_s``) must take
+    the same agent back once it restored its memory and met it authenticated again: it is the
+    agent's own newer registration, not a stale replay of one that left."""
+    gen = torch.Generator().manual_seed(36)
+    p, d = made("P", "staged"), made("D", "staged")
+    meet(p, d)
+    transfer_is_exact(p, d, "before", gen)
+    # a short expiry only while the prefill sleeps: a first transfer on a loaded 2-core host can
+    # keep a rank from answering pings for seconds (kernels warming up)
+    d._peers.expiry_s = 1.0
+    p.unregister()
+    deadline = time.monotonic() + 20.0
+    while "P:0" in d.debug_state()["peers"]:
+        assert time.monotonic() < deadline, "the decode never expired the sleeping prefill"
+        d.progress()
+        time.sleep(0.02)
+    d._peers.expiry_s = 60.0
+    p.restore()
+    meet(p, d)  # refused before: "held it before and left it: a stale or replayed registration"
+    assert d.debug_state()["peers"]["P:0"]["agent"] == p.transport.name
+    transfer_is_exact(p, d, "after", gen)
+    # the registration it had before the sleep stays refused: it is older than the one met now
