@@ -97,7 +97,12 @@ class Mamba2State:
 
     ``intermediate`` = ``num_heads * head_dim`` (the ``x`` channels), ``n_groups`` groups of
     ``state_size`` channels in each of ``B`` and ``C``, conv over ``conv_kernel`` positions; SSM
-    state ``[num_heads, head_dim, state_size]``."""
+    state ``[num_heads, head_dim, state_size]``.
+
+    >>> m = Mamba2State(intermediate=8192, n_groups=1, state_size=128, conv_kernel=4, num_heads=128, head_dim=64)
+    >>> [(p.name, p.channels, p.kind.value, p.offset) for p in m.conv_parts(2)]   # B, C whole on every rank
+    [('x', 4096, 'split', 0), ('B', 128, 'replicate', 4096), ('C', 128, 'replicate', 4224)]
+    """
 
     intermediate: int
     n_groups: int
@@ -226,7 +231,13 @@ def state_specs(name: str, model: StateModel, *, rank: int, tp: int, num_blocks:
     """The specs :func:`state_regions` gives for rank ``rank`` of a ``tp``-rank engine, without
     tensors: vLLM's page (conv state then SSM state, ``page_bytes`` apart from block to block;
     default: the two back to back, unpadded). ``rank`` only checks range: every rank's geometry
-    is the same."""
+    is the same.
+
+    >>> g = GDNState(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128, conv_kernel=4)
+    >>> specs = state_specs("l0", g, rank=0, tp=2, num_blocks=8, conv_dtype="bfloat16", ssm_dtype="bfloat16")
+    >>> [(s.name, s.block_size, s.local_heads, s.head_dims[0]) for s in specs]
+    [('l0.q', 3, 1024, 1), ('l0.k', 3, 1024, 1), ('l0.v', 3, 2048, 1), ('l0.ssm', 1, 16, 16384)]
+    """
     layout = _conv_layout(conv_layout)
     if not 0 <= rank < tp:
         raise TopologyError(f"rank {rank} is out of range for tp={tp}")
