@@ -93,7 +93,8 @@ class RankCache:
     ssm: torch.Tensor
 
 
-def make_cache(model: StateModel, tp: int, num_blocks: int, layout: str, conv_dtype, ssm_dtype, gen) -> RankCache:
+def make_cache(model: StateModel, tp: int, num_blocks: int, layout: str, conv_dtype, ssm_dtype, gen,
+               device: str = "cpu") -> RankCache:
     k1 = model.conv_kernel - 1
     conv_elems = sum(p.channels for p in model.conv_parts(tp)) * k1
     c_size = torch.empty((), dtype=conv_dtype).element_size()
@@ -105,7 +106,7 @@ def make_cache(model: StateModel, tp: int, num_blocks: int, layout: str, conv_dt
     ssm_off += -ssm_off % s_size
     page = ssm_off + heads * a * b * s_size + PAD_TAIL
     page += -page % max(c_size, s_size)
-    buf = torch.randint(0, 256, (2 * GUARD + num_blocks * page,), dtype=torch.uint8, generator=gen)
+    buf = torch.randint(0, 256, (2 * GUARD + num_blocks * page,), dtype=torch.uint8, generator=gen).to(device)
     pages = buf[GUARD:GUARD + num_blocks * page].view(num_blocks, page)
     width = conv_elems // k1
     conv = pages[:, :conv_bytes].view(conv_dtype)
@@ -117,13 +118,14 @@ def make_cache(model: StateModel, tp: int, num_blocks: int, layout: str, conv_dt
 def write_state(cache: RankCache, layout: str, ids, conv_rows: torch.Tensor, ssm: torch.Tensor) -> None:
     """Request ``i``'s rank slice into page ``ids[i]`` (``conv_rows`` in DS order)."""
     for i, page in enumerate(ids):
-        cache.conv[page] = conv_rows[i] if layout == "DS" else conv_rows[i].transpose(0, 1)
-        cache.ssm[page] = ssm[i]
+        row = conv_rows[i].to(cache.conv.device)
+        cache.conv[page] = row if layout == "DS" else row.transpose(0, 1)
+        cache.ssm[page] = ssm[i].to(cache.ssm.device)
 
 
 # ----------------------------------------------------------------------------- one transfer
 def transfer(model: StateModel, src_tp: int, dst_tp: int, src_layout: str, dst_layout: str, conv_dtype, ssm_dtype,
-             *, modes=None, seed=0) -> dict[str, int]:
+             *, modes=None, seed=0, device: str = "cpu") -> dict[str, int]:
     """Move 3 requests' state P``src_tp`` -> D``dst_tp`` through the plan, check every destination
     byte; returns how many regions went each route (summed over destination ranks)."""
     gen = torch.Generator().manual_seed(seed)
@@ -132,14 +134,14 @@ def transfer(model: StateModel, src_tp: int, dst_tp: int, src_layout: str, dst_l
     g = global_state(model, requests, conv_dtype, ssm_dtype, gen)
     src = []
     for r in range(src_tp):
-        cache = make_cache(model, src_tp, src_blocks, src_layout, conv_dtype, ssm_dtype, gen)
+        cache = make_cache(model, src_tp, src_blocks, src_layout, conv_dtype, ssm_dtype, gen, device)
         write_state(cache, src_layout, src_ids, *rank_slice(model, g, r, src_tp))
         src.append(cache)
     src_regions = [state_regions("l0", c.conv, c.ssm, model, tp_size=src_tp, conv_layout=src_layout) for c in src]
     src_before = [c.buf.clone() for c in src]
     routes: dict[str, int] = {}
     for d in range(dst_tp):
-        cache = make_cache(model, dst_tp, dst_blocks, dst_layout, conv_dtype, ssm_dtype, gen)
+        cache = make_cache(model, dst_tp, dst_blocks, dst_layout, conv_dtype, ssm_dtype, gen, device)
         expected = _rebind(cache)
         write_state(expected, dst_layout, dst_ids, *rank_slice(model, g, d, dst_tp))
         dst_regions = state_regions("l0", cache.conv, cache.ssm, model, tp_size=dst_tp, conv_layout=dst_layout)
@@ -149,11 +151,13 @@ def transfer(model: StateModel, src_tp: int, dst_tp: int, src_layout: str, dst_l
             routes[route.value] = routes.get(route.value, 0) + 1
         for read in plan.staged:
             nbytes = read.payload_bytes(requests)
-            staging = torch.full((nbytes + GUARD,), 0xA5, dtype=torch.uint8)
+            staging = torch.full((nbytes + GUARD,), 0xA5, dtype=torch.uint8, device=device)
             offs = read.segment_offsets(requests)
             ops.pack(src_regions[read.src_rank], read.segments, offs, src_ids, staging)
             assert bool((staging[nbytes:] == 0xA5).all()), "pack wrote past the payload"
             ops.unpack(dst_regions, read.segments, offs, dst_ids, staging)
+        if device != "cpu":
+            torch.cuda.synchronize()
         runs = direct_runs(plan, {r: [x.spec for x in rs] for r, rs in enumerate(src_regions)},
                            [x.spec for x in dst_regions], src_ids, dst_ids)
         for rank, region, stream, s_off, d_off, n in zip(runs.src_rank, runs.region, runs.stream, runs.src_offset,
@@ -198,18 +202,24 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("layouts", LAYOUTS, ids=lambda x: f"{x[0]}-{x[1]}")
-@pytest.mark.parametrize("name,model,src_tp,dst_tp", CASES, ids=[f"{c[0]}-P{c[2]}D{c[3]}" for c in CASES])
-def test_state_moves_byte_exact(name, model, src_tp, dst_tp, layouts):
-    transfer(model, src_tp, dst_tp, *layouts, FP32, FP32)
+# every (model, pair) in two of the four layout pairs, so that each model meets all four across its pairs
+MATRIX = [(*c, LAYOUTS[(i + k) % 4]) for i, c in enumerate(CASES) for k in (0, 2)]
+
+
+@pytest.mark.parametrize("name,model,src_tp,dst_tp,layouts", MATRIX,
+                         ids=[f"{m[0]}-P{m[2]}D{m[3]}-{m[4][0]}-{m[4][1]}" for m in MATRIX])
+def test_state_moves_byte_exact(name, model, src_tp, dst_tp, layouts, device):
+    transfer(model, src_tp, dst_tp, *layouts, FP32, FP32, device=device)
+
+
+BF16_CASES = [c for c in CASES if c[2:] in ((1, 2), (2, 1), (2, 3))]
 
 
 @pytest.mark.parametrize("layouts", [("DS", "DS"), ("SD", "DS")], ids=lambda x: f"{x[0]}-{x[1]}")
-@pytest.mark.parametrize("name,model,src_tp,dst_tp", [c for c in CASES if c[2:] in ((1, 2), (2, 1), (2, 3))],
-                         ids=lambda x: str(x))
-def test_bf16_conv_with_fp32_ssm(name, model, src_tp, dst_tp, layouts):
+@pytest.mark.parametrize("name,model,src_tp,dst_tp", BF16_CASES, ids=[f"{c[0]}-P{c[2]}D{c[3]}" for c in BF16_CASES])
+def test_bf16_conv_with_fp32_ssm(name, model, src_tp, dst_tp, layouts, device):
     """Nemotron-H: the conv state in the model's dtype, the SSM state in fp32."""
-    transfer(model, src_tp, dst_tp, *layouts, BF16, FP32, seed=1)
+    transfer(model, src_tp, dst_tp, *layouts, BF16, FP32, seed=1, device=device)
 
 
 def test_forced_staged_and_replicate_direct():
