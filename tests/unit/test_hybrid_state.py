@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvtriton import build_plan, ops
-from kvtriton.errors import RegionError, TopologyError
+from kvtriton.errors import PlanError, RegionError, TopologyError
 from kvtriton.hybrid import (
     GDNState,
     Mamba2State,
@@ -332,3 +332,17 @@ def test_direct_route_is_a_whole_replicate_block():
                       conv_layout="DS")
     plan = build_plan(0, 4, dst, 2, specs)
     assert [r for r in plan.routes] == [Route.STAGED, Route.DIRECT, Route.DIRECT, Route.STAGED]
+
+
+def test_direct_slice_state_in_ds_and_refused_in_sd():
+    """DS keeps a rank's channels of one part, and an SSM head range, one range per page: forced
+    DIRECT_SLICE moves every region zero-copy, byte-exact. In SD a channel range is strided per
+    position: refused, typed."""
+    routes = transfer(M_G2, 1, 2, "DS", "DS", FP32, FP32, modes="direct_slice", seed=5)
+    assert set(routes) == {"direct_slice"}
+    routes = transfer(M_G1, 1, 2, "DS", "DS", FP32, FP32, modes="direct_slice", seed=5)
+    assert routes == {"direct_slice": 4, "direct": 4}  # x and SSM sliced; whole B and C per rank
+    specs = [state_specs("l", M_G2, rank=r, tp=t, num_blocks=4, conv_dtype="float32", ssm_dtype="float32",
+                         conv_layout="SD") for r, t in ((0, 1), (0, 2))]
+    with pytest.raises(PlanError, match="direct_slice is not possible"):
+        build_plan(0, 2, specs[1], 1, specs[0], modes="direct_slice")
