@@ -126,6 +126,14 @@ class Region:
         return cls._build(name, Kind(kind), Layout.NHD, (latent.unsqueeze(2),), block_size, 1)
 
     @classmethod
+    def from_view(cls, name: str, view: torch.Tensor, *, kind: Kind | str, layout: Layout | str, block_size: int,
+                  total_heads: int) -> Region:
+        """A one-stream region given as its 4-D view in ``layout`` (checked as every builder's
+        streams are): how :func:`kvtriton.hybrid.state_regions` binds a state part, whose "heads"
+        are conv channels or SSM heads."""
+        return cls._build(name, Kind(kind), _layout(name, layout), (view,), block_size, total_heads)
+
+    @classmethod
     def _build(cls, name, kind, layout, streams: Sequence[torch.Tensor], block_size: int,
                total_heads: int, dim_major: Sequence[int] = ()) -> Region:
         first = streams[0]

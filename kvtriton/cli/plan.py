@@ -206,7 +206,8 @@ def format_text(rep: dict) -> str:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", required=True, help="a config.json, a directory holding one, or a preset "
-                    "(llama3-8b, llama3-70b, qwen2.5-7b, deepseek-v3, llama3-8b+mla-draft)")
+                    "(llama3-8b, llama3-70b, qwen2.5-7b, deepseek-v3, llama3-8b+mla-draft; hybrid: "
+                    "Qwen3-Next-80B-A3B, Nemotron-H-8B, gpt-oss-120b, Gemma-3-27B)")
     ap.add_argument("--prefill-tp", type=int, required=True)
     ap.add_argument("--decode-tp", type=int, required=True)
     ap.add_argument("--vllm", choices=sorted(VLLM_DEFAULT_BLOCK), default="0.34",
@@ -226,6 +227,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "default, or measure (measure now when none is cached; imports torch and NIXL)")
     ap.add_argument("--device", default="cpu", help="the device whose cached cost model is used (default cpu)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--conv-layout", choices=["SD", "DS"], default="SD", help="hybrid models: vLLM's conv state "
+                    "layout (VLLM_SSM_CONV_STATE_LAYOUT; default SD)")
 
 
 def _cost(how: str, device: str) -> CostModel:
@@ -251,6 +254,16 @@ def run(args: argparse.Namespace) -> int:
     """Exit status: 0 planned, 2 the pair (or the model, or an argument) cannot be planned: the
     planner's typed error on stderr."""
     try:
+        from .hybrid_plan import explain_hybrid, format_hybrid, load_hybrid
+
+        hybrid = load_hybrid(args.model)
+        if hybrid is not None:  # sliding-window, Mamba2 or GDN groups: kvtriton.cli.hybrid_plan
+            rep = explain_hybrid(hybrid, args.prefill_tp, args.decode_tp, block_size=args.block_size,
+                                 tokens=args.tokens, layout=args.layout, conv_layout=args.conv_layout,
+                                 cost=_cost(args.cost, args.device), run=args.run,
+                                 chunk_bytes=int(args.chunk_mib * 2**20) if args.chunk_mib else None, ranks=args.rank)
+            print(json.dumps(rep, indent=1) if args.json else format_hybrid(rep), file=getattr(args, "stdout", None))
+            return 0
         model = load_model(args.model, args.dtype)
         rep = explain(model, args.prefill_tp, args.decode_tp, block_size=args.block_size, tokens=args.tokens,
                       layout=args.layout, prefill_layout=args.prefill_layout, cost=_cost(args.cost, args.device),
