@@ -258,7 +258,8 @@ def run(args: argparse.Namespace) -> int:
 
         hybrid = load_hybrid(args.model)
         if hybrid is not None:  # sliding-window, Mamba2 or GDN groups: kvtriton.cli.hybrid_plan
-            rep = explain_hybrid(hybrid, args.prefill_tp, args.decode_tp, block_size=args.block_size,
+            block_size = args.block_size if args.block_size is not None else VLLM_DEFAULT_BLOCK[args.vllm]
+            rep = explain_hybrid(hybrid, args.prefill_tp, args.decode_tp, block_size=block_size,
                                  tokens=args.tokens, layout=args.layout, conv_layout=args.conv_layout,
                                  cost=_cost(args.cost, args.device), run=args.run,
                                  chunk_bytes=int(args.chunk_mib * 2**20) if args.chunk_mib else None, ranks=args.rank)
