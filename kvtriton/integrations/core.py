@@ -36,7 +36,8 @@ from ..plan import CostModel, meeting_ranks, required_source_ranks
 from ..protocol import wire
 from ..protocol.allowlist import PeerAllowlist
 from ..protocol.auth import Credential
-from ..protocol.handshake import MetadataServer, exchange_metadata
+from ..protocol.handshake import Meeting as HandshakeMeeting
+from ..protocol.handshake import MetadataServer, meet
 from ..regions import Region
 from .settings import TransferSettings
 
@@ -79,10 +80,10 @@ def serve_metadata(agent: TransferAgent, credential: Credential | None, host: st
                    io_timeout_s: float) -> MetadataServer:
     """A prefill rank's handshake server, started: it answers with ``agent``'s metadata and adds
     each caller's (with a credential, only callers that proved it get that far)."""
-    def add_remote(metadata: bytes) -> str:
-        return agent.add_remote(metadata, authenticated=credential is not None)
+    def add_remote(meeting: HandshakeMeeting) -> str:  # with its pair keys: messages sealed both ways
+        return agent.add_remote(meeting.metadata, authenticated=credential is not None, keys=meeting.keys)
 
-    return MetadataServer(host, port, agent.metadata, add_remote, credential=credential,
+    return MetadataServer(host, port, agent.metadata, on_meeting=add_remote, credential=credential,
                           io_timeout_s=io_timeout_s).start()
 
 
@@ -236,8 +237,9 @@ class Meetings:
             engine, rows = target.engine_id, {}
             for r in ranks:
                 at = self.locate(target, r)
-                md = exchange_metadata(at.host, at.port, agent.metadata(), credential=self.credential,
-                                       timeout_s=s.handshake_timeout_s, attempts=s.handshake_attempts)
+                met = meet(at.host, at.port, agent.metadata(), credential=self.credential,
+                           timeout_s=s.handshake_timeout_s, attempts=s.handshake_attempts)
+                md = met.metadata
                 # who answered, checked before NIXL connects to it (the address came from a request)
                 got = wire.decode_metadata(md)
                 if (got.engine, got.rank, got.tp) != (engine or got.engine, r, target.tp):
@@ -246,7 +248,7 @@ class Meetings:
                 engine = got.engine
                 # a new route reaches only the agents the engine has: it never replaces one
                 agent.add_remote(md, authenticated=self.credential is not None,
-                                 takeover=self._proven(engine, target.where))
+                                 takeover=self._proven(engine, target.where), keys=met.keys)
                 rows[r] = at.row
         except KVTritonError as e:
             self._failed(meeting, e)

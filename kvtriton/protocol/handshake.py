@@ -27,8 +27,9 @@ Each proof binds the version, its role, both nonces and the sealed bytes it carr
 (:meth:`Credential.session_keys <kvtriton.protocol.auth.Credential.session_keys>`, one key per
 direction): a relay that forwards the bytes between two members sees no metadata, and without
 the secret it can neither open a seal nor make one. :func:`meet` and ``on_meeting`` also return
-the pair's message keys (:class:`~kvtriton.protocol.auth.PairKeys`). With TLS alone, TLS keeps
-the metadata confidential (no pair keys). Without a credential the exchange is the plain one
+the pair's message keys (:class:`~kvtriton.protocol.auth.PairKeys`; the control messages are
+sealed under them, :mod:`.channel`). With TLS alone, TLS keeps the metadata confidential, and the
+server's OK carries a random seed for the pair keys inside TLS (``auth.tls_pair_keys``). Without a credential the exchange is the plain one
 (REQUEST, then OK or ERROR), and one warning is logged. A credential on one side only, or two
 different secrets, is reported as a credential mismatch on both sides.
 
@@ -71,7 +72,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from ..errors import AuthenticationError, KVTritonError, PeerDisconnectedError, ProtocolError, RequestRejectedError
-from .auth import NONCE_BYTES, PROOF_BYTES, SEAL_OVERHEAD, Credential, PairKeys, seal, unseal
+from .auth import NONCE_BYTES, PROOF_BYTES, SEAL_OVERHEAD, Credential, PairKeys, seal, tls_pair_keys, unseal
 
 __all__ = ["MetadataServer", "Meeting", "meet", "exchange_metadata", "MAX_FRAME_BYTES", "VERSION"]
 
@@ -83,6 +84,8 @@ VERSION = 2
 _HEADER = struct.Struct(">4sBBI")  # magic, version, kind, payload length
 _REQUEST, _REPLY_OK, _REPLY_ERROR = 1, 2, 3
 _HELLO, _CHALLENGE, _PROVE, _PROVEN, _SEALED_ERROR = 4, 5, 6, 7, 8
+#: mutual TLS without the secret: OK with a random seed for the pair keys first (inside TLS)
+_REPLY_KEYED = 9
 #: all an unauthenticated client ever learns: no geometry, no reason
 _REFUSED = b"refused"
 #: what a server without a secret answers a HELLO, and a client whose secret differs tells the
@@ -103,7 +106,7 @@ _warned_client = False
 @dataclass(frozen=True)
 class Meeting:
     """What one side learned from a meeting: the peer's ``metadata``, and the pair's message
-    keys (None without a shared secret: TLS alone or no credential)."""
+    keys (None without a credential)."""
 
     metadata: bytes
     keys: PairKeys | None = None
@@ -392,11 +395,13 @@ class MetadataServer:
         if kind == _HELLO:  # the caller has a shared secret and we have none: say so, both sides
             _write_frame(conn, _REPLY_ERROR, _NO_SECRET, deadline)
             raise _Refused("it has a shared secret and this server has none")
-        reason = self._gate(Meeting(payload))
+        # over mutual TLS the pair gets keys for its messages too, from a seed only TLS carries
+        seed = secrets.token_bytes(32) if self._credential is not None else b""
+        reason = self._gate(Meeting(payload, tls_pair_keys(seed, False) if seed else None))
         if reason is not None:
             _write_frame(conn, _REPLY_ERROR, reason, deadline)
             return
-        _write_frame(conn, _REPLY_OK, self._metadata(), deadline)
+        _write_frame(conn, _REPLY_KEYED if seed else _REPLY_OK, seed + self._metadata(), deadline)
         self.stats["served"] += 1
 
     def _serve_secret(self, conn: socket.socket, cred: Credential, first: float, deadline: float) -> None:
@@ -463,9 +468,16 @@ class MetadataServer:
 def _exchange_plain(sock: socket.socket, host: str, port: int, metadata: bytes, credential: Credential | None,
                     deadline: float) -> Meeting:
     _write_frame(sock, _REQUEST, metadata, deadline)
-    kind, payload = _read_frame(sock, deadline, {_REPLY_OK: MAX_FRAME_BYTES, _REPLY_ERROR: _MAX_REASON_BYTES})
+    caps = {_REPLY_OK: MAX_FRAME_BYTES, _REPLY_ERROR: _MAX_REASON_BYTES}
+    if credential is not None:  # over mutual TLS (the secret takes the other path): the pair's key seed
+        caps[_REPLY_KEYED] = 32 + MAX_FRAME_BYTES
+    kind, payload = _read_frame(sock, deadline, caps)
     if kind == _REPLY_OK:
         return Meeting(payload)
+    if kind == _REPLY_KEYED:
+        if len(payload) < 32:
+            raise ProtocolError(f"{host}:{port} sent a keyed reply without its key seed")
+        return Meeting(payload[32:], tls_pair_keys(payload[:32], True))
     if payload == _REFUSED:
         if credential is None:  # we have nothing it could have refused: say what is missing
             raise AuthenticationError(f"{host}:{port} refused us: credential mismatch: it requires a cluster "
