@@ -29,9 +29,9 @@ direction): a relay that forwards the bytes between two members sees no metadata
 the secret it can neither open a seal nor make one. :func:`meet` and ``on_meeting`` also return
 the pair's message keys (:class:`~kvtriton.protocol.auth.PairKeys`; the control messages are
 sealed under them, :mod:`.channel`). With TLS alone, TLS keeps the metadata confidential, and the
-server's OK carries a random seed for the pair keys inside TLS (``auth.tls_pair_keys``). Without a credential the exchange is the plain one
-(REQUEST, then OK or ERROR), and one warning is logged. A credential on one side only, or two
-different secrets, is reported as a credential mismatch on both sides.
+server's OK carries a random seed for the pair keys inside TLS (``auth.tls_pair_keys``). Without
+a credential the exchange is the plain one (REQUEST, then OK or ERROR), and one warning is
+logged. A credential on one side only, or two different secrets, is reported as a credential mismatch on both sides.
 
 Frames: ``b"KVTH"``, a version byte, a kind byte, a big-endian u32 length, then the payload.
 Nothing is unpickled; payloads are the agent's msgpack metadata (validated by the agent) or UTF-8
