@@ -66,22 +66,25 @@ import ssl
 import struct
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
 from ..errors import AuthenticationError, KVTritonError, PeerDisconnectedError, ProtocolError, RequestRejectedError
 from .auth import NONCE_BYTES, PROOF_BYTES, SEAL_OVERHEAD, Credential, PairKeys, seal, tls_pair_keys, unseal
+from .frames import VERSION
+from .frames import Stream as _Stream
+from .frames import UnexpectedFrame as _UnexpectedFrame
+from .frames import frame as _frame
+from .frames import read_frame as _read_frame
+from .frames import tls_handshake as _tls_handshake
+from .frames import write_frame as _write_frame
+from .workers import Served, Workers, buffered
 
 __all__ = ["MetadataServer", "Meeting", "meet", "exchange_metadata", "MAX_FRAME_BYTES", "VERSION"]
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"KVTH"
-#: 2: metadata sealed under session keys (issue 33); a version-1 peer is refused as another protocol
-VERSION = 2
-_HEADER = struct.Struct(">4sBBI")  # magic, version, kind, payload length
 _REQUEST, _REPLY_OK, _REPLY_ERROR = 1, 2, 3
 _HELLO, _CHALLENGE, _PROVE, _PROVEN, _SEALED_ERROR = 4, 5, 6, 7, 8
 #: mutual TLS without the secret: OK with a random seed for the pair keys first (inside TLS)
@@ -110,71 +113,6 @@ class Meeting:
 
     metadata: bytes
     keys: PairKeys | None = None
-
-
-class _UnexpectedFrame(ProtocolError):
-    """A frame whose kind is not expected here, or longer than its kind allows: refused from its
-    header alone, its body never read."""
-
-    def __init__(self, kind: int, length: int, why: str):
-        super().__init__(why)
-        self.kind, self.length = kind, length
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("deadline passed")
-        sock.settimeout(left)
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
-def _read_frame(sock: socket.socket, deadline: float, caps: Mapping[int, int],
-                header_deadline: float | None = None) -> tuple[int, bytes]:
-    """One frame, whole by ``deadline`` (its header by ``header_deadline`` too). ``caps`` maps
-    each kind expected here to its largest payload: any other kind, or a longer payload, is
-    :class:`_UnexpectedFrame` from the header alone (an unauthenticated HELLO is 32 bytes, not
-    16 MiB read before anyone looks at it)."""
-    header = _recv_exact(sock, _HEADER.size, deadline if header_deadline is None else min(deadline, header_deadline))
-    magic, version, kind, length = _HEADER.unpack(header)
-    if magic != MAGIC or version != VERSION:
-        raise ProtocolError(f"not a kvtriton handshake frame of this version (magic {magic!r}, version {version}); "
-                            f"expected {MAGIC!r} version {VERSION}")
-    if kind not in caps:
-        raise _UnexpectedFrame(kind, length, f"unexpected handshake frame kind {kind} (expected {sorted(caps)})")
-    if length > caps[kind]:
-        raise _UnexpectedFrame(kind, length, f"handshake frame kind {kind} of {length} bytes exceeds its "
-                                             f"{caps[kind]}-byte limit")
-    return kind, _recv_exact(sock, length, deadline)
-
-
-def _frame(kind: int, payload: bytes) -> bytes:
-    return _HEADER.pack(MAGIC, VERSION, kind, len(payload)) + payload
-
-
-def _write_frame(sock: socket.socket, kind: int, payload: bytes, deadline: float) -> bytes:
-    """Send one frame; returns its bytes (for the transcript)."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("deadline passed")
-    sock.settimeout(left)
-    data = _frame(kind, payload)
-    sock.sendall(data)
-    return data
-
-
-def _tls_handshake(sock: ssl.SSLSocket, deadline: float) -> None:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("deadline passed")
-    sock.settimeout(left)
-    sock.do_handshake()
 
 
 class _Refused(Exception):
@@ -232,10 +170,9 @@ class MetadataServer:
         self._frame_timeout = min(float(frame_timeout_s), self._io_timeout)
         if self._frame_timeout <= 0:
             raise ValueError(f"frame_timeout_s must be > 0, got {frame_timeout_s}")
-        self._max_active, self._max_active_src = max_connections, max_active_per_source
+        self._workers = Workers(max_connections, max_active_per_source)  # served now (see .workers)
         self._max_pending, self._max_pending_src = max_pending, max_pending_per_source
         self._lock = threading.Lock()
-        self._active: Counter[str] = Counter()  # served now, by source address
         self._stop = threading.Event()
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._sock.setblocking(False)
@@ -244,9 +181,10 @@ class MetadataServer:
         #: served, refused (by the gate, to an authenticated caller), unauthenticated (generic
         #: refusal or silence), mismatch (of those, a caller whose credential differs from ours:
         #: none, another secret, a secret where we have none), failed (I/O or protocol),
-        #: turned_away (dropped unserved: idle past the first-bytes deadline, or evicted)
+        #: turned_away (dropped unserved: idle past the first-bytes deadline, or evicted),
+        #: evicted (served, but the slowest while every worker was taken and one waited: see .workers)
         self.stats = {"served": 0, "refused": 0, "unauthenticated": 0, "mismatch": 0, "failed": 0,
-                      "turned_away": 0}
+                      "turned_away": 0, "evicted": 0}
 
     def start(self) -> MetadataServer:
         if self._thread is None:
@@ -315,36 +253,42 @@ class MetadataServer:
             self.stats["turned_away"] += 1
 
     def _dispatch(self, pending, ready) -> None:
+        ready.sort(key=buffered, reverse=True)  # a whole frame waiting before a trickle
         for conn in list(ready):
             src, accepted = pending[conn]
             with self._lock:
-                if sum(self._active.values()) >= self._max_active:
-                    return
-                if self._active[src] >= self._max_active_src:
+                workers = self._workers
+                if not workers.may_take(src):
                     continue
-                self._active[src] += 1
+                if workers.full():  # the slowest gives its worker up (one at a time) to this one
+                    if not workers.evicting() and workers.evict_slowest() is not None:
+                        self.stats["evicted"] += 1
+                    return
+                served = workers.take(conn, src)
             ready.remove(conn)
             del pending[conn]
             conn.setblocking(True)
-            threading.Thread(target=self._serve, args=(conn, src, accepted), daemon=True,
+            threading.Thread(target=self._serve, args=(served, accepted), daemon=True,
                              name=f"kvtriton-handshake:{self.port}:{src}").start()
 
     # ------------------------------------------------------------------ one connection (worker thread)
-    def _serve(self, conn: socket.socket, src: str, accepted: float) -> None:
+    def _serve(self, conn: Served, accepted: float) -> None:
         first, deadline = accepted + self._first_timeout, accepted + self._io_timeout
-        cred = self._credential
+        cred, src = self._credential, conn.src
         try:
             try:
                 ctx = cred.server_context() if cred is not None else None
                 if ctx is not None:
-                    conn = ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
-                    _tls_handshake(conn, first)
+                    conn.sock = ctx.wrap_socket(conn.sock, server_side=True, do_handshake_on_connect=False)
+                    _tls_handshake(conn.sock, first)
                 if cred is not None and cred.has_secret:
                     self._serve_secret(conn, cred, first, deadline)
                 else:
                     self._serve_plain(conn, src, first, deadline)
             finally:
-                conn.close()
+                with self._lock:  # given back before it is closed: an eviction never touches a closed socket
+                    self._workers.give_back(conn)
+                conn.sock.close()
         except _Refused as e:
             self.stats["unauthenticated"] += 1
             if e.mismatch:
@@ -356,18 +300,15 @@ class MetadataServer:
             self.stats["unauthenticated"] += 1
             logger.info("handshake from %s on port %d: TLS refused: %s", src, self.port, e)
         except (OSError, ConnectionError, KVTritonError, struct.error) as e:
-            self.stats["failed"] += 1
-            logger.info("handshake connection from %s on port %d failed: %s", src, self.port, e)
-        finally:
-            with self._lock:
-                self._active[src] -= 1
-                if self._active[src] <= 0:
-                    del self._active[src]
+            if not conn.evicted:
+                self.stats["failed"] += 1
+            logger.info("handshake connection from %s on port %d failed%s: %s", src, self.port,
+                        " (evicted: the slowest while every worker was taken)" if conn.evicted else "", e)
 
     def _frame_deadline(self, deadline: float) -> float:
         return min(deadline, time.monotonic() + self._frame_timeout)
 
-    def _refuse(self, conn: socket.socket, deadline: float, mismatch: str = "") -> NoReturn:
+    def _refuse(self, conn: _Stream, deadline: float, mismatch: str = "") -> NoReturn:
         try:
             _write_frame(conn, _REPLY_ERROR, _REFUSED, deadline)
         except (OSError, TimeoutError):
@@ -384,7 +325,7 @@ class MetadataServer:
             return f"{type(e).__name__}: {e}".encode()[:_MAX_REASON_BYTES]
         return None
 
-    def _serve_plain(self, conn: socket.socket, src: str, first: float, deadline: float) -> None:
+    def _serve_plain(self, conn: _Stream, src: str, first: float, deadline: float) -> None:
         try:
             kind, payload = _read_frame(conn, self._frame_deadline(deadline),
                                         {_REQUEST: MAX_FRAME_BYTES, _HELLO: NONCE_BYTES}, first)
@@ -404,7 +345,7 @@ class MetadataServer:
         _write_frame(conn, _REPLY_KEYED if seed else _REPLY_OK, seed + self._metadata(), deadline)
         self.stats["served"] += 1
 
-    def _serve_secret(self, conn: socket.socket, cred: Credential, first: float, deadline: float) -> None:
+    def _serve_secret(self, conn: _Stream, cred: Credential, first: float, deadline: float) -> None:
         try:
             kind, client_nonce = _read_frame(conn, self._frame_deadline(deadline), {_HELLO: NONCE_BYTES}, first)
         except _UnexpectedFrame as e:  # e.g. a plain request: refused from its header, its metadata never read
