@@ -129,6 +129,7 @@ class Meeting:
     ranks: tuple[int, ...] = ()  # the prefill ranks met (meeting_ranks)
     reads: tuple[int, ...] = ()  # those this rank reads from (required_source_ranks)
     rows: dict[int, Any] = field(default_factory=dict)  # prefill rank -> RankAddress.row
+    agents: dict[int, str] = field(default_factory=dict)  # prefill rank -> the NIXL agent name it proved
     parked: dict[Hashable, Any] = field(default_factory=dict)  # requests waiting for it
 
 
@@ -234,7 +235,7 @@ class Meetings:
             stripe = s.agent_stripe
             ranks = meeting_ranks(agent.rank, agent.tp, agent.specs, target.tp, replicate_stripe=stripe)
             reads = required_source_ranks(agent.rank, agent.tp, agent.specs, target.tp, replicate_stripe=stripe)
-            engine, rows = target.engine_id, {}
+            engine, rows, agents = target.engine_id, {}, {}
             for r in ranks:
                 at = self.locate(target, r)
                 met = meet(at.host, at.port, agent.metadata(), credential=self.credential,
@@ -249,7 +250,7 @@ class Meetings:
                 # a new route reaches only the agents the engine has: it never replaces one
                 agent.add_remote(md, authenticated=self.credential is not None,
                                  takeover=self._proven(engine, target.where), keys=met.keys)
-                rows[r] = at.row
+                rows[r], agents[r] = at.row, got.agent
         except KVTritonError as e:
             self._failed(meeting, e)
             return
@@ -267,6 +268,7 @@ class Meetings:
                 while len(self._routes) > _MAX_LOGGED_REFUSALS:
                     del self._routes[next(iter(self._routes))]
             meeting.engine, meeting.ranks, meeting.reads, meeting.rows = engine or "", ranks, reads, rows
+            meeting.agents = agents
             meeting.ready = True
             parked, meeting.parked = list(meeting.parked.values()), {}
         self.on_met(meeting, parked)
