@@ -168,8 +168,8 @@ class TransferAgent:
         self._stats = Stats()  # one counter per event (see .stats)
         self._warmed: set = set()  # (op, LaunchConfig) compiled by warmup()
         self._warm_peers = bool(warmup)
-        self._inbox = Inbox(self._stats)  # messages received, not handled yet, per sender
         self._links = Links(settings, transport, self._stats)
+        self._inbox = Inbox(self._stats, self._links.open)  # received and opened, not handled yet, per sender
         self._plans = PlanBook(settings)  # every plan this rank serves or reads by
         self._registration = Registration(settings, self._links, transport)
         self._peers = PeerTable(settings, self._links, self._stats, max_peers=max_peers,
@@ -503,10 +503,9 @@ class TransferAgent:
             self._on_message(sender, raw)
 
     def _on_message(self, sender: str, raw: bytes) -> None:
-        got = self._links.receive(sender, raw)  # None: unknown, or not sealed under the pair's key (counted)
-        if got is None:
+        peer = self._links.sender(sender)  # its message was opened under its pair key (or plain) on arrival
+        if peer is None:  # dropped since
             return
-        peer, raw = got
         peer.heard = time.monotonic()
         m = None
         try:

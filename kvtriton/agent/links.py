@@ -153,11 +153,11 @@ class Links:
         else:
             peer.channel.rekey(keys)
 
-    def receive(self, agent: str, raw: bytes) -> tuple[Peer, bytes] | None:
-        """The peer a notification from ``agent`` comes from and the message it carries, or None
-        (counted, logged): an unknown agent; or, from a peer we hold pair keys with, a message not
-        sealed under them, a replay or one reordered too far; or a sealed message from a peer
-        we hold none with. Checked before anything reads the message."""
+    def open(self, agent: str, raw: bytes) -> bytes | None:
+        """The message a notification from ``agent`` carries, or None (counted, logged): an
+        unknown agent; or, from a peer we hold pair keys with, a message not sealed under them,
+        a replay or one reordered too far; or a sealed message from a peer we hold none with.
+        Checked as it arrives, before anything reads the message (:class:`.inbox.Inbox`)."""
         peer = self.sender(agent)
         if peer is None:
             self.stats.bad_messages += 1
@@ -165,10 +165,10 @@ class Links:
             return None
         try:
             if peer.channel is not None:
-                return peer, peer.channel.open(raw)
+                return peer.channel.open(raw)
             if sealed(raw):
                 raise MessageAuthError("a sealed message from a peer this rank holds no pair key with")
-            return peer, raw
+            return raw
         except MessageAuthError as e:
             self.stats.bad_messages += 1
             self.stats.forged_messages += 1

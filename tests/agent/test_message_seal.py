@@ -202,3 +202,25 @@ def test_a_replayed_genuine_message_is_refused(pair):
         d.progress()
     assert d.stats["forged_messages"] == forged + len(sent)
     check_destination(d.test_regions, d.rank, d.tp, kv, dst, before)
+
+
+def test_a_flood_of_forged_messages_takes_no_place_in_the_prefills_queue(pair):
+    # forged messages are refused as they arrive: they never fill the per-sender queue the genuine
+    # ones wait in (kvtriton.agent.inbox)
+    p, d, raw = pair
+    src, dst = [5, 10], [6, 8]
+    kv = request_kv(p, src, 15)
+    before = snapshot(d.test_regions)
+    for i in range(300):
+        raw.send_notif(d.transport.name, wire.Pong(i).encode())
+    p.hold("r", src, consumer="D")
+    d.fetch("r", "P", src, dst)
+    got = _drive([p, d], d, pumps=[raw])
+    assert got and got[0].ok, got
+    check_destination(d.test_regions, d.rank, d.tp, kv, dst, before)
+    end = time.monotonic() + 3
+    while d.stats["forged_messages"] < 300 and time.monotonic() < end:
+        raw.poll_notifs()
+        d.progress()
+    assert d.stats["forged_messages"] == 300
+    assert d.idle()
