@@ -44,7 +44,8 @@ The server is bounded: one thread watches every accepted connection that has not
 bytes within ``first_bytes_timeout_s`` and finish within ``io_timeout_s``; at most
 ``max_pending_per_source`` silent connections per source address and ``max_pending`` in all are
 kept (the oldest is dropped for a new one, so a flood of idle sockets cannot lock the port); and
-at most ``max_connections`` (``max_active_per_source`` per address) are served at once.
+at most ``max_connections`` (``max_active_per_source`` per address) are served at once; when all
+are taken and another connection waits, the slowest served one is evicted (:mod:`.workers`).
 
 Example
 -------
