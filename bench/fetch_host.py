@@ -62,7 +62,7 @@ CASES = ("mla", "gqa", "gqa+mla-draft")
 class Case:
     """Two prefill ranks and one decode rank of one model kind, in this process."""
 
-    def __init__(self, kind: str, seed: int, stripe: int | None = 1):
+    def __init__(self, kind: str, seed: int, stripe: int | None = 1, sealed: bool = False):
         from kvtriton.agent import TransferAgent
         from kvtriton.testing.oracle import make_global_kv, make_rank_regions
 
@@ -79,9 +79,10 @@ class Case:
         kw = dict(staging_bytes=8 << 20, timeout_s=30.0, impl="torch", replicate_stripe=stripe)
         self.p = [TransferAgent(f"P-{kind}", r, P_TP, self.src[r], **kw) for r in range(P_TP)]
         self.d = TransferAgent(f"D-{kind}", 0, D_TP, self.dst, **kw)
-        for a in self.p:
-            self.d.add_remote(a.metadata())
-            a.add_remote(self.d.metadata())
+        for a in self.p:  # sealed: each pair with the keys a meeting with the shared secret gives
+            dk, pk = _pair_keys() if sealed else (None, None)
+            self.d.add_remote(a.metadata(), keys=dk)
+            a.add_remote(self.d.metadata(), keys=pk)
         self.rng = np.random.default_rng(seed)
         self.count = 0
         self.descriptors = 0
@@ -214,7 +215,18 @@ class Floor:
             t.close()
 
 
-def run_fetch_host(reps: int = 40, progress=None, floor: bool = True, stripe: int | None = 1) -> list[dict]:
+def _pair_keys():
+    """Both sides' :class:`~kvtriton.protocol.auth.PairKeys` of one meeting (the dialler's first)."""
+    import secrets
+
+    from kvtriton.protocol.auth import PairKeys
+
+    a, b = secrets.token_bytes(32), secrets.token_bytes(32)
+    return PairKeys(a, b, dialled=True), PairKeys(b, a)
+
+
+def run_fetch_host(reps: int = 40, progress=None, floor: bool = True, stripe: int | None = 1,
+                   sealed: bool = False) -> list[dict]:
     """One row per model kind: the decode's host time in kvtriton's fetch() to its result and in
     the raw floor's posts and polls, ms (p20/p50/p80); ``stripe``: see :class:`Case`.
     ``floor=False``: kvtriton's rows only (the floor is built with planner functions an older
@@ -222,7 +234,7 @@ def run_fetch_host(reps: int = 40, progress=None, floor: bool = True, stripe: in
     torch.set_num_threads(1)
     rows = []
     for i, kind in enumerate(CASES):
-        case = Case(kind, seed=40 + i, stripe=stripe)
+        case = Case(kind, seed=40 + i, stripe=stripe, sealed=sealed)
         raw_floor = Floor(case) if floor else None
         try:
             for _ in range(3):
@@ -260,8 +272,11 @@ def main() -> None:
                     help="kvtriton's rows only (to time a checkout of an older kvtriton on PYTHONPATH)")
     ap.add_argument("--replicate-stripe", type=int, default=1,
                     help="replicas a REPLICATE region is read from (1: the vLLM connector's default; 0: every one)")
+    ap.add_argument("--sealed", action="store_true",
+                    help="control messages sealed under pair keys, as after a meeting with the shared secret")
     args = ap.parse_args()
-    for r in run_fetch_host(args.reps, floor=not args.no_floor, stripe=args.replicate_stripe or None):
+    for r in run_fetch_host(args.reps, floor=not args.no_floor, stripe=args.replicate_stripe or None,
+                            sealed=args.sealed):
         floor = f", floor {r['floor_ms']:.3f} ms, ratio {r['ratio']:.2f}" if "floor_ms" in r else ""
         print(f"fetch_host {r['case']}: kvtriton {r['kvtriton_ms']:.3f} ms [{r['kvtriton_ms_p20']:.3f}-"
               f"{r['kvtriton_ms_p80']:.3f}]{floor}; {r['descriptors']} descriptors ({r['ways']})")

@@ -28,6 +28,7 @@ from ..errors import (
 )
 from ..plan import CostModel, ModesArg, TransferPlan
 from ..protocol import wire
+from ..protocol.auth import PairKeys
 from ..regions import Region
 from . import debug
 from .destination import Destination, RequestResult
@@ -167,8 +168,8 @@ class TransferAgent:
         self._stats = Stats()  # one counter per event (see .stats)
         self._warmed: set = set()  # (op, LaunchConfig) compiled by warmup()
         self._warm_peers = bool(warmup)
-        self._inbox = Inbox(self._stats)  # messages received, not handled yet, per sender
         self._links = Links(settings, transport, self._stats)
+        self._inbox = Inbox(self._stats, self._links.open)  # received and opened, not handled yet, per sender
         self._plans = PlanBook(settings)  # every plan this rank serves or reads by
         self._registration = Registration(settings, self._links, transport)
         self._peers = PeerTable(settings, self._links, self._stats, max_peers=max_peers,
@@ -234,7 +235,8 @@ class TransferAgent:
         was seen to leave later notifications stuck for a minute."""
         return self._registration.metadata
 
-    def add_remote(self, metadata: bytes, *, authenticated: bool = False, takeover: bool = True) -> str:
+    def add_remote(self, metadata: bytes, *, authenticated: bool = False, takeover: bool = True,
+                   keys: PairKeys | None = None) -> str:
         """Validate a peer rank's metadata and connect to it; returns its engine id.
 
         Runs the validation gate per region (count and order, kind, dtype, head_dim, block_size,
@@ -254,6 +256,7 @@ class TransferAgent:
         engine or rank, a stale generation, or a full table (``max_peers``, ``max_peer_engines``).
         ``takeover=False``: another agent holding the (engine, rank) is refused at once, never
         checked nor replaced (the caller met it at an address the engine has not proven itself on).
+        ``keys``: the meeting's pair keys; every message with the peer is sealed (:mod:`..protocol.channel`).
         """
         peers = self._peers
         try:
@@ -271,9 +274,9 @@ class TransferAgent:
                     old = self._links.peers[(md.engine, md.rank)]
                     self._drop_peer(old, PeerDisconnectedError(
                         f"peer {md.engine}:{md.rank} registered its memory again; transfers it had are over"))
-                    return self._connect(md, plan, authenticated)
+                    return self._connect(md, plan, authenticated, keys)
                 if seen is not Admission.CONTESTED:
-                    return md.engine if seen is Admission.KNOWN else self._connect(md, plan, authenticated)
+                    return self._connect(md, plan, authenticated, keys, known=seen is Admission.KNOWN)
                 old = self._links.peers[(md.engine, md.rank)]  # a live agent holds it: is it still there?
                 heard, nonce = old.heard, peers.probe(old)
             if nonce is not None:  # outside the lock: the answer comes through progress()
@@ -283,16 +286,18 @@ class TransferAgent:
                     self._drop_peer(p, PeerDisconnectedError(f"peer {p.md.engine}:{p.md.rank} was replaced by "
                                                              f"its restart ({md.agent})"))
 
-                if peers.verdict(md, old, nonce, heard, authenticated, drop) is Admission.KNOWN:
-                    return md.engine  # the same agent registered meanwhile
-                return self._connect(md, plan, authenticated)
+                known = peers.verdict(md, old, nonce, heard, authenticated, drop) is Admission.KNOWN
+                return self._connect(md, plan, authenticated, keys, known=known)  # known: it registered meanwhile
         except KVTritonError as e:
             if peers.generic(authenticated):
                 raise peers.outward(e, authenticated) from None
             raise
 
-    def _connect(self, md: wire.RankMetadata, plan, authenticated: bool) -> str:
-        peer = self._peers.connect(md, authenticated)
+    def _connect(self, md: wire.RankMetadata, plan, authenticated: bool, keys: PairKeys | None, known=False) -> str:
+        peer = self._links.peers[md.engine, md.rank] if known else self._peers.connect(md, authenticated)
+        self._links.keyed(peer, keys)  # met with a credential: messages sealed both ways (known: new keys)
+        if known:
+            return md.engine
         self._plans.keep_reading(md.engine, plan)
         if self._warm_peers:  # compiles under the lock: progress() waits, once per new shape
             try:
@@ -498,10 +503,8 @@ class TransferAgent:
             self._on_message(sender, raw)
 
     def _on_message(self, sender: str, raw: bytes) -> None:
-        peer = self._links.sender(sender)
-        if peer is None:
-            self._stats.bad_messages += 1
-            logger.warning("message from unknown agent %r dropped", sender)
+        peer = self._links.sender(sender)  # its message was opened under its pair key (or plain) on arrival
+        if peer is None:  # dropped since
             return
         peer.heard = time.monotonic()
         m = None
@@ -553,10 +556,7 @@ class TransferAgent:
                 self._drop_peer(peer, PeerDisconnectedError(why))
                 self._peers.pins.pop(peer.key, None)  # forgotten by us, not replaced: it may come back
             self._s.lanes.synchronize()  # no pack or unpack still reads or writes the memory
-            deadline = time.monotonic() + self._s.timeout_s
-            while any(x is not None for x, *_ in self._links.zombies) and time.monotonic() < deadline:
-                self.transport.poll_notifs()  # drives UCX: aborted transfers settle
-                self._links.reap()
+            self._links.settle(self._s.timeout_s)
             self._registration.deregister()
 
     def restore(self) -> None:
@@ -569,8 +569,7 @@ class TransferAgent:
             if not self._registration.active:
                 self._registration.register()
 
-    registered = property(lambda self: self._registration.active,
-                          doc="False between :meth:`unregister` and :meth:`restore`.")
+    registered = property(lambda self: self._registration.active, doc="False between unregister() and restore().")
 
     def _check_registered(self, what: str) -> None:
         if not self._registration.active and not self._closed:

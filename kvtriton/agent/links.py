@@ -16,6 +16,8 @@ import numpy as np
 from ..errors import PeerDisconnectedError, ProtocolError, TransportError
 from ..plan import BlockRows
 from ..protocol import wire
+from ..protocol.auth import PairKeys
+from ..protocol.channel import MessageAuthError, PairChannel, sealed
 from ..transport.nixl import MemType, NixlTransport, Op, PreppedList, Xfer, XferStatus
 from .addresses import CacheTables
 from .device import Completion
@@ -37,6 +39,8 @@ class Peer:
     pinged: float = 0.0  # when it was last sent a liveness check
     pong: int = 0  # the nonce of the last liveness check it answered
     served_at: float = 0.0  # when this rank last accepted a transfer from it (see .source.eager)
+    # met with a credential: every message each way is sealed under the pair's keys (protocol.channel)
+    channel: PairChannel | None = field(default=None, repr=False)
     # prepared lists over both caches, by (rows, reading): kept until the peer is released (see Links.rows_lists)
     row_lists: dict = field(default_factory=dict, repr=False)
 
@@ -79,6 +83,7 @@ class RowsPost:
     count: int
     nbytes: int
     owned: bool = False
+    peer: Peer | None = None  # whose cache ``remote`` covers (a notification on the post is sealed for it)
 
 
 #: prepared row lists a peer keeps (a plan's DIRECT rows, a payload's slice rows, per direction:
@@ -137,6 +142,47 @@ class Links:
         key = self.by_agent.get(agent)
         return None if key is None else self.peers[key]
 
+    def keyed(self, peer: Peer, keys: PairKeys | None) -> None:
+        """``peer`` was met (again) with a credential that gave the pair ``keys``: from now on
+        every message to and from it is sealed (:mod:`kvtriton.protocol.channel`). None (met
+        without keys) changes nothing: a peer's keys are never dropped for an unkeyed meeting."""
+        if keys is None:
+            return
+        if peer.channel is None:
+            peer.channel = PairChannel(keys)
+        else:
+            peer.channel.rekey(keys)
+
+    def open(self, agent: str, raw: bytes) -> bytes | None:
+        """The message a notification from ``agent`` carries, or None (counted, logged): an
+        unknown agent; or, from a peer we hold pair keys with, a message not sealed under them,
+        a replay or one reordered too far; or a sealed message from a peer we hold none with.
+        Checked as it arrives, before anything reads the message (:class:`.inbox.Inbox`)."""
+        peer = self.sender(agent)
+        if peer is None:
+            self.stats.bad_messages += 1
+            logger.warning("message from unknown agent %r dropped", agent)
+            return None
+        try:
+            if peer.channel is not None:
+                return peer.channel.open(raw)
+            if sealed(raw):
+                raise MessageAuthError("a sealed message from a peer this rank holds no pair key with")
+            return raw
+        except MessageAuthError as e:
+            self.stats.bad_messages += 1
+            self.stats.forged_messages += 1
+            logger.warning("message from %s refused: %s", agent, e)
+            return None
+
+    @staticmethod
+    def wrap(peer: Peer, msg: wire.Message | None) -> bytes:
+        """The bytes of ``msg`` as ``peer`` receives them: sealed when we hold pair keys with it."""
+        if msg is None:
+            return b""
+        raw = msg.encode()
+        return raw if peer.channel is None else peer.channel.seal(raw)
+
     def engine_peers(self, engine: str) -> list[Peer]:
         """Every connected rank of ``engine`` (ranks not connected yet or dropped are missing)."""
         return [p for r in range(self.engine_tp.get(engine, 0)) if (p := self.peers.get((engine, r)))]
@@ -156,7 +202,7 @@ class Links:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("-> %s %r", peer.agent, msg)
         try:
-            self.transport.send_notif(peer.agent, msg.encode())
+            self.transport.send_notif(peer.agent, self.wrap(peer, msg))
         except TransportError as e:
             if quiet:
                 logger.info("notification to %s lost: %s", peer.agent, e)
@@ -170,7 +216,7 @@ class Links:
             raise TransportError(f"{self.s.name}: staging is not registered yet")
         idx = np.arange(ch.nslots)
         xfer = self.transport.post(op, self.local_staging, ch.slot + idx, peer.staging, ch.remote_slot + idx,
-                                   notif.encode() if notif is not None else b"")
+                                   self.wrap(peer, notif))
         self.stats.staged_descriptors += 1
         return xfer
 
@@ -272,6 +318,14 @@ class Links:
                 except TransportError:
                     pass
 
+    def settle(self, timeout_s: float) -> None:
+        """Drive UCX until every retired transfer has settled (aborted or finished), at most
+        ``timeout_s``: before the memory they touch is deregistered."""
+        deadline = time.monotonic() + timeout_s
+        while any(x is not None for x, *_ in self.zombies) and time.monotonic() < deadline:
+            self.transport.poll_notifs()  # notifications arriving now are dropped: every peer is gone
+            self.reap()
+
     def release_lists(self, *lists: PreppedList) -> Callable[[], None]:
         """A cleanup that releases prepared lists (best effort: a failure only leaks a handle)."""
         def cb() -> None:
@@ -334,13 +388,17 @@ class Links:
                 raise ProtocolError(f"{side} block ids outside [0, {blocks}) for direct rows")
         ll, rl, owned = self.rows_lists(peer, rows, reading=reading)
         local_idx, remote_idx = (d_idx, s_idx) if reading else (s_idx, d_idx)
-        return RowsPost(ll, rl, local_idx, remote_idx, count, nbytes, owned)
+        return RowsPost(ll, rl, local_idx, remote_idx, count, nbytes, owned, peer)
 
     def post_rows(self, op: Op, rp: RowsPost, notif: wire.Message | None = None) -> Xfer:
         """READ or WRITE what :meth:`prep_rows` prepared: one transfer of a source rank's
         zero-copy rows, DIRECT runs and head slices alike (counted as ``direct_descriptors``)."""
-        xfer = self.transport.post(op, rp.local, rp.local_idx, rp.remote, rp.remote_idx,
-                                   notif.encode() if notif is not None else b"")
+        raw = b""
+        if notif is not None:
+            if rp.peer is None:
+                raise TransportError("a notification on a post needs the peer it goes to")
+            raw = self.wrap(rp.peer, notif)
+        xfer = self.transport.post(op, rp.local, rp.local_idx, rp.remote, rp.remote_idx, raw)
         self.stats.direct_descriptors += rp.count
         return xfer
 

@@ -68,6 +68,11 @@ class Stats:
     bad_messages: int = 0
     """Malformed or inconsistent messages (and messages from unknown agents, or beyond a
     sender's inbox bound)."""
+    forged_messages: int = 0
+    """Of those, messages refused by the pair's seal (:mod:`kvtriton.protocol.channel`): from a
+    peer met with a credential, one not sealed under its pair key (another agent's name, a forged
+    or changed message), a replay, or one reordered past the window; or a sealed one from a peer
+    met without keys. Refused before anything reads them."""
     refused: int = 0
     """Well-formed requests from a peer not entitled to them: another engine's hold, beyond its
     transfer count, a done or renew for what it may not read."""

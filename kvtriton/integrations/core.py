@@ -36,7 +36,8 @@ from ..plan import CostModel, meeting_ranks, required_source_ranks
 from ..protocol import wire
 from ..protocol.allowlist import PeerAllowlist
 from ..protocol.auth import Credential
-from ..protocol.handshake import MetadataServer, exchange_metadata
+from ..protocol.handshake import Meeting as HandshakeMeeting
+from ..protocol.handshake import MetadataServer, meet
 from ..regions import Region
 from .settings import TransferSettings
 
@@ -79,10 +80,10 @@ def serve_metadata(agent: TransferAgent, credential: Credential | None, host: st
                    io_timeout_s: float) -> MetadataServer:
     """A prefill rank's handshake server, started: it answers with ``agent``'s metadata and adds
     each caller's (with a credential, only callers that proved it get that far)."""
-    def add_remote(metadata: bytes) -> str:
-        return agent.add_remote(metadata, authenticated=credential is not None)
+    def add_remote(meeting: HandshakeMeeting) -> str:  # with its pair keys: messages sealed both ways
+        return agent.add_remote(meeting.metadata, authenticated=credential is not None, keys=meeting.keys)
 
-    return MetadataServer(host, port, agent.metadata, add_remote, credential=credential,
+    return MetadataServer(host, port, agent.metadata, on_meeting=add_remote, credential=credential,
                           io_timeout_s=io_timeout_s).start()
 
 
@@ -128,6 +129,7 @@ class Meeting:
     ranks: tuple[int, ...] = ()  # the prefill ranks met (meeting_ranks)
     reads: tuple[int, ...] = ()  # those this rank reads from (required_source_ranks)
     rows: dict[int, Any] = field(default_factory=dict)  # prefill rank -> RankAddress.row
+    agents: dict[int, str] = field(default_factory=dict)  # prefill rank -> the NIXL agent name it proved
     parked: dict[Hashable, Any] = field(default_factory=dict)  # requests waiting for it
 
 
@@ -233,11 +235,12 @@ class Meetings:
             stripe = s.agent_stripe
             ranks = meeting_ranks(agent.rank, agent.tp, agent.specs, target.tp, replicate_stripe=stripe)
             reads = required_source_ranks(agent.rank, agent.tp, agent.specs, target.tp, replicate_stripe=stripe)
-            engine, rows = target.engine_id, {}
+            engine, rows, agents = target.engine_id, {}, {}
             for r in ranks:
                 at = self.locate(target, r)
-                md = exchange_metadata(at.host, at.port, agent.metadata(), credential=self.credential,
-                                       timeout_s=s.handshake_timeout_s, attempts=s.handshake_attempts)
+                met = meet(at.host, at.port, agent.metadata(), credential=self.credential,
+                           timeout_s=s.handshake_timeout_s, attempts=s.handshake_attempts)
+                md = met.metadata
                 # who answered, checked before NIXL connects to it (the address came from a request)
                 got = wire.decode_metadata(md)
                 if (got.engine, got.rank, got.tp) != (engine or got.engine, r, target.tp):
@@ -246,8 +249,8 @@ class Meetings:
                 engine = got.engine
                 # a new route reaches only the agents the engine has: it never replaces one
                 agent.add_remote(md, authenticated=self.credential is not None,
-                                 takeover=self._proven(engine, target.where))
-                rows[r] = at.row
+                                 takeover=self._proven(engine, target.where), keys=met.keys)
+                rows[r], agents[r] = at.row, got.agent
         except KVTritonError as e:
             self._failed(meeting, e)
             return
@@ -265,6 +268,7 @@ class Meetings:
                 while len(self._routes) > _MAX_LOGGED_REFUSALS:
                     del self._routes[next(iter(self._routes))]
             meeting.engine, meeting.ranks, meeting.reads, meeting.rows = engine or "", ranks, reads, rows
+            meeting.agents = agents
             meeting.ready = True
             parked, meeting.parked = list(meeting.parked.values()), {}
         self.on_met(meeting, parked)

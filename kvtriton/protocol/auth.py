@@ -47,7 +47,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ..errors import AuthenticationError
 
-__all__ = ["Credential", "PairKeys", "SessionKeys", "seal", "unseal", "NONCE_BYTES", "PROOF_BYTES",
+__all__ = ["Credential", "PairKeys", "SessionKeys", "seal", "unseal", "tls_pair_keys", "NONCE_BYTES", "PROOF_BYTES",
            "MIN_SECRET_BYTES", "SEAL_OVERHEAD"]
 
 logger = logging.getLogger(__name__)
@@ -67,11 +67,13 @@ _SEAL_NONCE = bytes(12)
 @dataclass(frozen=True)
 class PairKeys:
     """The keys one side of a meeting keeps for the messages it exchanges with that peer later:
-    ``send`` for what it sends, ``recv`` for what it receives (the peer holds them swapped).
-    Fresh per meeting; unused by the handshake itself (kept for per-message MACs)."""
+    ``send`` for what it sends, ``recv`` for what it receives (the peer holds them swapped);
+    ``dialled``: this side dialled the meeting (see :meth:`.channel.PairChannel.rekey`). Fresh
+    per meeting; unused by the handshake itself (the control messages' MACs, :mod:`.channel`)."""
 
     send: bytes
     recv: bytes
+    dialled: bool = False
 
     def __repr__(self) -> str:  # never the keys
         return "PairKeys(<32-byte send key>, <32-byte recv key>)"
@@ -104,6 +106,17 @@ def unseal(key: bytes, sealed: bytes, label: bytes) -> bytes:
     except InvalidTag:
         raise AuthenticationError("sealed handshake payload does not open under the session key "
                                   "(changed in transit, or sealed under another secret)") from None
+
+
+def tls_pair_keys(seed: bytes, dialled: bool) -> PairKeys:
+    """The pair keys of a meeting over mutual TLS alone: HKDF-SHA256 of a random ``seed`` the
+    server sent inside the TLS channel (so only the two ends know it), one key each way."""
+    if len(seed) != _KEY_BYTES:
+        raise AuthenticationError(f"a TLS meeting's key seed must be {_KEY_BYTES} bytes, got {len(seed)}")
+    okm = HKDF(algorithm=hashes.SHA256(), length=2 * _KEY_BYTES, salt=None,
+               info=b"kvtriton-tls-pair|v2").derive(seed)
+    c2s, s2c = okm[:_KEY_BYTES], okm[_KEY_BYTES:]
+    return PairKeys(send=c2s, recv=s2c, dialled=True) if dialled else PairKeys(send=s2c, recv=c2s)
 
 
 class Credential:
@@ -220,7 +233,7 @@ class Credential:
                    info=info).derive(self._secret)
         c2s, s2c, msg_c2s, msg_s2c = (okm[i:i + _KEY_BYTES] for i in range(0, 4 * _KEY_BYTES, _KEY_BYTES))
         if client:
-            return SessionKeys(seal_send=c2s, seal_recv=s2c, pair=PairKeys(send=msg_c2s, recv=msg_s2c))
+            return SessionKeys(seal_send=c2s, seal_recv=s2c, pair=PairKeys(send=msg_c2s, recv=msg_s2c, dialled=True))
         return SessionKeys(seal_send=s2c, seal_recv=c2s, pair=PairKeys(send=msg_s2c, recv=msg_c2s))
 
     def derive_key(self, purpose: bytes) -> bytes:

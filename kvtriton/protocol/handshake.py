@@ -27,10 +27,11 @@ Each proof binds the version, its role, both nonces and the sealed bytes it carr
 (:meth:`Credential.session_keys <kvtriton.protocol.auth.Credential.session_keys>`, one key per
 direction): a relay that forwards the bytes between two members sees no metadata, and without
 the secret it can neither open a seal nor make one. :func:`meet` and ``on_meeting`` also return
-the pair's message keys (:class:`~kvtriton.protocol.auth.PairKeys`). With TLS alone, TLS keeps
-the metadata confidential (no pair keys). Without a credential the exchange is the plain one
-(REQUEST, then OK or ERROR), and one warning is logged. A credential on one side only, or two
-different secrets, is reported as a credential mismatch on both sides.
+the pair's message keys (:class:`~kvtriton.protocol.auth.PairKeys`; the control messages are
+sealed under them, :mod:`.channel`). With TLS alone, TLS keeps the metadata confidential, and the
+server's OK carries a random seed for the pair keys inside TLS (``auth.tls_pair_keys``). Without
+a credential the exchange is the plain one (REQUEST, then OK or ERROR), and one warning is
+logged. A credential on one side only, or two different secrets, is reported as a credential mismatch on both sides.
 
 Frames: ``b"KVTH"``, a version byte, a kind byte, a big-endian u32 length, then the payload.
 Nothing is unpickled; payloads are the agent's msgpack metadata (validated by the agent) or UTF-8
@@ -43,7 +44,8 @@ The server is bounded: one thread watches every accepted connection that has not
 bytes within ``first_bytes_timeout_s`` and finish within ``io_timeout_s``; at most
 ``max_pending_per_source`` silent connections per source address and ``max_pending`` in all are
 kept (the oldest is dropped for a new one, so a flood of idle sockets cannot lock the port); and
-at most ``max_connections`` (``max_active_per_source`` per address) are served at once.
+at most ``max_connections`` (``max_active_per_source`` per address) are served at once; when all
+are taken and another connection waits, the slowest served one is evicted (:mod:`.workers`).
 
 Example
 -------
@@ -65,24 +67,29 @@ import ssl
 import struct
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
 from ..errors import AuthenticationError, KVTritonError, PeerDisconnectedError, ProtocolError, RequestRejectedError
-from .auth import NONCE_BYTES, PROOF_BYTES, SEAL_OVERHEAD, Credential, PairKeys, seal, unseal
+from .auth import NONCE_BYTES, PROOF_BYTES, SEAL_OVERHEAD, Credential, PairKeys, seal, tls_pair_keys, unseal
+from .frames import VERSION
+from .frames import Stream as _Stream
+from .frames import UnexpectedFrame as _UnexpectedFrame
+from .frames import frame as _frame
+from .frames import read_frame as _read_frame
+from .frames import tls_handshake as _tls_handshake
+from .frames import write_frame as _write_frame
+from .workers import Served, Workers, buffered
 
 __all__ = ["MetadataServer", "Meeting", "meet", "exchange_metadata", "MAX_FRAME_BYTES", "VERSION"]
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"KVTH"
-#: 2: metadata sealed under session keys (issue 33); a version-1 peer is refused as another protocol
-VERSION = 2
-_HEADER = struct.Struct(">4sBBI")  # magic, version, kind, payload length
 _REQUEST, _REPLY_OK, _REPLY_ERROR = 1, 2, 3
 _HELLO, _CHALLENGE, _PROVE, _PROVEN, _SEALED_ERROR = 4, 5, 6, 7, 8
+#: mutual TLS without the secret: OK with a random seed for the pair keys first (inside TLS)
+_REPLY_KEYED = 9
 #: all an unauthenticated client ever learns: no geometry, no reason
 _REFUSED = b"refused"
 #: what a server without a secret answers a HELLO, and a client whose secret differs tells the
@@ -103,75 +110,10 @@ _warned_client = False
 @dataclass(frozen=True)
 class Meeting:
     """What one side learned from a meeting: the peer's ``metadata``, and the pair's message
-    keys (None without a shared secret: TLS alone or no credential)."""
+    keys (None without a credential)."""
 
     metadata: bytes
     keys: PairKeys | None = None
-
-
-class _UnexpectedFrame(ProtocolError):
-    """A frame whose kind is not expected here, or longer than its kind allows: refused from its
-    header alone, its body never read."""
-
-    def __init__(self, kind: int, length: int, why: str):
-        super().__init__(why)
-        self.kind, self.length = kind, length
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("deadline passed")
-        sock.settimeout(left)
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
-def _read_frame(sock: socket.socket, deadline: float, caps: Mapping[int, int],
-                header_deadline: float | None = None) -> tuple[int, bytes]:
-    """One frame, whole by ``deadline`` (its header by ``header_deadline`` too). ``caps`` maps
-    each kind expected here to its largest payload: any other kind, or a longer payload, is
-    :class:`_UnexpectedFrame` from the header alone (an unauthenticated HELLO is 32 bytes, not
-    16 MiB read before anyone looks at it)."""
-    header = _recv_exact(sock, _HEADER.size, deadline if header_deadline is None else min(deadline, header_deadline))
-    magic, version, kind, length = _HEADER.unpack(header)
-    if magic != MAGIC or version != VERSION:
-        raise ProtocolError(f"not a kvtriton handshake frame of this version (magic {magic!r}, version {version}); "
-                            f"expected {MAGIC!r} version {VERSION}")
-    if kind not in caps:
-        raise _UnexpectedFrame(kind, length, f"unexpected handshake frame kind {kind} (expected {sorted(caps)})")
-    if length > caps[kind]:
-        raise _UnexpectedFrame(kind, length, f"handshake frame kind {kind} of {length} bytes exceeds its "
-                                             f"{caps[kind]}-byte limit")
-    return kind, _recv_exact(sock, length, deadline)
-
-
-def _frame(kind: int, payload: bytes) -> bytes:
-    return _HEADER.pack(MAGIC, VERSION, kind, len(payload)) + payload
-
-
-def _write_frame(sock: socket.socket, kind: int, payload: bytes, deadline: float) -> bytes:
-    """Send one frame; returns its bytes (for the transcript)."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("deadline passed")
-    sock.settimeout(left)
-    data = _frame(kind, payload)
-    sock.sendall(data)
-    return data
-
-
-def _tls_handshake(sock: ssl.SSLSocket, deadline: float) -> None:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("deadline passed")
-    sock.settimeout(left)
-    sock.do_handshake()
 
 
 class _Refused(Exception):
@@ -229,10 +171,9 @@ class MetadataServer:
         self._frame_timeout = min(float(frame_timeout_s), self._io_timeout)
         if self._frame_timeout <= 0:
             raise ValueError(f"frame_timeout_s must be > 0, got {frame_timeout_s}")
-        self._max_active, self._max_active_src = max_connections, max_active_per_source
+        self._workers = Workers(max_connections, max_active_per_source)  # served now (see .workers)
         self._max_pending, self._max_pending_src = max_pending, max_pending_per_source
         self._lock = threading.Lock()
-        self._active: Counter[str] = Counter()  # served now, by source address
         self._stop = threading.Event()
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._sock.setblocking(False)
@@ -241,9 +182,10 @@ class MetadataServer:
         #: served, refused (by the gate, to an authenticated caller), unauthenticated (generic
         #: refusal or silence), mismatch (of those, a caller whose credential differs from ours:
         #: none, another secret, a secret where we have none), failed (I/O or protocol),
-        #: turned_away (dropped unserved: idle past the first-bytes deadline, or evicted)
+        #: turned_away (dropped unserved: idle past the first-bytes deadline, or evicted),
+        #: evicted (served, but the slowest while every worker was taken and one waited: see .workers)
         self.stats = {"served": 0, "refused": 0, "unauthenticated": 0, "mismatch": 0, "failed": 0,
-                      "turned_away": 0}
+                      "turned_away": 0, "evicted": 0}
 
     def start(self) -> MetadataServer:
         if self._thread is None:
@@ -312,36 +254,42 @@ class MetadataServer:
             self.stats["turned_away"] += 1
 
     def _dispatch(self, pending, ready) -> None:
+        ready.sort(key=buffered, reverse=True)  # a whole frame waiting before a trickle
         for conn in list(ready):
             src, accepted = pending[conn]
             with self._lock:
-                if sum(self._active.values()) >= self._max_active:
-                    return
-                if self._active[src] >= self._max_active_src:
+                workers = self._workers
+                if not workers.may_take(src):
                     continue
-                self._active[src] += 1
+                if workers.full():  # the slowest gives its worker up (one at a time) to this one
+                    if not workers.evicting() and workers.evict_slowest() is not None:
+                        self.stats["evicted"] += 1
+                    return
+                served = workers.take(conn, src)
             ready.remove(conn)
             del pending[conn]
             conn.setblocking(True)
-            threading.Thread(target=self._serve, args=(conn, src, accepted), daemon=True,
+            threading.Thread(target=self._serve, args=(served, accepted), daemon=True,
                              name=f"kvtriton-handshake:{self.port}:{src}").start()
 
     # ------------------------------------------------------------------ one connection (worker thread)
-    def _serve(self, conn: socket.socket, src: str, accepted: float) -> None:
+    def _serve(self, conn: Served, accepted: float) -> None:
         first, deadline = accepted + self._first_timeout, accepted + self._io_timeout
-        cred = self._credential
+        cred, src = self._credential, conn.src
         try:
             try:
                 ctx = cred.server_context() if cred is not None else None
                 if ctx is not None:
-                    conn = ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
-                    _tls_handshake(conn, first)
+                    conn.sock = ctx.wrap_socket(conn.sock, server_side=True, do_handshake_on_connect=False)
+                    _tls_handshake(conn.sock, first)
                 if cred is not None and cred.has_secret:
                     self._serve_secret(conn, cred, first, deadline)
                 else:
                     self._serve_plain(conn, src, first, deadline)
             finally:
-                conn.close()
+                with self._lock:  # given back before it is closed: an eviction never touches a closed socket
+                    self._workers.give_back(conn)
+                conn.sock.close()
         except _Refused as e:
             self.stats["unauthenticated"] += 1
             if e.mismatch:
@@ -353,18 +301,15 @@ class MetadataServer:
             self.stats["unauthenticated"] += 1
             logger.info("handshake from %s on port %d: TLS refused: %s", src, self.port, e)
         except (OSError, ConnectionError, KVTritonError, struct.error) as e:
-            self.stats["failed"] += 1
-            logger.info("handshake connection from %s on port %d failed: %s", src, self.port, e)
-        finally:
-            with self._lock:
-                self._active[src] -= 1
-                if self._active[src] <= 0:
-                    del self._active[src]
+            if not conn.evicted:
+                self.stats["failed"] += 1
+            logger.info("handshake connection from %s on port %d failed%s: %s", src, self.port,
+                        " (evicted: the slowest while every worker was taken)" if conn.evicted else "", e)
 
     def _frame_deadline(self, deadline: float) -> float:
         return min(deadline, time.monotonic() + self._frame_timeout)
 
-    def _refuse(self, conn: socket.socket, deadline: float, mismatch: str = "") -> NoReturn:
+    def _refuse(self, conn: _Stream, deadline: float, mismatch: str = "") -> NoReturn:
         try:
             _write_frame(conn, _REPLY_ERROR, _REFUSED, deadline)
         except (OSError, TimeoutError):
@@ -381,7 +326,7 @@ class MetadataServer:
             return f"{type(e).__name__}: {e}".encode()[:_MAX_REASON_BYTES]
         return None
 
-    def _serve_plain(self, conn: socket.socket, src: str, first: float, deadline: float) -> None:
+    def _serve_plain(self, conn: _Stream, src: str, first: float, deadline: float) -> None:
         try:
             kind, payload = _read_frame(conn, self._frame_deadline(deadline),
                                         {_REQUEST: MAX_FRAME_BYTES, _HELLO: NONCE_BYTES}, first)
@@ -392,14 +337,16 @@ class MetadataServer:
         if kind == _HELLO:  # the caller has a shared secret and we have none: say so, both sides
             _write_frame(conn, _REPLY_ERROR, _NO_SECRET, deadline)
             raise _Refused("it has a shared secret and this server has none")
-        reason = self._gate(Meeting(payload))
+        # over mutual TLS the pair gets keys for its messages too, from a seed only TLS carries
+        seed = secrets.token_bytes(32) if self._credential is not None else b""
+        reason = self._gate(Meeting(payload, tls_pair_keys(seed, False) if seed else None))
         if reason is not None:
             _write_frame(conn, _REPLY_ERROR, reason, deadline)
             return
-        _write_frame(conn, _REPLY_OK, self._metadata(), deadline)
+        _write_frame(conn, _REPLY_KEYED if seed else _REPLY_OK, seed + self._metadata(), deadline)
         self.stats["served"] += 1
 
-    def _serve_secret(self, conn: socket.socket, cred: Credential, first: float, deadline: float) -> None:
+    def _serve_secret(self, conn: _Stream, cred: Credential, first: float, deadline: float) -> None:
         try:
             kind, client_nonce = _read_frame(conn, self._frame_deadline(deadline), {_HELLO: NONCE_BYTES}, first)
         except _UnexpectedFrame as e:  # e.g. a plain request: refused from its header, its metadata never read
@@ -463,9 +410,16 @@ class MetadataServer:
 def _exchange_plain(sock: socket.socket, host: str, port: int, metadata: bytes, credential: Credential | None,
                     deadline: float) -> Meeting:
     _write_frame(sock, _REQUEST, metadata, deadline)
-    kind, payload = _read_frame(sock, deadline, {_REPLY_OK: MAX_FRAME_BYTES, _REPLY_ERROR: _MAX_REASON_BYTES})
+    caps = {_REPLY_OK: MAX_FRAME_BYTES, _REPLY_ERROR: _MAX_REASON_BYTES}
+    if credential is not None:  # over mutual TLS (the secret takes the other path): the pair's key seed
+        caps[_REPLY_KEYED] = 32 + MAX_FRAME_BYTES
+    kind, payload = _read_frame(sock, deadline, caps)
     if kind == _REPLY_OK:
         return Meeting(payload)
+    if kind == _REPLY_KEYED:
+        if len(payload) < 32:
+            raise ProtocolError(f"{host}:{port} sent a keyed reply without its key seed")
+        return Meeting(payload[32:], tls_pair_keys(payload[:32], True))
     if payload == _REFUSED:
         if credential is None:  # we have nothing it could have refused: say what is missing
             raise AuthenticationError(f"{host}:{port} refused us: credential mismatch: it requires a cluster "

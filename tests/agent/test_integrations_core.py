@@ -8,6 +8,7 @@ CPU tensors, each prefill rank's metadata served on a port of its own.
 import ast
 import pathlib
 import threading
+import time
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from kvtriton.protocol import wire
 from kvtriton.protocol.allowlist import PeerAllowlist
 from kvtriton.protocol.auth import Credential
 from kvtriton.regions import Region
+from kvtriton.transport.nixl import NixlTransport
 
 BLOCKS, BS, DIM, HEADS = 8, 4, 16, 6
 SMALL = {"staging_bytes": 1 << 20, "slot_bytes": 4096, "handshake_timeout_s": 1.0, "handshake_attempts": 1}
@@ -242,6 +244,29 @@ def test_an_authenticated_engine_named_at_a_new_address_is_met_again_there(clust
     (_, parked), = c.met[1:]
     assert parked == ["b"] and not c.failed
     assert [p["agent"] for p in c.decode.debug_state()["peers"].values()] == [c.prefill[0].transport.name]
+
+
+@pytest.mark.nixl
+def test_a_credentialed_meeting_seals_the_pair_s_messages(cluster):
+    # issue 33, finding 3: serve_metadata and Meetings hand the meeting's pair keys to add_remote
+    # on both sides, so a message under the prefill's agent name from another agent is refused
+    c = cluster(1, 1, credential=Credential(secret=b"s" * 32))
+    assert c.meetings.join(c.target(), "a", "a") is None
+    c.wait()
+    (meeting, _), = c.met
+    p, d = c.prefill[0], c.decode
+    assert meeting.agents == {0: p.transport.name}
+    forger = NixlTransport(p.transport.name)
+    try:
+        forger.add_remote(wire.decode_metadata(d.metadata()).agent_md)
+        forger.send_notif(d.transport.name, wire.Pong(7).encode())
+        end = time.monotonic() + 5
+        while d.stats["bad_messages"] == 0 and time.monotonic() < end:
+            forger.poll_notifs()
+            d.progress()
+    finally:
+        forger.close()
+    assert d.stats["forged_messages"] == 1
 
 
 @pytest.mark.nixl

@@ -17,7 +17,7 @@ from helpers.handshake import CHALLENGE, HEADER, HELLO, PROVE, RogueListener, re
 
 from kvtriton.errors import AuthenticationError, KVTritonError, PeerDisconnectedError, RequestRejectedError
 from kvtriton.protocol.auth import NONCE_BYTES, PROOF_BYTES, Credential
-from kvtriton.protocol.handshake import VERSION, MetadataServer, exchange_metadata
+from kvtriton.protocol.handshake import VERSION, MetadataServer, exchange_metadata, meet
 
 
 def marker() -> bytes:
@@ -262,6 +262,23 @@ def test_mutual_tls_round_trip(pki, with_secret):
         assert exchange_metadata("127.0.0.1", srv.port, cmd, credential=tls(pki, "client", secret=secret),
                                  timeout_s=3) == smd
     assert peer.got == [cmd]
+
+
+@pytest.mark.parametrize("with_secret", [False, True])
+def test_mutual_tls_meetings_give_the_pair_mirrored_message_keys(pki, with_secret):
+    # issue 33, finding 3: TLS alone gives pair keys too (a seed sent inside TLS), so the
+    # control messages are sealed there as well; each meeting its own
+    secret = secrets.token_bytes(32) if with_secret else None
+    met = []
+    with MetadataServer("127.0.0.1", 0, marker, on_meeting=met.append, credential=tls(pki, "server", secret=secret)) \
+            as srv:
+        first = meet("127.0.0.1", srv.port, marker(), credential=tls(pki, "client", secret=secret), timeout_s=3)
+        second = meet("127.0.0.1", srv.port, marker(), credential=tls(pki, "client", secret=secret), timeout_s=3)
+    for mine, theirs in ((first, met[0]), (second, met[1])):
+        assert mine.keys is not None and theirs.keys is not None
+        assert (mine.keys.send, mine.keys.recv) == (theirs.keys.recv, theirs.keys.send)
+        assert mine.keys.dialled and not theirs.keys.dialled
+    assert first.keys.send != second.keys.send  # type: ignore[union-attr]
 
 
 def test_a_secret_on_one_side_of_mutual_tls_is_a_mismatch_on_both_sides(pki):

@@ -34,11 +34,11 @@ class Clock:
         return self.t
 
 
-def signer(engine="sglang-prefill@h:1", rank=1, secret=SECRET, clock=None, **kw) -> ControlSigner:
+def signer(engine="sglang-prefill@h:1", rank=1, agent=None, secret=SECRET, clock=None, **kw) -> ControlSigner:
     clock = clock or Clock()
     key = Credential(secret=secret).derive_key(KEY_PURPOSE)
-    return ControlSigner(key, engine, rank, window_s=kw.pop("window_s", 20.0), clock=clock.ns, monotonic=clock.mono,
-                         **kw)
+    return ControlSigner(key, engine, rank, agent=agent or f"{engine}:{rank}:{secrets.token_hex(4)}",
+                         window_s=kw.pop("window_s", 20.0), clock=clock.ns, **kw)
 
 
 def ready_frames() -> list[bytes]:
@@ -47,14 +47,14 @@ def ready_frames() -> list[bytes]:
                  (rng.integers(0, 256, 16, dtype=np.uint8).tobytes(),)).to_zmq()
 
 
-def test_sealed_message_opens_with_its_frames_and_sender():
+def test_sealed_message_opens_with_its_frames_sender_and_incarnation():
     clock = Clock()
     a, b = signer(clock=clock), signer("sglang-decode@h:2", 0, clock=clock)
     frames = ready_frames()
-    msg = a.seal(frames)
+    msg = a.seal(frames, b.agent)
     assert len(msg) == len(frames) + 1 and msg[-1].startswith(SEAL_MAGIC)
     got = b.open(msg)
-    assert got.frames == frames and got.engine == "sglang-prefill@h:1" and got.rank == 1
+    assert got.frames == frames and got.engine == "sglang-prefill@h:1" and got.rank == 1 and got.agent == a.agent
     assert Ready.from_zmq(got.frames, [16]).room == 12
 
 
@@ -64,7 +64,7 @@ def _tamper(msg: list[bytes], i: int, j: int) -> list[bytes]:
     return out
 
 
-def _seal_field(msg, offset):  # flip one byte of the seal's header (time, nonce, rank, engine)
+def _seal_field(msg, offset):  # flip one byte of the seal (time, counter, rank, names)
     return _tamper(msg, len(msg) - 1, offset)
 
 
@@ -76,9 +76,11 @@ def _seal_field(msg, offset):  # flip one byte of the seal's header (time, nonce
     (lambda m: [STATUS_TAG, *m[1:]], "MAC"),  # another tag
     (lambda m: m[:-2] + m[-1:], "MAC"),  # a frame dropped
     (lambda m: _seal_field(m, 5), "MAC"),  # the sender's time
-    (lambda m: _seal_field(m, 13), "MAC"),  # the nonce
-    (lambda m: _seal_field(m, 32), "MAC"),  # the sender's rank
-    (lambda m: _seal_field(m, 35), "MAC"),  # the sender's engine name
+    (lambda m: _seal_field(m, 13), "MAC"),  # the counter
+    (lambda m: _seal_field(m, 21), "MAC"),  # the sender's rank
+    (lambda m: _seal_field(m, 31), "MAC"),  # the sender's engine name
+    (lambda m: _seal_field(m, len(m[-1]) - 33), "MAC"),  # the receiver's name
+    (lambda m: _seal_field(m, 30), "truncated"),  # a name's length
     (lambda m: m[:-1] + [m[-1][:-1]], "truncated"),  # MAC cut short
     (lambda m: m[:-1] + [m[-1][:20]], "not a kvtriton seal"),
     (lambda m: m[:-1], "not a kvtriton seal"),  # no seal at all: the last payload frame is not one
@@ -87,61 +89,86 @@ def _seal_field(msg, offset):  # flip one byte of the seal's header (time, nonce
 def test_tampered_messages_refused(mutate, says):
     clock = Clock()
     a, b = signer(clock=clock), signer("d", 0, clock=clock)
-    msg = a.seal(ready_frames())
-    b.open(list(msg))  # the untouched message opens: the mutation is what refuses
+    msg = a.seal(ready_frames(), b.agent)
     with pytest.raises(AuthenticationError, match=says):
-        signer("d2", 0, clock=clock).open(mutate(list(msg)))
+        b.open(mutate(list(msg)))
+    b.open(list(msg))  # the untouched message opens: the mutation is what refused
 
 
 def test_wrong_key_and_other_purpose_refused():
     clock = Clock()
-    msg = signer(clock=clock).seal(ready_frames())
+    b = signer("d", 0, agent="D:0:x", clock=clock)
+    msg = signer(clock=clock).seal(ready_frames(), b.agent)
     with pytest.raises(AuthenticationError, match="MAC"):
-        signer("d", 0, secret=secrets.token_bytes(32), clock=clock).open(msg)
+        signer("d", 0, agent="D:0:x", secret=secrets.token_bytes(32), clock=clock).open(msg)
     cred = Credential(secret=SECRET)
-    other = ControlSigner(cred.derive_key(b"another-use"), "p", 1, window_s=20, clock=clock.ns, monotonic=clock.mono)
+    other = ControlSigner(cred.derive_key(b"another-use"), "p", 1, agent="P:1:y", window_s=20, clock=clock.ns)
     with pytest.raises(AuthenticationError, match="MAC"):
-        signer("d", 0, clock=clock).open(other.seal(ready_frames()))
+        b.open(other.seal(ready_frames(), b.agent))
     # the derived key is neither the secret nor a handshake proof's key
     assert cred.derive_key(KEY_PURPOSE) != SECRET and len(cred.derive_key(KEY_PURPOSE)) == 32
     with pytest.raises(AuthenticationError):
         Credential(secret=SECRET).derive_key(b"")
 
 
+def test_a_want_replayed_to_another_prefill_rank_or_a_restarted_one_is_refused():
+    # before (issue 33, finding 9): a seal named no receiver; a sealed WANT replayed to another
+    # prefill rank, or to a restart of the same one within the window, was accepted
+    clock = Clock()
+    d = signer("sglang-decode@h:2", 0, clock=clock)
+    p0, p1 = signer("sglang-prefill@h:1", 0, clock=clock), signer("sglang-prefill@h:1", 1, clock=clock)
+    want = d.seal(Want(5, d.agent, 0, "127.0.0.1", 9, 0).to_zmq(), p0.agent)
+    assert p0.open(want).agent == d.agent
+    restarted = signer("sglang-prefill@h:1", 0, clock=clock)  # same engine and rank, a new run
+    for other in (p1, restarted):
+        with pytest.raises(AuthenticationError, match="another receiver"):
+            other.open(list(want))
+
+
+def test_a_replay_is_refused_by_its_senders_counter_within_a_bounded_memory():
+    clock = Clock()
+    a, b = signer(clock=clock), signer("d", 0, clock=clock, max_senders=4)
+    first, second, third = (a.seal(ready_frames(), b.agent) for _ in range(3))
+    b.open(first)
+    with pytest.raises(AuthenticationError, match="replayed"):
+        b.open(first)
+    b.open(third)
+    b.open(second)  # reordered within the window: each counter once
+    with pytest.raises(AuthenticationError, match="replayed"):
+        b.open(second)
+    for _ in range(10):  # more senders than the bound: memory stays at it
+        b.open(signer(clock=clock).seal(ready_frames(), b.agent))
+        assert b.remembered() <= 4
+    clock.t += 21.0  # a message whose sender's counters were dropped is still bounded by the clock window
+    with pytest.raises(AuthenticationError, match="stale"):
+        b.open(first)
+
+
+def test_a_member_whose_clock_runs_ahead_gets_no_honest_message_refused():
+    # before (issue 33, finding 9): a member 10 s ahead sending 65,537 messages moved the shared
+    # replay floor past every honest sender's clock: honest messages were refused for ~10 s
+    clock = Clock()
+    b = signer("d", 0, clock=clock)
+    ahead = signer("sglang-prefill@h:9", 0, clock=Clock(clock.t + 10.0))
+    honest = signer(clock=clock)
+    frames = [b"T", b"x"]
+    for _ in range(65_537):
+        b.open(ahead.seal(frames, b.agent))
+    assert b.remembered() == 1
+    for _ in range(3):
+        assert b.open(honest.seal(frames, b.agent)).agent == honest.agent
+
+
 def test_stale_and_future_messages_refused():
     clock = Clock()
     b = signer("d", 0, clock=clock, window_s=20.0)
     for skew, ok in ((-19.0, True), (19.0, True), (-21.0, False), (21.0, False)):  # the sender's clock
-        msg = signer(clock=Clock(clock.t + skew)).seal(ready_frames())
+        msg = signer(clock=Clock(clock.t + skew)).seal(ready_frames(), b.agent)
         if ok:
             b.open(msg)
         else:
             with pytest.raises(AuthenticationError, match="stale"):
                 b.open(msg)
-    old = signer(clock=clock).seal(ready_frames())
-    clock.t += 21.0  # the same message, replayed 21 s later
-    with pytest.raises(AuthenticationError, match="stale"):
-        b.open(old)
-
-
-def test_replayed_message_refused_and_memory_bounded():
-    clock = Clock()
-    a, b = signer(clock=clock), signer("d", 0, clock=clock, window_s=10.0, max_nonces=4)
-    first = a.seal(ready_frames())
-    b.open(first)
-    with pytest.raises(AuthenticationError, match="replayed"):
-        b.open(first)
-    for _ in range(10):  # more than the bound: memory stays at it
-        clock.t += 0.001
-        b.open(a.seal(ready_frames()))
-        assert b.remembered() <= 4
-    with pytest.raises(AuthenticationError, match="older than|replayed"):
-        b.open(first)  # dropped from the set, yet still refused (the floor moved past it)
-    clock.t += 21.0  # two windows: everything forgotten, and the old messages are stale anyway
-    b.open(a.seal(ready_frames()))
-    assert b.remembered() == 1
-    with pytest.raises(AuthenticationError, match="stale"):
-        b.open(first)
 
 
 def test_sender_identity_bound():
@@ -149,8 +176,10 @@ def test_sender_identity_bound():
     rank/engine are in the MAC, checked above), and the payload must name the same sender
     (the manager compares them: this is what it compares)."""
     clock = Clock()
-    msg = signer("sglang-decode@x:1", 2, clock=clock).seal(Want(5, "sglang-decode@y:9", 0, "127.0.0.1", 9, 0).to_zmq())
-    got = signer("p", 0, clock=clock).open(msg)
+    p = signer("p", 0, clock=clock)
+    msg = signer("sglang-decode@x:1", 2, clock=clock).seal(Want(5, "sglang-decode@y:9", 0, "127.0.0.1", 9, 0).to_zmq(),
+                                                          p.agent)
+    got = p.open(msg)
     want = Want.from_zmq(got.frames)
     assert (want.engine, want.rank) != (got.engine, got.rank)
     assert (got.engine, got.rank) == ("sglang-decode@x:1", 2)
@@ -166,23 +195,24 @@ def _self_signed(d):
 
 
 def test_control_signer_per_credential(tmp_path):
-    assert control_signer(None, "e", 0, handshake_timeout_s=5.0) is None  # dev mode: unsigned
-    s = control_signer(Credential(secret=SECRET), "e", 0, handshake_timeout_s=5.0)
-    assert isinstance(s, ControlSigner) and s.window_ns == 30 * 10**9
+    assert control_signer(None, "e", 0, agent="e:0:a", handshake_timeout_s=5.0) is None  # dev mode: unsigned
+    s = control_signer(Credential(secret=SECRET), "e", 0, agent="e:0:a", handshake_timeout_s=5.0)
+    assert isinstance(s, ControlSigner) and s.window_ns == 30 * 10**9 and s.agent == "e:0:a"
     cert, key = _self_signed(tmp_path)
     tls_only = Credential(cert_file=cert, key_file=key, ca_file=cert)
     with pytest.raises(UnsupportedSetupError, match="auth_secret_file.*TLS alone is not enough"):
-        control_signer(tls_only, "e", 0, handshake_timeout_s=5.0)
+        control_signer(tls_only, "e", 0, agent="e:0:a", handshake_timeout_s=5.0)
     both = Credential(cert_file=cert, key_file=key, ca_file=cert, secret=SECRET)
-    assert control_signer(both, "e", 0, handshake_timeout_s=20.0).window_ns == 80 * 10**9
+    assert control_signer(both, "e", 0, agent="e:0:a", handshake_timeout_s=20.0).window_ns == 80 * 10**9
 
 
 def test_seal_layout():
     """The seal's header is what the module documents (a peer in another language can build it)."""
     clock = Clock()
-    seal = signer("eng", 3, clock=clock).seal([b"T", b"x"])[-1]
-    magic, t, _, rank, n = struct.unpack_from(">5sQ16sIH", seal)
-    assert (magic, t, rank, n, seal[35:38], len(seal)) == (SEAL_MAGIC, clock.ns(), 3, 3, b"eng", 35 + 3 + 32)
+    seal = signer("eng", 3, agent="ag", clock=clock).seal([b"T", b"x"], "rcv")[-1]
+    magic, t, counter, rank, n_eng, n_from, n_to = struct.unpack_from(">5sQQIHHH", seal)
+    assert (magic, t, counter, rank, n_eng, n_from, n_to) == (SEAL_MAGIC, clock.ns(), 1, 3, 3, 2, 3)
+    assert seal[31:39] == b"engagrcv" and len(seal) == 31 + 8 + 32
 
 
 # ------------------------------------------------------------------ inline progress

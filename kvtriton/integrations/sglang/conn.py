@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 
 import requests
 import torch
@@ -55,6 +56,7 @@ logger = logging.getLogger(__name__)
 #: tags of our control messages: sealed when the credential has a secret (:mod:`kvtriton.protocol.seal`)
 _SIGNED_TAGS = (WANT_TAG, READY_TAG, STATUS_TAG, ABORT_SEALED_TAG)
 _REFUSED_LOG_EVERY_S = 5.0
+_MAX_AGENTS_KNOWN = 4096  # ZMQ addresses whose rank's incarnation is kept (the least recent goes)
 
 
 def refuse_unsupported(args, is_mla_backend: bool) -> None:
@@ -139,7 +141,10 @@ class KVTritonKVManager(CommonKVManager):
         self.agent = make_agent(s, f"sglang-{'prefill' if self.is_prefill else 'decode'}@{where}", self.attn_tp_rank,
                                 self.attn_tp_size, regions, self.credential)
         self.signer: ControlSigner | None = control_signer(self.credential, self.agent.engine_id, self.attn_tp_rank,
+                                                           agent=self.agent.transport.name,
                                                            handshake_timeout_s=s.handshake_timeout_s)
+        self._agents_at: OrderedDict[tuple[str, int], str] = OrderedDict()  # ZMQ address -> the agent there
+        self._agents_lock = threading.Lock()
         self.refused_messages = 0  # control messages refused (bad or missing seal, wrong sender)
         self._refused_logged = float("-inf")
         self.server: MetadataServer | None = None
@@ -167,20 +172,39 @@ class KVTritonKVManager(CommonKVManager):
             self._start_heartbeat_checker_thread()
 
     # ------------------------------------------------------------------ what the roles call
+    def learn_agent(self, ip: str, port: int, agent: str) -> None:
+        """The rank at ``ip:port`` is the incarnation ``agent`` (a prefill rank met, or the sender
+        of a verified WANT): what our seals to that address are bound to."""
+        with self._agents_lock:
+            self._agents_at[(ip, int(port))] = agent
+            self._agents_at.move_to_end((ip, int(port)))
+            while len(self._agents_at) > _MAX_AGENTS_KNOWN:
+                self._agents_at.popitem(last=False)
+
     def send(self, ip: str, port: int, frames: list[bytes]) -> None:
         if self.signer is not None:
-            frames = self.signer.seal(frames)
+            with self._agents_lock:
+                to = self._agents_at.get((ip, int(port)))
+            if to is None:  # a seal names its receiver: nothing is sent to a rank never met nor heard
+                logger.warning("kvtriton: no known rank at %s:%s to seal a message for; not sent", ip, port)
+                return
+            frames = self.signer.seal(frames, to)
         na = NetworkAddress(ip, int(port))
         try:
             self._send_multipart_locked(na.to_tcp(), frames, is_ipv6=na.is_ipv6)
         except zmq.ZMQError as e:
             logger.warning("kvtriton: a message to %s:%s failed: %s", ip, port, e)
 
-    def _encode_kv_status_message(self, **kw) -> list[bytes]:
-        """SGLang's status message (tagged ``STATUS_TAG``), sealed like ours: the decode acts on
-        a failure only when a prefill rank of the cluster sent it."""
-        parts = super()._encode_kv_status_message(**kw)
-        return self.signer.seal(parts) if self.signer is not None else parts
+    def send_kv_status_message(self, *, targets, bootstrap_room, status, failure_reason=None) -> None:
+        """SGLang's status message (tagged ``STATUS_TAG``), sealed like ours for each target: the
+        decode acts on a failure only when a prefill rank of the cluster sent it to it."""
+        if self.signer is None:
+            return super().send_kv_status_message(targets=targets, bootstrap_room=bootstrap_room, status=status,
+                                                  failure_reason=failure_reason)
+        parts = self._encode_kv_status_message(bootstrap_room=bootstrap_room, status=status,
+                                               failure_reason=failure_reason)
+        for ip, port in targets:
+            self.send(ip, port, parts)
 
     def tell_failed(self, room: int, reason: str | None, targets) -> None:
         self.send_kv_status_message(targets=list(targets), bootstrap_room=room, status=KVPoll.Failed,
@@ -274,6 +298,8 @@ class KVTritonKVManager(CommonKVManager):
                     self._refuse(f"a WANT naming {want.engine!r} rank {want.rank}, sealed by {sender.engine!r} "
                                  f"rank {sender.rank}")
                     return
+                if sender is not None:  # our answers to its address are sealed for it
+                    self.learn_agent(want.ip, want.port, sender.agent)
                 self.prefill.on_want(want)
             elif self.prefill is not None and tag == ABORT_SEALED_TAG:
                 abort = Abort.from_zmq(msg)

@@ -114,6 +114,8 @@ class DecodeRole:
             room.local_ids = np.asarray(page_ids, dtype=np.int64).reshape(-1)
             room.aux_index = int(aux_index)
             infos = [meeting.rows[r] for r in meeting.reads]
+            for r, info in zip(meeting.reads, infos):  # seals to each are bound to the agent met (its run)
+                self.mgr.learn_agent(info["rank_ip"], info["rank_port"], meeting.agents[r])
         msg = Want(room_id, self.agent.engine_id, self.agent.rank, self.mgr.local_ip, self.mgr.rank_port,
                    int(decode_prefix_len or 0)).to_zmq()
         for info in infos:

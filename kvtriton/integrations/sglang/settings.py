@@ -91,14 +91,15 @@ class BackendSettings:
         return port
 
 
-def control_signer(credential: Credential | None, engine: str, rank: int, *,
+def control_signer(credential: Credential | None, engine: str, rank: int, *, agent: str,
                    handshake_timeout_s: float) -> ControlSigner | None:
     """The signer for a manager's credential: None without one (dev mode, unsigned), refused for
-    TLS alone. The window is a few handshake timeouts (at least 30 s: hosts' clocks differ)."""
+    TLS alone. ``agent``: the rank's NIXL agent name (its incarnation, see :mod:`kvtriton.protocol.seal`).
+    The clock window is a few handshake timeouts (at least 30 s: hosts' clocks differ)."""
     if credential is None:
         return None
     refuse_tls_only(credential)
-    return ControlSigner(credential.derive_key(KEY_PURPOSE), engine, rank,
+    return ControlSigner(credential.derive_key(KEY_PURPOSE), engine, rank, agent=agent,
                          window_s=max(30.0, 4 * handshake_timeout_s))
 
 

@@ -1,0 +1,87 @@
+"""The handshake's frames on the wire: ``b"KVTH"``, a version byte, a kind byte, a big-endian u32
+length, then the payload (:mod:`.handshake` says which kinds travel when). Each read has a
+deadline and a size cap per kind, checked from the header before the body is read."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import struct
+import time
+from collections.abc import Mapping
+
+from ..errors import ProtocolError
+from .workers import Served
+
+MAGIC = b"KVTH"
+#: 2: metadata sealed under session keys (issue 33); a version-1 peer is refused as another protocol
+VERSION = 2
+HEADER = struct.Struct(">4sBBI")  # magic, version, kind, payload length
+
+#: what frames are read from and written to: a socket, or a served connection (.workers.Served)
+Stream = socket.socket | Served
+
+
+class UnexpectedFrame(ProtocolError):
+    """A frame whose kind is not expected here, or longer than its kind allows: refused from its
+    header alone, its body never read."""
+
+    def __init__(self, kind: int, length: int, why: str):
+        super().__init__(why)
+        self.kind, self.length = kind, length
+
+
+def recv_exact(sock: Stream, n: int, deadline: float) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        sock.settimeout(left)
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame(sock: Stream, deadline: float, caps: Mapping[int, int],
+                header_deadline: float | None = None) -> tuple[int, bytes]:
+    """One frame, whole by ``deadline`` (its header by ``header_deadline`` too). ``caps`` maps
+    each kind expected here to its largest payload: any other kind, or a longer payload, is
+    :class:`UnexpectedFrame` from the header alone (an unauthenticated HELLO is 32 bytes, not
+    16 MiB read before anyone looks at it)."""
+    header = recv_exact(sock, HEADER.size, deadline if header_deadline is None else min(deadline, header_deadline))
+    magic, version, kind, length = HEADER.unpack(header)
+    if magic != MAGIC or version != VERSION:
+        raise ProtocolError(f"not a kvtriton handshake frame of this version (magic {magic!r}, version {version}); "
+                            f"expected {MAGIC!r} version {VERSION}")
+    if kind not in caps:
+        raise UnexpectedFrame(kind, length, f"unexpected handshake frame kind {kind} (expected {sorted(caps)})")
+    if length > caps[kind]:
+        raise UnexpectedFrame(kind, length, f"handshake frame kind {kind} of {length} bytes exceeds its "
+                                             f"{caps[kind]}-byte limit")
+    return kind, recv_exact(sock, length, deadline)
+
+
+def frame(kind: int, payload: bytes) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, kind, len(payload)) + payload
+
+
+def write_frame(sock: Stream, kind: int, payload: bytes, deadline: float) -> bytes:
+    """Send one frame; returns its bytes (for the transcript)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    sock.settimeout(left)
+    data = frame(kind, payload)
+    sock.sendall(data)
+    return data
+
+
+def tls_handshake(sock: ssl.SSLSocket, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    sock.settimeout(left)
+    sock.do_handshake()
