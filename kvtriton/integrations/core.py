@@ -84,7 +84,7 @@ def serve_metadata(agent: TransferAgent, credential: Credential | None, host: st
         return agent.add_remote(meeting.metadata, authenticated=credential is not None, keys=meeting.keys)
 
     return MetadataServer(host, port, agent.metadata, on_meeting=add_remote, credential=credential,
-                          io_timeout_s=io_timeout_s).start()
+                          io_timeout_s=io_timeout_s, on_kept=agent.add_lifeline).start()
 
 
 @dataclass(frozen=True)
@@ -238,18 +238,26 @@ class Meetings:
             engine, rows, agents = target.engine_id, {}, {}
             for r in ranks:
                 at = self.locate(target, r)
-                met = meet(at.host, at.port, agent.metadata(), credential=self.credential,
-                           timeout_s=s.handshake_timeout_s, attempts=s.handshake_attempts)
-                md = met.metadata
-                # who answered, checked before NIXL connects to it (the address came from a request)
-                got = wire.decode_metadata(md)
-                if (got.engine, got.rank, got.tp) != (engine or got.engine, r, target.tp):
-                    raise ProtocolError(f"{at.host}:{at.port} serves {got.engine!r} rank {got.rank} of tp={got.tp}; "
-                                        f"the request names {engine or target.where!r} rank {r} of tp={target.tp}")
-                engine = got.engine
-                # a new route reaches only the agents the engine has: it never replaces one
-                agent.add_remote(md, authenticated=self.credential is not None,
-                                 takeover=self._proven(engine, target.where), keys=met.keys)
+                # the connection stays open as the pair's lifeline: its closure is the rank's death
+                kept = meet(at.host, at.port, agent.metadata(), credential=self.credential,
+                            timeout_s=s.handshake_timeout_s, attempts=s.handshake_attempts, keep=True)
+                try:
+                    # who answered, checked before NIXL connects to it (the address came from a request)
+                    got = wire.decode_metadata(kept.metadata)
+                    if (got.engine, got.rank, got.tp) != (engine or got.engine, r, target.tp):
+                        raise ProtocolError(f"{at.host}:{at.port} serves {got.engine!r} rank {got.rank} of "
+                                            f"tp={got.tp}; the request names {engine or target.where!r} rank {r} "
+                                            f"of tp={target.tp}")
+                    engine = got.engine
+                    # a new route reaches only the agents the engine has: it never replaces one
+                    agent.add_remote(kept.metadata, authenticated=self.credential is not None,
+                                     takeover=self._proven(engine, target.where), keys=kept.keys)
+                except BaseException:
+                    if kept.conn is not None:  # the server drops us as it reads EOF
+                        kept.conn.close()
+                    raise
+                if kept.conn is not None:  # watched from now on
+                    agent.add_lifeline(kept)
                 rows[r], agents[r] = at.row, got.agent
         except KVTritonError as e:
             self._failed(meeting, e)

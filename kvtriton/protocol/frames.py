@@ -1,5 +1,6 @@
 """The handshake's frames on the wire: ``b"KVTH"``, a version byte, a kind byte, a big-endian u32
-length, then the payload (:mod:`.handshake` says which kinds travel when). Each read has a
+length, then the payload (:mod:`.handshake` says which kinds travel when); and what a meeting
+leaves (:class:`Meeting`). Each read has a
 deadline and a size cap per kind, checked from the header before the body is read."""
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ import ssl
 import struct
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from ..errors import ProtocolError
+from .auth import PairKeys
 from .workers import Served
 
 MAGIC = b"KVTH"
@@ -20,6 +23,21 @@ HEADER = struct.Struct(">4sBBI")  # magic, version, kind, payload length
 
 #: what frames are read from and written to: a socket, or a served connection (.workers.Served)
 Stream = socket.socket | Served
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """What one side learned from a meeting: the peer's ``metadata``, and the pair's message
+    keys (None without a credential). ``conn``: the meeting's own connection, kept open as the
+    pair's *lifeline* (``meet(..., keep=True)`` against a server with ``on_kept``; else None):
+    nothing travels on it, and its closure (EOF or reset, at once when the peer's process dies)
+    tells that the peer is gone. Only this connection, the one that carried the authenticated
+    exchange, can say so (see :meth:`kvtriton.agent.TransferAgent.add_lifeline`); its owner
+    closes it."""
+
+    metadata: bytes
+    keys: PairKeys | None = None
+    conn: socket.socket | None = field(default=None, compare=False, repr=False)
 
 
 class UnexpectedFrame(ProtocolError):

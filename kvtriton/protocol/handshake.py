@@ -68,12 +68,11 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NoReturn
 
 from ..errors import AuthenticationError, KVTritonError, PeerDisconnectedError, ProtocolError, RequestRejectedError
-from .auth import NONCE_BYTES, PROOF_BYTES, SEAL_OVERHEAD, Credential, PairKeys, seal, tls_pair_keys, unseal
-from .frames import VERSION
+from .auth import NONCE_BYTES, PROOF_BYTES, SEAL_OVERHEAD, Credential, seal, tls_pair_keys, unseal
+from .frames import VERSION, Meeting
 from .frames import Stream as _Stream
 from .frames import UnexpectedFrame as _UnexpectedFrame
 from .frames import frame as _frame
@@ -90,6 +89,9 @@ _REQUEST, _REPLY_OK, _REPLY_ERROR = 1, 2, 3
 _HELLO, _CHALLENGE, _PROVE, _PROVEN, _SEALED_ERROR = 4, 5, 6, 7, 8
 #: mutual TLS without the secret: OK with a random seed for the pair keys first (inside TLS)
 _REPLY_KEYED = 9
+#: after a successful meeting: the client asks to keep the connection as the pair's lifeline, the
+#: server agrees (an older peer on either side closes instead, and nothing is kept)
+_KEEP, _KEPT = 10, 11
 #: all an unauthenticated client ever learns: no geometry, no reason
 _REFUSED = b"refused"
 #: what a server without a secret answers a HELLO, and a client whose secret differs tells the
@@ -105,15 +107,6 @@ _SEAL_PROVE = b"kvtriton-handshake|v%d|prove" % VERSION
 _SEAL_PROVEN = b"kvtriton-handshake|v%d|proven" % VERSION
 _SEAL_REFUSAL = b"kvtriton-handshake|v%d|refusal" % VERSION
 _warned_client = False
-
-
-@dataclass(frozen=True)
-class Meeting:
-    """What one side learned from a meeting: the peer's ``metadata``, and the pair's message
-    keys (None without a credential)."""
-
-    metadata: bytes
-    keys: PairKeys | None = None
 
 
 class _Refused(Exception):
@@ -146,6 +139,10 @@ class MetadataServer:
     max_active_per_source: ... of them from one source address.
     max_pending:     silent connections watched at once (the oldest is dropped for a new one);
     max_pending_per_source: ... of them from one source address.
+    on_kept:         called with the :class:`Meeting` (its ``conn`` set) of a caller that asked
+                     to keep its connection after it was served (``meet(..., keep=True)``): the
+                     connection is then the callee's, no longer counted here nor closed by the
+                     server. None: such a caller is told no (its connection closes as before).
 
     ``port=0`` picks a free port (see :attr:`port`).
     """
@@ -154,7 +151,8 @@ class MetadataServer:
                  on_peer: Callable[[bytes], object] | None = None, *, on_meeting: Callable[[Meeting], object] | None
                  = None, credential: Credential | None = None, io_timeout_s: float = 5.0,
                  first_bytes_timeout_s: float = 2.0, frame_timeout_s: float = 2.0, max_connections: int = 8,
-                 max_active_per_source: int = 4, max_pending: int = 256, max_pending_per_source: int = 32):
+                 max_active_per_source: int = 4, max_pending: int = 256, max_pending_per_source: int = 32,
+                 on_kept: Callable[[Meeting], object] | None = None):
         if (on_peer is None) == (on_meeting is None):
             raise ValueError("give exactly one of on_peer and on_meeting")
         for name, v in (("max_connections", max_connections), ("max_active_per_source", max_active_per_source),
@@ -166,6 +164,7 @@ class MetadataServer:
         self._on_meeting: Callable[[Meeting], object] = (
             on_meeting if on_meeting is not None else (lambda m: on_peer(m.metadata)))  # type: ignore[misc]
         self._credential = credential
+        self._on_kept = on_kept
         self._io_timeout = float(io_timeout_s)
         self._first_timeout = min(float(first_bytes_timeout_s), self._io_timeout)
         self._frame_timeout = min(float(frame_timeout_s), self._io_timeout)
@@ -185,7 +184,7 @@ class MetadataServer:
         #: turned_away (dropped unserved: idle past the first-bytes deadline, or evicted),
         #: evicted (served, but the slowest while every worker was taken and one waited: see .workers)
         self.stats = {"served": 0, "refused": 0, "unauthenticated": 0, "mismatch": 0, "failed": 0,
-                      "turned_away": 0, "evicted": 0}
+                      "turned_away": 0, "evicted": 0, "kept": 0}
 
     def start(self) -> MetadataServer:
         if self._thread is None:
@@ -275,7 +274,7 @@ class MetadataServer:
     # ------------------------------------------------------------------ one connection (worker thread)
     def _serve(self, conn: Served, accepted: float) -> None:
         first, deadline = accepted + self._first_timeout, accepted + self._io_timeout
-        cred, src = self._credential, conn.src
+        cred, src, kept = self._credential, conn.src, False
         try:
             try:
                 ctx = cred.server_context() if cred is not None else None
@@ -283,13 +282,15 @@ class MetadataServer:
                     conn.sock = ctx.wrap_socket(conn.sock, server_side=True, do_handshake_on_connect=False)
                     _tls_handshake(conn.sock, first)
                 if cred is not None and cred.has_secret:
-                    self._serve_secret(conn, cred, first, deadline)
+                    served = self._serve_secret(conn, cred, first, deadline)
                 else:
-                    self._serve_plain(conn, src, first, deadline)
+                    served = self._serve_plain(conn, src, first, deadline)
+                kept = served is not None and self._keep(conn, served, deadline)  # then the lifeline's owner has it
             finally:
                 with self._lock:  # given back before it is closed: an eviction never touches a closed socket
                     self._workers.give_back(conn)
-                conn.sock.close()
+                if not kept:
+                    conn.sock.close()
         except _Refused as e:
             self.stats["unauthenticated"] += 1
             if e.mismatch:
@@ -305,6 +306,21 @@ class MetadataServer:
                 self.stats["failed"] += 1
             logger.info("handshake connection from %s on port %d failed%s: %s", src, self.port,
                         " (evicted: the slowest while every worker was taken)" if conn.evicted else "", e)
+
+    def _keep(self, conn: Served, served: Meeting, deadline: float) -> bool:
+        """After a served meeting: whether the caller asked to keep the connection and
+        ``on_kept`` took it. An older caller closes at once (EOF): nothing is kept."""
+        try:
+            _read_frame(conn, self._frame_deadline(deadline), {_KEEP: 0})
+        except (OSError, ConnectionError, TimeoutError, ProtocolError):
+            return False
+        if self._on_kept is None or conn.evicted:
+            return False  # closed: the caller sees no KEPT and keeps nothing
+        _write_frame(conn, _KEPT, b"", deadline)
+        conn.sock.settimeout(None)
+        self._on_kept(Meeting(served.metadata, served.keys, conn.sock))
+        self.stats["kept"] += 1
+        return True
 
     def _frame_deadline(self, deadline: float) -> float:
         return min(deadline, time.monotonic() + self._frame_timeout)
@@ -326,7 +342,7 @@ class MetadataServer:
             return f"{type(e).__name__}: {e}".encode()[:_MAX_REASON_BYTES]
         return None
 
-    def _serve_plain(self, conn: _Stream, src: str, first: float, deadline: float) -> None:
+    def _serve_plain(self, conn: _Stream, src: str, first: float, deadline: float) -> Meeting | None:
         try:
             kind, payload = _read_frame(conn, self._frame_deadline(deadline),
                                         {_REQUEST: MAX_FRAME_BYTES, _HELLO: NONCE_BYTES}, first)
@@ -339,14 +355,16 @@ class MetadataServer:
             raise _Refused("it has a shared secret and this server has none")
         # over mutual TLS the pair gets keys for its messages too, from a seed only TLS carries
         seed = secrets.token_bytes(32) if self._credential is not None else b""
-        reason = self._gate(Meeting(payload, tls_pair_keys(seed, False) if seed else None))
+        meeting = Meeting(payload, tls_pair_keys(seed, False) if seed else None)
+        reason = self._gate(meeting)
         if reason is not None:
             _write_frame(conn, _REPLY_ERROR, reason, deadline)
-            return
+            return None
         _write_frame(conn, _REPLY_KEYED if seed else _REPLY_OK, seed + self._metadata(), deadline)
         self.stats["served"] += 1
+        return meeting
 
-    def _serve_secret(self, conn: _Stream, cred: Credential, first: float, deadline: float) -> None:
+    def _serve_secret(self, conn: _Stream, cred: Credential, first: float, deadline: float) -> Meeting | None:
         try:
             kind, client_nonce = _read_frame(conn, self._frame_deadline(deadline), {_HELLO: NONCE_BYTES}, first)
         except _UnexpectedFrame as e:  # e.g. a plain request: refused from its header, its metadata never read
@@ -379,15 +397,17 @@ class MetadataServer:
             md = unseal(keys.seal_recv, sealed, _SEAL_PROVE)
         except AuthenticationError:
             self._refuse(conn, deadline)
-        reason = self._gate(Meeting(md, keys.pair))
+        meeting = Meeting(md, keys.pair)
+        reason = self._gate(meeting)
         if reason is not None:  # sealed: only the authenticated caller reads why
             out = seal(keys.seal_send, reason, _SEAL_REFUSAL)
             _write_frame(conn, _SEALED_ERROR,
                          cred.proof(b"refusal", client_nonce, server_nonce, out, VERSION) + out, deadline)
-            return
+            return None
         out = seal(keys.seal_send, self._metadata(), _SEAL_PROVEN)
         _write_frame(conn, _PROVEN, cred.proof(b"reply", client_nonce, server_nonce, out, VERSION) + out, deadline)
         self.stats["served"] += 1
+        return meeting
 
     def close(self) -> None:
         """Stop accepting; connections being served finish within ``io_timeout_s``."""
@@ -491,8 +511,20 @@ def exchange_metadata(host: str, port: int, metadata: bytes, *, credential: Cred
                 backoff_s=backoff_s).metadata
 
 
+def _ask_keep(sock: socket.socket, deadline: float) -> bool:
+    """Ask the server to keep this connection as the pair's lifeline; whether it agreed (an
+    older server, or one without ``on_kept``, closes instead)."""
+    try:
+        _write_frame(sock, _KEEP, b"", deadline)
+        _read_frame(sock, deadline, {_KEPT: 0})
+    except (OSError, ConnectionError, TimeoutError, ProtocolError):
+        return False
+    sock.settimeout(None)
+    return True
+
+
 def meet(host: str, port: int, metadata: bytes, *, credential: Credential | None = None,
-         timeout_s: float = 5.0, attempts: int = 3, backoff_s: float = 0.2) -> Meeting:
+         timeout_s: float = 5.0, attempts: int = 3, backoff_s: float = 0.2, keep: bool = False) -> Meeting:
     """Send our metadata to the :class:`MetadataServer` on ``host:port``; return its metadata and
     the pair's keys (a :class:`Meeting`).
 
@@ -507,6 +539,10 @@ def meet(host: str, port: int, metadata: bytes, *, credential: Credential | None
     :class:`~kvtriton.errors.RequestRejectedError` when the server refused our metadata (its
     reason is in the message; not retried), :class:`~kvtriton.errors.ProtocolError` for a reply
     that is not a handshake frame of this version.
+
+    ``keep``: after a successful meeting, ask the server to keep the connection as the pair's
+    lifeline; when it agrees, :attr:`Meeting.conn` is that connection (the caller's to watch and
+    close), else None (an older server: nothing is kept, the meeting stands).
     """
     global _warned_client
     if attempts < 1:
@@ -526,11 +562,21 @@ def meet(host: str, port: int, metadata: bytes, *, credential: Credential | None
                 # small frames, each waited for: Nagle's wait for the peer's delayed ACK cost
                 # ~40 ms a round with TLS and the secret together
                 raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if ctx is None:
-                    return _exchange_once(raw, host, port, metadata, credential, deadline)
-                with ctx.wrap_socket(raw, server_hostname=host, do_handshake_on_connect=False) as sock:
-                    _tls_handshake(sock, deadline)
-                    return _exchange_once(sock, host, port, metadata, credential, deadline)
+                sock = raw
+                if ctx is not None:
+                    sock = ctx.wrap_socket(raw, server_hostname=host, do_handshake_on_connect=False)
+                try:
+                    if ctx is not None:
+                        _tls_handshake(sock, deadline)  # type: ignore[arg-type]
+                    met = _exchange_once(sock, host, port, metadata, credential, deadline)
+                    if keep and _ask_keep(sock, deadline):
+                        kept = sock if ctx is not None else socket.socket(fileno=raw.detach())
+                        sock = None  # type: ignore[assignment]
+                        return Meeting(met.metadata, met.keys, kept)
+                    return met
+                finally:
+                    if sock is not None and sock is not raw:
+                        sock.close()
         except ssl.SSLCertVerificationError as e:
             raise AuthenticationError(f"{host}:{port} presented a certificate we do not trust: {e.verify_message}; "
                                       f"our metadata was not sent") from None
