@@ -93,13 +93,12 @@ class TransferAgent:
                    reason is logged here). Default False: every peer is trusted.
     max_peers, max_peer_engines: bounds of the peer table (ranks, engines); a registration
                    beyond either raises :class:`~kvtriton.errors.PeerRefusedError`.
-    peer_expiry_s: a peer silent this long is dropped (its transfers fail, its staging returns);
-                   one silent a third of it is pinged first, which a live peer answers from its
-                   progress loop. Default ``max(4 * timeout_s, 60)``. See :mod:`kvtriton.agent.peers`.
+    peer_expiry_s: a peer silent this long (pinged at a third of it) is dropped: its transfers fail,
+                   its staging returns. Default ``max(4 * timeout_s, 60)``. A peer met over a
+                   kept connection is dropped as soon as it closes (:meth:`add_lifeline`).
     max_peer_slots, max_peer_blocks: the most staging slots, and cache blocks in one region, a
-                   peer's metadata may declare (never below this rank's own); checked before the
-                   agent's lock is taken: more raises :class:`~kvtriton.errors.PeerRefusedError`
-                   naming the setting, nothing built.
+                   peer's metadata may declare (never below this rank's own): more raises
+                   :class:`~kvtriton.errors.PeerRefusedError` naming the setting, before any lock.
     register:      ``"all"`` (default) registers cache and staging with NIXL; ``"staging"`` only
                    the staging pool (no cache address in the metadata, every region STAGED).
     integrity:     digest each staged chunk after its pack, check it before unpack (a mismatch:
@@ -227,11 +226,8 @@ class TransferAgent:
 
     # ------------------------------------------------------------------ setup
     def metadata(self) -> bytes:
-        """This rank's handshake metadata (msgpack bytes) for :meth:`add_remote` on peers.
-
-        Built once, at construction: NIXL's agent is not thread-safe without its progress thread,
-        and a handshake thread asking NIXL for its metadata while the progress thread drives UCX
-        was seen to leave later notifications stuck for a minute."""
+        """This rank's handshake metadata (msgpack bytes) for :meth:`add_remote` on peers; built once
+        (asking NIXL from a handshake thread while progress drives UCX left notifications stuck)."""
         return self._registration.metadata
 
     def add_remote(self, metadata: bytes, *, authenticated: bool = False, takeover: bool = True) -> str:
@@ -246,12 +242,10 @@ class TransferAgent:
         exchange that proved the cluster credential (see ``require_authenticated_peers``).
 
         Identity (:mod:`kvtriton.agent.peers`): an (engine, rank) is pinned to the agent that
-        registered it. Another agent claiming it (a restart: a newer registration generation)
-        replaces it only once the old agent is gone: this call sends it a liveness check and waits
-        up to ``min(timeout_s, 2)`` s for an answer; transfers in flight with the old agent then
-        fail with :class:`~kvtriton.errors.PeerDisconnectedError`. A live peer is never replaced:
-        :class:`~kvtriton.errors.PeerRefusedError`, as for an agent that already stands for another
-        engine or rank, a stale generation, or a full table (``max_peers``, ``max_peer_engines``).
+        registered it; another agent claiming it (a restart) replaces it once the old one is gone
+        (its lifeline closed, or it failed a liveness check of up to ``min(timeout_s, 2)`` s). A live
+        peer is never replaced: :class:`~kvtriton.errors.PeerRefusedError`, as for an agent standing
+        for another rank, a stale generation, or a full table (``max_peers``, ``max_peer_engines``).
         ``takeover=False``: another agent holding the (engine, rank) is refused at once, never
         checked nor replaced (the caller met it at an address the engine has not proven itself on).
         """
@@ -310,6 +304,12 @@ class TransferAgent:
             reads = own_reads(self._plans) + (
                 peer_reads(self._plans, self._links.peers.values()) if peers else [])
             return warm(self._s, reads, self._warmed)
+
+    def add_lifeline(self, meeting) -> bool:
+        """Watch ``meeting.conn`` (a kept :class:`~kvtriton.protocol.handshake.Meeting` whose metadata was
+        added) as that peer's lifeline: its closure drops the peer at once (:mod:`.lifelines`). False: closed unused."""
+        with self._lock:
+            return self._peers.lifeline(wire.decode_metadata(meeting.metadata), meeting.conn)
 
     def plan_for(self, engine_id: str) -> TransferPlan:
         """The plan this rank uses to read from ``engine_id`` (after :meth:`add_remote`)."""
@@ -523,10 +523,10 @@ class TransferAgent:
     # ------------------------------------------------------------------ across roles
     def _expire(self) -> None:
         now = time.monotonic()
-        for peer in self._peers.expire(now):  # stopped answering: its transfers fail, its staging returns
-            logger.warning("peer %s:%d (%s) stopped answering; dropped", *peer.key, peer.agent)
-            self._drop_peer(peer, PeerDisconnectedError(
-                f"peer {peer.md.engine}:{peer.md.rank} stopped answering (silent past {self._peers.expiry_s} s)"))
+        for peer, error in self._peers.expire(now):  # died (its lifeline closed) or went silent
+            logger.warning("peer %s:%d (%s) dropped: %s", *peer.key, peer.agent, error)
+            self._drop_peer(peer, error)  # its transfers fail, its staging returns
+            self._source.consumer_lost(peer)  # the holds it alone still had to read end now, not at their lease
         self._destination.expire(now)
         self._source.expire(now)
 
@@ -560,9 +560,8 @@ class TransferAgent:
             self._registration.deregister()
 
     def restore(self) -> None:
-        """Register the same regions again after :meth:`unregister` (vLLM keeps their addresses),
-        with metadata of a newer generation: a peer meeting it again swaps its old keys for the
-        new ones (:class:`~kvtriton.agent.peers.Admission` ``REREGISTERED``)."""
+        """Register the same regions again after :meth:`unregister` (vLLM keeps their addresses), with metadata
+        of a newer generation: a peer meeting it again swaps its old keys (``Admission.REREGISTERED``)."""
         with self._lock, self._s.lanes.on_device():
             if self._closed:
                 raise TransportError(f"{self._s.name} is closed")
@@ -588,6 +587,7 @@ class TransferAgent:
                 return
             self._destination.fail_all(TransportError(f"{self.engine_id}:{self.rank} was closed"))
             self._source.close("source closed")
+            self._peers.lifelines.close()  # its peers learn at once that this rank is gone
             self._closed = True
             self._s.lanes.synchronize()  # no kernel may still write staging once it is released
             self.transport.close()

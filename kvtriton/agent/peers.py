@@ -54,6 +54,11 @@ the facade's drop path fails their transfers and forgets them).
   no generation (an older kvtriton, protocol version 2 without ``Ping``) is never pinged nor
   expired: it would drop the pings as unknown and look silent. The protocol version stays 2
   (``gen`` is optional, ``Ping``/``Pong`` are sent only to peers that declared a generation).
+* **Lifelines.** A peer met over a kept connection (:mod:`.lifelines`) is dropped as soon as
+  that connection closes (its process died): its transfers fail with
+  :class:`~kvtriton.errors.PeerDisconnectedError` within a ``progress()`` of the closure,
+  whatever ``timeout_s``, and (the facade's) the holds only it still had to read end. Only the
+  lifeline of the agent in the table counts: one of a replaced agent changes nothing.
 * **What a refusal says.** With a credential configured (``require_authenticated_peers``), a
   peer added unauthenticated gets only "refused" (its errors keep their type); the full reason is
   logged here. Otherwise, and to authenticated peers, the reason is the full one.
@@ -72,6 +77,7 @@ from ..errors import IncompatibleRemoteError, KVTritonError, PeerDisconnectedErr
 from ..plan import check_compatible
 from ..protocol import wire
 from .addresses import slot_descs
+from .lifelines import Lifelines
 from .links import Links, Peer, logger
 from .settings import Settings
 from .stats import Stats
@@ -135,6 +141,7 @@ class PeerTable:
         self.pins: OrderedDict[tuple[str, int], _Pin] = OrderedDict()
         self.nonce = 0
         self.next_scan = 0.0
+        self.lifelines = Lifelines(settings.name, limit=self.max_peers)
 
     # ------------------------------------------------------------------ refusals
     def generic(self, authenticated: bool) -> bool:
@@ -346,6 +353,14 @@ class PeerTable:
         return peer
 
     # ------------------------------------------------------------------ liveness
+    def lifeline(self, md: wire.RankMetadata, conn) -> bool:
+        """Watch ``conn``, the kept connection ``md``'s meeting was made over, as that peer's
+        lifeline; closed at once (False) when its agent is not in the table (refused, replaced)."""
+        if self.links.by_agent.get(md.agent) != (md.engine, md.rank):
+            conn.close()
+            return False
+        return self.lifelines.watch((md.engine, md.rank), md.agent, conn)
+
     def on_ping(self, peer: Peer, m: wire.Ping) -> None:
         self.links.send(peer, wire.Pong(m.nonce), quiet=True)
 
@@ -354,15 +369,22 @@ class PeerTable:
         if m.nonce <= self.nonce:
             peer.pong = max(peer.pong, m.nonce)
 
-    def expire(self, now: float) -> list[Peer]:
-        """Ping peers silent for a third of ``expiry_s``; the peers to drop: silent for
-        ``expiry_s``, or unreachable."""
+    def expire(self, now: float) -> list[tuple[Peer, KVTritonError]]:
+        """The peers to drop, with why: their lifeline closed (looked at on every call), silent
+        for ``expiry_s`` or unreachable (peers silent for a third of it are pinged)."""
+        out: list[tuple[Peer, KVTritonError]] = []
+        for key, agent in self.lifelines.lost():
+            peer = self.links.peers.get(key)
+            if peer is not None and peer.agent == agent:
+                self.stats.peers_disconnected += 1
+                out.append((peer, PeerDisconnectedError(
+                    f"peer {key[0]}:{key[1]} ({agent}) is gone: the connection it met {self.s.name} over closed")))
         if now < self.next_scan:
-            return []
+            return out
         self.next_scan = now + min(_SCAN_S, self.expiry_s / 10)
         gone, ping_after = [], self.expiry_s / 3
         for peer in list(self.links.peers.values()):
-            if not peer.md.generation:
+            if not peer.md.generation or any(p is peer for p, _ in out):
                 continue  # an older kvtriton (no generation): it knows no Ping; never expired by silence
             silent = now - peer.heard
             if silent > self.expiry_s:
@@ -370,4 +392,6 @@ class PeerTable:
             elif silent > ping_after and now - peer.pinged > ping_after and self.probe(peer) is None:
                 gone.append(peer)
         self.stats.peers_expired += len(gone)
-        return gone
+        self.lifelines.prune(lambda key, agent: self.links.by_agent.get(agent) == key)
+        return out + [(p, PeerDisconnectedError(f"peer {p.md.engine}:{p.md.rank} stopped answering (silent past "
+                                                f"{self.expiry_s} s, or unreachable)")) for p in gone]

@@ -78,6 +78,9 @@ class Stats:
     """Peers replaced by their restart (a newer generation, the old agent gone)."""
     peers_expired: int = 0
     """Peers dropped because they stopped answering (silent past the expiry, or unreachable)."""
+    peers_disconnected: int = 0
+    """Peers dropped because the connection they met this rank over closed (their process died:
+    :mod:`.lifelines`)."""
     staged_descriptors: int = 0
     """Staged chunks posted (one descriptor each), READ or WRITE."""
     direct_descriptors: int = 0

@@ -36,7 +36,7 @@ from ..plan import CostModel, meeting_ranks, required_source_ranks
 from ..protocol import wire
 from ..protocol.allowlist import PeerAllowlist
 from ..protocol.auth import Credential
-from ..protocol.handshake import MetadataServer, exchange_metadata
+from ..protocol.handshake import MetadataServer, meet
 from ..regions import Region
 from .settings import TransferSettings
 
@@ -83,7 +83,7 @@ def serve_metadata(agent: TransferAgent, credential: Credential | None, host: st
         return agent.add_remote(metadata, authenticated=credential is not None)
 
     return MetadataServer(host, port, agent.metadata, add_remote, credential=credential,
-                          io_timeout_s=io_timeout_s).start()
+                          io_timeout_s=io_timeout_s, on_kept=agent.add_lifeline).start()
 
 
 @dataclass(frozen=True)
@@ -236,17 +236,26 @@ class Meetings:
             engine, rows = target.engine_id, {}
             for r in ranks:
                 at = self.locate(target, r)
-                md = exchange_metadata(at.host, at.port, agent.metadata(), credential=self.credential,
-                                       timeout_s=s.handshake_timeout_s, attempts=s.handshake_attempts)
-                # who answered, checked before NIXL connects to it (the address came from a request)
-                got = wire.decode_metadata(md)
-                if (got.engine, got.rank, got.tp) != (engine or got.engine, r, target.tp):
-                    raise ProtocolError(f"{at.host}:{at.port} serves {got.engine!r} rank {got.rank} of tp={got.tp}; "
-                                        f"the request names {engine or target.where!r} rank {r} of tp={target.tp}")
-                engine = got.engine
-                # a new route reaches only the agents the engine has: it never replaces one
-                agent.add_remote(md, authenticated=self.credential is not None,
-                                 takeover=self._proven(engine, target.where))
+                # the connection stays open as the pair's lifeline: its closure is the rank's death
+                kept = meet(at.host, at.port, agent.metadata(), credential=self.credential,
+                            timeout_s=s.handshake_timeout_s, attempts=s.handshake_attempts, keep=True)
+                try:
+                    # who answered, checked before NIXL connects to it (the address came from a request)
+                    got = wire.decode_metadata(kept.metadata)
+                    if (got.engine, got.rank, got.tp) != (engine or got.engine, r, target.tp):
+                        raise ProtocolError(f"{at.host}:{at.port} serves {got.engine!r} rank {got.rank} of "
+                                            f"tp={got.tp}; the request names {engine or target.where!r} rank {r} "
+                                            f"of tp={target.tp}")
+                    engine = got.engine
+                    # a new route reaches only the agents the engine has: it never replaces one
+                    agent.add_remote(kept.metadata, authenticated=self.credential is not None,
+                                     takeover=self._proven(engine, target.where))
+                except BaseException:
+                    if kept.conn is not None:  # the server drops us as it reads EOF
+                        kept.conn.close()
+                    raise
+                if kept.conn is not None:  # watched from now on
+                    agent.add_lifeline(kept)
                 rows[r] = at.row
         except KVTritonError as e:
             self._failed(meeting, e)

@@ -67,7 +67,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 from ..errors import AuthenticationError, KVTritonError, PeerDisconnectedError, ProtocolError, RequestRejectedError
@@ -83,6 +83,9 @@ VERSION = 2
 _HEADER = struct.Struct(">4sBBI")  # magic, version, kind, payload length
 _REQUEST, _REPLY_OK, _REPLY_ERROR = 1, 2, 3
 _HELLO, _CHALLENGE, _PROVE, _PROVEN, _SEALED_ERROR = 4, 5, 6, 7, 8
+#: after a successful meeting: the client asks to keep the connection as the pair's lifeline, the
+#: server agrees (an older peer on either side closes instead, and nothing is kept)
+_KEEP, _KEPT = 9, 10
 #: all an unauthenticated client ever learns: no geometry, no reason
 _REFUSED = b"refused"
 #: what a server without a secret answers a HELLO, and a client whose secret differs tells the
@@ -103,10 +106,16 @@ _warned_client = False
 @dataclass(frozen=True)
 class Meeting:
     """What one side learned from a meeting: the peer's ``metadata``, and the pair's message
-    keys (None without a shared secret: TLS alone or no credential)."""
+    keys (None without a shared secret: TLS alone or no credential). ``conn``: the meeting's
+    own connection, kept open as the pair's *lifeline* (``meet(..., keep=True)`` against a
+    server with ``on_kept``; else None): nothing travels on it, and its closure (EOF or reset,
+    at once when the peer's process dies) tells that the peer is gone. Only this connection,
+    the one that carried the authenticated exchange, can say so (see
+    :meth:`kvtriton.agent.TransferAgent.add_lifeline`); its owner closes it."""
 
     metadata: bytes
     keys: PairKeys | None = None
+    conn: socket.socket | None = field(default=None, compare=False, repr=False)
 
 
 class _UnexpectedFrame(ProtocolError):
@@ -204,6 +213,10 @@ class MetadataServer:
     max_active_per_source: ... of them from one source address.
     max_pending:     silent connections watched at once (the oldest is dropped for a new one);
     max_pending_per_source: ... of them from one source address.
+    on_kept:         called with the :class:`Meeting` (its ``conn`` set) of a caller that asked
+                     to keep its connection after it was served (``meet(..., keep=True)``): the
+                     connection is then the callee's, no longer counted here nor closed by the
+                     server. None: such a caller is told no (its connection closes as before).
 
     ``port=0`` picks a free port (see :attr:`port`).
     """
@@ -212,7 +225,8 @@ class MetadataServer:
                  on_peer: Callable[[bytes], object] | None = None, *, on_meeting: Callable[[Meeting], object] | None
                  = None, credential: Credential | None = None, io_timeout_s: float = 5.0,
                  first_bytes_timeout_s: float = 2.0, frame_timeout_s: float = 2.0, max_connections: int = 8,
-                 max_active_per_source: int = 4, max_pending: int = 256, max_pending_per_source: int = 32):
+                 max_active_per_source: int = 4, max_pending: int = 256, max_pending_per_source: int = 32,
+                 on_kept: Callable[[Meeting], object] | None = None):
         if (on_peer is None) == (on_meeting is None):
             raise ValueError("give exactly one of on_peer and on_meeting")
         for name, v in (("max_connections", max_connections), ("max_active_per_source", max_active_per_source),
@@ -224,6 +238,7 @@ class MetadataServer:
         self._on_meeting: Callable[[Meeting], object] = (
             on_meeting if on_meeting is not None else (lambda m: on_peer(m.metadata)))  # type: ignore[misc]
         self._credential = credential
+        self._on_kept = on_kept
         self._io_timeout = float(io_timeout_s)
         self._first_timeout = min(float(first_bytes_timeout_s), self._io_timeout)
         self._frame_timeout = min(float(frame_timeout_s), self._io_timeout)
@@ -243,7 +258,7 @@ class MetadataServer:
         #: none, another secret, a secret where we have none), failed (I/O or protocol),
         #: turned_away (dropped unserved: idle past the first-bytes deadline, or evicted)
         self.stats = {"served": 0, "refused": 0, "unauthenticated": 0, "mismatch": 0, "failed": 0,
-                      "turned_away": 0}
+                      "turned_away": 0, "kept": 0}
 
     def start(self) -> MetadataServer:
         if self._thread is None:
@@ -329,7 +344,7 @@ class MetadataServer:
     # ------------------------------------------------------------------ one connection (worker thread)
     def _serve(self, conn: socket.socket, src: str, accepted: float) -> None:
         first, deadline = accepted + self._first_timeout, accepted + self._io_timeout
-        cred = self._credential
+        cred, kept = self._credential, False
         try:
             try:
                 ctx = cred.server_context() if cred is not None else None
@@ -337,11 +352,13 @@ class MetadataServer:
                     conn = ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
                     _tls_handshake(conn, first)
                 if cred is not None and cred.has_secret:
-                    self._serve_secret(conn, cred, first, deadline)
+                    served = self._serve_secret(conn, cred, first, deadline)
                 else:
-                    self._serve_plain(conn, src, first, deadline)
+                    served = self._serve_plain(conn, src, first, deadline)
+                kept = served is not None and self._keep(conn, served, deadline)  # then the lifeline's owner has it
             finally:
-                conn.close()
+                if not kept:
+                    conn.close()
         except _Refused as e:
             self.stats["unauthenticated"] += 1
             if e.mismatch:
@@ -360,6 +377,21 @@ class MetadataServer:
                 self._active[src] -= 1
                 if self._active[src] <= 0:
                     del self._active[src]
+
+    def _keep(self, conn: socket.socket, served: Meeting, deadline: float) -> bool:
+        """After a served meeting: whether the caller asked to keep the connection and
+        ``on_kept`` took it. An older caller closes at once (EOF): nothing is kept."""
+        try:
+            kind, _ = _read_frame(conn, self._frame_deadline(deadline), {_KEEP: 0})
+        except (OSError, ConnectionError, TimeoutError, ProtocolError):
+            return False
+        if self._on_kept is None:
+            return False  # closed: the caller sees no KEPT and keeps nothing
+        _write_frame(conn, _KEPT, b"", deadline)
+        conn.settimeout(None)
+        self._on_kept(Meeting(served.metadata, served.keys, conn))
+        self.stats["kept"] += 1
+        return True
 
     def _frame_deadline(self, deadline: float) -> float:
         return min(deadline, time.monotonic() + self._frame_timeout)
@@ -381,7 +413,7 @@ class MetadataServer:
             return f"{type(e).__name__}: {e}".encode()[:_MAX_REASON_BYTES]
         return None
 
-    def _serve_plain(self, conn: socket.socket, src: str, first: float, deadline: float) -> None:
+    def _serve_plain(self, conn: socket.socket, src: str, first: float, deadline: float) -> Meeting | None:
         try:
             kind, payload = _read_frame(conn, self._frame_deadline(deadline),
                                         {_REQUEST: MAX_FRAME_BYTES, _HELLO: NONCE_BYTES}, first)
@@ -392,14 +424,16 @@ class MetadataServer:
         if kind == _HELLO:  # the caller has a shared secret and we have none: say so, both sides
             _write_frame(conn, _REPLY_ERROR, _NO_SECRET, deadline)
             raise _Refused("it has a shared secret and this server has none")
-        reason = self._gate(Meeting(payload))
+        meeting = Meeting(payload)
+        reason = self._gate(meeting)
         if reason is not None:
             _write_frame(conn, _REPLY_ERROR, reason, deadline)
-            return
+            return None
         _write_frame(conn, _REPLY_OK, self._metadata(), deadline)
         self.stats["served"] += 1
+        return meeting
 
-    def _serve_secret(self, conn: socket.socket, cred: Credential, first: float, deadline: float) -> None:
+    def _serve_secret(self, conn: socket.socket, cred: Credential, first: float, deadline: float) -> Meeting | None:
         try:
             kind, client_nonce = _read_frame(conn, self._frame_deadline(deadline), {_HELLO: NONCE_BYTES}, first)
         except _UnexpectedFrame as e:  # e.g. a plain request: refused from its header, its metadata never read
@@ -432,15 +466,17 @@ class MetadataServer:
             md = unseal(keys.seal_recv, sealed, _SEAL_PROVE)
         except AuthenticationError:
             self._refuse(conn, deadline)
-        reason = self._gate(Meeting(md, keys.pair))
+        meeting = Meeting(md, keys.pair)
+        reason = self._gate(meeting)
         if reason is not None:  # sealed: only the authenticated caller reads why
             out = seal(keys.seal_send, reason, _SEAL_REFUSAL)
             _write_frame(conn, _SEALED_ERROR,
                          cred.proof(b"refusal", client_nonce, server_nonce, out, VERSION) + out, deadline)
-            return
+            return None
         out = seal(keys.seal_send, self._metadata(), _SEAL_PROVEN)
         _write_frame(conn, _PROVEN, cred.proof(b"reply", client_nonce, server_nonce, out, VERSION) + out, deadline)
         self.stats["served"] += 1
+        return meeting
 
     def close(self) -> None:
         """Stop accepting; connections being served finish within ``io_timeout_s``."""
@@ -537,8 +573,20 @@ def exchange_metadata(host: str, port: int, metadata: bytes, *, credential: Cred
                 backoff_s=backoff_s).metadata
 
 
+def _ask_keep(sock: socket.socket, deadline: float) -> bool:
+    """Ask the server to keep this connection as the pair's lifeline; whether it agreed (an
+    older server, or one without ``on_kept``, closes instead)."""
+    try:
+        _write_frame(sock, _KEEP, b"", deadline)
+        _read_frame(sock, deadline, {_KEPT: 0})
+    except (OSError, ConnectionError, TimeoutError, ProtocolError):
+        return False
+    sock.settimeout(None)
+    return True
+
+
 def meet(host: str, port: int, metadata: bytes, *, credential: Credential | None = None,
-         timeout_s: float = 5.0, attempts: int = 3, backoff_s: float = 0.2) -> Meeting:
+         timeout_s: float = 5.0, attempts: int = 3, backoff_s: float = 0.2, keep: bool = False) -> Meeting:
     """Send our metadata to the :class:`MetadataServer` on ``host:port``; return its metadata and
     the pair's keys (a :class:`Meeting`).
 
@@ -553,6 +601,10 @@ def meet(host: str, port: int, metadata: bytes, *, credential: Credential | None
     :class:`~kvtriton.errors.RequestRejectedError` when the server refused our metadata (its
     reason is in the message; not retried), :class:`~kvtriton.errors.ProtocolError` for a reply
     that is not a handshake frame of this version.
+
+    ``keep``: after a successful meeting, ask the server to keep the connection as the pair's
+    lifeline; when it agrees, :attr:`Meeting.conn` is that connection (the caller's to watch and
+    close), else None (an older server: nothing is kept, the meeting stands).
     """
     global _warned_client
     if attempts < 1:
@@ -572,11 +624,22 @@ def meet(host: str, port: int, metadata: bytes, *, credential: Credential | None
                 # small frames, each waited for: Nagle's wait for the peer's delayed ACK cost
                 # ~40 ms a round with TLS and the secret together
                 raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if ctx is None:
-                    return _exchange_once(raw, host, port, metadata, credential, deadline)
-                with ctx.wrap_socket(raw, server_hostname=host, do_handshake_on_connect=False) as sock:
-                    _tls_handshake(sock, deadline)
-                    return _exchange_once(sock, host, port, metadata, credential, deadline)
+                sock = raw
+                if ctx is not None:
+                    sock = ctx.wrap_socket(raw, server_hostname=host, do_handshake_on_connect=False)
+                try:
+                    if ctx is not None:
+                        _tls_handshake(sock, deadline)  # type: ignore[arg-type]
+                    met = _exchange_once(sock, host, port, metadata, credential, deadline)
+                    if keep and _ask_keep(sock, deadline):
+                        # the caller's now: detached from the socket the with-block closes
+                        kept = sock if ctx is not None else socket.socket(fileno=raw.detach())
+                        sock = None  # type: ignore[assignment]
+                        return Meeting(met.metadata, met.keys, kept)
+                    return met
+                finally:
+                    if sock is not None and sock is not raw:
+                        sock.close()
         except ssl.SSLCertVerificationError as e:
             raise AuthenticationError(f"{host}:{port} presented a certificate we do not trust: {e.verify_message}; "
                                       f"our metadata was not sent") from None

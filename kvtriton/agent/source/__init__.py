@@ -245,6 +245,11 @@ class Source:
         self.eager.peer_lost(peer)
         self.serves.peer_lost(peer)
 
+    def consumer_lost(self, peer: Peer) -> None:
+        """``peer`` died (or expired): the holds still waiting for its done end now, not by lease."""
+        for hold in self.holds.left_by(peer):
+            self._end_hold(hold, "consumer_lost")
+
     def transfer_failed(self, xid: str | None, peer: Peer, error: KVTritonError) -> None:
         self.serves.transfer_failed(xid, peer, error)
 

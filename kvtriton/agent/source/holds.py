@@ -46,7 +46,8 @@ __all__ = ["FreedRequest", "Hold", "Holds"]
 @dataclass(frozen=True)
 class FreedRequest:
     """A held request whose blocks the prefill side may reuse: ``reason`` is ``"done"`` (every
-    consumer finished), ``"lease_expired"`` or ``"released"`` (:meth:`TransferAgent.release`)."""
+    consumer finished), ``"lease_expired"``, ``"released"`` (:meth:`TransferAgent.release`) or
+    ``"consumer_lost"`` (a consumer rank it waited for died: its lifeline closed, or it expired)."""
 
     req_id: str
     reason: str
@@ -150,6 +151,13 @@ class Holds:
         if hold.consumer == eng and self._waits_for(peer.md.tp) <= {r for e, r in hold.done_from if e == eng}:
             return hold
         return None
+
+    def left_by(self, peer: Peer) -> list[Hold]:
+        """The holds of ``peer``'s engine still waiting for ``peer``'s done: it is gone, so they
+        would end only by their lease."""
+        if peer.md.rank not in self._waits_for(peer.md.tp):
+            return []
+        return [h for h in self.held.values() if h.consumer == peer.md.engine and peer.key not in h.done_from]
 
     def _waits_for(self, dst_tp: int) -> frozenset[int]:
         """The ranks of a ``dst_tp`` consumer whose done ends a hold here: those that read from

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...errors import KVTritonError, ProtocolError
+from ...errors import KVTritonError, PeerDisconnectedError, ProtocolError
 from ..core import Meeting, Meetings, PrefillEngine, RankAddress
 from .messages import Ready, Want
 
@@ -144,8 +144,8 @@ class DecodeRole:
             return
         try:
             self.agent.fetch(str(ready.room), engine, first.page_ids, local)
-        except (KVTritonError, KeyError) as e:
-            self._fail(ready.room, e if isinstance(e, KVTritonError) else ProtocolError(str(e)))
+        except (KVTritonError, KeyError) as e:  # KeyError: its ranks were dropped since the meeting
+            self._fail(ready.room, e if isinstance(e, KVTritonError) else PeerDisconnectedError(str(e)))
 
     def reads_from(self, room_id: int, engine: str, rank: int) -> bool:
         """Whether this room's ``WANT`` went to ``engine`` rank ``rank`` (a failure it may report)."""
@@ -187,6 +187,11 @@ class DecodeRole:
             self.agent.abort(str(room_id))  # a no-op once its result came
 
     def _fail(self, room_id: int, error: BaseException) -> None:
+        if isinstance(error, PeerDisconnectedError):  # lost (its lifeline closed): met again next time
+            with self._lock:
+                room = self._rooms.get(room_id)
+            if room is not None:
+                self.meetings.forget(room.engine.key, met_only=True)
         self.mgr.record_failure(room_id, f"{type(error).__name__}: {error}")
         self.mgr.update_status(room_id, self.poll.Failed)
 

@@ -62,6 +62,8 @@ EVENT_COUNTERS: dict[str, tuple[str, str]] = {
                      "Malformed or inconsistent peer messages, from unknown agents or beyond a sender's bound."),
     "peers_refused": ("vllm:kvtriton_num_refused_peers", "Peer registrations refused."),
     "peers_expired": ("vllm:kvtriton_num_expired_peers", "Peers dropped because they stopped answering."),
+    "peers_disconnected": ("vllm:kvtriton_num_disconnected_peers",
+                           "Peers dropped because the connection they met over closed (their process died)."),
     "records_dropped": ("vllm:kvtriton_num_dropped_records",
                         "Transfers left out of the histograms because a window was full."),
 }

@@ -51,6 +51,7 @@ EVENTS = {
     "bad_messages": "bad_messages",  # malformed, unknown sender, beyond a sender's inbox bound
     "peers_refused": "peers_refused",  # registrations refused (identity held, stale, table full)
     "peers_expired": "peers_expired",  # peers dropped for silence
+    "peers_disconnected": "peers_disconnected",  # peers dropped when their lifeline closed (process died)
 }
 #: transfers one window (one step, or one merge of several ranks' steps) keeps
 MAX_RECORDS = 4096

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ...errors import KVTritonError, PeerDisconnectedError, ProtocolError, RequestRejectedError, TransferTimeoutError
+from ...errors import KVTritonError, PeerDisconnectedError, RequestRejectedError, TransferTimeoutError
 from ...protocol.handshake import MetadataServer
 from ...regions import Region
 from ..core import Meeting, Meetings, PrefillEngine, RankAddress, make_agent, serve_metadata
@@ -208,7 +208,7 @@ class WorkerSide:
         elif self.meetings.join(engine, load.req_id, load) is not None:  # else it waits for the meeting
             self._fetch(load)
 
-    def _fetch(self, load: LoadSpec) -> None:
+    def _fetch(self, load: LoadSpec, again: bool = False) -> None:
         with self._lock:
             duplicate = load.source.request_id in self._by_remote
             if not duplicate:
@@ -221,8 +221,18 @@ class WorkerSide:
         try:
             self.agent.fetch(load.source.request_id, load.source.engine_id, load.remote_block_ids,
                              load.local_block_ids, num_tokens=load.num_tokens)
-        except (KVTritonError, KeyError) as e:
-            self._result(load.source.request_id, e if isinstance(e, KVTritonError) else ProtocolError(str(e)))
+        except KeyError as e:  # met, but its ranks were dropped since (died, restarted): meet it again
+            with self._lock:
+                self._by_remote.pop(load.source.request_id, None)
+                self._active.pop(load.req_id, None)
+            if again:  # met just now and still missing: recomputed, and met again on the next load
+                self._finish_load(load, PeerDisconnectedError(f"{load.source.engine_id} is not connected: {e}"))
+                return
+            self.meetings.forget(load.source.engine.key, met_only=True)
+            if self.meetings.join(load.source.engine, load.req_id, load) is not None:  # else parked: _met fetches
+                self._fetch(load, again=True)
+        except KVTritonError as e:
+            self._result(load.source.request_id, e)
 
     def _cancel(self, rid: str) -> None:
         parked = self.meetings.unpark(rid)
@@ -268,7 +278,7 @@ class WorkerSide:
     # ------------------------------------------------------------------ meetings (their thread)
     def _met(self, meeting: Meeting, parked: list[LoadSpec]) -> None:
         for load in parked:
-            self._fetch(load)
+            self._fetch(load, again=True)  # met just now: a rank missing again is not met a third time
 
     def _not_met(self, meeting: Meeting, parked: list[LoadSpec], error: KVTritonError) -> None:
         for load in parked:
