@@ -154,8 +154,8 @@ class _Rank:
             self.agent.hold(r.req_id, list(r.src_ids), lease_s=self.cfg.lease_s, consumer=r.decode)
 
     def fetch(self, reqs: list[Request], then_pause: bool = False) -> None:
-        """Start each fetch; ``then_pause``: progress a little (the pulls go out), then stop
-        progressing, like a rank stuck or about to die."""
+        """Start each fetch; ``then_pause``: progress once (the pulls go out), then stop
+        progressing (nothing read, no result taken), like a rank stuck or about to die."""
         from ..errors import KVTritonError
 
         for r in reqs:
@@ -165,9 +165,7 @@ class _Rank:
             except KVTritonError as e:  # refused at once (its source engine already dropped)
                 self.ended.append((r.req_id, Outcome(False, type(e).__name__, str(e), time.monotonic())))
         if then_pause:
-            end = time.monotonic() + 0.1
-            while time.monotonic() < end:
-                self.agent.progress()
+            self.agent.progress()
             self.paused = True
 
     def pause(self) -> None:
