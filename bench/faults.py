@@ -36,7 +36,7 @@ processes (``--small``: ~1 min).
 from __future__ import annotations
 
 if not __package__:  # `python bench/faults.py`: run as `python -m bench.faults` (bench/_as_module.py)
-    import _as_module
+    import _as_module  # type: ignore[import-not-found]
 
     _as_module.run_as_module(__file__)
 
@@ -57,7 +57,7 @@ HERE = Path(__file__).resolve().parent
 
 #: requests per (prefill, decode) pair in each wave, and seconds of stream after each kill
 #: (the main job's small size runs TP1 engines: half the processes to start on a 2-core box)
-SIZES = {"small": dict(tp=1, wave=2, stream_s=1.0), "default": dict(tp=2, wave=4, stream_s=3.0)}
+SIZES: dict[str, dict] = {"small": dict(tp=1, wave=2, stream_s=1.0), "default": dict(tp=2, wave=4, stream_s=3.0)}
 SERVE_TIMEOUT_S = 30.0  # a restarted engine that serves nothing in this long is reported as not serving
 
 
@@ -81,7 +81,7 @@ def _stream(bed: FaultBed, pairs, seconds: float) -> list:
     return out
 
 
-def _serves_again(bed: FaultBed, pairs, t0: float, dead_decodes=frozenset()) -> float | None:
+def _serves_again(bed: FaultBed, pairs, t0: float) -> float | None:
     """Seconds from ``t0`` until one request of every pair in ``pairs`` loaded byte-exact on every
     rank (retried: the first may race the meeting); None after :data:`SERVE_TIMEOUT_S`."""
     left = set(pairs)
@@ -90,8 +90,7 @@ def _serves_again(bed: FaultBed, pairs, t0: float, dead_decodes=frozenset()) -> 
         reqs = [r for p, d in sorted(left) for r in bed.new_requests(p, d, 1)]
         bed.submit(reqs)
         try:
-            bed.wait([r.req_id for r in reqs], timeout_s=max(1.0, deadline - time.monotonic()),
-                     dead_decodes=dead_decodes)
+            bed.wait([r.req_id for r in reqs], timeout_s=max(1.0, deadline - time.monotonic()))
         except TimeoutError:
             break
         left -= {(r.prefill, r.decode) for r in reqs if not bed.lost(r.req_id)}

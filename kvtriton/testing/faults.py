@@ -22,6 +22,7 @@ import os
 import signal
 import time
 import zlib
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from .child import AgentChild, ChildProcess
@@ -282,8 +283,11 @@ class FaultBed:
     def kill(self, key) -> float:
         """SIGKILL rank ``key``; the monotonic time just before."""
         proc = self.procs[key]
+        pid = proc.process.pid
+        if pid is None:  # never started: nothing of ours to kill (and never signal pid 0, our group)
+            raise RuntimeError(f"{key} has no process")
         t0 = time.monotonic()
-        os.kill(proc.process.pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         proc.process.join(5)
         self.dead.add(key)
         self.ports.pop(key, None)
@@ -361,13 +365,13 @@ class FaultBed:
             else:
                 self.freed.setdefault(key, []).extend(self.call(key, "freed_holds"))
 
-    def ended(self, req_id: str, dead_decodes: set[tuple[str, int]] = frozenset()) -> bool:
+    def ended(self, req_id: str, dead_decodes: Collection[tuple[str, int]] = ()) -> bool:
         """Every decode rank that is to report ``req_id`` did (a dead decode rank's never will)."""
         r = self.requests[req_id]
         want = {k[1] for k in self.ranks(r.decode) if k not in dead_decodes}
         return want <= set(self.outcomes[req_id])
 
-    def wait(self, req_ids, timeout_s: float, dead_decodes=frozenset()) -> None:
+    def wait(self, req_ids, timeout_s: float, dead_decodes: Collection[tuple[str, int]] = ()) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             self.poll()
