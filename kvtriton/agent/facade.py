@@ -74,23 +74,19 @@ class TransferAgent:
                    (a source's lease should be well above it).
     transport:     a ready :class:`~kvtriton.transport.nixl.NixlTransport` (default: a new
                    one named ``"{engine_id}:{rank}:{random}"``).
-    eager_bytes:   staging that packs made ahead of their pull may keep, all holds together
-                   (default: half the pool; 0 disables): a :meth:`hold` that names its
-                   ``consumer`` is packed in the next :meth:`progress` for each of that
-                   engine's connected ranks that read from this one, so the pull is answered
-                   with the data in place (:mod:`kvtriton.agent.source.eager`). Pull mode only.
-    eager_guess:   a hold without a ``consumer`` is packed ahead for the only peer engine
-                   connected, if exactly one is, else the only one that read from this rank
-                   lately (a guess: the hold still binds to the first engine whose transfer is
-                   accepted, and another engine's pull frees the guessed pack). Default True;
-                   False packs only holds that name their consumer.
+    eager_bytes:   staging that packs made ahead of their pull may keep, all holds together (default:
+                   half the pool; 0 disables): a :meth:`hold` naming its ``consumer`` is packed in the
+                   next :meth:`progress` for that engine's connected ranks that read from this one, so
+                   the pull finds the data in place (:mod:`kvtriton.agent.source.eager`). Pull only.
+    eager_guess:   a hold without a ``consumer`` is packed ahead for the only peer engine connected,
+                   else the only one that read from this rank lately (a guess: it binds nothing, and
+                   another engine's pull frees the pack). Default True; False: named holds only.
     require_authenticated_peers: a cluster credential is configured: only peers added with
-                   ``add_remote(..., authenticated=True)`` are trusted. An unauthenticated peer
-                   reads only holds that name its engine; it never binds an unbound hold, is
-                   never guessed, never stands for a rank of an engine that registered
-                   authenticated (live, stalled or expired; an authenticated registration drops
-                   the engine's unauthenticated ranks), and its refusals say only "refused" (the
-                   reason is logged here). Default False: every peer is trusted.
+                   ``add_remote(..., authenticated=True)`` are trusted. An unauthenticated peer reads
+                   only holds that name its engine; it never binds an unbound hold, is never guessed,
+                   never stands for a rank of an engine that registered authenticated (see
+                   :mod:`kvtriton.agent.peers`), and its refusals say only "refused" (the reason is
+                   logged here). Default False: every peer is trusted.
     max_peers, max_peer_engines: bounds of the peer table (ranks, engines); a registration
                    beyond either raises :class:`~kvtriton.errors.PeerRefusedError`.
     peer_expiry_s: a peer silent this long (pinged at a third of it) is dropped: its transfers fail,
@@ -109,10 +105,8 @@ class TransferAgent:
                    request: those of a peer with this rank's own geometry now, each new peer's
                    in :meth:`add_remote` (see :meth:`warmup`). Default False.
 
-    On CUDA the agent queues its packs and unpacks on a stream of its own, on the regions'
-    device, and every public call and the background thread run with that device current;
-    :meth:`hold` says how the engine's cache writes are ordered before a transfer reads them
-    (:mod:`kvtriton.agent.device`).
+    On CUDA the agent queues its packs and unpacks on a stream of its own, on the regions' device,
+    with that device current in every call; :meth:`hold` orders them after the engine's cache writes.
     """
 
     def __init__(
@@ -426,6 +420,12 @@ class TransferAgent:
             self._check_registered(f"fetch {req_id!r}")
             self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s,
                                     num_tokens, ready)
+
+    def queued(self, req_id: str, remote_engine_id: str, max_wait_s: float = 600.0) -> None:
+        """The engine queued ``req_id``, to be fetched from ``remote_engine_id``: its holds there are renewed
+        until its :meth:`fetch`, :meth:`abort` or ``max_wait_s`` (:mod:`.destination.queued`)."""
+        with self._lock:
+            self._destination.queued.add(req_id, remote_engine_id, float(max_wait_s))
 
     def has_offer(self, remote_engine_id: str, req_id: str) -> bool:
         """Whether some rank of ``remote_engine_id`` has offered ``req_id`` packed ahead (its

@@ -172,3 +172,39 @@ def test_only_the_lifeline_closing_counts():
         server.close()
         p.close()
         d.close()
+
+
+def test_a_queued_request_keeps_its_hold_past_the_lease_until_fetched():
+    """Point 4 at the agent level: a request waiting in the decode engine's queue (``queued``)
+    keeps its hold (lease 0.5 s) for 2 s, then loads byte-exact; one not queued expires."""
+    p, p_regs = la.make_agent("P", 5, "pull", timeout_s=30.0)
+    d, d_regs = la.make_agent("D", 6, "pull", timeout_s=30.0, renew_interval_s=0.1)
+    server = serve_metadata(p, None, "127.0.0.1", 0, io_timeout_s=5.0)
+    try:
+        _meet(d, server.port)
+        kv = la.kv_of(11, len(SRC))
+        load_source(p_regs, 0, 1, kv, SRC)
+        p.hold("waits", SRC, lease_s=0.5, consumer="D")
+        p.hold("forgotten", [20, 21], lease_s=0.5, consumer="D")
+        d.queued("waits", "P", max_wait_s=30.0)
+        freed = []
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            p.progress()
+            d.progress()
+            freed += [(f.req_id, f.reason) for f in p.freed()]
+            time.sleep(0.001)
+        assert freed == [("forgotten", "lease_expired")]
+        d.fetch("waits", "P", SRC, DST)
+
+        def done():
+            p.progress()
+            return d.results()
+
+        (r,) = _drive(d, done, 20.0)
+        assert r.ok, r.error
+        check_destination(d_regs, 0, 1, kv, DST)
+    finally:
+        server.close()
+        p.close()
+        d.close()

@@ -22,9 +22,9 @@ def kv_of(seed: int, n: int):
     return make_global_kv(MODELS, n, BS, torch.Generator().manual_seed(seed))
 
 
-def make_agent(engine: str, seed: int, flow: str, timeout_s: float) -> tuple[TransferAgent, list]:
+def make_agent(engine: str, seed: int, flow: str, timeout_s: float, **kw) -> tuple[TransferAgent, list]:
     regs = make_rank_regions(MODELS, 0, 1, 64, BS, gen=torch.Generator().manual_seed(seed))
-    return TransferAgent(engine, 0, 1, regs, flow=flow, timeout_s=timeout_s, **KW), regs
+    return TransferAgent(engine, 0, 1, regs, flow=flow, timeout_s=timeout_s, **{**KW, **kw}), regs
 
 
 class _Paused:

@@ -27,6 +27,7 @@ from .parts import (
     RunsTransfer,
     StagedPart,
 )
+from .queued import Queued
 
 _PULL_PARTS: dict[Way, type[Part]] = {Way.STAGED: StagedPart, Way.READ_UNPACK: ReadUnpackPart,
                                        Way.PACK_PLACE: PackPlacePart, Way.DIRECT_SLICE: DirectPart}
@@ -40,6 +41,7 @@ class Destination:
         self.s, self.links, self.plans = settings, links, plans
         self.fetches = Fetches(settings.name, settings.rank, settings.tp, links)
         self.offers = Offers(links)
+        self.queued = Queued(settings.rank, settings.renew_s, links)  # waiting in the engine's queue: renewed
 
     # ------------------------------------------------------------------ requests
     def fetch(self, req_id: str, engine: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
@@ -47,6 +49,7 @@ class Destination:
         """Start reading ``req_id`` from ``engine`` (see :meth:`TransferAgent.fetch`)."""
         if req_id in self.fetches:
             raise RequestRejectedError(f"fetch {req_id!r} is already in flight")
+        self.queued.drop(req_id)  # from now on its fetch renews its holds
         plan = self.plans.read_by(engine)  # KeyError / PlanError as before
         missing = [r for r in plan.source_ranks if (engine, r) not in self.links.peers]
         if missing:
@@ -139,6 +142,7 @@ class Destination:
             self.links.send(peer, msg)
 
     def abort(self, req_id: str) -> bool:
+        self.queued.drop(req_id)
         f = self.fetches.by_req.get(req_id)
         if f is None:
             return False
@@ -189,6 +193,7 @@ class Destination:
     def advance(self) -> None:
         """Renew the holds of fetches still outstanding, move every part along, finish or fail."""
         now = time.monotonic()
+        self.queued.advance(now)
         for f in list(self.fetches.by_req.values()):
             if f.error is not None:
                 continue
