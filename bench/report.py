@@ -116,6 +116,9 @@ def summary_lines(rows: list[dict], meta: dict) -> list[str]:
     rogue = [r for r in rows if r["section"] == "rogue"]
     if rogue:
         lines += rogue_summary(rogue)
+    faults = [r for r in rows if r["section"] == "faults"]
+    if faults:
+        lines += faults_summary(faults)
     sec = [r for r in rows if r["section"] == "security_cost"]
     if sec:
         lines += _table("Memory-model options, one request end to end (ratio: p50 / the default's p50, same "
@@ -573,6 +576,46 @@ def rogue_summary(rows: list[dict]) -> list[str]:
                   f"{r['slowdown_vs_no_rogue']} |" for r in load]
     return lines + [""]
 
+
+
+# --------------------------------------------------------------------------- faults (bench/faults.py)
+def faults_summary(rows: list[dict]) -> list[str]:
+    """The fault bench's table: one line per kill or restart, then what was left after settling."""
+    def get(part: str) -> dict:
+        return next((r for r in rows if r["part"] == part), {})
+
+    def na(v) -> str:
+        return "n/a" if v is None or v == "" else str(v)
+
+    pk, pr, dk, dr, st = (get(p) for p in ("prefill kill", "prefill restart", "decode kill", "decode restart",
+                                           "settled"))
+    lines = ["## Faults (bench/faults.py)", "",
+             f"2 prefill x 2 decode engines (TP{rows[0].get('tp', 2)} each), every rank its own process over real "
+             "NIXL, under a stream of "
+             "requests (fresh random data each, every load checked byte-exact); agents' timeout_s and lease_s 30 s. "
+             "A prefill rank, then a decode rank, is SIGKILLed with requests in flight, then restarted under the same "
+             "engine id. Survivors: requests of the kill's wave and stream that did not involve the dead engine (goal: "
+             "0 lost). Restarted: seconds from the restart until the new process was built and met (its Python "
+             "start included), and until a request loaded byte-exact from or into it.", "",
+             "| event | victim | requests | involved | kill to typed error / hold freed p50 (ms) | p99 (ms) "
+             "| what | survivors lost | restarted: met (s) | serves again (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    if pk:
+        lines.append(f"| prefill kill | {pk['victim']} | {pk['requests']} | {pk['involved']} "
+                     f"| {na(pk['error_p50_ms'])} | {na(pk['error_p99_ms'])} | {pk['error_types']} "
+                     f"| {pk['survivors_lost']}/{pk['survivors']} "
+                     f"| {na(pr.get('restart_met_s'))} | {na(pr.get('serves_again_s'))} |")
+    if dk:
+        lines.append(f"| decode kill | {dk['victim']} | {dk['requests']} | {dk['involved']} "
+                     f"| {na(dk['freed_p50_ms'])} | {na(dk['freed_p99_ms'])} | holds freed: {dk['freed_reasons']} | "
+                     f"{dk['survivors_lost']}/{dk['survivors']} | {na(dr.get('restart_met_s'))} "
+                     f"| {na(dr.get('serves_again_s'))} |")
+    if st:
+        lines += ["", f"After settling ({st['requests']} requests in all): requests with wrong bytes "
+                  f"{st['wrong_bytes_requests']}, warm-up requests lost {st['warmup_lost']}, holds left "
+                  f"{st['holds_left']}, ranks with fetches in flight {st['fetches_left']}, staging slots taken "
+                  f"{st['staging_slots_left']} (goal: all 0)."]
+    return lines + [""]
 
 
 # --------------------------------------------------------------------------- real vLLM engines (bench/pd_vllm.py)

@@ -28,6 +28,10 @@ Sections (all by default; ``--sections`` picks some):
 * ``security_cost``: one request end to end with ``register="staging"`` and ``integrity=True``
   against the default, same run, as ratios (bench/security_cost.py, ~1 min; ``--full``: 16 MiB,
   ~5 min), when NIXL is installed.
+* ``faults``: 2 prefill x 2 decode engines in processes over NIXL under a stream of requests, a
+  prefill rank then a decode rank SIGKILLed and restarted (bench/faults.py: TP1 at the default size,
+  TP2 with ``--full``; ~1.5 min, most of it starting processes; no budget of its own yet), when NIXL
+  is installed.
 * ``pd_vllm``: prefill and decode as real vLLM engines (bench/pd_vllm.py), kvtriton's connector
   and vLLM's own NixlConnector side by side, P2->D1 and P1->D2: time to KV loaded per request
   (ours/theirs), time to the first decode token, descriptors; a 16-layer, 8-KV-head model with
@@ -220,6 +224,15 @@ def _security_cost(args, presets, device, bar) -> list[dict]:
     return rows
 
 
+def _faults(args, presets, device, bar) -> list[dict]:
+    from bench.faults import run_faults  # bench/faults.py
+
+    bar.total(1)
+    rows = [{"section": "faults", **r} for r in run_faults("default" if args.full else "small", say=lambda *a: None)]
+    bar.step("killed and restarted")
+    return rows
+
+
 def _pd_vllm(args, presets, device, bar) -> list[dict]:
     return pd_vllm_rows(not args.full, args.pd_size, bar)
 
@@ -235,6 +248,7 @@ SECTIONS = {
     "fetch_host": (True, _fetch_host),
     "rogue": (True, _rogue),
     "security_cost": (True, _security_cost),
+    "faults": (True, _faults),
     "pd_vllm": (False, _pd_vllm),
 }
 
