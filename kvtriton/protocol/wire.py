@@ -51,7 +51,7 @@ import msgpack
 
 from ..errors import ProtocolError, TopologyError
 from ..plan import STAGED_LAYOUT_VERSION, CostModel, head_range
-from ..spec import DTYPE_ITEMSIZE, Kind, Layout, RegionSpec
+from ..spec import DTYPE_ITEMSIZE, MAX_GROUPS, Kind, Layout, RegionSpec
 
 __all__ = [
     "PROTOCOL_VERSION", "RankMetadata", "StagingInfo", "encode_metadata", "decode_metadata", "Message", "Pull",
@@ -131,6 +131,7 @@ def encode_metadata(md: RankMetadata) -> bytes:
             local_heads=spec.local_heads, head_dims=list(spec.head_dims), dtype=spec.dtype,
             itemsize=spec.itemsize, strides=[list(s) for s in spec.strides],
             addrs=list(addrs), spans=list(spans), dim_major=list(spec.dim_major),
+            **({"group": spec.group} if spec.group else {}),  # absent: group 0 (older peers' metadata)
         ))
     return msgpack.packb(dict(
         v=PROTOCOL_VERSION, fmt=STAGED_LAYOUT_VERSION, engine=md.engine, rank=md.rank, tp=md.tp,
@@ -232,6 +233,7 @@ def _region(r: Any, where: str, rank: int, tp: int) -> tuple[RegionSpec, tuple[i
         head_dims=head_dims, dtype=dtype,
         itemsize=_int(r, "itemsize", where, 1, 16), strides=tuple(strides),
         dim_major=_dim_major(r, where, n_streams),
+        group=_int(r, "group", where, 0, MAX_GROUPS - 1) if "group" in r else 0,
     )
     where = f"{where} ({spec.name!r:.80})"
     if spec.itemsize != DTYPE_ITEMSIZE[dtype]:
