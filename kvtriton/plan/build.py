@@ -306,7 +306,7 @@ def build_plan(
                            payload_ways(r, segs, forced_way, src_specs, dst_specs))
                    for r, segs in sorted(per_source.items()))
     return TransferPlan(dst_rank, dst_tp, src_tp, tuple(routes), staged, tuple(direct), src_bs, dst_bs,
-                        forced=tuple(forced_way.get(i) for i in range(len(routes))))
+                        forced=tuple(forced_way.get(i) for i in range(len(routes))), groups=num_groups(dst_specs))
 
 
 def _check_groups(dst_specs: Sequence[RegionSpec], src_specs: Sequence[RegionSpec], resized: bool,

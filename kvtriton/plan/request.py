@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -43,7 +44,69 @@ from .topology import replicate_sources, split_sources
 from .types import ChunkGeometry, Payload, TransferPlan, Way, ceil_div
 
 __all__ = ["TokenMap", "compact_tokens", "source_positions", "compact_request", "required_source_ranks",
-           "done_ranks", "meeting_ranks", "RequestPlan", "RequestPayload", "OfferTerms", "ids_digest"]
+           "done_ranks", "meeting_ranks", "RequestPlan", "RequestPayload", "OfferTerms", "ids_digest", "group_lists",
+           "compact_groups"]
+
+IdsArg = Sequence[int] | np.ndarray | Sequence[Sequence[int] | np.ndarray]
+
+
+def group_lists(block_ids: IdsArg, num_groups: int, what: str = "block ids") -> tuple[np.ndarray, ...]:
+    """A request's block ids as one int64 array per KV cache group ``0..num_groups-1``.
+
+    ``block_ids`` is a flat sequence of ints (one list for every group: every region moves
+    those positions, as for a model of one group) or a sequence of per-group sequences, exactly
+    ``num_groups`` of them (a group's list may be empty). :class:`PlanError` naming ``what`` on
+    a wrong group count or entries that are not integers (nothing is checked against a cache here).
+
+    >>> [a.tolist() for a in group_lists([[3, 4], [], [7]], 3)]
+    [[3, 4], [], [7]]
+    >>> [a.tolist() for a in group_lists([5, 6], 2)]
+    [[5, 6], [5, 6]]
+    """
+    if isinstance(block_ids, np.ndarray) and block_ids.ndim <= 1 or _flat(block_ids):
+        flat = _ints(block_ids, what)
+        return (flat,) * num_groups
+    lists = list(block_ids)
+    if len(lists) != num_groups:
+        raise PlanError(f"{what}: {len(lists)} group lists given, the regions span {num_groups} KV cache groups "
+                        f"(one list per group 0..{num_groups - 1}, a group's list may be empty)")
+    return tuple(_ints(x, f"{what} of group {g}") for g, x in enumerate(lists))
+
+
+def _flat(ids: object) -> bool:
+    """Whether ``ids`` is one flat list of ints (an empty list is: one empty group)."""
+    if isinstance(ids, np.ndarray):
+        return ids.ndim <= 1
+    if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
+        raise PlanError(f"block ids must be a sequence of ints or of per-group sequences, got {type(ids).__name__}")
+    return len(ids) == 0 or isinstance(ids[0], (int, np.integer))
+
+
+def _ints(ids: object, what: str) -> np.ndarray:
+    try:
+        a = np.asarray(ids)
+    except (TypeError, ValueError) as e:
+        raise PlanError(f"{what}: not a list of block ids ({e})") from None
+    if a.size and (a.ndim != 1 or not np.issubdtype(a.dtype, np.integer)):
+        raise PlanError(f"{what}: expected a flat list of integer block ids, got shape {a.shape} of {a.dtype}")
+    return a.astype(np.int64, copy=False).reshape(-1)
+
+
+def compact_groups(src_lists: Sequence[np.ndarray], dst_lists: Sequence[np.ndarray], src_num_blocks: int,
+                   dst_num_blocks: int) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """:func:`compact_request` per KV cache group (the same rules in each: equal lengths, ids in
+    range, -1 skips, destination ids distinct within the group), concatenated in group order;
+    returns the ids and each group's compacted positions. :class:`PlanError` names the group."""
+    src_parts, dst_parts, sizes = [], [], []
+    for g, (s, d) in enumerate(zip(src_lists, dst_lists)):
+        try:
+            cs, cd = compact_request(s, d, src_num_blocks, dst_num_blocks)
+        except PlanError as e:
+            raise PlanError(f"group {g}: {e}") from None
+        src_parts.append(cs)
+        dst_parts.append(cd)
+        sizes.append(int(cs.size))
+    return np.concatenate(src_parts), np.concatenate(dst_parts), tuple(sizes)
 
 
 def _check_ids(src_block_ids: Sequence[int] | np.ndarray, dst_block_ids: Sequence[int] | np.ndarray,
@@ -356,18 +419,26 @@ class RequestPayload:
     @property
     def nbytes(self) -> int:
         """Bytes of the whole payload (every chunk)."""
-        return self.read.payload_bytes(self.chunks.num_blocks)
+        g = self.chunks
+        return self.read.payload_bytes(g.group_sizes if g.grouped else g.num_blocks)
 
     def refit(self, chunk_bytes: int) -> RequestPayload:
         """The same payload in the widest chunks of at most ``chunk_bytes`` (StagingError when
         one tile does not fit)."""
-        return RequestPayload(self.read, ChunkGeometry.fit(self.read.bytes_per_block, self.chunks.num_blocks,
-                                                           chunk_bytes))
+        g = self.chunks
+        return RequestPayload(self.read, self.read.chunk_geometry(g.group_sizes or (g.num_blocks,), chunk_bytes))
 
     def segment_offsets(self, chunk: int, base: int = 0) -> np.ndarray:
         """Byte offset of each segment's first tile inside chunk ``chunk`` placed at ``base``."""
+        if self.chunks.grouped:
+            return self.read.segment_offsets(self.chunks.group_counts(chunk), base=base)
         lo, hi = self.chunks.bounds(chunk)
         return self.read.segment_offsets(hi - lo, base=base)
+
+    def launch_groups(self, chunk: int) -> tuple[int, ...] | None:
+        """What :func:`kvtriton.ops.pack`/``unpack`` take as ``groups`` for chunk ``chunk``: the
+        positions of each KV cache group among the chunk's ids (``None``: one group)."""
+        return self.chunks.group_counts(chunk) if self.chunks.grouped else None
 
 
 def _caps(chunk_bytes: int | Mapping[int, int], rank: int) -> int:
@@ -403,6 +474,11 @@ class RequestPlan:
         choice; on the source, the way the pull named; ``{}`` when no pair was given).
     guessed : bool
         The ids and ways are the source's guess (:meth:`for_hold`), not a destination's request.
+    groups : tuple[int, ...]
+        Positions of each KV cache group (``plan.groups`` of them): :attr:`src_ids` and
+        :attr:`dst_ids` are the groups' compacted lists concatenated in group order
+        (:attr:`group_bounds`); one group: ``(num_tiles,)``. A region of group ``g`` moves only
+        its group's positions; the payload layout is :mod:`kvtriton.plan.types`'s.
 
     Example
     -------
@@ -431,11 +507,12 @@ class RequestPlan:
     pairs: Mapping[int, PairPlan] = field(default_factory=dict)
     ways: Mapping[int, Way] = field(default_factory=dict)
     guessed: bool = False
+    groups: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ makers
     @classmethod
-    def for_fetch(cls, plan: TransferPlan, src_block_ids: Sequence[int] | np.ndarray,
-                  dst_block_ids: Sequence[int] | np.ndarray, *, src_num_blocks: int, dst_num_blocks: int,
+    def for_fetch(cls, plan: TransferPlan, src_block_ids: IdsArg, dst_block_ids: IdsArg, *,
+                  src_num_blocks: int, dst_num_blocks: int,
                   chunk_bytes: int | Mapping[int, int], num_tokens: int | None = None,
                   pairs: Mapping[int, PairPlan] | None = None, packed: Collection[int] = (),
                   push: bool = False) -> RequestPlan:
@@ -448,19 +525,30 @@ class RequestPlan:
         With ``pairs`` (per source rank, its :class:`PairPlan`) each payload's way is chosen
         here, the one place it is (:attr:`ways`): STAGED for a ``push`` or a token map, else the
         pair's cost model's choice for these ids (:meth:`PairPlan.choose_way`; ``packed``: the
-        source ranks that offered their payload packed already)."""
+        source ranks that offered their payload packed already).
+
+        Several KV cache groups (``plan.groups > 1``): the ids are one list per group
+        (:func:`group_lists`; a flat list stands for every group), compacted per group
+        (:func:`compact_groups`); every payload then travels STAGED (the one-sided ways and
+        token maps are for one group only, yet)."""
         tokens = None
-        if plan.maps_tokens:
+        if plan.groups > 1:
+            src_l = group_lists(src_block_ids, plan.groups, "remote block ids")
+            dst_l = group_lists(dst_block_ids, plan.groups, "local block ids")
+            src, dst, groups = compact_groups(src_l, dst_l, src_num_blocks, dst_num_blocks)
+        elif plan.maps_tokens:
             bs, bd = _block_sizes(plan)
-            tokens = compact_tokens(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks, bs, bd, num_tokens)
+            tokens = compact_tokens(_one(src_block_ids), _one(dst_block_ids), src_num_blocks, dst_num_blocks,
+                                    bs, bd, num_tokens)
             src, dst = tokens.read_ids, tokens.tile_dst_ids
+            groups = (int(dst.size),)
         else:
-            src, dst = compact_request(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks)
-        rp = cls._make(plan, src, dst, tokens, int(dst.size),
-                       lambda read, n: ChunkGeometry.fit(read.bytes_per_block, n, _caps(chunk_bytes, read.src_rank)),
-                       pairs or {})
+            src, dst = compact_request(_one(src_block_ids), _one(dst_block_ids), src_num_blocks, dst_num_blocks)
+            groups = (int(dst.size),)
+        rp = cls._make(plan, src, dst, tokens, groups,
+                       lambda read, g: read.chunk_geometry(g, _caps(chunk_bytes, read.src_rank)), pairs or {})
         if pairs is not None:
-            staged = push or tokens is not None
+            staged = push or tokens is not None or plan.groups > 1
             object.__setattr__(rp, "ways", rp._choose(lambda r, p: Way.STAGED if staged else pairs[r].choose_way(
                 src, dst, chunks=p.chunks.count, packed=r in packed)))
         return rp
@@ -468,27 +556,32 @@ class RequestPlan:
     @classmethod
     def for_serve(cls, plan: TransferPlan, src_rank: int, read_ids: Sequence[int] | np.ndarray, *,
                   held_blocks: int, chunk_blocks: int, num_tokens: int = 0,
-                  tiles: Sequence[int] = (), pair: PairPlan | None = None, way: Way = Way.STAGED) -> RequestPlan:
+                  tiles: Sequence[int] = (), pair: PairPlan | None = None, way: Way = Way.STAGED,
+                  groups: Sequence[int] = ()) -> RequestPlan:
         """The source's view of a request a destination asked for: ``read_ids`` (the source ids
         it sent), and with a token map its ``tiles`` and ``num_tokens`` (checked against the
         ``held_blocks`` of the hold: :class:`PlanError` when they do not fit). The payload of
         ``src_rank`` is cut in the ``chunk_blocks`` the destination asked (checking them against
         this side's staging is :meth:`ChunkGeometry.fits`), and travels the ``way`` it named
         (checking it against the plan is the caller's). A token count or tiles sent for a
-        plan of equal block sizes is the caller's to refuse (they are ignored here)."""
+        plan of equal block sizes is the caller's to refuse (they are ignored here). ``groups``:
+        the positions of each KV cache group the destination sent (``()``: one group);
+        :class:`PlanError` unless the plan's group count of them adds up to the ids."""
         ids = np.asarray(read_ids, dtype=np.int64).reshape(-1)
         tokens = None
         n = int(ids.size)
+        sizes = _wire_groups(plan, groups, n)
         if plan.maps_tokens:
             bs, bd = _block_sizes(plan)
             tokens = TokenMap.for_source(tiles, ids, num_tokens, bs, bd, held_blocks)
             n = tokens.num_tiles
+            sizes = (n,)
         payloads = {}
         read = plan.payload(src_rank)
         if read is not None:
-            payloads[src_rank] = RequestPayload(read, ChunkGeometry(read.bytes_per_block, n, chunk_blocks))
+            payloads[src_rank] = RequestPayload(read, read.chunks_of(sizes, chunk_blocks))
         return cls(plan, ids, None, tokens, n, payloads, {}, {} if pair is None else {src_rank: pair},
-                   {src_rank: way} if read is not None else {})
+                   {src_rank: way} if read is not None else {}, groups=sizes)
 
     @classmethod
     def for_hold(cls, plan: TransferPlan, block_ids: np.ndarray, *, chunk_bytes: int | Mapping[int, int],
@@ -500,13 +593,16 @@ class RequestPlan:
         over ``dst_ids``, the destination blocks the hold is for when known; unknown (``None``),
         the destination's ids are taken to run as ours do (our ids stand in for them: a wrong
         guess costs one declined offer). :attr:`guessed` is set. Only for plans of equal block
-        sizes (:class:`PlanError` otherwise: a token map's tiles depend on the destination's ids)."""
+        sizes and one KV cache group (:class:`PlanError` otherwise: a token map's tiles depend on the
+        destination's ids; grouped holds are not packed ahead, yet)."""
         if plan.maps_tokens:
             raise PlanError("a token-mapped request cannot be planned before the destination's ids are known")
+        if plan.groups > 1:
+            raise PlanError("a request of several KV cache groups is not planned before its pull (yet)")
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         guess = ids if dst_ids is None else np.asarray(dst_ids, dtype=np.int64).reshape(-1)
-        rp = cls._make(plan, ids, None, None, int(ids.size),
-                       lambda read, n: ChunkGeometry.fit(read.bytes_per_block, n, _caps(chunk_bytes, read.src_rank)),
+        rp = cls._make(plan, ids, None, None, (int(ids.size),),
+                       lambda read, g: read.chunk_geometry(g, _caps(chunk_bytes, read.src_rank)),
                        pairs or {}, guessed=True)
         if pairs is not None:
             object.__setattr__(rp, "ways", rp._choose(
@@ -514,17 +610,17 @@ class RequestPlan:
         return rp
 
     @classmethod
-    def _make(cls, plan: TransferPlan, src: np.ndarray, dst: np.ndarray | None, tokens: TokenMap | None, n: int,
-              fit: Callable[[Payload, int], ChunkGeometry], pairs: Mapping[int, PairPlan],
-              guessed: bool = False) -> RequestPlan:
+    def _make(cls, plan: TransferPlan, src: np.ndarray, dst: np.ndarray | None, tokens: TokenMap | None,
+              groups: tuple[int, ...], fit: Callable[[Payload, tuple[int, ...]], ChunkGeometry],
+              pairs: Mapping[int, PairPlan], guessed: bool = False) -> RequestPlan:
         payloads: dict[int, RequestPayload] = {}
         unfit: dict[int, StagingError] = {}
         for read in plan.staged:
             try:
-                payloads[read.src_rank] = RequestPayload(read, fit(read, n))
+                payloads[read.src_rank] = RequestPayload(read, fit(read, groups))
             except StagingError as e:
                 unfit[read.src_rank] = e
-        return cls(plan, src, dst, tokens, n, payloads, unfit, pairs, {}, guessed)
+        return cls(plan, src, dst, tokens, sum(groups), payloads, unfit, pairs, {}, guessed, groups)
 
     def _choose(self, choose: Callable[[int, RequestPayload], Way]) -> dict[int, Way]:
         """Per source rank whose payload fits and whose pair is known, ``choose(rank, payload)``."""
@@ -546,9 +642,21 @@ class RequestPlan:
         return ids_digest(self.src_ids)
 
     @functools.cached_property
+    def group_bounds(self) -> tuple[int, ...] | None:
+        """Several KV cache groups: group ``g``'s positions are ``[b[g], b[g + 1])`` of the
+        concatenated ids; ``None`` for one group (every position)."""
+        if len(self.groups) <= 1:
+            return None
+        return (0, *itertools.accumulate(self.groups))
+
+    def wire_groups(self) -> dict:
+        """The group sizes of a pull or push (``groups``); {} for one group (the wire as before)."""
+        return {"groups": self.groups} if len(self.groups) > 1 else {}
+
+    @functools.cached_property
     def direct_ranks(self) -> frozenset[int]:
         """Source ranks sending DIRECT runs for this request (none when it moves nothing)."""
-        return frozenset(self.plan.direct_ranks(self.num_tiles))
+        return frozenset(self.plan.direct_ranks(self.groups if len(self.groups) > 1 else self.num_tiles))
 
     @functools.cached_property
     def source_ranks(self) -> tuple[int, ...]:
@@ -585,6 +693,28 @@ class RequestPlan:
         """The terms of a read_unpack offer (READ the source's cache blocks) of this request:
         no chunks (``chunk_blocks`` 1) and no DIRECT runs claimed."""
         return OfferTerms(self.digest, self.ids_digest, int(self.src_ids.size), 1, 0)
+
+
+def _one(ids: IdsArg) -> Sequence[int] | np.ndarray:
+    """The one list of a one-group request given flat or as ``[list]``."""
+    if _flat(ids):
+        return ids  # type: ignore[return-value]
+    lists = list(ids)
+    if len(lists) != 1:
+        raise PlanError(f"{len(lists)} group lists given, the regions span one KV cache group")
+    return lists[0]  # type: ignore[return-value]
+
+
+def _wire_groups(plan: TransferPlan, groups: Sequence[int], n: int) -> tuple[int, ...]:
+    """The group sizes a destination sent, checked against the plan and the ids (untrusted)."""
+    if not groups:
+        if plan.groups > 1:
+            raise PlanError(f"the regions span {plan.groups} KV cache groups and the request names none")
+        return (n,)
+    sizes = tuple(int(x) for x in groups)
+    if len(sizes) != plan.groups or any(x < 0 for x in sizes) or sum(sizes) != n:
+        raise PlanError(f"group sizes {list(sizes)[:8]} do not fit {plan.groups} KV cache groups of {n} ids")
+    return sizes
 
 
 def _block_sizes(plan: TransferPlan) -> tuple[int, int]:

@@ -370,7 +370,8 @@ class TransferPlan:
     ``src_block_size``/``dst_block_size`` are the engines' block sizes when they differ (a
     request is then mapped token by token: :func:`~kvtriton.plan.compact_tokens`), ``None`` when
     every region has equal block sizes on both sides (a request is then block pairs:
-    :func:`~kvtriton.plan.compact_request`).
+    :func:`~kvtriton.plan.compact_request`). ``groups``: the KV cache groups the regions span (a
+    request brings one id list per group; :class:`~kvtriton.plan.RequestPlan`).
     """
 
     dst_rank: int
@@ -382,6 +383,7 @@ class TransferPlan:
     src_block_size: int | None = None
     dst_block_size: int | None = None
     forced: tuple[Way | None, ...] = ()
+    groups: int = 1  # the engines' KV cache groups (1 + max RegionSpec.group): a request's id lists
 
     @property
     def modes(self) -> tuple[Route | Way, ...]:
