@@ -77,8 +77,10 @@ def _flat(ids: object) -> bool:
     """Whether ``ids`` is one flat list of ints (an empty list is: one empty group)."""
     if isinstance(ids, np.ndarray):
         return ids.ndim <= 1
-    if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
+    if isinstance(ids, (str, bytes)):
         raise PlanError(f"block ids must be a sequence of ints or of per-group sequences, got {type(ids).__name__}")
+    if not isinstance(ids, Sequence):  # e.g. a tensor: numpy decides
+        return np.ndim(ids) <= 1
     return len(ids) == 0 or isinstance(ids[0], (int, np.integer))
 
 
@@ -702,7 +704,7 @@ def _one(ids: IdsArg) -> Sequence[int] | np.ndarray:
     lists = list(ids)
     if len(lists) != 1:
         raise PlanError(f"{len(lists)} group lists given, the regions span one KV cache group")
-    return lists[0]  # type: ignore[return-value]
+    return lists[0]
 
 
 def _wire_groups(plan: TransferPlan, groups: Sequence[int], n: int) -> tuple[int, ...]:
