@@ -421,10 +421,12 @@ class TransferPlan:
         or per KV cache group; a stripe wider than the request leaves the last replicas without
         blocks)."""
         ranks: set[int] = set()
+        if isinstance(num_blocks, (int, np.integer)):
+            for d in self.direct:
+                ranks.update(d.ranks_for(num_blocks))
+            return ranks
         for d in self.direct:
-            n = num_blocks if isinstance(num_blocks, (int, np.integer)) else (
-                num_blocks[d.group] if d.group < len(num_blocks) else 0)
-            ranks.update(d.ranks_for(int(n)))
+            ranks.update(d.ranks_for(int(num_blocks[d.group]) if d.group < len(num_blocks) else 0))
         return ranks
 
     def payload(self, src_rank: int) -> Payload | None:
