@@ -52,6 +52,14 @@ def test_grouped_request_moves_each_group_byte_exact(p_tp, d_tp):
         e.close()
 
 
+def test_grouped_request_by_push():
+    e = Grouped(2, 3, seed=3, mode="push")
+    try:
+        _run(e, SRC, DST)  # the source WRITEs each chunk (and the DIRECT rows: its group's block only)
+    finally:
+        e.close()
+
+
 def test_grouped_request_in_small_chunks_one_read_per_chunk():
     e = Grouped(2, 3, seed=5, chunk_bytes=1024, slot_bytes=256)
     try:
