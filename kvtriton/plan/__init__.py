@@ -25,17 +25,15 @@ from collections.abc import Iterator
 
 from .build import ForcedModes, ModesArg, build_plan, check_compatible, direct_slice_problem, parse_modes
 from .cost import CostModel
+from .ids import compact_groups, compact_request, group_lists, one_list
 from .pair import PairPlan
 from .request import (
     OfferTerms,
     RequestPayload,
     RequestPlan,
     TokenMap,
-    compact_groups,
-    compact_request,
     compact_tokens,
     done_ranks,
-    group_lists,
     ids_digest,
     meeting_ranks,
     required_source_ranks,
@@ -85,7 +83,7 @@ __all__ = [
     "direct_slice_way_problem", "payload_ways", "one_sided_descriptors", "way_descriptors", "choose_way", "TokenMap",
     "compact_tokens", "compact_request", "source_positions",
     "required_source_ranks", "done_ranks", "meeting_ranks", "RequestPlan", "RequestPayload", "OfferTerms", "ids_digest",
-    "group_lists", "compact_groups",
+    "group_lists", "one_list", "compact_groups",
     "HeadSlice", "check_tp", "head_range", "replicate_sources", "split_sources",
     "ForcedModes", "ModesArg", "parse_modes", "check_compatible", "build_plan", "direct_slice_problem",
     # release 0.1's public names, kept for one release (nothing in kvtriton uses them)

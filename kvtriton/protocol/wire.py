@@ -333,9 +333,7 @@ class Pull(Message):
     # how the staged payload travels (a plan.Way of Payload.ways): "read_unpack": do not pack,
     # answer RunsReady and keep the blocks until RunsDone (I READ them from your cache)
     way: str = "staged"
-    # several KV cache groups: the ids of each group, in group order (ids = the groups' lists
-    # concatenated; plan.RequestPlan.groups); () = one group (absent on the wire)
-    groups: tuple[int, ...] = ()
+    groups: tuple[int, ...] = ()  # ids per KV cache group, in group order (RequestPlan.groups); (): one group
 
 
 @dataclass(frozen=True)
@@ -486,10 +484,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (Pull, Push, Grant, Ack, RunsDone, Do
 # upper bounds are the receiver's (it knows them)
 _MIN_INT = {("Ready", "nslots"): 1, ("Ready", "nbytes"): 1, ("Grant", "nslots"): 1, ("Data", "nbytes"): 1,
             ("Done", "dst_tp"): 1, ("Offer", "num_blocks"): 1, ("Offer", "chunk_blocks"): 1}
-# list fields a message may omit (decoded as empty): the group sizes of a request of one group
-_OPTIONAL_LISTS = frozenset({"groups"})
-# most KV cache groups a request names (kvtriton.spec.MAX_GROUPS)
-_MAX_LIST = {"groups": MAX_GROUPS}
+_MAX_LIST = {"groups": MAX_GROUPS}  # group sizes: absent for one group (decoded as ()), at most MAX_GROUPS
 # annotation of a message field -> the type msgpack decodes it to (tuples travel as arrays)
 _WIRE_TYPES: dict[str, type[Any]] = {"str": str, "int": int, "tuple[int, ...]": list, "bytes": bytes}
 # t -> (class, [(field, wire type)]); the annotations are strings (``from __future__ import annotations``)
@@ -519,7 +514,7 @@ def decode_message(data: bytes) -> Message:
     values: dict[str, Any] = {}
     for name, typ in schema:
         # a digest may be absent (a peer without integrity), and group sizes (a request of one group)
-        v = d.get(name, b"" if typ is bytes else [] if name in _OPTIONAL_LISTS else None)
+        v = d.get(name, b"" if typ is bytes else [] if name in _MAX_LIST else None)
         if not isinstance(v, typ) or isinstance(v, bool):
             raise ProtocolError(f"message {t!r}: field {name!r} must be {typ.__name__}, got {v!r:.80}")
         # every int a peer sends is a count, index or size far below 2**48
@@ -530,8 +525,7 @@ def decode_message(data: bytes) -> Message:
         if typ is list:
             if len(v) > _MAX_LIST.get(name, _MAX_IDS):
                 raise ProtocolError(f"message {t!r}: field {name!r} has {len(v)} entries, more than the "
-                                    f"{_MAX_LIST.get(name, _MAX_IDS)} it may have (wire.MAX_REQUEST_BLOCKS, "
-                                    "spec.MAX_GROUPS)")
+                                    f"{_MAX_LIST.get(name, _MAX_IDS)} allowed (MAX_REQUEST_BLOCKS, MAX_GROUPS)")
             # C-level passes (half the time of a per-element generator at 8k ids); bools are not ints here
             if v and (set(map(type, v)) != {int} or min(v) < 0 or max(v) >= _MAX_MSG_INT):
                 raise ProtocolError(f"message {t!r}: field {name!r} must be a list of ints in [0, 2**48)")

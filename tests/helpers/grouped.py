@@ -123,9 +123,9 @@ class Grouped:
                         want = self.expected(i, j, d_rank, moved[b]) if b in moved else before[b]
                         if not torch.equal(got[b].contiguous().view(torch.uint8),
                                            want.contiguous().view(torch.uint8)):
+                            what = f"moved from P block {moved[b]}" if b in moved else "untouched"
                             raise AssertionError(f"D{d_rank} {r.spec.name} (group {g}) stream {j} block {b}: "
-                                                 f"{'moved from P block ' + str(moved[b]) if b in moved else 'untouched'}"
-                                                 " differs")
+                                                 f"{what} differs")
                         checked += got[b].numel() * got.element_size() if b in moved else 0
         return checked
 

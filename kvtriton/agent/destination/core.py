@@ -10,7 +10,7 @@ import time
 
 from ...errors import KVTritonError, PlanError, ProtocolError, RequestAbortedError, RequestRejectedError, StagingError
 from ...plan import RequestPlan, Way
-from ...plan.request import IdsArg
+from ...plan.ids import IdsArg
 from ...protocol import wire
 from ..links import Flow, Links, Peer, Settings
 from ..plan_book import PlanBook

@@ -21,7 +21,7 @@ DST = [[5, 6], [10, 11, 12, 13, 14], [3]]
 def _expected_reads(e: Grouped, d: int, src, dst) -> int:
     """Chunks of every staged payload of decode rank ``d``'s request (the planner's count)."""
     agent = e.da[d]
-    caps = min(agent._s.chunk_bytes, e.pa[0]._s.chunk_bytes)
+    caps = min(a.debug_state()["settings"]["chunk_bytes"] for a in (agent, e.pa[0]))
     rp = RequestPlan.for_fetch(agent.plan_for("P"), src, dst, src_num_blocks=32, dst_num_blocks=24, chunk_bytes=caps)
     return sum(p.chunks.count for p in rp.payloads.values())
 
@@ -116,7 +116,6 @@ def test_source_refuses_forged_group_sizes_and_cross_group_reads():
     try:
         p, d = e.pa[0], e.da[0]
         p.hold("r", SRC, consumer="D")
-        peer = d._links.peers[("P", 0)]
         digest = d.plan_for("P").digest()
         ids = tuple(i for g in SRC for i in g)
         forged = [wire.Pull("x1", "r", 0, ids, 1, digest, groups=(1, 1, 1)),  # do not add up
@@ -124,8 +123,8 @@ def test_source_refuses_forged_group_sizes_and_cross_group_reads():
                   wire.Pull("x3", "r", 0, ids, 1, digest),  # none for a grouped request
                   wire.Pull("x4", "r", 0, (7, 8, 20), 1, digest, groups=(1, 1, 1))]  # 7 is group 1's, not 0's
         launches = p.stats["pack_launches"]
-        for m in forged:
-            d._links.send(peer, m)
+        for m in forged:  # sent as D's rank 0 would (its agent's notifications)
+            d.transport.send_notif(p.transport.name, m.encode())
         for _ in range(50):
             for a in e.agents:
                 a.progress()
