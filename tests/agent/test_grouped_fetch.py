@@ -5,12 +5,16 @@ request of state-like regions: SPLIT by heads and REPLICATE) at P1->D2, P2->D1 a
 untouched, one READ per (source rank, chunk) for the whole grouped request; bad grouped input
 is a typed error before anything is launched or sent."""
 
+import time
+
 import pytest
+import torch
 
 from kvtriton.errors import PlanError, RequestRejectedError
 from kvtriton.plan import RequestPlan
 from kvtriton.protocol import wire
-from tests.helpers.grouped import Grouped
+from kvtriton.regions import Kind
+from tests.helpers.grouped import LAYERS, Grouped
 
 # per group: prefill ids, decode ids (group 0 shorter than group 1; group 2 one state slot; the
 # decode's lists are disjoint across groups, so a region writing another group's positions shows)
@@ -75,6 +79,26 @@ def test_grouped_request_with_an_empty_group_and_skips():
     try:
         src, dst = [[], [7, -1, 9, 10], [20]], [[], [10, 11, -1, 13], [3]]
         _run(e, src, dst)  # group 0 moves nothing: its blocks keep their bytes (checked)
+    finally:
+        e.close()
+
+
+def test_a_source_rank_with_no_byte_of_the_request_still_serves_and_frees():
+    """A group of one REPLICATE region staged from the first replica: a request of that group
+    alone gives the other prefill rank a payload of no byte (no chunk); its pull is answered
+    and both holds end done."""
+    layers = LAYERS[:3] + (("conv", 3, Kind.REPLICATE, 1, 24, 1, torch.float32),)
+    e = Grouped(2, 1, seed=13, layers=layers, modes={"conv": "staged"})
+    try:
+        src, dst = [[], [], [], [20]], [[], [], [], [3]]
+        assert _run(e, src, dst) == [1]
+        freed, deadline = [], time.monotonic() + 10
+        while len(freed) < 2:
+            assert time.monotonic() < deadline, freed
+            for a in e.agents:
+                a.progress()
+            freed += [f.reason for p in e.pa for f in p.freed()]
+        assert freed == ["done", "done"]
     finally:
         e.close()
 

@@ -27,10 +27,10 @@ GROUPS = 3
 
 
 def rank_regions(rank: int, tp: int, num_blocks: int, layout: str, gen: torch.Generator,
-                 replicated: dict[str, torch.Tensor] | None = None) -> list[Region]:
+                 replicated: dict[str, torch.Tensor] | None = None, layers=LAYERS) -> list[Region]:
     """One rank's regions, random-filled (``replicated``: the REPLICATE regions' data to copy)."""
     out = []
-    for name, group, kind, bs, hd, streams, dtype in LAYERS:
+    for name, group, kind, bs, hd, streams, dtype in layers:
         if kind is Kind.REPLICATE:
             t = torch.empty(num_blocks, bs, hd, dtype=dtype)
             if replicated is not None and name in replicated:
@@ -58,13 +58,14 @@ class Grouped:
     model above, connected all-to-all; ``before``: the decode caches' bytes as built."""
 
     def __init__(self, p_tp: int, d_tp: int, *, p_blocks: int = 32, d_blocks: int = 24, seed: int = 0,
-                 staging_bytes: int = 256 << 10, slot_bytes: int = 4096, mode: str = "pull", **agent_kw):
+                 staging_bytes: int = 256 << 10, slot_bytes: int = 4096, mode: str = "pull", layers=LAYERS,
+                 **agent_kw):
         gen = torch.Generator().manual_seed(seed)
         self.p_tp, self.d_tp = p_tp, d_tp
-        self.P = [rank_regions(0, p_tp, p_blocks, "NHD", gen)]
+        self.P = [rank_regions(0, p_tp, p_blocks, "NHD", gen, layers=layers)]
         rep = {r.spec.name: r.streams[0].squeeze(2) for r in self.P[0] if r.spec.kind is Kind.REPLICATE}
-        self.P += [rank_regions(r, p_tp, p_blocks, "NHD", gen, rep) for r in range(1, p_tp)]
-        self.D = [rank_regions(r, d_tp, d_blocks, "HND", gen) for r in range(d_tp)]
+        self.P += [rank_regions(r, p_tp, p_blocks, "NHD", gen, rep, layers) for r in range(1, p_tp)]
+        self.D = [rank_regions(r, d_tp, d_blocks, "HND", gen, layers=layers) for r in range(d_tp)]
         kw = dict(staging_bytes=staging_bytes, slot_bytes=slot_bytes, mode=mode, timeout_s=5.0, impl="torch",
                   **agent_kw)
         self.pa: list[TransferAgent] = []
