@@ -48,6 +48,8 @@ def group_lists(block_ids: IdsArg, num_groups: int, what: str = "block ids") -> 
 
 def _flat(ids: Any) -> bool:
     """Whether ``ids`` is one flat list of ints (an empty list is: one empty group)."""
+    if type(ids) is list:  # the common case first (every request goes through here)
+        return not ids or type(ids[0]) is int or isinstance(ids[0], np.integer)
     if isinstance(ids, np.ndarray):
         return ids.ndim <= 1
     if isinstance(ids, (str, bytes)):
