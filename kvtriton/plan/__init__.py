@@ -13,8 +13,10 @@ Pure: numpy and the standard library only (plus :mod:`kvtriton.errors` and the t
 * :mod:`~kvtriton.plan.ways`: one-sided feasibility and the per-request choice of a way;
 * :mod:`~kvtriton.plan.pair`: :class:`PairPlan`, the geometry of one (source rank,
   destination rank) pair every request between them needs, made once when the peer is added;
-* :mod:`~kvtriton.plan.request`: per-request id checks, token maps between block sizes, and the
-  source ranks a destination needs;
+* :mod:`~kvtriton.plan.ids`: a request's block ids checked and compacted, per KV cache group
+  (one list per group, concatenated in group order);
+* :mod:`~kvtriton.plan.request`: the per-request plan (:class:`RequestPlan`), token maps between
+  block sizes, and the source ranks a destination needs;
 * :mod:`~kvtriton.plan.build`: the validation gate, the one parser of ``modes=`` and
   :func:`build_plan`.
 """
