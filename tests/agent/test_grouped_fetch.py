@@ -56,6 +56,17 @@ def test_grouped_request_moves_each_group_byte_exact(p_tp, d_tp):
         e.close()
 
 
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1)])
+def test_grouped_request_with_a_direct_slice_region(p_tp, d_tp):
+    """The state region's head slices move cache to cache (Route.DIRECT_SLICE): its group's block only."""
+    e = Grouped(p_tp, d_tp, seed=17, modes={"ssm": "direct_slice"})
+    try:
+        assert all(a.plan_for("P").routes[2].value == "direct_slice" for a in e.da)
+        _run(e, SRC, DST)
+    finally:
+        e.close()
+
+
 def test_grouped_request_by_push():
     e = Grouped(2, 3, seed=3, mode="push")
     try:
