@@ -169,3 +169,25 @@ def test_source_refuses_forged_group_sizes_and_cross_group_reads():
         e.check(SRC, DST)
     finally:
         e.close()
+
+
+def test_grouped_hold_is_not_packed_ahead_and_its_lease_ends_it():
+    e = Grouped(1, 2, seed=19, eager_bytes=1 << 20)
+    try:
+        p = e.pa[0]
+        p.hold("early", SRC, consumer="D", lease_s=0.2)
+        p.hold("r", SRC, consumer="D")
+        freed, deadline = [], time.monotonic() + 10
+        while "early" not in freed:
+            assert time.monotonic() < deadline, freed
+            for a in e.agents:
+                a.progress()
+            freed += [f.req_id for f in p.freed() if f.reason == "lease_expired"]
+        assert p.packed_ahead("r") == 0 and "r" in p.debug_state()["holds"]
+        for d in e.da:
+            d.fetch("r", "P", SRC, DST)
+        assert all(v[0].ok for v in e.drive().values())
+        e.check(SRC, DST)
+    finally:
+        e.close()
+

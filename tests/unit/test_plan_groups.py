@@ -10,7 +10,7 @@ import torch
 
 from kvtriton import ops
 from kvtriton.errors import LaunchError, PlanError, ProtocolError, RegionError
-from kvtriton.plan import ChunkGeometry, PairPlan, RequestPlan, build_plan, compact_groups, group_lists
+from kvtriton.plan import ChunkGeometry, PairPlan, RequestPlan, Way, build_plan, compact_groups, group_lists
 from kvtriton.protocol import wire
 from kvtriton.regions import Region
 from kvtriton.spec import MAX_GROUPS
@@ -84,7 +84,7 @@ def test_plan_build_checks_groups():
     plan = build_plan(0, 2, d, 1, s)
     assert plan.groups == 3
     assert {seg.group for p in plan.staged for seg in p.segments} == {0, 1, 2}
-    assert all(p.ways == (p.ways[0],) for p in plan.staged)  # several groups: STAGED only
+    assert all(p.ways == (Way.STAGED,) for p in plan.staged)  # several groups: STAGED only (one-sided: not yet)
     bad = [dataclasses.replace(x, group=0) if x.name == "full" else x for x in s]
     with pytest.raises(PlanError, match=r"region 1 \('full'\).*group differs: local 1, remote 0"):
         build_plan(0, 2, d, 1, bad)
