@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import RegionError
-from .spec import Kind, Layout, RegionSpec, classify_layer
+from .spec import MAX_GROUPS, Kind, Layout, RegionSpec, classify_layer
 
 __all__ = ["Kind", "Layout", "RegionSpec", "Region", "classify_layer", "dtype_from_name", "token_parts"]
 
@@ -73,6 +73,7 @@ class Region:
         total_heads: int,
         kind: Kind | str = Kind.SPLIT,
         dim_major: Sequence[int] = (),
+        group: int = 0,
     ) -> Region:
         """A GQA/MHA region: K and V as separate tensors, or one joint tensor.
 
@@ -89,6 +90,7 @@ class Region:
         dim_major:   per stream, the leading row elements the engine stores dim-major inside each
                      (block, head) tile (vLLM's CPU attention: ``(head_size,)`` for its K‖V
                      stream; HND with dense head tiles only; see :class:`RegionSpec`).
+        group:       the engine's KV cache group of this layer (:attr:`RegionSpec.group`).
 
         Example
         -------
@@ -111,19 +113,19 @@ class Region:
             if k is None:
                 raise RegionError(f"region {name!r}: no tensors given (k/v or kv=)")
             streams = (k,) if v is None else (k, v)
-        return cls._build(name, Kind(kind), layout, streams, block_size, total_heads, dim_major)
+        return cls._build(name, Kind(kind), layout, streams, block_size, total_heads, dim_major, group)
 
     @classmethod
     def mla(cls, name: str, latent: torch.Tensor, *, block_size: int,
-            kind: Kind | str = Kind.REPLICATE) -> Region:
+            kind: Kind | str = Kind.REPLICATE, group: int = 0) -> Region:
         """An MLA latent (or indexer) cache ``[num_blocks, block_size, head_dim]``, identical on
-        every rank: one stream, one "head"."""
+        every rank: one stream, one "head"; ``group``: its KV cache group (:attr:`RegionSpec.group`)."""
         if latent.dim() != 3:
             raise RegionError(
                 f"region {name!r}: MLA cache must be [num_blocks, block_size, head_dim]; "
                 f"got {tuple(latent.shape)}"
             )
-        return cls._build(name, Kind(kind), Layout.NHD, (latent.unsqueeze(2),), block_size, 1)
+        return cls._build(name, Kind(kind), Layout.NHD, (latent.unsqueeze(2),), block_size, 1, group=group)
 
     @classmethod
     def from_view(cls, name: str, view: torch.Tensor, *, kind: Kind | str, layout: Layout | str, block_size: int,
@@ -135,7 +137,9 @@ class Region:
 
     @classmethod
     def _build(cls, name, kind, layout, streams: Sequence[torch.Tensor], block_size: int,
-               total_heads: int, dim_major: Sequence[int] = ()) -> Region:
+               total_heads: int, dim_major: Sequence[int] = (), group: int = 0) -> Region:
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < MAX_GROUPS:
+            raise RegionError(f"region {name!r}: group must be an int in [0, {MAX_GROUPS}), got {group!r}")
         first = streams[0]
         for i, t in enumerate(streams):
             if not isinstance(t, torch.Tensor):
@@ -190,6 +194,7 @@ class Region:
             head_dims=tuple(int(t.shape[3]) for t in streams),
             dtype=str(first.dtype).removeprefix("torch."), itemsize=first.element_size(),
             strides=strides, dim_major=tuple(int(a) for a in dim_major) if any(dim_major) else (),
+            group=group,
         )
         problem = spec.dim_major_problem()
         if problem is not None:

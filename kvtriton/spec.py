@@ -10,11 +10,16 @@ layouts and the dim-major rows a spec describes. ``dtype`` is a name (``"bfloat1
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import RegionError
 
-__all__ = ["DTYPE_ITEMSIZE", "Kind", "Layout", "RegionSpec", "classify_layer"]
+__all__ = ["DTYPE_ITEMSIZE", "MAX_GROUPS", "Kind", "Layout", "RegionSpec", "classify_layer", "num_groups"]
+
+# KV cache groups a model may have (vLLM's hybrid models have a handful; the bound keeps a peer's
+# metadata and messages small)
+MAX_GROUPS = 64
 
 
 class Kind(str, enum.Enum):
@@ -89,6 +94,10 @@ class RegionSpec:
                  vLLM's CPU attention: ``head_size``, its K). ``()`` = 0 for every stream (plain
                  token-major rows). Whole blocks move as opaque tiles either way; a block-size
                  change regroups the real tokens.
+    group:       the engine's KV cache group this region belongs to (vLLM's
+                 ``kv_cache_config.kv_cache_groups`` index; 0 for a model of one group). A
+                 request brings one list of block ids per group and a region moves only its
+                 group's positions; both engines must agree on it per region.
     """
 
     name: str
@@ -103,6 +112,7 @@ class RegionSpec:
     itemsize: int
     strides: tuple[tuple[int, int, int], ...]
     dim_major: tuple[int, ...] = ()
+    group: int = 0
 
     @property
     def num_streams(self) -> int:
@@ -154,3 +164,8 @@ class RegionSpec:
 
     def block_stride_bytes(self, stream: int) -> int:
         return self.strides[stream][0] * self.itemsize
+
+
+def num_groups(specs: Sequence[RegionSpec]) -> int:
+    """The KV cache groups a rank's regions span: ``1 + max(spec.group)`` (1 with no regions)."""
+    return 1 + max((s.group for s in specs), default=0)

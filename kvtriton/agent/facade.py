@@ -15,14 +15,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import (
     KVTritonError,
     PeerDisconnectedError,
     ProtocolError,
-    RequestRejectedError,
     TransportError,
     UnregisteredError,
 )
@@ -316,7 +314,7 @@ class TransferAgent:
 
     debug_state = debug.debug_state  # a plain snapshot for tests (schema: kvtriton.agent.debug)
     # ------------------------------------------------------------------ prefill side
-    def hold(self, req_id: str, block_ids: Sequence[int], lease_s: float = 30.0,
+    def hold(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]], lease_s: float = 30.0,
              consumer: str | None = None, after=None) -> None:
         """Keep a finished prefill's blocks readable until every rank of the consumer engine is
         done, or the lease runs out; then :meth:`freed` reports it.
@@ -324,7 +322,9 @@ class TransferAgent:
         ``block_ids``: the request's blocks in order, in this engine's block size whatever the
         decode's; -1 marks a position that is not held (as
         in :meth:`fetch`: a prefix the decode already has), so the list a connector gets from
-        its engine can be passed as is. A fetch may read any subset of the held blocks.
+        its engine can be passed as is. A fetch may read any subset of the held blocks. Regions of
+        several KV cache groups (``RegionSpec.group``): one list per group 0..G-1 (a group's may
+        be empty; a flat list holds those blocks in every group); such holds are not packed ahead.
         ``consumer``: the decode engine id entitled to read it; None binds the hold to the first
         engine whose transfer this rank accepts (trust on first use: name it when known).
         Only the consumer's ranks may read it, report it done or renew it.
@@ -335,8 +335,8 @@ class TransferAgent:
         ``lease_s``: the hold is freed this long after it was placed or last renewed (a decode
         agent renews the holds of its outstanding fetches, see ``renew_interval_s``); transfers
         in progress keep it at most ``timeout_s`` longer.
-        Raises :class:`~kvtriton.errors.RequestRejectedError` on ids outside ``[-1, num_blocks)``
-        or more than :data:`kvtriton.protocol.wire.MAX_REQUEST_BLOCKS` held blocks.
+        Raises :class:`~kvtriton.errors.RequestRejectedError` on ids outside ``[-1, num_blocks)``, a
+        wrong group count or more than :data:`kvtriton.protocol.wire.MAX_REQUEST_BLOCKS` held blocks.
 
         ``after`` (CUDA agents): when the blocks are final, i.e. the engine's cache writes are
         done. A ``torch.cuda.Event`` (recorded by the engine after its last write), a
@@ -346,15 +346,7 @@ class TransferAgent:
         the device (the agent's stream waits, the host does not); DIRECT regions are offered to
         a reader (pull) or written to a peer (push) only once it has completed. CPU agents: None
         (anything else raises ``ValueError``)."""
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        nb = min(s.num_blocks for s in self.specs)
-        if ids.size and (ids.min() < -1 or ids.max() >= nb):
-            raise RequestRejectedError(f"hold {req_id!r}: block ids must be in [-1, {nb}) (-1: not held), got "
-                                       f"[{ids.min()}, {ids.max()}]")
-        ids = ids[ids >= 0]
-        if ids.size > wire.MAX_REQUEST_BLOCKS:
-            raise RequestRejectedError(f"hold {req_id!r}: {ids.size} blocks is more than a request may have "
-                                       f"(kvtriton.protocol.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS})")
+        ids = self._source.held_lists(req_id, block_ids)  # checked: RequestRejectedError
         if not float(lease_s) > 0:
             raise ValueError(f"hold {req_id!r}: lease_s must be > 0, got {lease_s!r}")
         if consumer is not None and (not isinstance(consumer, str) or not consumer or consumer == self.engine_id):
@@ -390,8 +382,8 @@ class TransferAgent:
         self,
         req_id: str,
         remote_engine_id: str,
-        remote_block_ids: Sequence[int],
-        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int] | Sequence[Sequence[int]],
+        local_block_ids: Sequence[int] | Sequence[Sequence[int]],
         timeout_s: float | None = None,
         *,
         num_tokens: int | None = None,
@@ -407,7 +399,8 @@ class TransferAgent:
         ``[k*Bd, (k+1)*Bd)``; a local -1 skips that block's tokens, a remote -1 is allowed only
         for tokens no wanted local block holds, and only tokens below ``num_tokens`` are written
         (:func:`kvtriton.plan.request.compact_tokens`; with equal block sizes ``num_tokens`` is
-        ignored). Raises at once on bad ids or an
+        ignored). Several KV cache groups: one list per group on each side, per-group lengths
+        equal (:meth:`~kvtriton.plan.RequestPlan.for_fetch`). Raises at once on bad ids or an
         unknown engine (:class:`~kvtriton.errors.PlanError`, ``KeyError``); everything later is
         reported by :meth:`results`. After a failed fetch the local blocks hold undefined bytes;
         in push mode a WRITE the source had already posted may still land in them for up to

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -373,12 +373,13 @@ class Links:
         return ll, rl, owned
 
     def prep_rows(self, peer: Peer, rows: BlockRows, src_ids: np.ndarray, dst_ids: np.ndarray, *,
-                  reading: bool) -> RowsPost | None:
+                  reading: bool, group_bounds: Sequence[int] | None = None) -> RowsPost | None:
         """What ``rows`` (a pair's zero-copy rows, :meth:`~kvtriton.plan.PairPlan.rows`) move
         between us and ``peer`` for a compacted request (``src_ids`` / ``dst_ids``: the source's
         and the destination's block per position), prepared for one transfer; None when
-        nothing. ``reading``: we are the destination (pull); else we are the source writing."""
-        s_idx, d_idx, count, nbytes = rows.select(src_ids, dst_ids)
+        nothing. ``reading``: we are the destination (pull); else we are the source writing.
+        ``group_bounds``: the request's KV cache groups (:meth:`BlockRows.select`)."""
+        s_idx, d_idx, count, nbytes = rows.select(src_ids, dst_ids, group_bounds)
         if not s_idx.size:
             return None
         # callers checked the ids against both caches; an index past its row would name another row's block

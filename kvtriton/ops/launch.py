@@ -131,11 +131,68 @@ def _launch(op: str, chk: Checked, staging: torch.Tensor) -> None:
 
 
 def _run(op: str, regions, segments, offsets, block_ids, staging, impl: str, pair_ids=None, tiles=None,
-         num_tokens=None) -> None:
+         num_tokens=None, groups=None) -> None:
     """The one path of :func:`pack` and :func:`unpack`: validate, choose, launch or run the
-    reference. Nothing is written unless every check passed."""
-    chk = validate(op, regions, segments, offsets, block_ids, staging, pair_ids=pair_ids, tiles=tiles,
-                    num_tokens=num_tokens)
+    reference. Nothing is written unless every check passed. ``groups``: one launch per KV
+    cache group (:func:`_group_launches`), every one checked before the first runs."""
+    if groups is None or len(groups) <= 1:
+        chk = validate(op, regions, segments, offsets, block_ids, staging, pair_ids=pair_ids, tiles=tiles,
+                        num_tokens=num_tokens)
+        _execute(op, regions, segments, chk, staging, impl)
+        return
+    if tiles is not None:
+        raise LaunchError(f"{op}: groups= and tiles= do not combine: a token-mapped request has one group")
+    checked = [(segs, validate(op, regions, segs, offs, ids, staging, pair_ids=pair))
+               for segs, offs, ids, pair in _group_launches(op, segments, offsets, block_ids, pair_ids, groups)]
+    for segs, chk in checked:
+        _execute(op, regions, segs, chk, staging, impl)
+
+
+# the segments of each KV cache group of a launch's segment tuple: the same tuples each time (the
+# launcher checks a segment tuple once and then reuses the check, keyed by the tuple)
+_GROUP_SPLITS: dict[int, tuple[Sequence[Segment], list[tuple[int, np.ndarray, tuple[Segment, ...]]]]] = {}
+_GROUP_SPLITS_SIZE = 64
+
+
+def _group_launches(op: str, segments, offsets, block_ids, pair_ids, groups) -> list[tuple]:
+    """One launch per KV cache group with segments and positions: its segments, their offsets,
+    and the group's slice of the ids (``groups[g]`` positions of group ``g``, in group order)."""
+    try:
+        counts = [int(c) for c in groups]
+        offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
+        if not isinstance(block_ids, torch.Tensor):
+            block_ids = np.asarray(block_ids)
+        n = len(block_ids)
+    except (TypeError, ValueError) as e:
+        raise LaunchError(f"{op}: groups, offsets or block ids are not integer lists ({e})") from None
+    if offs.size != len(segments):
+        raise LaunchError(f"{op}: {offs.size} offsets for {len(segments)} segments")
+    if any(c < 0 for c in counts) or sum(counts) != n:
+        raise LaunchError(f"{op}: groups {counts[:8]} must be non-negative and add up to the {n} block ids")
+    if pair_ids is not None and not isinstance(pair_ids, torch.Tensor):
+        pair_ids = np.asarray(pair_ids)
+    hit = _GROUP_SPLITS.get(id(segments))
+    if hit is None or hit[0] is not segments:
+        split: dict[int, list[int]] = {}
+        for i, seg in enumerate(segments):
+            split.setdefault(getattr(seg, "group", 0), []).append(i)
+        parts = [(g, np.asarray(ix, dtype=np.int64), tuple(segments[i] for i in ix)) for g, ix in sorted(split.items())]
+        if len(_GROUP_SPLITS) >= _GROUP_SPLITS_SIZE:
+            _GROUP_SPLITS.pop(next(iter(_GROUP_SPLITS)))
+        _GROUP_SPLITS[id(segments)] = hit = (segments, parts)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
+    out = []
+    for g, ix, segs in hit[1]:
+        if g >= len(counts):
+            raise LaunchError(f"{op}: a segment of group {g}, but groups= names {len(counts)} groups")
+        lo, hi = starts[g], starts[g + 1]
+        if hi > lo:
+            out.append((segs, offs[ix], block_ids[lo:hi], None if pair_ids is None else pair_ids[lo:hi]))
+    return out
+
+
+def _execute(op: str, regions, segments, chk: Checked, staging, impl: str) -> None:
+    """Run one checked launch: the kernels or the torch reference."""
     which = _impl_for(op, chk, impl, staging.device)
     if chk.n == 0 or len(segments) == 0:
         return
@@ -207,6 +264,7 @@ def pack(
     pair_ids: torch.Tensor | np.ndarray | Sequence[int] | None = None,
     tiles: np.ndarray | Sequence[int] | None = None,
     num_tokens: int | None = None,
+    groups: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Gather head slices of blocks ``block_ids`` from this rank's caches into ``staging``.
 
@@ -255,6 +313,12 @@ def pack(
         ``[tiles[j] * block_size, ...)`` below ``num_tokens``, each read from block
         ``block_ids[t // src_block_size]`` at token ``t % src_block_size``. Rows past
         ``num_tokens`` are left as they were.
+    groups : optional
+        A request of several KV cache groups (:attr:`~kvtriton.plan.Segment.group`): the
+        positions of each group among ``block_ids`` (the groups' ids concatenated in group
+        order, e.g. ``RequestPayload.launch_groups(chunk)``); a segment of group ``g`` packs only
+        its group's positions, tile ``j`` being the group's ``j``-th. One launch per group that
+        has segments and positions, every one checked before the first runs.
 
     Returns
     -------
@@ -289,7 +353,7 @@ def pack(
     >>> staging.numel()                                  # 2 blocks * 2 streams * 8 KiB
     32768
     """
-    _run("pack", regions, segments, offsets, block_ids, staging, impl, pair_ids, tiles, num_tokens)
+    _run("pack", regions, segments, offsets, block_ids, staging, impl, pair_ids, tiles, num_tokens, groups)
     return staging
 
 
@@ -304,6 +368,7 @@ def unpack(
     pair_ids: torch.Tensor | np.ndarray | Sequence[int] | None = None,
     tiles: np.ndarray | Sequence[int] | None = None,
     num_tokens: int | None = None,
+    groups: Sequence[int] | None = None,
 ) -> None:
     """Scatter staged tiles into blocks ``block_ids`` of this rank's caches.
 
@@ -339,6 +404,8 @@ def unpack(
         A token-mapped request (see :func:`pack`): ``block_ids`` is then the local block of
         each *destination position* (``TokenMap.dst_ids``), tile ``j`` lands in block
         ``block_ids[tiles[j]]``, and only its tokens below ``num_tokens`` are written.
+    groups : optional
+        A request of several KV cache groups, as in :func:`pack`.
 
     Raises
     ------
@@ -368,4 +435,4 @@ def unpack(
     >>> bool(torch.equal(kd[6], k[3, :, 0:2]))
     True
     """
-    _run("unpack", regions, segments, offsets, block_ids, staging, impl, pair_ids, tiles, num_tokens)
+    _run("unpack", regions, segments, offsets, block_ids, staging, impl, pair_ids, tiles, num_tokens, groups)

@@ -13,8 +13,10 @@ Pure: numpy and the standard library only (plus :mod:`kvtriton.errors` and the t
 * :mod:`~kvtriton.plan.ways`: one-sided feasibility and the per-request choice of a way;
 * :mod:`~kvtriton.plan.pair`: :class:`PairPlan`, the geometry of one (source rank,
   destination rank) pair every request between them needs, made once when the peer is added;
-* :mod:`~kvtriton.plan.request`: per-request id checks, token maps between block sizes, and the
-  source ranks a destination needs;
+* :mod:`~kvtriton.plan.ids`: a request's block ids checked and compacted, per KV cache group
+  (one list per group, concatenated in group order);
+* :mod:`~kvtriton.plan.request`: the per-request plan (:class:`RequestPlan`), token maps between
+  block sizes, and the source ranks a destination needs;
 * :mod:`~kvtriton.plan.build`: the validation gate, the one parser of ``modes=`` and
   :func:`build_plan`.
 """
@@ -25,13 +27,13 @@ from collections.abc import Iterator
 
 from .build import ForcedModes, ModesArg, build_plan, check_compatible, direct_slice_problem, parse_modes
 from .cost import CostModel
+from .ids import compact_groups, compact_request, group_lists, one_list
 from .pair import PairPlan
 from .request import (
     OfferTerms,
     RequestPayload,
     RequestPlan,
     TokenMap,
-    compact_request,
     compact_tokens,
     done_ranks,
     ids_digest,
@@ -83,6 +85,7 @@ __all__ = [
     "direct_slice_way_problem", "payload_ways", "one_sided_descriptors", "way_descriptors", "choose_way", "TokenMap",
     "compact_tokens", "compact_request", "source_positions",
     "required_source_ranks", "done_ranks", "meeting_ranks", "RequestPlan", "RequestPayload", "OfferTerms", "ids_digest",
+    "group_lists", "one_list", "compact_groups",
     "HeadSlice", "check_tp", "head_range", "replicate_sources", "split_sources",
     "ForcedModes", "ModesArg", "parse_modes", "check_compatible", "build_plan", "direct_slice_problem",
     # release 0.1's public names, kept for one release (nothing in kvtriton uses them)

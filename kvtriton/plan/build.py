@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import IncompatibleRemoteError, PlanError
-from ..spec import Kind, RegionSpec
+from ..spec import Kind, RegionSpec, num_groups
 from .cost import CostModel
 from .topology import HeadSlice, check_tp, head_range, replicate_sources, split_sources
 from .types import DirectRead, Payload, Route, Segment, TransferPlan, Way
@@ -242,6 +242,7 @@ def build_plan(
     check_compatible(dst_specs, dst_tp, src_specs, src_tp)
     src_bs, dst_bs = _block_sizes(dst_specs, src_specs)
     forced = parse_modes(modes).for_regions(dst_specs)
+    grouped = _check_groups(dst_specs, src_specs, src_bs is not None, forced)
     forced_way: dict[int, Way] = {}  # region -> the staged way forced for it
     routes: list[Route] = []
     per_source: dict[int, list[Segment]] = {}
@@ -286,24 +287,49 @@ def build_plan(
             )
         routes.append(route)
         if route is Route.DIRECT:
-            direct.append(DirectRead(i, sources if slices is None else (slices[0].src_rank,)))
+            direct.append(DirectRead(i, sources if slices is None else (slices[0].src_rank,), group=d.group))
             continue
         if route is Route.DIRECT_SLICE and slices is not None:  # (a REPLICATE region went DIRECT above)
             direct.append(DirectRead(i, tuple(sl.src_rank for sl in slices),
-                                     tuple((sl.src_head, sl.dst_head, sl.num_heads) for sl in slices)))
+                                     tuple((sl.src_head, sl.dst_head, sl.num_heads) for sl in slices), d.group))
             continue
         if slices is None:  # staged REPLICATE: every head from the first replica
             slices = (HeadSlice(sources[0], 0, 0, d.local_heads),)
         for sl in slices:
             per_source.setdefault(sl.src_rank, []).extend(
                 Segment(i, j, sl.src_head, sl.dst_head, sl.num_heads, d.head_dims[j], d.itemsize,
-                        d.block_size, d.layout, src_bs, d.dim_major_of(j))
+                        d.block_size, d.layout, src_bs, d.dim_major_of(j), d.group)
                 for j in range(d.num_streams)
             )
-    staged = tuple(Payload(r, tuple(segs), payload_ways(r, segs, forced_way, src_specs, dst_specs))
+    # several groups: the one-sided ways are for requests of one group only (yet): STAGED
+    staged = tuple(Payload(r, tuple(segs), (Way.STAGED,) if grouped else
+                           payload_ways(r, segs, forced_way, src_specs, dst_specs))
                    for r, segs in sorted(per_source.items()))
     return TransferPlan(dst_rank, dst_tp, src_tp, tuple(routes), staged, tuple(direct), src_bs, dst_bs,
-                        forced=tuple(forced_way.get(i) for i in range(len(routes))))
+                        forced=tuple(forced_way.get(i) for i in range(len(routes))), groups=num_groups(dst_specs))
+
+
+def _check_groups(dst_specs: Sequence[RegionSpec], src_specs: Sequence[RegionSpec], resized: bool,
+                  forced: Mapping[str, Route | Way]) -> bool:
+    """Whether the regions span several KV cache groups; :class:`PlanError` when the engines
+    disagree on a region's group, or when several groups meet what only one-group requests
+    support yet (a block-size change, a forced one-sided way)."""
+    for i, (d, s) in enumerate(zip(dst_specs, src_specs)):
+        if d.group != s.group:
+            raise PlanError(f"region {i} ({d.name!r}): KV cache group differs: local {d.group}, remote {s.group} "
+                            "(both engines must put a region in the same group)")
+    groups = num_groups(dst_specs)
+    if groups == 1:
+        return False
+    if resized:
+        raise PlanError(f"the engines' block sizes differ and the regions span {groups} KV cache groups: a "
+                        "block-size change (token map) is supported for one group only (not yet for several)")
+    one_sided = sorted(n for n, m in forced.items() if m is Way.READ_UNPACK or m is Way.PACK_PLACE)
+    if one_sided:
+        raise PlanError(f"regions {one_sided} force a one-sided way ({forced[one_sided[0]].value}), but the regions "
+                        f"span {groups} KV cache groups: the one-sided ways are supported for one group only (not "
+                        "yet for several); use staged")
+    return True
 
 
 def _direct_possible(d: RegionSpec, s: RegionSpec, slices: tuple[HeadSlice, ...] | None) -> bool:

@@ -124,9 +124,10 @@ class PairPlan:
         one transfer). Any other way moves the payload through staging: the DIRECT rows only."""
         return self._rows.get(way, self.direct_rows)
 
-    def direct_runs(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> Runs:
+    def direct_runs(self, src_ids: np.ndarray, dst_ids: np.ndarray,
+                    group_bounds: Sequence[int] | None = None) -> Runs:
         """:func:`~kvtriton.plan.direct_runs` of this source rank for a compacted request."""
-        return runs_of_groups(self._groups, src_ids, dst_ids, self.src_rank)
+        return runs_of_groups(self._groups, src_ids, dst_ids, self.src_rank, group_bounds)
 
     def slice_runs(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> Runs:
         """:func:`~kvtriton.plan.slice_runs` of the payload for a compacted request."""

@@ -1,7 +1,8 @@
 """Per request: checking and aligning block ids, token maps between block sizes, and which
 source ranks a destination needs.
 
-Pure (numpy). With equal block sizes a request is block pairs (:func:`compact_request`). Between
+Pure (numpy). With equal block sizes a request is block pairs (:func:`~kvtriton.plan.ids.compact_request`,
+per KV cache group: :mod:`kvtriton.plan.ids`). Between
 engines whose block sizes differ, source position ``j`` holds tokens ``[j*Bs, (j+1)*Bs)``,
 destination position ``k`` tokens ``[k*Bd, (k+1)*Bd)``; the staged payload carries one tile per
 moved destination position (see :mod:`kvtriton.plan.types` for the wire format).
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -38,50 +40,22 @@ import numpy as np
 
 from ..errors import PlanError, StagingError
 from ..spec import Kind, RegionSpec
+from .ids import (
+    IdsArg,
+    check_distinct,
+    check_ids,
+    compact_groups,
+    compact_request,
+    group_lists,
+    one_list,
+    wire_group_sizes,
+)
 from .pair import PairPlan
 from .topology import replicate_sources, split_sources
 from .types import ChunkGeometry, Payload, TransferPlan, Way, ceil_div
 
 __all__ = ["TokenMap", "compact_tokens", "source_positions", "compact_request", "required_source_ranks",
            "done_ranks", "meeting_ranks", "RequestPlan", "RequestPayload", "OfferTerms", "ids_digest"]
-
-
-def _check_ids(src_block_ids: Sequence[int] | np.ndarray, dst_block_ids: Sequence[int] | np.ndarray,
-               src_num_blocks: int, dst_num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-    src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
-    dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
-    for name, ids, nb in (("source", src, src_num_blocks), ("destination", dst, dst_num_blocks)):
-        if ids.size and (int(ids.min()) < -1 or int(ids.max()) >= nb):  # two reductions, no mask
-            bad = (ids < -1) | (ids >= nb)
-            j = int(np.argmax(bad))
-            raise PlanError(
-                f"{name} block id {int(ids[j])} at position {j} is out of range: expected -1 "
-                f"(skip) or 0..{nb - 1}"
-            )
-    return src, dst
-
-
-# a bitmap over the id space beats a sort (np.unique) unless the space dwarfs the ids
-_BITMAP_SPAN = 64
-
-
-def _check_distinct(dst: np.ndarray, num_blocks: int | None = None) -> None:
-    """:class:`PlanError` naming repeated ids of ``dst`` (ids in ``[0, num_blocks)``, checked).
-
-    With ``num_blocks`` given and not much larger than the ids, a bitmap counts distinct ids in
-    O(ids + num_blocks) without sorting (a 128k-token request: ~10 us instead of ~400 us)."""
-    if dst.size < 2:
-        return
-    if num_blocks is not None and num_blocks <= _BITMAP_SPAN * dst.size + 4096:
-        seen = np.zeros(num_blocks, dtype=np.bool_)
-        seen[dst] = True
-        if int(np.count_nonzero(seen)) == dst.size:
-            return
-    elif np.unique(dst).size == dst.size:
-        return
-    vals, counts = np.unique(dst, return_counts=True)
-    raise PlanError(f"destination block ids repeat: {vals[counts > 1][:8].tolist()}")
-
 
 @dataclass(frozen=True)
 class TokenMap:
@@ -197,7 +171,7 @@ def compact_tokens(
     """
     if min(src_block_size, dst_block_size) < 1:
         raise PlanError(f"block sizes must be >= 1; got source {src_block_size}, destination {dst_block_size}")
-    src, dst = _check_ids(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks)
+    src, dst = check_ids(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks)
     cover = min(src.size * src_block_size, dst.size * dst_block_size)
     if num_tokens is None:
         num_tokens = cover
@@ -210,7 +184,7 @@ def compact_tokens(
     src = src[:ceil_div(num_tokens, src_block_size)]
     dst = dst[:ceil_div(num_tokens, dst_block_size)]
     tiles = np.flatnonzero(dst >= 0).astype(np.int64)
-    _check_distinct(dst[tiles], dst_num_blocks)
+    check_distinct(dst[tiles], dst_num_blocks)
     needed = np.zeros(src.size, dtype=bool)
     needed[source_positions(tiles, num_tokens, src_block_size, dst_block_size)] = True
     missing = needed & (src < 0)
@@ -224,33 +198,6 @@ def compact_tokens(
             "-1: a source -1 must only cover tokens no wanted destination block holds"
         )
     return TokenMap(src_block_size, dst_block_size, num_tokens, np.where(needed, src, -1), dst, tiles)
-
-
-def compact_request(
-    src_block_ids: Sequence[int] | np.ndarray,
-    dst_block_ids: Sequence[int] | np.ndarray,
-    src_num_blocks: int,
-    dst_num_blocks: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Check a request's block ids and drop positions that either side pads with -1.
-
-    For engines with equal block sizes: position ``j`` of both lists holds the same tokens, and
-    whole blocks move (a partial last block moves whole: the tokens past the request's end are
-    whatever the source block holds). -1 on either side skips the position (the destination
-    already has it, e.g. a prefix-cache hit, or the source does not hold it). With different
-    block sizes use :func:`compact_tokens`.
-
-    Returns int64 arrays of equal length. Raises :class:`PlanError` on length mismatch, ids out
-    of ``[-1, num_blocks)``, or duplicate destination ids (two tiles would race for one block).
-    """
-    src, dst = _check_ids(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks)
-    if src.shape != dst.shape:
-        raise PlanError(f"request has {src.size} source block ids but {dst.size} destination ids")
-    keep = (src >= 0) & (dst >= 0)
-    # copies either way: the caller may reuse its id arrays after this returns
-    src, dst = (src[keep], dst[keep]) if not keep.all() else (src.copy(), dst.copy())
-    _check_distinct(dst, dst_num_blocks)
-    return src, dst
 
 
 def required_source_ranks(
@@ -356,18 +303,26 @@ class RequestPayload:
     @property
     def nbytes(self) -> int:
         """Bytes of the whole payload (every chunk)."""
-        return self.read.payload_bytes(self.chunks.num_blocks)
+        g = self.chunks
+        return self.read.payload_bytes(g.group_sizes if g.grouped else g.num_blocks)
 
     def refit(self, chunk_bytes: int) -> RequestPayload:
         """The same payload in the widest chunks of at most ``chunk_bytes`` (StagingError when
         one tile does not fit)."""
-        return RequestPayload(self.read, ChunkGeometry.fit(self.read.bytes_per_block, self.chunks.num_blocks,
-                                                           chunk_bytes))
+        g = self.chunks
+        return RequestPayload(self.read, self.read.chunk_geometry(g.group_sizes or (g.num_blocks,), chunk_bytes))
 
     def segment_offsets(self, chunk: int, base: int = 0) -> np.ndarray:
         """Byte offset of each segment's first tile inside chunk ``chunk`` placed at ``base``."""
+        if self.chunks.grouped:
+            return self.read.segment_offsets(self.chunks.group_counts(chunk), base=base)
         lo, hi = self.chunks.bounds(chunk)
         return self.read.segment_offsets(hi - lo, base=base)
+
+    def launch_groups(self, chunk: int) -> tuple[int, ...] | None:
+        """What :func:`kvtriton.ops.pack`/``unpack`` take as ``groups`` for chunk ``chunk``: the
+        positions of each KV cache group among the chunk's ids (``None``: one group)."""
+        return self.chunks.group_counts(chunk) if self.chunks.grouped else None
 
 
 def _caps(chunk_bytes: int | Mapping[int, int], rank: int) -> int:
@@ -403,6 +358,11 @@ class RequestPlan:
         choice; on the source, the way the pull named; ``{}`` when no pair was given).
     guessed : bool
         The ids and ways are the source's guess (:meth:`for_hold`), not a destination's request.
+    groups : tuple[int, ...]
+        Positions of each KV cache group (``plan.groups`` of them): :attr:`src_ids` and
+        :attr:`dst_ids` are the groups' compacted lists concatenated in group order
+        (:attr:`group_bounds`); one group: ``(num_tiles,)``. A region of group ``g`` moves only
+        its group's positions; the payload layout is :mod:`kvtriton.plan.types`'s.
 
     Example
     -------
@@ -431,11 +391,12 @@ class RequestPlan:
     pairs: Mapping[int, PairPlan] = field(default_factory=dict)
     ways: Mapping[int, Way] = field(default_factory=dict)
     guessed: bool = False
+    groups: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ makers
     @classmethod
-    def for_fetch(cls, plan: TransferPlan, src_block_ids: Sequence[int] | np.ndarray,
-                  dst_block_ids: Sequence[int] | np.ndarray, *, src_num_blocks: int, dst_num_blocks: int,
+    def for_fetch(cls, plan: TransferPlan, src_block_ids: IdsArg, dst_block_ids: IdsArg, *,
+                  src_num_blocks: int, dst_num_blocks: int,
                   chunk_bytes: int | Mapping[int, int], num_tokens: int | None = None,
                   pairs: Mapping[int, PairPlan] | None = None, packed: Collection[int] = (),
                   push: bool = False) -> RequestPlan:
@@ -448,19 +409,30 @@ class RequestPlan:
         With ``pairs`` (per source rank, its :class:`PairPlan`) each payload's way is chosen
         here, the one place it is (:attr:`ways`): STAGED for a ``push`` or a token map, else the
         pair's cost model's choice for these ids (:meth:`PairPlan.choose_way`; ``packed``: the
-        source ranks that offered their payload packed already)."""
+        source ranks that offered their payload packed already).
+
+        Several KV cache groups (``plan.groups > 1``): the ids are one list per group
+        (:func:`group_lists`; a flat list stands for every group), compacted per group
+        (:func:`compact_groups`); every payload then travels STAGED (the one-sided ways and
+        token maps are for one group only, yet)."""
         tokens = None
-        if plan.maps_tokens:
+        if plan.groups > 1:
+            src_l = group_lists(src_block_ids, plan.groups, "remote block ids")
+            dst_l = group_lists(dst_block_ids, plan.groups, "local block ids")
+            src, dst, groups = compact_groups(src_l, dst_l, src_num_blocks, dst_num_blocks)
+        elif plan.maps_tokens:
             bs, bd = _block_sizes(plan)
-            tokens = compact_tokens(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks, bs, bd, num_tokens)
+            tokens = compact_tokens(one_list(src_block_ids), one_list(dst_block_ids), src_num_blocks, dst_num_blocks,
+                                    bs, bd, num_tokens)
             src, dst = tokens.read_ids, tokens.tile_dst_ids
+            groups = (int(dst.size),)
         else:
-            src, dst = compact_request(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks)
-        rp = cls._make(plan, src, dst, tokens, int(dst.size),
-                       lambda read, n: ChunkGeometry.fit(read.bytes_per_block, n, _caps(chunk_bytes, read.src_rank)),
-                       pairs or {})
+            src, dst = compact_request(one_list(src_block_ids), one_list(dst_block_ids), src_num_blocks, dst_num_blocks)
+            groups = (int(dst.size),)
+        rp = cls._make(plan, src, dst, tokens, groups,
+                       lambda read, g: read.chunk_geometry(g, _caps(chunk_bytes, read.src_rank)), pairs or {})
         if pairs is not None:
-            staged = push or tokens is not None
+            staged = push or tokens is not None or plan.groups > 1
             object.__setattr__(rp, "ways", rp._choose(lambda r, p: Way.STAGED if staged else pairs[r].choose_way(
                 src, dst, chunks=p.chunks.count, packed=r in packed)))
         return rp
@@ -468,27 +440,32 @@ class RequestPlan:
     @classmethod
     def for_serve(cls, plan: TransferPlan, src_rank: int, read_ids: Sequence[int] | np.ndarray, *,
                   held_blocks: int, chunk_blocks: int, num_tokens: int = 0,
-                  tiles: Sequence[int] = (), pair: PairPlan | None = None, way: Way = Way.STAGED) -> RequestPlan:
+                  tiles: Sequence[int] = (), pair: PairPlan | None = None, way: Way = Way.STAGED,
+                  groups: Sequence[int] = ()) -> RequestPlan:
         """The source's view of a request a destination asked for: ``read_ids`` (the source ids
         it sent), and with a token map its ``tiles`` and ``num_tokens`` (checked against the
         ``held_blocks`` of the hold: :class:`PlanError` when they do not fit). The payload of
         ``src_rank`` is cut in the ``chunk_blocks`` the destination asked (checking them against
         this side's staging is :meth:`ChunkGeometry.fits`), and travels the ``way`` it named
         (checking it against the plan is the caller's). A token count or tiles sent for a
-        plan of equal block sizes is the caller's to refuse (they are ignored here)."""
+        plan of equal block sizes is the caller's to refuse (they are ignored here). ``groups``:
+        the positions of each KV cache group the destination sent (``()``: one group);
+        :class:`PlanError` unless the plan's group count of them adds up to the ids."""
         ids = np.asarray(read_ids, dtype=np.int64).reshape(-1)
         tokens = None
         n = int(ids.size)
+        sizes = wire_group_sizes(plan.groups, groups, n)
         if plan.maps_tokens:
             bs, bd = _block_sizes(plan)
             tokens = TokenMap.for_source(tiles, ids, num_tokens, bs, bd, held_blocks)
             n = tokens.num_tiles
+            sizes = (n,)
         payloads = {}
         read = plan.payload(src_rank)
         if read is not None:
-            payloads[src_rank] = RequestPayload(read, ChunkGeometry(read.bytes_per_block, n, chunk_blocks))
+            payloads[src_rank] = RequestPayload(read, read.chunks_of(sizes, chunk_blocks))
         return cls(plan, ids, None, tokens, n, payloads, {}, {} if pair is None else {src_rank: pair},
-                   {src_rank: way} if read is not None else {})
+                   {src_rank: way} if read is not None else {}, groups=sizes)
 
     @classmethod
     def for_hold(cls, plan: TransferPlan, block_ids: np.ndarray, *, chunk_bytes: int | Mapping[int, int],
@@ -500,13 +477,16 @@ class RequestPlan:
         over ``dst_ids``, the destination blocks the hold is for when known; unknown (``None``),
         the destination's ids are taken to run as ours do (our ids stand in for them: a wrong
         guess costs one declined offer). :attr:`guessed` is set. Only for plans of equal block
-        sizes (:class:`PlanError` otherwise: a token map's tiles depend on the destination's ids)."""
+        sizes and one KV cache group (:class:`PlanError` otherwise: a token map's tiles depend on the
+        destination's ids; grouped holds are not packed ahead, yet)."""
         if plan.maps_tokens:
             raise PlanError("a token-mapped request cannot be planned before the destination's ids are known")
+        if plan.groups > 1:
+            raise PlanError("a request of several KV cache groups is not planned before its pull (yet)")
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         guess = ids if dst_ids is None else np.asarray(dst_ids, dtype=np.int64).reshape(-1)
-        rp = cls._make(plan, ids, None, None, int(ids.size),
-                       lambda read, n: ChunkGeometry.fit(read.bytes_per_block, n, _caps(chunk_bytes, read.src_rank)),
+        rp = cls._make(plan, ids, None, None, (int(ids.size),),
+                       lambda read, g: read.chunk_geometry(g, _caps(chunk_bytes, read.src_rank)),
                        pairs or {}, guessed=True)
         if pairs is not None:
             object.__setattr__(rp, "ways", rp._choose(
@@ -514,17 +494,17 @@ class RequestPlan:
         return rp
 
     @classmethod
-    def _make(cls, plan: TransferPlan, src: np.ndarray, dst: np.ndarray | None, tokens: TokenMap | None, n: int,
-              fit: Callable[[Payload, int], ChunkGeometry], pairs: Mapping[int, PairPlan],
-              guessed: bool = False) -> RequestPlan:
+    def _make(cls, plan: TransferPlan, src: np.ndarray, dst: np.ndarray | None, tokens: TokenMap | None,
+              groups: tuple[int, ...], fit: Callable[[Payload, tuple[int, ...]], ChunkGeometry],
+              pairs: Mapping[int, PairPlan], guessed: bool = False) -> RequestPlan:
         payloads: dict[int, RequestPayload] = {}
         unfit: dict[int, StagingError] = {}
         for read in plan.staged:
             try:
-                payloads[read.src_rank] = RequestPayload(read, fit(read, n))
+                payloads[read.src_rank] = RequestPayload(read, fit(read, groups))
             except StagingError as e:
                 unfit[read.src_rank] = e
-        return cls(plan, src, dst, tokens, n, payloads, unfit, pairs, {}, guessed)
+        return cls(plan, src, dst, tokens, sum(groups), payloads, unfit, pairs, {}, guessed, groups)
 
     def _choose(self, choose: Callable[[int, RequestPayload], Way]) -> dict[int, Way]:
         """Per source rank whose payload fits and whose pair is known, ``choose(rank, payload)``."""
@@ -546,9 +526,21 @@ class RequestPlan:
         return ids_digest(self.src_ids)
 
     @functools.cached_property
+    def group_bounds(self) -> tuple[int, ...] | None:
+        """Several KV cache groups: group ``g``'s positions are ``[b[g], b[g + 1])`` of the
+        concatenated ids; ``None`` for one group (every position)."""
+        if len(self.groups) <= 1:
+            return None
+        return (0, *itertools.accumulate(self.groups))
+
+    def wire_groups(self) -> dict:
+        """The group sizes of a pull or push (``groups``); {} for one group (the wire as before)."""
+        return {"groups": self.groups} if len(self.groups) > 1 else {}
+
+    @functools.cached_property
     def direct_ranks(self) -> frozenset[int]:
         """Source ranks sending DIRECT runs for this request (none when it moves nothing)."""
-        return frozenset(self.plan.direct_ranks(self.num_tiles))
+        return frozenset(self.plan.direct_ranks(self.groups if len(self.groups) > 1 else self.num_tiles))
 
     @functools.cached_property
     def source_ranks(self) -> tuple[int, ...]:

@@ -102,9 +102,12 @@ def direct_runs(
     src_ids: np.ndarray,
     dst_ids: np.ndarray,
     src_rank: int | None = None,
+    group_bounds: Sequence[int] | None = None,
 ) -> Runs:
     """Coalesced descriptors for every DIRECT and DIRECT_SLICE region of a compacted request
-    (only those ``src_rank`` sends, when given: what one pair of ranks posts).
+    (only those ``src_rank`` sends, when given: what one pair of ranks posts); a region of KV
+    cache group ``g`` moves positions ``[group_bounds[g], group_bounds[g + 1])`` only (``None``:
+    one group).
 
     Blocks of a DIRECT region are split over its ``src_ranks`` in contiguous parts of the request
     (so runs stay long); a DIRECT_SLICE region's source ranks each send their head slice of every
@@ -120,19 +123,22 @@ def direct_runs(
     MLA layers are one group), so the Python work is per group, not
     per region or block; what remains is linear in the descriptors returned.
     """
-    return runs_of_groups(direct_groups(plan, src_specs, dst_specs), src_ids, dst_ids, src_rank)
+    return runs_of_groups(direct_groups(plan, src_specs, dst_specs), src_ids, dst_ids, src_rank, group_bounds)
 
 
 def runs_of_groups(groups: Sequence[DirectGroup], src_ids: np.ndarray, dst_ids: np.ndarray,
-                   src_rank: int | None = None) -> Runs:
-    """:func:`direct_runs` over groups found already (:func:`direct_groups`)."""
+                   src_rank: int | None = None, group_bounds: Sequence[int] | None = None) -> Runs:
+    """:func:`direct_runs` over groups found already (:func:`direct_groups`); ``group_bounds``
+    as in :meth:`BlockRows.select` (a request of several KV cache groups)."""
     src_ids = np.asarray(src_ids, dtype=np.int64)
     dst_ids = np.asarray(dst_ids, dtype=np.int64)
-    n = src_ids.size
     blocks: list[list[np.ndarray]] = []  # per group: its six columns
     for group in groups:
+        g0, g1 = _group_range(group_bounds, group.group, src_ids.size)
+        n = g1 - g0
         # a stripe splits the request over the replicas; a DIRECT_SLICE region's ranks each send every block
         parts = [(0, n)] * len(group.src_ranks) if group.sliced else _split_bounds(n, len(group.src_ranks))
+        parts = [(g0 + lo, g0 + hi) for lo, hi in parts]
         base: list[list[np.ndarray]] = [[] for _ in range(5)]
         for rank, (lo, hi), streams in zip(group.src_ranks, parts, group.streams):
             if hi == lo or (src_rank is not None and rank != src_rank):
@@ -198,6 +204,7 @@ class DirectGroup:
     streams: tuple[tuple[tuple[int, int, int, int, int], ...], ...]  # per src rank, per stream
     regions: tuple[int, ...]
     sliced: bool = False
+    group: int = 0  # the regions' KV cache group
 
 
 def direct_groups(plan: TransferPlan, src_specs: Sequence[RegionSpec] | Mapping[int, Sequence[RegionSpec]],
@@ -223,8 +230,8 @@ def direct_groups(plan: TransferPlan, src_specs: Sequence[RegionSpec] | Mapping[
             per_rank.append(tuple((d.tile_bytes(j, nh), s.block_stride_bytes(j), d.block_stride_bytes(j),
                                    h_s * s.strides[j][2] * s.itemsize, h_d * d.strides[j][2] * d.itemsize)
                                   for j in range(d.num_streams)))
-        by_key.setdefault((dr.src_ranks, tuple(per_rank), dr.sliced), []).append(dr.region)
-    groups = tuple(DirectGroup(k[0], k[1], tuple(v), k[2]) for k, v in by_key.items())
+        by_key.setdefault((dr.src_ranks, tuple(per_rank), dr.sliced, dr.group), []).append(dr.region)
+    groups = tuple(DirectGroup(k[0], k[1], tuple(v), k[2], k[3]) for k, v in by_key.items())
     return groups
 
 
@@ -240,7 +247,8 @@ class BlockRows:
     (:meth:`select`); NIXL merges pairs adjacent on both sides, which are :func:`direct_runs`'s
     runs. A row reads the positions of its stripe share ``part`` of ``parts``
     (:func:`direct_runs` splits a request over replicas the same way), or every position when
-    ``parts`` is 0 (a head slice: every source rank sends every block).
+    ``parts`` is 0 (a head slice: every source rank sends every block), among the positions of
+    its region's KV cache group ``group`` (a request of several groups: :meth:`select`).
 
     ``key``: the rows' content, what a prepared list is kept under."""
 
@@ -255,6 +263,7 @@ class BlockRows:
     dst_blocks: np.ndarray
     part: np.ndarray
     parts: np.ndarray
+    group: np.ndarray  # the row's KV cache group: it reads that group's positions of a request
 
     def __len__(self) -> int:
         return int(self.tile.size)
@@ -287,14 +296,14 @@ class BlockRows:
         return (self.src_stride == self.tile) & (self.dst_stride == self.tile)
 
     @functools.cached_property
-    def _groups(self) -> tuple[tuple[int, int, np.ndarray, np.ndarray, int, int, int], ...]:
-        """Per stripe share ``(part, parts)``: its rows' starts (columns), how many of them
-        merge runs, how many rows, their bytes per block; what :meth:`select` needs, once."""
+    def _groups(self) -> tuple[tuple[int, int, int, np.ndarray, np.ndarray, int, int, int], ...]:
+        """Per (stripe share ``(part, parts)``, KV cache group): its rows' starts (columns), how
+        many of them merge runs, how many rows, their bytes per block; what :meth:`select` needs, once."""
         s_start, d_start = self._starts
         groups = []
-        for part, parts in dict.fromkeys(zip(self.part.tolist(), self.parts.tolist())):
-            rows = np.flatnonzero((self.part == part) & (self.parts == parts))
-            groups.append((part, parts, s_start[rows][:, None], d_start[rows][:, None],
+        for part, parts, group in dict.fromkeys(zip(self.part.tolist(), self.parts.tolist(), self.group.tolist())):
+            rows = np.flatnonzero((self.part == part) & (self.parts == parts) & (self.group == group))
+            groups.append((part, parts, group, s_start[rows][:, None], d_start[rows][:, None],
                            int(self._contiguous[rows].sum()), int(rows.size), int(self.tile[rows].sum())))
         return tuple(groups)
 
@@ -303,21 +312,25 @@ class BlockRows:
         """The fewest blocks of any row, source and destination: every block id must be below."""
         return int(self.src_blocks.min()), int(self.dst_blocks.min())
 
-    def select(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+    def select(self, src_ids: np.ndarray, dst_ids: np.ndarray,
+               group_bounds: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray, int, int]:
         """``(src_idx, dst_idx, descriptors, nbytes)`` of a compacted request: the index pairs
         into the rows' prepared lists (row by row, positions in order), how many descriptors
-        they post once pairs adjacent on both sides merge, and the bytes they move."""
+        they post once pairs adjacent on both sides merge, and the bytes they move.
+        ``group_bounds``: a request of several KV cache groups, group ``g``'s positions being
+        ``[group_bounds[g], group_bounds[g + 1])`` (``None``: one group, every position)."""
         src_ids = np.asarray(src_ids, dtype=np.int64)
         dst_ids = np.asarray(dst_ids, dtype=np.int64)
-        n = src_ids.size
         s_cols: list[np.ndarray] = []
         d_cols: list[np.ndarray] = []
         descriptors = nbytes = 0
-        for part, parts, s_start, d_start, merged, rows, tile in self._groups:
+        for part, parts, group, s_start, d_start, merged, rows, tile in self._groups:
+            g0, g1 = _group_range(group_bounds, group, src_ids.size)
+            n = g1 - g0
             lo, hi = (0, n) if parts == 0 else _split_bounds(n, parts)[part]
             if hi == lo:
                 continue
-            sid, did = src_ids[lo:hi], dst_ids[lo:hi]
+            sid, did = src_ids[g0 + lo:g0 + hi], dst_ids[g0 + lo:g0 + hi]
             s_cols.append((s_start + sid).ravel())
             d_cols.append((d_start + did).ravel())
             if merged:  # runs consecutive on both sides: one descriptor each once NIXL merges them
@@ -331,6 +344,15 @@ class BlockRows:
         return np.concatenate(s_cols), np.concatenate(d_cols), descriptors, nbytes
 
 
+def _group_range(group_bounds: Sequence[int] | None, group: int, n: int) -> tuple[int, int]:
+    """Positions ``[lo, hi)`` of ``group`` in a request of ``n`` positions (``None``: one group)."""
+    if group_bounds is None:
+        return 0, n
+    if group + 1 >= len(group_bounds):
+        return n, n
+    return int(group_bounds[group]), int(group_bounds[group + 1])
+
+
 def _starts_of(blocks: np.ndarray) -> np.ndarray:
     starts = np.zeros(blocks.size, dtype=np.int64)
     np.cumsum(blocks[:-1], out=starts[1:])
@@ -338,7 +360,7 @@ def _starts_of(blocks: np.ndarray) -> np.ndarray:
 
 
 def _block_rows(rows: Sequence[tuple[int, ...]]) -> BlockRows:
-    cols = np.array(rows, dtype=np.int64).reshape(-1, 11).T
+    cols = np.array(rows, dtype=np.int64).reshape(-1, 12).T
     for c in cols:
         c.setflags(write=False)
     return BlockRows(*cols)
@@ -362,7 +384,7 @@ def direct_block_rows(plan: TransferPlan, src_specs: Sequence[RegionSpec], dst_s
         for j in range(d.num_streams):
             rows.append((dr.region, j, d.tile_bytes(j, nh), h_s * sp.strides[j][2] * sp.itemsize,
                          h_d * d.strides[j][2] * d.itemsize, sp.block_stride_bytes(j), d.block_stride_bytes(j),
-                         sp.num_blocks, d.num_blocks, part, parts))
+                         sp.num_blocks, d.num_blocks, part, parts, dr.group))
     return _block_rows(rows)
 
 
@@ -373,8 +395,8 @@ def slice_block_rows(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: 
     order). ``cols``: its :func:`slice_columns`, when known."""
     if cols is None:
         cols = slice_columns(read, src_specs, dst_specs)
-    rows = [(r, j, tile, s_off, d_off, s_stride, d_stride, src_specs[r].num_blocks, dst_specs[r].num_blocks, 0, 0)
-            for r, j, tile, s_stride, d_stride, s_off, d_off in cols.tolist()]
+    rows = [(r, j, tile, s_off, d_off, s_stride, d_stride, src_specs[r].num_blocks, dst_specs[r].num_blocks, 0, 0,
+             dst_specs[r].group) for r, j, tile, s_stride, d_stride, s_off, d_off in cols.tolist()]
     return _block_rows(rows)
 
 

@@ -51,7 +51,7 @@ import msgpack
 
 from ..errors import ProtocolError, TopologyError
 from ..plan import STAGED_LAYOUT_VERSION, CostModel, head_range
-from ..spec import DTYPE_ITEMSIZE, Kind, Layout, RegionSpec
+from ..spec import DTYPE_ITEMSIZE, MAX_GROUPS, Kind, Layout, RegionSpec
 
 __all__ = [
     "PROTOCOL_VERSION", "RankMetadata", "StagingInfo", "encode_metadata", "decode_metadata", "Message", "Pull",
@@ -131,6 +131,7 @@ def encode_metadata(md: RankMetadata) -> bytes:
             local_heads=spec.local_heads, head_dims=list(spec.head_dims), dtype=spec.dtype,
             itemsize=spec.itemsize, strides=[list(s) for s in spec.strides],
             addrs=list(addrs), spans=list(spans), dim_major=list(spec.dim_major),
+            **({"group": spec.group} if spec.group else {}),  # absent: group 0 (older peers' metadata)
         ))
     return msgpack.packb(dict(
         v=PROTOCOL_VERSION, fmt=STAGED_LAYOUT_VERSION, engine=md.engine, rank=md.rank, tp=md.tp,
@@ -232,6 +233,7 @@ def _region(r: Any, where: str, rank: int, tp: int) -> tuple[RegionSpec, tuple[i
         head_dims=head_dims, dtype=dtype,
         itemsize=_int(r, "itemsize", where, 1, 16), strides=tuple(strides),
         dim_major=_dim_major(r, where, n_streams),
+        group=_int(r, "group", where, 0, MAX_GROUPS - 1) if "group" in r else 0,
     )
     where = f"{where} ({spec.name!r:.80})"
     if spec.itemsize != DTYPE_ITEMSIZE[dtype]:
@@ -311,8 +313,8 @@ class Message:
         # the tag is the class name, set in one place so that no message travels under another
         cls.TYPE = cls.__name__
 
-    def encode(self) -> bytes:
-        return encode_message(self.TYPE, **vars(self))  # a dataclass: its fields, in order
+    def encode(self) -> bytes:  # a dataclass: its fields, in order (empty group sizes stay off the wire)
+        return encode_message(self.TYPE, **{k: v for k, v in vars(self).items() if k != "groups" or v})
 
 
 # decode -> prefill ------------------------------------------------------------
@@ -331,6 +333,7 @@ class Pull(Message):
     # how the staged payload travels (a plan.Way of Payload.ways): "read_unpack": do not pack,
     # answer RunsReady and keep the blocks until RunsDone (I READ them from your cache)
     way: str = "staged"
+    groups: tuple[int, ...] = ()  # ids per KV cache group, in group order (RequestPlan.groups); (): one group
 
 
 @dataclass(frozen=True)
@@ -346,6 +349,7 @@ class Push(Message):
     plan: str
     tokens: int = 0  # as in Pull
     tiles: tuple[int, ...] = ()
+    groups: tuple[int, ...] = ()  # as in Pull
 
 
 @dataclass(frozen=True)
@@ -480,6 +484,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (Pull, Push, Grant, Ack, RunsDone, Do
 # upper bounds are the receiver's (it knows them)
 _MIN_INT = {("Ready", "nslots"): 1, ("Ready", "nbytes"): 1, ("Grant", "nslots"): 1, ("Data", "nbytes"): 1,
             ("Done", "dst_tp"): 1, ("Offer", "num_blocks"): 1, ("Offer", "chunk_blocks"): 1}
+_MAX_LIST = {"groups": MAX_GROUPS}  # group sizes: absent for one group (decoded as ()), at most MAX_GROUPS
 # annotation of a message field -> the type msgpack decodes it to (tuples travel as arrays)
 _WIRE_TYPES: dict[str, type[Any]] = {"str": str, "int": int, "tuple[int, ...]": list, "bytes": bytes}
 # t -> (class, [(field, wire type)]); the annotations are strings (``from __future__ import annotations``)
@@ -508,7 +513,8 @@ def decode_message(data: bytes) -> Message:
     cls, schema = _SCHEMA[t]
     values: dict[str, Any] = {}
     for name, typ in schema:
-        v = d.get(name, b"" if typ is bytes else None)  # a digest may be absent (a peer without integrity)
+        # a digest may be absent (a peer without integrity), and group sizes (a request of one group)
+        v = d.get(name, b"" if typ is bytes else [] if name in _MAX_LIST else None)
         if not isinstance(v, typ) or isinstance(v, bool):
             raise ProtocolError(f"message {t!r}: field {name!r} must be {typ.__name__}, got {v!r:.80}")
         # every int a peer sends is a count, index or size far below 2**48
@@ -517,9 +523,9 @@ def decode_message(data: bytes) -> Message:
             if not lo <= v < _MAX_MSG_INT:
                 raise ProtocolError(f"message {t!r}: field {name!r} = {v} is outside [{lo}, 2**48)")
         if typ is list:
-            if len(v) > _MAX_IDS:
-                raise ProtocolError(f"message {t!r}: field {name!r} has {len(v)} ids, more than the "
-                                    f"{_MAX_IDS} a request may have (wire.MAX_REQUEST_BLOCKS)")
+            if len(v) > _MAX_LIST.get(name, _MAX_IDS):
+                raise ProtocolError(f"message {t!r}: field {name!r} has {len(v)} entries, more than the "
+                                    f"{_MAX_LIST.get(name, _MAX_IDS)} allowed (MAX_REQUEST_BLOCKS, MAX_GROUPS)")
             # C-level passes (half the time of a per-element generator at 8k ids); bools are not ints here
             if v and (set(map(type, v)) != {int} or min(v) < 0 or max(v) >= _MAX_MSG_INT):
                 raise ProtocolError(f"message {t!r}: field {name!r} must be a list of ints in [0, 2**48)")

@@ -7,10 +7,10 @@ source rank's part is one class per way (:mod:`.parts`)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 from ...errors import KVTritonError, PlanError, ProtocolError, RequestAbortedError, RequestRejectedError, StagingError
 from ...plan import RequestPlan, Way
+from ...plan.ids import IdsArg
 from ...protocol import wire
 from ..links import Flow, Links, Peer, Settings
 from ..plan_book import PlanBook
@@ -44,7 +44,7 @@ class Destination:
         self.queued = Queued(settings.rank, settings.renew_s, links)  # waiting in the engine's queue: renewed
 
     # ------------------------------------------------------------------ requests
-    def fetch(self, req_id: str, engine: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
+    def fetch(self, req_id: str, engine: str, remote_block_ids: IdsArg, local_block_ids: IdsArg,
               timeout_s: float | None, num_tokens: int | None = None, ready=None) -> None:
         """Start reading ``req_id`` from ``engine`` (see :meth:`TransferAgent.fetch`)."""
         if req_id in self.fetches:
@@ -135,10 +135,10 @@ class Destination:
             msg: wire.Message
             if self.s.flow is Flow.PUSH:
                 msg = wire.Push(part.xid, f.req_id, self.s.rank, ids, tuple(f.dst_ids.tolist()), chunk_blocks,
-                                rp.digest, **tok)
+                                rp.digest, **tok, **rp.wire_groups())
             else:  # DIRECT runs (and the ways reading its cache) wait for the source to confirm it holds the blocks
                 msg = wire.Pull(part.xid, f.req_id, self.s.rank, ids, chunk_blocks, rp.digest, **tok,
-                                way=part.way.value)
+                                way=part.way.value, **rp.wire_groups())
             self.links.send(peer, msg)
 
     def abort(self, req_id: str) -> bool:

@@ -53,7 +53,8 @@ class RunsTransfer:
 
     def read(self, links: Links, f: Fetch, peer: Peer) -> None:
         """Pull: READ this source rank's rows of ``f``, in one transfer."""
-        post = links.prep_rows(peer, self.rows, f.src_ids, f.dst_ids, reading=True)
+        post = links.prep_rows(peer, self.rows, f.src_ids, f.dst_ids, reading=True,
+                               group_bounds=f.request.group_bounds)
         if post is None:
             self.pending = False
             return
@@ -319,7 +320,8 @@ class PayloadPart(Part):
         tokens = f.tokens
         with s.lanes.launching(after=f.ready):
             if tokens is None:
-                unpack(s.regions, p.read.segments, offs, f.dst_ids[lo:hi], s.pool.tensor, impl=s.impl)
+                unpack(s.regions, p.read.segments, offs, f.dst_ids[lo:hi], s.pool.tensor, impl=s.impl,
+                       groups=p.launch_groups(ch.index))
             else:
                 if tokens.dst_ids is None:  # the destination's token map has them (TokenMap.for_source has not)
                     raise ProtocolError(f"fetch {f.req_id!r}: a token map without destination ids")

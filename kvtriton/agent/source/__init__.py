@@ -28,9 +28,10 @@ import time
 
 import numpy as np
 
-from ...errors import KVTritonError, PlanError
-from ...plan import RequestPayload, RequestPlan, TransferPlan, Way
+from ...errors import KVTritonError, PlanError, RequestRejectedError
+from ...plan import RequestPayload, RequestPlan, TransferPlan, Way, group_lists
 from ...protocol import wire
+from ...spec import num_groups
 from ..links import Flow, Links, Peer
 from ..plan_book import PlanBook
 from ..settings import Settings
@@ -65,9 +66,39 @@ class Source:
                                 withdraw_offers=offers.withdraw)
 
     # ------------------------------------------------------------------ holds
-    def hold(self, req_id: str, block_ids: np.ndarray, lease_s: float, consumer: str | None, ready=None) -> None:
+    def held_lists(self, req_id: str, block_ids) -> tuple[np.ndarray, ...]:
+        """The held ids of each KV cache group of ``hold(req_id, block_ids)`` (a flat list holds
+        those blocks in every group; else one list per group), -1 dropped; checked before
+        anything is held: :class:`RequestRejectedError` on a wrong group count, ids outside
+        ``[-1, num_blocks)`` or more than :data:`wire.MAX_REQUEST_BLOCKS` held in all."""
+        try:
+            lists = group_lists(block_ids, num_groups(self.s.specs), f"hold {req_id!r}")
+        except PlanError as e:
+            raise RequestRejectedError(str(e)) from None
+        nb = min(s.num_blocks for s in self.s.specs)
+        for g, ids in enumerate(lists):
+            if ids.size and (ids.min() < -1 or ids.max() >= nb):
+                where = f" group {g}:" if len(lists) > 1 else ""
+                raise RequestRejectedError(f"hold {req_id!r}:{where} block ids must be in [-1, {nb}) (-1: not held), "
+                                           f"got [{ids.min()}, {ids.max()}]")
+        lists = tuple(ids[ids >= 0] for ids in lists)
+        total = sum(ids.size for ids in lists)
+        if total > wire.MAX_REQUEST_BLOCKS:
+            raise RequestRejectedError(f"hold {req_id!r}: {total} blocks is more than a request may have "
+                                       f"(kvtriton.protocol.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS})")
+        return lists
+
+    def hold(self, req_id: str, lists: tuple[np.ndarray, ...], lease_s: float, consumer: str | None,
+             ready=None) -> None:
+        """Hold ``lists`` (:meth:`held_lists`). A hold of several KV cache groups keeps each
+        group's ids (a pull reads a subset of them per group) and is not packed ahead (yet)."""
         self.eager.release(req_id)  # a hold placed again: what was packed for the old one is stale
-        self.eager.placed(self.holds.place(req_id, block_ids, lease_s, consumer, ready))
+        hold = self.holds.place(req_id, lists[0] if len(lists) == 1 else np.concatenate(lists), lease_s, consumer,
+                                ready)
+        if len(lists) > 1:
+            hold.groups = lists
+        else:
+            self.eager.placed(hold)
 
     def release(self, req_id: str) -> bool:
         hold = self.holds.get(req_id)
@@ -148,6 +179,10 @@ class Source:
         if ids.size == 0 or not np.isin(ids, hold.block_ids).all():
             raise Rejection(f"block ids of {m.req!r} are not a subset of the {hold.block_ids.size} held blocks")
         plan, r = self._request(peer, m, hold, ids)
+        bounds = r.group_bounds
+        if bounds is not None and not all(np.isin(ids[lo:hi], held).all()
+                                          for lo, hi, held in zip(bounds, bounds[1:], hold.groups)):
+            raise Rejection(f"block ids of {m.req!r} are not a subset of the held blocks of their KV cache group")
         payload, runs = r.payload(self.s.rank), r.sends_runs(self.s.rank)
         if payload is None and not runs:
             raise Rejection(f"{self.s.name} has nothing to send to {peer.md.engine}:{m.dst_rank}")
@@ -198,10 +233,12 @@ class Source:
                             "(modes, cost model or replicate stripe differ between the engines)")
         if not plan.maps_tokens and (m.tiles or m.tokens):
             raise Rejection("tiles and a token count sent, but the engines' block sizes are equal")
+        if len(m.groups) > 1 and len(hold.groups) != len(m.groups):
+            raise Rejection(f"{m.req!r} names {len(m.groups)} KV cache groups, the hold has {max(1, len(hold.groups))}")
         try:
             r = RequestPlan.for_serve(plan, self.s.rank, ids, held_blocks=hold.block_ids.size,
                                       chunk_blocks=m.chunk_blocks, num_tokens=m.tokens, tiles=m.tiles,
-                                      pair=self.plans.serving_pair(peer.md))
+                                      pair=self.plans.serving_pair(peer.md), groups=m.groups)
         except PlanError as e:
             raise Rejection(f"token map of {m.req!r}: {e}" if plan.maps_tokens else str(e)) from e
         return plan, r

@@ -219,7 +219,8 @@ class PushServe(Serve[wire.Push]):
             raise Rejection(f"push: dst_ids must be {n} distinct ids in [0, {nb})")
         try:
             rows = r.pairs[serves.s.rank].rows()  # the DIRECT rows: a push's payload is staged
-            runs = serves.links.prep_rows(peer, rows, admitted.ids, dst_ids, reading=False)
+            runs = serves.links.prep_rows(peer, rows, admitted.ids, dst_ids, reading=False,
+                                          group_bounds=r.group_bounds)
         except KVTritonError as e:
             raise Rejection(f"push: {e}") from e
         timeout_s = serves.s.timeout_s

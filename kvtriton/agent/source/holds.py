@@ -64,6 +64,7 @@ class Hold:
     consumer: str | None = None  # the engine entitled to it (None: the first whose pull is accepted)
     done_from: set[tuple[str, int]] = field(default_factory=set)  # (engine, rank) of every done received
     ready: torch.cuda.Event | None = None  # after it the engine's blocks are final (None: they are)
+    groups: tuple[np.ndarray, ...] = ()  # several KV cache groups: each group's held ids (block_ids: all)
 
 
 class Holds:

@@ -53,18 +53,22 @@ class PackJob:
 
     read: Payload  # the destination's segments from this rank
     chunk: Chunk  # its reserved slots (``kernel`` is set by the launch)
-    tiles_n: int  # tiles per segment in this chunk
+    tiles_n: int | tuple[int, ...]  # tiles per segment in this chunk (several KV cache groups: per group)
     ids: np.ndarray  # the launch's block ids: the chunk's positions, or the token map's source ids
     tiles: np.ndarray | None  # token map: the chunk's destination positions
     num_tokens: int | None  # token map: the request's tokens
     ready: object  # the hold's event: the launch waits for it on the device
     alive: Callable[[], bool]  # False once the owner no longer keeps ``chunk`` (then it is skipped)
     failed: Callable[[KVTritonError], None]  # the launch refused this job's arguments
+    groups: tuple[int, ...] | None = None  # several KV cache groups: each one's positions among ``ids``
 
     @classmethod
     def for_chunk(cls, read: Payload, chunks: ChunkGeometry, ch: Chunk, ids: np.ndarray,
                   tokens: TokenMap | None, ready, alive, failed) -> PackJob:
         lo, hi = chunks.bounds(ch.index)
+        if chunks.grouped:
+            counts = chunks.group_counts(ch.index)
+            return cls(read, ch, counts, ids[lo:hi], None, None, ready, alive, failed, counts)
         if tokens is None:
             return cls(read, ch, hi - lo, ids[lo:hi], None, None, ready, alive, failed)
         return cls(read, ch, hi - lo, tokens.src_ids, tokens.tiles[lo:hi], tokens.num_tokens, ready, alive, failed)
@@ -73,7 +77,7 @@ class PackJob:
         """What every job of one launch must share."""
         tiles = None if self.tiles is None else np.ascontiguousarray(self.tiles, dtype=np.int64).tobytes()
         return (id(self.ready), self.ids.dtype.str, np.ascontiguousarray(self.ids).tobytes(), tiles,
-                self.num_tokens)
+                self.num_tokens, self.groups)
 
 
 class PackBatch:
@@ -133,7 +137,7 @@ class PackBatch:
         """One launch packing ``chunks`` chunks (counted once it was accepted)."""
         with self.s.lanes.launching(after=job.ready):  # after the engine's writes, on our stream
             pack(self.s.regions, segments, offsets, job.ids, self.s.pool.tensor, impl=self.s.impl,
-                 tiles=job.tiles, num_tokens=job.num_tokens)
+                 tiles=job.tiles, num_tokens=job.num_tokens, groups=job.groups)
         self._counted(chunks)
 
     def _joined_segments(self, reads: tuple[Payload, ...]) -> tuple:
