@@ -28,6 +28,7 @@ from ..errors import PlanError, RegionError, TopologyError
 from ..hybrid import GDNState, Mamba2State, StateModel, nixl_connector_conv_reads, state_specs
 from ..plan import CostModel, build_plan, ceil_div, direct_runs, split_sources
 from ..plan.count import nixl_connector_descriptors
+from ..plan.ids import fragmented_ids as block_ids
 from ..plan.models import DTYPE_BYTES, LayerKV, ModelKV, rank_specs
 from ..spec import Kind, Layout, RegionSpec
 
@@ -248,7 +249,6 @@ def explain_hybrid(model: HybridModel, prefill_tp: int, decode_tp: int, *, block
                     raise TopologyError(f"{engine} engine: {e}") from None
     if ranks is not None and any(not 0 <= r < decode_tp for r in ranks):
         raise PlanError(f"decode ranks {ranks} are out of range for decode TP {decode_tp}")
-    from .plan import block_ids
 
     n_all = ceil_div(tokens, block_size)
     num_blocks = int(block_ids(n_all, run)[-1]) + 1

@@ -17,11 +17,10 @@ import json
 import sys
 import time
 
-import numpy as np
-
 from ..errors import KVTritonError, PlanError
 from ..plan import CostModel, build_plan, ceil_div, check_tp, compact_request, head_range, split_sources
 from ..plan.count import count_descriptors, nixl_connector_descriptors
+from ..plan.ids import fragmented_ids as block_ids
 from ..plan.models import ModelKV, load_model, rank_specs
 from ..spec import Kind, Layout
 
@@ -31,14 +30,6 @@ __all__ = ["VLLM_DEFAULT_BLOCK", "nixl_connector_descriptors", "block_ids", "exp
 #: vLLM's default block size per release the plan models (``config/cache.py``): 0.34 raised it to 64,
 #: so NixlConnector's reads of one request became 4x fewer and 4x larger (32 KiB for Llama-3-70B P4->D8).
 VLLM_DEFAULT_BLOCK = {"0.32": 16, "0.33": 16, "0.34": 64}
-
-
-def block_ids(num_blocks: int, run: int) -> np.ndarray:
-    """Block ids of a request's ``num_blocks`` positions in runs of ``run`` consecutive ids, one
-    free block between runs (``run`` 0: one run); deterministic, so a plan explains the same
-    way every time."""
-    pos = np.arange(num_blocks, dtype=np.int64)
-    return pos if run <= 0 else (pos // run) * (run + 1) + pos % run
 
 
 def _heads(lo: int, hi: int) -> str:

@@ -17,10 +17,18 @@ import numpy as np
 
 from ..errors import PlanError
 
-__all__ = ["IdsArg", "check_ids", "check_distinct", "compact_request", "compact_groups", "group_lists",
-           "one_list", "wire_group_sizes"]
+__all__ = ["fragmented_ids", "IdsArg", "check_ids", "check_distinct", "compact_request", "compact_groups",
+           "group_lists", "one_list", "wire_group_sizes"]
 
 IdsArg = Sequence[int] | np.ndarray | Sequence[Sequence[int] | np.ndarray]
+
+
+def fragmented_ids(num_blocks: int, run: int) -> np.ndarray:
+    """Example block ids (``kvtriton plan``, hybrid models too): a request's ``num_blocks``
+    positions in runs of ``run`` consecutive ids, one free block between runs (``run`` 0: one
+    run); deterministic, so a plan explains the same way every time."""
+    pos = np.arange(num_blocks, dtype=np.int64)
+    return pos if run <= 0 else (pos // run) * (run + 1) + pos % run
 
 
 def group_lists(block_ids: IdsArg, num_groups: int, what: str = "block ids") -> tuple[np.ndarray, ...]:
