@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import RegionError, TopologyError
-from .spec import DTYPE_ITEMSIZE, Kind, Layout, RegionSpec
+from .spec import DTYPE_ITEMSIZE, MAX_GROUPS, Kind, Layout, RegionSpec
 
 if TYPE_CHECKING:
     import torch
@@ -216,13 +216,10 @@ def _conv_layout(conv_layout: str) -> str:
 
 
 def _with_group(spec: RegionSpec, group: int) -> RegionSpec:
-    """``spec`` in KV cache group ``group`` (HYBRID_CONTRACT section 1: ``RegionSpec.group``).
-    Until that field exists only group 0 can be expressed."""
-    if "group" in {f.name for f in dataclasses.fields(RegionSpec)}:
-        return dataclasses.replace(spec, group=group)  # type: ignore[call-arg]
-    if group != 0:
-        raise RegionError(f"region {spec.name!r}: group={group} needs RegionSpec.group (not in this kvtriton yet)")
-    return spec
+    """``spec`` in KV cache group ``group`` (the engine's group holding this layer's state)."""
+    if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < MAX_GROUPS:
+        raise RegionError(f"region {spec.name!r}: group must be an int in [0, {MAX_GROUPS}), got {group!r}")
+    return dataclasses.replace(spec, group=group)
 
 
 def state_specs(name: str, model: StateModel, *, rank: int, tp: int, num_blocks: int, conv_dtype: str,
