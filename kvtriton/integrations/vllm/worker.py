@@ -257,7 +257,7 @@ class WorkerSide:
                 logger.warning("load of %s from %s failed, its blocks will be recomputed: %s", load.req_id,
                                load.source.engine_id, error)
                 if load.report:
-                    blocks = load.local_block_ids if undefined is None else undefined
+                    blocks = load.local_blocks() if undefined is None else undefined
                     self._load_errors.update(b for b in blocks if b >= 0)
             if load.report:
                 self._recving.add(load.req_id)
