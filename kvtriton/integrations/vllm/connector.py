@@ -156,6 +156,7 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
             groups=groups,
             state=state_geometry(self._vllm_config.model_config.hf_config) if state_layers else None,
             tp_size=self.tp_size, conv_layout=_conv_state_layout())
+        self.vllm_caches = kv_caches  # vLLM's own tensors (the test bed's byte oracle reads them)
         self._worker = WorkerSide(self.settings, engine_id=self.engine_id, rank=get_tensor_model_parallel_rank(),
                                   tp_size=self.tp_size, regions=regions, serve=self._producer)
         logger.info("kvtriton: rank %d of %s registered %d regions (vLLM cache %s %s strides %s -> %s%s)%s",
