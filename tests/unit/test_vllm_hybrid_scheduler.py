@@ -78,7 +78,8 @@ def test_state_groups_back_off_one_prompt_token():
     req = prefill_request("r", 65)
     p.on_new_request(req)
     p.on_new_request(req)  # once per request, whatever vLLM calls again
-    assert (req.num_prompt_tokens, len(req.prompt_token_ids), len(req._all_token_ids), req.max_tokens) == (64, 64, 64, 1)
+    got = (req.num_prompt_tokens, len(req.prompt_token_ids), len(req._all_token_ids), req.max_tokens)
+    assert got == (64, 64, 64, 1)
     assert req.kv_transfer_params["_p_side_truncated"]
     p.get_num_new_matched_tokens(req, 0)
     msgs = schedule(p, "r", ([7], [1, 2], [9]), 64)
