@@ -250,7 +250,12 @@ class HybridOracle:
         self.conn = conn
         worker = conn._worker
         self.rank, self.tp = worker.rank, worker.tp_size
-        self.caches = conn.vllm_caches
+        from kvtriton.integrations.vllm.caches import state_views
+        from kvtriton.integrations.vllm.connector import state_pages
+
+        pages = state_pages(conn._kv_cache_config)
+        self.caches = {n: state_views(t, *pages[n]) if n in pages and not isinstance(t, (list, tuple)) else t
+                       for n, t in conn.vllm_caches.items()}
         self.groups = {n: i for i, g in enumerate(conn._kv_cache_config.kv_cache_groups) for n in g.layer_names}
         self.block = {i: g.kv_cache_spec.block_size for i, g in enumerate(conn._kv_cache_config.kv_cache_groups)}
         self.hf = conn._vllm_config.model_config.hf_config

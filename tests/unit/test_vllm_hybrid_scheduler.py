@@ -150,3 +150,24 @@ def test_groups_from_a_kv_cache_config():
     assert cache_groups(None) == ()
     assert CacheGroup(64, window=100).clip(range(10)) == (7, 8, 9)  # cdiv(100, 64) + 1
     assert CacheGroup(64, window=100, transfer=False).clip(range(10)) == ()
+
+
+def test_state_pages_unpack_as_vllm_does():
+    """A Mamba layer's raw page view (vLLM 0.32 CPU: ``[blocks, 1, 1, page]`` int8 in the one
+    backing buffer) unpacks into conv and SSM views of the same bytes, as the layer's
+    ``bind_kv_cache`` does: conv first, then SSM, each in its dtype; the rest is padding."""
+    import torch
+
+    from kvtriton.errors import RegionError
+    from kvtriton.integrations.vllm.caches import state_views
+
+    buf = torch.zeros(3 * 1000 + 64, dtype=torch.int8)
+    pages = buf[64:].view(3, 1, 1, 1000)  # a layer's offset in the shared buffer, page 1000 bytes
+    conv, ssm = state_views(pages, ((40, 3), (2, 4, 8)), (torch.float32, torch.float32))
+    assert conv.shape == (3, 40, 3) and ssm.shape == (3, 2, 4, 8)
+    assert conv.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # views, no copy
+    ssm[1].fill_(1.5)
+    start = 64 + 1000 + 40 * 3 * 4
+    assert torch.equal(buf[start:start + 256].view(torch.float32), torch.full((64,), 1.5))
+    with pytest.raises(RegionError, match="do not fit"):
+        state_views(pages, ((40, 3), (8, 4, 8)), (torch.float32, torch.float32))

@@ -10,7 +10,9 @@ What ``register_kv_caches`` hands a connector, per attention layer (no vLLM impo
 * Older releases: a 5-D ``[2, num_blocks, block_size, heads, head_size]`` (K/V outermost) or
   ``[num_blocks, 2, block_size, heads, head_size]`` tensor, physical order by its strides.
 * MLA: ``[num_blocks, block_size, head_size]``, or the 4-D view with one head and key only.
-* Mamba/GDN (hybrid models): a list ``[conv_state, ssm_state]`` per layer, one block per request
+* Mamba/GDN (hybrid models): a raw ``[num_blocks, 1, 1, page_bytes]`` int8 page view per layer
+  (vLLM 0.32's CPU build; the layer unpacks it, :func:`state_views` the same way, from the group's
+  ``MambaSpec.shapes``/``dtypes``), or a list ``[conv_state, ssm_state]``; one block per request
   (conv ``[num_blocks, conv_dim/TP, K-1]`` in vLLM's DS layout, ``[num_blocks, K-1, conv_dim/TP]``
   in SD; SSM ``[num_blocks, heads/TP, head_dim, state]``), every layer a view of the one backing
   allocation the attention layers view too. They become state regions
@@ -36,6 +38,7 @@ Example
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import replace
@@ -45,7 +48,7 @@ import torch
 from ...errors import RegionError
 from ...regions import Kind, Layout, Region
 
-__all__ = ["regions_from_vllm_caches", "layer_sort_key", "state_geometry"]
+__all__ = ["regions_from_vllm_caches", "layer_sort_key", "state_geometry", "state_views"]
 
 
 def layer_sort_key(name: str) -> tuple:
@@ -65,6 +68,7 @@ def regions_from_vllm_caches(
     state: object | None = None,
     tp_size: int = 1,
     conv_layout: str = "SD",
+    state_pages: Mapping[str, tuple] | None = None,
 ) -> list[Region]:
     """One :class:`Region` per layer, in model order, viewing vLLM's own tensors.
 
@@ -85,6 +89,8 @@ def regions_from_vllm_caches(
     state:          the model's Mamba2/GDN geometry (:func:`state_geometry`) when some layers'
                     caches are ``[conv, ssm]`` state lists; ``tp_size`` and ``conv_layout``
                     (``"SD"``/``"DS"``, vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``) describe them.
+    state_pages:    layer name -> ``(shapes, dtypes)`` of its ``MambaSpec``, for state layers
+                    whose cache is a raw page view (:func:`state_views`).
 
     Raises :class:`~kvtriton.errors.RegionError` for a tensor of any other shape, naming the layer
     and the shapes accepted.
@@ -98,6 +104,8 @@ def regions_from_vllm_caches(
     for name in sorted(kv_caches, key=layer_sort_key):
         t = kv_caches[name]
         group = int(groups.get(name, 0))
+        if state_pages and name in state_pages:  # a Mamba/GDN layer's raw pages
+            t = state_views(t, *state_pages[name])
         if isinstance(t, (list, tuple)):  # a Mamba/GDN layer: [conv state, SSM state]
             regions.extend(_state_regions(name, t, state, tp_size, conv_layout, group))
         elif name in mla:
@@ -105,6 +113,25 @@ def regions_from_vllm_caches(
         else:
             regions.append(_with_group(_attention_region(name, t, block_size, total_kv_heads, k_dim_major), group))
     return regions
+
+
+def state_views(pages: torch.Tensor, shapes, dtypes) -> list[torch.Tensor]:
+    """A Mamba/GDN layer's states (conv, SSM) as views of its raw ``[num_blocks, 1, 1, page_bytes]``
+    int8 page view: each block's bytes hold the states one after the other, each of ``shape`` and
+    ``dtype`` (``MambaSpec.shapes``/``dtypes``), as vLLM's Mamba layers unpack them
+    (``MambaBase.bind_kv_cache``). Views, never copies."""
+    if pages.dim() != 4 or pages.shape[1:3] != (1, 1) or pages.element_size() != 1:
+        raise RegionError(f"a state page view must be [num_blocks, 1, 1, page_bytes] of bytes; got "
+                          f"{tuple(pages.shape)} {pages.dtype}")
+    flat = pages.flatten(1)
+    out, offset = [], 0
+    for shape, dtype in zip(shapes, dtypes):
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if offset + n > flat.shape[1]:
+            raise RegionError(f"states {list(shapes)} of {list(dtypes)} do not fit a {flat.shape[1]}-byte page")
+        out.append(flat[:, offset:offset + n].view(dtype).view(-1, *shape))
+        offset += n
+    return out
 
 
 def state_geometry(hf_config):

@@ -155,7 +155,7 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
             k_dim_major=first.device.type == "cpu",  # the CPU build's attention: K dim-major per block
             groups=groups,
             state=state_geometry(self._vllm_config.model_config.hf_config) if state_layers else None,
-            tp_size=self.tp_size, conv_layout=_conv_state_layout())
+            tp_size=self.tp_size, conv_layout=_conv_state_layout(), state_pages=state_pages(self._kv_cache_config))
         self.vllm_caches = kv_caches  # vLLM's own tensors (the test bed's byte oracle reads them)
         self._worker = WorkerSide(self.settings, engine_id=self.engine_id, rank=get_tensor_model_parallel_rank(),
                                   tp_size=self.tp_size, regions=regions, serve=self._producer)
@@ -261,6 +261,19 @@ def _layer_groups(kv_cache_config) -> dict[str, int]:
     """Layer name -> index of its KV cache group (``RegionSpec.group``)."""
     return {name: i for i, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ())
             for name in group.layer_names}
+
+
+def state_pages(kv_cache_config) -> dict[str, tuple]:
+    """State layer name -> its ``MambaSpec``'s ``(shapes, dtypes)``: how its page holds conv and
+    SSM states (:func:`.caches.state_views`)."""
+    out = {}
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = group.kv_cache_spec
+        for name in group.layer_names:
+            s = getattr(spec, "kv_cache_specs", {}).get(name, spec)  # UniformTypeKVCacheSpecs
+            if "Mamba" in type(s).__name__:
+                out[name] = (tuple(tuple(x) for x in s.shapes), tuple(s.dtypes))
+    return out
 
 
 def _state_layer_names(kv_cache_config) -> set[str]:
