@@ -94,3 +94,43 @@ def test_hybrid_pd_tokens_and_every_group_bytes(tmp_path_factory, tmp_path, prom
             assert {r.rsplit(".", 1)[-1] for r in keys} >= {"q", "k", "v", "ssm"}, keys
     finally:
         pair.close()
+
+
+NIXL_OFFSETS = r"""
+import json
+from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import MambaConvSplitInfo
+# Nemotron-H-tiny, n_groups 1: x = 12 heads x 16 = 192 channels, B = C = one group x state 16;
+# DS conv pages [channels, K-1 = 3] fp32: channel c of a page starts at byte c * 3 * 4
+ROW = 3 * 4
+def columns(offsets):
+    return [(o // ROW, n // ROW) for o, n in offsets]
+out = {}
+# P1 -> D2: the prefill's page is x[0:192] | B[192:208] | C[208:224]; a decode rank holds half of x
+# and B, C whole (vLLM's extra_groups_for_head_shards), so its local dims are (96, 16, 16)
+d = MambaConvSplitInfo(conv_rows=3, local_proj_dims=(96, 16, 16), conv_dtype_size=4, ssm_sizes=(128 * ROW, 0))
+out["p1d2"] = [columns(d.remote_conv_offsets(r, 2)) for r in (0, 1)]
+# P2 -> D1: a prefill rank's page is x[96] | B[16] | C[16]; the decode holds (192, 16, 16)
+d = MambaConvSplitInfo(conv_rows=3, local_proj_dims=(192, 16, 16), conv_dtype_size=4, ssm_sizes=(224 * ROW, 0))
+out["p2d1"] = columns(d.remote_conv_offsets(0, -2))
+print(json.dumps(out))
+"""
+
+
+def test_nixl_connector_offsets_miss_replicated_b_c():
+    """Why the byte oracle checks B and C per group: with ``n_groups`` 1 every rank holds B and C
+    whole, but NixlConnector's ``remote_conv_offsets`` (vLLM's own code, this bed's version) takes
+    them as split like x. Its (first channel, channels) per sub-projection against the prefill
+    page's real ones: x is right, B and C are other bytes (C, the SSM state past the conv state,
+    half a group). kvtriton's column maps read B and C whole from one replica (test above)."""
+    out = subprocess.run([VLLM_PY, "-c", NIXL_OFFSETS], capture_output=True, text=True, timeout=600, env=child_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    right_p1d2 = [[(96 * r, 96), (192, 16), (208, 16)] for r in (0, 1)]
+    nixl_p1d2 = [[tuple(x) for x in rank] for rank in got["p1d2"]]
+    print(f"P1->D2 NixlConnector {nixl_p1d2} vs real {right_p1d2}; P2->D1 NixlConnector {got['p2d1']} "
+          "vs real [(0, 96), (96, 16), (112, 16)] per prefill rank")
+    assert [rank[0] for rank in nixl_p1d2] == [rank[0] for rank in right_p1d2]  # x: right
+    assert nixl_p1d2[0][1] == (192, 16)  # rank 0's B: right
+    assert nixl_p1d2[1][1] == (208, 16)  # rank 1's B: the prefill's C
+    assert [rank[2][0] for rank in nixl_p1d2] == [224, 240]  # C: past the conv state (the SSM state's bytes)
+    assert [tuple(x) for x in got["p2d1"]] == [(0, 96), (96, 8), (104, 8)]  # half of B, then half of B as C
