@@ -69,6 +69,7 @@ def regions_from_vllm_caches(
     tp_size: int = 1,
     conv_layout: str = "SD",
     state_pages: Mapping[str, tuple] | None = None,
+    block_sizes: Mapping[str, int] | None = None,
 ) -> list[Region]:
     """One :class:`Region` per layer, in model order, viewing vLLM's own tensors.
 
@@ -91,6 +92,8 @@ def regions_from_vllm_caches(
                     (``"SD"``/``"DS"``, vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``) describe them.
     state_pages:    layer name -> ``(shapes, dtypes)`` of its ``MambaSpec``, for state layers
                     whose cache is a raw page view (:func:`state_views`).
+    block_sizes:    layer name -> tokens per block of its group where it is not ``block_size``
+                    (vLLM raises a hybrid model's attention block size to match its state pages).
 
     Raises :class:`~kvtriton.errors.RegionError` for a tensor of any other shape, naming the layer
     and the shapes accepted.
@@ -109,9 +112,10 @@ def regions_from_vllm_caches(
         if isinstance(t, (list, tuple)):  # a Mamba/GDN layer: [conv state, SSM state]
             regions.extend(_state_regions(name, t, state, tp_size, conv_layout, group))
         elif name in mla:
-            regions.append(_with_group(_mla_region(name, t, block_size), group))
+            regions.append(_with_group(_mla_region(name, t, int((block_sizes or {}).get(name, block_size))), group))
         else:
-            regions.append(_with_group(_attention_region(name, t, block_size, total_kv_heads, k_dim_major), group))
+            bs = int((block_sizes or {}).get(name, block_size))
+            regions.append(_with_group(_attention_region(name, t, bs, total_kv_heads, k_dim_major), group))
     return regions
 
 

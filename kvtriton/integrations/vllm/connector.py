@@ -155,7 +155,8 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
             k_dim_major=first.device.type == "cpu",  # the CPU build's attention: K dim-major per block
             groups=groups,
             state=state_geometry(self._vllm_config.model_config.hf_config) if state_layers else None,
-            tp_size=self.tp_size, conv_layout=_conv_state_layout(), state_pages=state_pages(self._kv_cache_config))
+            tp_size=self.tp_size, conv_layout=_conv_state_layout(), state_pages=state_pages(self._kv_cache_config),
+            block_sizes=_layer_block_sizes(self._kv_cache_config))
         self.vllm_caches = kv_caches  # vLLM's own tensors (the test bed's byte oracle reads them)
         self._worker = WorkerSide(self.settings, engine_id=self.engine_id, rank=get_tensor_model_parallel_rank(),
                                   tp_size=self.tp_size, regions=regions, serve=self._producer)
@@ -274,6 +275,13 @@ def state_pages(kv_cache_config) -> dict[str, tuple]:
             if "Mamba" in type(s).__name__:
                 out[name] = (tuple(tuple(x) for x in s.shapes), tuple(s.dtypes))
     return out
+
+
+def _layer_block_sizes(kv_cache_config) -> dict[str, int]:
+    """Layer name -> tokens per block of its group (a hybrid model's attention groups: vLLM raises
+    their block size until a page matches the state pages)."""
+    return {name: int(group.kv_cache_spec.block_size)
+            for group in getattr(kv_cache_config, "kv_cache_groups", None) or () for name in group.layer_names}
 
 
 def _state_layer_names(kv_cache_config) -> set[str]:

@@ -264,6 +264,8 @@ class SchedulerSide:
         self.tp_size, self.block_size = tp_size, block_size
         #: the engine's KV cache groups (none given: one full attention group of ``block_size``)
         self.groups = tuple(groups) or (CacheGroup(block_size),)
+        if len(self.groups) > 1:  # a hybrid's attention block (vLLM raises it to match state pages)
+            self.block_size = next((g.block_size for g in self.groups if not g.state), block_size)
         #: prompt tokens the decode computes itself: 1 with a state group (see the module docstring)
         self.backoff = 1 if any(g.state for g in self.groups) else 0
         self._allowed = allowed_peers if allowed_peers is not None and not allowed_peers.empty else None
