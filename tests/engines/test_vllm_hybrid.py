@@ -13,9 +13,10 @@ One pair per model kind, together covering P2->D1, P1->D2 and a pair that does n
 Each: the prefill's params are one block list per group (a list of lists), with a state group
 ``remote_num_tokens`` = prompt - 1 (the decode computes the last token on the state it loaded);
 a negative control (the prefill's blocks in every group overwritten before the load: the byte
-oracle fails); then tokens identical to one engine and **every group's bytes** equal per region,
-conv sub-projection (x/B/C, q/k/v) and SSM head (:class:`beds.vllm_hybrid.HybridPair`, on vLLM's
-own tensors, not kvtriton's regions). Tokens alone miss a wrong B/C read.
+oracle tells the loaded bytes from the digests taken before); then tokens identical to one
+engine and **every group's bytes** equal per region, conv sub-projection (x/B/C, q/k/v) and SSM
+head (:class:`beds.vllm_hybrid.HybridPair`, on vLLM's own tensors, not kvtriton's regions).
+Tokens alone miss a wrong B/C read.
 
 Needs ``RegionSpec.group`` and per-group ``hold``/``fetch`` (issue 32, ``group``) and
 ``kvtriton.hybrid.state_regions`` (``state``): without them a hybrid engine's workers refuse to
@@ -66,7 +67,7 @@ def test_hybrid_pd_tokens_and_every_group_bytes(tmp_path_factory, tmp_path, prom
     pair = HybridPair(VLLM_PY, model, tmp_path, kind, p_tp, d_tp, conv_layout=layout, block_size=BLOCK)
     try:
         ref = pair.reference(prompts, "ref")
-        pair.negative_control(prompts)
+        neg = pair.negative_control(prompts)
         res = pair.transfer(prompts, ref)
         params = res["params"]
         state = kind != "gemma3"
@@ -82,7 +83,8 @@ def test_hybrid_pd_tokens_and_every_group_bytes(tmp_path_factory, tmp_path, prom
         keys = res["digests"]["keys"]
         print(f"{kind} {options} P{p_tp}->D{d_tp} {layout or ''}: tokens identical {res['identical']}/{res['n']}, "
               f"prompt tokens computed {res['prompt_computed']}, regions byte-equal {res['digests']['regions']} "
-              f"({keys})")
+              f"({keys}); negative control: the oracle caught {neg['caught']}/{len(prompts)} overwritten loads, "
+              f"tokens {'changed' if neg['tokens'] != ref else 'unchanged'}")
         if kind == "nemotronh":  # every SSM head, every B/C group, every x head checked
             heads = 12
             for region, n in keys.items():
