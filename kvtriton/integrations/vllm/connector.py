@@ -33,6 +33,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+try:  # failed receives by request: the only way vLLM takes a failed load with several KV cache groups
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # an older vLLM: block-level load errors only
+    KVConnectorTransferResults = None
+
 try:  # vLLM >= 0.34: how a connector reaches the KV cache decides how the extensible cache allocates it
     from vllm.config.kv_transfer import KVCacheAccess
 except ImportError:  # 0.32, 0.33: no extensible KV cache, nothing to declare
@@ -75,6 +80,8 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
         self.block_size = vllm_config.cache_config.block_size
         self._producer = bool(kv.is_kv_producer)
         self._vllm_config = vllm_config
+        #: KV cache groups (hybrid models: more than one)
+        self._groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or (0,))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -206,8 +213,20 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
         sending, recving = self._worker.finished()
         return sending or None, recving or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """``get_finished``'s sets, and the requests whose load failed (``failed_recving``; each
+        also finished receiving): with several KV cache groups vLLM refuses block-level load
+        errors (a block id is unique only within its group), so it recomputes those requests."""
+        if KVConnectorTransferResults is None:
+            return super().get_transfer_results(finished_req_ids)
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.failed_loads() if self._worker is not None else set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=failed if self._groups > 1 else set())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors() if self._worker is not None else set()
+        errors = self._worker.load_errors() if self._worker is not None else set()
+        return errors if self._groups <= 1 else set()  # several groups: failed_recving instead
 
     # ------------------------------------------------------------------ statistics (.metrics)
     def get_kv_connector_stats(self) -> KVTritonConnectorStats | None:
