@@ -63,8 +63,8 @@ class BedHooks:
                 times.setdefault(rid, [now, None])
                 local = getattr(load, "local_block_ids", None)
                 if getattr(load, "source", None) is not None and load.report:  # kvtriton's LoadSpec only
-                    loads_seen[rid] = {"local": [int(b) for b in local], "num_tokens": load.num_tokens,
-                                       "remote": [int(b) for b in load.remote_block_ids],
+                    loads_seen[rid] = {"local": _ids(local), "num_tokens": load.num_tokens,
+                                       "remote": _ids(load.remote_block_ids),
                                        "remote_request": load.source.request_id}
             return start(forward_context, **kw)
 
@@ -88,9 +88,14 @@ class BedHooks:
         vLLM may have handed a finished request's blocks to another request of the same batch (a
         37-token request done one step early lost its last block to a longer request's next
         token, issue 19), and the decode's own step rewrote the last prompt token's row."""
+        kept = conn.__dict__.setdefault("_bed_loaded_kv", {})
+        if block_ids and isinstance(block_ids[0], list):  # per KV cache group (hybrid): vLLM's own tensors
+            kept[rid] = (block_ids, HybridOracle(conn).copy(block_ids))
+            while len(kept) > MAX_KEPT_LOADS:
+                del kept[next(iter(kept))]
+            return
         if any(b < 0 for b in block_ids):  # partly local (prefix cache): not checked (region_digests says so)
             return
-        kept = conn.__dict__.setdefault("_bed_loaded_kv", {})
         ids = list(block_ids)
         kept[rid] = (ids, [[t[ids].clone() for t in r.streams] for r in conn._worker.agent.regions])
         while len(kept) > MAX_KEPT_LOADS:  # bounded: the oldest go (dicts keep insertion order)
@@ -132,6 +137,9 @@ class BedHooks:
     def scramble(conn, block_ids, seed) -> int:
         import torch
 
+        if block_ids and isinstance(block_ids[0], list):  # per KV cache group (hybrid)
+            return HybridOracle(conn).scramble(block_ids, seed)
+
         # the regions view vLLM's own cache tensors, so writing them writes the engine's cache
         g = torch.Generator().manual_seed(seed)
         n = 0
@@ -167,6 +175,8 @@ class BedHooks:
 
         from kvtriton.regions import Kind, Layout, token_parts
 
+        if block_ids and isinstance(block_ids[0], list):  # per KV cache group (hybrid)
+            return HybridOracle(conn).digest(block_ids, num_tokens, loaded)
         worker = conn._worker
         rank, tp = worker.rank, worker.tp_size
         if loaded is None:
@@ -203,3 +213,142 @@ class BedHooks:
                               "blocks": {h: [sha(v[i:i + bs])[:12] for i in range(0, v.shape[0], bs)]
                                          for h, v in heads.items()}}
         return out
+
+
+def _ids(ids) -> list:
+    """Block ids as JSON: a flat list, or one list per KV cache group."""
+    if ids and isinstance(ids[0], (list, tuple)):
+        return [[int(b) for b in g] for g in ids]
+    return [int(b) for b in ids]
+
+
+def _sha(t) -> str:
+    import hashlib
+
+    import torch
+
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class HybridOracle:
+    """The byte oracle of a hybrid model's caches, on vLLM's own tensors (``conn.vllm_caches``,
+    never kvtriton's regions): each layer's blocks of its KV cache group, cut by what the model
+    says each rank holds, named by *global* index so two engines of any TP compare equal.
+
+    * attention (full or sliding window, vLLM's CPU layout ``[blocks, heads, block, K|V]`` with K
+      dim-major): ``{layer}`` per global KV head, the group's tokens (a window's clipped blocks
+      hold the last ``num_tokens - (cdiv(num_tokens, block) - len(blocks)) * block``);
+    * Mamba2 state: ``{layer}.x`` per SSM head (``head_dim`` conv channels), ``{layer}.B`` and
+      ``{layer}.C`` per B/C group (a rank of an ``n_groups`` 1 model at TP > 1 holds group 0 whole,
+      as vLLM's ``extra_groups_for_head_shards`` makes it: replicas must agree), ``{layer}.ssm``
+      per SSM head;
+    * Gated DeltaNet state: ``{layer}.q`` / ``.k`` per key head, ``.v`` and ``.ssm`` per value head.
+
+    The conv state is read in vLLM's layout (``VLLM_SSM_CONV_STATE_LAYOUT``, DS or SD)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        worker = conn._worker
+        self.rank, self.tp = worker.rank, worker.tp_size
+        from kvtriton.integrations.vllm.caches import state_views
+        from kvtriton.integrations.vllm.connector import state_pages
+
+        pages = state_pages(conn._kv_cache_config)
+        self.caches = {n: state_views(t, *pages[n]) if n in pages and not isinstance(t, (list, tuple)) else t
+                       for n, t in conn.vllm_caches.items()}
+        self.groups = {n: i for i, g in enumerate(conn._kv_cache_config.kv_cache_groups) for n in g.layer_names}
+        self.block = {i: g.kv_cache_spec.block_size for i, g in enumerate(conn._kv_cache_config.kv_cache_groups)}
+        self.hf = conn._vllm_config.model_config.hf_config
+        self.total_kv_heads = conn._vllm_config.model_config.get_total_num_kv_heads()
+        from kvtriton.integrations.vllm.connector import _conv_state_layout
+
+        self.conv_layout = _conv_state_layout()
+
+    def layers(self, block_ids):
+        from kvtriton.integrations.vllm.caches import layer_sort_key
+
+        for name in sorted(self.caches, key=layer_sort_key):
+            g = self.groups[name]
+            t = self.caches[name]
+            yield name, g, list(t) if isinstance(t, (list, tuple)) else [t], list(block_ids[g])
+
+    def copy(self, block_ids) -> dict:
+        return {name: [t[ids].clone() for t in tensors] for name, _, tensors, ids in self.layers(block_ids)}
+
+    def scramble(self, block_ids, seed: int) -> int:
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        n = 0
+        for _, _, tensors, ids in self.layers(block_ids):
+            for t in tensors:
+                for b in ids:
+                    t[b].copy_(torch.randn(t[b].shape, generator=g, dtype=torch.float32).to(t.dtype) * 10)
+                    n += 1
+        return n
+
+    def digest(self, block_ids, num_tokens: int, loaded: str | None = None) -> dict:
+        kept = None
+        if loaded is not None:
+            kept_ids, kept = (getattr(self.conn, "_bed_loaded_kv", None) or {}).get(loaded, (None, None))
+            if kept_ids != [list(g) for g in block_ids]:
+                raise KeyError(f"no copy of load {loaded!r} into blocks {block_ids} (kept: {kept_ids})")
+        out = {}
+        for name, g, tensors, ids in self.layers(block_ids):
+            if not ids:
+                continue
+            if kept is not None:
+                tensors, ids = kept[name], list(range(len(ids)))
+            if len(tensors) == 2:
+                out.update(self._state(name, tensors, ids))
+            else:
+                out[name] = self._attention(tensors[0], ids, num_tokens, self.block[g])
+        return out
+
+    def _attention(self, t, ids, num_tokens: int, block: int) -> dict:
+        import torch
+
+        from kvtriton.regions import token_parts
+
+        skipped = -(-num_tokens // block) - len(ids)  # a window's blocks before its clipped ones
+        tokens = num_tokens - skipped * block
+        parts = token_parts(t, t.shape[3] // 2) if t.device.type == "cpu" else [(0, t.transpose(1, 2))]
+        x = torch.cat([v[ids].reshape(-1, *v.shape[2:])[:tokens] for _, v in parts], dim=-1)
+        local = t.shape[1]
+        if local * self.tp == self.total_kv_heads:
+            heads = {str(self.rank * local + h): x[:, h] for h in range(local)}
+        else:  # fewer KV heads than ranks
+            heads = {str(self.rank * self.total_kv_heads // self.tp): x[:, 0]}
+        return {"kind": "split", "tokens": int(x.shape[0]), "heads": {h: _sha(v) for h, v in heads.items()}}
+
+    def _state(self, name: str, tensors, ids) -> dict:
+        conv, ssm = tensors[0][ids], tensors[1][ids]
+        if self.conv_layout == "SD":  # [blocks, K-1, channels] -> [blocks, channels, K-1]
+            conv = conv.transpose(1, 2)
+        parts: dict[str, dict] = {}
+        c, r, tp = self.hf, self.rank, self.tp
+
+        def put(part, key, v):
+            parts.setdefault(f"{name}.{part}", {})[key] = _sha(v)
+
+        if getattr(c, "linear_num_value_heads", None):  # Gated DeltaNet: conv [q | k | v]
+            kh, vh = c.linear_num_key_heads // tp, c.linear_num_value_heads // tp
+            kd, vd = c.linear_key_head_dim, c.linear_value_head_dim
+            for h in range(kh):
+                put("q", f"h{r * kh + h}", conv[:, h * kd:(h + 1) * kd])
+                put("k", f"h{r * kh + h}", conv[:, kh * kd + h * kd:kh * kd + (h + 1) * kd])
+            for h in range(vh):
+                put("v", f"h{r * vh + h}", conv[:, 2 * kh * kd + h * vd:2 * kh * kd + (h + 1) * vd])
+                put("ssm", f"h{r * vh + h}", ssm[:, h])
+        else:  # Mamba2: conv [x | B | C]
+            heads, hd, st, ng = c.mamba_num_heads // tp, c.mamba_head_dim, c.ssm_state_size, c.n_groups
+            local_groups = (ng if ng % tp == 0 else tp) // tp  # n_groups 1 at TP > 1: one whole copy a rank
+            x, b = heads * hd, local_groups * st
+            for h in range(heads):
+                put("x", f"h{r * heads + h}", conv[:, h * hd:(h + 1) * hd])
+                put("ssm", f"h{r * heads + h}", ssm[:, h])
+            for j in range(local_groups):
+                grp = r * ng // tp + j
+                put("B", f"g{grp}", conv[:, x + j * st:x + (j + 1) * st])
+                put("C", f"g{grp}", conv[:, x + b + j * st:x + b + (j + 1) * st])
+        return {region: {"kind": "state", "tokens": 1, "heads": heads_} for region, heads_ in parts.items()}

@@ -30,6 +30,7 @@ Run from the repository root with kvtriton's venv (the engines use ``.venv-vllm`
     # MLA, and a GQA target with an Eagle-3 MLA draft in one KV cache group (block 16)
     .venv/bin/python bench/pd_vllm.py --connector both --model deepseek
     .venv/bin/python bench/pd_vllm.py --connector kvtriton --model llama+mla-draft --prefill-tp 2
+    .venv/bin/python bench/pd_vllm.py --connector both --model nemotronh-ng1 --pairs 1:2,2:1
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ DEFAULT_VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 # two capability patches (beds/vllm_patches.py)
 MLA_OPTIONS = {"attention_config": {"backend": "CPU_MLA"}, "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
 MODEL_KINDS = ("llama", "deepseek", "llama+mla-draft")
+#: hybrid models (issue 32): kind -> (model kind of beds.vllm_models, its options)
+HYBRID_MODELS = {"gemma3": ("gemma3", {}), "nemotronh": ("nemotronh", {"n_groups": 2}),
+                 "nemotronh-ng1": ("nemotronh", {"n_groups": 1}), "qwen3next": ("qwen3next", {})}
 MIXED_PATCHES = ("cpu-attention-block-16", "mla-metadata-target-head-size")
 
 
@@ -405,14 +409,60 @@ def _compare_one(connector, p_tp, d_tp, root, say, kw, previous_gone, closing) -
     return {"connector": connector, "prefill_tp": p_tp, "decode_tp": d_tp, **res}
 
 
+def run_hybrid(connector: str, prefill_tp: int, decode_tp: int, *, model: str, prompt_lens=(77, 203, 161),
+               log_dir: str | None = None, say=print) -> dict:
+    """One hybrid model (:data:`HYBRID_MODELS`) P/D through ``connector`` (``kvtriton`` or
+    ``nixl``): tokens against one engine, the decode's descriptors and bytes, time to KV loaded
+    per request, and (kvtriton) every group's bytes checked (:class:`beds.vllm_hybrid.HybridPair`)."""
+    from beds.vllm_hybrid import HybridPair
+
+    python = vllm_python()
+    if python is None:
+        raise RuntimeError("no vLLM test bed: make vllm-bed (or set KVTRITON_VLLM_PYTHON)")
+    kind, options = HYBRID_MODELS[model]
+    root = Path(log_dir or tempfile.mkdtemp(prefix="pd_vllm_hybrid_"))
+    model_dir = _make(python, kind, root / "models" / model, options)
+    run_dir = root / f"{connector}-p{prefill_tp}d{decode_tp}-{model}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(32)
+    prompts = [[rng.randrange(500) for _ in range(n)] for n in prompt_lens]
+    pair = HybridPair(python, model_dir, run_dir, kind, prefill_tp, decode_tp, connector=connector)
+    try:
+        ref = pair.reference(prompts, "ref")
+        before = _sum_stats(pair.decode.call("transfer_stats")["stats"])
+        if connector == "kvtriton":
+            res = pair.transfer(prompts, ref, tag="x")
+            identical, checked = res["identical"], res["digests"]["regions"]
+        else:
+            params = pair.prefill_requests(prompts, "x-p")
+            out = pair.decode_requests(prompts, params, "x-d")
+            identical, checked = sum(o["tokens"] == r for o, r in zip(out, ref)), None
+        after = _sum_stats(pair.decode.call("transfer_stats")["stats"])
+        times = pair.decode.call("load_times", ids=[f"x-d{i}" for i in range(len(prompts))])["times"]
+        loaded = [t["worker_s"] for t in times.values() if t["worker_s"] is not None]
+    finally:
+        pair.close()
+    row = {"connector": connector, "model": model, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
+           "identical": identical, "n": len(prompts), "regions_checked": checked,
+           "descriptors": after["descriptors"] - before["descriptors"], "bytes": after["bytes"] - before["bytes"],
+           "kv_loaded_ms": 1e3 * statistics.median(loaded) if loaded else None}
+    row["summary"] = (f"{model} {connector} P{prefill_tp}->D{decode_tp}: tokens {identical}/{len(prompts)}, regions "
+                      f"byte-checked {checked if checked is not None else '-'}, descriptors {row['descriptors']}, "
+                      f"bytes {row['bytes']}, KV loaded {fmt_ms(row['kv_loaded_ms'])} ms (median)")
+    say(row["summary"])
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--connector", choices=["kvtriton", "nixl", "both"], default="kvtriton",
                     help="both: each connector on P2->D1 and P1->D2 (the --*-tp flags are ignored), with a table")
     ap.add_argument("--pairs", default="2:1,1:2", help="with --connector both: P:D pairs to run")
-    ap.add_argument("--model", choices=MODEL_KINDS, default="llama",
+    ap.add_argument("--model", choices=MODEL_KINDS + tuple(HYBRID_MODELS), default="llama",
                     help="llama: GQA; deepseek: DeepSeek-V2 MLA (latent 576, block 16); llama+mla-draft: the "
-                         "Llama with an Eagle-3 MLA draft in one KV cache group (block 16, the bed's CPU patches)")
+                         "Llama with an Eagle-3 MLA draft in one KV cache group (block 16, the bed's CPU patches); "
+                         "hybrids (issue 32, the --*-tp flags or --pairs): gemma3 (sliding window), nemotronh "
+                         "(Mamba2, n_groups 2), nemotronh-ng1 (n_groups 1), qwen3next (Gated DeltaNet, bf16)")
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)
     ap.add_argument("--kv-heads", type=int, default=2)
@@ -433,6 +483,15 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the result here")
     ap.add_argument("--modes", default="", help="kvtriton: force the agents' modes on both engines (an A/B)")
     args = ap.parse_args(argv)
+    if args.model in HYBRID_MODELS:
+        pairs = (tuple(tuple(int(x) for x in pd.split(":")) for pd in args.pairs.split(","))
+                 if args.connector == "both" else ((args.prefill_tp, args.decode_tp),))
+        connectors = ("kvtriton", "nixl") if args.connector == "both" else (args.connector,)
+        rows = [run_hybrid(c, p, d, model=args.model, say=lambda *a: print(*a, flush=True))
+                for p, d in pairs for c in connectors]
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0 if all(r["identical"] == r["n"] for r in rows) else 1
     kw = dict(kv_heads=args.kv_heads, layers=args.layers, head_dim=args.head_dim, hidden=args.hidden or None,
               block_size=args.block_size, prompts=args.prompts, prompt_len=args.prompt_len,
               max_tokens=args.max_tokens, warmup=not args.no_warmup, profile=args.profile,

@@ -46,11 +46,13 @@ def request(rid: str, n: int, params: dict) -> Request:
                    None)
 
 
-def new_data(req: Request, block_ids: list[int]) -> NewRequestData:
-    """NewRequestData as vLLM's scheduler makes it (0.34 also passes the tokens to prefill)."""
+def new_data(req: Request, block_ids: list[int], *more_groups: list[int]) -> NewRequestData:
+    """NewRequestData as vLLM's scheduler makes it (0.34 also passes the tokens to prefill);
+    ``more_groups``: the block ids of KV cache groups 1, 2... (hybrid models)."""
+    ids = (block_ids, *more_groups)
     if "prefill_token_ids" in inspect.signature(NewRequestData.from_request).parameters:
-        return NewRequestData.from_request(req, (block_ids,), prefill_token_ids=list(req.prompt_token_ids))
-    return NewRequestData.from_request(req, (block_ids,))
+        return NewRequestData.from_request(req, ids, prefill_token_ids=list(req.prompt_token_ids))
+    return NewRequestData.from_request(req, ids)
 
 
 def step(conn, new=(), tokens=None):
@@ -114,4 +116,38 @@ else:
     assert Connector.kv_cache_access(transfer_config("kv_producer", "P", register="staging")) == \
         KVCacheAccess.IN_PROCESS  # only kvtriton's own staging pool is registered then
     assert p._vllm_config.kv_transfer_config.registers_kv_cache_memory()  # what vLLM itself reads from it
+
+# hybrid models (issue 32): the connector keeps vLLM's hybrid KV cache manager on (SupportsHMA),
+# and a Mamba model's prefill request (vLLM's own Request) stops one prompt token short
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA, supports_hma  # noqa: E402
+
+assert issubclass(Connector, SupportsHMA) and supports_hma(Connector)
+
+
+class MambaSpec:  # what the scheduler side reads of a state group (by type name, as vLLM's own)
+    block_size = 4096
+
+
+class FullAttentionSpec:
+    block_size = BLOCK
+
+
+hybrid_config = type("KVCacheConfig", (), {"kv_cache_groups": [
+    type("G", (), {"kv_cache_spec": MambaSpec(), "layer_names": ["m"]})(),
+    type("G", (), {"kv_cache_spec": FullAttentionSpec(), "layer_names": ["a"]})()]})()
+hp = integration.KVTritonConnector(p._vllm_config, KVConnectorRole.SCHEDULER, hybrid_config)
+hreq = request("h1", 40, {"do_remote_decode": True})
+hp.on_new_request(hreq)
+assert (hreq.num_prompt_tokens, len(hreq.prompt_token_ids), hreq.num_tokens) == (39, 39, 39), hreq
+hp.get_num_new_matched_tokens(hreq, 0)
+assert step(hp, [new_data(hreq, [9], [4, 5, 6])], {"h1": 39}).holds == {"h1": ((9,), (4, 5, 6))}
+hreq.status = RequestStatus.FINISHED_LENGTH_CAPPED
+delay, hparams = hp.request_finished_all_groups(hreq, ([9], [4, 5, 6]))
+assert delay and hparams["remote_block_ids"] == [[9], [4, 5, 6]] and hparams["remote_num_tokens"] == 39, hparams
+hd = integration.KVTritonConnector(d._vllm_config, KVConnectorRole.SCHEDULER, hybrid_config)
+hdreq = request("hd1", 40, dict(hparams))
+assert hd.get_num_new_matched_tokens(hdreq, 0) == (39, True)  # the decode computes the 40th itself
+hd.update_state_after_alloc(hdreq, KVCacheBlocks(blocks=([KVCacheBlock(3)], [KVCacheBlock(b) for b in (7, 8, 10)])), 39)
+hload = step(hd).loads["hd1"]
+assert hload.remote_block_ids == ((9,), (4, 5, 6)) and hload.local_block_ids == ((3,), (7, 8, 10)), hload
 print("ok", vllm.__version__)

@@ -99,3 +99,14 @@ def test_abort_round_trip_and_refused():
     for bad in (good[:-1], [b"ABORT", *good[1:]], good[:1] + [b"x"] + good[2:], good[:3] + [b"70000"]):
         with pytest.raises(ProtocolError):
             Abort.from_zmq(bad)
+
+
+def test_hybrid_state_pools_are_refused_naming_what_is_missing():
+    """SGLang's hybrid pools (issue 32): the backend's refusal says, per state type, what it would
+    need, and where hybrid models do move (vLLM's connector)."""
+    from kvtriton.integrations.sglang.settings import hybrid_missing
+
+    said = hybrid_missing(["mamba", "swa", "mamba", "qsa_pending"])
+    assert said.count("mamba:") == 1 and "conv sub-projections" in said and "SSM state by heads" in said
+    assert "swa: a sliding-window pool" in said and "qsa_pending: a state pool kvtriton has no region for" in said
+    assert "docs/vllm.md" in said

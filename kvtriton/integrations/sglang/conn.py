@@ -46,7 +46,7 @@ from .decode_role import DecodeRole
 from .inline import InlineProgress
 from .messages import ABORT_SEALED_TAG, READY_TAG, STATUS_TAG, WANT_TAG, Abort, Ready, Want
 from .prefill_role import PrefillRole
-from .settings import BackendSettings, UnsupportedSetupError, control_signer, refuse_tls_only
+from .settings import BackendSettings, UnsupportedSetupError, control_signer, hybrid_missing, refuse_tls_only
 
 __all__ = ["KVTritonKVBootstrapServer", "KVTritonKVManager", "KVTritonKVReceiver", "KVTritonKVSender",
            "refuse_unsupported", "total_kv_heads"]
@@ -69,7 +69,7 @@ def refuse_unsupported(args, is_mla_backend: bool) -> None:
     if any(s in ("block_scale", "block_scale_swa") for s in states):
         cases.append(f"fp8 KV with block-scale pools (state types {states})")
     elif states:
-        cases.append(f"hybrid state pools (mamba/SWA/DSA/...: state types {states})")
+        cases.append(f"hybrid state pools ({hybrid_missing(states)})")
     if p.pp_size > 1:
         cases.append(f"pipeline parallelism (pp_size={p.pp_size})")
     if getattr(args, "num_draft_entries", 0):

@@ -33,7 +33,8 @@ from ...protocol.auth import Credential
 from ...protocol.seal import KEY_PURPOSE, ControlSigner
 from ..settings import SettingsError, TransferSettings
 
-__all__ = ["ENV", "BackendSettings", "SettingsError", "UnsupportedSetupError", "control_signer", "refuse_tls_only"]
+__all__ = ["ENV", "BackendSettings", "SettingsError", "UnsupportedSetupError", "control_signer", "refuse_tls_only",
+           "hybrid_missing"]
 
 ENV = "KVTRITON_SGLANG_CONFIG"
 _SGLANG_DECIDES = ("host", "port", "kv_cache_layout", "consumer")
@@ -41,6 +42,23 @@ _SGLANG_DECIDES = ("host", "port", "kv_cache_layout", "consumer")
 
 class UnsupportedSetupError(KVTritonError, ValueError):
     """The SGLang engine runs a case this backend does not move (named in the message)."""
+
+
+#: what this backend would need to move each of SGLang's hybrid state pools (issue 32: vLLM's
+#: connector moves Mamba2/GDN states and sliding-window groups; this backend maps only the MHA pool)
+_HYBRID_POOLS = {
+    "mamba": "a Mamba/GDN state pool (one slot per request: conv sub-projections x/B/C or q/k/v split over TP, "
+             "SSM state by heads) is not mapped to state regions",
+    "swa": "a sliding-window pool (its own page table, the window's pages only) is not mapped to a KV cache group",
+    "dsa": "a DSA indexer pool is not mapped to a region",
+}
+
+
+def hybrid_missing(states: list[str]) -> str:
+    """Per state type, what this backend lacks to move it."""
+    said = [f"{s}: {_HYBRID_POOLS.get(s, 'a state pool kvtriton has no region for')}" for s in dict.fromkeys(states)]
+    return ("; ".join(said) + ". kvtriton's vLLM connector moves Mamba2, Gated DeltaNet and sliding-window models "
+            "(docs/vllm.md, Hybrid models)")
 
 
 @dataclass(frozen=True)

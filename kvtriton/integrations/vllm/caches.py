@@ -10,6 +10,16 @@ What ``register_kv_caches`` hands a connector, per attention layer (no vLLM impo
 * Older releases: a 5-D ``[2, num_blocks, block_size, heads, head_size]`` (K/V outermost) or
   ``[num_blocks, 2, block_size, heads, head_size]`` tensor, physical order by its strides.
 * MLA: ``[num_blocks, block_size, head_size]``, or the 4-D view with one head and key only.
+* Mamba/GDN (hybrid models): a raw ``[num_blocks, 1, 1, page_bytes]`` int8 page view per layer
+  (vLLM 0.32's CPU build; the layer unpacks it, :func:`state_views` the same way, from the group's
+  ``MambaSpec.shapes``/``dtypes``), or a list ``[conv_state, ssm_state]``; one block per request
+  (conv ``[num_blocks, conv_dim/TP, K-1]`` in vLLM's DS layout, ``[num_blocks, K-1, conv_dim/TP]``
+  in SD; SSM ``[num_blocks, heads/TP, head_dim, state]``), every layer a view of the one backing
+  allocation the attention layers view too. They become state regions
+  (:func:`kvtriton.hybrid.state_regions`: one per conv sub-projection and one for the SSM state).
+
+With vLLM's hybrid KV cache manager each layer belongs to a KV cache group; its regions carry the
+group's index (``groups``), so a request's per-group block lists reach the right regions.
 
 A K‖V row stays **one stream**: in a head-major cache one head of one block is then a single
 contiguous tile (K and V together) instead of two strided halves. The layout given to kvtriton
@@ -28,15 +38,17 @@ Example
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection, Mapping
+from dataclasses import replace
 
 import torch
 
 from ...errors import RegionError
 from ...regions import Kind, Layout, Region
 
-__all__ = ["regions_from_vllm_caches", "layer_sort_key"]
+__all__ = ["regions_from_vllm_caches", "layer_sort_key", "state_geometry", "state_views"]
 
 
 def layer_sort_key(name: str) -> tuple:
@@ -52,6 +64,12 @@ def regions_from_vllm_caches(
     total_kv_heads: int,
     mla_layers: Collection[str] = (),
     k_dim_major: bool = False,
+    groups: Mapping[str, int] | None = None,
+    state: object | None = None,
+    tp_size: int = 1,
+    conv_layout: str = "SD",
+    state_pages: Mapping[str, tuple] | None = None,
+    block_sizes: Mapping[str, int] | None = None,
 ) -> list[Region]:
     """One :class:`Region` per layer, in model order, viewing vLLM's own tensors.
 
@@ -67,6 +85,15 @@ def regions_from_vllm_caches(
                     caches): the regions then say so (``RegionSpec.dim_major``), so whole blocks
                     move as tiles and a block-size change regroups the real tokens. Needs
                     head-major caches.
+    groups:         layer name -> its KV cache group (vLLM's ``kv_cache_groups`` index); a layer
+                    not named is in group 0 (an engine without hybrid groups).
+    state:          the model's Mamba2/GDN geometry (:func:`state_geometry`) when some layers'
+                    caches are ``[conv, ssm]`` state lists; ``tp_size`` and ``conv_layout``
+                    (``"SD"``/``"DS"``, vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``) describe them.
+    state_pages:    layer name -> ``(shapes, dtypes)`` of its ``MambaSpec``, for state layers
+                    whose cache is a raw page view (:func:`state_views`).
+    block_sizes:    layer name -> tokens per block of its group where it is not ``block_size``
+                    (vLLM raises a hybrid model's attention block size to match its state pages).
 
     Raises :class:`~kvtriton.errors.RegionError` for a tensor of any other shape, naming the layer
     and the shapes accepted.
@@ -75,14 +102,87 @@ def regions_from_vllm_caches(
     unknown = mla - set(kv_caches)
     if unknown:
         raise RegionError(f"mla_layers names layers without a cache: {sorted(unknown)}")
-    regions = []
+    groups = groups or {}
+    regions: list[Region] = []
     for name in sorted(kv_caches, key=layer_sort_key):
         t = kv_caches[name]
-        if name in mla:
-            regions.append(_mla_region(name, t, block_size))
+        group = int(groups.get(name, 0))
+        if state_pages and name in state_pages:  # a Mamba/GDN layer's raw pages
+            t = state_views(t, *state_pages[name])
+        if isinstance(t, (list, tuple)):  # a Mamba/GDN layer: [conv state, SSM state]
+            regions.extend(_state_regions(name, t, state, tp_size, conv_layout, group))
+        elif name in mla:
+            regions.append(_with_group(_mla_region(name, t, int((block_sizes or {}).get(name, block_size))), group))
         else:
-            regions.append(_attention_region(name, t, block_size, total_kv_heads, k_dim_major))
+            bs = int((block_sizes or {}).get(name, block_size))
+            regions.append(_with_group(_attention_region(name, t, bs, total_kv_heads, k_dim_major), group))
     return regions
+
+
+def state_views(pages: torch.Tensor, shapes, dtypes) -> list[torch.Tensor]:
+    """A Mamba/GDN layer's states (conv, SSM) as views of its raw ``[num_blocks, 1, 1, page_bytes]``
+    int8 page view: each block's bytes hold the states one after the other, each of ``shape`` and
+    ``dtype`` (``MambaSpec.shapes``/``dtypes``), as vLLM's Mamba layers unpack them
+    (``MambaBase.bind_kv_cache``). Views, never copies."""
+    if pages.dim() != 4 or pages.shape[1:3] != (1, 1) or pages.element_size() != 1:
+        raise RegionError(f"a state page view must be [num_blocks, 1, 1, page_bytes] of bytes; got "
+                          f"{tuple(pages.shape)} {pages.dtype}")
+    flat = pages.flatten(1)
+    out, offset = [], 0
+    for shape, dtype in zip(shapes, dtypes):
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if offset + n > flat.shape[1]:
+            raise RegionError(f"states {list(shapes)} of {list(dtypes)} do not fit a {flat.shape[1]}-byte page")
+        out.append(flat[:, offset:offset + n].view(dtype).view(-1, *shape))
+        offset += n
+    return out
+
+
+def state_geometry(hf_config):
+    """The model-global state geometry of a Mamba2 or Gated DeltaNet hybrid from its Hugging Face
+    config (:class:`kvtriton.hybrid.Mamba2State` / :class:`~kvtriton.hybrid.GDNState`); raises
+    :class:`RegionError` for a model whose state kvtriton does not describe."""
+    from ...hybrid import GDNState, Mamba2State
+
+    c = hf_config
+    if getattr(c, "linear_num_value_heads", None):  # Qwen3-Next / Qwen3.5: Gated DeltaNet
+        return GDNState(num_k_heads=int(c.linear_num_key_heads), num_v_heads=int(c.linear_num_value_heads),
+                        head_k_dim=int(c.linear_key_head_dim), head_v_dim=int(c.linear_value_head_dim),
+                        conv_kernel=int(c.linear_conv_kernel_dim))
+    # Nemotron-H / Granite-4 spell them mamba_num_heads..., Falcon-H1 mamba_n_heads...
+    heads = _first(c, "mamba_num_heads", "mamba_n_heads")
+    n_groups = _first(c, "n_groups", "mamba_n_groups")
+    if heads and n_groups:
+        head_dim = int(_first(c, "mamba_head_dim", "mamba_d_head"))
+        return Mamba2State(intermediate=int(heads) * head_dim, n_groups=int(n_groups),
+                           state_size=int(_first(c, "ssm_state_size", "mamba_d_state")),
+                           conv_kernel=int(_first(c, "conv_kernel", "mamba_d_conv")), num_heads=int(heads),
+                           head_dim=head_dim)
+    raise RegionError(f"{type(c).__name__}: kvtriton knows the state of Mamba2 (Nemotron-H, Falcon-H1, Granite-4) "
+                      "and Gated DeltaNet (Qwen3-Next) layers; this config names neither (mamba_num_heads and "
+                      "n_groups, or linear_num_value_heads)")
+
+
+def _first(config, *names):
+    return next((getattr(config, n) for n in names if getattr(config, n, None) is not None), None)
+
+
+def _state_regions(name: str, tensors, state, tp_size: int, conv_layout: str, group: int) -> list[Region]:
+    if state is None or len(tensors) != 2:
+        raise RegionError(f"layer {name!r}: a state cache of {len(tensors)} tensors "
+                          f"{[tuple(t.shape) for t in tensors]}; kvtriton moves Mamba2/GDN states "
+                          "([conv, ssm]) of a model whose geometry it knows (state_geometry)")
+    from ...hybrid import state_regions
+
+    conv, ssm = tensors
+    return state_regions(name, conv, ssm, state, tp_size=tp_size, conv_layout=conv_layout, group=group)
+
+
+def _with_group(region: Region, group: int) -> Region:
+    """``region`` in KV cache group ``group`` (``RegionSpec.group``)."""
+    if group == 0:
+        return region
+    return Region(spec=replace(region.spec, group=group), streams=region.streams)  # RegionSpec.group (#32)
 
 
 def _attention_region(name: str, t: torch.Tensor, block_size: int, total_heads: int, k_dim_major: bool) -> Region:

@@ -12,6 +12,11 @@ Load it with::
 
 The scheduler side lives in :mod:`.scheduler`, the worker side in :mod:`.worker`; this class only
 routes vLLM's calls to them and adapts types.
+
+It supports vLLM's hybrid KV cache manager (``SupportsHMA``): a sliding-window or Mamba/GDN
+model keeps HMA on, the scheduler side gets one :class:`~.scheduler.CacheGroup` per KV cache
+group, and the worker side one region per layer in its group (``RegionSpec.group``; Mamba/GDN
+layers as state regions, :func:`.caches.regions_from_vllm_caches`).
 """
 
 from __future__ import annotations
@@ -25,16 +30,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
+
+try:  # failed receives by request: the only way vLLM takes a failed load with several KV cache groups
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # an older vLLM: block-level load errors only
+    KVConnectorTransferResults = None
 
 try:  # vLLM >= 0.34: how a connector reaches the KV cache decides how the extensible cache allocates it
     from vllm.config.kv_transfer import KVCacheAccess
 except ImportError:  # 0.32, 0.33: no extensible KV cache, nothing to declare
     KVCacheAccess = None
 
-from .caches import regions_from_vllm_caches
+from .caches import regions_from_vllm_caches, state_geometry
 from .metrics import KVTritonConnectorStats, KVTritonPromMetrics
-from .scheduler import SchedulerSide, StepMessages
+from .scheduler import SchedulerSide, StepMessages, cache_groups
 from .settings import SettingsError, from_extra_config
 from .worker import WorkerSide
 
@@ -53,10 +64,10 @@ class KVTritonMetadata(KVConnectorMetadata):
         self.messages = messages
 
 
-class KVTritonConnector(KVConnectorBase_V1):
+class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector moving prompt KV from a prefill engine to a decode engine through kvtriton
     (hetero TP included), with NixlConnector's proxy protocol (``do_remote_decode`` /
-    ``do_remote_prefill`` in ``kv_transfer_params``)."""
+    ``do_remote_prefill`` in ``kv_transfer_params``), hybrid models included (``SupportsHMA``)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -69,13 +80,16 @@ class KVTritonConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self._producer = bool(kv.is_kv_producer)
         self._vllm_config = vllm_config
+        #: KV cache groups (hybrid models: more than one)
+        self._groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or (0,))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(engine_id=self.engine_id, host=self.settings.host,
                                             port=self.settings.port, tp_size=self.tp_size,
                                             block_size=self.block_size,
-                                            allowed_peers=self.settings.peer_allowlist())
+                                            allowed_peers=self.settings.peer_allowlist(),
+                                            groups=cache_groups(kv_cache_config))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -113,6 +127,16 @@ class KVTritonConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """HMA: the request's blocks in every KV cache group (out-of-window ones already nulled)."""
+        return self._scheduler.request_finished(request, block_ids)
+
+    def on_new_request(self, request) -> None:
+        """A prefill request of a Mamba/GDN model stops one prompt token short (see :mod:`.scheduler`)."""
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
+
     def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
         """vLLM >= 0.34: a load writes the request's own blocks in every group it transfers, so
         vLLM need not zero them first (as NixlConnector; the default assumes a prefix store)."""
@@ -125,13 +149,22 @@ class KVTritonConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        first = next(iter(kv_caches.values()))
+        # a Mamba/GDN layer's cache is a list of tensors (conv, SSM state): all share one backing
+        # allocation with the attention layers (the agent registers each storage once)
+        first = next(t for v in kv_caches.values() for t in (v if isinstance(v, (list, tuple)) else (v,)))
         _check_staging_headroom(first.device, self.settings.staging_bytes)
+        groups = _layer_groups(self._kv_cache_config)
+        state_layers = _state_layer_names(self._kv_cache_config)
         regions = regions_from_vllm_caches(
             kv_caches, block_size=self.block_size,
             total_kv_heads=self._vllm_config.model_config.get_total_num_kv_heads(),
             mla_layers=_mla_layer_names(self._kv_cache_config),
-            k_dim_major=first.device.type == "cpu")  # the CPU build's attention: K dim-major per block
+            k_dim_major=first.device.type == "cpu",  # the CPU build's attention: K dim-major per block
+            groups=groups,
+            state=state_geometry(self._vllm_config.model_config.hf_config) if state_layers else None,
+            tp_size=self.tp_size, conv_layout=_conv_state_layout(), state_pages=state_pages(self._kv_cache_config),
+            block_sizes=_layer_block_sizes(self._kv_cache_config))
+        self.vllm_caches = kv_caches  # vLLM's own tensors (the test bed's byte oracle reads them)
         self._worker = WorkerSide(self.settings, engine_id=self.engine_id, rank=get_tensor_model_parallel_rank(),
                                   tp_size=self.tp_size, regions=regions, serve=self._producer)
         logger.info("kvtriton: rank %d of %s registered %d regions (vLLM cache %s %s strides %s -> %s%s)%s",
@@ -180,8 +213,20 @@ class KVTritonConnector(KVConnectorBase_V1):
         sending, recving = self._worker.finished()
         return sending or None, recving or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """``get_finished``'s sets, and the requests whose load failed (``failed_recving``; each
+        also finished receiving): with several KV cache groups vLLM refuses block-level load
+        errors (a block id is unique only within its group), so it recomputes those requests."""
+        if KVConnectorTransferResults is None:
+            return super().get_transfer_results(finished_req_ids)
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.failed_loads() if self._worker is not None else set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=failed if self._groups > 1 else set())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors() if self._worker is not None else set()
+        errors = self._worker.load_errors() if self._worker is not None else set()
+        return errors if self._groups <= 1 else set()  # several groups: failed_recving instead
 
     # ------------------------------------------------------------------ statistics (.metrics)
     def get_kv_connector_stats(self) -> KVTritonConnectorStats | None:
@@ -230,6 +275,48 @@ def _debug_logging() -> None:
         h._kvtriton = True
         log.addHandler(h)
         log.propagate = False
+
+
+def _layer_groups(kv_cache_config) -> dict[str, int]:
+    """Layer name -> index of its KV cache group (``RegionSpec.group``)."""
+    return {name: i for i, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+            for name in group.layer_names}
+
+
+def state_pages(kv_cache_config) -> dict[str, tuple]:
+    """State layer name -> its ``MambaSpec``'s ``(shapes, dtypes)``: how its page holds conv and
+    SSM states (:func:`.caches.state_views`)."""
+    out = {}
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = group.kv_cache_spec
+        for name in group.layer_names:
+            s = getattr(spec, "kv_cache_specs", {}).get(name, spec)  # UniformTypeKVCacheSpecs
+            if "Mamba" in type(s).__name__:
+                out[name] = (tuple(tuple(x) for x in s.shapes), tuple(s.dtypes))
+    return out
+
+
+def _layer_block_sizes(kv_cache_config) -> dict[str, int]:
+    """Layer name -> tokens per block of its group (a hybrid model's attention groups: vLLM raises
+    their block size until a page matches the state pages)."""
+    return {name: int(group.kv_cache_spec.block_size)
+            for group in getattr(kv_cache_config, "kv_cache_groups", None) or () for name in group.layer_names}
+
+
+def _state_layer_names(kv_cache_config) -> set[str]:
+    """Layers whose cache is a Mamba/GDN state (``MambaSpec``)."""
+    return {name for group in getattr(kv_cache_config, "kv_cache_groups", None) or ()
+            if "Mamba" in type(group.kv_cache_spec).__name__ for name in group.layer_names}
+
+
+def _conv_state_layout() -> str:
+    """vLLM's conv state layout (``VLLM_SSM_CONV_STATE_LAYOUT``: ``DS`` or ``SD``, vLLM's default;
+    its CPU platform picks DS only for its own NIXL connector): the state regions' conv views."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+    except ImportError:  # a vLLM without the setting: SD
+        return os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT") or "SD"
+    return str(get_conv_state_layout())
 
 
 def _mla_layer_names(kv_cache_config) -> set[str]:

@@ -12,7 +12,8 @@ handshake side channel, and the translation of agent events into vLLM's terms.
   once (a silent address delays only the loads that named it); a load refused before any
   connection, or past the cap, is recomputed. A load that timed out meets its engine again.
 * A failed load is still reported in ``finished_recving``, and its local blocks in
-  ``get_block_ids_with_load_errors`` (vLLM then recomputes them, with
+  ``get_block_ids_with_load_errors`` (with several KV cache groups, whose block ids are unique
+  only within a group, the request in ``failed_recving`` instead; vLLM then recomputes them, with
   ``kv_load_failure_policy="recompute"``). A lost prefill engine is met again on its next request.
 * On CUDA the agent moves blocks on its own stream; holds carry an event of the engine's stream
   (packs and DIRECT reads wait for it); a load is finished only once its unpacks completed.
@@ -84,6 +85,7 @@ class WorkerSide:
         self._cancelled: set[str] = set()
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed: set[str] = set()  # requests whose load failed, not yet reported (failed_recving)
         self._confirmed: set[str] = set()  # holds the scheduler kept blocks for (delay_free)
         self._freed: set[str] = set()  # holds the agent freed, not yet reported
         self._msgs: StepMessages | None = None
@@ -188,6 +190,12 @@ class WorkerSide:
         """This rank's statistics since the previous call (:mod:`.stats`), None when nothing moved."""
         return self.window.take(self.agent.stats)
 
+    def failed_loads(self) -> set[str]:
+        """Requests whose load failed since the last call (each also in ``finished_recving``)."""
+        with self._lock:
+            out, self._failed = self._failed, set()
+        return out
+
     def load_errors(self) -> set[int]:
         with self._lock:
             out, self._load_errors = self._load_errors, set()
@@ -267,8 +275,9 @@ class WorkerSide:
                 logger.warning("load of %s from %s failed, its blocks will be recomputed: %s", load.req_id,
                                load.source.engine_id, error)
                 if load.report:
-                    blocks = load.local_block_ids if undefined is None else undefined
+                    blocks = load.local_blocks() if undefined is None else undefined
                     self._load_errors.update(b for b in blocks if b >= 0)
+                    self._failed.add(load.req_id)
             if load.report:
                 self._recving.add(load.req_id)
         if isinstance(error, (PeerDisconnectedError, TransferTimeoutError)):
