@@ -1,6 +1,6 @@
 # Two commands on a fresh machine:  make sweep   |   make test
-# (`make test` also builds the vLLM and SGLang test beds, .venv-vllm and .venv-sglang, for the
-# real-engine tests)
+# (`make sweep` also builds the vLLM test bed, .venv-vllm, for its real-engine section; `make test`
+# builds it and the SGLang bed, .venv-sglang, for the real-engine tests)
 # `setup` makes .venv once: torch first (pinned, so pip never swaps in a multi-GB CUDA build on a
 # CPU machine; on Linux x86_64 with a GPU the same pin resolves to the CUDA wheel), then kvtriton
 # with its nixl/test/bench extras (NIXL's wheels depend on torch, hence the order).
@@ -12,17 +12,28 @@ PY      = $(VENV)/bin/python
 .PHONY: setup sweep test lint gpu-check clean
 setup: $(VENV)/.installed
 
+# the editable install under the lock the beds' scripts take too (setuptools writes the checkout's
+# kvtriton.egg-info each time; `make test` and `make sweep` build venvs side by side)
+INSTALL_LOCK ?= /tmp/kvtriton-install.lock
+LOCKED        = $(if $(shell command -v flock),flock $(INSTALL_LOCK))
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[nixl,test,bench]"
+	$(LOCKED) $(PY) -m pip install -q -e ".[nixl,test,bench]"
 	touch $@
 
-sweep: setup
+# `make sweep` builds what its sections need: .venv and the vLLM bed (its pd_vllm section, the
+# real-engine row), side by side (-j2: the installs unpack wheels on different cores).
+sweep:
+	$(MAKE) --no-print-directory -j2 --output-sync=target setup vllm-bed
 	KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) bench/sweep.py
 
-test: setup lint triton-compat vllm-bed sglang-bed
+# `make test` builds .venv, the Triton 3.6 venv and both engine beds side by side (-j4; lint once
+# .venv is there), then runs the whole suite, nothing deselected.
+test:
+	$(MAKE) --no-print-directory -j4 --output-sync=target lint triton-compat vllm-bed sglang-bed
 	KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
 	KVTRITON_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -q
 

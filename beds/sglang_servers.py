@@ -123,6 +123,25 @@ class ServerProcess:
         """``mode``: ``null`` (a plain server), ``prefill`` or ``decode``; ``backend``: SGLang's
         ``--disaggregation-transfer-backend`` (``nixl``, ``kvtriton``). Waits for ``/health`` up
         to ``timeout_s``."""
+        server = cls.launch(python, model_dir, tp=tp, mode=mode, backend=backend, page_size=page_size, cpus=cpus,
+                            log_dir=log_dir, name=name, env=env, extra_args=extra_args,
+                            max_total_tokens=max_total_tokens, real_kernels=real_kernels)
+        try:
+            server.wait_ready(timeout_s)
+        except BaseException:
+            server.close()
+            raise
+        return server
+
+    @classmethod
+    def launch(cls, python: str, model_dir: str | os.PathLike, *, tp: int = 1, mode: str = "null",
+               backend: str = "nixl", page_size: int = 16, cpus: str | None = None,
+               log_dir: str | os.PathLike = ".", name: str = "server", env: dict | None = None,
+               extra_args: tuple[str, ...] = (), max_total_tokens: int = 8192,
+               real_kernels: bool = False) -> ServerProcess:
+        """Spawns the server without waiting for it (``wait_ready``): a pair's two servers start
+        side by side, each on its own cores (a start is minutes of CPU-bound imports and set-up
+        on a small host), rather than one after the other."""
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         events = BedEvents(log_dir / f"{name}.events")
@@ -163,19 +182,24 @@ class ServerProcess:
             log.flush()
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=env_out, start_new_session=True)
-        server = cls(proc, log_path, f"http://127.0.0.1:{port}", events, tp, bootstrap)
-        try:
-            server.wait_ready(timeout_s)
-        except BaseException:
-            server.close()
-            raise
-        return server
+        return cls(proc, log_path, f"http://127.0.0.1:{port}", events, tp, bootstrap)
 
     def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @staticmethod
+    def wait_all_ready(servers: list[ServerProcess], timeout_s: float = 600.0) -> None:
+        """Waits for servers launched side by side; if one fails to start, every one is closed."""
+        try:
+            for server in servers:
+                server.wait_ready(timeout_s)
+        except BaseException:
+            for server in servers:
+                server.close()
+            raise
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

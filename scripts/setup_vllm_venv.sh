@@ -45,7 +45,11 @@ echo "torch==$TORCH_VERSION" > "$WHEELS/constraints.txt"
 "$PY" -m pip install -q -r "$WHEELS/requirements.txt" -c "$WHEELS/constraints.txt"
 "$PY" -m pip install -q --no-deps "$WHL"
 "$PY" -m pip install -q "nixl>=1.5.1,<1.5.2" msgpack einops cryptography pytest -c "$WHEELS/constraints.txt"
-"$PY" -m pip install -q --no-deps -e .
+# under the checkout's install lock: `make test` builds the beds side by side, and setuptools
+# writes the checkout's kvtriton.egg-info for each editable install (no flock: unlocked)
+LOCKED=()
+command -v flock > /dev/null && LOCKED=(flock "${KVTRITON_INSTALL_LOCK:-/tmp/kvtriton-install.lock}")
+"${LOCKED[@]}" "$PY" -m pip install -q --no-deps -e .
 # upstream vLLM 0.33 and 0.34 (CUDA builds): only imported, never run; kept apart so 0.32 stays the default
 "$PY" -m pip install -q --no-deps --target "$VENV/vllm033" "$VLLM_UPSTREAM"
 "$PY" -m pip install -q --no-deps --target "$VENV/vllm034" "$VLLM_NEWEST"
