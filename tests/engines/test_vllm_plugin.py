@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 from helpers.vllm_bed_python import vllm_bed_python
 
-from beds import child_env
 from beds.vllm_bed import EngineProcess, engine_cpus, free_port_range
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (pyproject.toml is read as the user's pip reads it)
@@ -56,15 +55,6 @@ def plugin_env(tmp_path_factory):
     found = json.loads(_bed(find, env))
     assert found.count([NAME, VALUE]) == 1, found
     return env
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([VLLM_PY, "-c", "import sys; from beds.vllm_bed import make_tiny_llama; "
-                    "make_tiny_llama(sys.argv[1])", str(path)], check=True, timeout=300,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
-    return path
 
 
 def test_register_is_idempotent_and_imports_no_vllm_before(plugin_env):
