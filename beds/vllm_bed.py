@@ -45,7 +45,8 @@ from pathlib import Path
 from . import child_env
 from .vllm_models import TinyLlama, make_tiny_llama
 
-__all__ = ["EngineProcess", "wait_all_ready", "make_tiny_llama", "TinyLlama", "engine_cpus", "free_port_range"]
+__all__ = ["EngineProcess", "wait_all_ready", "close_all", "make_tiny_llama", "TinyLlama", "engine_cpus",
+           "free_port_range"]
 
 
 def engine_cpus(tp: int, part: int, parts: int = 2) -> str:
@@ -101,6 +102,15 @@ def free_port_range(n: int = 1) -> int:
 
 
 # --------------------------------------------------------------------------- parent side
+def close_all(engines: list[EngineProcess], timeout_s: float = 60.0) -> None:
+    """Closes engines side by side: every one is asked to exit first, then each is waited for
+    (a TP engine's shut-down is seconds; one after the other they add up)."""
+    for engine in engines:
+        engine.ask_exit(timeout_s)
+    for engine in engines:
+        engine.close(timeout_s)
+
+
 def wait_all_ready(engines: list[EngineProcess], timeout_s: float = 240.0) -> None:
     """Waits for engines launched side by side (:meth:`EngineProcess.launch`); if one fails to
     start, every one of them is killed and the error raised."""
@@ -223,12 +233,23 @@ class EngineProcess:
         except subprocess.TimeoutExpired:  # a process stuck in the kernel: report, do not raise
             print(f"vllm_bed: pid {self.proc.pid} still alive 60 s after SIGKILL", file=sys.stderr)
 
-    def close(self, timeout_s: float = 60.0) -> None:
-        if self.proc.poll() is None:
+    def ask_exit(self, timeout_s: float = 60.0) -> None:
+        """Tells the engine to exit (answered before it shuts down) without waiting for it to
+        go; :meth:`close` then waits. Engines asked together shut down side by side."""
+        if self.proc.poll() is None and not self.proc.stdin.closed:
             try:
                 self.call("exit", timeout_s=timeout_s)
+            except Exception:  # noqa: BLE001 - whatever happened, close() kills it
+                pass
+            finally:
+                self.proc.stdin.close()  # nothing more to say; an exit asked twice would wait for no answer
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self.ask_exit(timeout_s)
+        if self.proc.poll() is None:
+            try:
                 self.proc.wait(timeout=timeout_s)
-            except Exception:  # noqa: BLE001 - whatever happened, the child must go
+            except subprocess.TimeoutExpired:
                 pass
         self.kill()
 

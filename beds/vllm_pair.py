@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .vllm_bed import EngineProcess, engine_cpus, free_port_range, wait_all_ready
+from .vllm_bed import EngineProcess, close_all, engine_cpus, free_port_range, wait_all_ready
 
 __all__ = ["EnginePair", "BytesMismatch", "P_EXTRA", "D_EXTRA"]
 
@@ -200,8 +200,7 @@ class EnginePair:
         return summary
 
     def close(self) -> None:
-        self.prefill.close()
-        self.decode.close()
+        close_all([self.prefill, self.decode])
 
 
 def _merge(per_rank) -> dict:

@@ -87,8 +87,7 @@ class Pair:
         return tokens, per_request
 
     def close(self):
-        self.decode.close()
-        self.prefill.close()
+        ServerProcess.close_all([self.decode, self.prefill])
 
 
 @pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=["P1-D2", "P2-D1"])

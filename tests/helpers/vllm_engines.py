@@ -1,6 +1,6 @@
 """A prefill and a decode vLLM engine with kvtriton's connector (real vLLM in the bed's venv)."""
 
-from beds.vllm_bed import EngineProcess, engine_cpus, free_port_range, wait_all_ready
+from beds.vllm_bed import EngineProcess, close_all, engine_cpus, free_port_range, wait_all_ready
 
 from .vllm_bed_python import vllm_bed_python
 
@@ -71,6 +71,5 @@ class Pair:
         return state
 
     def close(self):
-        self.prefill.close()
-        self.decode.close()
+        close_all([self.prefill, self.decode])
 
