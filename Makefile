@@ -30,12 +30,33 @@ sweep:
 	$(MAKE) --no-print-directory -j2 --output-sync=target setup vllm-bed
 	KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) bench/sweep.py
 
-# `make test` builds .venv, the Triton 3.6 venv and both engine beds side by side (-j4; lint once
-# .venv is there), then runs the whole suite, nothing deselected.
-test:
-	$(MAKE) --no-print-directory -j4 --output-sync=target lint triton-compat vllm-bed sglang-bed
-	KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
-	KVTRITON_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -q
+# `make test` on a fresh clone (CI: .ci/run): .venv first (~1 min); then both engine beds build in
+# the background (pip unpacking wheels: one core each at most, and the unit tests take one) while
+# lint, the PTX check and the engine-free tests run (tests/unit, tests/agent: they need .venv only);
+# the vLLM engine tests once the vLLM bed is there, the SGLang ones once its bed is. The runs
+# together are `pytest tests/`: every test, none deselected (tests/engines is split by the
+# `sglang` marker). A bed that fails to build prints its log's tail; lint failing stops the run
+# once the beds are built.
+BED_LOGS ?= build/beds
+TEST_ENV  = KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+            KVTRITON_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python
+
+test: setup
+	@mkdir -p $(BED_LOGS); t0=$$(date +%s); \
+	say() { echo "[make test +$$(( $$(date +%s) - t0 )) s] $$*"; }; \
+	bed() { if wait $$2; then say "$$1 bed ready"; else tail -40 $(BED_LOGS)/$$1.log; \
+	        say "$$1 bed failed: $(BED_LOGS)/$$1.log"; exit 1; fi; }; \
+	say "building the engine beds in the background: $(BED_LOGS)/vllm.log, $(BED_LOGS)/sglang.log"; \
+	$(MAKE) --no-print-directory vllm-bed > $(BED_LOGS)/vllm.log 2>&1 & vllm=$$!; \
+	$(MAKE) --no-print-directory sglang-bed > $(BED_LOGS)/sglang.log 2>&1 & sglang=$$!; \
+	if ! $(MAKE) --no-print-directory lint triton-compat; then wait; exit 1; fi; \
+	rc=0; say "tests/unit, tests/agent"; \
+	$(TEST_ENV) $(PY) -m pytest -q tests/unit tests/agent || rc=1; \
+	bed vllm $$vllm; say "tests/engines -m 'not sglang'"; \
+	$(TEST_ENV) $(PY) -m pytest -q tests/engines -m "not sglang" || rc=1; \
+	bed sglang $$sglang; say "tests/engines -m sglang"; \
+	$(TEST_ENV) $(PY) -m pytest -q tests/engines -m sglang || rc=1; \
+	say "done (exit $$rc)"; exit $$rc
 
 # `make test` runs it first: ruff over the whole tree (rules in pyproject.toml), mypy over the typed
 # layers (the planner, the protocol, the agent and the ops); a path not there (yet) is left out
