@@ -4,7 +4,7 @@ Each server is ``python -m beds.sglang_launch`` (SGLang's own ``launch_server`` 
 the bed's observing hooks, :mod:`.sglang_hooks`) in the SGLang test bed's Python (``make
 sglang-bed``), run on CPU the one way SGLang runs without its CUDA kernels: ``SGLANG_USE_CPU_ENGINE=1
 --device cpu --attention-backend torch_native --disable-overlap-schedule``, gloo between TP ranks,
-``SGLANG_CPU_OMP_THREADS_BIND`` giving each rank its own cores. The parent (pytest, the bench)
+``SGLANG_CPU_OMP_THREADS_BIND`` giving each rank its own cores, ``--sleep-on-idle``. The parent (pytest, the bench)
 needs only the standard library: it talks HTTP to the servers and reads the hooks' event files.
 
 Requests are posted as SGLang's router (``sglang_router --pd-disaggregation --mini-lb``) posts
@@ -54,8 +54,12 @@ SGLANG_LLAMA = TinyLlama(layers=2, kv_heads=6, heads=6, head_dim=32, hidden=192,
 # SGLang's CPU path (no sgl-kernel, no CUDA graphs, no overlap thread), float32 for TP-invariant
 # greedy tokens, token ids in and out
 CPU_OPS = Path(__file__).resolve().parent / "sglang_cpu_ops"  # holds the sgl_kernel stand-in
+# --sleep-on-idle: an idle scheduler otherwise polls flat out (a ready TP2 prefill's two ranks held
+# ~90% of a 2-core host while its decode started, which then took 3 min instead of 20 s); it sleeps
+# only when fully idle (nothing queued, nothing in transfer), waking on the next request
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
-            "--skip-tokenizer-init", "--dtype", "float32", "--random-seed", "0", "--disable-radix-cache")
+            "--skip-tokenizer-init", "--dtype", "float32", "--random-seed", "0", "--disable-radix-cache",
+            "--sleep-on-idle")
 
 
 def make_model(python: str, path: str | os.PathLike, model: TinyLlama = SGLANG_LLAMA, timeout_s: float = 300) -> Path:
