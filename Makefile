@@ -24,10 +24,10 @@ $(VENV)/.installed: pyproject.toml
 	$(LOCKED) $(PY) -m pip install -q -e ".[nixl,test,bench]"
 	touch $@
 
-# `make sweep` builds what its sections need: .venv and the vLLM bed (its pd_vllm section, the
-# real-engine row), side by side (-j2: the installs unpack wheels on different cores).
+# `make sweep` builds what its sections need: .venv and the vLLM bed's engine venv (its pd_vllm
+# section, the real-engine row), side by side (-j2: the installs unpack wheels on different cores).
 sweep:
-	$(MAKE) --no-print-directory -j2 --output-sync=target setup vllm-bed
+	$(MAKE) --no-print-directory -j2 --output-sync=target setup vllm-engine-bed
 	KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) bench/sweep.py
 
 # `make test` on a fresh clone (CI: .ci/run): .venv first (~1 min); then both engine beds build in
@@ -72,11 +72,18 @@ lint: setup
 # it for the import and scheduler checks. ~5.3 GB, ~4 minutes; the tests fail in CI without it, never skip.
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: vllm-bed
-vllm-bed: $(VLLM_VENV)/.installed
+# `vllm-engine-bed` is the part that runs engines (what `make sweep` needs); `vllm-bed` adds the
+# upstream versions beside it (~40 s more).
+.PHONY: vllm-bed vllm-engine-bed
+vllm-bed: $(VLLM_VENV)/.upstream
+vllm-engine-bed: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: scripts/setup_vllm_venv.sh
-	PYTHON=$(PYTHON) bash scripts/setup_vllm_venv.sh $(VLLM_VENV) "$(TORCH)"
+	PYTHON=$(PYTHON) bash scripts/setup_vllm_venv.sh $(VLLM_VENV) "$(TORCH)" engine
+	touch $@
+
+$(VLLM_VENV)/.upstream: $(VLLM_VENV)/.installed
+	bash scripts/setup_vllm_venv.sh $(VLLM_VENV) "$(TORCH)" upstream
 	touch $@
 
 # A real SGLang for the backend's tests: sglang 0.5.23 (--no-deps) with its CPU-safe requirements
