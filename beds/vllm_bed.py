@@ -172,6 +172,11 @@ class EngineProcess:
             "VLLM_CPU_OMP_THREADS_BIND": cpus or ("|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
                                                   if tp > 1 else "all"),
             "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            # enforce_eager turns vLLM's own compilation off, yet a TP>1 engine's vocab-parallel
+            # embedding keeps its @torch.compile (inductor on CPU): g++ builds its kernel at the
+            # first forward, minutes on a loaded 2-core host without a warm /tmp/torchinductor_*
+            # cache (a fresh CI machine); eager runs the same few pointwise ops
+            "TORCH_COMPILE_DISABLE": "1",
         })
         env_out.pop("TRITON_INTERPRET", None)
         env_out.update(env or {})
