@@ -1,6 +1,6 @@
 # Two commands on a fresh machine:  make sweep   |   make test
-# (`make test` also builds the vLLM and SGLang test beds, .venv-vllm and .venv-sglang, for the
-# real-engine tests)
+# (`make sweep` also builds the vLLM test bed, .venv-vllm, for its real-engine section; `make test`
+# builds it and the SGLang bed, .venv-sglang, for the real-engine tests)
 # `setup` makes .venv once: torch first (pinned, so pip never swaps in a multi-GB CUDA build on a
 # CPU machine; on Linux x86_64 with a GPU the same pin resolves to the CUDA wheel), then kvtriton
 # with its nixl/test/bench extras (NIXL's wheels depend on torch, hence the order).
@@ -12,19 +12,49 @@ PY      = $(VENV)/bin/python
 .PHONY: setup sweep test lint gpu-check clean
 setup: $(VENV)/.installed
 
+# the editable install under the lock the beds' scripts take too (setuptools writes the checkout's
+# kvtriton.egg-info each time; `make test` and `make sweep` build venvs side by side)
+INSTALL_LOCK ?= /tmp/kvtriton-install.lock
+LOCKED        = $(if $(shell command -v flock),flock $(INSTALL_LOCK))
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[nixl,test,bench]"
+	$(LOCKED) $(PY) -m pip install -q -e ".[nixl,test,bench]"
 	touch $@
 
-sweep: setup
+# `make sweep` builds what its sections need: .venv and the vLLM bed's engine venv (its pd_vllm
+# section, the real-engine row), side by side (-j2: the installs unpack wheels on different cores).
+sweep:
+	$(MAKE) --no-print-directory -j2 --output-sync=target setup vllm-engine-bed
 	KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) bench/sweep.py
 
-test: setup lint triton-compat vllm-bed sglang-bed
-	KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
-	KVTRITON_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -q
+# `make test` on a fresh clone (CI: .ci/run): .venv first (~1 min); then both engine beds build in
+# the background (pip unpacking wheels, a core each at most) while lint, the PTX check and
+# tests/unit run (they need .venv only, and time nothing: the one phase that shares the cores with
+# the installs); tests/agent (NIXL processes) and tests/engines (real engines, timeouts sized for a
+# 2-core host) run once both beds are there, alone. The two runs together are `pytest tests/`:
+# every test, none deselected. A bed that fails to build prints its log's tail; lint failing stops
+# the run once the beds are built. Each phase's start is printed ([make test +N s]).
+BED_LOGS ?= build/beds
+TEST_ENV  = KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+            KVTRITON_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python
+
+test: setup
+	@mkdir -p $(BED_LOGS); t0=$$(date +%s); \
+	say() { echo "[make test +$$(( $$(date +%s) - t0 )) s] $$*"; }; \
+	bed() { if wait $$2; then say "$$1 bed ready"; else tail -40 $(BED_LOGS)/$$1.log; \
+	        say "$$1 bed failed: $(BED_LOGS)/$$1.log"; exit 1; fi; }; \
+	say "building the engine beds in the background: $(BED_LOGS)/vllm.log, $(BED_LOGS)/sglang.log"; \
+	$(MAKE) --no-print-directory vllm-bed > $(BED_LOGS)/vllm.log 2>&1 & vllm=$$!; \
+	$(MAKE) --no-print-directory sglang-bed > $(BED_LOGS)/sglang.log 2>&1 & sglang=$$!; \
+	if ! $(MAKE) --no-print-directory lint triton-compat; then wait; exit 1; fi; \
+	rc=0; say "tests/unit (the beds build meanwhile)"; \
+	$(TEST_ENV) $(PY) -m pytest -q tests/unit || rc=1; \
+	bed vllm $$vllm; bed sglang $$sglang; say "tests/agent tests/engines"; \
+	$(TEST_ENV) $(PY) -m pytest -q tests/agent tests/engines || rc=1; \
+	say "done (exit $$rc)"; exit $$rc
 
 # `make test` runs it first: ruff over the whole tree (rules in pyproject.toml), mypy over the typed
 # layers (the planner, the protocol, the agent and the ops); a path not there (yet) is left out
@@ -42,11 +72,18 @@ lint: setup
 # it for the import and scheduler checks. ~5.3 GB, ~4 minutes; the tests fail in CI without it, never skip.
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: vllm-bed
-vllm-bed: $(VLLM_VENV)/.installed
+# `vllm-engine-bed` is the part that runs engines (what `make sweep` needs); `vllm-bed` adds the
+# upstream versions beside it (~40 s more).
+.PHONY: vllm-bed vllm-engine-bed
+vllm-bed: $(VLLM_VENV)/.upstream
+vllm-engine-bed: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: scripts/setup_vllm_venv.sh
-	PYTHON=$(PYTHON) bash scripts/setup_vllm_venv.sh $(VLLM_VENV) "$(TORCH)"
+	PYTHON=$(PYTHON) bash scripts/setup_vllm_venv.sh $(VLLM_VENV) "$(TORCH)" engine
+	touch $@
+
+$(VLLM_VENV)/.upstream: $(VLLM_VENV)/.installed
+	bash scripts/setup_vllm_venv.sh $(VLLM_VENV) "$(TORCH)" upstream
 	touch $@
 
 # A real SGLang for the backend's tests: sglang 0.5.23 (--no-deps) with its CPU-safe requirements

@@ -4,7 +4,7 @@ Each server is ``python -m beds.sglang_launch`` (SGLang's own ``launch_server`` 
 the bed's observing hooks, :mod:`.sglang_hooks`) in the SGLang test bed's Python (``make
 sglang-bed``), run on CPU the one way SGLang runs without its CUDA kernels: ``SGLANG_USE_CPU_ENGINE=1
 --device cpu --attention-backend torch_native --disable-overlap-schedule``, gloo between TP ranks,
-``SGLANG_CPU_OMP_THREADS_BIND`` giving each rank its own cores. The parent (pytest, the bench)
+``SGLANG_CPU_OMP_THREADS_BIND`` giving each rank its own cores, ``--sleep-on-idle``. The parent (pytest, the bench)
 needs only the standard library: it talks HTTP to the servers and reads the hooks' event files.
 
 Requests are posted as SGLang's router (``sglang_router --pd-disaggregation --mini-lb``) posts
@@ -54,8 +54,12 @@ SGLANG_LLAMA = TinyLlama(layers=2, kv_heads=6, heads=6, head_dim=32, hidden=192,
 # SGLang's CPU path (no sgl-kernel, no CUDA graphs, no overlap thread), float32 for TP-invariant
 # greedy tokens, token ids in and out
 CPU_OPS = Path(__file__).resolve().parent / "sglang_cpu_ops"  # holds the sgl_kernel stand-in
+# --sleep-on-idle: an idle scheduler otherwise polls flat out (a ready TP2 prefill's two ranks held
+# ~90% of a 2-core host while its decode started, which then took 3 min instead of 20 s); it sleeps
+# only when fully idle (nothing queued, nothing in transfer), waking on the next request
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
-            "--skip-tokenizer-init", "--dtype", "float32", "--random-seed", "0", "--disable-radix-cache")
+            "--skip-tokenizer-init", "--dtype", "float32", "--random-seed", "0", "--disable-radix-cache",
+            "--sleep-on-idle")
 
 
 def make_model(python: str, path: str | os.PathLike, model: TinyLlama = SGLANG_LLAMA, timeout_s: float = 300) -> Path:
@@ -123,6 +127,25 @@ class ServerProcess:
         """``mode``: ``null`` (a plain server), ``prefill`` or ``decode``; ``backend``: SGLang's
         ``--disaggregation-transfer-backend`` (``nixl``, ``kvtriton``). Waits for ``/health`` up
         to ``timeout_s``."""
+        server = cls.launch(python, model_dir, tp=tp, mode=mode, backend=backend, page_size=page_size, cpus=cpus,
+                            log_dir=log_dir, name=name, env=env, extra_args=extra_args,
+                            max_total_tokens=max_total_tokens, real_kernels=real_kernels)
+        try:
+            server.wait_ready(timeout_s)
+        except BaseException:
+            server.close()
+            raise
+        return server
+
+    @classmethod
+    def launch(cls, python: str, model_dir: str | os.PathLike, *, tp: int = 1, mode: str = "null",
+               backend: str = "nixl", page_size: int = 16, cpus: str | None = None,
+               log_dir: str | os.PathLike = ".", name: str = "server", env: dict | None = None,
+               extra_args: tuple[str, ...] = (), max_total_tokens: int = 8192,
+               real_kernels: bool = False) -> ServerProcess:
+        """Spawns the server without waiting for it (``wait_ready``): a pair's two servers start
+        side by side, each on its own cores (a start is minutes of CPU-bound imports and set-up
+        on a small host), rather than one after the other."""
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         events = BedEvents(log_dir / f"{name}.events")
@@ -163,19 +186,24 @@ class ServerProcess:
             log.flush()
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=env_out, start_new_session=True)
-        server = cls(proc, log_path, f"http://127.0.0.1:{port}", events, tp, bootstrap)
-        try:
-            server.wait_ready(timeout_s)
-        except BaseException:
-            server.close()
-            raise
-        return server
+        return cls(proc, log_path, f"http://127.0.0.1:{port}", events, tp, bootstrap)
 
     def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @staticmethod
+    def wait_all_ready(servers: list[ServerProcess], timeout_s: float = 600.0) -> None:
+        """Waits for servers launched side by side; if one fails to start, every one is closed."""
+        try:
+            for server in servers:
+                server.wait_ready(timeout_s)
+        except BaseException:
+            for server in servers:
+                server.close()
+            raise
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -220,13 +248,29 @@ class ServerProcess:
         except OSError:
             return "<no log>"
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the process group, then SIGKILL whatever is left of it (ranks included)."""
+    @staticmethod
+    def close_all(servers: list[ServerProcess], timeout_s: float = 30.0) -> None:
+        """Closes servers side by side: each process group gets its SIGTERM first (a server's
+        shut-down takes seconds: SGLang waits 5 s before its crash diagnostics), then each is
+        closed as :meth:`close` does."""
+        for server in servers:
+            if server.proc.poll() is None:
+                try:
+                    os.killpg(server.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for server in servers:
+            server.close(timeout_s, terminated=True)
+
+    def close(self, timeout_s: float = 30.0, terminated: bool = False) -> None:
+        """SIGTERM the process group (unless ``terminated``: :meth:`close_all` sent it), then
+        SIGKILL whatever is left of it (ranks included)."""
         for sig in (signal.SIGTERM, signal.SIGKILL):
             if self.proc.poll() is not None and sig == signal.SIGTERM:
                 sig = signal.SIGKILL  # the launcher is gone: its children may not be
             try:
-                os.killpg(self.proc.pid, sig)
+                if not (terminated and sig == signal.SIGTERM):
+                    os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 break
             try:

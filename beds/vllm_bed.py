@@ -45,7 +45,8 @@ from pathlib import Path
 from . import child_env
 from .vllm_models import TinyLlama, make_tiny_llama
 
-__all__ = ["EngineProcess", "make_tiny_llama", "TinyLlama", "engine_cpus", "free_port_range"]
+__all__ = ["EngineProcess", "wait_all_ready", "close_all", "make_tiny_llama", "TinyLlama", "engine_cpus",
+           "free_port_range"]
 
 
 def engine_cpus(tp: int, part: int, parts: int = 2) -> str:
@@ -101,6 +102,27 @@ def free_port_range(n: int = 1) -> int:
 
 
 # --------------------------------------------------------------------------- parent side
+def close_all(engines: list[EngineProcess], timeout_s: float = 60.0) -> None:
+    """Closes engines side by side: every one is asked to exit first, then each is waited for
+    (a TP engine's shut-down is seconds; one after the other they add up)."""
+    for engine in engines:
+        engine.ask_exit(timeout_s)
+    for engine in engines:
+        engine.close(timeout_s)
+
+
+def wait_all_ready(engines: list[EngineProcess], timeout_s: float = 240.0) -> None:
+    """Waits for engines launched side by side (:meth:`EngineProcess.launch`); if one fails to
+    start, every one of them is killed and the error raised."""
+    try:
+        for engine in engines:
+            engine.wait_ready(timeout_s)
+    except BaseException:
+        for engine in engines:
+            engine.kill()
+        raise
+
+
 class EngineProcess:
     """A child engine process (see the module docstring); ``call`` sends one op and waits."""
 
@@ -114,6 +136,24 @@ class EngineProcess:
               name: str = "engine", env: dict | None = None, cpus: str | None = None,
               engine_options: dict | None = None, patches: tuple[str, ...] = (), log_stats: bool = False,
               keep_loads: bool = True, timeout_s: float = 240.0) -> EngineProcess:
+        """Launches the engine and waits until it answers (its info), up to ``timeout_s``."""
+        bed = cls.launch(python, model_dir, tp=tp, connector=connector, role=role, port=port, extra=extra,
+                         block_size=block_size, engine_id=engine_id, max_model_len=max_model_len, log_dir=log_dir,
+                         name=name, env=env, cpus=cpus, engine_options=engine_options, patches=patches,
+                         log_stats=log_stats, keep_loads=keep_loads)
+        bed.wait_ready(timeout_s)
+        return bed
+
+    @classmethod
+    def launch(cls, python: str, model_dir: str | os.PathLike, *, tp: int = 1, connector: str = "kvtriton",
+               role: str = "kv_both", port: int = 0, extra: dict | None = None, block_size: int = 32,
+               engine_id: str | None = None, max_model_len: int = 2048, log_dir: str | os.PathLike = ".",
+               name: str = "engine", env: dict | None = None, cpus: str | None = None,
+               engine_options: dict | None = None, patches: tuple[str, ...] = (), log_stats: bool = False,
+               keep_loads: bool = True) -> EngineProcess:
+        """Spawns the engine without waiting for it (``wait_ready``): a pair's two engines start
+        side by side, each on its own cores, rather than one after the other (a vLLM start is
+        tens of seconds of CPU-bound imports and set-up)."""
         log_path = Path(log_dir) / f"{name}.log"
         cmd = [python, "-m", "beds.vllm_bed", "--model", str(model_dir), "--tp", str(tp),
                "--connector", connector, "--role", role, "--port", str(port), "--block-size", str(block_size),
@@ -132,19 +172,26 @@ class EngineProcess:
             "VLLM_CPU_OMP_THREADS_BIND": cpus or ("|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
                                                   if tp > 1 else "all"),
             "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            # enforce_eager turns vLLM's own compilation off, yet a TP>1 engine's vocab-parallel
+            # embedding keeps its @torch.compile (inductor on CPU): g++ builds its kernel at the
+            # first forward, minutes on a loaded 2-core host without a warm /tmp/torchinductor_*
+            # cache (a fresh CI machine); eager runs the same few pointwise ops
+            "TORCH_COMPILE_DISABLE": "1",
         })
         env_out.pop("TRITON_INTERPRET", None)
         env_out.update(env or {})
         log = open(log_path, "w")
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                                 env=env_out, start_new_session=True)
-        bed = cls(proc, log_path, {})
+        return cls(proc, log_path, {})
+
+    def wait_ready(self, timeout_s: float = 240.0) -> None:
+        """Waits for the launched engine's first answer (its info); a start that fails kills it."""
         try:
-            bed.info = bed._read(timeout_s)
+            self.info = self._read(timeout_s)
         except BaseException:
-            bed.kill()
+            self.kill()
             raise
-        return bed
 
     def _read(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -191,12 +238,23 @@ class EngineProcess:
         except subprocess.TimeoutExpired:  # a process stuck in the kernel: report, do not raise
             print(f"vllm_bed: pid {self.proc.pid} still alive 60 s after SIGKILL", file=sys.stderr)
 
-    def close(self, timeout_s: float = 60.0) -> None:
-        if self.proc.poll() is None:
+    def ask_exit(self, timeout_s: float = 60.0) -> None:
+        """Tells the engine to exit (answered before it shuts down) without waiting for it to
+        go; :meth:`close` then waits. Engines asked together shut down side by side."""
+        if self.proc.poll() is None and not self.proc.stdin.closed:
             try:
                 self.call("exit", timeout_s=timeout_s)
+            except Exception:  # noqa: BLE001 - whatever happened, close() kills it
+                pass
+            finally:
+                self.proc.stdin.close()  # nothing more to say; an exit asked twice would wait for no answer
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self.ask_exit(timeout_s)
+        if self.proc.poll() is None:
+            try:
                 self.proc.wait(timeout=timeout_s)
-            except Exception:  # noqa: BLE001 - whatever happened, the child must go
+            except subprocess.TimeoutExpired:
                 pass
         self.kill()
 

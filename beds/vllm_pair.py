@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .vllm_bed import EngineProcess, engine_cpus, free_port_range
+from .vllm_bed import EngineProcess, close_all, engine_cpus, free_port_range, wait_all_ready
 
 __all__ = ["EnginePair", "BytesMismatch", "P_EXTRA", "D_EXTRA"]
 
@@ -46,19 +46,21 @@ class EnginePair:
         # settling waits past the lease too: a hold no reader's done ends (a lost decode) ends by it
         self.lease_s = float({**(P_EXTRA if ours else {}), **(p_extra or {})}.get("lease_s", 0.0))
         common = dict(connector=connector, block_size=block_size, log_dir=Path(log_dir), engine_options=engine_options,
-                      patches=patches, max_model_len=max_model_len, log_stats=log_stats, timeout_s=timeout_s)
-        self.prefill = EngineProcess.start(
+                      patches=patches, max_model_len=max_model_len, log_stats=log_stats)
+        # both start at once, each on its own cores: a pair is ready in one engine's start-up time
+        self.prefill = EngineProcess.launch(
             python, model_dir, tp=p_tp, role="kv_producer", port=free_port_range(p_tp),
             extra={**(P_EXTRA if ours else {}), **(p_extra or {})}, engine_id=f"prefill-tp{p_tp}", name="prefill",
             cpus=engine_cpus(p_tp, 0), **common)
         try:
-            self.decode = EngineProcess.start(
+            self.decode = EngineProcess.launch(
                 python, model_dir, tp=d_tp, role="kv_consumer", port=free_port_range(1),
                 extra={**(D_EXTRA if ours else {}), **(d_extra or {})}, engine_id=f"decode-tp{d_tp}", name="decode",
                 cpus=engine_cpus(d_tp, 1), **common)  # no core shared with the prefill
         except BaseException:
-            self.prefill.close()
+            self.prefill.kill()
             raise
+        wait_all_ready([self.prefill, self.decode], timeout_s)
 
     # ------------------------------------------------------------------ requests
     def reference(self, prompts, tag: str, max_tokens: int = 8) -> list[list[int]]:
@@ -198,8 +200,7 @@ class EnginePair:
         return summary
 
     def close(self) -> None:
-        self.prefill.close()
-        self.decode.close()
+        close_all([self.prefill, self.decode])
 
 
 def _merge(per_rank) -> dict:

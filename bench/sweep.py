@@ -36,7 +36,9 @@ Sections (all by default; ``--sections`` picks some):
   and vLLM's own NixlConnector side by side, P2->D1 and P1->D2: time to KV loaded per request
   (ours/theirs), time to the first decode token, descriptors; a 16-layer, 8-KV-head model with
   2k-token prompts (``--pd-size``; ``--quick``: the 2-layer toy), ~11-13 min on 2 busy cores, when
-  the vLLM test bed is built (``make vllm-bed``; ``.venv-vllm`` or ``$KVTRITON_VLLM_PYTHON``).
+  the vLLM test bed is there (``.venv-vllm`` or ``$KVTRITON_VLLM_PYTHON``): ``make sweep`` builds it
+  (``make vllm-bed``) beside ``.venv`` before the sweep starts, so its headline has the real-engine
+  row on a fresh clone; run directly without it, the section says so and is left out.
 
 Sizes: by default every section runs at a smaller size, so the whole job takes a few minutes
 on a 2-core machine (descriptors for every preset; kernels and e2e with fewer layers and
@@ -362,7 +364,7 @@ def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
     from bench import pd_vllm  # bench/pd_vllm.py
 
     if pd_vllm.vllm_python() is None:
-        print("pd_vllm: skipped, no vLLM test bed (make vllm-bed)")
+        print("pd_vllm: skipped, no vLLM test bed (`make vllm-bed` builds it; `make sweep` does first)")
         return []
     size = "small" if quick else size
     pairs = PD_PAIRS_SMALL if quick else pd_vllm.PAIRS

@@ -62,5 +62,9 @@ PYEOF
 "$PY" -m pip install -q -r "$WHEELS/requirements.txt" -c "$WHEELS/constraints.txt"
 "$PY" -m pip install -q --no-deps "$WHL"
 "$PY" -m pip install -q "nixl>=1.5.1,<1.5.2" msgpack einops cryptography pytest -c "$WHEELS/constraints.txt"
-"$PY" -m pip install -q --no-deps -e "$SRC"
+# under the checkout's install lock: `make test` builds the beds side by side, and setuptools
+# writes the checkout's kvtriton.egg-info for each editable install (no flock: unlocked)
+LOCKED=()
+command -v flock > /dev/null && LOCKED=(flock "${KVTRITON_INSTALL_LOCK:-/tmp/kvtriton-install.lock}")
+"${LOCKED[@]}" "$PY" -m pip install -q --no-deps -e "$SRC"
 "$PY" -c "import sglang, torch, torchvision, nixl, kvtriton; print('sglang', sglang.__version__, 'torch', torch.__version__)"

@@ -1,5 +1,7 @@
-"""Fixtures of the real-engine tests: the tiny GQA Llama (written once per module with the vLLM
-bed's Python) and the prompts; a module that needs another model defines its own ``model_dir``."""
+"""Fixtures of the real-engine tests: the tiny GQA Llama (written once per session with the vLLM
+bed's Python: engines only read it, and each write is an interpreter start and a torch import,
+tens of seconds on a loaded 2-core host) and the prompts; a module that needs another model
+defines its own ``model_dir``."""
 
 import random
 import subprocess
@@ -11,7 +13,7 @@ from helpers.vllm_engines import LENGTHS
 from beds import child_env
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     subprocess.run([vllm_bed_python(), "-c", "import sys; from beds.vllm_bed import make_tiny_llama; "

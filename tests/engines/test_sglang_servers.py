@@ -57,16 +57,18 @@ class Pair:
         secret.write_bytes(os.urandom(32))
         secret.chmod(0o600)  # a secret file others can read is refused
         self.env = {**ENV, "KVTRITON_AUTH_SECRET_FILE": str(secret)}
-        self.prefill = ServerProcess.start(SGL_PY, model_dir, tp=p_tp, mode="prefill", backend=backend,
-                                           page_size=PAGE, cpus=engine_cpus(p_tp, 0), log_dir=log_dir,
-                                           name="prefill", env=self.env)
+        # both start at once, each on its own cores: the pair is up in one server's start-up time
+        self.prefill = ServerProcess.launch(SGL_PY, model_dir, tp=p_tp, mode="prefill", backend=backend,
+                                            page_size=PAGE, cpus=engine_cpus(p_tp, 0), log_dir=log_dir,
+                                            name="prefill", env=self.env)
         try:
-            self.decode = ServerProcess.start(SGL_PY, model_dir, tp=d_tp, mode="decode", backend=backend,
-                                              page_size=PAGE, cpus=engine_cpus(d_tp, 1), log_dir=log_dir,
-                                              name="decode", env=self.env)
+            self.decode = ServerProcess.launch(SGL_PY, model_dir, tp=d_tp, mode="decode", backend=backend,
+                                               page_size=PAGE, cpus=engine_cpus(d_tp, 1), log_dir=log_dir,
+                                               name="decode", env=self.env)
         except BaseException:
             self.prefill.close()
             raise
+        ServerProcess.wait_all_ready([self.prefill, self.decode])
 
     def descriptors(self) -> int:
         return sum(s.events.counters().get(k, 0) for s in (self.prefill, self.decode) for k in DESCRIPTOR_STATS)
@@ -85,8 +87,7 @@ class Pair:
         return tokens, per_request
 
     def close(self):
-        self.decode.close()
-        self.prefill.close()
+        ServerProcess.close_all([self.decode, self.prefill])
 
 
 @pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=["P1-D2", "P2-D1"])

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from helpers.vllm_bed_python import vllm_bed_python
 from helpers.vllm_engines import MAX_TOKENS, Pair  # the model_dir and prompts fixtures: conftest.py
+from helpers.vllm_versions import VersionChecks
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent  # the scripts the bed runs live beside this module
@@ -46,25 +47,24 @@ def pair_1_1(model_dir, tmp_path_factory):
     pair.close()
 
 
-def test_scheduler_side_on_vllm_032():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([VLLM_PY, str(HERE / "vllm_scheduler_check.py")], capture_output=True, text=True,
-                         timeout=300, env=env)
-    assert out.returncode == 0 and "ok 0.32" in out.stdout, out.stderr[-3000:]
+@pytest.fixture(scope="module")
+def scheduler_checks(tmp_path_factory):
+    """tests/engines/vllm_scheduler_check.py under 0.32, 0.33 and 0.34, the three at once."""
+    checks = VersionChecks(HERE / "vllm_scheduler_check.py", tmp_path_factory.mktemp("scheduler-checks"))
+    yield checks
+    checks.close()
+
+
+def test_scheduler_side_on_vllm_032(scheduler_checks):
+    rc, out, err = scheduler_checks.result("0.32")
+    assert rc == 0 and "ok 0.32" in out, err[-3000:]
 
 
 @pytest.mark.parametrize("version", ["0.33", "0.34"])
-def test_scheduler_side_on_upstream_vllm(version):
+def test_scheduler_side_on_upstream_vllm(scheduler_checks, version):
     """The same check against upstream vLLM's own classes, unpacked beside the bed (never run as an engine)."""
-    up = Path(VLLM_PY).parent.parent / f"vllm{version.replace('.', '')}"  # scripts/setup_vllm_venv.sh
-    if not up.exists() and not os.environ.get("CI"):
-        pytest.skip(f"no upstream vLLM {version} next to the test bed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # upstream first; this checkout's kvtriton after it (where the bed's editable install is elsewhere)
-    env.update(PYTHONPATH=os.pathsep.join([str(up), str(ROOT), env.get("PYTHONPATH", "")]), VLLM_TARGET_DEVICE="cpu")
-    out = subprocess.run([VLLM_PY, str(HERE / "vllm_scheduler_check.py")], capture_output=True, text=True,
-                         timeout=300, env=env)
-    assert out.returncode == 0 and f"ok {version}" in out.stdout, out.stderr[-3000:]
+    rc, out, err = scheduler_checks.result(version)
+    assert rc == 0 and f"ok {version}" in out, err[-3000:]
 
 
 def test_p1_d1_tokens_identical_and_nothing_recomputed(pair_1_1, prompts):

@@ -16,16 +16,14 @@ prefill rank (one expired lease per rank).
 """
 
 import math
-import os
 import random
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from helpers.vllm_bed_python import vllm_bed_python
+from helpers.vllm_versions import VersionChecks
 
-from beds import child_env
 from beds.vllm_bed import TinyLlama
 from beds.vllm_pair import EnginePair
 
@@ -42,15 +40,6 @@ EXTRA = {"modes": "staged"}  # equal on both engines (the plans' digests must ag
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([VLLM_PY, "-c", "import sys; from beds.vllm_bed import make_tiny_llama; "
-                    "make_tiny_llama(sys.argv[1])", str(path)], check=True, timeout=300,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
-    return path
-
-
-@pytest.fixture(scope="module")
 def pair(model_dir, tmp_path_factory):
     pair = EnginePair(VLLM_PY, model_dir, tmp_path_factory.mktemp("metrics"), P_TP, D_TP, block_size=BLOCK,
                       p_extra={**EXTRA, "lease_s": LEASE_S}, d_extra=EXTRA, log_stats=True)
@@ -58,21 +47,20 @@ def pair(model_dir, tmp_path_factory):
     pair.close()
 
 
+@pytest.fixture(scope="module")
+def stats_checks(tmp_path_factory):
+    """tests/engines/vllm_metrics_check.py under 0.32, 0.33 and 0.34, the three at once."""
+    checks = VersionChecks(ROOT / "tests" / "engines" / "vllm_metrics_check.py", tmp_path_factory.mktemp("stats"))
+    yield checks
+    checks.close()
+
+
 @pytest.mark.parametrize("version", ["0.32", "0.33", "0.34"])
-def test_stats_classes_through_vllm(version):
+def test_stats_classes_through_vllm(stats_checks, version):
     """vLLM's own KVConnectorProm / KVConnectorLogging build and feed ours (tests/engines/vllm_metrics_check.py),
     on the bed's vLLM (0.32) and on upstream 0.33 and 0.34 unpacked beside it."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = str(ROOT / "tests" / "engines" / "vllm_metrics_check.py")
-    if version != "0.32":
-        up = Path(VLLM_PY).parent.parent / f"vllm{version.replace('.', '')}"  # scripts/setup_vllm_venv.sh
-        if not up.exists() and not os.environ.get("CI"):
-            pytest.skip(f"no upstream vLLM {version} next to the test bed")
-        # upstream first; this checkout's kvtriton after it (where the bed's editable install is elsewhere)
-        env.update(PYTHONPATH=os.pathsep.join([str(up), str(ROOT), env.get("PYTHONPATH", "")]),
-                   VLLM_TARGET_DEVICE="cpu")
-    out = subprocess.run([VLLM_PY, script], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0 and f"ok {version}" in out.stdout, out.stderr[-3000:]
+    rc, out, err = stats_checks.result(version)
+    assert rc == 0 and f"ok {version}" in out, err[-3000:]
 
 
 def scrape(engine) -> dict:

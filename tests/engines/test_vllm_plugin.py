@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 from helpers.vllm_bed_python import vllm_bed_python
 
-from beds import child_env
 from beds.vllm_bed import EngineProcess, engine_cpus, free_port_range
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (pyproject.toml is read as the user's pip reads it)
@@ -58,15 +57,6 @@ def plugin_env(tmp_path_factory):
     return env
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([VLLM_PY, "-c", "import sys; from beds.vllm_bed import make_tiny_llama; "
-                    "make_tiny_llama(sys.argv[1])", str(path)], check=True, timeout=300,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
-    return path
-
-
 def test_register_is_idempotent_and_imports_no_vllm_before(plugin_env):
     """The plugin module and ``import kvtriton`` leave vLLM unimported; the entry point resolves to
     this checkout's function; registering twice keeps the first registration and the class is
@@ -93,17 +83,24 @@ def test_engine_loads_the_connector_by_name(plugin_env, model_dir, tmp_path):
     builds kvtriton's connector (its worker has a TransferAgent) and serves a request; with the
     plugin filtered out (``VLLM_PLUGINS`` naming none) the same engine refuses the name."""
     common = dict(tp=1, connector="kvtriton-plugin", role="kv_both", block_size=32, max_model_len=512,
-                  extra={"handshake_timeout_s": 20.0}, log_dir=tmp_path, cpus=engine_cpus(1, 0))
-    bed = EngineProcess.start(VLLM_PY, model_dir, port=free_port_range(1), name="plugin", env=plugin_env, **common)
+                  extra={"handshake_timeout_s": 20.0}, log_dir=tmp_path)
+    # both engines start at once, each on a core of its own (the refusal comes after vLLM's imports)
+    bed = EngineProcess.launch(VLLM_PY, model_dir, port=free_port_range(1), name="plugin", env=plugin_env,
+                               cpus=engine_cpus(1, 0), **common)
+    refused = EngineProcess.launch(VLLM_PY, model_dir, port=free_port_range(1), name="no-plugin",
+                                   env={**plugin_env, "VLLM_PLUGINS": "none-of-them"}, cpus=engine_cpus(1, 1), **common)
     try:
-        out = bed.call("generate", requests=[{"id": "a", "prompt": list(range(1, 41)), "max_tokens": 2}])
-        assert len(out["outputs"][0]["tokens"]) == 2
-        stats = bed.call("agent_stats")["stats"]
-        assert isinstance(stats, list) and isinstance(stats[0], dict), stats  # None on any other connector
+        try:
+            bed.wait_ready()
+            out = bed.call("generate", requests=[{"id": "a", "prompt": list(range(1, 41)), "max_tokens": 2}])
+            assert len(out["outputs"][0]["tokens"]) == 2
+            stats = bed.call("agent_stats")["stats"]
+            assert isinstance(stats, list) and isinstance(stats[0], dict), stats  # None on any other connector
+        finally:
+            bed.close()
+        log = (tmp_path / "plugin.log").read_text()
+        assert "Creating v1 connector with name: KVTritonConnector" in log
+        with pytest.raises(RuntimeError, match="Unsupported connector type: KVTritonConnector"):
+            refused.wait_ready()
     finally:
-        bed.close()
-    log = (tmp_path / "plugin.log").read_text()
-    assert "Creating v1 connector with name: KVTritonConnector" in log
-    with pytest.raises(RuntimeError, match="Unsupported connector type: KVTritonConnector"):
-        EngineProcess.start(VLLM_PY, model_dir, port=free_port_range(1), name="no-plugin",
-                            env={**plugin_env, "VLLM_PLUGINS": "none-of-them"}, **common).close()
+        refused.close()

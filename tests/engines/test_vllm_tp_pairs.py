@@ -29,11 +29,20 @@ SIX_HEADS = {"kv_heads": 6, "heads": 12, "head_dim": 32, "hidden": 192, "vocab":
 ONE_HEAD = {"kv_heads": 1, "heads": 4, "head_dim": 32, "hidden": 128}
 
 
-def _model(tmp_path_factory, name, options):
-    path = tmp_path_factory.mktemp(name)
-    subprocess.run([VLLM_PY, "-m", "beds.vllm_models", "llama", str(path), json.dumps(options)],
-                   check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
-    return path
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """``models(name, options)``: the Llama of ``options``, written once per module (the six-head
+    model serves both connectors' P2->D3)."""
+    made = {}
+
+    def model(name, options):
+        if name not in made:
+            made[name] = tmp_path_factory.mktemp(name)
+            subprocess.run([VLLM_PY, "-m", "beds.vllm_models", "llama", str(made[name]), json.dumps(options)],
+                           check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env=child_env())
+        return made[name]
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +52,8 @@ def prompts():
 
 
 @pytest.mark.parametrize("name,options,p_tp,d_tp", [("six-heads", SIX_HEADS, 2, 3), ("one-head", ONE_HEAD, 2, 1)])
-def test_kvtriton_moves_pairs_vllm_refuses(tmp_path_factory, tmp_path, prompts, name, options, p_tp, d_tp):
-    model = _model(tmp_path_factory, name, options)
+def test_kvtriton_moves_pairs_vllm_refuses(models, tmp_path, prompts, name, options, p_tp, d_tp):
+    model = models(name, options)
     # not every decode rank reads every prefill rank here, yet every hold must end at its last
     # reader's done (issue 19), never by the lease (P_EXTRA's 90 s)
     pair = EnginePair(VLLM_PY, model, tmp_path, p_tp, d_tp)
@@ -63,10 +72,10 @@ def test_kvtriton_moves_pairs_vllm_refuses(tmp_path_factory, tmp_path, prompts, 
         pair.close()
 
 
-def test_nixl_connector_refuses_p2_d3(tmp_path_factory, tmp_path, prompts):
+def test_nixl_connector_refuses_p2_d3(models, tmp_path, prompts):
     """The same P2->D3 through vLLM's NixlConnector: the decode's handshake asserts on the TP
     ratio and its loads fail, so vLLM recomputes every prompt (the outcome kvtriton changes)."""
-    model = _model(tmp_path_factory, "six-heads-nixl", SIX_HEADS)
+    model = models("six-heads", SIX_HEADS)
     pair = EnginePair(VLLM_PY, model, tmp_path, 2, 3, connector="nixl")
     try:
         params = pair.prefill_requests(prompts[:1], "p")

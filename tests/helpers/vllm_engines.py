@@ -1,6 +1,6 @@
 """A prefill and a decode vLLM engine with kvtriton's connector (real vLLM in the bed's venv)."""
 
-from beds.vllm_bed import EngineProcess, engine_cpus, free_port_range
+from beds.vllm_bed import EngineProcess, close_all, engine_cpus, free_port_range, wait_all_ready
 
 from .vllm_bed_python import vllm_bed_python
 
@@ -25,20 +25,22 @@ class Pair:
     def __init__(self, model_dir, log_dir, p_tp, d_tp, p_extra=None, d_extra=None, p_block=BLOCK, d_block=BLOCK):
         self.p_tp, self.d_tp = p_tp, d_tp
         port = free_port_range(p_tp)
-        self.prefill = EngineProcess.start(
+        # both start at once, each on its own cores: a pair is ready in one engine's start-up time
+        self.prefill = EngineProcess.launch(
             vllm_bed_python(), model_dir, tp=p_tp, connector="kvtriton", role="kv_producer", port=port,
             block_size=p_block,
             extra={**P_EXTRA, **(p_extra or {})}, engine_id=f"prefill-tp{p_tp}", log_dir=log_dir, name="prefill",
             cpus=engine_cpus(p_tp, 0))
         try:
-            self.decode = EngineProcess.start(
+            self.decode = EngineProcess.launch(
                 vllm_bed_python(), model_dir, tp=d_tp, connector="kvtriton", role="kv_consumer",
                 port=free_port_range(1),
                 block_size=d_block, extra={**D_EXTRA, **(d_extra or {})}, engine_id=f"decode-tp{d_tp}",
                 log_dir=log_dir, name="decode", cpus=engine_cpus(d_tp, 1))  # no core shared with the prefill
         except BaseException:
-            self.prefill.close()
+            self.prefill.kill()
             raise
+        wait_all_ready([self.prefill, self.decode])
 
     def reference(self, prompts, tag="ref"):
         """Greedy tokens of the decode engine computing each prompt itself (no transfer)."""
@@ -69,6 +71,5 @@ class Pair:
         return state
 
     def close(self):
-        self.prefill.close()
-        self.decode.close()
+        close_all([self.prefill, self.decode])
 
