@@ -29,9 +29,9 @@ Sections (all by default; ``--sections`` picks some):
   against the default, same run, as ratios (bench/security_cost.py, ~1 min; ``--full``: 16 MiB,
   ~5 min), when NIXL is installed.
 * ``faults``: 2 prefill x 2 decode engines in processes over NIXL under a stream of requests, a
-  prefill rank then a decode rank SIGKILLed and restarted (bench/faults.py: TP1 at the default size,
-  TP2 with ``--full``; ~1.5 min, most of it starting processes; no budget of its own yet), when NIXL
-  is installed.
+  prefill rank then a decode rank SIGKILLed and restarted (bench/faults.py): only with ``--full``
+  (TP2, ~2 min) or ``--sections faults`` (TP1, ~1.5 min, most of it starting processes: more than
+  the default sweep's 5 minutes can hold), when NIXL is installed.
 * ``pd_vllm``: prefill and decode as real vLLM engines (bench/pd_vllm.py), kvtriton's connector
   and vLLM's own NixlConnector side by side, P2->D1 and P1->D2: time to KV loaded per request
   (ours/theirs), time to the first decode token, descriptors; a 16-layer, 8-KV-head model with
@@ -258,6 +258,10 @@ SECTIONS = {
 #: seconds each section may take in the default sweep on a 2-core box (sum 300 s: the 5-minute
 #: goal of issue 21); a section past its budget is not cut short (its rows would be lost) but
 #: summary.md's section table says it ran over, by how much, so the total's cause is in plain view
+#: sections only --full (or --sections naming them) runs: the fault bench starts and kills a dozen
+#: agent processes (~80 s on a loaded 2-core host), more than the default sweep's 5 minutes can hold
+FULL_ONLY = {"faults"}
+
 BUDGET_S = {"descriptors": 5, "kernels": 30, "e2e": 45, "costmodel": 50, "planning": 5, "fetch_host": 5,
             "rogue": 20, "security_cost": 15, "pd_vllm": 125}
 #: peak memory every bench must stay under (issue 21: the quick grid once peaked at 10 GB)
@@ -288,7 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--full", action="store_true",
                     help="today's full sizes (~35 min on 2 cores); default: every section smaller (~3 min)")
     ap.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
-    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--sections", default=None, help="comma-separated (default: every section; faults only with "
+                    "--full)")
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--full-grid", action="store_true",
@@ -296,7 +301,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pd-size", choices=sorted(PD_SIZES), default="scaled",
                     help="model and prompt size of the pd_vllm section with --full (default sweep: small)")
     args = ap.parse_args(argv)
-    sections = set(args.sections.split(","))
+    sections = (set(args.sections.split(",")) if args.sections
+                else set(SECTIONS) - (set() if args.full else FULL_ONLY))
     presets = [PRESETS[p] for p in args.presets.split(",")]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     have_nixl = importlib.util.find_spec("nixl") is not None
@@ -319,7 +325,7 @@ def main(argv=None) -> int:
         torch=torch.__version__, git_sha=_git_sha(),
         timestamp=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         command="python bench/sweep.py" + (" --full" if args.full else "") + (" --full-grid" if args.full_grid else "")
-        + (f" --sections {args.sections}" if args.sections != ap.get_default("sections") else ""),
+        + (f" --sections {args.sections}" if args.sections else ""),
     )
     meta["wall_s"] = f"{time.time() - t0:.0f}"
     meta["section_s"] = ", ".join(f"{k} {v:.0f} s" for k, v in ran.items())
