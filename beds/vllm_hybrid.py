@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .vllm_bed import EngineProcess, engine_cpus, free_port_range
+from .vllm_bed import EngineProcess, close_all, engine_cpus, free_port_range, wait_all_ready
 from .vllm_models import HYBRID_KINDS
 from .vllm_pair import D_EXTRA, P_EXTRA, BytesMismatch, _merge
 
@@ -37,18 +37,21 @@ class HybridPair:
         common = dict(connector=connector, block_size=block_size, log_dir=Path(log_dir), max_model_len=max_model_len,
                       engine_options={"max_num_seqs": 4, **HYBRID_KINDS[kind]}, env=env, timeout_s=timeout_s)
         self.lease_s = P_EXTRA["lease_s"] if ours else 0.0
-        self.prefill = EngineProcess.start(
+        wait_s = common.pop("timeout_s")
+        # side by side, each on its own cores: a vLLM start is tens of seconds of CPU-bound set-up
+        self.prefill = EngineProcess.launch(
             python, model_dir, tp=p_tp, role="kv_producer", port=free_port_range(p_tp),
             extra=P_EXTRA if ours else {}, engine_id=f"prefill-tp{p_tp}", name=f"{kind}-prefill",
             cpus=engine_cpus(p_tp, 0), **common)
         try:
-            self.decode = EngineProcess.start(
+            self.decode = EngineProcess.launch(
                 python, model_dir, tp=d_tp, role="kv_consumer", port=free_port_range(1),
                 extra=D_EXTRA if ours else {}, engine_id=f"decode-tp{d_tp}", name=f"{kind}-decode",
                 cpus=engine_cpus(d_tp, 1), **common)
         except BaseException:
-            self.prefill.close()
+            self.prefill.kill()
             raise
+        wait_all_ready([self.prefill, self.decode], wait_s)
 
     # ------------------------------------------------------------------ requests
     def reference(self, prompts, tag: str, max_tokens: int = 8) -> list[list[int]]:
@@ -167,5 +170,4 @@ class HybridPair:
         return keys
 
     def close(self) -> None:
-        self.prefill.close()
-        self.decode.close()
+        close_all([self.prefill, self.decode])
