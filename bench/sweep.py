@@ -39,6 +39,11 @@ Sections (all by default; ``--sections`` picks some):
   the vLLM test bed is there (``.venv-vllm`` or ``$KVTRITON_VLLM_PYTHON``): ``make sweep`` builds it
   (``make vllm-bed``) beside ``.venv`` before the sweep starts, so its headline has the real-engine
   row on a fresh clone; run directly without it, the section says so and is left out.
+* ``pd_hybrid`` (``--full`` only): the hybrid matrix of issue 32 on real vLLM engines, each model
+  kind (Gemma-3 sliding window, Nemotron-H Mamba2 with ``n_groups`` 2 and 1, Qwen3-Next GDN) at
+  P1->D1, P2->D1, P1->D2 and P2->D3, kvtriton (tokens and every group's bytes checked) beside
+  NixlConnector (tokens; dividing pairs only): descriptors, bytes, time to KV loaded (~30 engine
+  pairs, the better part of an hour on 2 cores; one model: ``bench/pd_vllm.py --model``).
 
 Sizes: by default every section runs at a smaller size, so the whole job takes a few minutes
 on a 2-core machine (descriptors for every preset; kernels and e2e with fewer layers and
@@ -239,6 +244,10 @@ def _pd_vllm(args, presets, device, bar) -> list[dict]:
     return pd_vllm_rows(not args.full, args.pd_size, bar)
 
 
+def _pd_hybrid(args, presets, device, bar) -> list[dict]:
+    return pd_hybrid_rows(bar)
+
+
 #: section -> (needs NIXL, runner). They run in this order whatever order --sections names them;
 #: a section that needs NIXL is left out when NIXL is not installed.
 SECTIONS = {
@@ -252,6 +261,7 @@ SECTIONS = {
     "security_cost": (True, _security_cost),
     "faults": (True, _faults),
     "pd_vllm": (False, _pd_vllm),
+    "pd_hybrid": (False, _pd_hybrid),
 }
 
 
@@ -260,7 +270,7 @@ SECTIONS = {
 #: summary.md's section table says it ran over, by how much, so the total's cause is in plain view
 #: sections only --full (or --sections naming them) runs: the fault bench starts and kills a dozen
 #: agent processes (~80 s on a loaded 2-core host), more than the default sweep's 5 minutes can hold
-FULL_ONLY = {"faults"}
+FULL_ONLY = {"faults", "pd_hybrid"}
 
 BUDGET_S = {"descriptors": 5, "kernels": 30, "e2e": 45, "costmodel": 50, "planning": 5, "fetch_host": 5,
             "rogue": 20, "security_cost": 15, "pd_vllm": 125}
@@ -407,6 +417,38 @@ def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
         if not res["rows"]:
             rows.append({**key, "summary": res["summary"]})
         rows += [{**r, **key, "summary": res["summary"]} for r in res["rows"]]  # key's model_kind wins
+    return rows
+
+
+#: the hybrid matrix of issue 32 (--full): every model kind at these P->D pairs, both connectors;
+#: NixlConnector moves Mamba/GDN state only between TP sizes that divide (P2->D3 is ours alone)
+HYBRID_PAIRS = ((1, 1), (2, 1), (1, 2), (2, 3))
+
+
+def pd_hybrid_rows(bar=None) -> list[dict]:
+    """Each hybrid model kind (bench/pd_vllm.py ``--model``: sliding window, Mamba2 with
+    ``n_groups`` 2 and 1, Gated DeltaNet) at :data:`HYBRID_PAIRS` through kvtriton (tokens,
+    every group's bytes checked) and NixlConnector (tokens) on the same prompts: descriptors,
+    bytes and time to KV loaded side by side. A run that fails is a row saying why."""
+    from bench import pd_vllm  # bench/pd_vllm.py
+
+    if pd_vllm.vllm_python() is None:
+        print("pd_hybrid: skipped, no vLLM test bed (`make vllm-bed` builds it)")
+        return []
+    cells = [(m, p, d, c) for m in pd_vllm.HYBRID_MODELS for p, d in HYBRID_PAIRS for c in ("kvtriton", "nixl")
+             if c == "kvtriton" or (max(p, d) % min(p, d) == 0)]
+    if bar is not None:
+        bar.total(len(cells))
+    rows = []
+    for model, p, d, connector in cells:
+        key = {"section": "pd_hybrid", "model": model, "connector": connector, "prefill_tp": p, "decode_tp": d}
+        try:
+            row = pd_vllm.run_hybrid(connector, p, d, model=model, say=lambda *a: print(*a, flush=True))
+            rows.append({**row, **key})
+        except Exception as e:  # one cell's failure is a row, the matrix goes on
+            rows.append({**key, "summary": f"{model} {connector} P{p}->D{d}: failed ({type(e).__name__}: {e})"})
+        if bar is not None:
+            bar.step(f"{model} {connector} P{p}->D{d}")
     return rows
 
 
