@@ -172,6 +172,7 @@ def _rank_main(conn, role: str, rank: int, tp: int, cfg: dict) -> None:
                                                                                   aux_index),
         "poll": lambda room: int(peers[room].poll()), "abort": lambda room: peers[room].abort(),
         "failure": failure, "clear": clear, "leaks": leaks, "engine": lambda: mgr.agent.engine_id,
+        "agent": lambda: mgr.agent.transport.name,
         "zmq": lambda: [mgr.local_ip, mgr.rank_port], "refused": lambda: mgr.refused_messages,
         "inline_steps": lambda: mgr.inline.steps,
         "aux_lens": lambda: [int(n) for n in args.aux_item_lens],
@@ -326,17 +327,19 @@ def _rogue(prefill: Engine, decode: Engine, room: int, seed: int, n_tokens: int,
     out: dict = {"room": room, "tokens": n_tokens}
     p_engine = prefill.each("engine")[0]
     (p_ip, p_port), (d_ip, d_port) = prefill.each("zmq")[0], decode.each("zmq")[0]
+    # seal v2 names the receiver's incarnation: the forger seals for the real ranks' agents
     wrong = ControlSigner(Credential(secret=secrets.token_bytes(32)).derive_key(KEY_PURPOSE), p_engine, 0,
-                          window_s=60.0)
+                          agent=f"{p_engine}:0:rogue", window_s=60.0)
     ctx = zmq.Context()
     push_p, push_d = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+    to = {id(push_p): prefill.each("agent")[0], id(push_d): decode.each("agent")[0]}
     for sock, ip, port in ((push_p, p_ip, p_port), (push_d, d_ip, d_port)):
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{ip}:{port}")
 
     def forge(sock, frames) -> int:
         sock.send_multipart(frames)  # unsealed
-        sock.send_multipart(wrong.seal(frames))  # sealed under a key that is not the cluster's
+        sock.send_multipart(wrong.seal(frames, to[id(sock)]))  # sealed under a key that is not the cluster's
         return 2
 
     def refused(engine: Engine, n: int) -> int:
