@@ -40,7 +40,7 @@ logger = logging.getLogger("kvtriton.agent")
 #: TCP keepalive of a lifeline (seconds idle before the first probe, between probes, probes):
 #: a host gone without a FIN or reset is known within about ``idle + interval * count`` seconds
 KEEPALIVE = (2, 1, 2)
-_READ = 4096  # bytes read per wake-up from a lifeline a peer writes to (it should not)
+_READ = 4096  # bytes read from a readable lifeline (EOF, a reset, or a peer breaking the protocol)
 
 Key = tuple[str, int]
 
@@ -182,10 +182,13 @@ class Lifelines:
 
     @staticmethod
     def _open(conn: socket.socket) -> bool:
-        """Whether ``conn``, readable now, is still open (bytes a peer wrote are dropped)."""
+        """Whether ``conn``, readable now, is still a lifeline. Nothing travels on one: a peer that
+        writes to it breaks the protocol and is taken as gone (only its own transfers fail), rather
+        than keeping this thread busy reading whatever it sends."""
         try:
-            return bool(conn.recv(_READ))
+            conn.recv(_READ)
         except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-            return True
+            return True  # TLS records with no data (e.g. a session ticket): still open
         except OSError:
             return False
+        return False  # EOF, or bytes a peer should not have written
