@@ -419,11 +419,13 @@ class TransferAgent:
             self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s,
                                     num_tokens, ready)
 
-    def queued(self, req_id: str, remote_engine_id: str, max_wait_s: float = 600.0) -> None:
+    def queued(self, req_id: str, remote_engine_id: str, max_wait_s: float = 600.0,
+               renew_s: float | None = None) -> None:
         """The engine queued ``req_id``, to be fetched from ``remote_engine_id``: its holds there are renewed
-        until its :meth:`fetch`, :meth:`abort` or ``max_wait_s`` (:mod:`.destination.queued`)."""
+        every ``renew_s`` (None: ``renew_interval_s``) until its :meth:`fetch`, :meth:`abort` or
+        ``max_wait_s`` (:mod:`.destination.queued`)."""
         with self._lock:
-            self._destination.queued.add(req_id, remote_engine_id, float(max_wait_s))
+            self._destination.queued.add(req_id, remote_engine_id, float(max_wait_s), renew_s)
 
     def has_offer(self, remote_engine_id: str, req_id: str) -> bool:
         """Whether some rank of ``remote_engine_id`` has offered ``req_id`` packed ahead (its

@@ -51,6 +51,11 @@ class TransferSettings:
     lease_s:             how long a prefill rank keeps a finished request's blocks for decode
                          ranks that have not fetched them.
     timeout_s:           a fetch without progress for this long fails (its blocks are recomputed).
+    max_queued_s:        vLLM decode side: how long at most the prefill's holds of a request
+                         waiting in this engine's queue (for a slot, for KV blocks) are renewed,
+                         every ``lease_s / 6`` (give both engines the same ``lease_s``); its load
+                         renews them from then on. ``0``: never (a hold ends at its lease).
+                         Default 300.
     handshake_timeout_s: per attempt, to reach a prefill rank's handshake port.
     handshake_attempts:  attempts before the requests waiting on that engine fail.
     progress_interval_s: pause of the background progress thread between polls.
@@ -124,6 +129,7 @@ class TransferSettings:
     inflight_chunks: int = 2
     lease_s: float = 30.0
     timeout_s: float = 30.0
+    max_queued_s: float = 300.0
     handshake_timeout_s: float = 5.0
     handshake_attempts: int = 3
     progress_interval_s: float = 0.001
@@ -238,6 +244,8 @@ class TransferSettings:
         for name in ("lease_s", "timeout_s", "handshake_timeout_s"):
             if not getattr(self, name) > 0:
                 raise bad(name, "> 0 seconds")
+        if not 0 <= self.max_queued_s <= 86400:
+            raise bad("max_queued_s", "0 to 86400 seconds (0: holds of queued requests are not renewed)")
         if self.progress_interval_s < 0:
             raise bad("progress_interval_s", ">= 0 seconds")
         if self.replicate_stripe < 0:

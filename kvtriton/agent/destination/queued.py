@@ -6,7 +6,8 @@ expired at 30 s). :meth:`TransferAgent.queued <kvtriton.agent.TransferAgent.queu
 request and its source engine; until its :meth:`~kvtriton.agent.TransferAgent.fetch` starts
 (whose own renewals take over), its :meth:`~kvtriton.agent.TransferAgent.abort`, or ``max_wait_s``
 passes, every connected rank of that engine is sent a ``Renew`` of it every
-``renew_interval_s`` (as vLLM's NixlConnector heartbeats its queued requests). Bounded: at
+``renew_interval_s``, or the interval the caller gives (the vLLM connector: ``lease_s / 6``, as
+vLLM's NixlConnector heartbeats its queued requests). Bounded: at
 most :data:`MAX_QUEUED` requests (the oldest is dropped for a new one), one ``Renew`` per rank
 and request per interval. A source honours a
 renewal only from the hold's consumer engine, or, while the hold is unbound, from a rank it
@@ -33,6 +34,7 @@ MAX_QUEUED = 4096
 class _Waiting:
     engine: str
     until: float  # renewed no longer than this
+    every: float  # seconds between its renewals
     renew_at: float = 0.0
 
 
@@ -46,10 +48,12 @@ class Queued:
     def __len__(self) -> int:
         return len(self.by_req)
 
-    def add(self, req_id: str, engine: str, max_wait_s: float) -> None:
-        """Renew ``req_id``'s holds on ``engine`` from the next step on, for at most ``max_wait_s``."""
+    def add(self, req_id: str, engine: str, max_wait_s: float, renew_s: float | None = None) -> None:
+        """Renew ``req_id``'s holds on ``engine`` from the next step on, every ``renew_s`` (None:
+        the agent's ``renew_interval_s``), for at most ``max_wait_s``."""
         self.by_req.pop(req_id, None)
-        self.by_req[req_id] = _Waiting(engine, time.monotonic() + max_wait_s)
+        every = self.renew_s if renew_s is None else max(float(renew_s), 0.0)
+        self.by_req[req_id] = _Waiting(engine, time.monotonic() + max_wait_s, every)
         while len(self.by_req) > MAX_QUEUED:
             self.by_req.popitem(last=False)
 
@@ -63,6 +67,6 @@ class Queued:
             if now > w.until:
                 del self.by_req[req_id]
             elif now >= w.renew_at:
-                w.renew_at = now + self.renew_s
+                w.renew_at = now + w.every
                 for peer in self.links.engine_peers(w.engine):
                     self.links.send(peer, wire.Renew(req_id, self.rank), quiet=True)

@@ -166,7 +166,8 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
             block_sizes=_layer_block_sizes(self._kv_cache_config))
         self.vllm_caches = kv_caches  # vLLM's own tensors (the test bed's byte oracle reads them)
         self._worker = WorkerSide(self.settings, engine_id=self.engine_id, rank=get_tensor_model_parallel_rank(),
-                                  tp_size=self.tp_size, regions=regions, serve=self._producer)
+                                  tp_size=self.tp_size, regions=regions, serve=self._producer,
+                                  failure_policy=_load_failure_policy(self._vllm_config))
         logger.info("kvtriton: rank %d of %s registered %d regions (vLLM cache %s %s strides %s -> %s%s)%s",
                     self._worker.rank, self.engine_id, len(regions), first.dtype, tuple(first.shape), first.stride(),
                     regions[0].spec.layout.value, regions[0].spec.head_dims,
@@ -263,6 +264,12 @@ def _check_staging_headroom(device: torch.device, staging_bytes: int) -> None:
             f"not fit: {free >> 20} MiB of {total >> 20} MiB free on {device} once vLLM committed its KV cache. "
             f"Leave headroom: lower gpu_memory_utilization by at least {staging_bytes / total:.4f} (plus a few "
             f"hundred MiB for kernels), or lower staging_bytes")
+
+
+def _load_failure_policy(vllm_config) -> str:
+    """vLLM's ``kv_load_failure_policy`` (``"fail"``, vLLM's default: a request whose load failed
+    ends with an error and no tokens; ``"recompute"``: its prompt is computed locally)."""
+    return str(getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", None) or "fail")
 
 
 def _debug_logging() -> None:

@@ -170,6 +170,9 @@ class StepMessages:
     releases: set[str] = field(default_factory=set)
     #: no tokens scheduled this step (no forward runs): the workers may wait for their loads
     idle: bool = False
+    #: decode requests new in the engine's queue, not loading yet: the workers renew the
+    #: prefill's holds of each until its load starts (:meth:`SchedulerSide.on_new_request`)
+    queued: dict[str, RemoteSource] = field(default_factory=dict)
 
 
 def cache_groups(kv_cache_config) -> tuple[CacheGroup, ...]:
@@ -301,10 +304,14 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ both roles
     def on_new_request(self, request) -> None:
-        """A prefill request of an engine with a state group stops one prompt token short (its
-        decode computes that token on the state the prefill leaves, see the module docstring).
+        """A decode request queued with valid params is announced to the workers (their agents
+        renew its holds on the prefill while it waits: :meth:`_announce_queued`). A prefill
+        request of an engine with a state group stops one prompt token short (its decode computes
+        that token on the state the prefill leaves, see the module docstring).
         The same cut as NixlConnector's (``_truncate_request_for_prefill``), once per request."""
         params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            self._announce_queued(request.request_id, params)
         if not (self.backoff and params and params.get("do_remote_decode")) or params.get("_p_side_truncated"):
             return
         if request.num_prompt_tokens <= self.backoff or getattr(request, "prompt_token_ids", None) is None:
@@ -314,6 +321,18 @@ class SchedulerSide:
         request.num_prompt_tokens -= self.backoff
         request.max_tokens = 1
         params["_p_side_truncated"] = True
+
+    def _announce_queued(self, rid: str, params: Mapping[str, Any]) -> None:
+        """A decode request just entered the engine's queue: it may wait there (for a running
+        slot, for KV blocks) longer than the prefill's lease, so the next step's messages name it
+        and the workers keep its holds alive until its load starts. Bad or disallowed params are
+        dealt with (and logged) when it is scheduled; here they only announce nothing."""
+        try:
+            source = parse_remote_params(params, self.block_size)
+        except ParamsError:
+            return
+        if self._allowed is None or self._allowed.allows(source.engine_id, source.host, source.port):
+            self._next.queued[rid] = source
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
@@ -413,6 +432,8 @@ class SchedulerSide:
         """This step's messages; the state for the next step starts empty."""
         msgs, self._next = self._next, StepMessages()
         msgs.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        for rid in msgs.loads:  # loading in this very step: its fetch renews its holds
+            msgs.queued.pop(rid, None)
         if self._prefills:
             self._track_prefills(scheduler_output, msgs)
         return msgs
@@ -427,6 +448,7 @@ class SchedulerSide:
         rid = request.request_id
         params = request.kv_transfer_params or {}
         self._wanted.pop(rid, None)
+        self._next.queued.pop(rid, None)  # gone before any step announced it
         if rid in self._loading:  # aborted while loading: cancel; workers report it when stopped
             self._loading.discard(rid)
             self._next.cancels.add(rid)

@@ -34,7 +34,7 @@ from ...errors import KVTritonError, PeerDisconnectedError, RequestRejectedError
 from ...protocol.handshake import MetadataServer
 from ...regions import Region
 from ..core import Meeting, Meetings, PrefillEngine, RankAddress, make_agent, serve_metadata
-from .scheduler import LoadSpec, StepMessages
+from .scheduler import LoadSpec, RemoteSource, StepMessages
 from .settings import SettingsError, TransferSettings
 from .stats import WorkerStats, count_result
 
@@ -58,8 +58,10 @@ class WorkerSide:
     handshake thread completes meetings, the agent's own thread moves data."""
 
     def __init__(self, settings: TransferSettings, *, engine_id: str, rank: int, tp_size: int,
-                 regions: Sequence[Region], serve: bool):
+                 regions: Sequence[Region], serve: bool, failure_policy: str = "recompute"):
         self.settings, self.engine_id, self.rank, self.tp_size = settings, engine_id, rank, tp_size
+        #: vLLM's ``kv_load_failure_policy``: what becomes of a request whose load failed (the log says it)
+        self.failure_policy = failure_policy
         s = settings
         if s.consumer and s.consumer == engine_id:
             raise SettingsError(f"kv_connector_extra_config['consumer'] = {s.consumer!r} is this engine's own id: "
@@ -107,6 +109,8 @@ class WorkerSide:
         self._started = True
         for rid in msgs.cancels:
             self._cancel(rid)
+        for source in msgs.queued.values():
+            self._renew_queued(source)
         for load in msgs.loads.values():
             self._load(load)
         if msgs.loads:  # post what can be posted now, on this thread (see finished)
@@ -216,6 +220,19 @@ class WorkerSide:
         elif self.meetings.join(engine, load.req_id, load) is not None:  # else it waits for the meeting
             self._fetch(load)
 
+    def _renew_queued(self, source: RemoteSource) -> None:
+        """A request waits in the engine's queue: the agent renews its holds on ``source``'s
+        ranks every ``lease_s / 6`` until its load starts, for at most ``max_queued_s``
+        (:meth:`TransferAgent.queued`). An engine not met yet is met now, so the renewals reach
+        it (nothing waits for that meeting; a refused engine is neither met nor renewed)."""
+        s, engine = self.settings, source.engine
+        if s.max_queued_s <= 0 or self.meetings.refusal(engine) is not None:
+            return
+        self.agent.queued(source.request_id, source.engine_id, max_wait_s=s.max_queued_s, renew_s=s.lease_s / 6)
+        if self.meetings.met(engine.key) is None:
+            # parked under a tuple: never a vLLM request id (loads parked under those, cancels unpark them)
+            self.meetings.join(engine, ("queued", source.request_id), None)
+
     def _fetch(self, load: LoadSpec, again: bool = False) -> None:
         with self._lock:
             duplicate = load.source.request_id in self._by_remote
@@ -272,8 +289,8 @@ class WorkerSide:
             self.window.failed(error)
         with self._lock:
             if error is not None:
-                logger.warning("load of %s from %s failed, its blocks will be recomputed: %s", load.req_id,
-                               load.source.engine_id, error)
+                logger.warning("load of %s from %s failed, %s: %s", load.req_id, load.source.engine_id,
+                               self._fate(load), error)
                 if load.report:
                     blocks = load.local_blocks() if undefined is None else undefined
                     self._load_errors.update(b for b in blocks if b >= 0)
@@ -284,14 +301,25 @@ class WorkerSide:
             # a lost or silent engine (restarted, say) is met again on its next load
             self.meetings.forget(load.source.engine.key, met_only=True)
 
-    # ------------------------------------------------------------------ meetings (their thread)
-    def _met(self, meeting: Meeting, parked: list[LoadSpec]) -> None:
-        for load in parked:
-            self._fetch(load, again=True)  # met just now: a rank missing again is not met a third time
+    def _fate(self, load: LoadSpec) -> str:
+        """What vLLM does with a request whose load failed, as its ``kv_load_failure_policy`` says."""
+        if not load.report:
+            return "nothing waits for it (the prefill frees its blocks at its lease)"
+        if self.failure_policy == "recompute":
+            return "its blocks will be recomputed (kv_load_failure_policy='recompute')"
+        return (f"vLLM fails the request, no tokens (kv_load_failure_policy={self.failure_policy!r}; "
+                f"'recompute' computes its prompt instead)")
 
-    def _not_met(self, meeting: Meeting, parked: list[LoadSpec], error: KVTritonError) -> None:
+    # ------------------------------------------------------------------ meetings (their thread)
+    def _met(self, meeting: Meeting, parked: list[LoadSpec | None]) -> None:
         for load in parked:
-            self._finish_load(load, error)
+            if load is not None:  # None: a queued request's meeting ahead of its load
+                self._fetch(load, again=True)  # met just now: a rank missing again is not met a third time
+
+    def _not_met(self, meeting: Meeting, parked: list[LoadSpec | None], error: KVTritonError) -> None:
+        for load in parked:
+            if load is not None:
+                self._finish_load(load, error)
 
     # ------------------------------------------------------------------ sleep and wake (vLLM >= 0.33)
     def unregister(self) -> None:
