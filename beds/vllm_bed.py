@@ -11,7 +11,8 @@ monkeypatches of :mod:`.vllm_patches` the child applies first.
 Protocol: one JSON object per line on the child's stdin, one JSON answer per line on its stdout
 (vLLM's own logs go to stderr). Ops: ``generate`` (add requests, step until they finish, return
 tokens, ``kv_transfer_params`` and the prompt tokens the engine computed for each, counted from
-the scheduler's own outputs), ``submit``/``abort``/``drain`` (for aborts mid-load), ``scramble``
+the scheduler's own outputs; ``ids``: of requests submitted before, too), ``submit``/``abort``/``drain``
+(for aborts mid-load), ``kv_in`` (when each request's load ended, for the parent's clock), ``scramble``
 (overwrite blocks of the registered cache with noise: the negative control), ``state`` (free
 blocks, requests, staging in use), ``transfer_stats``/``agent_stats`` (counters per rank),
 ``load_times`` (per request: from ``start_load_kv`` to the load reported finished, and from
@@ -346,6 +347,9 @@ class _BedEngine:
         self.commands: dict[str, Callable[[dict], dict]] = {
             "generate": self.generate, "submit": self.submit_steps, "abort": self.abort, "drain": self.drain,
             "state": self.state, "load_times": self.load_times,
+            # per request: when (perf_counter: CLOCK_MONOTONIC, the parent's clock too) its load ended
+            "kv_in": lambda cmd: {"at": {e: min((t for r, t in self.kv_in.items() if _owns(r, e)), default=None)
+                                         for e in cmd["ids"]}},
             "agent_stats": lambda cmd: {"stats": self.connector_rpc("agent_stats")},
             "transfer_stats": lambda cmd: {"stats": self.connector_rpc("transfer_stats")},
             "digest": lambda cmd: {"digests": self.connector_rpc("digest", cmd["block_ids"], cmd["num_tokens"],
@@ -425,7 +429,7 @@ class _BedEngine:
     # ------------------------------------------------------------------ the commands
     def generate(self, cmd: dict) -> dict:
         self._submit(cmd["requests"])
-        ids = [r["id"] for r in cmd["requests"]]
+        ids = [r["id"] for r in cmd["requests"]] + cmd.get("ids", [])  # ids: submitted before
         self._step_until(ids, cmd.get("seconds", 300))
         return {"outputs": [self.finished.pop(i) for i in ids]}
 
