@@ -5,10 +5,13 @@ connector, and the two scenarios the real-engine tests (tests/engines/test_vllm_
 * :func:`queued_past_lease`: decode requests wait in the decode engine's queue (one running slot,
   taken by a local request; the engine not stepped meanwhile) for twice the prefill's lease, then
   load: their KV must still be held (the decode renewed it while they waited).
-* :func:`prefill_killed_mid_load`: the prefill engine stops (SIGSTOP) with the decode's loads of
-  its requests in flight, then is SIGKILLed: each load fails typed (the lifeline, not the
-  ``timeout_s`` of 30 s), vLLM recomputes those requests (``kv_load_failure_policy="recompute"``),
-  and the decode engine serves the next requests.
+* :func:`prefill_killed_mid_load`: a second prefill engine (:func:`launch_victim`: nothing
+  packed ahead, so every load needs its answer), met by one load, stops (SIGSTOP) with the
+  decode's loads of its requests in flight, then is SIGKILLed: each load fails typed (the
+  lifeline, not the ``timeout_s`` of 30 s), vLLM recomputes those requests
+  (``kv_load_failure_policy="recompute"``), and the decode engine serves the next requests.
+  (A hold packed ahead for its consumer is READ one-sided, stopped prefill or not: such loads
+  would finish, and the kill would hit none.)
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import time
 
 from .vllm_bed import EngineProcess, engine_cpus, free_port_range, wait_all_ready
 
-__all__ = ["LEASE_S", "launch_pair", "reference", "prefill", "queued_past_lease", "prefill_killed_mid_load"]
+__all__ = ["LEASE_S", "TIMEOUT_S", "launch_pair", "launch_victim", "reference", "prefill", "queued_past_lease",
+           "prefill_killed_mid_load"]
 
 #: the prefill's lease (and the decode's: it renews queued requests every lease_s / 6)
 LEASE_S = 5.0
@@ -46,6 +50,15 @@ def launch_pair(python: str, model_dir, log_dir, block_size: int = 32) -> tuple[
         raise
     wait_all_ready([p, d])
     return p, d
+
+
+def launch_victim(python: str, model_dir, log_dir, block_size: int = 32) -> EngineProcess:
+    """A TP1 prefill engine ``victim`` whose holds name no consumer and are never packed ahead
+    (``eager_guess`` off): a decode's load of one waits for its answer."""
+    return EngineProcess.start(
+        python, model_dir, tp=1, role="kv_producer", port=free_port_range(1), block_size=block_size,
+        extra={"lease_s": TIMEOUT_S, "eager_guess": False, "handshake_timeout_s": 20.0},
+        engine_id="victim", log_dir=log_dir, name="victim", cpus=engine_cpus(1, 0))
 
 
 def reference(decode: EngineProcess, prompts, tag: str) -> list[list[int]]:
@@ -87,10 +100,13 @@ def queued_past_lease(p: EngineProcess, d: EngineProcess, prompts, blocker, tag:
 
 
 def prefill_killed_mid_load(p: EngineProcess, d: EngineProcess, prompts, tag: str = "k") -> dict:
-    """``prompts`` prefilled, the prefill stopped, their decode loads started (3 steps), the
-    prefill SIGKILLed. Returns ``typed_s``: kill to each load's end as the decode's scheduler
-    learned it, ``tokens``/``prompt_computed`` of each request, ``decode_alive``, and the log line
-    of the decode naming its first failed load."""
+    """One request of ``p`` (:func:`launch_victim`) loaded (the decode meets it; ``warm_computed``:
+    the prompt tokens the decode computed for it), ``prompts`` prefilled, ``p`` stopped, their
+    decode loads started (3 steps), ``p`` SIGKILLed. Returns ``typed_s``: kill to each load's end
+    as the decode's scheduler learned it, ``tokens``/``prompt_computed`` of each request,
+    ``decode_alive``, and the decode's log line of its first failed load."""
+    warm = d.call("generate", requests=_decode_requests(prompts[:1], prefill(p, prompts[:1], f"{tag}-wp"),
+                                                        f"{tag}-w"))["outputs"]
     params = prefill(p, prompts, f"{tag}-p")
     p.signal(signal.SIGSTOP)  # a prefill that stops answering: the decode's pulls stay in flight
     try:
@@ -102,7 +118,8 @@ def prefill_killed_mid_load(p: EngineProcess, d: EngineProcess, prompts, tag: st
     out = d.call("generate", requests=[], ids=[r["id"] for r in reqs], seconds=120, timeout_s=180)["outputs"]
     at = d.call("kv_in", ids=[r["id"] for r in reqs])["at"]
     failed = [line for line in d.log_tail(200_000).splitlines() if f"load of {tag}-d" in line and "failed" in line]
-    return {"typed_s": [None if t is None else t - killed_at for t in at.values()],
+    return {"warm_computed": warm[0]["prompt_computed"],
+            "typed_s": [None if t is None else t - killed_at for t in at.values()],
             "tokens": [o["tokens"] for o in out], "prompt_computed": [o["prompt_computed"] for o in out],
             "decode_alive": d.proc.poll() is None and _alive(d.info.get("pid")), "log": failed[:1]}
 

@@ -25,6 +25,16 @@ by liveness, not by a timeout. In order:
 After settling: holds, fetches in flight and staging slots still taken on every rank (all 0),
 wrong bytes (0).
 
+**On real vLLM engines** (``--vllm``, alone: the two engines' start is most of its ~2-3 min; the
+vLLM test bed, ``make vllm-bed``): P1->D1 with kvtriton's connector (:mod:`beds.vllm_faults`),
+lease 5 s, decode ``timeout_s`` 30 s. 2 requests queued in the decode for twice the lease: loaded,
+nothing recomputed. Then a second prefill engine (nothing packed ahead) is stopped with the
+decode's loads of 4 requests in flight, then SIGKILLed: kill to each load's typed end as the
+decode's scheduler learned it, requests recomputed (``kv_load_failure_policy="recompute"``) with
+tokens identical to the decode computing them itself, the decode engine alive and loading the
+next requests from the surviving prefill.
+Writes ``bench/results/faults_vllm.md``.
+
 Reproduce: ``.venv/bin/python bench/faults.py [--small]`` (or the ``faults`` section of
 bench/sweep.py, at ``--small``: TP1 engines, shorter waves and streams); writes
 ``bench/results/faults.md``. Exit status 1 when a survivor's request was lost, a byte was wrong,
@@ -207,16 +217,118 @@ def bad_rows(rows: list[dict]) -> list[dict]:
     return bad
 
 
+def run_vllm(say=print) -> dict:
+    """The real-vLLM row (module docstring): one P1->D1 pair, a queued wave, then the kill."""
+    import os
+    import random
+    import subprocess
+    import tempfile
+
+    from beds import child_env
+    from beds.vllm_bed import close_all
+    from beds.vllm_faults import (
+        LEASE_S,
+        launch_pair,
+        launch_victim,
+        prefill,
+        prefill_killed_mid_load,
+        queued_past_lease,
+        reference,
+    )
+
+    python = os.environ.get("KVTRITON_VLLM_PYTHON") or str(HERE.parent / ".venv-vllm" / "bin" / "python")
+    if not Path(python).exists():
+        raise RuntimeError(f"no vLLM test bed at {python}: make vllm-bed (or set KVTRITON_VLLM_PYTHON)")
+    work = Path(tempfile.mkdtemp(prefix="faults-vllm-"))
+    subprocess.run([python, "-c", "import sys; from beds.vllm_bed import make_tiny_llama; make_tiny_llama(sys.argv[1])",
+                    str(work / "model")], check=True, timeout=300, env=child_env(),
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in VLLM_LENGTHS]
+    t_start = time.monotonic()
+    p, d = launch_pair(python, work / "model", work)
+    say(f"faults --vllm: engines up in {time.monotonic() - t_start:.0f} s (logs in {work})")
+    try:
+        ref = reference(d, prompts, "ref")
+        q = queued_past_lease(p, d, prompts[:2], blocker=prompts[3], tag="q")
+        victim = launch_victim(python, work / "model", work)
+        try:
+            k = prefill_killed_mid_load(victim, d, prompts, tag="k")
+        finally:
+            victim.kill()
+        params = prefill(p, prompts[:2], "next-p")  # the decode serves on: KV from the surviving prefill
+        after = d.call("generate", requests=[{"id": f"next{i}", "prompt": x, "max_tokens": 8, "kv_transfer_params": kp}
+                                             for i, (x, kp) in enumerate(zip(prompts[:2], params))])["outputs"]
+    finally:
+        close_all([p, d])
+    typed = [t for t in k["typed_s"] if t is not None]
+    row = dict(part="vllm prefill kill", requests=len(prompts), lease_s=LEASE_S,
+               queued_s=None if q["queued_s"] is None else round(q["queued_s"], 1),
+               queued_loaded=sum(c <= 1 for c in q["prompt_computed"]), queued=len(q["prompt_computed"]),
+               queued_tokens_identical=q["tokens"] == ref[:2],
+               typed_min_ms=round(1e3 * min(typed)) if typed else None,
+               typed_max_ms=round(1e3 * max(typed)) if typed else None, typed=len(typed),
+               recomputed=sum(c == len(x) for c, x in zip(k["prompt_computed"], prompts)),
+               tokens_identical=k["tokens"] == ref, decode_alive=k["decode_alive"],
+               serves_after=[o["tokens"] for o in after] == ref[:2] and all(o["prompt_computed"] <= 1 for o in after),
+               log=(k["log"] or [""])[0].split("WARNING")[-1][:240])
+    say(f"faults --vllm: {row}")
+    return row
+
+
+#: prompt lengths of the real-vLLM row (as tests/engines: not multiples of the block, up to 21 blocks)
+VLLM_LENGTHS = (37, 100, 333, 650)
+
+
+def vllm_summary(row: dict) -> list[str]:
+    """The real-vLLM row as a table, and whether it met its goals."""
+    ok = not vllm_bad(row)
+    return ["## Faults on real vLLM engines (bench/faults.py --vllm)", "",
+            f"P1->D1 (vLLM CPU 0.32, kvtriton's connector), lease_s {row['lease_s']} s, decode timeout_s 30 s, "
+            "kv_load_failure_policy recompute. Queued: decode requests waiting behind a running one (one slot) "
+            "longer than the prefill's lease. Kill: a second prefill engine (nothing packed ahead: its loads wait on "
+            "it) SIGSTOPped with the decode's loads in flight, then SIGKILLed; kill to each load's typed end as the "
+            "decode's scheduler learned it; then the decode loads KV from the surviving prefill.", "",
+            "| queued (s) | queued loaded, nothing recomputed | kill to typed end min / max (ms) | recomputed "
+            "| tokens identical | decode alive, serves next | goals met |",
+            "|---|---|---|---|---|---|---|",
+            f"| {row['queued_s']} | {row['queued_loaded']}/{row['queued']} "
+            f"| {row['typed_min_ms']} / {row['typed_max_ms']} ({row['typed']}) | {row['recomputed']}/{row['requests']} "
+            f"| {row['tokens_identical'] and row['queued_tokens_identical']} "
+            f"| {row['decode_alive'] and row['serves_after']} | {ok} |", "",
+            f"The decode's log: `{row['log'].strip()}`", ""]
+
+
+def vllm_bad(row: dict) -> bool:
+    """Whether the real-vLLM row missed a goal (a typed end at 10 s is a third of timeout_s: no lifeline)."""
+    return not (row["queued_loaded"] == row["queued"] and row["typed"] == row["requests"]
+                and row["typed_max_ms"] is not None and row["typed_max_ms"] < 10_000
+                and row["recomputed"] == row["requests"] and row["tokens_identical"]
+                and row["queued_tokens_identical"] and row["decode_alive"] and row["serves_after"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="smaller waves and streams (the main job's size)")
-    ap.add_argument("--out", default=str(HERE / "results" / "faults.md"))
+    ap.add_argument("--vllm", action="store_true", help="only the real-vLLM row (P1->D1, one prefill kill)")
+    ap.add_argument("--out", default=None, help="default: bench/results/faults.md (--vllm: faults_vllm.md)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     t0 = time.time()
+    if args.vllm:
+        row = run_vllm()
+        out = Path(args.out or HERE / "results" / "faults_vllm.md")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lines = vllm_summary(row)
+        out.write_text("\n".join(["# kvtriton fault bench, real vLLM engines", "",
+                                  f"Reproduce: `.venv/bin/python bench/faults.py --vllm` ({time.time() - t0:.0f} s, "
+                                  f"cpu, torch {torch.__version__}).", ""] + lines))
+        print("\n".join(lines))
+        print(f"wrote {out}")
+        return 1 if vllm_bad(row) else 0
     size = "small" if args.small else "default"
     rows = run_faults(size)
-    out = Path(args.out)
+    out = Path(args.out or HERE / "results" / "faults.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = "bench/faults.py" + (" --small" if args.small else "")
     out.write_text("\n".join(["# kvtriton fault bench", "",
