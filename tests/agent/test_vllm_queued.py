@@ -14,6 +14,7 @@ import pytest
 from helpers.connector_bed import BS, Bed
 
 from kvtriton.integrations.vllm.scheduler import RemoteSource, SchedulerSide, StepMessages
+from kvtriton.integrations.vllm.settings import SettingsError, from_extra_config
 from kvtriton.protocol.allowlist import PeerAllowlist
 
 LEASE_S = 1.0
@@ -133,3 +134,9 @@ def test_a_request_loading_in_the_step_it_arrives_is_not_announced():
     s.update_state_after_alloc(req, blocks, 40)
     msgs = s.build_messages(_out())
     assert set(msgs.loads) == {"a"} and not msgs.queued
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), 1e9, "10"])
+def test_max_queued_s_is_checked(bad):
+    with pytest.raises(SettingsError, match="max_queued_s"):
+        from_extra_config({"max_queued_s": bad})

@@ -20,7 +20,9 @@ It speaks NixlConnector's proxy protocol, so a vLLM P/D proxy works unchanged:
   from ours, both lists are the request's tokens in each engine's blocks and the load carries the
   token count, see :func:`kvtriton.plan.compact_tokens`), and the next step's messages carry the **load** to the
   workers. A request aborted while loading is **cancelled** on the workers, which still report it
-  in ``finished_recving`` (vLLM frees its blocks then).
+  in ``finished_recving`` (vLLM frees its blocks then). A request is **announced** as queued when
+  it arrives (``on_new_request``): it may wait for a slot or KV blocks longer than the prefill's
+  lease, so the workers renew its holds until its load starts (:meth:`SchedulerSide._announce_queued`).
 
 **Hybrid models** (vLLM's hybrid KV cache manager, HMA): a request has blocks in every KV cache
 group (:class:`CacheGroup`), so holds, loads and ``remote_block_ids`` carry one list per group

@@ -14,7 +14,10 @@ handshake side channel, and the translation of agent events into vLLM's terms.
 * A failed load is still reported in ``finished_recving``, and its local blocks in
   ``get_block_ids_with_load_errors`` (with several KV cache groups, whose block ids are unique
   only within a group, the request in ``failed_recving`` instead; vLLM then recomputes them, with
-  ``kv_load_failure_policy="recompute"``). A lost prefill engine is met again on its next request.
+  ``kv_load_failure_policy="recompute"``; with ``"fail"`` it ends the request without tokens, as
+  the log line says). A lost prefill engine is met again on its next request.
+* A request queued in the engine (announced by the scheduler side) has its holds renewed by the
+  agent every ``lease_s / 6`` until its load starts, for at most ``max_queued_s``.
 * On CUDA the agent moves blocks on its own stream; holds carry an event of the engine's stream
   (packs and DIRECT reads wait for it); a load is finished only once its unpacks completed.
 
