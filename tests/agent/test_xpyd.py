@@ -145,7 +145,7 @@ def test_an_idle_prefill_engine_is_forgotten_on_both_sides_and_met_again(made, t
 
 def test_decode_engine_id_packs_ahead_for_the_named_decode_engine(made):
     port = free_port_range(1)
-    staged = {"modes": "staged"}
+    staged = {"modes": "staged", "timeout_s": 8.0}  # staging read by a peer is quarantined this long after
     p, _ = worker("P", {"port": port, **staged}, seed=31, serve=True)
     d1, d1_regs = worker("D1", staged)
     d2, d2_regs = worker("D2", staged)
@@ -164,7 +164,7 @@ def test_decode_engine_id_packs_ahead_for_the_named_decode_engine(made):
                      "y": (source("P", port, "elsewhere", [3, 4]), (3, 4))})
     assert got["x"][0] == got["y"][0] == set()
     assert landed(d1_regs, 31, [1, 2, 3, 4], [1, 2, 3, 4])
-    _until(lambda: p.staging_in_use() == 0, what="prefill staging not freed")
+    _until(lambda: p.staging_in_use() == 0, 30.0, what="prefill staging not freed")
 
 
 def test_dp_ranks_serve_their_own_ports_and_ids_and_a_decode_loads_from_each(made):

@@ -15,7 +15,12 @@ from kvtriton.integrations.vllm.settings import from_extra_config
 from kvtriton.integrations.vllm.worker import WorkerSide
 from kvtriton.testing.child import AgentChild
 
-from .connector_bed import BLOCKS, BS, COMMON, DIM, HEADS
+from .connector_bed import BLOCKS, BS, DIM, HEADS
+from .connector_bed import COMMON as BED
+
+#: the connector bed's settings, with room for a first transfer on a loaded 2-core host (a rank's
+#: death is known from its lifeline, whatever these say)
+COMMON = {**BED, "timeout_s": 20.0, "handshake_timeout_s": 5.0}
 
 __all__ = ["BS", "COMMON", "drive", "hold", "landed", "prefill_child", "prefill_regions", "source", "worker"]
 
