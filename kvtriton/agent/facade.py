@@ -17,13 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import (
-    KVTritonError,
-    PeerDisconnectedError,
-    ProtocolError,
-    TransportError,
-    UnregisteredError,
-)
+from ..errors import KVTritonError, PeerDisconnectedError, ProtocolError, TransportError, UnregisteredError
 from ..plan import CostModel, ModesArg, TransferPlan
 from ..protocol import wire
 from ..protocol.auth import PairKeys
@@ -308,6 +302,16 @@ class TransferAgent:
         with self._lock:
             return self._peers.lifeline(wire.decode_metadata(meeting.metadata), meeting.conn)
 
+    def forget(self, engine_id: str) -> int:
+        """Drop every rank of peer engine ``engine_id`` (its connector forgot it, idle): its transfers fail,
+        its lifelines close (it drops this rank too), either may meet the other again (:meth:`.PeerTable.part`)."""
+        with self._lock, self._s.lanes.on_device():
+            parted = self._peers.part(engine_id)
+            for peer in parted:
+                self._drop_peer(peer, PeerDisconnectedError(f"{self._s.name} forgot idle engine {engine_id!r}"))
+                self._source.consumer_lost(peer)
+            return len(parted)
+
     def plan_for(self, engine_id: str) -> TransferPlan:
         """The plan this rank uses to read from ``engine_id`` (after :meth:`add_remote`)."""
         return self._plans.reads[engine_id]
@@ -315,7 +319,7 @@ class TransferAgent:
     debug_state = debug.debug_state  # a plain snapshot for tests (schema: kvtriton.agent.debug)
     # ------------------------------------------------------------------ prefill side
     def hold(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]], lease_s: float = 30.0,
-             consumer: str | None = None, after=None) -> None:
+             consumer: str | None = None, after=None, pack_for: str | None = None) -> None:
         """Keep a finished prefill's blocks readable until every rank of the consumer engine is
         done, or the lease runs out; then :meth:`freed` reports it.
 
@@ -331,7 +335,8 @@ class TransferAgent:
         Naming it also lets this rank pack the blocks for that engine's ranks ahead of their pull
         (``eager_bytes``; it assumes the pull reads every held block in order, or a suffix of
         whole chunks); without it, the blocks are packed for the only connected engine, if exactly
-        one is (``eager_guess``; the hold is not bound by that guess).
+        one is (``eager_guess``; the hold is not bound by that guess), or for ``pack_for`` when given
+        (a hint, as unbinding as the guess; an engine not connected: packed when asked).
         ``lease_s``: the hold is freed this long after it was placed or last renewed (a decode
         agent renews the holds of its outstanding fetches, see ``renew_interval_s``); transfers
         in progress keep it at most ``timeout_s`` longer.
@@ -354,7 +359,7 @@ class TransferAgent:
         ready = ready_event(self.device, after)
         with self._lock, self._s.lanes.on_device():
             self._check_registered(f"hold {req_id!r}")
-            self._source.hold(req_id, ids, float(lease_s), consumer, ready)
+            self._source.hold(req_id, ids, float(lease_s), consumer, ready, pack_for)
 
     def packed_ahead(self, req_id: str) -> int:
         """Chunks of held request ``req_id`` packed ahead of their pull whose pack has completed

@@ -98,6 +98,15 @@ class Lifelines:
             out.append(self._lost.popleft())
         return out
 
+    def release(self, key: Key) -> None:
+        """Close peer ``key``'s lifeline from this side (this rank forgot that peer: it reads EOF
+        and drops this rank in turn); not reported by :meth:`lost`."""
+        with self._lock:
+            mine = self._by_key.pop(key, None)
+            if mine is not None:
+                self._drops.append(mine[1])
+        self._wake()
+
     def prune(self, live: Callable[[Key, str], bool]) -> None:
         """Past ``limit`` lifelines, close those whose peer is not ``live`` (dropped from the
         table: expired or replaced while its process still runs), oldest first."""

@@ -59,6 +59,12 @@ the facade's drop path fails their transfers and forgets them).
   :class:`~kvtriton.errors.PeerDisconnectedError` within a ``progress()`` of the closure,
   whatever ``timeout_s``, and (the facade's) the holds only it still had to read end. Only the
   lifeline of the agent in the table counts: one of a replaced agent changes nothing.
+* **Parting.** A rank that forgets an idle engine (:meth:`PeerTable.part`, the vLLM connector's
+  ``forget_idle_s``) drops its ranks and closes their lifelines; they drop it in turn. Both
+  sides mark the pin *parted* (a closed lifeline looks the same as a death), and the same agent
+  met again later with a registration no older than its last one, authenticated (or with no
+  credential configured), is taken back: a replaced agent stays refused (``former``), and a
+  dead agent's replay reaches no live process.
 * **What a refusal says.** With a credential configured (``require_authenticated_peers``), a
   peer added unauthenticated gets only "refused" (its errors keep their type); the full reason is
   logged here. Otherwise, and to authenticated peers, the reason is the full one.
@@ -105,6 +111,9 @@ class _Pin:
     #: that same agent's next claim (a restore after it was dropped must be newer than this)
     registered: int = 0
     former: deque[str] = field(default_factory=lambda: deque(maxlen=_FORMER_AGENTS))
+    #: the pair parted while both lived, or so it looked: its lifeline closed, or this rank forgot
+    #: the engine (idle, :meth:`PeerTable.part`); the same agent may come back (:meth:`PeerTable.admit`)
+    parted: bool = False
 
 
 class Admission(enum.Enum):
@@ -218,8 +227,9 @@ class PeerTable:
             raise self._refuse(f"engine {md.engine!r} registered authenticated here; an unauthenticated agent "
                                f"({md.agent!r}) stands for none of its ranks")
         pin = self.pins.get(key)
-        if pin is not None and old is None and md.agent == pin.agent and self._restored(md, pin, authenticated):
-            pass  # dropped while it slept (expired), back with its memory registered again
+        if pin is not None and old is None and md.agent == pin.agent and (
+                self._restored(md, pin, authenticated) or self._back(md, pin, authenticated)):
+            pass  # dropped while it slept (expired) or once the pair parted, back with the same or a newer registration
         elif pin is not None and (md.agent in pin.former or (old is None and md.agent == pin.agent)):
             raise self._refuse(f"{md.engine}:{md.rank}: agent {md.agent!r} held it before and left it: a stale or "
                                f"replayed registration, not newer than generation {pin.generation} here; a "
@@ -243,6 +253,26 @@ class PeerTable:
         registered here, so a replay of a registration it had before stays refused."""
         return bool(md.generation and pin.registered and md.generation > pin.registered
                     and (authenticated or not self.s.require_authenticated))
+
+    def _back(self, md: wire.RankMetadata, pin: _Pin, authenticated: bool) -> bool:
+        """Whether the agent that held ``pin`` comes back after the pair parted (its lifeline
+        closed, or this rank forgot its idle engine): a live agent that was forgotten, not a
+        replaced one (those are in ``former``); a dead agent's replay reaches nobody. Its
+        registration no older than the last one here, met authenticated (or no credential)."""
+        return pin.parted and md.generation >= pin.registered and (authenticated or not self.s.require_authenticated)
+
+    def part(self, engine: str) -> list[Peer]:
+        """The ranks of ``engine`` to drop as this rank forgets it (idle, the connector's
+        ``forget_idle_s``): their lifelines are closed (that engine drops this rank in turn, its
+        table and NIXL state freed too) and their pins marked parted, so either side meets the
+        other again on a later request."""
+        out = [p for p in self.links.peers.values() if p.md.engine == engine]
+        for p in out:
+            self.lifelines.release(p.key)
+            pin = self.pins.get(p.key)
+            if pin is not None:
+                pin.parted = True
+        return out
 
     def sealed(self, engine: str) -> bool:
         """Whether ``engine`` is closed to unauthenticated agents: one of its ranks registered
@@ -342,7 +372,7 @@ class PeerTable:
             pin.former.append(pin.agent)
             pin.agent, pin.generation = md.agent, pin.generation + 1
         pin.authenticated = pin.authenticated or authenticated
-        pin.registered = md.generation
+        pin.registered, pin.parted = md.generation, False
         self.pins.move_to_end(key)
         while len(self.pins) > 4 * self.max_peers:  # forget the oldest dropped identities, unauthenticated first
             dropped = [k for k in self.pins if k not in self.links.peers]
@@ -377,6 +407,8 @@ class PeerTable:
             peer = self.links.peers.get(key)
             if peer is not None and peer.agent == agent:
                 self.stats.peers_disconnected += 1
+                if key in self.pins:  # dead (a restart is a new agent), or it forgot us: see part
+                    self.pins[key].parted = True
                 out.append((peer, PeerDisconnectedError(
                     f"peer {key[0]}:{key[1]} ({agent}) is gone: the connection it met {self.s.name} over closed")))
         if now < self.next_scan:

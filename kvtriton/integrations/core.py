@@ -16,7 +16,9 @@ of a prefill engine by a decode rank (no engine import).
   address pin let a relayed first meeting lock the real address out). An address that answered
   without the credential is refused before any connection for ``_UNPROVEN_S``. Requests wait
   (parked) until the meeting ends; a failed meeting hands them back with the typed error, and the
-  next request tries again. What a rank's address is
+  next request tries again. An engine whose meetings no request used for a while is forgotten
+  (:meth:`Meetings.idle`: the caller drops its ranks, :meth:`~kvtriton.agent.TransferAgent.forget`),
+  and met again on the next request naming it. What a rank's address is
   (vLLM: ``port + rank``; SGLang: its bootstrap's ``/route`` row) is the caller's ``locate``.
 """
 
@@ -131,6 +133,7 @@ class Meeting:
     rows: dict[int, Any] = field(default_factory=dict)  # prefill rank -> RankAddress.row
     agents: dict[int, str] = field(default_factory=dict)  # prefill rank -> the NIXL agent name it proved
     parked: dict[Hashable, Any] = field(default_factory=dict)  # requests waiting for it
+    used: float = field(default_factory=time.monotonic)  # when a request last joined or asked for it
 
 
 class Meetings:
@@ -194,6 +197,7 @@ class Meetings:
             if meeting is None:
                 meeting = self._meetings[target.key] = Meeting(target)
                 self._pool.submit(self._meet, meeting)
+            meeting.used = time.monotonic()
             if meeting.ready:
                 return meeting
             meeting.parked[request] = parked
@@ -202,7 +206,31 @@ class Meetings:
     def met(self, key: Hashable) -> Meeting | None:
         with self._lock:
             meeting = self._meetings.get(key)
-            return meeting if meeting is not None and meeting.ready else None
+            if meeting is None or not meeting.ready:
+                return None
+            meeting.used = time.monotonic()
+            return meeting
+
+    def idle(self, idle_s: float, busy: set[str]) -> list[str]:
+        """The engines met whose every meeting is done, waited for by no request and unused for
+        ``idle_s`` seconds, but those in ``busy`` (engine ids with loads in flight); their
+        meetings are dropped here (the next request naming one meets it again), the caller
+        forgets their ranks. A decode meets many prefill engines over time behind a router:
+        without this each stays connected, on both sides, until it dies."""
+        now = time.monotonic()
+        with self._lock:
+            engines: dict[str, list[Hashable]] = {}
+            wanted: set[str] = set()
+            for key, m in self._meetings.items():
+                engine = m.engine or m.target.engine_id or ""
+                engines.setdefault(engine, []).append(key)
+                if not m.ready or m.parked or now - m.used < idle_s or engine in busy or not engine:
+                    wanted.add(engine)
+            out = [e for e in engines if e not in wanted]
+            for engine in out:
+                for key in engines[engine]:
+                    del self._meetings[key]
+            return out
 
     def unpark(self, request: Hashable) -> Any:
         """The request parked under ``request`` (no longer waiting), or None."""

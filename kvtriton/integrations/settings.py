@@ -40,7 +40,8 @@ class TransferSettings:
     host:                address this engine's ranks listen on for handshakes and advertise to
                          decode engines (prefill side).
     port:                base handshake port: rank ``r`` of the prefill engine listens on
-                         ``port + r``; give each prefill engine on a host its own range.
+                         ``port + r``; give each prefill engine on a host its own range. vLLM
+                         DP: rank ``r`` of DP rank ``d`` on ``port + d * tp_size + r``.
     flow:                ``"pull"`` (decode READs; default) or ``"push"`` (prefill WRITEs);
                          both engines must agree.
     mode:                the old name of ``flow`` (kept for one release; give one of them).
@@ -66,6 +67,12 @@ class TransferSettings:
                          scheduler). Never in a step that runs a forward (its output would wait);
                          a request arriving meanwhile is scheduled at most this much later.
                          ``0``: never wait. Default 0.002.
+    forget_idle_s:       vLLM decode side: a prefill engine none of this rank's loads used for
+                         this long is forgotten: its ranks are dropped (NIXL state, peer table,
+                         lifelines; the prefill drops this rank in turn) and met again on a
+                         later request that names it. Checked on engine steps. Keep it above
+                         the prefill's lease and how long a request may wait queued. ``0``:
+                         never. Default 600 (vLLM's NixlConnector: ``engine_ttl`` 3600).
     impl:                repack implementation (``"auto"``, ``"triton"``, ``"torch"``).
     kv_cache_layout:     layout asked of vLLM for attention caches (``"LBHNC"``: head-major
                          blocks, so a head slice of a block is contiguous); ``""`` asks for none.
@@ -134,6 +141,7 @@ class TransferSettings:
     handshake_attempts: int = 3
     progress_interval_s: float = 0.001
     idle_wait_s: float = 0.002
+    forget_idle_s: float = 600.0
     impl: str = "auto"
     kv_cache_layout: str = "LBHNC"
     cost_model: str = "default"
@@ -252,6 +260,8 @@ class TransferSettings:
             raise bad("replicate_stripe", ">= 0 (1: one prefill replica per decode rank; 0: every one serves)")
         if not 0 <= self.idle_wait_s <= MAX_IDLE_WAIT_S:
             raise bad("idle_wait_s", f"0 to {MAX_IDLE_WAIT_S} seconds (an idle step's wait for its loads)")
+        if not 0 <= self.forget_idle_s <= 1e9:
+            raise bad("forget_idle_s", ">= 0 seconds (0: a prefill engine met is never forgotten)")
         if self.impl not in ("auto", "triton", "torch"):
             raise bad("impl", "'auto', 'triton' or 'torch'")
         if self.cost_model not in ("default", "measured"):

@@ -89,12 +89,13 @@ class Source:
         return lists
 
     def hold(self, req_id: str, lists: tuple[np.ndarray, ...], lease_s: float, consumer: str | None,
-             ready=None) -> None:
+             ready=None, pack_for: str | None = None) -> None:
         """Hold ``lists`` (:meth:`held_lists`). A hold of several KV cache groups keeps each
         group's ids (a pull reads a subset of them per group) and is not packed ahead (yet)."""
         self.eager.release(req_id)  # a hold placed again: what was packed for the old one is stale
         hold = self.holds.place(req_id, lists[0] if len(lists) == 1 else np.concatenate(lists), lease_s, consumer,
                                 ready)
+        hold.pack_for = pack_for
         if len(lists) > 1:
             hold.groups = lists
         else:

@@ -49,7 +49,9 @@ frees whatever was packed for another engine and withdraws its offers (quarantin
 ``ready``); an offer's acks from an engine the hold is no longer open to are refused (the
 transfer is gone). With two or more engines connected nothing is guessed: a guess between
 them could pin one engine's packs in staging the other needs, and naming the consumer is the
-way to pack for one of several. A guessed pack is bounded like a named one (the guessed
+way to pack for one of several; or ``hold(pack_for=...)`` names the engine instead of the guess
+(a router's word, the vLLM connector's ``decode_engine_id``: untrusted, so it binds nothing
+either; an engine not connected means lazy). A guessed pack is bounded like a named one (the guessed
 engine's share, ``eager_bytes``), so an engine that is alone and never takes its offers pins
 at most that, and only until the hold binds elsewhere or ends.
 
@@ -193,7 +195,7 @@ class EagerPacks:
         """``hold`` was placed: pack it in the next ``progress()`` for its consumer (named, or
         guessed then)."""
         if (self.budget_slots and self.s.flow is Flow.PULL
-                and (hold.consumer is not None or self.s.eager_guess)):
+                and (hold.consumer is not None or hold.pack_for is not None or self.s.eager_guess)):
             self.pending.append(hold.req_id)
 
     def guess(self) -> str | None:
@@ -245,7 +247,7 @@ class EagerPacks:
 
     def _pack_hold(self, hold: Hold) -> None:
         ids = hold.block_ids
-        engine = hold.consumer or self.guess()
+        engine = hold.consumer or (hold.pack_for if hold.pack_for is not None else self.guess())
         if ids.size == 0 or engine is None:
             return
         out: dict[int, Packed] = {}  # listed below once one rank's pack reserved chunks

@@ -65,6 +65,7 @@ class Hold:
     done_from: set[tuple[str, int]] = field(default_factory=set)  # (engine, rank) of every done received
     ready: torch.cuda.Event | None = None  # after it the engine's blocks are final (None: they are)
     groups: tuple[np.ndarray, ...] = ()  # several KV cache groups: each group's held ids (block_ids: all)
+    pack_for: str | None = None  # unbound: the engine to pack it ahead for instead of a guess (binds nothing)
 
 
 class Holds:

@@ -44,6 +44,7 @@ except ImportError:  # 0.32, 0.33: no extensible KV cache, nothing to declare
     KVCacheAccess = None
 
 from .caches import regions_from_vllm_caches, state_geometry
+from .dp import dp_settings
 from .metrics import KVTritonConnectorStats, KVTritonPromMetrics
 from .scheduler import SchedulerSide, StepMessages, cache_groups
 from .settings import SettingsError, from_extra_config
@@ -74,9 +75,10 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
         if os.environ.get("KVTRITON_DEBUG"):  # every control message and load, in every rank's log
             _debug_logging()
         kv = vllm_config.kv_transfer_config
-        self.settings = from_extra_config(kv.kv_connector_extra_config)
-        self.engine_id = str(kv.engine_id)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        # DP: each DP rank is an engine of its own, with its own id and range of ports (.dp)
+        self.settings, self.engine_id = dp_settings(from_extra_config(kv.kv_connector_extra_config),
+                                                    str(kv.engine_id), self.tp_size, vllm_config.parallel_config)
         self.block_size = vllm_config.cache_config.block_size
         self._producer = bool(kv.is_kv_producer)
         self._vllm_config = vllm_config

@@ -11,7 +11,9 @@ It speaks NixlConnector's proxy protocol, so a vLLM P/D proxy works unchanged:
   ``remote_num_tokens``, the prompt tokens its blocks hold, as NixlConnector 0.34 sends it); the next step
   **confirms** the hold, after which a worker reports the request in ``finished_sending`` once
   every consumer is done or the lease ends. A request that finishes any other way, or is
-  preempted, has its hold **released** and is never reported.
+  preempted, has its hold **released** and is never reported. With several decode engines a
+  router may name the one it chose in the prefill request's params (``decode_engine_id``,
+  :func:`decode_engine_hint`): the hold is packed ahead for that engine's ranks.
 * **Decode** (``kv_consumer``): a request carrying those params is loaded asynchronously: all its
   prompt tokens beyond the local prefix come from the prefill engine
   (``get_num_new_matched_tokens``; no more than ``remote_num_tokens`` when the params carry it,
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
     from ..core import PrefillEngine
 
 __all__ = ["SchedulerSide", "StepMessages", "LoadSpec", "RemoteSource", "CacheGroup", "cache_groups",
-           "parse_remote_params", "ParamsError", "BlockIds"]
+           "decode_engine_hint", "parse_remote_params", "ParamsError", "BlockIds"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +172,9 @@ class StepMessages:
     holds: dict[str, BlockIds] = field(default_factory=dict)
     confirms: set[str] = field(default_factory=set)
     releases: set[str] = field(default_factory=set)
+    #: held requests whose prefill params named the decode engine to pack them ahead for
+    #: (``decode_engine_id``, see :func:`decode_engine_hint`)
+    pack_for: dict[str, str] = field(default_factory=dict)
     #: no tokens scheduled this step (no forward runs): the workers may wait for their loads
     idle: bool = False
     #: decode requests new in the engine's queue, not loading yet: the workers renew the
@@ -233,6 +238,22 @@ def parse_remote_params(params: Mapping[str, Any], block_size: int) -> RemoteSou
     return RemoteSource(engine, host, port, tp, req, ids, remote_bs, num_tokens)
 
 
+def decode_engine_hint(params: Mapping[str, Any], own_engine_id: str) -> str | None:
+    """The decode engine a prefill request's ``kv_transfer_params`` name in ``decode_engine_id``
+    (a router sets it when it has chosen the decode engine: the prefill packs the request ahead
+    for that engine's ranks, :meth:`~kvtriton.agent.TransferAgent.hold`'s ``pack_for``), or None:
+    absent, malformed (not a string of 1 to 256 printable characters) or this engine's own id,
+    ignored as if absent. Untrusted: a hint only, it binds the hold to nothing (a named engine
+    this rank is not connected to means the hold is served when pulled, as without eager packs)."""
+    v = params.get("decode_engine_id")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= 256 or not v.isprintable() or v == own_engine_id:
+        logger.debug("kv_transfer_params['decode_engine_id'] = %.80r ignored: expected another engine's id", v)
+        return None
+    return v
+
+
 def remote_params(engine_id: str, host: str, port: int, tp_size: int, block_size: int, req_id: str,
                   block_ids, num_tokens: int | None = None) -> dict[str, Any]:
     """The ``kv_transfer_params`` a finished prefill returns for its decode request (``block_ids``
@@ -254,6 +275,7 @@ class _Prefill:
     num_prompt_tokens: int
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     held: bool = False
+    pack_for: str | None = None  # the decode engine the router named (decode_engine_hint)
 
 
 class SchedulerSide:
@@ -340,7 +362,8 @@ class SchedulerSide:
         params = request.kv_transfer_params or {}
         rid = request.request_id
         if params.get("do_remote_decode") and rid not in self._prefills:
-            self._prefills[rid] = _Prefill(int(request.num_prompt_tokens))
+            self._prefills[rid] = _Prefill(int(request.num_prompt_tokens),
+                                           pack_for=decode_engine_hint(params, self.engine_id))
         if not params.get("do_remote_prefill"):
             return 0, False
         try:
@@ -522,4 +545,6 @@ class SchedulerSide:
             if not p.held and n_before + out.num_scheduled_tokens.get(rid, 0) >= p.num_prompt_tokens:
                 p.held = True  # this step's forward completes the prompt: hold right after it
                 msgs.holds[rid] = self._per_group(p.block_ids if self.hybrid else p.block_ids[0])
+                if p.pack_for is not None:
+                    msgs.pack_for[rid] = p.pack_for
                 msgs.releases.discard(rid)

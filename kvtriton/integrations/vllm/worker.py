@@ -18,6 +18,11 @@ handshake side channel, and the translation of agent events into vLLM's terms.
   the log line says). A lost prefill engine is met again on its next request.
 * A request queued in the engine (announced by the scheduler side) has its holds renewed by the
   agent every ``lease_s / 6`` until its load starts, for at most ``max_queued_s``.
+* xPyD (several engines of each role behind a router): a decode rank meets only the prefill
+  ranks its loads read from (:func:`~kvtriton.plan.meeting_ranks`), a prefill engine's death
+  fails only the loads from it, and an engine none of its loads used for ``forget_idle_s`` is
+  forgotten on both sides (:meth:`WorkerSide.forget_idle`). A prefill rank packs a hold ahead
+  for the decode engine the router named (``decode_engine_id``, a hint that binds nothing).
 * On CUDA the agent moves blocks on its own stream; holds carry an event of the engine's stream
   (packs and DIRECT reads wait for it); a load is finished only once its unpacks completed.
 
@@ -49,6 +54,8 @@ logger = logging.getLogger(__name__)
 MAX_MEETINGS = 8
 #: an idle step's pause between polls of its loads (a sleep: the agent's thread gets the GIL)
 _IDLE_POLL_S = 50e-6
+#: the longest pause between two looks for idle prefill engines (forget_idle_s)
+_FORGET_SCAN_S = 1.0
 
 
 def _rank_address(engine: PrefillEngine, rank: int) -> RankAddress:
@@ -99,6 +106,7 @@ class WorkerSide:
         self.stats = {"loads": 0, "descriptors": 0, "bytes": 0, "failed": 0, "refused_peer": 0}
         self.window = WorkerStats()  # what vLLM's stats path takes each step (take_stats)
         self._applied = self._started = False
+        self._next_forget_scan = 0.0
 
     # ------------------------------------------------------------------ per step
     def bind(self, msgs: StepMessages) -> None:
@@ -138,7 +146,7 @@ class WorkerSide:
         for rid, ids in msgs.holds.items():
             try:
                 self.agent.hold(rid, ids, lease_s=self.settings.lease_s, consumer=self.settings.consumer or None,
-                                after=after)
+                                after=after, pack_for=msgs.pack_for.get(rid))
             except KVTritonError as e:  # a hold vLLM cannot have asked for; never fatal to the engine
                 logger.error("hold of %s failed: %s", rid, e)
         with self._lock:
@@ -171,6 +179,7 @@ class WorkerSide:
             logger.debug("load of %s: %s in %.1f ms, %d descriptors, %d bytes", r.req_id,
                          "ok" if r.ok else f"failed ({r.error})", 1e3 * r.seconds, r.descriptors, r.bytes)
             self._result(r.req_id, r.error, None if r.ok else r.undefined_blocks)
+        self.forget_idle()
         with self._lock:
             sending = self._freed & self._confirmed
             self._freed -= sending
@@ -323,6 +332,24 @@ class WorkerSide:
         for load in parked:
             if load is not None:
                 self._finish_load(load, error)
+
+    # ------------------------------------------------------------------ xPyD: idle engines
+    def forget_idle(self) -> list[str]:
+        """Forget the prefill engines none of this rank's loads used for ``forget_idle_s``
+        (looked at most every second, on the engine's steps): their meetings go, their ranks
+        are dropped from the agent (NIXL state, peer table; their lifelines closed, so they drop
+        this rank too), and a later request naming one meets it again. Returns their ids."""
+        idle_s, now = self.settings.forget_idle_s, time.monotonic()
+        if idle_s <= 0 or now < self._next_forget_scan:
+            return []
+        self._next_forget_scan = now + min(_FORGET_SCAN_S, idle_s / 4)
+        with self._lock:
+            busy = {load.source.engine_id for load in self._active.values()}
+        engines = self.meetings.idle(idle_s, busy)
+        for engine in engines:
+            logger.info("prefill engine %s unused for %.0f s: forgotten (%d ranks dropped); met again when a "
+                        "request names it", engine, idle_s, self.agent.forget(engine))
+        return engines
 
     # ------------------------------------------------------------------ sleep and wake (vLLM >= 0.33)
     def unregister(self) -> None:
