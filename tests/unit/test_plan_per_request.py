@@ -176,3 +176,40 @@ def test_plan_memos_equal_fresh_values():
     want = [7 * sum(tiles[:i]) + 100 for i in range(len(tiles))]
     assert read.segment_offsets(7, base=100).tolist() == want
     assert read.segment_offsets(7, base=100).tolist() == want  # the cached starts are not modified
+
+
+def _runs_reference(*sides):
+    """Runs consecutive on every side, counted one position at a time (pure Python)."""
+    n = len(sides[0])
+    return sum(1 for j in range(n) if j == 0 or any(s[j] != s[j - 1] + 1 for s in sides))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_run_counts_match_a_per_position_reference(seed):
+    from kvtriton.plan.runs import id_runs, pair_run_count, pair_runs, run_count
+
+    rng = np.random.default_rng(seed)
+    for n in (0, 1, 2, 3, 17, 300):
+        # runs of random lengths at random places, some adjacent (merging), some repeated
+        src = np.cumsum(rng.choice([1, 1, 1, 2, -5, 0], size=n)).astype(np.int64) + 1000
+        dst = np.cumsum(rng.choice([1, 1, 1, 3, -7], size=n)).astype(np.int64) + 1000
+        assert run_count(src) == _runs_reference(src.tolist()) == id_runs(src)[0].size
+        assert pair_run_count(src, dst) == _runs_reference(src.tolist(), dst.tolist()) == pair_runs(src, dst)[0].size
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compact_request_drops_padded_positions_like_a_reference(seed):
+    rng = np.random.default_rng(seed)
+    n, nb = 64, 200
+    src = rng.permutation(nb)[:n]
+    dst = rng.permutation(nb)[:n]
+    src[rng.random(n) < 0.2] = -1
+    dst[rng.random(n) < 0.2] = -1
+    want = [(s, d) for s, d in zip(src.tolist(), dst.tolist()) if s >= 0 and d >= 0]
+    for args in ((src, dst), (src.tolist(), dst.tolist())):
+        s, d = compact_request(*args, nb, nb)
+        assert list(zip(s.tolist(), d.tolist())) == want and s.dtype == d.dtype == np.int64
+    s, d = compact_request(np.abs(src), np.arange(n), nb, n)  # no -1 at all: every position, a copy
+    assert s.tolist() == np.abs(src).tolist() and d.tolist() == list(range(n))
+    with pytest.raises(PlanError, match="source block ids but"):
+        compact_request(src, dst[:-1], nb, nb)
