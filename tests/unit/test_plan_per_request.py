@@ -213,3 +213,34 @@ def test_compact_request_drops_padded_positions_like_a_reference(seed):
     assert s.tolist() == np.abs(src).tolist() and d.tolist() == list(range(n))
     with pytest.raises(PlanError, match="source block ids but"):
         compact_request(src, dst[:-1], nb, nb)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2), (2, 1)])
+def test_pair_way_descriptors_count_what_the_ways_build(layout, p_tp, d_tp):
+    """PairPlan.way_descriptors (counts from geometry found once per pair, runs counted per
+    request) equals the descriptors each way builds for random ids: tile_runs for the one-sided
+    ways, slice_runs for DIRECT_SLICE, one per chunk STAGED; with chunks, the free function's count."""
+    from helpers.specs import gqa_specs
+
+    from kvtriton.plan import Way, slice_runs, tile_runs, way_descriptors
+    from kvtriton.plan.types import Layout
+
+    lay = Layout[layout]
+    dst, src = gqa_specs(3, 8, 64, 0, d_tp, 16, 64, lay), gqa_specs(3, 8, 64, 0, p_tp, 16, 64, lay)
+    plan = build_plan(0, d_tp, dst, p_tp, src)
+    assert plan.staged
+    rng = np.random.default_rng(7)
+    for read in plan.staged:
+        pair = PairPlan(plan, read.src_rank, src, dst)
+        for n in (1, 5, 40):
+            s = rng.permutation(64)[:n]
+            t = np.sort(rng.permutation(64)[:n]) if n > 5 else rng.permutation(64)[:n]  # runs on one side
+            built = {Way.STAGED: 1, Way.READ_UNPACK: len(tile_runs(read, src, s, Way.READ_UNPACK)),
+                     Way.PACK_PLACE: len(tile_runs(read, dst, t, Way.PACK_PLACE))}
+            if Way.DIRECT_SLICE in read.ways:
+                built[Way.DIRECT_SLICE] = len(slice_runs(read, src, dst, s, t))
+            for way, want in built.items():
+                assert pair.way_descriptors(way, s, t) == want, (way, n)
+                for chunks in (2, 3):
+                    assert pair.way_descriptors(way, s, t, chunks) == way_descriptors(read, way, src, dst, s, t, chunks)
