@@ -275,9 +275,20 @@ class Links:
             self.retire(ch.xfer, functools.partial(free, ch), not_before=not_before, kernel=ch.kernel)
         inflight.clear()
 
+    def finished(self, xfer: Xfer, cleanup: Callable[[], None]) -> None:
+        """A transfer seen done (:meth:`done`): release it and run ``cleanup`` now (what
+        :meth:`retire` would do at its next reap, without queueing it or polling it again)."""
+        try:
+            self.transport.release(xfer)
+        except TransportError:
+            pass
+        cleanup()
+
     def reap(self) -> None:
         """Finish retired transfers: wait for (or abort) them, then run their cleanup; release
         dead peers no transfer uses any more."""
+        if not self.zombies and not self.dead:  # every progress() call: nothing retired, nobody gone
+            return
         keep, now = [], time.monotonic()
         for xfer, cleanup, not_before, kernel in self.zombies:
             if xfer is not None:

@@ -64,7 +64,7 @@ class RunsTransfer:
 
     def poll(self, links: Links) -> None:
         if self.xfer is not None and self.post is not None and links.done(self.xfer):
-            links.retire(self.xfer, links.release_post(self.post))
+            links.finished(self.xfer, links.release_post(self.post))
             self.xfer, self.pending = None, False
 
     def release(self, links: Links) -> None:
