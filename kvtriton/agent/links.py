@@ -390,13 +390,14 @@ class Links:
         and the destination's block per position), prepared for one transfer; None when
         nothing. ``reading``: we are the destination (pull); else we are the source writing.
         ``group_bounds``: the request's KV cache groups (:meth:`BlockRows.select`)."""
+        src_ids, dst_ids = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
         s_idx, d_idx, count, nbytes = rows.select(src_ids, dst_ids, group_bounds)
         if not s_idx.size:
             return None
         # callers checked the ids against both caches; an index past its row would name another row's block
         for ids, blocks, side in ((src_ids, rows.num_blocks[0], "source"),
                                   (dst_ids, rows.num_blocks[1], "destination")):
-            if len(ids) and (int(np.min(ids)) < 0 or int(np.max(ids)) >= blocks):
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= blocks):
                 raise ProtocolError(f"{side} block ids outside [0, {blocks}) for direct rows")
         ll, rl, owned = self.rows_lists(peer, rows, reading=reading)
         local_idx, remote_idx = (d_idx, s_idx) if reading else (s_idx, d_idx)
