@@ -89,11 +89,26 @@ def one_list(ids: IdsArg) -> Sequence[int] | np.ndarray:
 
 def check_ids(src_block_ids: Sequence[int] | np.ndarray, dst_block_ids: Sequence[int] | np.ndarray,
                src_num_blocks: int, dst_num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-    src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
-    dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+    src = _as_int64(src_block_ids, copy=False)
+    dst = _as_int64(dst_block_ids, copy=False)
     _lowest(src, src_num_blocks, "source")
     _lowest(dst, dst_num_blocks, "destination")
     return src, dst
+
+
+def _as_int64(ids: Sequence[int] | np.ndarray, copy: bool) -> np.ndarray:
+    """``ids`` as a flat int64 array (``copy``: always a new one, the caller's own to reuse). A
+    list of ints, what engines hand over, converts item by item (``np.fromiter``, ~2x faster
+    than ``np.array`` over a list; the same conversions and errors); anything else, or a list
+    that is not flat, by numpy's general path."""
+    if type(ids) is list:
+        try:
+            return np.fromiter(ids, dtype=np.int64, count=len(ids))
+        except (TypeError, ValueError):
+            pass  # nested lists (flattened below) or entries numpy must judge
+    if copy:
+        return np.array(ids, dtype=np.int64).reshape(-1)
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
 
 
 def _lowest(ids: np.ndarray, num_blocks: int, name: str) -> int:
@@ -150,9 +165,9 @@ def compact_request(
     Returns int64 arrays of equal length. Raises :class:`PlanError` on length mismatch, ids out
     of ``[-1, num_blocks)``, or duplicate destination ids (two tiles would race for one block).
     """
-    # fresh arrays (np.array copies): the caller may reuse its id arrays after this returns
-    src = np.array(src_block_ids, dtype=np.int64).reshape(-1)
-    dst = np.array(dst_block_ids, dtype=np.int64).reshape(-1)
+    # fresh arrays: the caller may reuse its id arrays after this returns
+    src = _as_int64(src_block_ids, copy=True)
+    dst = _as_int64(dst_block_ids, copy=True)
     src_lo = _lowest(src, src_num_blocks, "source")
     dst_lo = _lowest(dst, dst_num_blocks, "destination")
     if src.shape != dst.shape:

@@ -244,3 +244,15 @@ def test_pair_way_descriptors_count_what_the_ways_build(layout, p_tp, d_tp):
                 assert pair.way_descriptors(way, s, t) == want, (way, n)
                 for chunks in (2, 3):
                     assert pair.way_descriptors(way, s, t, chunks) == way_descriptors(read, way, src, dst, s, t, chunks)
+
+
+def test_compact_request_converts_lists_as_numpy_does():
+    """Engines hand lists of ints (converted item by item); any other list keeps numpy's rules:
+    nested lists flatten, numpy ints and bools are ints, an int past int64 is refused."""
+    assert [a.tolist() for a in compact_request([[0, 1], [2, 3]], [[4, 5], [6, 7]], 8, 8)] == [[0, 1, 2, 3],
+                                                                                                [4, 5, 6, 7]]
+    assert [a.tolist() for a in compact_request([np.int64(3), True, -1], [0, 1, 2], 8, 8)] == [[3, 1], [0, 1]]
+    with pytest.raises(OverflowError):
+        compact_request([1 << 70], [0], 8, 8)
+    with pytest.raises(PlanError, match="source block id 9 at position 1"):
+        compact_request([0, 9], [0, 1], 8, 8)
