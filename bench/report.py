@@ -106,13 +106,14 @@ def summary_lines(rows: list[dict], meta: dict) -> list[str]:
         lines += _costmodel_summary(grid)
     plan = [r for r in rows if r["section"] == "planning"]
     if plan:
-        lines += _table("Planning cost per request (us; goal <= 50, flat in block count where the work allows)",
+        lines += _table("Planning cost per request (us; goal <= 50 for Llama-3-70B P4->D8 at 8k tokens, HND and NHD; "
+                        "flat in block count where the work allows; fetch_us: as an agent's fetch() makes it)",
                         plan)
     host = [r for r in rows if r["section"] == "fetch_host"]
     if host:
         lines += _table("Host time of one small zero-copy fetch (P2->D1, 22 blocks, one process: kvtriton's fetch() "
                         "to its result against the same READs posted raw over lists prepared once, as NixlConnector "
-                        "posts; ms; bench/fetch_host.py)", host)
+                        "posts; ms; goal: ratio <= 1.3; bench/fetch_host.py)", host)
     rogue = [r for r in rows if r["section"] == "rogue"]
     if rogue:
         lines += rogue_summary(rogue)

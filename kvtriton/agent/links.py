@@ -275,9 +275,20 @@ class Links:
             self.retire(ch.xfer, functools.partial(free, ch), not_before=not_before, kernel=ch.kernel)
         inflight.clear()
 
+    def finished(self, xfer: Xfer, cleanup: Callable[[], None]) -> None:
+        """A transfer seen done (:meth:`done`): release it and run ``cleanup`` now (what
+        :meth:`retire` would do at its next reap, without queueing it or polling it again)."""
+        try:
+            self.transport.release(xfer)
+        except TransportError:
+            pass
+        cleanup()
+
     def reap(self) -> None:
         """Finish retired transfers: wait for (or abort) them, then run their cleanup; release
         dead peers no transfer uses any more."""
+        if not self.zombies and not self.dead:  # every progress() call: nothing retired, nobody gone
+            return
         keep, now = [], time.monotonic()
         for xfer, cleanup, not_before, kernel in self.zombies:
             if xfer is not None:
@@ -379,13 +390,14 @@ class Links:
         and the destination's block per position), prepared for one transfer; None when
         nothing. ``reading``: we are the destination (pull); else we are the source writing.
         ``group_bounds``: the request's KV cache groups (:meth:`BlockRows.select`)."""
+        src_ids, dst_ids = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
         s_idx, d_idx, count, nbytes = rows.select(src_ids, dst_ids, group_bounds)
         if not s_idx.size:
             return None
         # callers checked the ids against both caches; an index past its row would name another row's block
         for ids, blocks, side in ((src_ids, rows.num_blocks[0], "source"),
                                   (dst_ids, rows.num_blocks[1], "destination")):
-            if len(ids) and (int(np.min(ids)) < 0 or int(np.max(ids)) >= blocks):
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= blocks):
                 raise ProtocolError(f"{side} block ids outside [0, {blocks}) for direct rows")
         ll, rl, owned = self.rows_lists(peer, rows, reading=reading)
         local_idx, remote_idx = (d_idx, s_idx) if reading else (s_idx, d_idx)

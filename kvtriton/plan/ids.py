@@ -89,17 +89,41 @@ def one_list(ids: IdsArg) -> Sequence[int] | np.ndarray:
 
 def check_ids(src_block_ids: Sequence[int] | np.ndarray, dst_block_ids: Sequence[int] | np.ndarray,
                src_num_blocks: int, dst_num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-    src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
-    dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
-    for name, ids, nb in (("source", src, src_num_blocks), ("destination", dst, dst_num_blocks)):
-        if ids.size and (int(ids.min()) < -1 or int(ids.max()) >= nb):  # two reductions, no mask
-            bad = (ids < -1) | (ids >= nb)
-            j = int(np.argmax(bad))
-            raise PlanError(
-                f"{name} block id {int(ids[j])} at position {j} is out of range: expected -1 "
-                f"(skip) or 0..{nb - 1}"
-            )
+    src = _as_int64(src_block_ids, copy=False)
+    dst = _as_int64(dst_block_ids, copy=False)
+    _lowest(src, src_num_blocks, "source")
+    _lowest(dst, dst_num_blocks, "destination")
     return src, dst
+
+
+def _as_int64(ids: Sequence[int] | np.ndarray, copy: bool) -> np.ndarray:
+    """``ids`` as a flat int64 array (``copy``: always a new one, the caller's own to reuse). A
+    list of ints, what engines hand over, converts item by item (``np.fromiter``, ~2x faster
+    than ``np.array`` over a list; the same conversions and errors); anything else, or a list
+    that is not flat, by numpy's general path."""
+    if type(ids) is list:
+        try:
+            return np.fromiter(ids, dtype=np.int64, count=len(ids))
+        except (TypeError, ValueError):
+            pass  # nested lists (flattened below) or entries numpy must judge
+    if copy:
+        return np.array(ids, dtype=np.int64).reshape(-1)
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
+def _lowest(ids: np.ndarray, num_blocks: int, name: str) -> int:
+    """The lowest of ``ids`` (0 when empty), each checked in ``[-1, num_blocks)``: two reductions, no mask."""
+    if not ids.size:
+        return 0
+    lo = int(ids.min())
+    if lo < -1 or int(ids.max()) >= num_blocks:
+        bad = (ids < -1) | (ids >= num_blocks)
+        j = int(np.argmax(bad))
+        raise PlanError(
+            f"{name} block id {int(ids[j])} at position {j} is out of range: expected -1 "
+            f"(skip) or 0..{num_blocks - 1}"
+        )
+    return lo
 
 
 # a bitmap over the id space beats a sort (np.unique) unless the space dwarfs the ids
@@ -141,12 +165,16 @@ def compact_request(
     Returns int64 arrays of equal length. Raises :class:`PlanError` on length mismatch, ids out
     of ``[-1, num_blocks)``, or duplicate destination ids (two tiles would race for one block).
     """
-    src, dst = check_ids(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks)
+    # fresh arrays: the caller may reuse its id arrays after this returns
+    src = _as_int64(src_block_ids, copy=True)
+    dst = _as_int64(dst_block_ids, copy=True)
+    src_lo = _lowest(src, src_num_blocks, "source")
+    dst_lo = _lowest(dst, dst_num_blocks, "destination")
     if src.shape != dst.shape:
         raise PlanError(f"request has {src.size} source block ids but {dst.size} destination ids")
-    keep = (src >= 0) & (dst >= 0)
-    # copies either way: the caller may reuse its id arrays after this returns
-    src, dst = (src[keep], dst[keep]) if not keep.all() else (src.copy(), dst.copy())
+    if src_lo < 0 or dst_lo < 0:  # a -1 somewhere (the lowest ids say so): drop those positions
+        keep = (src >= 0) & (dst >= 0)
+        src, dst = src[keep], dst[keep]
     check_distinct(dst, dst_num_blocks)
     return src, dst
 

@@ -25,15 +25,16 @@ from .runs import (
     Runs,
     direct_block_rows,
     direct_groups,
+    pair_run_count,
+    run_count,
     runs_of_groups,
     runs_of_slices,
     slice_block_rows,
     slice_columns,
-    slice_count,
     tile_runs,
 )
 from .types import Payload, TransferPlan, Way
-from .ways import cheapest_way, coalesces, one_sided_count
+from .ways import cheapest_way, coalesces
 
 __all__ = ["PairPlan"]
 
@@ -83,7 +84,7 @@ class PairPlan:
     """
 
     __slots__ = ("plan", "src_rank", "src_specs", "dst_specs", "cost", "payload", "ways", "direct_rows",
-                 "slice_rows", "_groups", "_slice_cols", "_coalesce", "_rows")
+                 "slice_rows", "_groups", "_slice_cols", "_coalesce", "_counts", "_rows")
 
     def __init__(self, plan: TransferPlan, src_rank: int, src_specs: Sequence[RegionSpec],
                  dst_specs: Sequence[RegionSpec], cost: CostModel | None = None):
@@ -108,6 +109,13 @@ class PairPlan:
                 self._coalesce[Way.READ_UNPACK] = coalesces(p, self.src_specs)
             if Way.PACK_PLACE in p.ways:
                 self._coalesce[Way.PACK_PLACE] = coalesces(p, self.dst_specs)
+        # per way, what its descriptor count needs of the geometry: (segments whose runs merge
+        # into one descriptor, segments): a request then only counts its runs
+        self._counts: dict[Way, tuple[int, int]] = {w: (int(c.sum()), int(c.size)) for w, c in self._coalesce.items()}
+        if self._slice_cols is not None:
+            cols = self._slice_cols  # a slice that is the whole block, back to back on both sides, merges runs
+            whole = (cols[:, 3] == cols[:, 2]) & (cols[:, 4] == cols[:, 2])
+            self._counts[Way.DIRECT_SLICE] = (int(whole.sum()), len(cols))
         # the zero-copy rows a part posts in one transfer, by the way its payload travels
         self._rows: dict[Way, BlockRows] = {Way.STAGED: self.direct_rows}
         if self.slice_rows is not None:
@@ -142,15 +150,27 @@ class PairPlan:
     # ------------------------------------------------------------------ the way
     def way_descriptors(self, way: Way, src_ids: np.ndarray, dst_ids: np.ndarray, chunks: int = 1) -> int:
         """:func:`~kvtriton.plan.way_descriptors` of the payload, over the pair's geometry."""
-        if way is Way.READ_UNPACK or way is Way.PACK_PLACE:
-            coal = self._coalesce.get(way)
-            if coal is None:
-                specs = self.src_specs if way is Way.READ_UNPACK else self.dst_specs
-                coal = coalesces(self._payload(), specs)
-            return one_sided_count(coal, src_ids if way is Way.READ_UNPACK else dst_ids, chunks)
-        if way is Way.DIRECT_SLICE:
-            return slice_count(self._slices(), src_ids, dst_ids)
-        return chunks
+        if way is Way.STAGED:
+            return chunks
+        counts = self._counts.get(way)
+        if counts is None:  # a way the payload may not travel: its geometry, once
+            if way is Way.DIRECT_SLICE:
+                cols = self._slices()
+                whole = (cols[:, 3] == cols[:, 2]) & (cols[:, 4] == cols[:, 2])
+                counts = (int(whole.sum()), len(cols))
+            else:
+                coal = coalesces(self._payload(), self.src_specs if way is Way.READ_UNPACK else self.dst_specs)
+                counts = (int(coal.sum()), int(coal.size))
+            self._counts[way] = counts
+        merging, segments = counts
+        src_ids = np.asarray(src_ids, dtype=np.int64)
+        if way is Way.DIRECT_SLICE:  # one per (segment, block), or per run on both sides where slices merge
+            dst_ids = np.asarray(dst_ids, dtype=np.int64)
+            return merging * (pair_run_count(src_ids, dst_ids) if merging else 0) + (segments - merging) * src_ids.size
+        # one-sided: one per (segment, run of the cache side's ids) where blocks lie back to back, a
+        # chunk boundary splitting a run; else one per (segment, block)
+        ids = src_ids if way is Way.READ_UNPACK else np.asarray(dst_ids, dtype=np.int64)
+        return merging * ((run_count(ids) if merging else 0) + max(0, chunks - 1)) + (segments - merging) * ids.size
 
     def choose_way(self, src_ids: np.ndarray, dst_ids: np.ndarray, *, chunks: int = 1, packed: bool = False) -> Way:
         """:func:`~kvtriton.plan.choose_way` of the payload by the pair's cost model."""

@@ -20,7 +20,8 @@ import numpy as np
 from ..spec import RegionSpec
 from .types import ChunkGeometry, Payload, TransferPlan, Way
 
-__all__ = ["Runs", "BlockRows", "DirectGroup", "id_runs", "pair_runs", "direct_runs", "direct_groups", "runs_of_groups",
+__all__ = ["Runs", "BlockRows", "DirectGroup", "id_runs", "pair_runs", "run_count", "pair_run_count",
+           "direct_runs", "direct_groups", "runs_of_groups",
            "direct_block_rows", "tile_runs", "slice_runs", "slice_columns", "runs_of_slices", "slice_block_rows",
            "slice_count", "slice_descriptor_count", "staged_descriptor_count"]
 
@@ -44,6 +45,32 @@ def pair_runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.
     if src_ids.size == 0:
         return _EMPTY.copy(), _EMPTY.copy()
     return _bounds((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1), src_ids.size)
+
+
+def run_count(ids: np.ndarray) -> int:
+    """How many runs :func:`id_runs` finds in ``ids`` (int64), without building them: what a
+    request's descriptor counts need (two numpy passes, not five).
+
+    >>> run_count(np.array([4, 5, 6, 9, 10, 2]))
+    3
+    """
+    n = ids.size
+    if n < 2:
+        return int(n)
+    return int(np.count_nonzero(ids[1:] - ids[:-1] != 1)) + 1
+
+
+def pair_run_count(src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
+    """How many runs :func:`pair_runs` finds (consecutive on both sides; int64 lists of equal
+    length), without building them.
+
+    >>> pair_run_count(np.array([4, 5, 6, 9]), np.array([0, 1, 7, 8]))
+    3
+    """
+    n = src_ids.size
+    if n < 2:
+        return int(n)
+    return int(np.count_nonzero((src_ids[1:] - src_ids[:-1] != 1) | (dst_ids[1:] - dst_ids[:-1] != 1))) + 1
 
 
 def _bounds(breaks: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -334,7 +361,7 @@ class BlockRows:
             s_cols.append((s_start + sid).ravel())
             d_cols.append((d_start + did).ravel())
             if merged:  # runs consecutive on both sides: one descriptor each once NIXL merges them
-                descriptors += merged * pair_runs(sid, did)[0].size
+                descriptors += merged * pair_run_count(sid, did)
             descriptors += (rows - merged) * sid.size
             nbytes += tile * sid.size
         if not s_cols:
@@ -466,7 +493,7 @@ def slice_count(cols: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray) -> i
     """:func:`slice_descriptor_count` over a payload's :func:`slice_columns`."""
     n = int(np.asarray(src_ids).size)
     k = int(_whole_slices(cols).sum())
-    runs = pair_runs(np.asarray(src_ids, np.int64), np.asarray(dst_ids, np.int64))[0].size if k else 0
+    runs = pair_run_count(np.asarray(src_ids, np.int64), np.asarray(dst_ids, np.int64)) if k else 0
     return k * runs + (len(cols) - k) * n
 
 

@@ -54,7 +54,7 @@ import numpy as np
 from ..errors import PlanError
 from ..spec import Layout, RegionSpec
 from .cost import CostModel
-from .runs import id_runs, slice_descriptor_count
+from .runs import run_count, slice_descriptor_count
 from .types import Payload, Segment, Way
 
 __all__ = ["read_unpack_problem", "pack_place_problem", "direct_slice_way_problem", "head_range_problem",
@@ -175,7 +175,7 @@ def one_sided_descriptors(read: Payload, specs: Sequence[RegionSpec], ids: np.nd
 def one_sided_count(coal: np.ndarray, ids: np.ndarray, chunks: int = 1) -> int:
     """:func:`one_sided_descriptors` over a payload's :func:`coalesces` of the cache side."""
     ids = np.asarray(ids, dtype=np.int64)
-    runs = id_runs(ids)[0].size
+    runs = run_count(ids)
     n_coal = int(coal.sum())
     return n_coal * (runs + max(0, chunks - 1)) + (coal.size - n_coal) * ids.size
 

@@ -8,7 +8,8 @@ already copied at the post. A fence pays that wait between requests instead: aft
 peer, one READ of :data:`FENCE_BYTES` at the start of the peer's staging (into a fence buffer of
 ours, nothing else touched), in the background; the next READ then completes at its post (a small
 load in one engine step). (The first two READs from a peer's cache still wait for it: UCX wires
-that up then.) One fence per peer at a time.
+that up then.) One fence per peer at a time, and one transfer per peer for all its fences: made at
+its first, posted again for every later one (no request made and released per fence).
 
 Only peers we post transfers to are fenced (:attr:`Fence.initiator`: a decode's sources in pull, a
 prefill's destinations in push): a fence is itself a transfer, and one posted by the side that only
@@ -49,7 +50,8 @@ class Fence:
     mem: MemType
     unflushed: bool = False  # a message was sent to it since its endpoint was last fenced
     initiator: bool = False  # a transfer (READ or WRITE) was posted to it: only such peers are fenced
-    xfer: Xfer | None = None  # the fence READ in flight
+    xfer: Xfer | None = None  # its fence READ, made at the first fence and posted again for every later one
+    inflight: bool = False  # ``xfer`` was posted and has not been seen landed
     remote: PreppedList | None = None  # FENCE_BYTES at its staging's start, prepared at its first fence
     count: int = 0  # fences posted to it
 
@@ -61,6 +63,7 @@ class Posting(Protocol):
     def prep_remote(self, agent_name: str, descs: np.ndarray, mem_type: MemType) -> PreppedList: ...
     def post(self, op: Op, local: PreppedList, local_idx: Sequence[int] | np.ndarray, remote: PreppedList,
              remote_idx: Sequence[int] | np.ndarray, notif: bytes = b"") -> Xfer: ...
+    def repost(self, x: Xfer, notif: bytes | None = None) -> XferStatus: ...
     def poll(self, x: Xfer) -> XferStatus: ...
     def release(self, x: Xfer) -> None: ...
 
@@ -80,20 +83,35 @@ class Fences:
         self._local = self._transport.prep_local(np.array([[addr, FENCE_BYTES, dev]], dtype=np.int64), mem)
 
     def disarm(self) -> PreppedList | None:
-        """Stop fencing (our buffer is about to be deregistered); the prepared list over it, for
-        the caller to release. :meth:`arm` starts again."""
+        """Stop fencing (our buffer is about to be deregistered): every peer's fence transfer is
+        released (made from the list over our buffer); that list, for the caller to release.
+        :meth:`arm` starts again."""
+        for fence in self.peers.values():
+            self._drop(fence)
         local, self._local = self._local, None
         return local
 
     def add(self, agent: str, staging_addr: int, dev: int, mem: MemType) -> None:
         """Fence ``agent`` from now on, READing at ``staging_addr`` (its staging's start)."""
+        old = self.peers.get(agent)
+        if old is not None:  # registered again: its old fence transfer is of no use any more
+            self._drop(old)
         self.peers[agent] = Fence(staging_addr, dev, mem)
 
     def forget(self, agent: str) -> Xfer | None:
-        """Stop fencing ``agent``; the fence READ still in flight to it, for the caller to retire
-        (its prepared list goes with the agent's other lists at ``remove_remote``)."""
+        """Stop fencing ``agent``; its fence transfer (in flight or landed), for the caller to
+        retire (its prepared list goes with the agent's other lists at ``remove_remote``)."""
         fence = self.peers.pop(agent, None)
         return None if fence is None else fence.xfer
+
+    def _drop(self, fence: Fence) -> None:
+        """Release ``fence``'s transfer, best effort (one still in flight may not abort: a handle leaks)."""
+        if fence.xfer is not None:
+            try:
+                self._transport.release(fence.xfer)
+            except TransportError:
+                pass
+            fence.xfer, fence.inflight = None, False
 
     def sent(self, agent: str) -> None:
         """A message went to ``agent``: its endpoint needs a fence."""
@@ -112,35 +130,40 @@ class Fences:
         fence = self.peers.get(agent)
         if fence is None:
             return {"fences": 0, "fencing": False, "unflushed": False}
-        return {"fences": fence.count, "fencing": fence.xfer is not None, "unflushed": fence.unflushed}
+        return {"fences": fence.count, "fencing": fence.inflight, "unflushed": fence.unflushed}
 
     def flush(self) -> None:
-        """Release the fences that landed; post one to every peer we initiate transfers to that
-        was sent a message since its last fence (failures are logged: the peer's own transfers
-        fail where they are used)."""
+        """Note the fences that landed; post one to every peer we initiate transfers to that was
+        sent a message since its last fence (its transfer posted again after the first;
+        failures are logged: the peer's own transfers fail where they are used)."""
         if self._local is None:
             return
         transport = self._transport
         for agent, fence in self.peers.items():
-            if fence.xfer is not None:
+            if fence.inflight and fence.xfer is not None:
                 try:
                     if transport.poll(fence.xfer) is XferStatus.PROC:
                         continue
                 except TransportError:
-                    pass  # the peer is gone: its transfers fail where they are used
-                try:
-                    transport.release(fence.xfer)
-                except TransportError:
-                    pass
-                fence.xfer = None
+                    self._drop(fence)  # the peer is gone: its transfers fail where they are used
+                fence.inflight = False
             if not (fence.unflushed and fence.initiator):
                 continue
             fence.unflushed = False
             try:
-                if fence.remote is None:
-                    at = np.array([[fence.addr, FENCE_BYTES, fence.dev]], dtype=np.int64)
-                    fence.remote = transport.prep_remote(agent, at, fence.mem)
-                fence.xfer = transport.post("READ", self._local, [0], fence.remote, [0])
+                if fence.xfer is None:
+                    if fence.remote is None:
+                        at = np.array([[fence.addr, FENCE_BYTES, fence.dev]], dtype=np.int64)
+                        fence.remote = transport.prep_remote(agent, at, fence.mem)
+                    fence.xfer = transport.post("READ", self._local, _FIRST, fence.remote, _FIRST)
+                else:
+                    transport.repost(fence.xfer)
+                fence.inflight = True
                 fence.count += 1
             except TransportError as e:
                 logger.info("fence to %s not posted: %s", agent, e)
+                self._drop(fence)  # the next fence makes a fresh transfer
+
+
+#: the one descriptor of a fence's lists
+_FIRST = np.zeros(1, dtype=np.int64)

@@ -30,6 +30,11 @@ class StandIn:
         self.fences.posted(remote.agent)  # as NixlTransport.post does
         return x
 
+    def repost(self, x, notif=None):
+        self.posts.append((x.remote, "again"))
+        self.landed.discard(id(x))
+        return XferStatus.PROC
+
     def poll(self, x):
         return XferStatus.DONE if id(x) in self.landed else XferStatus.PROC
 
@@ -62,8 +67,9 @@ def test_only_peers_posted_to_are_fenced_once_per_message_burst():
     f.flush()  # one fence per peer at a time: the next waits for this one to land
     assert len(t.posts) == 1 and f.state("src")["unflushed"]
     t.land()
-    f.flush()
-    assert len(t.posts) == 2 and len(t.released) == 1
+    f.flush()  # the same transfer posted again: none made or released per fence
+    assert t.posts[1] == ("src", "again") and t.released == []
+    assert f.state("src") == {"fences": 2, "fencing": True, "unflushed": False}
     assert f.state("quiet") == {"fences": 0, "fencing": False, "unflushed": True}
     assert f.state("stranger") == {"fences": 0, "fencing": False, "unflushed": False}
 
@@ -84,3 +90,36 @@ def test_forget_hands_back_the_fence_in_flight_and_failures_are_logged():
     f.sent("src")
     f.flush()
     assert [p[0] for p in t.posts] == ["src"]
+
+
+def test_a_peers_fence_transfer_is_kept_until_forget_disarm_or_a_new_registration():
+    """One transfer per peer for all its fences: a landed one is kept (posted again at the next
+    burst), handed back by forget, released by disarm (made from the list over our buffer) and
+    when the agent is added again; a repost that fails drops it, the next fence makes a new one."""
+    t = StandIn()
+    f = t.fences
+    f.arm(4096, 0, "DRAM")
+    for agent in ("a", "b", "c"):
+        f.add(agent, 1 << 20, 0, "DRAM")
+        f.posted(agent)
+        f.sent(agent)
+    f.flush()
+    t.land()
+    f.flush()  # landed, nothing sent since: kept, not released, not posted again
+    kept = {a: f.peers[a].xfer for a in "abc"}
+    assert len(t.posts) == 3 and t.released == [] and all(not f.state(a)["fencing"] for a in "abc")
+    assert f.forget("a") is kept["a"]  # the caller retires it
+    f.add("b", 2 << 20, 0, "DRAM")  # b registered again: its old transfer is released
+    assert t.released == [kept["b"]] and f.peers["b"].xfer is None
+
+    def refuse(x, notif=None):
+        raise TransportError("gone")
+
+    t.repost = refuse
+    f.sent("c")
+    f.flush()  # logged; the transfer released, a fresh one next time
+    assert t.released == [kept["b"], kept["c"]] and f.peers["c"].xfer is None
+    f.sent("c")
+    f.flush()
+    assert len(t.posts) == 4 and f.peers["c"].xfer is not None
+    assert f.disarm() is not None and t.released[-1] is not kept["c"] and f.peers["c"].xfer is None

@@ -176,3 +176,83 @@ def test_plan_memos_equal_fresh_values():
     want = [7 * sum(tiles[:i]) + 100 for i in range(len(tiles))]
     assert read.segment_offsets(7, base=100).tolist() == want
     assert read.segment_offsets(7, base=100).tolist() == want  # the cached starts are not modified
+
+
+def _runs_reference(*sides):
+    """Runs consecutive on every side, counted one position at a time (pure Python)."""
+    n = len(sides[0])
+    return sum(1 for j in range(n) if j == 0 or any(s[j] != s[j - 1] + 1 for s in sides))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_run_counts_match_a_per_position_reference(seed):
+    from kvtriton.plan.runs import id_runs, pair_run_count, pair_runs, run_count
+
+    rng = np.random.default_rng(seed)
+    for n in (0, 1, 2, 3, 17, 300):
+        # runs of random lengths at random places, some adjacent (merging), some repeated
+        src = np.cumsum(rng.choice([1, 1, 1, 2, -5, 0], size=n)).astype(np.int64) + 1000
+        dst = np.cumsum(rng.choice([1, 1, 1, 3, -7], size=n)).astype(np.int64) + 1000
+        assert run_count(src) == _runs_reference(src.tolist()) == id_runs(src)[0].size
+        assert pair_run_count(src, dst) == _runs_reference(src.tolist(), dst.tolist()) == pair_runs(src, dst)[0].size
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compact_request_drops_padded_positions_like_a_reference(seed):
+    rng = np.random.default_rng(seed)
+    n, nb = 64, 200
+    src = rng.permutation(nb)[:n]
+    dst = rng.permutation(nb)[:n]
+    src[rng.random(n) < 0.2] = -1
+    dst[rng.random(n) < 0.2] = -1
+    want = [(s, d) for s, d in zip(src.tolist(), dst.tolist()) if s >= 0 and d >= 0]
+    for args in ((src, dst), (src.tolist(), dst.tolist())):
+        s, d = compact_request(*args, nb, nb)
+        assert list(zip(s.tolist(), d.tolist())) == want and s.dtype == d.dtype == np.int64
+    s, d = compact_request(np.abs(src), np.arange(n), nb, n)  # no -1 at all: every position, a copy
+    assert s.tolist() == np.abs(src).tolist() and d.tolist() == list(range(n))
+    with pytest.raises(PlanError, match="source block ids but"):
+        compact_request(src, dst[:-1], nb, nb)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2), (2, 1)])
+def test_pair_way_descriptors_count_what_the_ways_build(layout, p_tp, d_tp):
+    """PairPlan.way_descriptors (counts from geometry found once per pair, runs counted per
+    request) equals the descriptors each way builds for random ids: tile_runs for the one-sided
+    ways, slice_runs for DIRECT_SLICE, one per chunk STAGED; with chunks, the free function's count."""
+    from helpers.specs import gqa_specs
+
+    from kvtriton.plan import Way, slice_runs, tile_runs, way_descriptors
+    from kvtriton.plan.types import Layout
+
+    lay = Layout[layout]
+    dst, src = gqa_specs(3, 8, 64, 0, d_tp, 16, 64, lay), gqa_specs(3, 8, 64, 0, p_tp, 16, 64, lay)
+    plan = build_plan(0, d_tp, dst, p_tp, src)
+    assert plan.staged
+    rng = np.random.default_rng(7)
+    for read in plan.staged:
+        pair = PairPlan(plan, read.src_rank, src, dst)
+        for n in (1, 5, 40):
+            s = rng.permutation(64)[:n]
+            t = np.sort(rng.permutation(64)[:n]) if n > 5 else rng.permutation(64)[:n]  # runs on one side
+            built = {Way.STAGED: 1, Way.READ_UNPACK: len(tile_runs(read, src, s, Way.READ_UNPACK)),
+                     Way.PACK_PLACE: len(tile_runs(read, dst, t, Way.PACK_PLACE))}
+            if Way.DIRECT_SLICE in read.ways:
+                built[Way.DIRECT_SLICE] = len(slice_runs(read, src, dst, s, t))
+            for way, want in built.items():
+                assert pair.way_descriptors(way, s, t) == want, (way, n)
+                for chunks in (2, 3):
+                    assert pair.way_descriptors(way, s, t, chunks) == way_descriptors(read, way, src, dst, s, t, chunks)
+
+
+def test_compact_request_converts_lists_as_numpy_does():
+    """Engines hand lists of ints (converted item by item); any other list keeps numpy's rules:
+    nested lists flatten, numpy ints and bools are ints, an int past int64 is refused."""
+    assert [a.tolist() for a in compact_request([[0, 1], [2, 3]], [[4, 5], [6, 7]], 8, 8)] == [[0, 1, 2, 3],
+                                                                                                [4, 5, 6, 7]]
+    assert [a.tolist() for a in compact_request([np.int64(3), True, -1], [0, 1, 2], 8, 8)] == [[3, 1], [0, 1]]
+    with pytest.raises(OverflowError):
+        compact_request([1 << 70], [0], 8, 8)
+    with pytest.raises(PlanError, match="source block id 9 at position 1"):
+        compact_request([0, 9], [0, 1], 8, 8)

@@ -124,7 +124,7 @@ class Destination:
     def _start(self, f: Fetch) -> None:
         """Ask each source rank for its part (an offered part asks nothing)."""
         rp = f.request
-        ids, tok = tuple(rp.src_ids.tolist()), rp.wire_tokens()
+        ids: tuple[int, ...] | None = None  # what a pull or push names: only when one is sent
         for part in f.parts.values():
             peer = self.links.peers[(f.engine, part.src_rank)]
             if part.offered:  # nothing to ask: its acks (RunsDone) tell the source we took the offer
@@ -132,6 +132,9 @@ class Destination:
                     part.read_runs(peer)
                 continue
             chunk_blocks = part.payload.chunks.blocks_per_chunk if part.payload is not None else 0
+            if ids is None:
+                ids = tuple(rp.src_ids.tolist())
+            tok = rp.wire_tokens()
             msg: wire.Message
             if self.s.flow is Flow.PUSH:
                 msg = wire.Push(part.xid, f.req_id, self.s.rank, ids, tuple(f.dst_ids.tolist()), chunk_blocks,
