@@ -298,3 +298,32 @@ def test_pd_vllm_start_order():
     assert _start_order("nixl", p2d1, None) == (["prefill", "decode"], True)
     assert _start_order("nixl", p1d2, False) == (["decode", "prefill"], False)
     assert _start_order("kvtriton", p2d1, False)[1] is False
+
+
+def test_e2e_auto_is_judged_against_the_best_of_the_same_memory():
+    """Issue 36: each auto row of bench/e2e.py against every method reading the same source
+    layout in the same run (kvtriton's forced ways and the raw reads of that memory), never
+    against another layout's reads nor eager rows (their clock starts after the pack)."""
+    from bench.report import auto_vs_best, headline_lines
+
+    def row(method, ms, source, role, way="", host="idle"):
+        return dict(section="e2e", pair="p4d8", transport="shm", host=host, ids="random", method=method, ms=ms,
+                    descriptors=1, source=source, role=role, way=way)
+
+    rows = [row("vLLM 0.33 direct 8 KiB K||V reads", 8.0, "KV", "raw"),
+            row("direct 4 KiB reads, K/V separate", 12.0, "HND", "raw"),
+            row("kvtriton staged, pull, 1 chunk(s) x 1 in flight", 16.0, "NHD", "way", "staged"),
+            row("kvtriton staged, pull eager, 1 chunk(s) x 1 in flight", 10.0, "NHD", "eager", "staged"),
+            row("kvtriton auto, pull, 1 chunk(s) x 1 in flight", 16.5, "NHD", "auto", "staged"),
+            row("kvtriton auto, pull, 1 chunk(s) x 1 in flight, HND source", 15.0, "HND", "auto", "staged"),
+            row("kvtriton direct_slice, pull, 1 chunk(s) x 1 in flight, HND source", 13.0, "HND", "way",
+                "direct_slice"),
+            row("kvtriton auto, pull, 1 chunk(s) x 1 in flight, vLLM K||V layout", 8.4, "KV", "auto",
+                "direct_slice"),
+            row("kvtriton auto, pull, 1 chunk(s) x 1 in flight", 99.0, "NHD", "auto", "staged", host="busy")]
+    got = {j["source"]: (round(j["ratio"], 3), j["best_way"]) for j in auto_vs_best(rows, ("shm", "idle", "random"))}
+    assert got == {"NHD": (1.031, "staged"), "HND": (1.25, "direct 4 KiB reads, K/V separate"),
+                   "KV": (1.05, "vLLM 0.33 direct 8 KiB K||V reads")}
+    head = headline_lines(rows, dict(device="cpu"))[1]
+    assert "worst 1.25, NOT met (goal <= 1.10)" in head and "HND 1.25 (staged / direct 4 KiB" in head
+    assert auto_vs_best([dict(r, source=None) for r in rows], ("shm", "idle", "random")) == []
