@@ -257,7 +257,20 @@ def _headline_grid(rows: list[dict]) -> str:
     return (f"{summary_line(cells)[len('cost model: '):]}"
             + (f" ({grid} grid)" if grid else "") + f"; {misses} miss(es) beyond noise; "
             + ("met" if worst <= 1.10 and misses <= 1 else f"NOT met{why}")
-            + " (goal: worst <= 1.10, at most one miss)")
+            + " (goal: worst <= 1.10, at most one miss)" + _default_model_part(cells))
+
+
+def _default_model_part(cells: list[dict]) -> str:
+    """The default model's verdict (what `auto` runs by unless a connector measures): the same
+    cells judged by its choice; the e2e-shaped cells (bench/costgrid.py E2E_CELLS) named."""
+    judged = [r for r in cells if "default_ratio" in r]
+    if not judged:
+        return ""
+    e2e = [f"P{r['p_tp']}->D{r['d_tp']} {r['layout']} {r['tokens']:,} tokens: {r['chosen']} {r['ratio']:.2f}, "
+           f"default {r['default_chosen']} {r['default_ratio']:.2f}" for r in judged if r.get("tokens", 0) > 2048]
+    return (f"; default model: worst {max(r['default_ratio'] for r in judged):.2f}, "
+            f"{sum(r.get('default_verdict') == 'miss' for r in judged)} miss(es)"
+            + (f"; the e2e's request: {'; '.join(e2e)}" if e2e else ""))
 
 
 def _headline_engines(rows: list[dict]) -> str:
@@ -429,7 +442,7 @@ def _grid_table(rows: list[dict]) -> list[str]:
     ways = _grid_ways(rows)
     head = ["transport", "P->D", "heads/rank", "block", "layout", "B/descriptor", "vLLM descriptors", "chosen",
             "chosen ms", "best", "best ms", *[f"{w} ms" for w in ways], "chosen/best",
-            "verdict (hit, tie, miss beyond noise)"]
+            "verdict (hit, tie, miss beyond noise)", "default model: chosen, chosen/best, verdict"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "ratio" not in r:
@@ -439,7 +452,9 @@ def _grid_table(rows: list[dict]) -> list[str]:
                  f"{r['bytes_per_descriptor']:,}", f"{r['vllm_descriptors']:,}" if "vllm_descriptors" in r else "",
                  r["chosen"], _fmt(r, "chosen_ms"), r["best"], _fmt(r, "best_ms"),
                  *[_fmt(r, f"{w}_ms") for w in ways], f"{r['ratio']:.2f}",
-                 r.get("verdict", r.get("miss_beyond_noise", ""))]
+                 r.get("verdict", r.get("miss_beyond_noise", "")),
+                 f"{r['default_chosen']}, {r['default_ratio']:.2f}, {r['default_verdict']}"
+                 if "default_ratio" in r else ""]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
@@ -448,7 +463,10 @@ def _costmodel_summary(rows: list[dict]) -> list[str]:
     lines = ["## Cost model: the plan's choice against every mode it could have chosen (bench/costgrid.py)", "",
              "One decode rank fetches one 8 MiB request (2,048 tokens, GQA head_dim 128 bf16, 8/heads layers, "
              "random block ids) through real agents over NIXL in one process, once per feasible mode; `chosen` is "
-             "what build_plan picks with the model measured for this host and transport (kvtriton.costmodel). "
+             "what build_plan picks with the model measured for this host and transport (kvtriton.costmodel), "
+             "`default model` what it picks with the default constants (what `auto` runs by unless measured). "
+             "The P4->D8 h2 cells are bench/e2e.py's request (8,192 tokens, 4 layers, 16 MiB), from an HND cache "
+             "with K and V separate and from vLLM's K||V cache (`KV`: one stream per layer, head-major). "
              "One-sided: read_unpack (P > D, no pack pass) or pack_place (D > P, no unpack pass), where feasible. "
              "vLLM descriptors: NixlConnector's READs for the same request (one per source rank, layer, K/V and "
              "block). ms: median [p20-p80]; an empty way column: not feasible in that cell.", "",

@@ -327,3 +327,27 @@ def test_e2e_auto_is_judged_against_the_best_of_the_same_memory():
     head = headline_lines(rows, dict(device="cpu"))[1]
     assert "worst 1.25, NOT met (goal <= 1.10)" in head and "HND 1.25 (staged / direct 4 KiB" in head
     assert auto_vs_best([dict(r, source=None) for r in rows], ("shm", "idle", "random")) == []
+
+
+def test_costgrid_has_the_e2e_request_and_judges_the_default_model_too():
+    """Issue 36: every grid size times bench/e2e.py's exact request (P4->D8, 2 -> 1 heads per rank,
+    block 16, 4 layers, 8,192 tokens; K/V separate and vLLM's K||V cache), and the headline says
+    what the default model (the e2e's `auto`) chose there, so the grid cannot pass while the e2e misses."""
+    from bench import costgrid
+    from bench.report import _headline_grid
+
+    for size in costgrid.GRIDS:
+        cells = list(costgrid._cells(size))
+        assert set(costgrid.E2E_CELLS) <= set(cells)
+        assert any(g == cell[:len(g)] for g in costgrid._groups(size) for cell in costgrid.E2E_CELLS)
+    assert [costgrid._tokens(*c) for c in costgrid.E2E_CELLS] == [8192, 8192]
+    assert costgrid._tokens(2, 4, 1, 16, "HND") == costgrid.TOKENS
+    [kv] = {tuple(m.head_dims) for m in costgrid._models(8, 4, "KV")}
+    assert kv == (256,) and costgrid._cache_layout("KV") == "HND"
+    cell = dict(transport="shm", p_tp=4, d_tp=8, heads_per_rank=2, block_size=16, layout="HND", tokens=8192,
+                chosen="direct_slice", ratio=1.0, miss_beyond_noise="no", default_chosen="staged",
+                default_ratio=1.2, default_verdict="miss")
+    line = _headline_grid([cell, dict(cell, layout="KV", default_chosen="direct_slice", default_ratio=1.0,
+                                      default_verdict="hit")])
+    assert "default model: worst 1.20, 1 miss(es)" in line
+    assert "P4->D8 HND 8,192 tokens: direct_slice 1.00, default staged 1.20" in line
