@@ -197,11 +197,16 @@ AUTO_HND_MEASURED = ("pull", 1, 1, False, None, "HND", "measured")
 WAYS_HND = [("pull", 1, 1, False, w, "HND") for w in ("staged", "pack_place", "direct_slice")]
 # vLLM's own layout on both sides (K||V one stream, head-major): the memory its direct reads read
 AUTO_KV = ("pull", 1, 1, False, None, "KV")
+# the hold names its consumer (a connector's `consumer` setting, a fixed P/D pairing): a way that
+# reads the source's cache is offered at hold time, so the load READs at once with no round trip to
+# the prefill first, as vLLM's reads do (eager_guess offers packs only: a cache read offered to a
+# guessed engine could not be withdrawn once another engine binds the hold, kvtriton.agent.source.eager)
+AUTO_KV_EAGER = ("pull", 1, 1, True, None, "KV")
 WAYS_KV = [("pull", 1, 1, False, w, "KV") for w in ("staged", "pack_place", "direct_slice")]
 VARIANTS = [("pull", 1, 1, False, "staged"), ("push", 1, 1, False, "staged"), ("pull", 8, 2, False, "staged"),
             ("pull", 1, 1, True, "staged"), ("pull", 1, 1, False, "pack_place"), ("pull", 1, 1, True, "pack_place"),
             ("pull", 1, 1, False, None), ("pull", 1, 1, "guess", "staged"), AUTO_HND, AUTO_HND_MEASURED,
-            *WAYS_HND, AUTO_KV, *WAYS_KV]
+            *WAYS_HND, AUTO_KV, AUTO_KV_EAGER, *WAYS_KV]
 # P > D: read_unpack instead of pack_place (lazy: the pull is answered by RunsReady, no pack; eager:
 # the hold is offered for reading straight from the cache, no pull at all)
 VARIANTS_BY_CASE = {"p4d8": VARIANTS,
@@ -210,7 +215,7 @@ VARIANTS_BY_CASE = {"p4d8": VARIANTS,
                              ("pull", 1, 1, True, "read_unpack"), ("pull", 1, 1, False, None), AUTO_HND,
                              AUTO_HND_MEASURED,
                              *[("pull", 1, 1, False, w, "HND") for w in ("staged", "read_unpack", "direct_slice")],
-                             AUTO_KV,
+                             AUTO_KV, AUTO_KV_EAGER,
                              *[("pull", 1, 1, False, w, "KV") for w in ("staged", "read_unpack", "direct_slice")]]}
 #: how each source layout is named in a method (KV: vLLM's joint K||V cache on both sides)
 SOURCE_LABEL = {"NHD": "", "HND": ", HND source", "KV": ", vLLM K||V layout"}
@@ -433,7 +438,9 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
                 counter[0] += 1
                 held[i] = dict(prefill.call("hold", req, src_ids.tolist(), i, f"D{i}" if eager is True else None,
                                             chunks, bool(eager), timeout_s=None), req=req)
-                if eager and way != "read_unpack" and held[i]["packed"] < chunks * len(ranks):
+                # auto may take a way that reads the cache itself: offered at hold time, nothing packed
+                if eager and way not in ("read_unpack", "direct_slice", None) and \
+                        held[i]["packed"] < chunks * len(ranks):
                     raise AssertionError(f"eager {way}: {held[i]['packed']} of {chunks * len(ranks)} chunks "
                                          "packed at hold time")
                 end = time.monotonic() + 30
@@ -498,7 +505,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
                        f"{'' if place else ' + unpack'})")
             staged_rows.append(dict(
                 common, method=_method(mode, chunks, inflight, eager, way, src_layout, cost), descriptors=ndescs[i][0],
-                **qfields("ms", q, 2), source=src_layout, role="eager" if eager else "way" if way else "auto",
+                **qfields("ms", q, 2), source=src_layout, role="auto" if way is None else "eager" if eager else "way",
                 way=one,
                 note=(f"{how}; vLLM K||V direct/this = {packed_q[1] / q[1]:.2f}x; "
                       f"K/V-separate direct/this = {direct_q[1] / q[1]:.2f}x{vs_lazy}")))
