@@ -506,7 +506,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             staged_rows.append(dict(
                 common, method=_method(mode, chunks, inflight, eager, way, src_layout, cost), descriptors=ndescs[i][0],
                 **qfields("ms", q, 2), source=src_layout, role="auto" if way is None else "eager" if eager else "way",
-                way=one,
+                way="direct_slice" if one == "direct" else one,  # SPLIT heads only here: a slice, not DIRECT
                 note=(f"{how}; vLLM K||V direct/this = {packed_q[1] / q[1]:.2f}x; "
                       f"K/V-separate direct/this = {direct_q[1] / q[1]:.2f}x{vs_lazy}")))
         rows += staged_rows
