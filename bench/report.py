@@ -210,9 +210,12 @@ def auto_vs_best(rows: list[dict], cfg: tuple) -> list[dict]:
     out = []
     for a in (r for r in sel if r["role"] == "auto"):
         best = min((r for r in sel if r["source"] == a["source"]), key=lambda r: r["ms"])
+        # as the grid judges (bench/costgrid.py judge): slower beyond the noise only when auto's p20 is
+        # above the best's p80; a shared 2-core host moves one way's median by tens of percent between runs
+        noise = a is best or a.get("ms_p20", a["ms"]) <= best.get("ms_p80", best["ms"])
         out.append(dict(source=a["source"], method=a["method"], way=a.get("way", ""), ms=a["ms"],
                         best=best["method"], best_way=best.get("way") or best["method"], best_ms=best["ms"],
-                        ratio=a["ms"] / best["ms"]))
+                        ratio=a["ms"] / best["ms"], verdict="hit" if a is best else "tie" if noise else "miss"))
     return out
 
 
@@ -235,10 +238,13 @@ def _headline_e2e(rows: list[dict]) -> str:
         worst = max(j["ratio"] for _, j in judged)
         cells = "; ".join(f"{cfg[0]} {cfg[1]}: " + ", ".join(
             f"{SOURCE_NAMES.get(j['source'], j['source'])}{' measured' if 'measured' in j['method'] else ''} "
-            f"{j['ratio']:.2f} ({j['way']} / {j['best_way']})" for j in auto_vs_best(rows, cfg))
+            f"{j['ratio']:.2f} ({j['way']} / {j['best_way']}{'' if j['verdict'] == 'hit' else ', ' + j['verdict']})"
+            for j in auto_vs_best(rows, cfg))
             for cfg in dict.fromkeys(c for c, _ in judged))
+        misses = sum(j["verdict"] == "miss" for _, j in judged)
         verdict = (f"auto / best of the same memory (every kvtriton way and the raw reads, same run): worst "
-                   f"{worst:.2f}, {'met' if worst <= E2E_GOAL else 'NOT met'} (goal <= {E2E_GOAL:.2f}): {cells}. ")
+                   f"{worst:.2f}, {misses} miss(es) beyond noise, {'met' if worst <= E2E_GOAL else 'NOT met'} "
+                   f"(goal <= {E2E_GOAL:.2f}): {cells}. ")
     return (verdict + f"kvtriton / vLLM K||V direct reads, one request {pair} (lower is better): "
             + "; ".join(parts))
 
@@ -426,7 +432,8 @@ def _e2e_pair_summary(rows: list[dict]) -> list[str]:
                         if auto_measured else ""))
         for j in auto_vs_best(rows, (t, h, ids)):
             lines.append(f"  - {j['method']}: ran {j['way']}, {j['ms']:.2f} ms; best of the same memory: "
-                         f"{j['best']} {j['best_ms']:.2f} ms: auto / best = **{j['ratio']:.2f}**")
+                         f"{j['best']} {j['best_ms']:.2f} ms: auto / best = **{j['ratio']:.2f}** ({j['verdict']}: "
+                         "tie = spreads overlap, miss = auto's p20 above the best's p80)")
     return lines + [""]
 
 
