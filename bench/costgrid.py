@@ -1,6 +1,6 @@
 """The grid that proves the plan's STAGED/DIRECT choice: every mode it could have chosen, timed.
 
-A cell is (transport, P->D pair, heads per decode rank, block size, layout). In each, one decode
+A cell is (transport, P->D pair, heads per rank of the smaller TP, block size, layout). In each, one decode
 rank (rank 0) fetches one request from the prefill ranks its plan reads, through real
 :class:`~kvtriton.agent.TransferAgent` s (pull) over NIXL in one process, once per feasible mode
 (the agents built with that mode forced); the plan's own choice comes from the cost model
@@ -15,7 +15,10 @@ still overlap after the base rounds gets up to three times as many again (:func:
 judged a hit, a tie (spreads overlap) or a miss (:func:`judge`). Geometry: GQA, head_dim 128, bf16,
 2,048 tokens, ``8 // heads`` layers, so a decode rank receives 8 MiB in every cell; source and
 destination use the same layout (NHD or HND); block ids are a random permutation (no runs to
-coalesce: the case the per-block model describes).
+coalesce: the case the per-block model describes). Every size also times bench/e2e.py's request
+(:data:`E2E_CELLS`: P4->D8, 8,192 tokens, 16 MiB), from an HND cache with K and V separate and
+from vLLM's K||V cache, and judges the default model's choice beside the measured one's (the
+default is what `auto` runs by unless a connector measures).
 
 The modes are STAGED, DIRECT, DIRECT_SLICE (a head slice that is one contiguous range inside a
 block on both sides, cache to cache: HND cells; timed only where DIRECT is not, being DIRECT's
@@ -88,6 +91,16 @@ GRIDS = {
     "quick": (PAIRS, HEADS, BLOCKS[::3], LAYOUTS, CONNECTIONS, 8),
     "full": (PAIRS, HEADS, BLOCKS, LAYOUTS, CONNECTIONS, 12),
 }
+#: bench/e2e.py's request, its exact shape, in every grid size (issue 36: the grid and the e2e judge the
+#: same request, so one cannot pass while the other misses): P4->D8, 8 KV heads (2 per prefill rank, 1
+#: per decode rank: heads 2 of the smaller TP), block 16, 4 layers (8 // 2), 8,192 tokens: 16 MiB for
+#: decode rank 0; from an HND cache with K and V separate and from vLLM's own K||V cache
+#: (:data:`KV_LAYOUT`)
+E2E_TOKENS = 8192
+E2E_CELLS = [(4, 8, 2, 16, "HND"), (4, 8, 2, 16, "KV")]
+#: the layout name of vLLM's K||V cache: one stream per layer, K and V of a (head, token) side by side,
+#: head-major blocks (kvtriton.integrations.vllm.caches), on both sides
+KV_LAYOUT = "KV"
 #: transports each size runs (small: shared memory only)
 GRID_TRANSPORTS = {"small": TRANSPORTS[:1], "quick": TRANSPORTS, "full": TRANSPORTS}
 
@@ -104,6 +117,29 @@ def _cells(quick):
             for bs in blocks:
                 for layout in layouts:
                     yield p_tp, d_tp, h, bs, layout
+    yield from E2E_CELLS
+
+
+def _tokens(p_tp: int, d_tp: int, h: int, bs: int, layout: str) -> int:
+    """A cell's request length: :data:`E2E_TOKENS` for the e2e's cells, :data:`TOKENS` otherwise."""
+    return E2E_TOKENS if (p_tp, d_tp, h, bs, layout) in E2E_CELLS else TOKENS
+
+
+def _models(total: int, layers: int, layout: str) -> list:
+    """The cell's regions: GQA with K and V separate, or (:data:`KV_LAYOUT`) one K||V stream of
+    twice the head_dim per layer, byte for byte vLLM's head-major K||V cache."""
+    import torch
+
+    from kvtriton.regions import Kind
+    from kvtriton.testing.oracle import RegionModel
+
+    if layout == KV_LAYOUT:
+        return [RegionModel(f"l{i}", Kind.SPLIT, total, (256,), torch.bfloat16) for i in range(layers)]
+    return [RegionModel.gqa(f"l{i}", total, 128, torch.bfloat16) for i in range(layers)]
+
+
+def _cache_layout(layout: str) -> str:
+    return "HND" if layout == KV_LAYOUT else layout
 
 
 #: cells one process times, by size: the cells sharing this many leading keys of (P, D, heads,
@@ -122,9 +158,9 @@ def _groups(quick) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(c[:k] for c in _cells(quick)))
 
 
-def _setup_mode(mode, models, p_tp, d_tp, bs, layout, gen_seed, agents):
-    """Agents for one fetch with ``mode`` forced (appended to ``agents`` for the caller to close);
-    returns (fetch, check, payload bytes)."""
+def _setup_mode(mode, models, p_tp, d_tp, bs, layout, gen_seed, agents, tokens: int = TOKENS):
+    """Agents for one fetch of ``tokens`` with ``mode`` forced (appended to ``agents`` for the
+    caller to close); returns (fetch, check, payload bytes)."""
     import torch
 
     from kvtriton.agent import TransferAgent
@@ -132,7 +168,8 @@ def _setup_mode(mode, models, p_tp, d_tp, bs, layout, gen_seed, agents):
     from kvtriton.testing.oracle import check_destination, load_source, make_global_kv, make_rank_regions, snapshot
 
     gen = torch.Generator().manual_seed(gen_seed)
-    n = TOKENS // bs
+    layout = _cache_layout(layout)
+    n = tokens // bs
     num_blocks = n + 8
     dst = make_rank_regions(models, 0, d_tp, num_blocks, bs, layout=layout, gen=gen)
     payload = sum(r.spec.tile_bytes(j, r.spec.local_heads) for r in dst for j in range(r.spec.num_streams)) * n
@@ -188,7 +225,7 @@ def _setup_mode(mode, models, p_tp, d_tp, bs, layout, gen_seed, agents):
     return fetch, check, payload
 
 
-def _chosen(plan, meta, bs: int, cost) -> str:
+def _chosen(plan, meta, bs: int, cost, tokens: int = TOKENS) -> str:
     """The mode the plan runs a cell's request by: a STAGED region's way is chosen per request
     (from its block runs; the grid's ids are the ones :func:`_setup_mode` draws), DIRECT_SLICE
     among them where the plan could not fix the route (the way moves the bytes the forced
@@ -198,7 +235,7 @@ def _chosen(plan, meta, bs: int, cost) -> str:
     mode = plan.modes[0].value
     if mode != "staged" or not plan.staged:
         return mode
-    n = TOKENS // bs
+    n = tokens // bs
     ids = np.random.default_rng(0).permutation(n + 8)[:n]  # random: what every cell fetches
     return choose_way(plan.staged[0], meta[1], meta[0], ids, ids, cost).value
 
@@ -212,7 +249,7 @@ def run_cells(quick, transport: str, group: tuple | None = None, cost_file: str 
     from kvtriton.costmodel import load_or_measure
     from kvtriton.errors import PlanError
     from kvtriton.plan import CostModel, build_plan
-    from kvtriton.testing.oracle import RegionModel, make_rank_regions
+    from kvtriton.testing.oracle import make_rank_regions
 
     torch.set_num_threads(1)
     size = _size(quick)
@@ -232,12 +269,18 @@ def run_cells(quick, transport: str, group: tuple | None = None, cost_file: str 
             continue
         total = h * min(p_tp, d_tp)
         layers = max(1, 8 // h)
-        models = [RegionModel.gqa(f"l{i}", total, 128, torch.bfloat16) for i in range(layers)]
+        tokens = _tokens(p_tp, d_tp, h, bs, layout)
+        models = _models(total, layers, layout)
         gen = torch.Generator().manual_seed(0)
-        meta = [[r.spec for r in make_rank_regions(models, rank, tp, 8, bs, layout=layout, gen=gen, device="meta")]
+        meta = [[r.spec for r in make_rank_regions(models, rank, tp, 8, bs, layout=_cache_layout(layout), gen=gen,
+                                                   device="meta")]
                 for rank, tp in ((0, d_tp), (0, p_tp))]
         plan0 = build_plan(0, d_tp, meta[0], p_tp, meta[1], cost=cost)
-        chosen = _chosen(plan0, meta, bs, cost)
+        chosen = _chosen(plan0, meta, bs, cost, tokens)
+        # what a connector or agent left at its default model picks (the e2e's `auto` rows): judged too,
+        # so a cell cannot pass on the measured model while the default one loses the same request
+        default = CostModel()
+        chosen_default = _chosen(build_plan(0, d_tp, meta[0], p_tp, meta[1], cost=default), meta, bs, default, tokens)
         fetches, agents = {}, []
         try:
             for mode in MODES:
@@ -250,13 +293,15 @@ def run_cells(quick, transport: str, group: tuple | None = None, cost_file: str 
                 fetches[mode] = []
                 for c in range(connections):
                     fetch, check, payload = _setup_mode(mode, models, p_tp, d_tp, bs, layout, bs * 31 + h + c,
-                                                        agents)
+                                                        agents, tokens)
                     for _ in range(WARMUP_FETCHES):
                         fetch()  # warm-up (connection wire-up), then every mode checked byte for byte
                     check()
                     fetches[mode].append(fetch)
             if chosen == "direct_slice" and chosen not in fetches:  # a whole-block slice: DIRECT's descriptors
                 chosen = "direct"
+            if chosen_default == "direct_slice" and chosen_default not in fetches:
+                chosen_default = "direct"
             # a close call (the two fastest spreads overlap) gets up to 4x the base rounds: a round
             # costs milliseconds next to the cell's setup, and a tie's median needs them to settle
             samples = sample_interleaved(fetches, reps, extra=3 * reps)
@@ -266,16 +311,23 @@ def run_cells(quick, transport: str, group: tuple | None = None, cost_file: str 
         times = {m: quantiles_of(v) for m, v in samples.items()}
         best, ratio, verdict = judge(times, chosen)
         paired = paired_ratios(samples, chosen, best)
-        tile = bs * h * 128 * 2
+        # one head slice of a block: the heads a decode rank reads from one source rank (each side holds
+        # total // tp heads, at least one: replicated below one per rank), per stream
+        tile = bs * min(max(1, total // p_tp), max(1, total // d_tp)) * sum(models[0].head_dims) * 2 // \
+            len(models[0].head_dims)
         # vLLM NixlConnector's count for the same request: one READ per (source rank, layer, K/V, block)
-        # (K and V are separate streams in these caches; bench/baselines.py)
-        vllm = vllm_direct_descriptor_count(len(plan0.source_ranks), layers, TOKENS // bs, kv_streams=2)
+        # (K and V are separate streams in these caches, one K||V stream in the KV cells; bench/baselines.py)
+        vllm = vllm_direct_descriptor_count(len(plan0.source_ranks), layers, tokens // bs,
+                                            kv_streams=len(models[0].head_dims))
         row = dict(transport=transport, p_tp=p_tp, d_tp=d_tp, heads_per_rank=h, block_size=bs, layout=layout,
                    bytes=payload, bytes_per_descriptor=tile, vllm_descriptors=vllm, chosen=chosen, best=best,
                    **qfields("chosen_ms", times[chosen], 3), **qfields("best_ms", times[best], 3))
         for m, q in times.items():
             row.update(qfields(f"{m}_ms", q, 3))
         row["ratio"] = round(ratio, 3)
+        _, ratio_default, verdict_default = judge(times, chosen_default)
+        row.update(tokens=tokens, default_chosen=chosen_default, default_ratio=round(ratio_default, 3),
+                   default_verdict=verdict_default)
         # the same comparison round by round (both ways timed back to back in each): load that hits a
         # whole round cancels; p20 > 1 means the chosen way lost in at least 80% of the rounds
         row.update(qfields("paired_ratio", quantiles_of(paired), 3))
@@ -286,7 +338,8 @@ def run_cells(quick, transport: str, group: tuple | None = None, cost_file: str 
         row["note"] = (f"model: {cost.desc_us:.2f} us/descriptor, pack {cost.pack_gbps:.1f} / unpack "
                        f"{cost.unpack_gbps:.1f} GB/s, crossover {cost.crossover_bytes() / 1024:.1f} KiB")
         print(f"costgrid {transport} P{p_tp}->D{d_tp} h{h} b{bs} {layout}: chosen {chosen} "
-              f"{times[chosen][1]:.2f} ms, best {best} {times[best][1]:.2f} ms", flush=True)
+              f"{times[chosen][1]:.2f} ms, best {best} {times[best][1]:.2f} ms; default model: "
+              f"{chosen_default} {times[chosen_default][1]:.2f} ms", flush=True)
         rows.append(row)
     return rows
 

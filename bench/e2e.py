@@ -22,8 +22,16 @@ the descriptor sizes are the real ones. Methods, all moving the same bytes into 
 * ``kvtriton staged, pull eager-guess``: as ``eager``, but the hold names no consumer (as the vLLM
   connector's holds): the prefill packs for the only decode engine connected to it
   (``eager_guess``) and offers it; the note gives lazy pull (same chunks) / this.
-* ``vLLM-style direct``: one 4 KiB descriptor per (layer, K/V, block) head slice, read from an
-  HND copy of the cache (the layout that makes a head slice contiguous), prepared lists.
+* ``vLLM-style direct``: one 8 KiB K||V descriptor per (layer, block) head slice, read from a copy
+  of the cache in vLLM's own layout (K||V of a (head, token) side by side, head-major blocks: one
+  head of one block is one range), prepared lists; and one 4 KiB descriptor per (layer, K/V,
+  block) from an HND copy with K and V separate.
+* Source layouts: each kvtriton way is also run from the HND copy (``HND source``) and from the
+  K||V copy, registered as vLLM's connector registers it (one stream per layer, on both sides:
+  ``vLLM K||V layout``), every way the plan allows forced beside ``auto``. ``auto / best`` of a
+  layout (:func:`bench.report.auto_vs_best`) compares the planner's way with every kvtriton way
+  and the raw reads *of the same memory* (per-token reads are the only head-slice reads an NHD
+  block allows; eager is left out: its clock starts after the pack).
 * ``per-token``: one 256 B descriptor per (layer, K/V, token), read from the NHD cache.
 * ``single descriptor``: the same payload as one contiguous READ (the transport's floor).
 
@@ -114,6 +122,10 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
     regions = {(r, lay): [Region.attention(f"layer.{i}", k, v, layout=lay, block_size=BLOCK, total_heads=HEADS)
                           for i, (k, v) in enumerate(caches[r])] for r in ranks for lay, caches in (("NHD", nhd),
                                                                                                    ("HND", hnd))}
+    # KV: the same joint cache vLLM's direct reads read, registered as vLLM's connector registers it
+    # (one K||V stream per layer, head-major: kvtriton.integrations.vllm.caches)
+    regions.update({(r, "KV"): [Region.attention(f"layer.{i}", t, layout="HND", block_size=BLOCK, total_heads=HEADS)
+                                for i, t in enumerate(joint[r])] for r in ranks})
     agents = [[TransferAgent(f"P{i}", r, p_tp, regions[r, kw.get("src_layout", "NHD")], **_agent_kw(kw))
                for r in ranks] for i, kw in enumerate(variants)]
     every = [a for group in agents for a in group]
@@ -179,22 +191,40 @@ AUTO_HND = ("pull", 1, 1, False, None, "HND")
 # started with cost_model="measured" runs by): the default model's constants are a hand-calibrated
 # CPU guess, and where they misjudge the repack here the measured one is what picks the way
 AUTO_HND_MEASURED = ("pull", 1, 1, False, None, "HND", "measured")
+# every lazy way the plan allows from each source layout, forced, beside auto: `auto / best` of a
+# layout is then judged against what kvtriton could have done with the same memory, same run
+# (NHD: staged and pack_place above; a head slice of an NHD block is not one range, so no zero-copy way)
+WAYS_HND = [("pull", 1, 1, False, w, "HND") for w in ("staged", "pack_place", "direct_slice")]
+# vLLM's own layout on both sides (K||V one stream, head-major): the memory its direct reads read
+AUTO_KV = ("pull", 1, 1, False, None, "KV")
+# the hold names its consumer (a connector's `consumer` setting, a fixed P/D pairing): a way that
+# reads the source's cache is offered at hold time, so the load READs at once with no round trip to
+# the prefill first, as vLLM's reads do (eager_guess offers packs only: a cache read offered to a
+# guessed engine could not be withdrawn once another engine binds the hold, kvtriton.agent.source.eager)
+AUTO_KV_EAGER = ("pull", 1, 1, True, None, "KV")
+WAYS_KV = [("pull", 1, 1, False, w, "KV") for w in ("staged", "pack_place", "direct_slice")]
 VARIANTS = [("pull", 1, 1, False, "staged"), ("push", 1, 1, False, "staged"), ("pull", 8, 2, False, "staged"),
             ("pull", 1, 1, True, "staged"), ("pull", 1, 1, False, "pack_place"), ("pull", 1, 1, True, "pack_place"),
-            ("pull", 1, 1, False, None), ("pull", 1, 1, "guess", "staged"), AUTO_HND, AUTO_HND_MEASURED]
+            ("pull", 1, 1, False, None), ("pull", 1, 1, "guess", "staged"), AUTO_HND, AUTO_HND_MEASURED,
+            *WAYS_HND, AUTO_KV, AUTO_KV_EAGER, *WAYS_KV]
 # P > D: read_unpack instead of pack_place (lazy: the pull is answered by RunsReady, no pack; eager:
 # the hold is offered for reading straight from the cache, no pull at all)
 VARIANTS_BY_CASE = {"p4d8": VARIANTS,
                     "p8d4": [("pull", 1, 1, False, "staged"), ("push", 1, 1, False, "staged"),
                              ("pull", 1, 1, True, "staged"), ("pull", 1, 1, False, "read_unpack"),
                              ("pull", 1, 1, True, "read_unpack"), ("pull", 1, 1, False, None), AUTO_HND,
-                             AUTO_HND_MEASURED]}
+                             AUTO_HND_MEASURED,
+                             *[("pull", 1, 1, False, w, "HND") for w in ("staged", "read_unpack", "direct_slice")],
+                             AUTO_KV, AUTO_KV_EAGER,
+                             *[("pull", 1, 1, False, w, "KV") for w in ("staged", "read_unpack", "direct_slice")]]}
+#: how each source layout is named in a method (KV: vLLM's joint K||V cache on both sides)
+SOURCE_LABEL = {"NHD": "", "HND": ", HND source", "KV": ", vLLM K||V layout"}
 
 
 def _method(mode: str, chunks: int, inflight: int, eager, way: str | None, src_layout: str = "NHD",
             cost: str = "default") -> str:
     return (f"kvtriton {way or 'auto'}, {mode}{_eager_label(eager)}, {chunks} chunk(s) x {inflight}"
-            " in flight" + ("" if src_layout == "NHD" else f", {src_layout} source")
+            " in flight" + SOURCE_LABEL[src_layout]
             + ("" if cost == "default" else f", {cost} model"))
 
 
@@ -273,7 +303,10 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         joint = [torch.empty(num_blocks, dst_heads, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers)]
         regions = [Region.attention(f"layer.{i}", k, v, layout="HND", block_size=BLOCK, total_heads=HEADS)
                    for i, (k, v) in enumerate(k_caches)]
-        agents = [TransferAgent(f"D{i}", 0, d_tp, regions, **_agent_kw(kw)) for i, kw in enumerate(agent_kw)]
+        kv_regions = [Region.attention(f"layer.{i}", t, layout="HND", block_size=BLOCK, total_heads=HEADS)
+                      for i, t in enumerate(joint)]  # vLLM's layout: the variants with a KV source land here
+        agents = [TransferAgent(f"D{i}", 0, d_tp, kv_regions if kw["src_layout"] == "KV" else regions,
+                                **_agent_kw(kw)) for i, kw in enumerate(agent_kw)]
         raw = NixlTransport(f"D-raw-{os.getpid()}")
         flat = [t for kv in k_caches for t in kv]
         landing = torch.empty(payload, dtype=torch.uint8)
@@ -295,11 +328,11 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
                     if not torch.equal(got, expected[i][j]):
                         raise AssertionError(f"{what}: layer {i} stream {j} differs from the source head")
 
-        def check_joint() -> None:
+        def check_joint(what: str = "direct K||V") -> None:
             for i, t in enumerate(joint):
                 got = t[torch.as_tensor(dst_ids)].view(torch.uint8)
                 if not torch.equal(got, torch.cat(expected[i], -1)):
-                    raise AssertionError(f"direct K||V: layer {i} differs from the source head")
+                    raise AssertionError(f"{what}: layer {i} differs from the source head")
 
         def clear() -> None:
             for t in flat + joint:
@@ -377,8 +410,12 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             check("per-token")
 
         # -- the staged path's parts, each alone
-        pack_q = prefill.call("time_pack", src_ids.tolist(), agents[0].specs, timeout_s=None)
-        reads = [agents[0].plan_for("P0").payload(r) for r in ranks]
+        # the parts of the K/V-separate caches (the first such variant's plan: a KV variant's caches differ)
+        sep = next((j for j, v in enumerate(variants) if v[5] != "KV"), None)
+        if sep is None:
+            raise ValueError("e2e: the staged parts are timed on the K/V-separate caches; give one variant of them")
+        pack_q = prefill.call("time_pack", src_ids.tolist(), agents[sep].specs, timeout_s=None)
+        reads = [agents[sep].plan_for(f"P{sep}").payload(r) for r in ranks]
         stage = torch.empty(reads[0].payload_bytes(n), dtype=torch.uint8)
 
         def unpack_all():
@@ -401,7 +438,9 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
                 counter[0] += 1
                 held[i] = dict(prefill.call("hold", req, src_ids.tolist(), i, f"D{i}" if eager is True else None,
                                             chunks, bool(eager), timeout_s=None), req=req)
-                if eager and way != "read_unpack" and held[i]["packed"] < chunks * len(ranks):
+                # auto may take a way that reads the cache itself: offered at hold time, nothing packed
+                if eager and way not in ("read_unpack", "direct_slice", None) and \
+                        held[i]["packed"] < chunks * len(ranks):
                     raise AssertionError(f"eager {way}: {held[i]['packed']} of {chunks * len(ranks)} chunks "
                                          "packed at hold time")
                 end = time.monotonic() + 30
@@ -423,7 +462,8 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             clear()
             hold()
             staged()
-            check(_method(mode, chunks, inflight, eager, way, src_layout, cost))
+            (check_joint if src_layout == "KV" else check)(_method(mode, chunks, inflight, eager, way, src_layout,
+                                                                   cost))
             timed[f"staged{i}"] = staged
             setups[f"staged{i}"] = hold
 
@@ -455,27 +495,31 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             parts = (0 if eager or read_ru else pack_q[1]) + floor + (0 if place else unpack_q[1])
             lazy = [j for j, w in enumerate(variants) if w == (mode, chunks, inflight, False, way, src_layout, cost)]
             vs_lazy = f"; lazy/this = {qs[f'staged{lazy[0]}'][1] / q[1]:.2f}x" if eager and lazy else ""
-            if one == "direct":  # direct_slice: no pass to sum; the same reads without the protocol are the floor
-                how = f"ran direct_slice; the same head-slice reads posted raw / this = {direct_q[1] / q[1]:.2f}x"
+            if one in ("direct", "direct_slice"):  # no pass to sum; the same reads without the protocol: the floor
+                same = packed_q if src_layout == "KV" else direct_q  # the raw reads of the same memory
+                how = (f"{'' if way else 'ran direct_slice; '}the same head-slice reads posted raw / this = "
+                       f"{same[1] / q[1]:.2f}x")
             else:
                 how = (f"{'' if way else f'ran {one}; '}{q[1] / parts:.2f}x the sum of its parts "
                        f"({'' if eager or read_ru else 'pack + '}one {'READ' if mode == 'pull' else 'WRITE'}"
                        f"{'' if place else ' + unpack'})")
             staged_rows.append(dict(
                 common, method=_method(mode, chunks, inflight, eager, way, src_layout, cost), descriptors=ndescs[i][0],
-                **qfields("ms", q, 2),
+                **qfields("ms", q, 2), source=src_layout, role="auto" if way is None else "eager" if eager else "way",
+                way="direct_slice" if one == "direct" else one,  # SPLIT heads only here: a slice, not DIRECT
                 note=(f"{how}; vLLM K||V direct/this = {packed_q[1] / q[1]:.2f}x; "
                       f"K/V-separate direct/this = {direct_q[1] / q[1]:.2f}x{vs_lazy}")))
         rows += staged_rows
         rows += [
             dict(common, method="vLLM 0.33 direct 8 KiB K||V reads", descriptors=p_l.count,
-                 **qfields("ms", packed_q, 2), note="headline baseline: one read per (layer, block)"),
+                 **qfields("ms", packed_q, 2), source="KV", role="raw",
+                 note="headline baseline: one read per (layer, block)"),
             dict(common, method="direct 4 KiB reads, K/V separate", descriptors=d_l.count,
-                 **qfields("ms", direct_q, 2), note="one read per (layer, K/V, block)"),
+                 **qfields("ms", direct_q, 2), source="HND", role="raw", note="one read per (layer, K/V, block)"),
         ]
-        if token_q is not None:
+        if token_q is not None:  # the only reads of a head slice an NHD block allows
             rows.append(dict(common, method="per-token 256 B reads", descriptors=t_l.count,
-                             **qfields("ms", token_q, 2), note=""))
+                             **qfields("ms", token_q, 2), source="NHD", role="raw", note=""))
         rows += [
             dict(common, method="single descriptor READ (pull floor)", descriptors=1, **qfields("ms", read_q, 2),
                  note=""),

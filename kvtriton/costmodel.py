@@ -24,7 +24,14 @@ budget lasts, :data:`PROBE_BUDGET_S`; the order alternating; see :func:`_measure
   the same order, so the repack they replace copies whole rows or tiles. The first probe timed an
   NHD -> HND relayout (256-byte rows gathered per token), 1.5-2x slower on this CPU than those
   copies: the model then took 4 KiB whole blocks DIRECT and NHD whole blocks READ_UNPACK where
-  staging was faster, up to 1.24x (the full grid of issue 21).
+  staging was faster, up to 1.24x (the full grid of issue 21). Like the descriptor probe's pieces,
+  the repack's blocks are cold: caches :data:`PROBE_SPAN` times the payload, each call moving the
+  next of that many disjoint block sets (:func:`probe_id_sets`), so no call finds its blocks in
+  the last-level cache, as a request's blocks, written by the engine long before, are not. The
+  warm probe (the same 24 MiB of blocks every call, inside this host's 32 MiB L3) timed the pack
+  1.2-1.7x and the unpack 1.05-1.2x faster than cold (paired rounds, issue 36), while the
+  descriptor side was measured cold: the crossover sat above the 4 KiB slices that direct reads
+  won by 1.1-1.7x on this host (bench/costgrid.py's 4 KiB cells and bench/e2e.py's HND rows).
 
 Why one set of rounds: the plan decides by a ratio (a descriptor's cost against a byte's repack
 cost), and on a shared host the absolute numbers drift with load; probes run seconds apart (the
@@ -59,7 +66,7 @@ import numpy as np
 from .plan import CostModel
 
 __all__ = ["PROBE_BYTES", "PROBE_DESCRIPTORS", "PROBE_COUNTS", "transport_key", "cache_dir", "cache_path",
-           "read_cache", "find_cached", "fit_desc_us", "fit_pass_us", "measure", "load_or_measure"]
+           "read_cache", "find_cached", "fit_desc_us", "fit_pass_us", "probe_id_sets", "measure", "load_or_measure"]
 
 PROBE_BYTES = 8 << 20  # big enough that a post's fixed cost is noise, small enough for ~1 s
 PROBE_DESCRIPTORS = 2048  # 4 KiB each: a vLLM-style head slice of a 16-token block
@@ -78,8 +85,9 @@ DESC_US_FLOOR = 0.05  # a descriptor is never free: NIXL's own bookkeeping per e
 FIXED_SEGMENTS = (2, 8)
 FIXED_US_FLOOR = 0.01  # the wire carries positive numbers only; a GPU's per-segment cost is ~0
 # 2: desc_us is a fitted slope (version 1's difference could come out 0.01 on tcp); 3: same-layout repack probe;
-# 4: a pass's fixed cost (pass_us, segment_us); 5: descriptors scattered on both sides (PROBE_SPAN)
-CACHE_VERSION = 5
+# 4: a pass's fixed cost (pass_us, segment_us); 5: descriptors scattered on both sides (PROBE_SPAN);
+# 6: the repack's blocks cold too (probe_id_sets)
+CACHE_VERSION = 6
 
 
 def transport_key() -> str:
@@ -240,10 +248,26 @@ def _probe_regions(layers: int, num_blocks: int, block: int, heads: int, layout:
             for i in range(layers)]
 
 
+def probe_id_sets(n: int, sets: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(num_blocks, ids)``: ``ids[k]`` the ``k``-th of ``sets`` disjoint sets of ``n`` block ids,
+    scattered at random over a cache of ``num_blocks = n * sets + 8`` blocks. A probe that moves
+    set ``k % sets`` on its ``k``-th call touches each block once per ``sets`` calls, so with
+    ``sets`` x the payload beyond the last-level cache every call finds its blocks cold.
+
+    >>> nb, ids = probe_id_sets(3, 2)
+    >>> nb, ids.shape, len(set(ids.ravel().tolist()))
+    (14, (2, 3), 6)
+    """
+    num_blocks = n * sets + 8
+    ids = np.random.default_rng(seed).permutation(num_blocks)[:n * sets].reshape(sets, n)
+    return num_blocks, ids
+
+
 def _repack_probe(device: str, impl: str):
     """``(pack, unpack, nbytes, fixed)``: ``pack``/``unpack`` each time (ms)
     :func:`kvtriton.ops.pack` / ``unpack`` of an HND 2-head source -> HND 1-head destination
-    repack (block 16, bf16) of ``nbytes`` payload (same byte order: see the module docstring);
+    repack (block 16, bf16) of ``nbytes`` payload (same byte order: see the module docstring), each
+    call over the next of :data:`PROBE_SPAN` disjoint block sets (cold blocks, :func:`probe_id_sets`);
     ``fixed`` maps ``(op, segments)`` to a timer of one block of that repack over ``segments``
     segments (:data:`FIXED_SEGMENTS`), whose bytes are noise next to the pass's fixed cost."""
     import torch
@@ -253,7 +277,8 @@ def _repack_probe(device: str, impl: str):
 
     layers, block = FIXED_SEGMENTS[-1] // 2, 16
     n = PROBE_BYTES // (layers * 2 * block * 128 * 2)
-    num_blocks = n + 8
+    num_blocks, src_sets = probe_id_sets(n, PROBE_SPAN, seed=0)
+    _, dst_sets = probe_id_sets(n, PROBE_SPAN, seed=1)
     gen = torch.Generator().manual_seed(0)
     src = _probe_regions(layers, num_blocks, block, 2, "HND", gen, device)  # TP1: both heads
     dst = _probe_regions(layers, num_blocks, block, 1, "HND", gen, device)  # rank 0 of TP2: one head
@@ -262,16 +287,18 @@ def _repack_probe(device: str, impl: str):
         return build_plan(0, 2, [r.spec for r in dst[:k]], 1, [r.spec for r in src[:k]], modes="staged").staged[0]
 
     read = payload(layers)
-    rng = np.random.default_rng(0)
-    src_ids = torch.as_tensor(rng.permutation(num_blocks)[:n], device=device)
-    dst_ids = torch.as_tensor(rng.permutation(num_blocks)[:n], device=device)
+    src_ids = [torch.as_tensor(ids, device=device) for ids in src_sets]
+    dst_ids = [torch.as_tensor(ids, device=device) for ids in dst_sets]
     staging = torch.empty(read.payload_bytes(n), dtype=torch.uint8, device=device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
-    def timer(op, regions, part, ids):
-        offs = part.segment_offsets(int(ids.numel()))
+    def timer(op, regions, part, id_sets):
+        offs = part.segment_offsets(int(id_sets[0].numel()))
+        calls = [0]
 
         def fn() -> float:
+            ids = id_sets[calls[0] % len(id_sets)]  # the next set: blocks no recent call touched
+            calls[0] += 1
             t0 = time.perf_counter()
             getattr(ops, op)(regions, part.segments, offs, ids, staging, impl=impl)
             sync()
@@ -281,8 +308,8 @@ def _repack_probe(device: str, impl: str):
     fixed = {}
     for segments in FIXED_SEGMENTS:
         part = payload(segments // 2)
-        fixed["pack", segments] = timer("pack", src[:segments // 2], part, src_ids[:1])
-        fixed["unpack", segments] = timer("unpack", dst[:segments // 2], part, dst_ids[:1])
+        fixed["pack", segments] = timer("pack", src[:segments // 2], part, [src_ids[0][:1]])
+        fixed["unpack", segments] = timer("unpack", dst[:segments // 2], part, [dst_ids[0][:1]])
     return (timer("pack", src, read, src_ids), timer("unpack", dst, read, dst_ids), read.payload_bytes(n),
             fixed)
 

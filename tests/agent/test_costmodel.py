@@ -210,3 +210,35 @@ def test_metadata_from_an_older_peer_without_the_pass_cost_takes_the_default():
     d["cost"]["segment_us"] = -3.0  # sent, it is checked like every other field
     with pytest.raises(ProtocolError, match="cost.segment_us"):
         wire.decode_metadata(msgpack.packb(d, use_bin_type=True))
+
+
+def test_the_repack_probe_moves_cold_blocks(monkeypatch):
+    """Issue 36: the repack probe's blocks are cold, as the descriptor probe's pieces are: each
+    call moves the next of PROBE_SPAN disjoint block sets spread over caches PROBE_SPAN x the
+    payload, so no call repacks blocks a recent call left in the last-level cache (a warm probe
+    overstated the repack rate and the crossover sat above the 4 KiB slices direct reads won)."""
+    from kvtriton import costmodel, ops
+
+    nb, sets = costmodel.probe_id_sets(64, costmodel.PROBE_SPAN)
+    assert sets.shape == (costmodel.PROBE_SPAN, 64) and np.unique(sets).size == sets.size
+    assert sets.min() >= 0 and sets.max() < nb == 64 * costmodel.PROBE_SPAN + 8
+    seen = {"pack": [], "unpack": []}
+
+    def recorder(op):
+        return lambda regions, segments, offs, ids, staging, impl: seen[op].append(
+            (ids.numpy().copy(), regions[0].spec.num_blocks))
+
+    monkeypatch.setattr(ops, "pack", recorder("pack"))
+    monkeypatch.setattr(ops, "unpack", recorder("unpack"))
+    pack, unpack, nbytes, _ = costmodel._repack_probe("cpu", "torch")
+    for _ in range(costmodel.PROBE_SPAN + 1):
+        pack()
+        unpack()
+    for op in ("pack", "unpack"):
+        calls = [ids for ids, _ in seen[op]]
+        span = costmodel.PROBE_SPAN
+        assert all(np.intersect1d(calls[i], calls[j]).size == 0 for i in range(span) for j in range(i))
+        assert np.array_equal(calls[span], calls[0])  # the sets cycle
+        # the caches hold PROBE_SPAN x the payload: the blocks a call moves are a quarter of them
+        assert seen[op][0][1] >= span * calls[0].size
+    assert nbytes == costmodel.PROBE_BYTES

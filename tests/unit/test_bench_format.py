@@ -298,3 +298,60 @@ def test_pd_vllm_start_order():
     assert _start_order("nixl", p2d1, None) == (["prefill", "decode"], True)
     assert _start_order("nixl", p1d2, False) == (["decode", "prefill"], False)
     assert _start_order("kvtriton", p2d1, False)[1] is False
+
+
+def test_e2e_auto_is_judged_against_the_best_of_the_same_memory():
+    """Issue 36: each auto row of bench/e2e.py against every method reading the same source
+    layout in the same run (kvtriton's forced ways and the raw reads of that memory), never
+    against another layout's reads nor eager rows (their clock starts after the pack)."""
+    from bench.report import auto_vs_best, headline_lines
+
+    def row(method, ms, source, role, way="", host="idle"):
+        return dict(section="e2e", pair="p4d8", transport="shm", host=host, ids="random", method=method, ms=ms,
+                    descriptors=1, source=source, role=role, way=way)
+
+    rows = [row("vLLM 0.33 direct 8 KiB K||V reads", 8.0, "KV", "raw"),
+            row("direct 4 KiB reads, K/V separate", 12.0, "HND", "raw"),
+            row("kvtriton staged, pull, 1 chunk(s) x 1 in flight", 16.0, "NHD", "way", "staged"),
+            row("kvtriton staged, pull eager, 1 chunk(s) x 1 in flight", 10.0, "NHD", "eager", "staged"),
+            row("kvtriton auto, pull, 1 chunk(s) x 1 in flight", 16.5, "NHD", "auto", "staged"),
+            row("kvtriton auto, pull, 1 chunk(s) x 1 in flight, HND source", 15.0, "HND", "auto", "staged"),
+            row("kvtriton direct_slice, pull, 1 chunk(s) x 1 in flight, HND source", 13.0, "HND", "way",
+                "direct_slice"),
+            row("kvtriton auto, pull, 1 chunk(s) x 1 in flight, vLLM K||V layout", 8.4, "KV", "auto",
+                "direct_slice"),
+            row("kvtriton auto, pull, 1 chunk(s) x 1 in flight", 99.0, "NHD", "auto", "staged", host="busy")]
+    rows[4].update(ms_p20=15.5, ms_p80=17.0)  # NHD auto: its spread reaches the best's median (no p80 given)
+    got = {j["source"]: (round(j["ratio"], 3), j["best_way"], j["verdict"])
+           for j in auto_vs_best(rows, ("shm", "idle", "random"))}
+    assert got == {"NHD": (1.031, "staged", "tie"), "HND": (1.25, "direct 4 KiB reads, K/V separate", "miss"),
+                   "KV": (1.05, "vLLM 0.33 direct 8 KiB K||V reads", "miss")}
+    head = headline_lines(rows, dict(device="cpu"))[1]
+    assert "worst 1.25, 2 miss(es) beyond noise, NOT met (goal <= 1.10)" in head
+    assert "HND 1.25 (staged / direct 4 KiB reads, K/V separate, miss)" in head
+    assert "NHD 1.03 (staged / staged, tie)" in head
+    assert auto_vs_best([dict(r, source=None) for r in rows], ("shm", "idle", "random")) == []
+
+
+def test_costgrid_has_the_e2e_request_and_judges_the_default_model_too():
+    """Issue 36: every grid size times bench/e2e.py's exact request (P4->D8, 2 -> 1 heads per rank,
+    block 16, 4 layers, 8,192 tokens; K/V separate and vLLM's K||V cache), and the headline says
+    what the default model (the e2e's `auto`) chose there, so the grid cannot pass while the e2e misses."""
+    from bench import costgrid
+    from bench.report import _headline_grid
+
+    for size in costgrid.GRIDS:
+        cells = list(costgrid._cells(size))
+        assert set(costgrid.E2E_CELLS) <= set(cells)
+        assert any(g == cell[:len(g)] for g in costgrid._groups(size) for cell in costgrid.E2E_CELLS)
+    assert [costgrid._tokens(*c) for c in costgrid.E2E_CELLS] == [8192, 8192]
+    assert costgrid._tokens(2, 4, 1, 16, "HND") == costgrid.TOKENS
+    [kv] = {tuple(m.head_dims) for m in costgrid._models(8, 4, "KV")}
+    assert kv == (256,) and costgrid._cache_layout("KV") == "HND"
+    cell = dict(transport="shm", p_tp=4, d_tp=8, heads_per_rank=2, block_size=16, layout="HND", tokens=8192,
+                chosen="direct_slice", ratio=1.0, miss_beyond_noise="no", default_chosen="staged",
+                default_ratio=1.2, default_verdict="miss")
+    line = _headline_grid([cell, dict(cell, layout="KV", default_chosen="direct_slice", default_ratio=1.0,
+                                      default_verdict="hit")])
+    assert "default model: worst 1.20, 1 miss(es)" in line
+    assert "P4->D8 HND 8,192 tokens: direct_slice 1.00, default staged 1.20" in line
