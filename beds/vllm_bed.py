@@ -15,7 +15,9 @@ the scheduler's own outputs), ``submit``/``abort``/``drain`` (for aborts mid-loa
 (overwrite blocks of the registered cache with noise: the negative control), ``state`` (free
 blocks, requests, staging in use), ``transfer_stats``/``agent_stats`` (counters per rank),
 ``load_times`` (per request: from ``start_load_kv`` to the load reported finished, and from
-submission to the scheduler learning it; the same hooks for any connector), ``digest`` (per rank,
+submission to the scheduler learning it; the same hooks for any connector), ``step_times`` (each
+engine step since the last call: seconds, requests waiting for their KV, requests running; a
+``generate`` request with ``at_s`` is submitted that long after the call: an arrival rate), ``digest`` (per rank,
 per region, per global KV head: a SHA-256 of the first ``num_tokens`` tokens of the given blocks;
 with ``loaded``, of the copy a decode rank took of them when that request's load finished),
 ``loaded_blocks`` (per rank: the local blocks each load wrote and its token count),
@@ -32,6 +34,7 @@ Example (from the repository root, with the test bed built)::
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import select
@@ -336,6 +339,8 @@ class _BedEngine:
         self.submitted: dict[str, tuple[int, float]] = {}
         self.first_token: dict[str, float] = {}
         self.finished: dict[str, dict] = {}
+        # per engine step: (seconds, requests waiting for their KV at its start, requests running)
+        self.step_log: collections.deque = collections.deque(maxlen=100_000)
         if args.connector == "nixl":
             self.connector_rpc("count_nixl_descriptors")
         if args.connector != "none":
@@ -346,6 +351,7 @@ class _BedEngine:
         self.commands: dict[str, Callable[[dict], dict]] = {
             "generate": self.generate, "submit": self.submit_steps, "abort": self.abort, "drain": self.drain,
             "state": self.state, "load_times": self.load_times,
+            "step_times": lambda cmd: {"steps": [self.step_log.popleft() for _ in range(len(self.step_log))]},
             "agent_stats": lambda cmd: {"stats": self.connector_rpc("agent_stats")},
             "transfer_stats": lambda cmd: {"stats": self.connector_rpc("transfer_stats")},
             "digest": lambda cmd: {"digests": self.connector_rpc("digest", cmd["block_ids"], cmd["num_tokens"],
@@ -401,12 +407,30 @@ class _BedEngine:
             self.engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]), sp)
             self.submitted[r["id"]] = (len(r["prompt"]), time.perf_counter())
 
-    def _step_until(self, ids, timeout_s) -> None:
-        deadline = time.monotonic() + timeout_s
+    def _step(self) -> list:
+        """One engine step, logged (``step_times``): what the connector's per-step work costs."""
+        from vllm.v1.request import RequestStatus
+
+        loading = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.sched.requests.values())
+        t = time.perf_counter()
+        out = self.engine.step()
+        self.step_log.append((time.perf_counter() - t, loading, len(self.sched.running)))
+        return out
+
+    def _step_until(self, ids, timeout_s, later=()) -> None:
+        """Step until requests ``ids`` finish; ``later``: requests each submitted ``at_s`` seconds
+        after this call (a steady arrival rate), sleeping while nothing else is in the engine."""
+        deadline, t0 = time.monotonic() + timeout_s, time.perf_counter()
+        later = sorted(later, key=lambda r: r["at_s"])
         while any(i not in self.finished for i in ids):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"requests {sorted(set(ids) - set(self.finished))} did not finish in {timeout_s} s")
-            for o in self.engine.step():
+            while later and time.perf_counter() - t0 >= later[0]["at_s"]:
+                self._submit([later.pop(0)])
+            if later and not self.engine.has_unfinished_requests():
+                time.sleep(max(0.0, min(0.01, later[0]["at_s"] - (time.perf_counter() - t0))))
+                continue
+            for o in self._step():
                 if o.outputs and o.outputs[0].token_ids and o.request_id not in self.first_token:
                     self.first_token[o.request_id] = time.perf_counter()
                 if o.finished:
@@ -424,15 +448,15 @@ class _BedEngine:
 
     # ------------------------------------------------------------------ the commands
     def generate(self, cmd: dict) -> dict:
-        self._submit(cmd["requests"])
+        self._submit([r for r in cmd["requests"] if "at_s" not in r])
         ids = [r["id"] for r in cmd["requests"]]
-        self._step_until(ids, cmd.get("seconds", 300))
+        self._step_until(ids, cmd.get("seconds", 300), [r for r in cmd["requests"] if "at_s" in r])
         return {"outputs": [self.finished.pop(i) for i in ids]}
 
     def submit_steps(self, cmd: dict) -> dict:
         self._submit(cmd["requests"])
         for _ in range(cmd.get("steps", 1)):
-            self.engine.step()
+            self._step()
         return {"ok": True}
 
     def abort(self, cmd: dict) -> dict:

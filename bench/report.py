@@ -636,9 +636,11 @@ def pd_vllm_table(results: list[dict]) -> list[str]:
     lines = ["| P->D | connector | requests identical | KV loaded (ms) | KV ready at scheduler (ms) "
              "| first decode token (ms) | warm-up KV loaded (ms) | descriptors per request | KV bytes per request "
              "| ours/theirs KV loaded | ours/theirs first token |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    by = {(r["prefill_tp"], r["decode_tp"], r["connector"], r.get("model_kind", "llama")): r for r in results}
-    for (p, d, c, model), r in by.items():
-        pd = f"{p}->{d}" if model == "llama" else f"{p}->{d} {model}"
+    by = {(r["prefill_tp"], r["decode_tp"], r["connector"], r.get("model_kind", "llama"), r.get("block_size")): r
+          for r in results}
+    blocks = {k[4] for k in by}  # the block size shows when the results have more than one
+    for (p, d, c, model, bs), r in by.items():
+        pd = (f"{p}->{d}" if model == "llama" else f"{p}->{d} {model}") + (f" block {bs}" if len(blocks) > 1 else "")
         timed = [x for x in r["rows"] if x["request"] >= 0]
         warm = [x for x in r["rows"] if x["request"] < 0]
         if not timed:
@@ -646,7 +648,7 @@ def pd_vllm_table(results: list[dict]) -> list[str]:
             continue
         med = lambda k, rows=timed: median_known([x[k] for x in rows])  # noqa: E731
         ratio_kv = ratio_tt = ""
-        theirs = by.get((p, d, "nixl", model))
+        theirs = by.get((p, d, "nixl", model, bs))
         if c == "kvtriton" and theirs and [x for x in theirs["rows"] if x["request"] >= 0]:
             t_rows = [x for x in theirs["rows"] if x["request"] >= 0]
             a, b = med("kv_loaded_ms"), median_known([x["kv_loaded_ms"] for x in t_rows])
@@ -666,3 +668,31 @@ def pd_vllm_table(results: list[dict]) -> list[str]:
     return lines
 
 
+
+
+def load_table(results: list[dict]) -> list[str]:
+    """Markdown rows of the load cells (bench/pd_vllm_load.py): per pair, block size, cell and
+    connector, p50/p99 of time to KV loaded, KV ready at the scheduler and TTFT, the decode's step
+    time alone and with loads waiting, and ours/theirs at p50 and p99."""
+    lines = ["| P->D | block | cell | connector | identical | recomputed | KV loaded p50/p99 (ms) "
+             "| KV ready p50/p99 (ms) | TTFT p50/p99 (ms) | decode step alone / with loads p50/p99 (ms) "
+             "| ours/theirs KV loaded p50/p99 | ours/theirs TTFT p50/p99 |", "|---" * 12 + "|"]
+    cells = {}
+    for r in results:
+        for c in r.get("load") or ():
+            cells[(r["prefill_tp"], r["decode_tp"], r.get("block_size"), c["in_flight"], c.get("rate"),
+                   r["connector"])] = c
+    for (p, d, bs, n, rate, conn), c in cells.items():
+        theirs = cells.get((p, d, bs, n, rate, "nixl")) if conn == "kvtriton" else None
+
+        def ratio(k, c=c, theirs=theirs):
+            a, b = c.get(k), (theirs or {}).get(k)
+            return f"{a / b:.2f}" if a and b else ""
+        both = lambda k, c=c: f"{fmt_ms(c.get(k + '_p50'))} / {fmt_ms(c.get(k + '_p99'))}"  # noqa: E731
+        cell = f"{n} in flight" if rate is None else f"{n} at {rate:g} req/s"
+        kv = f"{ratio('kv_loaded_ms_p50')} / {ratio('kv_loaded_ms_p99')}" if theirs else ""
+        tt = f"{ratio('ttft_ms_p50')} / {ratio('ttft_ms_p99')}" if theirs else ""
+        lines.append(f"| {p}->{d} | {bs} | {cell} | {conn} | {c['ok']}/{c['n']} | {c['recomputed']} | "
+                     f"{both('kv_loaded_ms')} | {both('kv_ready_ms')} | {both('ttft_ms')} | "
+                     f"{fmt_ms(c.get('step_base_ms'))} / {both('step_loading_ms')} | {kv} | {tt} |")
+    return lines
