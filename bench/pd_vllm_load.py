@@ -101,7 +101,9 @@ def _cell(prefill, decode, connector, prompts, ref, cell, tag, max_tokens, bg_to
            "ok": sum(r["identical"] for r in rows), "n": n,
            "recomputed": sum(max(0, r["prompt_computed"] - 1) for r in rows),
            "steps_loading": len(loading), "step_base_ms": _ms(statistics.median(base)) if base else None,
-           "step_loading_ms_p50": _ms(pct(loading, 50)), "step_loading_ms_p99": _ms(pct(loading, 99))}
+           "step_loading_ms_p50": _ms(pct(loading, 50)), "step_loading_ms_p99": _ms(pct(loading, 99)),
+           # every step of the cell: [ms, requests waiting for their KV, requests running]
+           "steps": [[round(1e3 * t, 2), w, r] for t, w, r in steps]}
     for k in ("kv_loaded_ms", "kv_ready_ms", "ttft_ms"):
         res[f"{k}_p50"], res[f"{k}_p99"] = pct([r[k] for r in rows], 50), pct([r[k] for r in rows], 99)
     f = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731

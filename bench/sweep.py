@@ -96,7 +96,7 @@ from bench.presets import (  # bench/presets.py
     TP_PAIRS,
     Preset,
 )
-from bench.report import pd_vllm_table, print_table, write_outputs  # bench/report.py
+from bench.report import load_table, pd_vllm_table, print_table, write_outputs  # bench/report.py
 
 HERE = Path(__file__).resolve().parent
 
@@ -372,6 +372,14 @@ PD_REALISTIC_KIND = "llama hd128"
 
 #: TP pairs of the pd_vllm section: the default sweep runs P2->D1 (the cell issue 21 is about)
 PD_PAIRS_SMALL = ((2, 1),)
+#: the default sweep's real-engine block: vLLM 0.34's default (64), what users run now
+PD_BLOCK_SMALL = 64
+#: many requests in flight on the same engines, after the one-at-a-time requests (bench/pd_vllm_load.py):
+#: the default sweep 8 and 32 at once (seconds on the small model: the engines' start-up is the cost);
+#: --full adds 16 requests at a steady 20 req/s, and runs the small model at blocks 16 and 64
+PD_LOAD_SMALL = dict(concurrency=(8, 32))
+PD_LOAD_FULL = dict(concurrency=(8, 32), rate=20.0, rate_count=16)
+PD_LOAD_BLOCKS_FULL = (16, 64)
 
 
 def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
@@ -382,11 +390,15 @@ def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
     if pd_vllm.vllm_python() is None:
         print("pd_vllm: skipped, no vLLM test bed (`make vllm-bed` builds it; `make sweep` does first)")
         return []
+    from bench.pd_vllm_load import cells_from  # bench/pd_vllm_load.py
+
     size = "small" if quick else size
     pairs = PD_PAIRS_SMALL if quick else pd_vllm.PAIRS
     cfg = PD_SIZES[size]
+    if quick:
+        cfg = {**cfg, "block_size": PD_BLOCK_SMALL, "load_cells": cells_from(**PD_LOAD_SMALL)}
     if bar is not None:
-        bar.total(2 * len(pairs) + (0 if quick else 2 * len(pairs) + 4))
+        bar.total(2 * len(pairs) + (0 if quick else 2 * len(pairs) + 4 + 2 * len(PD_LOAD_BLOCKS_FULL)))
 
     def say(*a):
         print(*a, flush=True)
@@ -402,13 +414,21 @@ def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
     if not quick:  # the small size (vLLM CPU's MLA is slow); NixlConnector where it runs
         for kind in ("deepseek", "llama+mla-draft"):
             results += pd_vllm.compare(PD_PAIRS_SMALL, **PD_SIZES["small"], model_kind=kind, quiet=True, say=say)
+    if not quick:  # issue 36: many requests in flight at block 16 and vLLM 0.34's 64, the small model
+        for block in PD_LOAD_BLOCKS_FULL:
+            for res in pd_vllm.compare(PD_PAIRS_SMALL, **PD_SIZES["small"], block_size=block, quiet=True, say=say,
+                                       load_cells=cells_from(**PD_LOAD_FULL)):
+                results.append({**res, "model_kind": f"llama block {block}"})
     print("\n".join(pd_vllm_table(results)), flush=True)
+    if any(r.get("load") for r in results):
+        print("\n".join(load_table(results)), flush=True)
     model = (f"{cfg['layers']} layers, {cfg['kv_heads']} KV heads, head_dim {cfg['head_dim']}, "
              f"~{cfg['prompt_len']} tokens")
     rows = []
     for res in results:
         key = {"section": "pd_vllm", "connector": res["connector"], "prefill_tp": res["prefill_tp"],
-               "decode_tp": res["decode_tp"], "pd_size": size, "model_kind": res.get("model_kind", "llama")}
+               "decode_tp": res["decode_tp"], "pd_size": size, "model_kind": res.get("model_kind", "llama"),
+               "block_size": res.get("block_size")}
         key["model"] = {"llama": model,
                         PD_REALISTIC_KIND: (f"{PD_REALISTIC['layers']} layers, {PD_REALISTIC['kv_heads']} KV heads, "
                                             f"head_dim {PD_REALISTIC['head_dim']}, ~{PD_REALISTIC['prompt_len']} "
@@ -417,7 +437,19 @@ def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
         if not res["rows"]:
             rows.append({**key, "summary": res["summary"]})
         rows += [{**r, **key, "summary": res["summary"]} for r in res["rows"]]  # key's model_kind wins
+        rows += [load_row(key, c) for c in res.get("load") or ()]
     return rows
+
+
+def load_row(key: dict, cell: dict) -> dict:
+    """One load cell (bench/pd_vllm_load.py) as a pd_vllm row: its figures, none of the
+    one-at-a-time rows' keys (``ttft_ms``, ``identical``...), so those tables and medians skip it."""
+    figures = {k: v for k, v in cell.items() if k.endswith(("_p50", "_p99")) or k.startswith("step")}
+    return {**key, "load_cell": f"{cell['in_flight']} in flight" if cell.get("rate") is None
+            else f"{cell['in_flight']} at {cell['rate']:g} req/s",
+            "in_flight": cell["in_flight"], "rate": cell.get("rate"),
+            "load_ok": cell["ok"], "load_n": cell["n"], "load_recomputed": cell["recomputed"], **figures,
+            "summary": cell["summary"]}
 
 
 #: the hybrid matrix of issue 32 (--full): every model kind at these P->D pairs, both connectors;
