@@ -61,6 +61,9 @@ from bench.report import fmt_ms, load_table, median_known, pd_vllm_table  # benc
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+#: where :func:`compare` keeps the models it makes, across runs (``make clean`` removes it): making
+#: one starts the bed's Python and imports transformers, 23-68 s of a sweep on the loaded 2-core host
+MODEL_CACHE = ROOT / "build" / "pd_vllm-models"
 
 # vLLM CPU: MLA runs on CPU_MLA (named: AMX_MLA would be picked on AMX hosts) at block 16, with the
 # rotary custom op off (it is wrong for DeepSeek's 3-D q_pe); the mixed cache also needs the bed's
@@ -394,12 +397,13 @@ PAIRS = ((2, 1), (1, 2))
 def compare(pairs=PAIRS, *, say=print, overlap: bool = True, **kw) -> list[dict]:
     """Both connectors on the same model and prompts, each TP pair: one result per (pair,
     connector), as :func:`run` returns it, plus ``connector``/``prefill_tp``/``decode_tp``. The
-    model is made once for all of them (``model_cache``); each run's logs go to its own folder.
+    model is made once (``model_cache``, default :data:`MODEL_CACHE`: kept for the next run too);
+    each run's logs go to its own folder.
     ``overlap``: the next run's engines start while the last run's exit (False: after, for the
     larger models, where two runs' engines at once pass the 4 GB a bench may take)."""
     out = []
     root = Path(kw.pop("log_dir", None) or tempfile.mkdtemp(prefix="pd_vllm-"))
-    kw.setdefault("model_cache", str(root))
+    kw.setdefault("model_cache", str(MODEL_CACHE))
     closing: list = []  # each run's engines exit while the next run's start; gone before it measures
 
     def previous_gone():
