@@ -17,7 +17,8 @@ blocks, requests, staging in use), ``transfer_stats``/``agent_stats`` (counters 
 ``load_times`` (per request: from ``start_load_kv`` to the load reported finished, and from
 submission to the scheduler learning it; the same hooks for any connector), ``step_times`` (each
 engine step since the last call: seconds, requests waiting for their KV, requests running; a
-``generate`` request with ``at_s`` is submitted that long after the call: an arrival rate), ``digest`` (per rank,
+``generate`` request with ``at_s`` is submitted that long after the call: an arrival rate),
+``call_times`` (per rank, seconds each ``start_load_kv``/``get_transfer_results`` call took), ``digest`` (per rank,
 per region, per global KV head: a SHA-256 of the first ``num_tokens`` tokens of the given blocks;
 with ``loaded``, of the copy a decode rank took of them when that request's load finished),
 ``loaded_blocks`` (per rank: the local blocks each load wrote and its token count),
@@ -357,6 +358,7 @@ class _BedEngine:
             "digest": lambda cmd: {"digests": self.connector_rpc("digest", cmd["block_ids"], cmd["num_tokens"],
                                                                  cmd.get("loaded"))},
             "loaded_blocks": lambda cmd: {"loads": self.connector_rpc("loaded_blocks")},
+            "call_times": lambda cmd: {"calls": self.connector_rpc("call_times")},
             # this process's Prometheus registry, as vLLM's /metrics would serve it
             "metrics": lambda cmd: {"samples": _samples(cmd.get("prefix", "vllm:"))},
             "debug_state": lambda cmd: {"states": self.connector_rpc("debug_state")},

@@ -152,7 +152,7 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     say = (lambda *a: None) if quiet else tell
     work = Path(log_dir or tempfile.mkdtemp(prefix="pd_vllm-"))
     work.mkdir(parents=True, exist_ok=True)
-    models = Path(model_cache or work)
+    models = Path(model_cache or MODEL_CACHE)
     hidden = hidden or 2 * kv_heads * head_dim
     # a TP3 engine needs a vocabulary vLLM pads to a multiple of 3 x 64 (512 fails: "512 is not divisible by 3")
     vocab = 576 if prefill_tp % 3 == 0 or decode_tp % 3 == 0 else 512

@@ -83,8 +83,11 @@ def _cell(prefill, decode, connector, prompts, ref, cell, tag, max_tokens, bg_to
     gap = 1.0 / cell["rate"] if "rate" in cell else 0.0
     reqs = [{"id": f"{tag}d{i}", "prompt": p, "max_tokens": max_tokens, "kv_transfer_params": kp,
              **({"at_s": i * gap} if gap else {})} for i, (p, kp) in enumerate(zip(prompts, params))]
+    decode.call("call_times")
     outs = decode.call("generate", requests=reqs, timeout_s=900, seconds=600)["outputs"]
     steps = decode.call("step_times")["steps"]
+    # the connector's per-step calls on the engine thread, rank 0 (the engine process at TP1)
+    calls = (decode.call("call_times")["calls"] or [{}])[0] or {}
     decode.call("abort", ids=[bg])
     decode.call("drain", seconds=30, timeout_s=60)
     prefill.call("drain", seconds=60, timeout_s=90)  # held blocks freed before the next cell
@@ -102,6 +105,9 @@ def _cell(prefill, decode, connector, prompts, ref, cell, tag, max_tokens, bg_to
            "recomputed": sum(max(0, r["prompt_computed"] - 1) for r in rows),
            "steps_loading": len(loading), "step_base_ms": _ms(statistics.median(base)) if base else None,
            "step_loading_ms_p50": _ms(pct(loading, 50)), "step_loading_ms_p99": _ms(pct(loading, 99)),
+           # the connector's own calls on the engine thread over the cell (rank 0): total and slowest
+           **{f"{k}_ms_total": _ms(sum(v)) for k, v in calls.items()},
+           **{f"{k}_ms_max": _ms(max(v, default=0.0)) for k, v in calls.items()},
            # every step of the cell: [ms, requests waiting for their KV, requests running]
            "steps": [[round(1e3 * t, 2), w, r] for t, w, r in steps]}
     for k in ("kv_loaded_ms", "kv_ready_ms", "ttft_ms"):
@@ -112,7 +118,11 @@ def _cell(prefill, decode, connector, prompts, ref, cell, tag, max_tokens, bg_to
                       f"{f(res['kv_ready_ms_p50'])}/{f(res['kv_ready_ms_p99'])} ms, TTFT "
                       f"{f(res['ttft_ms_p50'])}/{f(res['ttft_ms_p99'])} ms; decode step {f(res['step_base_ms'])} ms "
                       f"alone, {f(res['step_loading_ms_p50'])}/{f(res['step_loading_ms_p99'])} ms with loads "
-                      f"waiting ({len(loading)} steps)")
+                      f"waiting ({len(loading)} steps); connector calls on the engine thread: start_load_kv "
+                      f"{f(res.get('start_load_kv_ms_total'))} ms in all "
+                      f"(slowest {f(res.get('start_load_kv_ms_max'))}), "
+                      f"get_transfer_results {f(res.get('get_transfer_results_ms_total'))} ms "
+                      f"(slowest {f(res.get('get_transfer_results_ms_max'))})")
     return res
 
 

@@ -12,7 +12,8 @@ Sections (all by default; ``--sections`` picks some):
   measurements, Triton runs only under the interpreter).
 * ``e2e``: one request end to end between processes over NIXL (bench/e2e.py), when NIXL is
   installed: over UCX shared memory and ``UCX_TLS=tcp``, each with an idle host and with a
-  busy-loop neighbor process on the same cores (each configuration in fresh processes).
+  busy-loop neighbor process on the same cores (each configuration in fresh processes), at block 16
+  and (idle) at vLLM 0.34's default block 64 (``--full``: every configuration at 16, 32 and 64).
 * ``costmodel``: the grid that proves the plan's STAGED/DIRECT choice (bench/costgrid.py): every
   feasible mode timed per (transport, P->D, heads per rank, block size, layout) against the mode
   the measured cost model chose.
@@ -38,7 +39,11 @@ Sections (all by default; ``--sections`` picks some):
   2k-token prompts (``--pd-size``; ``--quick``: the 2-layer toy), ~11-13 min on 2 busy cores, when
   the vLLM test bed is there (``.venv-vllm`` or ``$KVTRITON_VLLM_PYTHON``): ``make sweep`` builds it
   (``make vllm-bed``) beside ``.venv`` before the sweep starts, so its headline has the real-engine
-  row on a fresh clone; run directly without it, the section says so and is left out.
+  row on a fresh clone; run directly without it, the section says so and is left out. After the
+  one-at-a-time requests, on the same engines, many requests of mixed lengths in flight
+  (bench/pd_vllm_load.py): p50/p99 of time to KV loaded and TTFT, the decode's step time with
+  loads waiting. The default sweep: the small model at block 64 (vLLM 0.34's default), 8 and 32
+  in flight; ``--full`` adds blocks 16 and 64 with 8, 32 and 16 requests at 20 req/s.
 * ``pd_hybrid`` (``--full`` only): the hybrid matrix of issue 32 on real vLLM engines, each model
   kind (Gemma-3 sliding window, Nemotron-H Mamba2 with ``n_groups`` 2 and 1, Qwen3-Next GDN) at
   P1->D1, P2->D1, P1->D2 and P2->D3, kvtriton (tokens and every group's bytes checked) beside
@@ -175,16 +180,21 @@ def _kernels(args, presets, device, bar) -> list[dict]:
 #: e2e configurations of the default (smaller) sweep: P4->D8, random ids, shared memory idle and
 #: with a busy neighbour (the cases the headline and issue 21's busy-host goal read); --full: all
 E2E_SMALL = dict(pairs=("p4d8",), ids=("random",), configs=[("shm", None, 0), ("shm", None, 1)])
+#: and the same request at vLLM 0.34's default block (64: its K||V reads of 32 KiB), idle host; --full
+#: runs every configuration at blocks 16, 32 and 64
+E2E_SMALL_BLOCKS = dict(pairs=("p4d8",), ids=("random",), configs=[("shm", None, 0)], blocks=(64,))
+E2E_FULL_BLOCKS = (16, 32, 64)
 
 
 def _e2e(args, presets, device, bar) -> list[dict]:
     from bench import e2e  # bench/e2e.py
     from bench.block_sizes import e2e_rows  # bench/block_sizes.py
 
-    kw = {} if args.full else E2E_SMALL
-    n = len(kw.get("pairs", e2e.PAIRS)) * len(kw.get("ids", e2e.IDS)) * len(kw.get("configs", e2e.CONFIGS))
-    bar.total(n + 1)
-    rows = [{"section": "e2e", **r} for r in e2e.run_e2e_matrix(quick=not args.full, progress=bar.step, **kw)]
+    runs = [{"blocks": E2E_FULL_BLOCKS}] if args.full else [E2E_SMALL, E2E_SMALL_BLOCKS]
+    bar.total(1 + sum(len(kw.get("pairs", e2e.PAIRS)) * len(kw.get("ids", e2e.IDS)) * len(kw.get("blocks", (16,)))
+                      * len(kw.get("configs", e2e.CONFIGS)) for kw in runs))
+    rows = [{"section": "e2e", **r} for kw in runs
+            for r in e2e.run_e2e_matrix(quick=not args.full, progress=bar.step, **kw)]
     rows += [{"section": "e2e", **r} for r in e2e_rows(quick=not args.full)]
     bar.step("block-size changes")
     return rows
