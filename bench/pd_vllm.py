@@ -397,13 +397,14 @@ PAIRS = ((2, 1), (1, 2))
 def compare(pairs=PAIRS, *, say=print, overlap: bool = True, **kw) -> list[dict]:
     """Both connectors on the same model and prompts, each TP pair: one result per (pair,
     connector), as :func:`run` returns it, plus ``connector``/``prefill_tp``/``decode_tp``. The
-    model is made once (``model_cache``, default :data:`MODEL_CACHE`: kept for the next run too);
-    each run's logs go to its own folder.
+    model is made once (``model_cache``; default: ``log_dir`` when given, else :data:`MODEL_CACHE`,
+    kept for the next run too); each run's logs go to its own folder.
     ``overlap``: the next run's engines start while the last run's exit (False: after, for the
     larger models, where two runs' engines at once pass the 4 GB a bench may take)."""
     out = []
-    root = Path(kw.pop("log_dir", None) or tempfile.mkdtemp(prefix="pd_vllm-"))
-    kw.setdefault("model_cache", str(MODEL_CACHE))
+    log_dir = kw.pop("log_dir", None)
+    root = Path(log_dir or tempfile.mkdtemp(prefix="pd_vllm-"))
+    kw.setdefault("model_cache", str(root if log_dir else MODEL_CACHE))  # a folder named keeps it all
     closing: list = []  # each run's engines exit while the next run's start; gone before it measures
 
     def previous_gone():
