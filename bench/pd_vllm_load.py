@@ -69,6 +69,7 @@ def _name(cell: dict) -> str:
 
 def _cell(prefill, decode, connector, prompts, ref, cell, tag, max_tokens, bg_tokens) -> dict:
     n = len(prompts)
+    eager0 = _eager(prefill, decode, connector)  # before the prefill: its holds are offered as placed
     params = [o["kv_transfer_params"] for o in prefill.call("generate", timeout_s=900, seconds=600, requests=[
         {"id": f"{tag}p{i}", "prompt": p, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
         for i, p in enumerate(prompts)])["outputs"]]
@@ -85,6 +86,7 @@ def _cell(prefill, decode, connector, prompts, ref, cell, tag, max_tokens, bg_to
              **({"at_s": i * gap} if gap else {})} for i, (p, kp) in enumerate(zip(prompts, params))]
     decode.call("call_times")
     outs = decode.call("generate", requests=reqs, timeout_s=900, seconds=600)["outputs"]
+    eager = {k: v - eager0.get(k, 0) for k, v in _eager(prefill, decode, connector).items()}
     steps = decode.call("step_times")["steps"]
     # the connector's per-step calls on the engine thread, rank 0 (the engine process at TP1)
     calls = (decode.call("call_times")["calls"] or [{}])[0] or {}
@@ -108,6 +110,9 @@ def _cell(prefill, decode, connector, prompts, ref, cell, tag, max_tokens, bg_to
            # the connector's own calls on the engine thread over the cell (rank 0): total and slowest
            **{f"{k}_ms_total": _ms(sum(v)) for k, v in calls.items()},
            **{f"{k}_ms_max": _ms(max(v, default=0.0)) for k, v in calls.items()},
+           # kvtriton: the loads the decode READ from an offer without pulling (offers_taken), the
+           # prefill's offers read so and its pulls answered from packs made ahead, over the cell
+           **eager,
            # every step of the cell: [ms, requests waiting for their KV, requests running]
            "steps": [[round(1e3 * t, 2), w, r] for t, w, r in steps]}
     for k in ("kv_loaded_ms", "kv_ready_ms", "ttft_ms"):
@@ -122,8 +127,25 @@ def _cell(prefill, decode, connector, prompts, ref, cell, tag, max_tokens, bg_to
                       f"{f(res.get('start_load_kv_ms_total'))} ms in all "
                       f"(slowest {f(res.get('start_load_kv_ms_max'))}), "
                       f"get_transfer_results {f(res.get('get_transfer_results_ms_total'))} ms "
-                      f"(slowest {f(res.get('get_transfer_results_ms_max'))})")
+                      f"(slowest {f(res.get('get_transfer_results_ms_max'))})"
+                      + (f"; loads READ from an offer {eager['offers_taken']}/{n}" if eager else ""))
     return res
+
+
+_EAGER = {"decode": ("offers_taken",), "prefill": ("eager_offers", "eager_offer_reads", "eager_offer_pulls",
+                                                   "eager_pull_hits", "eager_misses")}
+
+
+def _eager(prefill, decode, connector: str) -> dict:
+    """kvtriton's eager counters summed over each engine's ranks ({} for NixlConnector)."""
+    if connector != "kvtriton":
+        return {}
+    out = {}
+    for name, engine in (("decode", decode), ("prefill", prefill)):
+        ranks = engine.call("agent_stats")["stats"] or ()
+        for k in _EAGER[name]:
+            out[k] = sum((r or {}).get(k, 0) for r in ranks)
+    return out
 
 
 def _ms(seconds):
