@@ -128,7 +128,9 @@ def _cell(prefill, decode, connector, prompts, ref, cell, tag, max_tokens, bg_to
                       f"(slowest {f(res.get('start_load_kv_ms_max'))}), "
                       f"get_transfer_results {f(res.get('get_transfer_results_ms_total'))} ms "
                       f"(slowest {f(res.get('get_transfer_results_ms_max'))})"
-                      + (f"; loads READ from an offer {eager['offers_taken']}/{n}" if eager else ""))
+                      + (f"; offers READ without a pull {eager['offers_taken']} (one per source rank and load), "
+                         f"pulls {eager['eager_pull_hits'] + eager['eager_offer_pulls'] + eager['eager_misses']}"
+                         if eager else ""))
     return res
 
 
