@@ -2,9 +2,10 @@
 drive. They live beside ``tests/`` and ``bench/``, not in the wheel: a user tests with
 :mod:`kvtriton.testing` (oracles, the in-process pair, agent children), never with these.
 
-* :mod:`.vllm_bed`, :mod:`.vllm_pair`, :mod:`.vllm_models`, :mod:`.vllm_hooks`, :mod:`.vllm_patches`:
+* :mod:`.vllm_bed`, :mod:`.vllm_pair`, :mod:`.vllm_models`, :mod:`.vllm_hooks`, :mod:`.vllm_patches`,
+  :mod:`.vllm_debug`:
   vLLM engine processes on tiny local models, the two-engine pair, the bed's observing hooks and
-  the capability patches applied in the bed alone.
+  the capability patches applied in the bed alone, its debugging aids.
 * :mod:`.sglang_bed`, :mod:`.sglang_servers`, :mod:`.sglang_launch`, :mod:`.sglang_hooks`, and
   ``sglang_cpu_ops/`` (a stand-in ``sgl_kernel`` package): SGLang's classes and servers.
 

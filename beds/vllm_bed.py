@@ -16,7 +16,10 @@ the scheduler's own outputs; ``ids``: of requests submitted before, too), ``subm
 (overwrite blocks of the registered cache with noise: the negative control), ``state`` (free
 blocks, requests, staging in use), ``transfer_stats``/``agent_stats`` (counters per rank),
 ``load_times`` (per request: from ``start_load_kv`` to the load reported finished, and from
-submission to the scheduler learning it; the same hooks for any connector), ``digest`` (per rank,
+submission to the scheduler learning it; the same hooks for any connector), ``step_times`` (each
+engine step since the last call: seconds, requests waiting for their KV, requests running; a
+``generate`` request with ``at_s`` is submitted that long after the call: an arrival rate),
+``call_times`` (per rank, seconds each ``start_load_kv``/``get_transfer_results`` call took), ``digest`` (per rank,
 per region, per global KV head: a SHA-256 of the first ``num_tokens`` tokens of the given blocks;
 with ``loaded``, of the copy a decode rank took of them when that request's load finished),
 ``loaded_blocks`` (per rank: the local blocks each load wrote and its token count),
@@ -33,6 +36,7 @@ Example (from the repository root, with the test bed built)::
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import select
@@ -43,7 +47,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import child_env
+from . import child_env, vllm_debug
 from .vllm_models import TinyLlama, make_tiny_llama
 
 __all__ = ["EngineProcess", "wait_all_ready", "close_all", "make_tiny_llama", "TinyLlama", "engine_cpus",
@@ -268,9 +272,9 @@ def _child(args) -> None:
     if os.environ.get("KVTRITON_DEBUG"):
         logging.getLogger("kvtriton").setLevel(logging.DEBUG)
     if os.environ.get("KVTRITON_BED_TRACE"):
-        _trace_connector_calls()
+        vllm_debug.trace_connector_calls()
     if os.environ.get("KVTRITON_BED_WATCHDOG"):
-        _watch_agent_threads()
+        vllm_debug.watch_agent_threads()
     if os.environ.get("KVTRITON_BED_STACKS"):  # every thread's stack every 3 s, from a C thread
         import faulthandler  # that runs even while the GIL is held
 
@@ -337,6 +341,8 @@ class _BedEngine:
         self.submitted: dict[str, tuple[int, float]] = {}
         self.first_token: dict[str, float] = {}
         self.finished: dict[str, dict] = {}
+        # per engine step: (seconds, requests waiting for their KV at its start, requests running)
+        self.step_log: collections.deque = collections.deque(maxlen=100_000)
         if args.connector == "nixl":
             self.connector_rpc("count_nixl_descriptors")
         if args.connector != "none":
@@ -350,11 +356,13 @@ class _BedEngine:
             # per request: when (perf_counter: CLOCK_MONOTONIC, the parent's clock too) its load ended
             "kv_in": lambda cmd: {"at": {e: min((t for r, t in self.kv_in.items() if _owns(r, e)), default=None)
                                          for e in cmd["ids"]}},
+            "step_times": lambda cmd: {"steps": [self.step_log.popleft() for _ in range(len(self.step_log))]},
             "agent_stats": lambda cmd: {"stats": self.connector_rpc("agent_stats")},
             "transfer_stats": lambda cmd: {"stats": self.connector_rpc("transfer_stats")},
             "digest": lambda cmd: {"digests": self.connector_rpc("digest", cmd["block_ids"], cmd["num_tokens"],
                                                                  cmd.get("loaded"))},
             "loaded_blocks": lambda cmd: {"loads": self.connector_rpc("loaded_blocks")},
+            "call_times": lambda cmd: {"calls": self.connector_rpc("call_times")},
             # this process's Prometheus registry, as vLLM's /metrics would serve it
             "metrics": lambda cmd: {"samples": _samples(cmd.get("prefix", "vllm:"))},
             "debug_state": lambda cmd: {"states": self.connector_rpc("debug_state")},
@@ -405,12 +413,30 @@ class _BedEngine:
             self.engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]), sp)
             self.submitted[r["id"]] = (len(r["prompt"]), time.perf_counter())
 
-    def _step_until(self, ids, timeout_s) -> None:
-        deadline = time.monotonic() + timeout_s
+    def _step(self) -> list:
+        """One engine step, logged (``step_times``): what the connector's per-step work costs."""
+        from vllm.v1.request import RequestStatus
+
+        loading = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.sched.requests.values())
+        t = time.perf_counter()
+        out = self.engine.step()
+        self.step_log.append((time.perf_counter() - t, loading, len(self.sched.running)))
+        return out
+
+    def _step_until(self, ids, timeout_s, later=()) -> None:
+        """Step until requests ``ids`` finish; ``later``: requests each submitted ``at_s`` seconds
+        after this call (a steady arrival rate), sleeping while nothing else is in the engine."""
+        deadline, t0 = time.monotonic() + timeout_s, time.perf_counter()
+        later = sorted(later, key=lambda r: r["at_s"])
         while any(i not in self.finished for i in ids):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"requests {sorted(set(ids) - set(self.finished))} did not finish in {timeout_s} s")
-            for o in self.engine.step():
+            while later and time.perf_counter() - t0 >= later[0]["at_s"]:
+                self._submit([later.pop(0)])
+            if later and not self.engine.has_unfinished_requests():
+                time.sleep(max(0.0, min(0.01, later[0]["at_s"] - (time.perf_counter() - t0))))
+                continue
+            for o in self._step():
                 if o.outputs and o.outputs[0].token_ids and o.request_id not in self.first_token:
                     self.first_token[o.request_id] = time.perf_counter()
                 if o.finished:
@@ -428,15 +454,15 @@ class _BedEngine:
 
     # ------------------------------------------------------------------ the commands
     def generate(self, cmd: dict) -> dict:
-        self._submit(cmd["requests"])
+        self._submit([r for r in cmd["requests"] if "at_s" not in r])
         ids = [r["id"] for r in cmd["requests"]] + cmd.get("ids", [])  # ids: submitted before
-        self._step_until(ids, cmd.get("seconds", 300))
+        self._step_until(ids, cmd.get("seconds", 300), [r for r in cmd["requests"] if "at_s" in r])
         return {"outputs": [self.finished.pop(i) for i in ids]}
 
     def submit_steps(self, cmd: dict) -> dict:
         self._submit(cmd["requests"])
         for _ in range(cmd.get("steps", 1)):
-            self.engine.step()
+            self._step()
         return {"ok": True}
 
     def abort(self, cmd: dict) -> dict:
@@ -500,64 +526,6 @@ def _samples(prefix: str) -> list[dict]:
 
     return [{"name": s.name, "labels": dict(s.labels), "value": s.value}
             for family in REGISTRY.collect() for s in family.samples if s.name.startswith(prefix)]
-
-
-def _watch_agent_threads(stuck_s: float = 2.0) -> None:
-    """Log the stack of any kvtriton thread that stays in one place (outside its idle wait) for
-    ``stuck_s``, and any gap in this watchdog's own ticks (the whole process stalled)."""
-    import threading
-    import traceback
-
-    def watch():
-        last_tick, seen = time.monotonic(), {}
-        while True:
-            time.sleep(0.05)
-            now = time.monotonic()
-            if now - last_tick > stuck_s:
-                print(f"[watchdog] process stalled {now - last_tick:.1f} s", file=sys.stderr, flush=True)
-            last_tick = now
-            names = {t.ident: t.name for t in threading.enumerate()}
-            for ident, frame in sys._current_frames().items():
-                if not names.get(ident, "").startswith("kvtriton"):
-                    continue
-                where = (frame.f_code.co_filename, frame.f_lineno)
-                if frame.f_code.co_name in ("wait", "accept", "_worker"):  # idle by design
-                    seen.pop(ident, None)
-                    continue
-                first = seen.setdefault(ident, (where, now))
-                if first[0] != where:
-                    seen[ident] = (where, now)
-                elif now - first[1] > stuck_s:
-                    print(f"[watchdog] {names[ident]} stuck {now - first[1]:.1f} s at:\n"
-                          + "".join(traceback.format_stack(frame)), file=sys.stderr, flush=True)
-                    seen[ident] = (where, now)
-
-    threading.Thread(target=watch, daemon=True, name="bed-watchdog").start()
-
-
-def _trace_connector_calls() -> None:
-    """Log every call vLLM makes into KVTritonConnector (``KVTRITON_BED_TRACE=1``): the call order
-    a real engine makes, as the connector sees it."""
-    import functools
-    import logging
-
-    from kvtriton.integrations.vllm import connector as mod
-
-    log = logging.getLogger("kvtriton.trace")
-    cls = mod.KVTritonConnector
-    for name, fn in list(vars(cls).items()):
-        if name.startswith("_") and name != "__init__" or not callable(fn):
-            continue
-
-        def wrap(fn=fn, name=name):
-            @functools.wraps(fn)
-            def traced(self, *a, **kw):
-                role = getattr(getattr(self, "role", None), "name", "?")
-                log.info("call %s.%s", role, name)
-                return fn(self, *a, **kw)
-            return traced
-
-        setattr(cls, name, wrap())
 
 
 _ANSWERS = sys.stdout  # main() points it at a private copy of fd 1 and sends fd 1 to stderr

@@ -53,6 +53,7 @@ class BedHooks:
             return
         times = conn._bed_load_times = {}
         loads_seen = conn._bed_loads = {}
+        calls = conn._bed_calls = {"start_load_kv": [], "get_transfer_results": []}  # seconds per call
         start, results = conn.start_load_kv, conn.get_transfer_results
 
         def timed_start(forward_context, **kw):
@@ -66,11 +67,16 @@ class BedHooks:
                     loads_seen[rid] = {"local": _ids(local), "num_tokens": load.num_tokens,
                                        "remote": _ids(load.remote_block_ids),
                                        "remote_request": load.source.request_id}
-            return start(forward_context, **kw)
+            try:
+                return start(forward_context, **kw)
+            finally:
+                _bounded(calls["start_load_kv"]).append(time.perf_counter() - now)
 
         def timed_results(finished_req_ids):
+            t0 = time.perf_counter()
             out = results(finished_req_ids)
             now = time.perf_counter()
+            _bounded(calls["get_transfer_results"]).append(now - t0)
             for rid in out.finished_recving or ():
                 t = times.get(rid)
                 if t is not None and t[1] is None:
@@ -110,6 +116,16 @@ class BedHooks:
         for rid in done:
             del times[rid]
         return done
+
+    @staticmethod
+    def call_times(conn) -> dict:
+        """Seconds each call of the connector's per-step work took on the engine's thread since the
+        last call (``start_load_kv``, ``get_transfer_results``: where kvtriton's ``progress()`` runs)."""
+        calls = getattr(conn, "_bed_calls", None) or {}
+        out = {name: list(ts) for name, ts in calls.items()}
+        for ts in calls.values():
+            ts.clear()
+        return out
 
     @staticmethod
     def count_nixl_descriptors(conn) -> None:
@@ -352,3 +368,10 @@ class HybridOracle:
                 put("B", f"g{grp}", conv[:, x + j * st:x + (j + 1) * st])
                 put("C", f"g{grp}", conv[:, x + b + j * st:x + b + (j + 1) * st])
         return {region: {"kind": "state", "tokens": 1, "heads": heads_} for region, heads_ in parts.items()}
+
+
+def _bounded(values: list, most: int = 100_000) -> list:
+    """``values``, its oldest half dropped past ``most`` (a long test's calls are never read)."""
+    if len(values) > most:
+        del values[: most // 2]
+    return values

@@ -59,7 +59,10 @@ import numpy as np
 
 from bench.timing import qfields, quantiles_ms, quantiles_of  # bench/timing.py
 
-HEADS, HEAD_DIM, BLOCK = 8, 128, 16
+HEADS, HEAD_DIM = 8, 128
+# tokens per block: 16 unless the matrix's block dimension sets it (run_e2e_matrix ``blocks``: the
+# environment reaches each configuration's process and its spawned children; 64: vLLM 0.34's default)
+BLOCK = int(os.environ.get("KVTRITON_E2E_BLOCK", "16"))
 # (prefill TP, decode TP): decode rank 0 reads global heads 0..dst_heads-1, from source ranks 0..k-1.
 # p4d8: one source rank's head 0 of its two (D > P: pack_place applies); p8d4: two source ranks'
 # single heads (P > D: read_unpack applies, vLLM's P2->D1 shape)
@@ -425,10 +428,12 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
 
         # -- kvtriton staged, end to end through the agents, per variant
         counter = [0]
-        title = (f"llama3-70b-like ({layers} layers) P{p_tp}->D{d_tp} block 16, NHD source, {tokens} tokens, "
+        title = (f"llama3-70b-like ({layers} layers) P{p_tp}->D{d_tp} block {BLOCK}, NHD source, {tokens} tokens, "
                  f"{ids} block ids")
-        common = dict(case=title, pair=case, transport=transport or _transport_label(),
-                      host="busy" if busy else "idle", bytes=payload, ids=ids)
+        # a block size other than 16 is its own table in the summary (bench/report.py tables by pair)
+        common = dict(case=title, pair=case if BLOCK == 16 else f"{case} block {BLOCK}",
+                      transport=transport or _transport_label(),
+                      host="busy" if busy else "idle", bytes=payload, ids=ids, block=BLOCK)
         ndescs = [[0] for _ in variants]
         setups, held = {}, {}  # untimed: the hold (and for eager its pack) before each timed fetch
         for i, (mode, chunks, inflight, eager, way, src_layout, cost) in enumerate(variants):
@@ -559,17 +564,19 @@ PAIRS = ("p4d8", "p8d4")  # the geometries (CASES) the matrix runs
 
 
 def run_e2e_matrix(quick: bool = False, configs=CONFIGS, timeout_s: float = 240, ids=IDS,
-                   pairs=PAIRS, progress=None) -> list[dict]:
+                   pairs=PAIRS, progress=None, blocks=(16,)) -> list[dict]:
     """:func:`run_e2e_bench` per (pair, block ids, transport, host load), each in fresh processes:
     UCX reads ``UCX_TLS`` once, when the first agent starts. Per-token reads run only in the
-    first config of each pair. ``progress(what)``: called as each configuration finishes."""
+    first config of each pair. ``progress(what)``: called as each configuration finishes.
+    ``blocks``: the block sizes (tokens) each configuration runs at."""
     import json
     import subprocess
     import tempfile
 
     rows: list[dict] = []
-    for k, (pair, id_kind, (label, tls, busy)) in enumerate((p, i, c) for p in pairs for i in ids for c in configs):
-        env = dict(os.environ)
+    for k, (pair, block, id_kind, (label, tls, busy)) in enumerate(
+            (p, b, i, c) for p in pairs for b in blocks for i in ids for c in configs):
+        env = {**os.environ, "KVTRITON_E2E_BLOCK": str(block)}
         env.pop("UCX_TLS", None)
         if tls:
             env["UCX_TLS"] = tls
@@ -577,7 +584,8 @@ def run_e2e_matrix(quick: bool = False, configs=CONFIGS, timeout_s: float = 240,
             cmd = [sys.executable, os.path.abspath(__file__), "--json", f.name, "--transport", label,
                    "--busy", str(busy), "--ids", id_kind, "--case", pair] + (["--quick"] if quick else []) + \
                 ([] if k % (len(ids) * len(configs)) == 0 else ["--no-per-token"])
-            print(f"e2e: {pair}, {label}, {'busy' if busy else 'idle'} host, {id_kind} ids ...", flush=True)
+            print(f"e2e: {pair}, block {block}, {label}, {'busy' if busy else 'idle'} host, {id_kind} ids ...",
+                  flush=True)
             try:
                 res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
                 ok = res.returncode == 0
@@ -585,10 +593,10 @@ def run_e2e_matrix(quick: bool = False, configs=CONFIGS, timeout_s: float = 240,
             except subprocess.TimeoutExpired:
                 ok, err = False, f"timed out after {timeout_s} s"
             if progress is not None:
-                progress(f"{pair} {label} {'busy' if busy else 'idle'} {id_kind}")
+                progress(f"{pair} b{block} {label} {'busy' if busy else 'idle'} {id_kind}")
             if not ok:
                 rows.append(dict(case="e2e", pair=pair, transport=label, host="busy" if busy else "idle", ids=id_kind,
-                                 method="failed", note=err.replace("\n", " ")))
+                                 block=block, method="failed", note=err.replace("\n", " ")))
                 continue
             rows += json.load(open(f.name))
     return rows

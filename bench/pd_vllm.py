@@ -31,6 +31,8 @@ Run from the repository root with kvtriton's venv (the engines use ``.venv-vllm`
     .venv/bin/python bench/pd_vllm.py --connector both --model deepseek
     .venv/bin/python bench/pd_vllm.py --connector kvtriton --model llama+mla-draft --prefill-tp 2
     .venv/bin/python bench/pd_vllm.py --connector both --model nemotronh-ng1 --pairs 1:2,2:1
+    # many requests in flight (bench/pd_vllm_load.py): 8 and 32 at once and 16 at 20 req/s, block 16 and 64
+    .venv/bin/python bench/pd_vllm.py --connector both --pairs 2:1 --block-size 16,64 --concurrency 8,32 --rate 20
 """
 
 from __future__ import annotations
@@ -54,10 +56,14 @@ from pathlib import Path
 from beds import child_env
 from beds.vllm_bed import EngineProcess, TinyLlama, engine_cpus, free_port_range
 from beds.vllm_models import TinyDeepseek
-from bench.report import fmt_ms, median_known, pd_vllm_table  # bench/report.py
+from bench.pd_vllm_load import BACKGROUND_PROMPT, cells_from, load_prompts, run_cells  # bench/pd_vllm_load.py
+from bench.report import fmt_ms, load_table, median_known, pd_vllm_table  # bench/report.py
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+#: where :func:`compare` keeps the models it makes, across runs (``make clean`` removes it): making
+#: one starts the bed's Python and imports transformers, 23-68 s of a sweep on the loaded 2-core host
+MODEL_CACHE = ROOT / "build" / "pd_vllm-models"
 
 # vLLM CPU: MLA runs on CPU_MLA (named: AMX_MLA would be picked on AMX hosts) at block 16, with the
 # rotary custom op off (it is wrong for DeepSeek's 3-D q_pe); the mixed cache also needs the bed's
@@ -110,7 +116,8 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
         warmup: bool = True, python: str | None = None, log_dir: str | None = None, quiet: bool = False,
         env: dict | None = None, profile: str | None = None, eager: bool = True, staging_mib: int = 0,
         model_kind: str = "llama", concurrent_start: bool | None = None, model_cache: str | None = None,
-        modes: str = "", say=None, before_measure=None, closing: list | None = None) -> dict:
+        modes: str = "", say=None, before_measure=None, closing: list | None = None,
+        load_cells: list | None = None) -> dict:
     """Run one P/D configuration; returns a result dict (``rows`` per request, ``ok``, ``recomputed``).
 
     With ``warmup`` a first request (``request`` -1, its own prompt) goes through before the
@@ -127,6 +134,9 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     next run's engines start meanwhile. ``modes``: kvtriton only, forces the agents' modes
     (the connector setting ``modes``, e.g. ``"pack_place"`` or ``"direct_slice"``) on both engines, for A/Bs.
     ``say``: where lines go (default print; ``quiet`` keeps only the phases line).
+    ``load_cells``: after the one-at-a-time requests, these cells of many requests in flight on
+    the same engines (bench/pd_vllm_load.py, :func:`~bench.pd_vllm_load.cells_from`), results in
+    ``load``. Block sizes under 32 (Llama) run with the bed's ``cpu-attention-block-16`` patch.
     ``concurrent_start``: both engines start at once, each on its own cores (None, the default,
     and True); False: one after the other, the one with more ranks first (see
     :func:`_start_order`). ``model_cache``: a folder for the made model (default: the log
@@ -142,7 +152,7 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     say = (lambda *a: None) if quiet else tell
     work = Path(log_dir or tempfile.mkdtemp(prefix="pd_vllm-"))
     work.mkdir(parents=True, exist_ok=True)
-    models = Path(model_cache or work)
+    models = Path(model_cache or MODEL_CACHE)
     hidden = hidden or 2 * kv_heads * head_dim
     # a TP3 engine needs a vocabulary vLLM pads to a multiple of 3 x 64 (512 fails: "512 is not divisible by 3")
     vocab = 576 if prefill_tp % 3 == 0 or decode_tp % 3 == 0 else 512
@@ -158,19 +168,31 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     else:
         model_dir = _make(python, "llama", models / f"llama-l{layers}-kv{kv_heads}-d{head_dim}-h{hidden}-v{vocab}",
                           model.__dict__)
+        if block_size < 32:  # the CPU attention backend declares multiples of 32; its kernel runs at 16
+            patches = ("cpu-attention-block-16",)
     if model_kind == "llama+mla-draft":
         draft = _make(python, "eagle3-mla", models / f"eagle3-mla-h{hidden}", {"target": model.__dict__,
                                                                               "draft": {"hidden": hidden}})
         block_size, patches = 16, MIXED_PATCHES
         options = {**MLA_OPTIONS, "speculative_config": {"method": "eagle3", "model": str(draft),
                                                          "num_speculative_tokens": 2, "attention_backend": "CPU_MLA"}}
-    max_len = 1 << (prompt_len + max_tokens + block_size).bit_length()
+    load_cells = load_cells or []
+    rng = random.Random(11)
+    first = -1 if warmup else 0
+    toks = [[rng.randrange(model.vocab) for _ in range(prompt_len + (i * 7) % block_size)]
+            for i in range(first, prompts)]
+    loads = load_prompts(random.Random(36), max((c["in_flight"] for c in load_cells), default=0), prompt_len,
+                         block_size, model.vocab)
+    max_len = 1 << (max(map(len, toks + loads)) + max_tokens + block_size).bit_length()
+    bg_tokens = max_len - BACKGROUND_PROMPT - block_size  # the load cells' background request
     # the blocks this run can use at once: the decode's reference batch (every prompt, warm-up
     # included, at once; prefix caching is off, so they are free again after it) and 16 spare;
     # the measured requests run one at a time. Not the 1 GiB VLLM_CPU_KVCACHE_SPACE (its smallest
     # value) per worker: a P2->D1 run held 5.5 GB of PSS with it, and room for the batch twice
     # over still put the scaled model's runs at 5.2 GB, over the 4 GB every bench must stay under
-    blocks = (prompts + 1) * -(-(prompt_len + max_tokens + 2 * block_size) // block_size) + 16
+    # (the load cells: their prompts at once on the prefill, beside the background on the decode)
+    blocks = sum(-(-(len(p) + max_tokens + 2 * block_size) // block_size) for p in toks + loads) + 16
+    blocks += -(-max_len // block_size) if loads else 0
     options = {**(options or {}), "num_gpu_blocks_override": blocks}
     common = dict(connector=connector, block_size=block_size, max_model_len=max_len, log_dir=work,
                   engine_options=options, patches=patches)
@@ -199,15 +221,11 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
         before_measure()
         phases["wait_previous_s"] = time.time() - t1
     say(f"engines up in {phases['engines_s']:.1f} s (logs in {work})")
-    rng = random.Random(11)
-    first = -1 if warmup else 0
-    toks = [[rng.randrange(model.vocab) for _ in range(prompt_len + (i * 7) % block_size)]
-            for i in range(first, prompts)]
-    rows, spies = [], []
+    rows, spies, load = [], [], []
     try:
         t1 = time.time()
         ref = decode.call("generate", requests=[{"id": f"ref{i}", "prompt": p, "max_tokens": max_tokens}
-                                                 for i, p in enumerate(toks)], timeout_s=1200)["outputs"]
+                                                 for i, p in enumerate(toks + loads)], timeout_s=1200)["outputs"]
         phases["reference_s"] = time.time() - t1
         t1 = time.time()
         for i, p in enumerate(toks, start=first):
@@ -249,6 +267,11 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
                 f"{'(' + row['ways'] + ') ' if row['ways'] else ''}prompt tokens computed "
                 f"{row['prompt_computed']}, {'identical' if row['identical'] else 'DIFFERENT'}")
         phases["requests_s"] = time.time() - t1
+        if load_cells:
+            t1 = time.time()
+            load = run_cells(prefill, decode, connector, loads, [r["tokens"] for r in ref[len(toks):]], load_cells,
+                             max_tokens=max_tokens, bg_tokens=bg_tokens, say=tell)
+            phases["load_s"] = time.time() - t1
     finally:
         t1 = time.time()
         for spy in spies:
@@ -273,7 +296,7 @@ def run(connector: str, prefill_tp: int, decode_tp: int, *, kv_heads: int = 2, l
     tell(f"  phases of {connector} P{prefill_tp}->D{decode_tp} (s): "
          + ", ".join(f"{k[:-2]} {v}" for k, v in phases.items()))
     return {"rows": rows, "ok": ok, "n": len(rows), "recomputed": recomputed, "model_kind": model_kind,
-            "phases": phases,
+            "phases": phases, "block_size": block_size, "load": load,
             "ttft_ms_median": statistics.median(r["ttft_ms"] for r in timed) if timed else None,
             "kv_loaded_ms_median": median_known([r["kv_loaded_ms"] for r in timed]),
             "summary": f"pd_vllm: {connector}: {ok}/{len(rows)} requests token-identical to one engine; "
@@ -374,12 +397,14 @@ PAIRS = ((2, 1), (1, 2))
 def compare(pairs=PAIRS, *, say=print, overlap: bool = True, **kw) -> list[dict]:
     """Both connectors on the same model and prompts, each TP pair: one result per (pair,
     connector), as :func:`run` returns it, plus ``connector``/``prefill_tp``/``decode_tp``. The
-    model is made once for all of them (``model_cache``); each run's logs go to its own folder.
+    model is made once (``model_cache``; default: ``log_dir`` when given, else :data:`MODEL_CACHE`,
+    kept for the next run too); each run's logs go to its own folder.
     ``overlap``: the next run's engines start while the last run's exit (False: after, for the
     larger models, where two runs' engines at once pass the 4 GB a bench may take)."""
     out = []
-    root = Path(kw.pop("log_dir", None) or tempfile.mkdtemp(prefix="pd_vllm-"))
-    kw.setdefault("model_cache", str(root))
+    log_dir = kw.pop("log_dir", None)
+    root = Path(log_dir or tempfile.mkdtemp(prefix="pd_vllm-"))
+    kw.setdefault("model_cache", str(root if log_dir else MODEL_CACHE))  # a folder named keeps it all
     closing: list = []  # each run's engines exit while the next run's start; gone before it measures
 
     def previous_gone():
@@ -476,7 +501,14 @@ def main(argv=None) -> int:
                     help="engine start-up: both at once (auto, concurrent) or one after the other, more ranks first")
     ap.add_argument("--profile", help="folder for py-spy samples of both engines over the measured requests")
     ap.add_argument("--debug", action="store_true", help="KVTRITON_DEBUG=1 in the engines (control messages logged)")
-    ap.add_argument("--block-size", type=int, default=32, help="the CPU build needs a multiple of 32")
+    ap.add_argument("--block-size", default="32",
+                    help="tokens per block; comma-separated with --connector both (e.g. 16,64: vLLM 0.34's default "
+                         "is 64; under 32 the bed's cpu-attention-block-16 patch runs the Llama)")
+    ap.add_argument("--concurrency", default="", help="after the one-at-a-time requests, cells of this many requests "
+                    "of mixed prompt lengths in flight at once on the same engines (comma-separated, e.g. 8,32)")
+    ap.add_argument("--rate", type=float, default=0.0, help="and a cell of --rate-count requests arriving at the "
+                    "decode at this steady rate (req/s)")
+    ap.add_argument("--rate-count", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=333)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -492,26 +524,34 @@ def main(argv=None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return 0 if all(r["identical"] == r["n"] for r in rows) else 1
+    blocks = [int(b) for b in args.block_size.split(",")]
+    cells = cells_from([c for c in args.concurrency.split(",") if c], args.rate, args.rate_count)
     kw = dict(kv_heads=args.kv_heads, layers=args.layers, head_dim=args.head_dim, hidden=args.hidden or None,
-              block_size=args.block_size, prompts=args.prompts, prompt_len=args.prompt_len,
+              load_cells=cells, prompts=args.prompts, prompt_len=args.prompt_len,
               max_tokens=args.max_tokens, warmup=not args.no_warmup, profile=args.profile,
               eager=not args.no_eager, staging_mib=args.staging_mib, model_kind=args.model,
               modes=args.modes, concurrent_start={"auto": None, "concurrent": True, "sequential": False}[args.start],
               env={"KVTRITON_DEBUG": "1"} if args.debug else None)
     if args.connector == "both":
         pairs = tuple(tuple(int(x) for x in pd.split(":")) for pd in args.pairs.split(","))
-        results = compare(pairs, **kw, say=lambda *a: print(*a, flush=True))
+        results = [r for b in blocks for r in compare(pairs, **kw, block_size=b, say=lambda *a: print(*a, flush=True))]
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
         print("\n".join(pd_vllm_table(results)))
+        if cells:
+            print("\n".join(load_table(results)))
         for r in results:
             print(r["summary"])
-        return 0 if all(r["n"] and r["ok"] == r["n"] and r["recomputed"] == 0 for r in results) else 1
-    res = run(args.connector, args.prefill_tp, args.decode_tp, **kw)
+        return 0 if all(r["n"] and r["ok"] == r["n"] and r["recomputed"] == 0 and _loads_ok(r) for r in results) else 1
+    res = run(args.connector, args.prefill_tp, args.decode_tp, **kw, block_size=blocks[0])
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     print(res["summary"])
-    return 0 if res["ok"] == res["n"] and res["recomputed"] == 0 else 1
+    return 0 if res["ok"] == res["n"] and res["recomputed"] == 0 and _loads_ok(res) else 1
+
+
+def _loads_ok(res: dict) -> bool:
+    return all(c["ok"] == c["n"] and c["recomputed"] == 0 for c in res.get("load") or ())
 
 
 if __name__ == "__main__":

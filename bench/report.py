@@ -20,7 +20,7 @@ import numpy as np
 # long-form row); every other number is a metric, with ``<metric>_p20``/``_p80`` beside it when
 # it was timed.
 PARAM_KEYS = {"p_tp", "d_tp", "block_size", "tokens", "bytes", "heads_per_rank", "prefill_tp", "decode_tp",
-              "blocks", "layers", "request", "bytes_per_descriptor"}
+              "blocks", "layers", "request", "bytes_per_descriptor", "in_flight", "rate", "block"}
 UNITS = {"ms": "ms", "us": "us", "gbps": "GB/s", "pct_of_copy": "%", "ratio": "x", "gb": "GB", "s": "s"}
 
 
@@ -41,6 +41,7 @@ def _is_param(k, v) -> bool:
 
 
 def _unit(metric: str) -> str:
+    metric = metric.removesuffix("_p50").removesuffix("_p99")  # the load cells' percentiles (bench/pd_vllm_load.py)
     for suffix, unit in UNITS.items():
         if metric == suffix or metric.endswith("_" + suffix):
             return unit
@@ -221,7 +222,8 @@ def auto_vs_best(rows: list[dict], cfg: tuple) -> list[dict]:
 
 
 def _headline_e2e(rows: list[dict]) -> str:
-    rows = [r for r in rows if "src_block" not in r]
+    other_blocks = [r for r in rows if "src_block" not in r and r.get("block", 16) != 16]
+    rows = [r for r in rows if "src_block" not in r and r.get("block", 16) == 16]
     if not rows:
         return "not run"
     parts = []
@@ -247,7 +249,20 @@ def _headline_e2e(rows: list[dict]) -> str:
                    f"{worst:.2f}, {misses} miss(es) beyond noise, {'met' if worst <= E2E_GOAL else 'NOT met'} "
                    f"(goal <= {E2E_GOAL:.2f}): {cells}. ")
     return (verdict + f"kvtriton / vLLM K||V direct reads, one request {pair} (lower is better): "
-            + "; ".join(parts))
+            + "; ".join(parts) + _e2e_other_blocks(other_blocks))
+
+
+def _e2e_other_blocks(rows: list[dict]) -> str:
+    """The headline's e2e rows at other block sizes (bench/e2e.py's block dimension; 64: vLLM 0.34's
+    default, its K||V reads 4x the size), same ratios, block by block."""
+    parts = []
+    for block in dict.fromkeys(r["block"] for r in rows):
+        sel = [r for r in rows if r["block"] == block]
+        for cfg in dict.fromkeys((r.get("transport"), r.get("host"), r.get("ids", "random")) for r in sel):
+            q = e2e_ratios(sel, cfg)
+            if q:
+                parts.append(f"block {block} {cfg[0]} {cfg[1]}: " + ", ".join(f"{k} {v:.2f}" for k, v in q.items()))
+    return f"; {'; '.join(parts)}" if parts else ""
 
 
 def _headline_grid(rows: list[dict]) -> str:
@@ -303,8 +318,24 @@ def _headline_engines(rows: list[dict]) -> str:
                     f"NixlConnector READ)") if nixl else ""
             cells.append(f"P{p}->D{d} {ratio}{size}")
         name = sel[0].get("pd_size", "") if kind == "llama" else kind
-        out.append((f"{name} model: " if name else "") + ", ".join(cells))
+        block = f" block {sel[0]['block_size']}" if sel[0].get("block_size") and kind == "llama" else ""
+        out.append((f"{name} model{block}: " if name else "") + ", ".join(cells) + _headline_load(sel))
     return "kvtriton / NixlConnector time to KV loaded, same engines and prompts: " + "; ".join(out)
+
+
+def _headline_load(rows: list[dict]) -> str:
+    """The load cells' ours/theirs (bench/pd_vllm_load.py): p50 and p99 of time to KV loaded and TTFT."""
+    cells = {(r["prefill_tp"], r["decode_tp"], r["load_cell"], r["connector"]): r for r in rows if r.get("load_cell")}
+    parts = []
+    for (p, d, cell, c), ours in cells.items():
+        theirs = cells.get((p, d, cell, "nixl"))
+        if c != "kvtriton" or not theirs:
+            continue
+        q = lambda k, ours=ours, theirs=theirs: (f"{ours[k] / theirs[k]:.2f}"  # noqa: E731
+                                                 if ours.get(k) and theirs.get(k) else "n/a")
+        parts.append(f"{cell} KV loaded p50 {q('kv_loaded_ms_p50')}x p99 {q('kv_loaded_ms_p99')}x, TTFT p50 "
+                     f"{q('ttft_ms_p50')}x p99 {q('ttft_ms_p99')}x ({ours['load_ok']}/{ours['load_n']} identical)")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _headline_gpu(meta: dict) -> str:
@@ -536,7 +567,8 @@ def print_table(rows: list[dict]) -> None:
 
 def _pd_vllm_summary(rows: list[dict]) -> list[str]:
     lines = ["## Prefill/decode on real vLLM engines (bench/pd_vllm.py)", "",
-             f"vLLM 0.32 CPU build, random-weight GQA Llama ({rows[0].get('model', '?')}, fp32, block 32), "
+             f"vLLM 0.32 CPU build, random-weight GQA Llama ({rows[0].get('model', '?')}, fp32, block "
+             f"{rows[0].get('block_size') or 32}), "
              "8 decode tokens, each engine on its own core. KV loaded = the decode worker's start_load_kv seeing "
              "the load (first rank) to get_transfer_results reporting it (last rank), measured the same way for "
              "both connectors; KV ready = request submitted to the scheduler learning it; first decode token = "
@@ -547,11 +579,19 @@ def _pd_vllm_summary(rows: list[dict]) -> list[str]:
     key_of = lambda r: (r["connector"], r["prefill_tp"], r["decode_tp"], r.get("model_kind", "llama"))  # noqa: E731
     for key in dict.fromkeys(key_of(r) for r in rows):
         sel = [r for r in rows if key_of(r) == key]
+        load = [{**r, "ok": r["load_ok"], "n": r["load_n"], "recomputed": r["load_recomputed"]}
+                for r in sel if r.get("load_cell")]
         results.append({"connector": key[0], "prefill_tp": key[1], "decode_tp": key[2], "model_kind": key[3],
-                        "summary": sel[0]["summary"],
+                        "summary": sel[0]["summary"], "block_size": sel[0].get("block_size"), "load": load,
                         "rows": [r for r in sel if "ttft_ms" in r],
                         "ok": sum(bool(r.get("identical")) for r in sel), "n": sum("ttft_ms" in r for r in sel)})
     lines += pd_vllm_table(results)
+    if any(r["load"] for r in results):
+        lines += ["", "Many requests in flight on the same engines (bench/pd_vllm_load.py): mixed prompt lengths "
+                  "(1/4 to 2x the size's), N at once or arriving at a steady rate; p50/p99 (with 8 requests the "
+                  "p99 is the slowest); decode step = the engine's own step time with a background request "
+                  "decoding, alone and while loads wait (what the connector's per-step work costs).", ""]
+        lines += load_table(results)
     return lines + [""] + [f"    {r['summary']}" for r in results] + [""]
 
 
@@ -700,9 +740,11 @@ def pd_vllm_table(results: list[dict]) -> list[str]:
     lines = ["| P->D | connector | requests identical | KV loaded (ms) | KV ready at scheduler (ms) "
              "| first decode token (ms) | warm-up KV loaded (ms) | descriptors per request | KV bytes per request "
              "| ours/theirs KV loaded | ours/theirs first token |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    by = {(r["prefill_tp"], r["decode_tp"], r["connector"], r.get("model_kind", "llama")): r for r in results}
-    for (p, d, c, model), r in by.items():
-        pd = f"{p}->{d}" if model == "llama" else f"{p}->{d} {model}"
+    by = {(r["prefill_tp"], r["decode_tp"], r["connector"], r.get("model_kind", "llama"), r.get("block_size")): r
+          for r in results}
+    blocks = {k[4] for k in by}  # the block size shows when the results have more than one
+    for (p, d, c, model, bs), r in by.items():
+        pd = (f"{p}->{d}" if model == "llama" else f"{p}->{d} {model}") + (f" block {bs}" if len(blocks) > 1 else "")
         timed = [x for x in r["rows"] if x["request"] >= 0]
         warm = [x for x in r["rows"] if x["request"] < 0]
         if not timed:
@@ -710,7 +752,7 @@ def pd_vllm_table(results: list[dict]) -> list[str]:
             continue
         med = lambda k, rows=timed: median_known([x[k] for x in rows])  # noqa: E731
         ratio_kv = ratio_tt = ""
-        theirs = by.get((p, d, "nixl", model))
+        theirs = by.get((p, d, "nixl", model, bs))
         if c == "kvtriton" and theirs and [x for x in theirs["rows"] if x["request"] >= 0]:
             t_rows = [x for x in theirs["rows"] if x["request"] >= 0]
             a, b = med("kv_loaded_ms"), median_known([x["kv_loaded_ms"] for x in t_rows])
@@ -730,3 +772,31 @@ def pd_vllm_table(results: list[dict]) -> list[str]:
     return lines
 
 
+
+
+def load_table(results: list[dict]) -> list[str]:
+    """Markdown rows of the load cells (bench/pd_vllm_load.py): per pair, block size, cell and
+    connector, p50/p99 of time to KV loaded, KV ready at the scheduler and TTFT, the decode's step
+    time alone and with loads waiting, and ours/theirs at p50 and p99."""
+    lines = ["| P->D | block | cell | connector | identical | recomputed | KV loaded p50/p99 (ms) "
+             "| KV ready p50/p99 (ms) | TTFT p50/p99 (ms) | decode step alone / with loads p50/p99 (ms) "
+             "| ours/theirs KV loaded p50/p99 | ours/theirs TTFT p50/p99 |", "|---" * 12 + "|"]
+    cells = {}
+    for r in results:
+        for c in r.get("load") or ():
+            cells[(r["prefill_tp"], r["decode_tp"], r.get("block_size"), c["in_flight"], c.get("rate"),
+                   r["connector"])] = c  # a result's cells, or the sweep's load rows (ok/n renamed back)
+    for (p, d, bs, n, rate, conn), c in cells.items():
+        theirs = cells.get((p, d, bs, n, rate, "nixl")) if conn == "kvtriton" else None
+
+        def ratio(k, c=c, theirs=theirs):
+            a, b = c.get(k), (theirs or {}).get(k)
+            return f"{a / b:.2f}" if a and b else ""
+        both = lambda k, c=c: f"{fmt_ms(c.get(k + '_p50'))} / {fmt_ms(c.get(k + '_p99'))}"  # noqa: E731
+        cell = f"{n} in flight" if rate is None else f"{n} at {rate:g} req/s"
+        kv = f"{ratio('kv_loaded_ms_p50')} / {ratio('kv_loaded_ms_p99')}" if theirs else ""
+        tt = f"{ratio('ttft_ms_p50')} / {ratio('ttft_ms_p99')}" if theirs else ""
+        lines.append(f"| {p}->{d} | {bs} | {cell} | {conn} | {c['ok']}/{c['n']} | {c['recomputed']} | "
+                     f"{both('kv_loaded_ms')} | {both('kv_ready_ms')} | {both('ttft_ms')} | "
+                     f"{fmt_ms(c.get('step_base_ms'))} / {both('step_loading_ms')} | {kv} | {tt} |")
+    return lines

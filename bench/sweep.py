@@ -12,7 +12,8 @@ Sections (all by default; ``--sections`` picks some):
   measurements, Triton runs only under the interpreter).
 * ``e2e``: one request end to end between processes over NIXL (bench/e2e.py), when NIXL is
   installed: over UCX shared memory and ``UCX_TLS=tcp``, each with an idle host and with a
-  busy-loop neighbor process on the same cores (each configuration in fresh processes).
+  busy-loop neighbor process on the same cores (each configuration in fresh processes), at block 16
+  and (idle) at vLLM 0.34's default block 64 (``--full``: every configuration at 16, 32 and 64).
 * ``costmodel``: the grid that proves the plan's STAGED/DIRECT choice (bench/costgrid.py): every
   feasible mode timed per (transport, P->D, heads per rank, block size, layout) against the mode
   the measured cost model chose.
@@ -38,7 +39,11 @@ Sections (all by default; ``--sections`` picks some):
   2k-token prompts (``--pd-size``; ``--quick``: the 2-layer toy), ~11-13 min on 2 busy cores, when
   the vLLM test bed is there (``.venv-vllm`` or ``$KVTRITON_VLLM_PYTHON``): ``make sweep`` builds it
   (``make vllm-bed``) beside ``.venv`` before the sweep starts, so its headline has the real-engine
-  row on a fresh clone; run directly without it, the section says so and is left out.
+  row on a fresh clone; run directly without it, the section says so and is left out. After the
+  one-at-a-time requests, on the same engines, many requests of mixed lengths in flight
+  (bench/pd_vllm_load.py): p50/p99 of time to KV loaded and TTFT, the decode's step time with
+  loads waiting. The default sweep: the small model at block 64 (vLLM 0.34's default), 8 and 32
+  in flight; ``--full`` adds blocks 16 and 64 with 8, 32 and 16 requests at 20 req/s.
 * ``pd_hybrid`` (``--full`` only): the hybrid matrix of issue 32 on real vLLM engines, each model
   kind (Gemma-3 sliding window, Nemotron-H Mamba2 with ``n_groups`` 2 and 1, Qwen3-Next GDN) at
   P1->D1, P2->D1, P1->D2 and P2->D3, kvtriton (tokens and every group's bytes checked) beside
@@ -96,7 +101,7 @@ from bench.presets import (  # bench/presets.py
     TP_PAIRS,
     Preset,
 )
-from bench.report import pd_vllm_table, print_table, write_outputs  # bench/report.py
+from bench.report import load_table, pd_vllm_table, print_table, write_outputs  # bench/report.py
 
 HERE = Path(__file__).resolve().parent
 
@@ -175,16 +180,21 @@ def _kernels(args, presets, device, bar) -> list[dict]:
 #: e2e configurations of the default (smaller) sweep: P4->D8, random ids, shared memory idle and
 #: with a busy neighbour (the cases the headline and issue 21's busy-host goal read); --full: all
 E2E_SMALL = dict(pairs=("p4d8",), ids=("random",), configs=[("shm", None, 0), ("shm", None, 1)])
+#: and the same request at vLLM 0.34's default block (64: its K||V reads of 32 KiB), idle host; --full
+#: runs every configuration at blocks 16, 32 and 64
+E2E_SMALL_BLOCKS = dict(pairs=("p4d8",), ids=("random",), configs=[("shm", None, 0)], blocks=(64,))
+E2E_FULL_BLOCKS = (16, 32, 64)
 
 
 def _e2e(args, presets, device, bar) -> list[dict]:
     from bench import e2e  # bench/e2e.py
     from bench.block_sizes import e2e_rows  # bench/block_sizes.py
 
-    kw = {} if args.full else E2E_SMALL
-    n = len(kw.get("pairs", e2e.PAIRS)) * len(kw.get("ids", e2e.IDS)) * len(kw.get("configs", e2e.CONFIGS))
-    bar.total(n + 1)
-    rows = [{"section": "e2e", **r} for r in e2e.run_e2e_matrix(quick=not args.full, progress=bar.step, **kw)]
+    runs = [{"blocks": E2E_FULL_BLOCKS}] if args.full else [E2E_SMALL, E2E_SMALL_BLOCKS]
+    bar.total(1 + sum(len(kw.get("pairs", e2e.PAIRS)) * len(kw.get("ids", e2e.IDS)) * len(kw.get("blocks", (16,)))
+                      * len(kw.get("configs", e2e.CONFIGS)) for kw in runs))
+    rows = [{"section": "e2e", **r} for kw in runs
+            for r in e2e.run_e2e_matrix(quick=not args.full, progress=bar.step, **kw)]
     rows += [{"section": "e2e", **r} for r in e2e_rows(quick=not args.full)]
     bar.step("block-size changes")
     return rows
@@ -372,6 +382,14 @@ PD_REALISTIC_KIND = "llama hd128"
 
 #: TP pairs of the pd_vllm section: the default sweep runs P2->D1 (the cell issue 21 is about)
 PD_PAIRS_SMALL = ((2, 1),)
+#: the default sweep's real-engine block: vLLM 0.34's default (64), what users run now
+PD_BLOCK_SMALL = 64
+#: many requests in flight on the same engines, after the one-at-a-time requests (bench/pd_vllm_load.py):
+#: the default sweep 8 and 32 at once (seconds on the small model: the engines' start-up is the cost);
+#: --full adds 16 requests at a steady 20 req/s, and runs the small model at blocks 16 and 64
+PD_LOAD_SMALL = dict(concurrency=(8, 32))
+PD_LOAD_FULL = dict(concurrency=(8, 32), rate=20.0, rate_count=16)
+PD_LOAD_BLOCKS_FULL = (16, 64)
 
 
 def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
@@ -382,11 +400,15 @@ def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
     if pd_vllm.vllm_python() is None:
         print("pd_vllm: skipped, no vLLM test bed (`make vllm-bed` builds it; `make sweep` does first)")
         return []
+    from bench.pd_vllm_load import cells_from  # bench/pd_vllm_load.py
+
     size = "small" if quick else size
     pairs = PD_PAIRS_SMALL if quick else pd_vllm.PAIRS
     cfg = PD_SIZES[size]
+    if quick:
+        cfg = {**cfg, "block_size": PD_BLOCK_SMALL, "load_cells": cells_from(**PD_LOAD_SMALL)}
     if bar is not None:
-        bar.total(2 * len(pairs) + (0 if quick else 2 * len(pairs) + 4))
+        bar.total(2 * len(pairs) + (0 if quick else 2 * len(pairs) + 4 + 2 * len(PD_LOAD_BLOCKS_FULL)))
 
     def say(*a):
         print(*a, flush=True)
@@ -402,13 +424,21 @@ def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
     if not quick:  # the small size (vLLM CPU's MLA is slow); NixlConnector where it runs
         for kind in ("deepseek", "llama+mla-draft"):
             results += pd_vllm.compare(PD_PAIRS_SMALL, **PD_SIZES["small"], model_kind=kind, quiet=True, say=say)
+    if not quick:  # issue 36: many requests in flight at block 16 and vLLM 0.34's 64, the small model
+        for block in PD_LOAD_BLOCKS_FULL:
+            for res in pd_vllm.compare(PD_PAIRS_SMALL, **PD_SIZES["small"], block_size=block, quiet=True, say=say,
+                                       load_cells=cells_from(**PD_LOAD_FULL)):
+                results.append({**res, "model_kind": f"llama block {block}"})
     print("\n".join(pd_vllm_table(results)), flush=True)
+    if any(r.get("load") for r in results):
+        print("\n".join(load_table(results)), flush=True)
     model = (f"{cfg['layers']} layers, {cfg['kv_heads']} KV heads, head_dim {cfg['head_dim']}, "
              f"~{cfg['prompt_len']} tokens")
     rows = []
     for res in results:
         key = {"section": "pd_vllm", "connector": res["connector"], "prefill_tp": res["prefill_tp"],
-               "decode_tp": res["decode_tp"], "pd_size": size, "model_kind": res.get("model_kind", "llama")}
+               "decode_tp": res["decode_tp"], "pd_size": size, "model_kind": res.get("model_kind", "llama"),
+               "block_size": res.get("block_size")}
         key["model"] = {"llama": model,
                         PD_REALISTIC_KIND: (f"{PD_REALISTIC['layers']} layers, {PD_REALISTIC['kv_heads']} KV heads, "
                                             f"head_dim {PD_REALISTIC['head_dim']}, ~{PD_REALISTIC['prompt_len']} "
@@ -417,7 +447,19 @@ def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
         if not res["rows"]:
             rows.append({**key, "summary": res["summary"]})
         rows += [{**r, **key, "summary": res["summary"]} for r in res["rows"]]  # key's model_kind wins
+        rows += [load_row(key, c) for c in res.get("load") or ()]
     return rows
+
+
+def load_row(key: dict, cell: dict) -> dict:
+    """One load cell (bench/pd_vllm_load.py) as a pd_vllm row: its figures, none of the
+    one-at-a-time rows' keys (``ttft_ms``, ``identical``...), so those tables and medians skip it."""
+    figures = {k: v for k, v in cell.items() if k.endswith(("_p50", "_p99")) or k.startswith("step")}
+    return {**key, "load_cell": f"{cell['in_flight']} in flight" if cell.get("rate") is None
+            else f"{cell['in_flight']} at {cell['rate']:g} req/s",
+            "in_flight": cell["in_flight"], "rate": cell.get("rate"),
+            "load_ok": cell["ok"], "load_n": cell["n"], "load_recomputed": cell["recomputed"], **figures,
+            "summary": cell["summary"]}
 
 
 #: the hybrid matrix of issue 32 (--full): every model kind at these P->D pairs, both connectors;
