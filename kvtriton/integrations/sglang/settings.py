@@ -30,7 +30,7 @@ from typing import Any
 
 from ...errors import KVTritonError
 from ...protocol.auth import Credential
-from ...protocol.seal import KEY_PURPOSE, ControlSigner
+from ...protocol.seal import ControlSigner
 from ..settings import SettingsError, TransferSettings
 
 __all__ = ["ENV", "BackendSettings", "SettingsError", "UnsupportedSetupError", "control_signer", "refuse_tls_only",
@@ -109,16 +109,14 @@ class BackendSettings:
         return port
 
 
-def control_signer(credential: Credential | None, engine: str, rank: int, *, agent: str,
-                   handshake_timeout_s: float) -> ControlSigner | None:
-    """The signer for a manager's credential: None without one (dev mode, unsigned), refused for
-    TLS alone. ``agent``: the rank's NIXL agent name (its incarnation, see :mod:`kvtriton.protocol.seal`).
-    The clock window is a few handshake timeouts (at least 30 s: hosts' clocks differ)."""
+def control_signer(credential: Credential | None, *, agent: str) -> ControlSigner | None:
+    """The signer for a manager's credential: None without one (dev mode, unsealed), refused for
+    TLS alone. ``agent``: the rank's NIXL agent name (its incarnation, see
+    :mod:`kvtriton.protocol.seal`); it seals under the keys of each pair met."""
     if credential is None:
         return None
     refuse_tls_only(credential)
-    return ControlSigner(credential.derive_key(KEY_PURPOSE), engine, rank, agent=agent,
-                         window_s=max(30.0, 4 * handshake_timeout_s))
+    return ControlSigner(agent=agent)
 
 
 def refuse_tls_only(credential: Credential | None) -> None:
