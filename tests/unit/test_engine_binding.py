@@ -12,13 +12,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from test_wire import sample_md  # tests/unit is on sys.path (pytest prepends it)
 
 from kvtriton.errors import AuthenticationError, RequestRejectedError
 from kvtriton.protocol import wire
 from kvtriton.protocol.auth import ENGINE_URI, Credential, cert_engines
 from kvtriton.protocol.handshake import MetadataServer, meet
-
-from test_wire import sample_md  # tests/unit is on sys.path (pytest prepends it)
 
 SECRET = b"s" * 32
 
