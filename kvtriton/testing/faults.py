@@ -114,10 +114,9 @@ class _Rank:
 
         from ..agent import TransferAgent
         from ..integrations.core import serve_metadata
+        from ..protocol.auth import Credential
         from .oracle import make_rank_regions
         from .rogue import PACKING_MODEL
-
-        from ..protocol.auth import Credential
 
         self.role, self.engine, self.rank, self.cfg, self.tp = role, engine, rank, cfg, cfg.tp_of(role)
         self.credential = Credential(secret=cfg.secret) if cfg.secret is not None else None
