@@ -12,7 +12,7 @@ import pytest
 from kvtriton.errors import AuthenticationError
 from kvtriton.integrations.sglang.inline import InlineProgress
 from kvtriton.integrations.sglang.messages import STATUS_TAG, Ready, Want
-from kvtriton.integrations.sglang.settings import UnsupportedSetupError, control_signer
+from kvtriton.integrations.sglang.settings import control_signer
 from kvtriton.protocol.auth import Credential, PairKeys
 from kvtriton.protocol.channel import PairChannel
 from kvtriton.protocol.handshake import MetadataServer, meet
@@ -274,9 +274,8 @@ def test_control_signer_per_credential(tmp_path):
     s = control_signer(Credential(secret=SECRET), agent="e:0:a")
     assert isinstance(s, ControlSigner) and s.agent == "e:0:a" and s.remembered() == 0
     cert, key = _self_signed(tmp_path)
-    tls_only = Credential(cert_file=cert, key_file=key, ca_file=cert)
-    with pytest.raises(UnsupportedSetupError, match="auth_secret_file.*TLS alone is not enough"):
-        control_signer(tls_only, agent="e:0:a")
+    tls_only = Credential(cert_file=cert, key_file=key, ca_file=cert)  # TLS meetings give pair keys too
+    assert isinstance(control_signer(tls_only, agent="e:0:a"), ControlSigner)
     both = Credential(cert_file=cert, key_file=key, ca_file=cert, secret=SECRET)
     assert control_signer(both, agent="e:0:a") is not None
 

@@ -49,7 +49,7 @@ from .decode_role import DecodeRole
 from .inline import InlineProgress
 from .messages import ABORT_SEALED_TAG, READY_TAG, STATUS_TAG, WANT_TAG, Abort, Ready, Want
 from .prefill_role import PrefillRole
-from .settings import BackendSettings, UnsupportedSetupError, control_signer, hybrid_missing, refuse_tls_only
+from .settings import BackendSettings, UnsupportedSetupError, control_signer, hybrid_missing
 
 __all__ = ["KVTritonKVBootstrapServer", "KVTritonKVManager", "KVTritonKVReceiver", "KVTritonKVSender",
            "refuse_unsupported", "total_kv_heads"]
@@ -123,7 +123,6 @@ class KVTritonKVManager(CommonKVManager):
         refuse_unsupported(args, bool(is_mla_backend))
         self.settings = BackendSettings.from_env()  # a bad one fails here, before registering
         self.credential = self.settings.agent.credential()
-        refuse_tls_only(self.credential)  # before anything binds or registers
         total = total_kv_heads(args, server_args)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         heads = local_heads(total, self.attn_tp_size)
