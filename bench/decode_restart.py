@@ -44,9 +44,9 @@ SECRET = b"issue-33-finding-11-shared-secret"
 
 
 def run_trials(trials: int, wave: int = 6, extra: int = 4, p_tp: int = 2, d_tp: int = 4, secret: bool = True,
-               seed: int = 0, say=print) -> list[dict]:
+               seed: int = 0, timeout_s: float = 10.0, say=print) -> list[dict]:
     """One row per trial (module docstring)."""
-    cfg = BedConfig(p_engines=1, d_engines=1, tp=p_tp, d_tp=d_tp, blocks=4096, timeout_s=10.0, lease_s=30.0,
+    cfg = BedConfig(p_engines=1, d_engines=1, tp=p_tp, d_tp=d_tp, blocks=4096, timeout_s=timeout_s, lease_s=30.0,
                     secret=SECRET if secret else None, seed=seed)
     rows = []
     with FaultBed(cfg) as bed:
@@ -104,10 +104,13 @@ def main(argv=None) -> int:
     ap.add_argument("--d-tp", type=int, default=4)
     ap.add_argument("--no-secret", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=10.0, help="each agent's timeout_s (the old agent of a killed "
+                    "rank is taken as silent after it)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     t0 = time.monotonic()
-    rows = run_trials(args.trials, args.wave, args.extra, args.p_tp, args.d_tp, not args.no_secret, args.seed)
+    rows = run_trials(args.trials, args.wave, args.extra, args.p_tp, args.d_tp, not args.no_secret, args.seed,
+                      args.timeout_s)
     trials = [r for r in rows if r["trial"] != "settled"]
     fetches = sum(r["retried_fetches"] for r in trials)
     failed = sum(r["failed"] + r["no_outcome"] for r in trials)
