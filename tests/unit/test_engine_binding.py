@@ -132,3 +132,14 @@ def test_binding_needs_tls_and_reads_only_engine_uris():
                                ("URI", "kvtriton:engine/C"))}
     assert cert_engines(cert) == {"A", "C"}
     assert cert_engines(None) == frozenset() and cert_engines({}) == frozenset()
+
+
+def test_the_connector_setting(pki):
+    from kvtriton.integrations.settings import SettingsError, TransferSettings
+
+    cert, key = pki["D"]
+    s = TransferSettings.from_mapping({"tls_cert_file": cert, "tls_key_file": key, "tls_ca_file": pki["ca"],
+                                       "tls_bind_engines": True})
+    assert s.credential().bind_engines
+    with pytest.raises(SettingsError, match="tls_bind_engines"):
+        TransferSettings.from_mapping({"tls_bind_engines": True})
