@@ -128,10 +128,6 @@ class ControlSigner:
             pair.channel.rekey(ours)
             self._pairs.move_to_end(name)
 
-    def knows(self, agent: str) -> bool:
-        with self._lock:
-            return agent.encode("ascii", errors="replace") in self._pairs
-
     def seal(self, frames: list[bytes], to: str) -> list[bytes]:
         """``frames`` (tag first) with the seal frame appended, for the rank whose incarnation
         (NIXL agent name) is ``to``; :class:`AuthenticationError` when no meeting gave us keys
