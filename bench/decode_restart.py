@@ -74,7 +74,8 @@ def run_trials(trials: int, wave: int = 6, extra: int = 4, p_tp: int = 2, d_tp: 
             failed = [o for o in outs if not o.ok]
             missing = sum(d_tp - len(bed.outcomes[r.req_id]) for r in retried)
             row = dict(trial=t, victim=f"D0:{victim[1]}", wave=len(reqs), wave_lost=len(lost),
-                       restart_met_s=round(met_s, 2), retried_fetches=len(outs) + missing, failed=len(failed),
+                       restart_met_s=round(met_s, 2), meetings_s=round(met_s - bed.started_s, 2),
+                       retried_fetches=len(outs) + missing, failed=len(failed),
                        no_outcome=missing, wrong_bytes=sum(o.mismatch is not None for o in outs),
                        errors=dict(Counter(o.error for o in failed)),
                        first_error=failed[0].msg if failed else None)

@@ -249,6 +249,7 @@ class FaultBed:
         self.outcomes: dict[str, dict[int, Outcome]] = {}  # req -> decode rank -> its outcome
         self.requests: dict[str, Request] = {}
         self.freed: dict[tuple[str, int], list[tuple[str, str, float]]] = {}
+        self.started_s = 0.0  # the last restart's process start, in seconds
         self._next = 0
 
     # ------------------------------------------------------------------ processes
@@ -309,6 +310,7 @@ class FaultBed:
         self.dead.discard(key)
         self._spawn(*key)
         self._ready(key)
+        self.started_s = time.monotonic() - t0  # the process start alone (the rest: meetings)
         if key[0] in self.prefills:
             for d in self.decodes:
                 for dk in self.ranks(d):
