@@ -318,8 +318,8 @@ def _rogue(prefill: Engine, decode: Engine, room: int, seed: int, n_tokens: int,
     import zmq
 
     from kvtriton.integrations.sglang.messages import STATUS_TAG, Abort, Ready, Want
-    from kvtriton.protocol.auth import Credential
-    from kvtriton.protocol.seal import KEY_PURPOSE, ControlSigner
+    from kvtriton.protocol.auth import PairKeys
+    from kvtriton.protocol.seal import ControlSigner
 
     n_pages = -(-n_tokens // PAGE)
     d_pages, p_pages = _room_pages(rng, n_pages), _room_pages(rng, n_pages)
@@ -327,19 +327,23 @@ def _rogue(prefill: Engine, decode: Engine, room: int, seed: int, n_tokens: int,
     out: dict = {"room": room, "tokens": n_tokens}
     p_engine = prefill.each("engine")[0]
     (p_ip, p_port), (d_ip, d_port) = prefill.each("zmq")[0], decode.each("zmq")[0]
-    # seal v2 names the receiver's incarnation: the forger seals for the real ranks' agents
-    wrong = ControlSigner(Credential(secret=secrets.token_bytes(32)).derive_key(KEY_PURPOSE), p_engine, 0,
-                          agent=f"{p_engine}:0:rogue", window_s=60.0)
+    # seal v3 is under each pair's meeting keys: the forger met no one, so it makes keys up, and
+    # claims the name of the agent each receiver did meet (the decode's to the prefill, and back)
+    p_agent, d_agent = prefill.each("agent")[0], decode.each("agent")[0]
+    forgers = {}
+    for name, to in ((d_agent, p_agent), (p_agent, d_agent)):
+        forgers[to] = ControlSigner(agent=name)
+        forgers[to].learn(to, "rogue", 0, PairKeys(send=secrets.token_bytes(32), recv=secrets.token_bytes(32)))
     ctx = zmq.Context()
     push_p, push_d = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
-    to = {id(push_p): prefill.each("agent")[0], id(push_d): decode.each("agent")[0]}
+    to = {id(push_p): p_agent, id(push_d): d_agent}
     for sock, ip, port in ((push_p, p_ip, p_port), (push_d, d_ip, d_port)):
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{ip}:{port}")
 
     def forge(sock, frames) -> int:
         sock.send_multipart(frames)  # unsealed
-        sock.send_multipart(wrong.seal(frames, to[id(sock)]))  # sealed under a key that is not the cluster's
+        sock.send_multipart(forgers[to[id(sock)]].seal(frames, to[id(sock)]))  # sealed under keys of no meeting
         return 2
 
     def refused(engine: Engine, n: int) -> int:

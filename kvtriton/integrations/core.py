@@ -37,7 +37,7 @@ from ..errors import AuthenticationError, KVTritonError, ProtocolError, RequestR
 from ..plan import CostModel, meeting_ranks, required_source_ranks
 from ..protocol import wire
 from ..protocol.allowlist import PeerAllowlist
-from ..protocol.auth import Credential
+from ..protocol.auth import Credential, PairKeys
 from ..protocol.handshake import Meeting as HandshakeMeeting
 from ..protocol.handshake import MetadataServer, meet
 from ..regions import Region
@@ -132,6 +132,7 @@ class Meeting:
     reads: tuple[int, ...] = ()  # those this rank reads from (required_source_ranks)
     rows: dict[int, Any] = field(default_factory=dict)  # prefill rank -> RankAddress.row
     agents: dict[int, str] = field(default_factory=dict)  # prefill rank -> the NIXL agent name it proved
+    keys: dict[int, PairKeys | None] = field(default_factory=dict, repr=False)  # prefill rank -> the pair's keys
     parked: dict[Hashable, Any] = field(default_factory=dict)  # requests waiting for it
     used: float = field(default_factory=time.monotonic)  # when a request last joined or asked for it
 
@@ -263,7 +264,7 @@ class Meetings:
             stripe = s.agent_stripe
             ranks = meeting_ranks(agent.rank, agent.tp, agent.specs, target.tp, replicate_stripe=stripe)
             reads = required_source_ranks(agent.rank, agent.tp, agent.specs, target.tp, replicate_stripe=stripe)
-            engine, rows, agents = target.engine_id, {}, {}
+            engine, rows, agents, keys = target.engine_id, {}, {}, {}
             for r in ranks:
                 at = self.locate(target, r)
                 # the connection stays open as the pair's lifeline: its closure is the rank's death
@@ -286,7 +287,7 @@ class Meetings:
                     raise
                 if kept.conn is not None:  # watched from now on
                     agent.add_lifeline(kept)
-                rows[r], agents[r] = at.row, got.agent
+                rows[r], agents[r], keys[r] = at.row, got.agent, kept.keys
         except KVTritonError as e:
             self._failed(meeting, e)
             return
@@ -304,7 +305,7 @@ class Meetings:
                 while len(self._routes) > _MAX_LOGGED_REFUSALS:
                     del self._routes[next(iter(self._routes))]
             meeting.engine, meeting.ranks, meeting.reads, meeting.rows = engine or "", ranks, reads, rows
-            meeting.agents = agents
+            meeting.agents, meeting.keys = agents, keys
             meeting.ready = True
             parked, meeting.parked = list(meeting.parked.values()), {}
         self.on_met(meeting, parked)

@@ -109,6 +109,9 @@ class TransferSettings:
     tls_cert_file:       mutual TLS on the handshake: this engine's certificate (PEM), its
     tls_key_file:        private key and the CA that signs every engine of the cluster; give
     tls_ca_file:         all three or none. A prefill's certificate must name its ``host``.
+    tls_bind_engines:    with mutual TLS: a peer is met only as an engine id its certificate
+                         names (URI SAN ``kvtriton:engine/<id>``; default false: any member may
+                         claim any engine id).
     allowed_peers:       decode side: the prefill engines a request may name, as addresses,
                          networks, ``host:port`` and/or ``engine:<id>`` entries
                          (:class:`~kvtriton.protocol.allowlist.PeerAllowlist`); a request
@@ -154,6 +157,7 @@ class TransferSettings:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_ca_file: str = ""
+    tls_bind_engines: bool = False
     allowed_peers: tuple = ()
     modes: str = ""
     replicate_stripe: int = 1
@@ -282,6 +286,9 @@ class TransferSettings:
         tls = (self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
         if any(tls) and not all(tls):
             raise bad("tls_cert_file", "tls_cert_file, tls_key_file and tls_ca_file all given, or none")
+        if self.tls_bind_engines and not all(tls):
+            raise bad("tls_bind_engines", "mutual TLS (tls_cert_file, tls_key_file, tls_ca_file): engine ids are "
+                                          "bound to certificates")
 
     def peer_allowlist(self) -> PeerAllowlist:
         """``allowed_peers`` parsed."""
@@ -292,4 +299,5 @@ class TransferSettings:
         return Credential.from_files(secret_file=self.auth_secret_file or None, cert_file=self.tls_cert_file or None,
                                      key_file=self.tls_key_file or None, ca_file=self.tls_ca_file or None,
                                      strict_modes=self.auth_secret_strict_modes,
-                                     setting="auth_secret_file (or KVTRITON_AUTH_SECRET_FILE)")
+                                     setting="auth_secret_file (or KVTRITON_AUTH_SECRET_FILE)",
+                                     bind_engines=self.tls_bind_engines)

@@ -18,6 +18,11 @@ metadata travels sealed (ChaCha20-Poly1305, one key per direction): a relay that
 bytes between two members learns nothing it can use, and cannot complete a meeting of its own.
 The same derivation yields the pair's :class:`PairKeys` for messages after the meeting.
 
+With mutual TLS, ``bind_engines=True`` also binds each engine id to certificates: a peer's
+metadata must claim an engine id its certificate names as a URI subject alternative name
+``kvtriton:engine/<id>`` (:data:`ENGINE_URI`), checked on both sides of every meeting
+(:meth:`Credential.check_engine`). Without it, any member can claim any engine id first.
+
 Primitives: the standard library's :mod:`hmac`, :mod:`secrets`, :mod:`ssl`, and the
 ``cryptography`` package's HKDF and ChaCha20-Poly1305 (no home-made constructions).
 
@@ -56,6 +61,8 @@ NONCE_BYTES = 32
 PROOF_BYTES = hashlib.sha256().digest_size
 #: a shorter secret is refused: it could be guessed offline from one observed proof
 MIN_SECRET_BYTES = 16
+#: how a certificate names an engine id it may claim (a URI subject alternative name)
+ENGINE_URI = "kvtriton:engine/"
 #: what :func:`seal` adds to a plaintext (the Poly1305 tag)
 SEAL_OVERHEAD = 16
 _KEY_BYTES = 32
@@ -129,10 +136,12 @@ class Credential:
     cert_file: this engine's certificate chain (PEM); with ``key_file`` and ``ca_file``.
     key_file:  its private key (PEM).
     ca_file:   the CA bundle that signs every engine of the cluster (PEM).
+    bind_engines: with mutual TLS, a peer may claim only an engine id its certificate names
+               (``kvtriton:engine/<id>`` URI SANs; :meth:`check_engine`).
     """
 
     def __init__(self, *, secret: bytes | None = None, cert_file: str | None = None, key_file: str | None = None,
-                 ca_file: str | None = None):
+                 ca_file: str | None = None, bind_engines: bool = False):
         tls = (cert_file, key_file, ca_file)
         if any(tls) and not all(tls):
             raise AuthenticationError(f"mutual TLS needs cert_file, key_file and ca_file together; got "
@@ -142,6 +151,11 @@ class Credential:
         if secret is not None and (not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES):
             raise AuthenticationError(f"the shared secret must be at least {MIN_SECRET_BYTES} bytes, got "
                                       f"{len(secret) if isinstance(secret, bytes) else type(secret).__name__}")
+        if bind_engines and not all(tls):
+            raise AuthenticationError("bind_engines binds engine ids to TLS certificates: it needs cert_file, "
+                                      "key_file and ca_file (with a shared secret alone, members are "
+                                      "indistinguishable)")
+        self.bind_engines = bind_engines
         self._secret = secret
         self._tls: tuple[str, str, str] | None = (
             (cert_file, key_file, ca_file) if cert_file and key_file and ca_file else None)
@@ -153,7 +167,7 @@ class Credential:
     @classmethod
     def from_files(cls, *, secret_file: str | None = None, cert_file: str | None = None, key_file: str | None = None,
                    ca_file: str | None = None, strict_modes: bool = True,
-                   setting: str = "secret_file") -> Credential | None:
+                   setting: str = "secret_file", bind_engines: bool = False) -> Credential | None:
         """The credential these files hold, or None when no file is named (None: no credential).
 
         ``secret_file`` given but empty, a file that holds nothing, or (with ``strict_modes``, as
@@ -189,7 +203,8 @@ class Credential:
             if len(secret) < MIN_SECRET_BYTES:
                 raise AuthenticationError(f"{setting}: the shared secret in {secret_file!r} has {len(secret)} bytes; "
                                           f"at least {MIN_SECRET_BYTES} are needed")
-        return cls(secret=secret, cert_file=cert_file or None, key_file=key_file or None, ca_file=ca_file or None)
+        return cls(secret=secret, cert_file=cert_file or None, key_file=key_file or None, ca_file=ca_file or None,
+                   bind_engines=bind_engines)
 
     @property
     def has_secret(self) -> bool:
@@ -200,7 +215,8 @@ class Credential:
         return self._tls is not None
 
     def __repr__(self) -> str:  # never the secret itself
-        return f"Credential(secret={'set' if self._secret else 'none'}, tls={'mutual' if self._tls else 'none'})"
+        return (f"Credential(secret={'set' if self._secret else 'none'}, tls={'mutual' if self._tls else 'none'}"
+                f"{', engines bound' if self.bind_engines else ''})")
 
     # ------------------------------------------------------------------ shared secret
     def proof(self, role: bytes, client_nonce: bytes, server_nonce: bytes, payload: bytes = b"",
@@ -269,3 +285,26 @@ class Credential:
 
     def client_context(self) -> ssl.SSLContext | None:
         return self._client_ctx
+
+    def check_engine(self, sock: object, metadata: bytes, who: str) -> None:
+        """With ``bind_engines``: :class:`~kvtriton.errors.AuthenticationError` unless the engine
+        id ``metadata`` claims is one the peer's verified certificate on ``sock`` names
+        (:func:`cert_engines`); ``who`` names the peer in the message. Else nothing."""
+        if not self.bind_engines:
+            return
+        from .wire import decode_metadata  # the wire format is the agent's; only this check reads it here
+
+        claimed = decode_metadata(metadata).engine
+        getpeercert = getattr(sock, "getpeercert", None)
+        bound = cert_engines(getpeercert() if getpeercert is not None else None)
+        if claimed not in bound:
+            raise AuthenticationError(f"{who} claims engine {claimed!r}, but its certificate binds "
+                                      f"{', '.join(sorted(bound)) or 'no engine id'} (URI SAN {ENGINE_URI}<id>)")
+
+
+def cert_engines(cert: dict | None) -> frozenset[str]:
+    """The engine ids a verified peer certificate (:meth:`ssl.SSLSocket.getpeercert`) names as
+    ``kvtriton:engine/<id>`` URI subject alternative names."""
+    sans = (cert or {}).get("subjectAltName", ())
+    return frozenset(v[len(ENGINE_URI):] for k, v in sans if k == "URI" and v.startswith(ENGINE_URI)
+                     and len(v) > len(ENGINE_URI))

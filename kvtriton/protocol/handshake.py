@@ -332,10 +332,12 @@ class MetadataServer:
             pass
         raise _Refused(mismatch)
 
-    def _gate(self, meeting: Meeting) -> bytes | None:
+    def _gate(self, meeting: Meeting, conn: _Stream) -> bytes | None:
         """The gate's verdict on an authenticated (or credential-less) caller: None to serve it,
         or the refusal reason it may know (UTF-8, within the reason's cap)."""
         try:
+            if self._credential is not None:  # bind_engines: the engine id its certificate names
+                self._credential.check_engine(getattr(conn, "sock", conn), meeting.metadata, "the caller")
             self._on_meeting(meeting)
         except KVTritonError as e:
             self.stats["refused"] += 1
@@ -356,7 +358,7 @@ class MetadataServer:
         # over mutual TLS the pair gets keys for its messages too, from a seed only TLS carries
         seed = secrets.token_bytes(32) if self._credential is not None else b""
         meeting = Meeting(payload, tls_pair_keys(seed, False) if seed else None)
-        reason = self._gate(meeting)
+        reason = self._gate(meeting, conn)
         if reason is not None:
             _write_frame(conn, _REPLY_ERROR, reason, deadline)
             return None
@@ -398,7 +400,7 @@ class MetadataServer:
         except AuthenticationError:
             self._refuse(conn, deadline)
         meeting = Meeting(md, keys.pair)
-        reason = self._gate(meeting)
+        reason = self._gate(meeting, conn)
         if reason is not None:  # sealed: only the authenticated caller reads why
             out = seal(keys.seal_send, reason, _SEAL_REFUSAL)
             _write_frame(conn, _SEALED_ERROR,
@@ -569,6 +571,8 @@ def meet(host: str, port: int, metadata: bytes, *, credential: Credential | None
                     if ctx is not None:
                         _tls_handshake(sock, deadline)  # type: ignore[arg-type]
                     met = _exchange_once(sock, host, port, metadata, credential, deadline)
+                    if credential is not None:  # bind_engines: it claims an engine id its certificate names
+                        credential.check_engine(sock, met.metadata, f"{host}:{port}")
                     if keep and _ask_keep(sock, deadline):
                         kept = sock if ctx is not None else socket.socket(fileno=raw.detach())
                         sock = None  # type: ignore[assignment]

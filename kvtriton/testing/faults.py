@@ -42,6 +42,11 @@ class BedConfig:
     staging_bytes: int = 16 << 10
     slot_bytes: int = 1024
     seed: int = 0
+    d_tp: int | None = None  # the decode engines' TP (None: ``tp``, as the prefill engines')
+    secret: bytes | None = None  # the cluster's shared secret: every meeting proves it, messages sealed per pair
+
+    def tp_of(self, role: str) -> int:
+        return self.d_tp if role == "D" and self.d_tp is not None else self.tp
 
 
 @dataclass(frozen=True)
@@ -109,19 +114,21 @@ class _Rank:
 
         from ..agent import TransferAgent
         from ..integrations.core import serve_metadata
+        from ..protocol.auth import Credential
         from .oracle import make_rank_regions
         from .rogue import PACKING_MODEL
 
-        self.role, self.engine, self.rank, self.cfg = role, engine, rank, cfg
+        self.role, self.engine, self.rank, self.cfg, self.tp = role, engine, rank, cfg, cfg.tp_of(role)
+        self.credential = Credential(secret=cfg.secret) if cfg.secret is not None else None
         gen = torch.Generator().manual_seed(cfg.seed * 7919 + zlib.crc32(engine.encode()) % 1000 * 31 + rank)
-        self.regions = make_rank_regions(_models(), rank, cfg.tp, cfg.blocks, BLOCK_SIZE, gen=gen)
-        self.agent = TransferAgent(engine, rank, cfg.tp, self.regions, flow="pull", staging_bytes=cfg.staging_bytes,
+        self.regions = make_rank_regions(_models(), rank, self.tp, cfg.blocks, BLOCK_SIZE, gen=gen)
+        self.agent = TransferAgent(engine, rank, self.tp, self.regions, flow="pull", staging_bytes=cfg.staging_bytes,
                                    slot_bytes=cfg.slot_bytes, timeout_s=cfg.timeout_s, impl="torch",
-                                   cost=PACKING_MODEL)
+                                   cost=PACKING_MODEL, require_authenticated_peers=self.credential is not None)
         self.server = None
         self.port: int | None = None
         if role == "P":
-            self.server = serve_metadata(self.agent, None, "127.0.0.1", 0, io_timeout_s=5.0)
+            self.server = serve_metadata(self.agent, self.credential, "127.0.0.1", 0, io_timeout_s=5.0)
             self.port = self.server.port
         self.paused = False
         self.requests: dict[str, Request] = {}
@@ -141,8 +148,8 @@ class _Rank:
 
         met = []
         for port in ports:
-            m = meet("127.0.0.1", port, self.agent.metadata(), timeout_s=10.0, keep=True)
-            met.append(self.agent.add_remote(m.metadata))
+            m = meet("127.0.0.1", port, self.agent.metadata(), credential=self.credential, timeout_s=10.0, keep=True)
+            met.append(self.agent.add_remote(m.metadata, authenticated=self.credential is not None, keys=m.keys))
             if m.conn is not None:
                 self.agent.add_lifeline(m)
         return met
@@ -151,7 +158,7 @@ class _Rank:
         from .oracle import load_source
 
         for r in reqs:
-            load_source(self.regions, self.rank, self.cfg.tp, _kv(r.seed, len(r.src_ids)), list(r.src_ids))
+            load_source(self.regions, self.rank, self.tp, _kv(r.seed, len(r.src_ids)), list(r.src_ids))
             self.agent.hold(r.req_id, list(r.src_ids), lease_s=self.cfg.lease_s, consumer=r.decode)
 
     def fetch(self, reqs: list[Request], then_pause: bool = False) -> None:
@@ -198,7 +205,7 @@ class _Rank:
             if res.ok:
                 r = self.requests[res.req_id]
                 try:
-                    check_destination(self.regions, self.rank, self.cfg.tp, _kv(r.seed, len(r.dst_ids)),
+                    check_destination(self.regions, self.rank, self.tp, _kv(r.seed, len(r.dst_ids)),
                                       list(r.dst_ids))
                 except AssertionError as e:
                     out.mismatch = f"{res.req_id}: {e}"
@@ -242,19 +249,20 @@ class FaultBed:
         self.outcomes: dict[str, dict[int, Outcome]] = {}  # req -> decode rank -> its outcome
         self.requests: dict[str, Request] = {}
         self.freed: dict[tuple[str, int], list[tuple[str, str, float]]] = {}
+        self.started_s = 0.0  # the last restart's process start, in seconds
         self._next = 0
 
     # ------------------------------------------------------------------ processes
     def __enter__(self) -> FaultBed:
         try:
             for e in self.prefills + self.decodes:
-                for r in range(self.cfg.tp):
-                    self._spawn(e, r)
+                for key in self.ranks(e):
+                    self._spawn(*key)
             for key in list(self.procs):
                 self._ready(key)
             for e in self.decodes:
-                for r in range(self.cfg.tp):
-                    self.meet((e, r))
+                for key in self.ranks(e):
+                    self.meet(key)
         except BaseException:
             self.close()
             raise
@@ -302,11 +310,12 @@ class FaultBed:
         self.dead.discard(key)
         self._spawn(*key)
         self._ready(key)
+        self.started_s = time.monotonic() - t0  # the process start alone (the rest: meetings)
         if key[0] in self.prefills:
             for d in self.decodes:
-                for r in range(self.cfg.tp):
-                    if (d, r) not in self.dead:
-                        self.call((d, r), "meet", [self.ports[key]], timeout_s=60.0)
+                for dk in self.ranks(d):
+                    if dk not in self.dead:
+                        self.call(dk, "meet", [self.ports[key]], timeout_s=60.0)
         else:
             self.meet(key)
         return time.monotonic() - t0
@@ -321,7 +330,7 @@ class FaultBed:
 
     # ------------------------------------------------------------------ requests
     def ranks(self, engine: str) -> list[tuple[str, int]]:
-        return [(engine, r) for r in range(self.cfg.tp)]
+        return [(engine, r) for r in range(self.cfg.tp_of("P" if engine in self.prefills else "D"))]
 
     def new_requests(self, prefill: str, decode: str, count: int) -> list[Request]:
         n = self.cfg.blocks_per_request
@@ -359,7 +368,7 @@ class FaultBed:
                     self.outcomes[req_id][key[1]] = out
                     r = self.requests[req_id]
                     got = self.outcomes[req_id]
-                    if len(got) == self.cfg.tp and all(o.ok and o.mismatch is None for o in got.values()):
+                    if len(got) == len(self.ranks(r.decode)) and all(o.ok and o.mismatch is None for o in got.values()):
                         self.blocks[r.prefill].free.extend(r.src_ids)
                         self.blocks[r.decode].free.extend(r.dst_ids)
             else:

@@ -38,15 +38,18 @@ from sglang.srt.runtime_context import get_disagg, get_parallel, get_serving
 from sglang.srt.utils.network import NetworkAddress
 
 from ...errors import AuthenticationError, KVTritonError, ProtocolError
+from ...protocol import wire
+from ...protocol.auth import PairKeys
+from ...protocol.handshake import Meeting as HandshakeMeeting
 from ...protocol.handshake import MetadataServer
 from ...protocol.seal import ControlSigner
-from ..core import make_agent, serve_metadata
+from ..core import make_agent
 from .caches import aux_views, kv_regions, local_heads
 from .decode_role import DecodeRole
 from .inline import InlineProgress
 from .messages import ABORT_SEALED_TAG, READY_TAG, STATUS_TAG, WANT_TAG, Abort, Ready, Want
 from .prefill_role import PrefillRole
-from .settings import BackendSettings, UnsupportedSetupError, control_signer, hybrid_missing, refuse_tls_only
+from .settings import BackendSettings, UnsupportedSetupError, control_signer, hybrid_missing
 
 __all__ = ["KVTritonKVBootstrapServer", "KVTritonKVManager", "KVTritonKVReceiver", "KVTritonKVSender",
            "refuse_unsupported", "total_kv_heads"]
@@ -120,7 +123,6 @@ class KVTritonKVManager(CommonKVManager):
         refuse_unsupported(args, bool(is_mla_backend))
         self.settings = BackendSettings.from_env()  # a bad one fails here, before registering
         self.credential = self.settings.agent.credential()
-        refuse_tls_only(self.credential)  # before anything binds or registers
         total = total_kv_heads(args, server_args)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         heads = local_heads(total, self.attn_tp_size)
@@ -140,9 +142,7 @@ class KVTritonKVManager(CommonKVManager):
         s = self.settings.agent
         self.agent = make_agent(s, f"sglang-{'prefill' if self.is_prefill else 'decode'}@{where}", self.attn_tp_rank,
                                 self.attn_tp_size, regions, self.credential)
-        self.signer: ControlSigner | None = control_signer(self.credential, self.agent.engine_id, self.attn_tp_rank,
-                                                           agent=self.agent.transport.name,
-                                                           handshake_timeout_s=s.handshake_timeout_s)
+        self.signer: ControlSigner | None = control_signer(self.credential, agent=self.agent.transport.name)
         self._agents_at: OrderedDict[tuple[str, int], str] = OrderedDict()  # ZMQ address -> the agent there
         self._agents_lock = threading.Lock()
         self.refused_messages = 0  # control messages refused (bad or missing seal, wrong sender)
@@ -155,8 +155,9 @@ class KVTritonKVManager(CommonKVManager):
             if self.is_prefill:
                 self.prefill = PrefillRole(self, self.agent, aux, lease_s=s.lease_s, poll=KVPoll)
                 port = self.settings.handshake_port(self.bootstrap_port, self.attn_tp_rank)
-                self.server = serve_metadata(self.agent, self.credential, self.local_ip, port,
-                                             io_timeout_s=s.handshake_timeout_s)
+                self.server = MetadataServer(self.local_ip, port, self.agent.metadata, on_meeting=self._met,
+                                             credential=self.credential, io_timeout_s=s.handshake_timeout_s,
+                                             on_kept=self.agent.add_lifeline).start()
             else:
                 self.decode = DecodeRole(self, self.agent, aux, self.settings, self.credential, poll=KVPoll,
                                          handshake_port=self.settings.handshake_port)
@@ -172,6 +173,22 @@ class KVTritonKVManager(CommonKVManager):
             self._start_heartbeat_checker_thread()
 
     # ------------------------------------------------------------------ what the roles call
+    def _met(self, meeting: HandshakeMeeting) -> str:
+        """A decode rank met this prefill rank's handshake server: added to the agent (with its
+        pair keys: NIXL messages sealed both ways), and its ZMQ messages sealed under the same
+        pair's keys."""
+        name = self.agent.add_remote(meeting.metadata, authenticated=self.credential is not None, keys=meeting.keys)
+        if meeting.keys is not None:
+            md = wire.decode_metadata(meeting.metadata)
+            self.learn_pair(md.agent, md.engine, md.rank, meeting.keys)
+        return name
+
+    def learn_pair(self, agent: str, engine: str, rank: int, keys: PairKeys | None) -> None:
+        """The rank ``agent`` (``engine`` rank ``rank``) was met with ``keys``: our control
+        messages with it are sealed under them (:mod:`kvtriton.protocol.seal`)."""
+        if self.signer is not None and keys is not None:
+            self.signer.learn(agent, engine, rank, keys)
+
     def learn_agent(self, ip: str, port: int, agent: str) -> None:
         """The rank at ``ip:port`` is the incarnation ``agent`` (a prefill rank met, or the sender
         of a verified WANT): what our seals to that address are bound to."""
@@ -188,7 +205,11 @@ class KVTritonKVManager(CommonKVManager):
             if to is None:  # a seal names its receiver: nothing is sent to a rank never met nor heard
                 logger.warning("kvtriton: no known rank at %s:%s to seal a message for; not sent", ip, port)
                 return
-            frames = self.signer.seal(frames, to)
+            try:
+                frames = self.signer.seal(frames, to)
+            except AuthenticationError as e:  # no pair keys with it (not met, or forgotten)
+                logger.warning("kvtriton: a message to %s:%s not sent: %s", ip, port, e)
+                return
         na = NetworkAddress(ip, int(port))
         try:
             self._send_multipart_locked(na.to_tcp(), frames, is_ipv6=na.is_ipv6)

@@ -86,6 +86,8 @@ class DecodeRole:
                            {"rank_ip": info["rank_ip"], "rank_port": int(info["rank_port"])})
 
     def _met(self, meeting: Meeting, rooms: list[int]) -> None:
+        for r, agent in meeting.agents.items():  # control messages with each rank met: under the pair's keys
+            self.mgr.learn_pair(agent, meeting.engine, r, meeting.keys.get(r))
         for room in rooms:
             self.mgr.update_status(room, self.poll.WaitingForInput)
 

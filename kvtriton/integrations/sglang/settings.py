@@ -17,7 +17,8 @@ port ``tp + 1`` apart from the next one.
 The credential is the project's (:mod:`kvtriton.protocol.auth`), read as the vLLM connector reads
 it: ``auth_secret_file`` (default: ``KVTRITON_AUTH_SECRET_FILE``) and/or the TLS files. With one,
 metadata moves only after the peer proved it, and control messages carry a seal
-(:mod:`kvtriton.protocol.seal`), which needs the shared secret: TLS alone is refused at start.
+(:mod:`kvtriton.protocol.seal`) under the keys each meeting gives the pair (with the shared
+secret or over mutual TLS alone).
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from typing import Any
 
 from ...errors import KVTritonError
 from ...protocol.auth import Credential
-from ...protocol.seal import KEY_PURPOSE, ControlSigner
+from ...protocol.seal import ControlSigner
 from ..settings import SettingsError, TransferSettings
 
-__all__ = ["ENV", "BackendSettings", "SettingsError", "UnsupportedSetupError", "control_signer", "refuse_tls_only",
+__all__ = ["ENV", "BackendSettings", "SettingsError", "UnsupportedSetupError", "control_signer",
            "hybrid_missing"]
 
 ENV = "KVTRITON_SGLANG_CONFIG"
@@ -109,21 +110,11 @@ class BackendSettings:
         return port
 
 
-def control_signer(credential: Credential | None, engine: str, rank: int, *, agent: str,
-                   handshake_timeout_s: float) -> ControlSigner | None:
-    """The signer for a manager's credential: None without one (dev mode, unsigned), refused for
-    TLS alone. ``agent``: the rank's NIXL agent name (its incarnation, see :mod:`kvtriton.protocol.seal`).
-    The clock window is a few handshake timeouts (at least 30 s: hosts' clocks differ)."""
+def control_signer(credential: Credential | None, *, agent: str) -> ControlSigner | None:
+    """The signer for a manager's credential: None without one (dev mode, unsealed).
+    ``agent``: the rank's NIXL agent name (its incarnation, see :mod:`kvtriton.protocol.seal`);
+    it seals under the keys of each pair met, which a meeting gives with the shared secret and
+    over mutual TLS alone."""
     if credential is None:
         return None
-    refuse_tls_only(credential)
-    return ControlSigner(credential.derive_key(KEY_PURPOSE), engine, rank, agent=agent,
-                         window_s=max(30.0, 4 * handshake_timeout_s))
-
-
-def refuse_tls_only(credential: Credential | None) -> None:
-    """:class:`UnsupportedSetupError` for a credential without a shared secret (checked at start)."""
-    if credential is not None and not credential.has_secret:
-        raise UnsupportedSetupError("the kvtriton SGLang backend with a TLS-only credential: SGLang's ZMQ control "
-                                    "sockets carry no TLS, so its control messages need auth_secret_file (or "
-                                    "KVTRITON_AUTH_SECRET_FILE) to be signed; TLS alone is not enough")
+    return ControlSigner(agent=agent)
