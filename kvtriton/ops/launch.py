@@ -28,8 +28,8 @@ Every check runs before anything is launched or written, and no check synchronis
 
 from __future__ import annotations
 
-import contextlib
 import os
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -110,6 +110,12 @@ def _segment_table(chk: Checked, staging: torch.Tensor) -> tuple[np.ndarray, Lau
     return rows, cfg
 
 
+#: Triton's interpreter patches ``triton.language`` for the length of each interpreted launch and
+#: restores it afterwards, so two launches on two threads (two agents' progress threads in one
+#: process, as the tests run them) break each other; compiled launches need no lock.
+_INTERPRETER_LOCK = threading.Lock()
+
+
 def _launch(op: str, chk: Checked, staging: torch.Tensor) -> None:
     rows, cfg = _segment_table(chk, staging)
     usable = staging.numel() - staging.numel() % cfg.word_bytes
@@ -118,7 +124,7 @@ def _launch(op: str, chk: Checked, staging: torch.Tensor) -> None:
     device = staging.device
     grid = (chk.n, rows.shape[0])
     on_cuda = device.type == "cuda"
-    with torch.cuda.device(device) if on_cuda else contextlib.nullcontext():
+    with torch.cuda.device(device) if on_cuda else _INTERPRETER_LOCK:
         if on_cuda:
             # Pinned + non_blocking: ordered on the caller's current stream, the host never waits.
             table = table.pin_memory().to(device, non_blocking=True)
