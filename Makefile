@@ -33,12 +33,13 @@ sweep:
 	KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) bench/sweep.py
 
 # `make test` on a fresh clone (CI: .ci/run): .venv first (~1 min); then both engine beds build in
-# the background (pip unpacking wheels, a core each at most) while lint, the PTX check and
-# tests/unit run (they need .venv only, and time nothing: the one phase that shares the cores with
-# the installs); tests/agent (NIXL processes) and tests/engines (real engines, timeouts sized for a
-# 2-core host) run once both beds are there, alone. The two runs together are `pytest tests/`:
-# every test, none deselected. A bed that fails to build prints its log's tail; lint failing stops
-# the run once the beds are built. Each phase's start is printed ([make test +N s]).
+# the background (pip unpacking wheels, a core each at most) while lint, the PTX check, tests/unit
+# and tests/agent run (they need .venv only: the agent tests' NIXL processes have no bed to wait
+# for, and their time bounds are sized for a loaded 2-core host); tests/engines (real engines,
+# timeouts sized for a 2-core host) runs once both beds are there, alone. The two runs together
+# are `pytest tests/`: every test, none deselected. A bed that fails to build prints its log's
+# tail; lint failing stops the run once the beds are built. Each phase's start is printed
+# ([make test +N s]).
 BED_LOGS ?= build/beds
 TEST_ENV  = KVTRITON_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
             KVTRITON_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python
@@ -52,10 +53,10 @@ test: setup
 	$(MAKE) --no-print-directory vllm-bed > $(BED_LOGS)/vllm.log 2>&1 & vllm=$$!; \
 	$(MAKE) --no-print-directory sglang-bed > $(BED_LOGS)/sglang.log 2>&1 & sglang=$$!; \
 	if ! $(MAKE) --no-print-directory lint triton-compat; then wait; exit 1; fi; \
-	rc=0; say "tests/unit (the beds build meanwhile)"; \
-	$(TEST_ENV) $(PY) -m pytest -q tests/unit || rc=1; \
-	bed vllm $$vllm; bed sglang $$sglang; say "tests/agent tests/engines"; \
-	$(TEST_ENV) $(PY) -m pytest -q tests/agent tests/engines || rc=1; \
+	rc=0; say "tests/unit tests/agent (the beds build meanwhile)"; \
+	$(TEST_ENV) $(PY) -m pytest -q tests/unit tests/agent || rc=1; \
+	bed vllm $$vllm; bed sglang $$sglang; say "tests/engines"; \
+	$(TEST_ENV) $(PY) -m pytest -q tests/engines || rc=1; \
 	say "done (exit $$rc)"; exit $$rc
 
 # `make test` runs it first: ruff over the whole tree (rules in pyproject.toml), mypy over the typed

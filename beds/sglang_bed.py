@@ -29,7 +29,7 @@ import numpy as np
 
 from kvtriton.testing.child import AgentChild, ChildProcess
 
-__all__ = ["CASES", "run_case"]
+__all__ = ["CASES", "run_case", "pair_problems", "bytes_per_room"]
 
 HEADS, HEAD_DIM, LAYERS, PAGE = 6, 8, 2, 4  # 6 KV heads: TP 1, 2 and 3 all divide them
 POOL_TOKENS, AUX_ROWS, HIDDEN = 256, 8, 16
@@ -467,6 +467,46 @@ def run_case(case: str, *, base_port: int, model: str, seed: int = 0) -> dict:
 
 
 CASES = ("1-2", "2-1", "2-3", "killed_prefill", "rogue")
+
+
+def bytes_per_room(tokens: int, d_tp: int) -> int:
+    """Bytes of the decode pages a room of ``tokens`` fills, over its ``d_tp`` ranks (whole pages;
+    a rank holding fewer heads than one still holds one)."""
+    heads = sum(max(1, HEADS // d_tp) for _ in range(d_tp))
+    return LAYERS * 2 * -(-tokens // PAGE) * PAGE * heads * HEAD_DIM * ITEM
+
+
+def pair_problems(got: dict) -> list[str]:
+    """The oracles of a TP pair case (``P-D`` in :data:`CASES`) over what :func:`run_case`
+    returned: the control (the decode pages did not hold the reference before the first
+    transfer), every room Success on every rank with every byte and metadata row equal to the
+    reference, the abort failing on both sides with its reasons, nothing leaked. Empty: all hold.
+    One place for them: ``test_sglang_conformance.py`` runs the pair CI keeps (2-3),
+    ``bench/sglang_pairs.py`` every pair."""
+    d_tp = int(got["case"].split("-")[1])
+    out: list[str] = []
+    first = got["rooms"][0]
+    if not (first["before"]["bytes_mismatched"] > 0 and first["before"]["aux_rows_mismatched"] > 0):
+        out.append(f"control: the decode held the reference before the transfer: {first['before']}")
+    for room in got["rooms"] + [got["after_abort"]]:
+        if room["decode"] != ["Success"] * d_tp or set(room["prefill"]) != {"Success"}:
+            out.append(f"room not Success on every rank: {room}")
+        if room["bytes_checked"] != bytes_per_room(room["tokens"], d_tp):
+            out.append(f"bytes checked {room['bytes_checked']} != {bytes_per_room(room['tokens'], d_tp)}: {room}")
+        if room["bytes_mismatched"] or room["aux_rows_mismatched"]:
+            out.append(f"bytes or metadata rows differ from the reference: {room}")
+    abort = got["abort"]
+    if abort["decode"] != ["Failed"] * d_tp or set(abort["prefill"]) != {"Failed"}:
+        out.append(f"abort not Failed on both sides: {abort}")
+    if not all("Aborted" in f for f in abort["decode_failures"]):
+        out.append(f"decode failures without Aborted: {abort['decode_failures']}")
+    if not all("RequestAbortedError" in f for f in abort["prefill_failures"]):
+        out.append(f"prefill failures without RequestAbortedError: {abort['prefill_failures']}")
+    for side in got["leaks"].values():
+        for rank in side:
+            if rank != {"staging_in_use": 0, "holds": 0, "fetches": 0, "rooms": 0, "status_rooms": 0}:
+                out.append(f"leak: {got['leaks']}")
+    return out
 
 
 def main(argv: list[str]) -> int:

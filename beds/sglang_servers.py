@@ -175,6 +175,12 @@ class ServerProcess:
             # pynccl.py:116 torch.cuda.device(cpu)); a library that does not load turns it off,
             # as on a CPU torch build (pynccl.py:73-79)
             "SGLANG_NCCL_SO_PATH": "/nonexistent/kvtriton-bed-no-nccl.so",
+            # a TP>1 rank's vocab-parallel embedding masks its input in a @torch.compile function
+            # (inductor on CPU: vocab_parallel_embedding.py get_masked_input_and_mask): g++ builds
+            # its kernel at the first forward, minutes on a loaded 2-core host without a warm
+            # /tmp/torchinductor_* cache (a fresh CI machine); eager runs the same pointwise ops
+            # (as beds.vllm_bed does for vLLM's engines)
+            "TORCH_COMPILE_DISABLE": "1",
         })
         env_out.pop("TRITON_INTERPRET", None)
         env_out.update(env or {})

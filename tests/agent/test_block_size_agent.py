@@ -118,7 +118,7 @@ def test_cluster_block_size_change_byte_exact(p_bs, d_bs, cpu_cache):
     cfg = ClusterConfig(models=CPU_MODELS if cpu_cache else MODELS, p_tp=2, d_tp=4, mode="both", block_size=p_bs,
                         d_block_size=d_bs, p_blocks=256, d_blocks=256, p_layout="NHD", d_layout="HND",
                         staging_bytes=16 << 10, slot_bytes=1024, timeout_s=20, **storage)
-    with Cluster(cfg) as c:
+    with Cluster(cfg, start_timeout_s=180) as c:  # room for child start-up on a loaded host (beds building)
         reqs = c.requests(8, num_tokens=23) + c.requests(2, num_tokens=150)
         freed = c.transfer_exact(reqs)
         assert all(len(v) == len(reqs) for v in freed.values())

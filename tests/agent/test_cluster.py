@@ -33,7 +33,7 @@ def test_hetero_tp_pull_and_push_byte_exact(p_tp, d_tp, heads):
     cfg = ClusterConfig(models=mixed(heads), p_tp=p_tp, d_tp=d_tp, mode="both", block_size=4,
                         p_blocks=320, d_blocks=320, p_layout="NHD", p_storage="joint", d_layout="HND",
                         staging_bytes=16 << 10, slot_bytes=1024, timeout_s=20)
-    with Cluster(cfg) as c:
+    with Cluster(cfg, start_timeout_s=180) as c:  # room for child start-up on a loaded host (beds building)
         small = c.requests(32, n_blocks=6)
         large = c.requests(2, n_blocks=64)
         reqs = small + large
@@ -58,7 +58,7 @@ def test_prefill_killed_mid_transfer_then_back():
                         p_tp=2, d_tp=2, mode="pull", block_size=4, p_blocks=256, d_blocks=256,
                         staging_bytes=8 << 10, slot_bytes=1024, timeout_s=timeout,
                         modes="staged")  # chunks to die between (auto: whole-block runs read zero-copy)
-    with Cluster(cfg) as c:
+    with Cluster(cfg, start_timeout_s=180) as c:  # room for child start-up on a loaded host (beds building)
         reqs = c.requests(6, n_blocks=32)  # 6 x 32 blocks x 1 KiB: many chunks each
         c.hold(reqs)
         c.kill_after(("P", 1), 3)
@@ -85,7 +85,7 @@ def test_prefill_killed_mid_transfer_then_back():
 
 def test_lease_expiry_releases_blocks_across_processes():
     cfg = ClusterConfig(models=[RegionModel.gqa("attn.0", 2, 8)], p_tp=2, d_tp=1, timeout_s=2)
-    with Cluster(cfg) as c:
+    with Cluster(cfg, start_timeout_s=180) as c:  # room for child start-up on a loaded host (beds building)
         reqs = c.requests(3, n_blocks=2)
         c.hold(reqs, lease_s=0.2)
         freed = c.wait_freed(3, timeout_s=10)

@@ -351,7 +351,7 @@ def test_cluster_processes(way, p_tp, d_tp):
     cfg = ClusterConfig(models=MODELS, p_tp=p_tp, d_tp=d_tp, mode="pull", block_size=4, p_layout="HND",
                         d_layout="HND", staging_bytes=32 << 10, slot_bytes=1024, timeout_s=20,
                         modes={"l0": way, "l1": way})
-    with Cluster(cfg) as c:
+    with Cluster(cfg, start_timeout_s=180) as c:  # room for child start-up on a loaded host (beds building)
         reqs = c.requests(4, 9)
         freed = c.transfer_exact(reqs)
         assert all(len(v) == len(reqs) for v in freed.values())

@@ -7,8 +7,9 @@ SGLang's bootstrap server, and the manager, sender and receiver that
 ``get_kv_class`` returns, over real NIXL. Each case checks every byte of the decode pages and
 metadata rows against a reference drawn from the room's seed, for rooms whose length is not a
 multiple of the page size; a control before the first transfer shows the decode pages did not
-hold that reference already. TP pairs 1->2, 2->1 and 2->3 (a pair SGLang's own backends cannot
-do), an abort, and a prefill engine killed while a decode waits on it.
+hold that reference already. The TP pair 2->3 (a pair SGLang's own backends cannot do; 1->2 and
+2->1, with the same checks: ``bench/sglang_pairs.py``), an abort, and a prefill engine killed
+while a decode waits on it.
 """
 
 import json
@@ -17,7 +18,7 @@ import subprocess
 import pytest
 from helpers.sglang_bed_python import bed_env, sglang_bed_python
 
-from beds.sglang_bed import HEAD_DIM, HEADS, ITEM, LAYERS, MODEL_CONFIG, PAGE
+from beds.sglang_bed import MODEL_CONFIG, bytes_per_room, pair_problems
 from beds.vllm_bed import free_port_range
 
 pytestmark = [pytest.mark.sglang, pytest.mark.nixl]
@@ -129,14 +130,9 @@ def _run(case: str, tmp_path) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _bytes_per_room(tokens: int, d_tp: int) -> int:
-    heads = sum(max(1, HEADS // d_tp) for _ in range(d_tp))
-    return LAYERS * 2 * -(-tokens // PAGE) * PAGE * heads * HEAD_DIM * ITEM
-
-
 def _ok(room: dict, d_tp: int) -> None:
     assert room["decode"] == ["Success"] * d_tp and set(room["prefill"]) == {"Success"}, room
-    assert room["bytes_checked"] == _bytes_per_room(room["tokens"], d_tp), room
+    assert room["bytes_checked"] == bytes_per_room(room["tokens"], d_tp), room
     assert room["bytes_mismatched"] == 0 and room["aux_rows_mismatched"] == 0, room
 
 
@@ -146,19 +142,17 @@ def _no_leaks(leaks: dict) -> None:
             assert rank == {"staging_in_use": 0, "holds": 0, "fetches": 0, "rooms": 0, "status_rooms": 0}, leaks
 
 
-@pytest.mark.parametrize("pair", ["1-2", "2-1", "2-3"])
+# P2 -> D3 only: a pair SGLang's own backends cannot do, whose decode ranks each read a part of
+# one prefill rank's heads or parts of two (the split of 1-2 and the merge of 2-1 at once).
+# P1 -> D2 and P2 -> D1 run the same oracles in `bench/sglang_pairs.py` (a matrix belongs in the
+# benchmark): test_sglang_servers.py runs both end to end on real SGLang servers in CI.
+@pytest.mark.parametrize("pair", ["2-3"])
 def test_tp_pair(pair, tmp_path):
+    """Every oracle of a pair (:func:`beds.sglang_bed.pair_problems`): the control, bytes and
+    metadata rows of every room against the reference, the abort on both sides, no leak."""
     got = _run(pair, tmp_path)
-    d_tp = int(pair.split("-")[1])
-    first = got["rooms"][0]
-    assert first["before"]["bytes_mismatched"] > 0 and first["before"]["aux_rows_mismatched"] > 0  # control
-    for room in got["rooms"] + [got["after_abort"]]:
-        _ok(room, d_tp)
-    abort = got["abort"]
-    assert abort["decode"] == ["Failed"] * d_tp and set(abort["prefill"]) == {"Failed"}, abort
-    assert all("Aborted" in f for f in abort["decode_failures"]), abort
-    assert all("RequestAbortedError" in f for f in abort["prefill_failures"]), abort
-    _no_leaks(got["leaks"])
+    problems = pair_problems(got)
+    assert not problems, problems
 
 
 def test_killed_prefill_fails_its_request_only(tmp_path):

@@ -35,14 +35,19 @@ BLOCK = 32
 P_TP, D_TP = 2, 1
 TINY = TinyLlama()
 BLOCK_BYTES = TINY.layers * 2 * BLOCK * TINY.kv_heads * TINY.head_dim * 4  # float32, every head of one block
-LEASE_S = 30.0
+# the expired-lease case waits out the lease, then the quarantine of what was packed ahead (the
+# prefill's timeout_s): short ones keep that wait to ~25 s, long enough for the P2->D1 transfers
+# of the first case to read well inside the lease on a loaded 2-core host (the P1->D1 pair of
+# test_vllm_connector.py reads inside a 6 s lease)
+LEASE_S = 10.0
+QUARANTINE_S = 15.0
 EXTRA = {"modes": "staged"}  # equal on both engines (the plans' digests must agree)
 
 
 @pytest.fixture(scope="module")
 def pair(model_dir, tmp_path_factory):
     pair = EnginePair(VLLM_PY, model_dir, tmp_path_factory.mktemp("metrics"), P_TP, D_TP, block_size=BLOCK,
-                      p_extra={**EXTRA, "lease_s": LEASE_S}, d_extra=EXTRA, log_stats=True)
+                      p_extra={**EXTRA, "lease_s": LEASE_S, "timeout_s": QUARANTINE_S}, d_extra=EXTRA, log_stats=True)
     yield pair
     pair.close()
 
@@ -147,9 +152,9 @@ def test_a_rejected_load_and_the_expired_lease_are_counted(pair):
     pair.prefill.call("drain", seconds=LEASE_S + 60, timeout_s=LEASE_S + 90)
     state = pair.prefill.call("state")
     assert state["requests"] == 0 and state["free_blocks"] == state["total_blocks"], state
-    # what was packed ahead for the decode stays quarantined for timeout_s (30 s) after the lease:
-    # the decode it was offered to might still READ it; then the staging is all back
-    deadline = time.monotonic() + 90
+    # what was packed ahead for the decode stays quarantined for timeout_s (QUARANTINE_S) after the
+    # lease: the decode it was offered to might still READ it; then the staging is all back
+    deadline = time.monotonic() + QUARANTINE_S + 60
     while any(pair.prefill.call("state")["staging_in_use"]):
         assert time.monotonic() < deadline, pair.prefill.call("state")
         time.sleep(1)
