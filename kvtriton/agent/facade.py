@@ -502,14 +502,14 @@ class TransferAgent:
         for sender, raw in self._inbox.drain():
             self._on_message(sender, raw)
 
-    def _on_message(self, sender: str, raw: bytes) -> None:
+    def _on_message(self, sender: str, raw: bytes, m: wire.Message | None = None) -> None:
         peer = self._links.sender(sender)  # its message was opened under its pair key (or plain) on arrival
         if peer is None:  # dropped since
             return
         peer.heard = time.monotonic()
-        m = None
         try:
-            m = wire.decode_message(raw)
+            if m is None and isinstance(m := wire.decode_message(raw), wire.Done) and m.runs_done:
+                self._on_message(sender, raw, wire.RunsDone(m.runs_done))  # riding on it: first, as its own
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("<- %s %r", sender, m)
             self._handlers[type(m)](peer, m)

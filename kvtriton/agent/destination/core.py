@@ -208,9 +208,19 @@ class Destination:
             try:
                 for part in list(f.parts.values()):
                     part.advance(self.links.peers[(f.engine, part.src_rank)])
-                self.fetches.maybe_finish(f)
+                self.fetches.maybe_finish(f)  # a finished fetch's Done carries each part's RunsDone
             except KVTritonError as e:
+                self._send_runs_done(f)
                 self.fetches.fail(f, e)
+            else:
+                self._send_runs_done(f)
+
+    def _send_runs_done(self, f: Fetch) -> None:
+        """The RunsDone the parts of ``f`` left unsent in this call (none when its Done carried them)."""
+        for part in f.parts.values():
+            peer = self.links.peers.get((f.engine, part.src_rank))
+            if peer is not None:
+                part.send_runs_done(peer)
 
     def expire(self, now: float) -> None:
         self.fetches.expire(now)
