@@ -54,7 +54,7 @@ class RunsTransfer:
     def read(self, links: Links, f: Fetch, peer: Peer) -> None:
         """Pull: READ this source rank's rows of ``f``, in one transfer."""
         post = links.prep_rows(peer, self.rows, f.src_ids, f.dst_ids, reading=True,
-                               group_bounds=f.request.group_bounds)
+                               group_bounds=f.request.group_bounds, checked=f.checked)
         if post is None:
             self.pending = False
             return
