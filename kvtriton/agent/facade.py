@@ -104,9 +104,7 @@ class TransferAgent:
 
     def __init__(
         self,
-        engine_id: str,
-        rank: int,
-        tp: int,
+        engine_id: str, rank: int, tp: int,
         regions: Sequence[Region],
         *,
         staging_bytes: int = 64 << 20,
@@ -508,8 +506,10 @@ class TransferAgent:
             return
         peer.heard = time.monotonic()
         try:
-            if m is None and isinstance(m := wire.decode_message(raw), wire.Done) and m.runs_done:
-                self._on_message(sender, raw, wire.RunsDone(m.runs_done))  # riding on it: first, as its own
+            if m is None:
+                m = wire.decode_message(raw)
+                if isinstance(m, wire.Done) and m.runs_done:  # a RunsDone riding on it: first, as its own
+                    self._on_message(sender, raw, wire.RunsDone(m.runs_done))
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("<- %s %r", sender, m)
             self._handlers[type(m)](peer, m)
