@@ -104,9 +104,7 @@ class TransferAgent:
 
     def __init__(
         self,
-        engine_id: str,
-        rank: int,
-        tp: int,
+        engine_id: str, rank: int, tp: int,
         regions: Sequence[Region],
         *,
         staging_bytes: int = 64 << 20,
@@ -502,14 +500,16 @@ class TransferAgent:
         for sender, raw in self._inbox.drain():
             self._on_message(sender, raw)
 
-    def _on_message(self, sender: str, raw: bytes) -> None:
+    def _on_message(self, sender: str, raw: bytes, m: wire.Message | None = None) -> None:
         peer = self._links.sender(sender)  # its message was opened under its pair key (or plain) on arrival
         if peer is None:  # dropped since
             return
         peer.heard = time.monotonic()
-        m = None
         try:
-            m = wire.decode_message(raw)
+            if m is None:
+                m = wire.decode_message(raw)
+                if isinstance(m, wire.Done) and m.runs_done:  # a RunsDone riding on it: first, as its own
+                    self._on_message(sender, raw, wire.RunsDone(m.runs_done))
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("<- %s %r", sender, m)
             self._handlers[type(m)](peer, m)

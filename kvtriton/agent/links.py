@@ -384,20 +384,24 @@ class Links:
         return ll, rl, owned
 
     def prep_rows(self, peer: Peer, rows: BlockRows, src_ids: np.ndarray, dst_ids: np.ndarray, *,
-                  reading: bool, group_bounds: Sequence[int] | None = None) -> RowsPost | None:
+                  reading: bool, group_bounds: Sequence[int] | None = None,
+                  checked: tuple[int, int] | None = None) -> RowsPost | None:
         """What ``rows`` (a pair's zero-copy rows, :meth:`~kvtriton.plan.PairPlan.rows`) move
         between us and ``peer`` for a compacted request (``src_ids`` / ``dst_ids``: the source's
         and the destination's block per position), prepared for one transfer; None when
         nothing. ``reading``: we are the destination (pull); else we are the source writing.
-        ``group_bounds``: the request's KV cache groups (:meth:`BlockRows.select`)."""
+        ``group_bounds``: the request's KV cache groups (:meth:`BlockRows.select`). ``checked``:
+        the bounds the caller checked the (source, destination) ids against, each in ``[0, bound)``
+        (a fetch's own ids): no second pass over them where the rows hold at least as many blocks."""
         src_ids, dst_ids = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
         s_idx, d_idx, count, nbytes = rows.select(src_ids, dst_ids, group_bounds)
         if not s_idx.size:
             return None
         # callers checked the ids against both caches; an index past its row would name another row's block
-        for ids, blocks, side in ((src_ids, rows.num_blocks[0], "source"),
-                                  (dst_ids, rows.num_blocks[1], "destination")):
-            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= blocks):
+        bounds = (None, None) if checked is None else checked
+        for ids, blocks, side, bound in ((src_ids, rows.num_blocks[0], "source", bounds[0]),
+                                         (dst_ids, rows.num_blocks[1], "destination", bounds[1])):
+            if (bound is None or bound > blocks) and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= blocks):
                 raise ProtocolError(f"{side} block ids outside [0, {blocks}) for direct rows")
         ll, rl, owned = self.rows_lists(peer, rows, reading=reading)
         local_idx, remote_idx = (d_idx, s_idx) if reading else (s_idx, d_idx)

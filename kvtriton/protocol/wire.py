@@ -148,10 +148,8 @@ def decode_metadata(data: bytes) -> RankMetadata:
     d = _unpack(data, "metadata")
     _version(d, "metadata")
     if _get(d, "fmt", int, "metadata") != STAGED_LAYOUT_VERSION:
-        raise ProtocolError(
-            f"metadata: staged wire format {d['fmt']} is not supported (this side speaks "
-            f"{STAGED_LAYOUT_VERSION})"
-        )
+        raise ProtocolError(f"metadata: staged wire format {d['fmt']} is not supported (this side speaks "
+                            f"{STAGED_LAYOUT_VERSION})")
     engine = _name(d, "engine", "metadata")
     tp = _int(d, "tp", "metadata", 1, 1 << 16)
     rank = _int(d, "rank", "metadata", 0, tp - 1)
@@ -256,10 +254,8 @@ def _region(r: Any, where: str, rank: int, tp: int) -> tuple[RegionSpec, tuple[i
     for j in range(len(a)):
         need = stream_span(spec, j)
         if sp[j] < need:
-            raise ProtocolError(
-                f"{where} stream {j}: declared span {sp[j]} bytes cannot hold "
-                f"{spec.num_blocks} blocks at strides {spec.strides[j]} (needs {need})"
-            )
+            raise ProtocolError(f"{where} stream {j}: declared span {sp[j]} bytes cannot hold "
+                                f"{spec.num_blocks} blocks at strides {spec.strides[j]} (needs {need})")
         if a[j] + sp[j] > _MAX_U64:
             raise ProtocolError(f"{where} stream {j}: address + span overflows")
     return spec, a, sp
@@ -313,8 +309,8 @@ class Message:
         # the tag is the class name, set in one place so that no message travels under another
         cls.TYPE = cls.__name__
 
-    def encode(self) -> bytes:  # a dataclass: its fields, in order (empty group sizes stay off the wire)
-        return encode_message(self.TYPE, **{k: v for k, v in vars(self).items() if k != "groups" or v})
+    def encode(self) -> bytes:  # a dataclass: its fields, in order (empty optional fields stay off the wire)
+        return encode_message(self.TYPE, **{k: v for k, v in vars(self).items() if k not in _OFF_WHEN_EMPTY or v})
 
 
 # decode -> prefill ------------------------------------------------------------
@@ -380,11 +376,14 @@ class RunsDone(Message):
 
 @dataclass(frozen=True)
 class Done(Message):
-    """To every prefill rank of the engine: this consumer is finished with the request."""
+    """To every prefill rank of the engine: this consumer is finished with the request. ``runs_done``:
+    a transfer whose RunsDone rides on it (one notification, not two), handled as that RunsDone first
+    (absent: none; an older receiver ignores it: its hold ends by this done, or its lease)."""
 
     req: str
     dst_rank: int
     dst_tp: int
+    runs_done: str = ""
 
 
 @dataclass(frozen=True)
@@ -485,6 +484,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (Pull, Push, Grant, Ack, RunsDone, Do
 _MIN_INT = {("Ready", "nslots"): 1, ("Ready", "nbytes"): 1, ("Grant", "nslots"): 1, ("Data", "nbytes"): 1,
             ("Done", "dst_tp"): 1, ("Offer", "num_blocks"): 1, ("Offer", "chunk_blocks"): 1}
 _MAX_LIST = {"groups": MAX_GROUPS}  # group sizes: absent for one group (decoded as ()), at most MAX_GROUPS
+# fields off the wire when empty (one group; no RunsDone riding on a Done); present, checked as any other
+_OFF_WHEN_EMPTY = frozenset({"groups", "runs_done"})
 # annotation of a message field -> the type msgpack decodes it to (tuples travel as arrays)
 _WIRE_TYPES: dict[str, type[Any]] = {"str": str, "int": int, "tuple[int, ...]": list, "bytes": bytes}
 # t -> (class, [(field, wire type)]); the annotations are strings (``from __future__ import annotations``)
@@ -514,7 +515,7 @@ def decode_message(data: bytes) -> Message:
     values: dict[str, Any] = {}
     for name, typ in schema:
         # a digest may be absent (a peer without integrity), and group sizes (a request of one group)
-        v = d.get(name, b"" if typ is bytes else [] if name in _MAX_LIST else None)
+        v = d.get(name, b"" if typ is bytes else [] if name in _MAX_LIST else "" if name in _OFF_WHEN_EMPTY else None)
         if not isinstance(v, typ) or isinstance(v, bool):
             raise ProtocolError(f"message {t!r}: field {name!r} must be {typ.__name__}, got {v!r:.80}")
         # every int a peer sends is a count, index or size far below 2**48
@@ -530,7 +531,7 @@ def decode_message(data: bytes) -> Message:
             if v and (set(map(type, v)) != {int} or min(v) < 0 or max(v) >= _MAX_MSG_INT):
                 raise ProtocolError(f"message {t!r}: field {name!r} must be a list of ints in [0, 2**48)")
             v = tuple(v)
-        if typ is str and not 0 < len(v) <= _MAX_NAME:
+        if typ is str and not (0 < len(v) <= _MAX_NAME or (not v and name not in d)):  # "": only when absent
             raise ProtocolError(f"message {t!r}: field {name!r} must be 1..{_MAX_NAME} characters")
         if typ is bytes and (len(v) % DIGEST_BYTES or len(v) > DIGEST_BYTES * (_MAX_IDS if t == "Offer" else 1)):
             raise ProtocolError(f"message {t!r}: field {name!r} has {len(v)} bytes, not 0 or {DIGEST_BYTES} a chunk")

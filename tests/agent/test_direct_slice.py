@@ -651,3 +651,64 @@ def test_an_eager_hold_offers_the_cache_for_a_slice_and_is_read_with_no_pull(p_t
         assert all(s["eager_offer_pulls"] == 0 and s["eager_misses"] == 0 for s in src_stats)
     finally:
         e.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("p_tp,d_tp,heads", [(2, 1, 4), (1, 2, 4)])
+def test_runs_done_rides_on_the_done(p_tp, d_tp, heads):
+    """Pull: the RunsDone of a part whose READ landed in the call that finished its fetch rides on
+    that fetch's Done to the same source rank (one notification, not two): every source rank gets
+    exactly one RunsDone per decode rank reading it, separate or riding, the last to land riding;
+    bytes exact, holds freed as done (P1 -> D2: the one source rank waits for both decode ranks),
+    no transfer left served."""
+    from kvtriton.protocol import wire
+    from kvtriton.testing.seams import Wiretap
+
+    e = _pair(p_tp, d_tp, _models(heads), modes="direct_slice")
+    taps = [Wiretap(p) for p in e.pa]
+    try:
+        src, dst = _ids("random", 13, 64, 48, seed=p_tp + d_tp)
+        kv, before = e.start(src, dst)
+        got = e.drive()
+        for i in range(d_tp):
+            assert got[i][0].ok, got[i][0].error
+            check_destination(e.D[i], i, d_tp, kv, _expect(src, dst), before[i])
+        freed = e.settle_freed(p_tp)
+        assert len(freed) == p_tp and all(f.reason == "done" for f in freed)
+        riding = [m.runs_done for t in taps for m in t.seen(wire.Done) if m.runs_done]
+        assert riding, "no RunsDone rode on a Done"
+        for t in taps:
+            separate = [m.xid for m in t.seen(wire.RunsDone)]
+            ridden = [m.runs_done for m in t.seen(wire.Done) if m.runs_done]
+            assert len(separate) + len(ridden) == d_tp and len(set(separate + ridden)) == d_tp
+        assert all(not p.debug_state()["serves"] for p in e.pa)
+        assert all(a.stats["bad_messages"] == 0 for a in e.agents)
+    finally:
+        for t in taps:
+            t.close()
+        e.close()
+
+
+@pytest.mark.nixl
+def test_runs_done_riding_is_checked_as_a_runs_done():
+    """A Done carrying a RunsDone for a transfer the sender has none of is a bad message as that
+    RunsDone alone would be (counted; nothing else dropped), and the done itself still ends the
+    hold; a Done whose riding RunsDone is an empty string is malformed (counted, not handled)."""
+    from kvtriton.protocol import wire
+
+    e = _pair(1, 1, _split(4), modes="direct_slice")
+    try:
+        p, d = e.pa[0], e.da[0]
+        p.hold("r", np.arange(4), lease_s=30, consumer="D")
+        empty = wire.encode_message("Done", req="r", dst_rank=0, dst_tp=1, runs_done="")
+        for raw in (empty, wire.Done("r", 0, 1, "r|D<0#7").encode()):
+            d.transport.send_notif(p.transport.name, raw)
+        freed, deadline = [], time.monotonic() + 5
+        while not freed:
+            assert time.monotonic() < deadline, "the done did not end the hold"
+            for a in (p, d):
+                a.progress()
+            freed += p.freed()
+        assert freed[0].reason == "done" and p.stats["bad_messages"] == 2
+    finally:
+        e.close()

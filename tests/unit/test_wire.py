@@ -359,3 +359,14 @@ def test_fuzz_inconsistent_region_fields():
         except Exception as e:  # noqa: BLE001
             untyped.append((field, value, repr(e)))
     assert untyped == [] and accepted == []
+
+
+def test_a_runs_done_rides_on_a_done_only_when_named():
+    """Done.runs_done: off the wire when empty (an older peer's Done decodes as none riding), a
+    transfer id of 1..1024 characters when present; an empty or non-string one is malformed."""
+    assert "runs_done" not in msgpack.unpackb(wire.Done("r", 0, 2).encode())
+    assert wire.decode_message(wire.encode_message("Done", req="r", dst_rank=0, dst_tp=2)) == wire.Done("r", 0, 2)
+    assert wire.decode_message(wire.Done("r", 0, 2, "r|D<0#1").encode()).runs_done == "r|D<0#1"
+    for bad in ("", 7, b"x", "x" * 1025, None):
+        with pytest.raises(ProtocolError, match="runs_done"):
+            wire.decode_message(wire.encode_message("Done", req="r", dst_rank=0, dst_tp=2, runs_done=bad))

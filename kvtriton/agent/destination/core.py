@@ -60,9 +60,9 @@ class Destination:
                 for s in plan.staged}  # a chunk fits both sides' staging
         # the way of each payload is chosen in the request's plan (an offer the source made means
         # it is packed already)
+        checked = (min(s.num_blocks for s in src_specs), min(s.num_blocks for s in self.s.specs))
         rp = RequestPlan.for_fetch(plan, remote_block_ids, local_block_ids,
-                                   src_num_blocks=min(s.num_blocks for s in src_specs),
-                                   dst_num_blocks=min(s.num_blocks for s in self.s.specs),
+                                   src_num_blocks=checked[0], dst_num_blocks=checked[1],
                                    chunk_bytes=caps, num_tokens=num_tokens,
                                    pairs={r: self.plans.reading_pair(p.md) for r, p in peers.items()},
                                    packed={r for r, p in peers.items() if self.offers.packed(p, req_id)},
@@ -73,7 +73,8 @@ class Destination:
                             f"have (kvtriton.protocol.wire.MAX_REQUEST_BLOCKS = {wire.MAX_REQUEST_BLOCKS}); split it")
         now = time.monotonic()
         timeout = timeout_s or self.s.timeout_s
-        f = Fetch(req_id, engine, now, timeout, now + timeout, rp, renew_at=now + self.s.renew_s, ready=ready)
+        f = Fetch(req_id, engine, now, timeout, now + timeout, rp, renew_at=now + self.s.renew_s, ready=ready,
+                  checked=checked)
         self.fetches.add(f)
         if rp.num_tiles == 0:
             self.fetches.finish(f)
@@ -208,9 +209,19 @@ class Destination:
             try:
                 for part in list(f.parts.values()):
                     part.advance(self.links.peers[(f.engine, part.src_rank)])
-                self.fetches.maybe_finish(f)
+                self.fetches.maybe_finish(f)  # a finished fetch's Done carries each part's RunsDone
             except KVTritonError as e:
+                self._send_runs_done(f)
                 self.fetches.fail(f, e)
+            else:
+                self._send_runs_done(f)
+
+    def _send_runs_done(self, f: Fetch) -> None:
+        """The RunsDone the parts of ``f`` left unsent in this call (none when its Done carried them)."""
+        for part in f.parts.values():
+            peer = self.links.peers.get((f.engine, part.src_rank))
+            if peer is not None:
+                part.send_runs_done(peer)
 
     def expire(self, now: float) -> None:
         self.fetches.expire(now)

@@ -34,6 +34,7 @@ class Fetch:
     post_s: float = 0.0  # time spent in NIXL's post calls of its transfers (host side)
     renew_at: float = 0.0  # when the holds this fetch reads are renewed next
     ready: torch.cuda.Event | None = None  # the engine is done with the local blocks (unpacks wait)
+    checked: tuple[int, int] | None = None  # the (source, destination) block counts its ids were checked below
 
     @property
     def src_ids(self) -> np.ndarray:

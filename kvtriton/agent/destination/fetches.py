@@ -102,9 +102,12 @@ class Fetches:
 
     def finish(self, f: Fetch) -> None:
         self._forget(f)
-        # every rank of the source engine learns this consumer is done (skipped replicas too)
+        # every rank of the source engine learns this consumer is done (skipped replicas too); a
+        # part's RunsDone not sent yet rides on its rank's Done (one notification, not two)
         for peer in self.links.engine_peers(f.engine):
-            self.links.send(peer, wire.Done(f.req_id, self.rank, self.tp), quiet=True)
+            part = f.parts.get(peer.md.rank)
+            riding = part.runs_done_riding() if part is not None else ""
+            self.links.send(peer, wire.Done(f.req_id, self.rank, self.tp, riding), quiet=True)
         self.results.append(RequestResult(f.req_id, True, None, time.monotonic() - f.started,
                                           f.descriptors, f.nbytes, post_seconds=f.post_s, ways=_ways(f)))
 

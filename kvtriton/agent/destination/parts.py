@@ -54,7 +54,7 @@ class RunsTransfer:
     def read(self, links: Links, f: Fetch, peer: Peer) -> None:
         """Pull: READ this source rank's rows of ``f``, in one transfer."""
         post = links.prep_rows(peer, self.rows, f.src_ids, f.dst_ids, reading=True,
-                               group_bounds=f.request.group_bounds)
+                               group_bounds=f.request.group_bounds, checked=f.checked)
         if post is None:
             self.pending = False
             return
@@ -89,6 +89,7 @@ class CacheLease:
 
     go: bool = False
     done: bool = False
+    unsent: bool = False  # done, its RunsDone not sent yet (it may ride on the fetch's Done: see Destination.advance)
 
 
 class Part:
@@ -191,12 +192,13 @@ class Part:
         self.read_runs(peer)
 
     def advance(self, peer: Peer) -> None:
-        """Use what landed, post what can go, poll the DIRECT runs, release the source's cache."""
+        """Use what landed, post what can go, poll the DIRECT runs, release the source's cache
+        (its RunsDone left for the caller: :meth:`send_runs_done`, or riding on the Done)."""
         self._use_finished(peer)
         self._post(peer)
         if self.runs is not None:
             self.runs.poll(self.links)
-        self.maybe_runs_done(peer)
+        self.maybe_runs_done(peer, defer=True)
 
     def _use_finished(self, peer: Peer) -> None:
         """A chunk whose transfer landed is used; a chunk whose unpack finished is consumed."""
@@ -225,13 +227,28 @@ class Part:
     def _cache_reads_landed(self) -> bool:
         return True
 
-    def maybe_runs_done(self, peer: Peer) -> None:
-        """Pull: once every READ of the source's cache has landed, it may let the blocks go."""
+    def maybe_runs_done(self, peer: Peer, defer: bool = False) -> None:
+        """Pull: once every READ of the source's cache has landed, it may let the blocks go
+        (``defer``: told by the caller, :meth:`send_runs_done`, in the same call)."""
         lease = self.lease
         if lease is not None and lease.go and not lease.done and (self.runs is None or self.runs.landed) \
                 and self._cache_reads_landed():
-            lease.done = True
+            lease.done = lease.unsent = True
+            if not defer:
+                self.send_runs_done(peer)
+
+    def send_runs_done(self, peer: Peer) -> None:
+        """Send the RunsDone :meth:`maybe_runs_done` left unsent, if any."""
+        if self.lease is not None and self.lease.unsent:
+            self.lease.unsent = False
             self.links.send(peer, wire.RunsDone(self.xid), quiet=True)
+
+    def runs_done_riding(self) -> str:
+        """The transfer id whose unsent RunsDone rides on the fetch's Done (now sent), or ``""``."""
+        if self.lease is None or not self.lease.unsent:
+            return ""
+        self.lease.unsent = False
+        return self.xid
 
     def _consumed(self, ch: Chunk, peer: Peer) -> None:
         self.fetch.touch()
