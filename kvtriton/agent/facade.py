@@ -322,11 +322,11 @@ class TransferAgent:
         done, or the lease runs out; then :meth:`freed` reports it.
 
         ``block_ids``: the request's blocks in order, in this engine's block size whatever the
-        decode's; -1 marks a position that is not held (as
-        in :meth:`fetch`: a prefix the decode already has), so the list a connector gets from
-        its engine can be passed as is. A fetch may read any subset of the held blocks. Regions of
-        several KV cache groups (``RegionSpec.group``): one list per group 0..G-1 (a group's may
-        be empty; a flat list holds those blocks in every group); such holds are not packed ahead.
+        decode's; -1 marks a position that is not held (as in :meth:`fetch`: a prefix the decode
+        already has), so the list a connector gets from its engine can be passed as is. A fetch may
+        read any subset of the held blocks. Regions of several KV cache groups (``RegionSpec.group``):
+        one list per group 0..G-1 (a group's may be empty; a flat list holds those blocks in every
+        group); such holds are not packed ahead.
         ``consumer``: the decode engine id entitled to read it; None binds the hold to the first
         engine whose transfer this rank accepts (trust on first use: name it when known).
         Only the consumer's ranks may read it, report it done or renew it.
@@ -410,10 +410,8 @@ class TransferAgent:
         ``timeout_s`` (kvtriton's own staging slots are quarantined for that long).
 
         ``after`` (CUDA agents; as in :meth:`hold`, default: an event on the current stream now):
-        when the engine is done with the local blocks' previous contents. Unpacks into them wait
-        for it on the device. DIRECT regions are written by the NIC without a stream and do not
-        wait for it: the engine must not still be using those blocks.
-        """
+        when the engine is done with the local blocks' previous contents; unpacks wait for it on
+        the device, DIRECT regions (written by the NIC) do not: the engine must not use them."""
         if not isinstance(req_id, str) or not 0 < len(req_id) <= 512:
             raise ValueError(f"req_id must be a non-empty string of at most 512 characters, got {req_id!r:.80}")
         ready = ready_event(self.device, after)
@@ -421,6 +419,12 @@ class TransferAgent:
             self._check_registered(f"fetch {req_id!r}")
             self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s,
                                     num_tokens, ready)
+
+    def batch(self) -> threading.RLock:
+        """``with agent.batch():`` no :meth:`progress` (its thread's included) until the block ends, so a step's
+        fetches post their READs back to back: a load finishing in between messages its source, and a READ posted
+        after a message completes only at that source's next progress (UCX flush, :mod:`kvtriton.transport.fence`)."""
+        return self._lock
 
     def queued(self, req_id: str, remote_engine_id: str, max_wait_s: float = 600.0,
                renew_s: float | None = None) -> None:
@@ -437,10 +441,9 @@ class TransferAgent:
             return self._destination.offers.has(remote_engine_id, req_id)
 
     def abort(self, req_id: str) -> bool:
-        """Cancel a fetch in flight: its source ranks are told, staging it holds is reclaimed
-        (a slot a peer may still WRITE into is quarantined first), and :meth:`results` reports it
-        with :class:`~kvtriton.errors.RequestAbortedError`. Its local blocks hold undefined
-        bytes afterwards. Returns False when no fetch of ``req_id`` is in flight."""
+        """Cancel a fetch in flight: its source ranks are told, staging it holds is reclaimed (a slot a
+        peer may still WRITE into is quarantined first), :meth:`results` reports it with
+        :class:`~kvtriton.errors.RequestAbortedError`; its blocks hold undefined bytes. False: none in flight."""
         with self._lock, self._s.lanes.on_device():
             return self._destination.abort(req_id)
 
@@ -451,11 +454,10 @@ class TransferAgent:
 
     # ------------------------------------------------------------------ progress
     def progress(self, wait: bool = True) -> bool:
-        """Do whatever can be done now without blocking: handle messages, pack, post, poll,
-        unpack, expire. Call it often (every engine step, or let :meth:`start` do it).
-        ``wait=False``: return at once (False) when another thread is progressing this agent,
-        e.g. an engine step that calls it inline while :meth:`start`'s thread runs. True when
-        this call progressed."""
+        """Do whatever can be done now without blocking: handle messages, pack, post, poll, unpack,
+        expire. Call it often (every engine step, or let :meth:`start` do it). ``wait=False``: return
+        at once (False) when another thread is progressing this agent (or in :meth:`batch`), e.g. an
+        engine step calling it inline while :meth:`start`'s thread runs. True when this call progressed."""
         if not self._lock.acquire(blocking=wait):
             return False
         try:
@@ -540,11 +542,10 @@ class TransferAgent:
 
     # ------------------------------------------------------------------ registration (sleep and wake)
     def unregister(self) -> None:
-        """Drop this rank's NIXL registration (:mod:`.registration`) before its engine frees or
-        remaps that memory (vLLM's sleep). First fetches in flight fail with
-        :class:`~kvtriton.errors.UnregisteredError`, holds are released (:meth:`freed`), every
-        peer is forgotten and unpinned (it meets this rank again after :meth:`restore`). Until
-        then :meth:`hold`, :meth:`fetch` and :meth:`add_remote` raise ``UnregisteredError``."""
+        """Drop this rank's NIXL registration (:mod:`.registration`) before its engine frees or remaps
+        that memory (vLLM's sleep). Fetches in flight fail with :class:`~kvtriton.errors.UnregisteredError`,
+        holds are released (:meth:`freed`), every peer is forgotten and unpinned (it meets this rank again
+        after :meth:`restore`). Until then :meth:`hold`, :meth:`fetch`, :meth:`add_remote` raise it."""
         with self._lock, self._s.lanes.on_device():
             if self._closed or not self._registration.active:
                 return

@@ -122,8 +122,9 @@ class WorkerSide:
             self._cancel(rid)
         for source in msgs.queued.values():
             self._renew_queued(source)
-        for load in msgs.loads.values():
-            self._load(load)
+        with self.agent.batch():  # the step's READs posted back to back (why: TransferAgent.batch)
+            for load in msgs.loads.values():
+                self._load(load)
         if msgs.loads:  # post what can be posted now, on this thread (see finished)
             self.agent.progress(wait=False)
 
