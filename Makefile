@@ -3,9 +3,10 @@
 # builds it and the SGLang bed, .venv-sglang, for the real-engine tests)
 # `setup` makes .venv once: torch first (pinned, so pip never swaps in a multi-GB CUDA build on a
 # CPU machine; on Linux x86_64 with a GPU the same pin resolves to the CUDA wheel), then kvtriton
-# with its nixl/test/bench extras (NIXL's wheels depend on torch, hence the order). --no-compile: pip
-# byte-compiles every module it installs (~3 ms a file on this 2-core host, tens of thousands of
-# files between the venvs); a process compiles the few it imports on first use.
+# with its nixl/test/bench extras (NIXL's wheels depend on torch, hence the order). pip byte-compiles
+# what it installs (no --no-compile: under PYTHONDONTWRITEBYTECODE=1, set on these hosts, nothing
+# would ever write a .pyc, and every process, each engine and TP worker, would compile its imports
+# from source again: CI took 60 min with it against 43 without).
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
@@ -22,8 +23,8 @@ LOCKED        = $(if $(shell command -v flock),flock $(INSTALL_LOCK))
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile "$(TORCH)"
-	$(LOCKED) $(PY) -m pip install -q --no-compile -e ".[nixl,test,bench]"
+	$(PY) -m pip install -q "$(TORCH)"
+	$(LOCKED) $(PY) -m pip install -q -e ".[nixl,test,bench]"
 	touch $@
 
 # `make sweep` builds what its sections need: .venv and the vLLM bed's engine venv (its pd_vllm

