@@ -501,7 +501,7 @@ def _pair(preset: Preset) -> tuple[int, int]:
 def _git_sha() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                              text=True, timeout=5).stdout.strip() or "unknown"
+                              text=True, timeout=30).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
