@@ -333,6 +333,52 @@ def test_e2e_auto_is_judged_against_the_best_of_the_same_memory():
     assert auto_vs_best([dict(r, source=None) for r in rows], ("shm", "idle", "random")) == []
 
 
+def test_e2e_judges_auto_under_the_connectors_holds_and_shows_the_lazy_ones():
+    """Issue 36: the judged `auto` of a layout is the one held as the vLLM connector holds (no
+    consumer, packed ahead for the only decode engine, the decode asking at once: what a user gets),
+    against every way whose clock starts at the fetch (lazy or connector holds) and the raw reads;
+    the lazy auto (eager packs off) is shown beside it, judged against lazy ways and raw reads only;
+    rows timed after the offer never count; rows at another block size are judged too."""
+    from bench.report import auto_vs_best, headline_lines
+
+    def row(method, ms, source, role, way="", hold=None, block=16):
+        r = dict(section="e2e", pair="p4d8" if block == 16 else f"p4d8 block {block}", transport="shm",
+                 host="idle", ids="random", method=method, ms=ms, descriptors=1, source=source, role=role, way=way,
+                 block=block)
+        return r if hold is None else dict(r, hold=hold)
+
+    rows = [row("vLLM 0.33 direct 8 KiB K||V reads", 10.0, "KV", "raw"),
+            row("kvtriton auto, pull, 1 chunk(s) x 1 in flight, vLLM K||V layout", 13.0, "KV", "auto",
+                "direct_slice", "lazy"),
+            row("kvtriton auto, pull connector hold, 1 chunk(s) x 1 in flight, vLLM K||V layout", 10.5, "KV", "auto",
+                "direct_slice", "connector"),
+            row("kvtriton staged, pull connector hold, 1 chunk(s) x 1 in flight, vLLM K||V layout", 9.0, "KV", "way",
+                "staged", "connector"),
+            row("kvtriton auto, pull eager, 1 chunk(s) x 1 in flight, vLLM K||V layout", 5.0, "KV", "eager",
+                "direct_slice", "offered"),
+            row("kvtriton staged, pull, 1 chunk(s) x 1 in flight", 20.0, "NHD", "way", "staged", "lazy"),
+            row("kvtriton auto, pull, 1 chunk(s) x 1 in flight", 20.0, "NHD", "auto", "staged", "lazy"),
+            row("kvtriton auto, pull connector hold, 1 chunk(s) x 1 in flight", 16.0, "NHD", "auto", "staged",
+                "connector"),
+            row("kvtriton staged, pull eager-guess, asked after the pack, 1 chunk(s) x 1 in flight", 8.0, "NHD",
+                "eager", "staged", "offered"),
+            row("vLLM 0.33 direct 8 KiB K||V reads", 10.0, "KV", "raw", block=64),
+            row("kvtriton auto, pull connector hold, 1 chunk(s) x 1 in flight, vLLM K||V layout", 13.0, "KV", "auto",
+                "direct_slice", "connector", block=64)]
+    cfg = ("shm", "idle", "random")
+    got = {j["source"]: (round(j["ratio"], 3), j["best_way"], j["hold"]) for j in auto_vs_best(rows[:9], cfg)}
+    # the connector's auto against a connector way (staged packed ahead) and the raw reads; never an eager row
+    assert got == {"KV": (1.167, "staged", "connector"), "NHD": (1.0, "staged", "connector")}
+    lazy = {j["source"]: (round(j["ratio"], 3), j["best_way"]) for j in auto_vs_best(rows[:9], cfg, "lazy")}
+    # lazy: the connector's ways are not what it could have taken
+    assert lazy == {"KV": (1.3, "vLLM 0.33 direct 8 KiB K||V reads"), "NHD": (1.0, "staged")}
+    head = headline_lines(rows, dict(device="cpu"))[1]
+    assert "auto (the connector's holds, decode asking at once: what a user of the vLLM connector gets)" in head
+    assert "worst 1.30, 2 miss(es) beyond noise, NOT met" in head  # block 64's 1.30 counts (no spreads given)
+    assert "block 64: shm idle: vLLM K||V 1.30 (direct_slice / vLLM 0.33 direct 8 KiB K||V reads, miss)" in head
+    assert "Not judged: auto with lazy holds (eager packs off) / best lazy way or raw reads: worst 1.30" in head
+
+
 def test_costgrid_has_the_e2e_request_and_judges_the_default_model_too():
     """Issue 36: every grid size times bench/e2e.py's exact request (P4->D8, 2 -> 1 heads per rank,
     block 16, 4 layers, 8,192 tokens; K/V separate and vLLM's K||V cache), and the headline says
