@@ -254,6 +254,9 @@ VARIANTS_BY_CASE = {"p4d8": VARIANTS,
                              AUTO_KV, AUTO_CONNECTOR[2], AUTO_KV_EAGER, AUTO_KV_NAMED,
                              *[("pull", 1, 1, False, w, "KV") for w in ("staged", "read_unpack", "direct_slice")],
                              ("pull", 1, 1, "connector", "staged", "KV")]}
+#: timed rounds of a quick run (the sweep's): rounds interleave every method, so a burst of load on a
+#: shared host hits them alike; fewer rounds leave a median one burst away from the next method's
+QUICK_REPS = 5
 #: how each source layout is named in a method (KV: vLLM's joint K||V cache on both sides)
 SOURCE_LABEL = {"NHD": "", "HND": ", HND source", "KV": ", vLLM K||V layout"}
 
@@ -275,7 +278,8 @@ def _eager_label(eager) -> str:
 
 def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 8192,
                   variants: list[tuple] | None = None, busy: int = 0,
-                  per_token: bool = True, transport: str = "", ids: str = "random", case: str = "p4d8") -> list[dict]:
+                  per_token: bool = True, transport: str = "", ids: str = "random", case: str = "p4d8",
+                  reps: int | None = None) -> list[dict]:
     """One process pair, one transport (whatever ``UCX_TLS`` this process started with).
 
     ``variants``: kvtriton configurations as (mode, chunks per request, chunks in flight[, eager[,
@@ -299,7 +303,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
     from kvtriton.transport.nixl import NixlTransport
 
     layers = layers or (4 if quick else 16)
-    reps = 5 if quick else 9
+    reps = reps or (QUICK_REPS if quick else 9)
     n = tokens // BLOCK
     num_blocks = n + 8
     p_tp, d_tp, ranks, src_heads, dst_heads = _geometry(case)
@@ -673,9 +677,10 @@ def main() -> None:
     ap.add_argument("--ids", default="random", choices=["random", "runs"], help="block ids: a permutation or runs")
     ap.add_argument("--case", default="p4d8", choices=sorted(CASES), help="P->D geometry (see CASES)")
     ap.add_argument("--json", default=None, help="write the rows here as JSON (used by the sweep)")
+    ap.add_argument("--reps", type=int, default=None, help="timed rounds (default: 9, --quick: QUICK_REPS)")
     args = ap.parse_args()
     rows = run_e2e_bench(args.quick, args.layers, busy=args.busy, per_token=not args.no_per_token,
-                         transport=args.transport, ids=args.ids, case=args.case)
+                         transport=args.transport, ids=args.ids, case=args.case, reps=args.reps)
     if args.json:
         import json
 

@@ -149,7 +149,8 @@ def headline_lines(rows: list[dict], meta: dict) -> list[str]:
     (a section that did not run says so): what a reader should see first."""
     by = {sec: [r for r in rows if r.get("section") == sec] for sec in ("descriptors", "e2e", "costmodel", "pd_vllm")}
     return [f"- **{name}**: {text}" for name, text in zip(HEADLINE, (
-        _headline_descriptors(by["descriptors"]), _headline_e2e(by["e2e"]), _headline_grid(by["costmodel"]),
+        _headline_descriptors(by["descriptors"]), _headline_e2e(by["e2e"]),
+        _headline_grid(by["costmodel"]) + _grid_e2e_agreement(by["costmodel"], by["e2e"]),
         _headline_engines(by["pd_vllm"]), _headline_gpu(meta)))]
 
 
@@ -329,6 +330,39 @@ def _default_model_part(cells: list[dict]) -> str:
     return (f"; default model: worst {max(r['default_ratio'] for r in judged):.2f}, "
             f"{sum(r.get('default_verdict') == 'miss' for r in judged)} miss(es)"
             + (f"; the e2e's request: {'; '.join(e2e)}" if e2e else ""))
+
+
+def grid_e2e_agreement(grid: list[dict], e2e: list[dict]) -> list[dict]:
+    """The grid's e2e-shaped cells (bench/costgrid.py E2E_CELLS: the e2e's request, no protocol)
+    beside the e2e's judged ``auto`` of the same source layout (block 16, same transport, idle host,
+    random ids): the way the default model picked in each (the e2e's auto runs by it), and the
+    fastest kvtriton way each timed. ``agree``: both picked the same way and it is the e2e's fastest
+    kvtriton way under the same hold or the grid's fastest way."""
+    out = []
+    for g in (r for r in grid if r.get("default_chosen") and r.get("tokens", 0) == 8192 and r.get("block_size") == 16):
+        cfg = (g.get("transport"), "idle", "random")
+        sel = [r for r in e2e if r.get("source") == g.get("layout") and r.get("block", 16) == 16 and r.get("ms")
+               and (r.get("transport"), r.get("host"), r.get("ids", "random")) == cfg]
+        judged = auto_vs_best(sel, cfg)
+        if not judged:
+            continue
+        j = judged[0]
+        ways = [r for r in sel if r.get("role") in ("auto", "way") and r.get("hold", "lazy") == j["hold"]]
+        fastest = min(ways, key=lambda r: r["ms"]).get("way", "") if ways else ""
+        out.append(dict(layout=g["layout"], transport=g.get("transport"), grid_chose=g["default_chosen"],
+                        grid_best=g.get("best", ""), e2e_ran=j["way"], e2e_fastest_way=fastest,
+                        agree=g["default_chosen"] == j["way"] and j["way"] in (fastest, g.get("best"))))
+    return out
+
+
+def _grid_e2e_agreement(grid: list[dict], e2e: list[dict]) -> str:
+    got = grid_e2e_agreement(grid, e2e)
+    if not got:
+        return ""
+    return "; the e2e's cells, grid / e2e: " + ", ".join(
+        f"{SOURCE_NAMES.get(a['layout'], a['layout'])} {a['transport']}: default model chose {a['grid_chose']} "
+        f"(grid's fastest {a['grid_best']}) / auto ran {a['e2e_ran']} (fastest kvtriton way {a['e2e_fastest_way']})"
+        f" {'agree' if a['agree'] else 'DISAGREE'}" for a in got)
 
 
 def _headline_engines(rows: list[dict]) -> str:

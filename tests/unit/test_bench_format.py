@@ -401,3 +401,32 @@ def test_costgrid_has_the_e2e_request_and_judges_the_default_model_too():
                                       default_verdict="hit")])
     assert "default model: worst 1.20, 1 miss(es)" in line
     assert "P4->D8 HND 8,192 tokens: direct_slice 1.00, default staged 1.20" in line
+
+
+def test_grid_and_e2e_agreement_is_in_the_grid_headline():
+    """Issue 36: the grid's e2e-shaped cells say beside the e2e's judged auto of the same layout
+    which way each picked, so a grid that passes while the e2e's way differs shows DISAGREE."""
+    from bench.report import grid_e2e_agreement, headline_lines
+
+    def e2e(method, ms, source, role, way, hold):
+        return dict(section="e2e", pair="p4d8", transport="shm", host="idle", ids="random", block=16,
+                    method=method, ms=ms, descriptors=1, source=source, role=role, way=way, hold=hold)
+
+    rows = [e2e("vLLM 0.33 direct 8 KiB K||V reads", 10.0, "KV", "raw", "", None),
+            e2e("kvtriton auto, pull connector hold, 1 chunk(s) x 1 in flight, vLLM K||V layout", 10.5, "KV",
+                "auto", "direct_slice", "connector"),
+            e2e("kvtriton staged, pull connector hold, 1 chunk(s) x 1 in flight, vLLM K||V layout", 12.0, "KV",
+                "way", "staged", "connector"),
+            e2e("kvtriton auto, pull connector hold, 1 chunk(s) x 1 in flight, HND source", 20.0, "HND", "auto",
+                "staged", "connector"),
+            e2e("kvtriton direct_slice, pull, 1 chunk(s) x 1 in flight, HND source", 15.0, "HND", "way",
+                "direct_slice", "lazy")]
+    grid = [dict(section="costmodel", transport="shm", p_tp=4, d_tp=8, heads_per_rank=2, block_size=16, layout=lay,
+                 tokens=8192, chosen=c, best=b, default_chosen=c, ratio=1.0, default_ratio=1.0)
+            for lay, c, b in (("KV", "direct_slice", "direct_slice"), ("HND", "direct_slice", "direct_slice"))]
+    got = {a["layout"]: (a["grid_chose"], a["e2e_ran"], a["agree"]) for a in grid_e2e_agreement(grid, rows)}
+    assert got == {"KV": ("direct_slice", "direct_slice", True), "HND": ("direct_slice", "staged", False)}
+    head = headline_lines(rows + grid, dict(device="cpu"))[2]
+    assert "vLLM K||V shm: default model chose direct_slice (grid's fastest direct_slice) / auto ran direct_slice " \
+           "(fastest kvtriton way direct_slice) agree" in head
+    assert "HND shm: default model chose direct_slice" in head and "DISAGREE" in head
