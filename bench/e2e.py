@@ -256,7 +256,7 @@ VARIANTS_BY_CASE = {"p4d8": VARIANTS,
                              ("pull", 1, 1, "connector", "staged", "KV")]}
 #: timed rounds of a quick run (the sweep's): rounds interleave every method, so a burst of load on a
 #: shared host hits them alike; fewer rounds leave a median one burst away from the next method's
-QUICK_REPS = 5
+QUICK_REPS = 9  # 5 before issue 36 point 1: ~10 s more per configuration (of ~60) on a 2-core host
 #: how each source layout is named in a method (KV: vLLM's joint K||V cache on both sides)
 SOURCE_LABEL = {"NHD": "", "HND": ", HND source", "KV": ", vLLM K||V layout"}
 

@@ -236,7 +236,11 @@ def auto_vs_best(rows: list[dict], cfg: tuple, hold: str | None = None) -> list[
         # above the best's p80; a shared 2-core host moves one way's median by tens of percent between runs
         noise = a is best or a.get("ms_p20", a["ms"]) <= best.get("ms_p80", best["ms"])
         out.append(dict(source=a["source"], method=a["method"], way=a.get("way", ""), ms=a["ms"],
-                        best=best["method"], best_way=best.get("way") or best["method"], best_ms=best["ms"],
+                        best=best["method"], best_ms=best["ms"],
+                        # a way under another hold than auto's says which (the same way, lazy, is other work)
+                        best_way=(best.get("way") or best["method"]) + (
+                            f" ({best['hold']} hold)" if best["role"] == "way" and best.get("hold", "lazy") != a.get(
+                                "hold", "lazy") else ""),
                         ratio=a["ms"] / best["ms"], verdict="hit" if a is best else "tie" if noise else "miss",
                         hold=hold, twin_ratio=a["ms"] / twins[0]["ms"] if twins else None))
     return out

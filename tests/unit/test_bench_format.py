@@ -370,6 +370,9 @@ def test_e2e_judges_auto_under_the_connectors_holds_and_shows_the_lazy_ones():
     got = {j["source"]: (round(j["ratio"], 3), j["best_way"], j["hold"]) for j in auto_vs_best(rows[:9], cfg)}
     # the connector's auto against a connector way (staged packed ahead) and the raw reads; never an eager row
     assert got == {"KV": (1.167, "staged", "connector"), "NHD": (1.0, "staged", "connector")}
+    faster_lazy = [dict(r, ms=15.0) if r["method"] == "kvtriton staged, pull, 1 chunk(s) x 1 in flight" else r
+                   for r in rows[:9]]  # the same way under another hold is other work: named with its hold
+    assert [j["best_way"] for j in auto_vs_best(faster_lazy, cfg) if j["source"] == "NHD"] == ["staged (lazy hold)"]
     lazy = {j["source"]: (round(j["ratio"], 3), j["best_way"]) for j in auto_vs_best(rows[:9], cfg, "lazy")}
     # lazy: the connector's ways are not what it could have taken
     assert lazy == {"KV": (1.3, "vLLM 0.33 direct 8 KiB K||V reads"), "NHD": (1.0, "staged")}
