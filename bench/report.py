@@ -239,8 +239,8 @@ def auto_vs_best(rows: list[dict], cfg: tuple, hold: str | None = None) -> list[
                         best=best["method"], best_ms=best["ms"],
                         # a way under another hold than auto's says which (the same way, lazy, is other work)
                         best_way=(best.get("way") or best["method"]) + (
-                            f" ({best['hold']} hold)" if best["role"] == "way" and best.get("hold", "lazy") != a.get(
-                                "hold", "lazy") else ""),
+                            f" ({best.get('hold', 'lazy')} hold)" if best["role"] != "raw"
+                            and best.get("hold", "lazy") != a.get("hold", "lazy") else ""),
                         ratio=a["ms"] / best["ms"], verdict="hit" if a is best else "tie" if noise else "miss",
                         hold=hold, twin_ratio=a["ms"] / twins[0]["ms"] if twins else None))
     return out
