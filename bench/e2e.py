@@ -548,7 +548,9 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             vs_lazy = f"; lazy/this = {qs[f'staged{lazy[0]}'][1] / q[1]:.2f}x" if eager and lazy else ""
             if hold_kind in ("connector", "named"):  # asked at once: what served the fetches
                 vs_lazy += (f"; of {reps + 1} fetches, {agents[i].stats['offers_taken'] // len(ranks)} took an offer, "
-                            f"{held[i]['pull_hits'] // len(ranks)} pulled a pack made ahead")
+                            f"{held[i]['pull_hits'] // len(ranks)} pulled a pack made ahead, "
+                            f"{(held[i]['hits'] - held[i]['pull_hits']) // len(ranks)} took an offer over by a pull "
+                            f"or read it (the source's count)")
             if one in ("direct", "direct_slice"):  # no pass to sum; the same reads without the protocol: the floor
                 same = packed_q if src_layout == "KV" else direct_q  # the raw reads of the same memory
                 how = (f"{'' if way else 'ran direct_slice; '}the same head-slice reads posted raw / this = "
