@@ -17,6 +17,14 @@ the descriptor sizes are the real ones. Methods, all moving the same bytes into 
   is its whole HND block), one descriptor per (layer, K/V, run of consecutive destination blocks),
   no unpack pass; with ``eager`` the pack is done at hold time and offered. ``kvtriton auto``:
   nothing forced: the decode's cost model picks the way per request (the row says which).
+* ``connector hold`` (**the judged ``auto`` rows: what a user of the vLLM connector gets**): the hold
+  names no consumer, as the connector's worker holds (unless its ``consumer`` setting is given), and
+  the prefill packs ahead and offers for the only decode engine connected (``eager_guess``); the
+  clock starts when the decode fetches right after the prefill's ``hold()`` returned, so a pack not
+  done by then is timed (the pull takes it over, or, when the pull is handled first, packs it
+  then). Run for auto and each way that packs, from each source layout. ``eager, asked at once``:
+  the same with the consumer named (a cache read is offered at hold time too). The lazy ``auto``
+  rows (no eager packs) stay beside them, judged separately against the lazy ways only.
   (read_unpack, the P > D mirror, needs a source rank whose heads all go to one decode rank;
   this P4->D8 case has none: bench/costgrid.py times it.)
 * ``kvtriton staged, pull eager-guess``: as ``eager``, but the hold names no consumer (as the vLLM
@@ -31,7 +39,7 @@ the descriptor sizes are the real ones. Methods, all moving the same bytes into 
   ``vLLM K||V layout``), every way the plan allows forced beside ``auto``. ``auto / best`` of a
   layout (:func:`bench.report.auto_vs_best`) compares the planner's way with every kvtriton way
   and the raw reads *of the same memory* (per-token reads are the only head-slice reads an NHD
-  block allows; eager is left out: its clock starts after the pack).
+  block allows; the rows timed after the offer are left out: their clock starts after the pack).
 * ``per-token``: one 256 B descriptor per (layer, K/V, token), read from the NHD cache.
 * ``single descriptor``: the same payload as one contiguous READ (the transport's floor).
 
@@ -143,20 +151,23 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
                 a.add_remote(md)
         raw.add_remote(raw_md)
 
-    def hold(req, ids, variant, consumer, chunks, ahead) -> dict:  # consumer None: not named
+    def hold(req, ids, variant, consumer, chunks, drain, offered) -> dict:  # consumer None: not named
         group = agents[variant]
         end = time.monotonic() + 30
-        while ahead and any(a.pool.free_slots < a.pool.num_slots for a in group) and time.monotonic() < end:
+        while drain and any(a.pool.free_slots < a.pool.num_slots for a in group) and time.monotonic() < end:
             for a in group:
-                a.progress()  # the last request's ack: its staging is back
+                a.progress()  # the last request's ack: its staging is back (one request at a time)
         offers = [a.stats["eager_offers"] for a in group]
         for a in group:
             a.hold(req, ids, lease_s=120, consumer=consumer)
         end = time.monotonic() + 30
-        while ahead and any(a.stats["eager_offers"] == o for a, o in zip(group, offers)) and time.monotonic() < end:
+        while offered and any(a.stats["eager_offers"] == o for a, o in zip(group, offers)) and time.monotonic() < end:
             for a in group:
                 a.progress()  # packed (or, read_unpack, nothing to pack) and offered to the decode
-        return dict(packed=sum(a.packed_ahead(req) for a in group), hits=sum(a.stats["eager_hits"] for a in group))
+        # else: hold() has returned and nothing more: the pack (if any) runs in the next progress(),
+        # racing the decode's fetch, as in an engine whose decode asks the moment the prefill is done
+        return dict(packed=sum(a.packed_ahead(req) for a in group), hits=sum(a.stats["eager_hits"] for a in group),
+                    pull_hits=sum(a.stats["eager_pull_hits"] for a in group))
 
     def time_pack(src_ids, dst_specs) -> tuple:  # every source rank's pack for D0, back to back (one process)
         reads = [(r, build_plan(0, d_tp, dst_specs, p_tp, agents[0][k].specs).payload(r))
@@ -187,39 +198,65 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
         raw.close()
 
 
+# The holds a variant's request is held by (the 4th field, ``eager``), and where its clock starts:
+# * False, lazy: no eager packs (``eager_bytes=0``): the decode's pull is served when it arrives;
+# * "connector": the hold names no consumer and the prefill packs (and offers) ahead for the only
+#   decode engine connected (``eager_guess``): the vLLM connector's holds (its worker's hold() has no
+#   consumer unless the ``consumer`` setting is given), so **what a user gets**; the clock starts when
+#   the decode fetches right after the prefill's hold() returned: the pack is timed when it is not
+#   done by then (the pull takes it over once done), as when the decode asks at once;
+# * "named": as "connector" with the consumer named (the connector's ``consumer`` setting): a way that
+#   reads the source's cache is offered at hold time too (nothing to pack), same clock;
+# * True / "guess": named / guessed as above, but the clock starts once the decode holds the offer:
+#   the decode asks after the pack (the prefill finished some time before), never judged.
+HOLDS = {False: "lazy", "connector": "connector", "named": "named", True: "offered", "guess": "offered"}
 # auto from an HND source, vLLM's own layout (its direct reads here read an HND copy): where a head
 # slice is one contiguous range of a block, the planner may take the one-pass way vLLM takes
 AUTO_HND = ("pull", 1, 1, False, None, "HND")
 # the same with this host's measured cost model (kvtriton.costmodel.load_or_measure, what a connector
-# started with cost_model="measured" runs by): the default model's constants are a hand-calibrated
-# CPU guess, and where they misjudge the repack here the measured one is what picks the way
-AUTO_HND_MEASURED = ("pull", 1, 1, False, None, "HND", "measured")
-# every lazy way the plan allows from each source layout, forced, beside auto: `auto / best` of a
-# layout is then judged against what kvtriton could have done with the same memory, same run
-# (NHD: staged and pack_place above; a head slice of an NHD block is not one range, so no zero-copy way)
-WAYS_HND = [("pull", 1, 1, False, w, "HND") for w in ("staged", "pack_place", "direct_slice")]
+# started with cost_model="measured" runs by), the connector's holds: the default model's constants
+# are a hand-calibrated CPU guess, and where they misjudge the repack here the measured one picks the way
+AUTO_HND_MEASURED = ("pull", 1, 1, "connector", None, "HND", "measured")
+# every way the plan allows from each source layout, forced, beside auto (lazy holds, and the ways
+# that pack under the connector's holds too: a pack made ahead changes which way is fastest):
+# `auto / best` of a layout is then judged against what kvtriton could have done with the same memory,
+# same run (NHD: a head slice of an NHD block is not one range, so no zero-copy way)
+WAYS_NHD_CONNECTOR = [("pull", 1, 1, "connector", w) for w in ("staged", "pack_place")]
+WAYS_HND = [("pull", 1, 1, False, w, "HND") for w in ("staged", "pack_place", "direct_slice")] + \
+    [("pull", 1, 1, "connector", w, "HND") for w in ("staged", "pack_place")]
 # vLLM's own layout on both sides (K||V one stream, head-major): the memory its direct reads read
 AUTO_KV = ("pull", 1, 1, False, None, "KV")
 # the hold names its consumer (a connector's `consumer` setting, a fixed P/D pairing): a way that
-# reads the source's cache is offered at hold time, so the load READs at once with no round trip to
-# the prefill first, as vLLM's reads do (eager_guess offers packs only: a cache read offered to a
-# guessed engine could not be withdrawn once another engine binds the hold, kvtriton.agent.source.eager)
+# reads the source's cache is offered at hold time, so a load that finds the offer READs at once with
+# no round trip to the prefill first, as vLLM's reads do (eager_guess offers packs only: a cache read
+# offered to a guessed engine could not be withdrawn once another engine binds the hold,
+# kvtriton.agent.source.eager); clock after the offer (decode asks after the prefill) and at once
 AUTO_KV_EAGER = ("pull", 1, 1, True, None, "KV")
-WAYS_KV = [("pull", 1, 1, False, w, "KV") for w in ("staged", "pack_place", "direct_slice")]
+AUTO_KV_NAMED = ("pull", 1, 1, "named", None, "KV")
+WAYS_KV = [("pull", 1, 1, False, w, "KV") for w in ("staged", "pack_place", "direct_slice")] + \
+    [("pull", 1, 1, "connector", w, "KV") for w in ("staged", "pack_place")]
+#: auto under the connector's holds, per source layout: the rows the main job judges
+AUTO_CONNECTOR = [("pull", 1, 1, "connector", None, lay) for lay in ("NHD", "HND", "KV")]
 VARIANTS = [("pull", 1, 1, False, "staged"), ("push", 1, 1, False, "staged"), ("pull", 8, 2, False, "staged"),
             ("pull", 1, 1, True, "staged"), ("pull", 1, 1, False, "pack_place"), ("pull", 1, 1, True, "pack_place"),
-            ("pull", 1, 1, False, None), ("pull", 1, 1, "guess", "staged"), AUTO_HND, AUTO_HND_MEASURED,
-            *WAYS_HND, AUTO_KV, AUTO_KV_EAGER, *WAYS_KV]
+            ("pull", 1, 1, False, None), ("pull", 1, 1, "guess", "staged"), AUTO_CONNECTOR[0], *WAYS_NHD_CONNECTOR,
+            AUTO_HND, AUTO_CONNECTOR[1], AUTO_HND_MEASURED, *WAYS_HND,
+            AUTO_KV, AUTO_CONNECTOR[2], AUTO_KV_EAGER, AUTO_KV_NAMED, *WAYS_KV]
 # P > D: read_unpack instead of pack_place (lazy: the pull is answered by RunsReady, no pack; eager:
 # the hold is offered for reading straight from the cache, no pull at all)
 VARIANTS_BY_CASE = {"p4d8": VARIANTS,
                     "p8d4": [("pull", 1, 1, False, "staged"), ("push", 1, 1, False, "staged"),
                              ("pull", 1, 1, True, "staged"), ("pull", 1, 1, False, "read_unpack"),
-                             ("pull", 1, 1, True, "read_unpack"), ("pull", 1, 1, False, None), AUTO_HND,
-                             AUTO_HND_MEASURED,
+                             ("pull", 1, 1, True, "read_unpack"), ("pull", 1, 1, False, None), AUTO_CONNECTOR[0],
+                             ("pull", 1, 1, "connector", "staged"), AUTO_HND, AUTO_CONNECTOR[1], AUTO_HND_MEASURED,
                              *[("pull", 1, 1, False, w, "HND") for w in ("staged", "read_unpack", "direct_slice")],
-                             AUTO_KV, AUTO_KV_EAGER,
-                             *[("pull", 1, 1, False, w, "KV") for w in ("staged", "read_unpack", "direct_slice")]]}
+                             ("pull", 1, 1, "connector", "staged", "HND"),
+                             AUTO_KV, AUTO_CONNECTOR[2], AUTO_KV_EAGER, AUTO_KV_NAMED,
+                             *[("pull", 1, 1, False, w, "KV") for w in ("staged", "read_unpack", "direct_slice")],
+                             ("pull", 1, 1, "connector", "staged", "KV")]}
+#: timed rounds of a quick run (the sweep's): rounds interleave every method, so a burst of load on a
+#: shared host hits them alike; fewer rounds leave a median one burst away from the next method's
+QUICK_REPS = 9  # 5 before issue 36 point 1: ~10 s more per configuration (of ~60) on a 2-core host
 #: how each source layout is named in a method (KV: vLLM's joint K||V cache on both sides)
 SOURCE_LABEL = {"NHD": "", "HND": ", HND source", "KV": ", vLLM K||V layout"}
 
@@ -232,14 +269,17 @@ def _method(mode: str, chunks: int, inflight: int, eager, way: str | None, src_l
 
 
 def _eager_label(eager) -> str:
-    """How a variant's hold is packed: lazily (''), ahead for its named consumer, or ahead for
-    the only engine connected (no consumer named: the vLLM connector's holds)."""
-    return {False: "", True: " eager", "guess": " eager-guess"}[eager]
+    """How a variant's hold is packed (:data:`HOLDS`): lazily (''), ahead for its named consumer or
+    for the only engine connected (no consumer named: the vLLM connector's holds), the decode asking
+    at once or after the offer."""
+    return {False: "", True: " eager", "guess": " eager-guess, asked after the pack",
+            "connector": " connector hold", "named": " eager, asked at once"}[eager]
 
 
 def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 8192,
                   variants: list[tuple] | None = None, busy: int = 0,
-                  per_token: bool = True, transport: str = "", ids: str = "random", case: str = "p4d8") -> list[dict]:
+                  per_token: bool = True, transport: str = "", ids: str = "random", case: str = "p4d8",
+                  reps: int | None = None) -> list[dict]:
     """One process pair, one transport (whatever ``UCX_TLS`` this process started with).
 
     ``variants``: kvtriton configurations as (mode, chunks per request, chunks in flight[, eager[,
@@ -263,7 +303,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
     from kvtriton.transport.nixl import NixlTransport
 
     layers = layers or (4 if quick else 16)
-    reps = 5 if quick else 9
+    reps = reps or (QUICK_REPS if quick else 9)
     n = tokens // BLOCK
     num_blocks = n + 8
     p_tp, d_tp, ranks, src_heads, dst_heads = _geometry(case)
@@ -283,7 +323,8 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
         staging = ((chunks + inflight) if eager else inflight) * chunk
         agent_kw.append(dict(staging_bytes=staging, slot_bytes=slot, chunk_bytes=chunk, mode=mode,
                              inflight_chunks=inflight, impl="torch", timeout_s=60,
-                             eager_bytes=chunks * chunk if eager else 0, eager_guess=eager == "guess",
+                             eager_bytes=chunks * chunk if eager else 0,
+                             eager_guess=eager in ("guess", "connector"),
                              modes=way, src_layout=src_layout, **({"cost": measured} if cost == "measured" else {})))
     prefill = ChildProcess(_prefill, layers, num_blocks, agent_kw, reps, case, name="prefill")
     ctx = mp.get_context("spawn")
@@ -441,15 +482,17 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             def hold(i=i, eager=eager, chunks=chunks, way=way, agent=agents[i]) -> None:
                 req = f"r{counter[0]}"
                 counter[0] += 1
-                held[i] = dict(prefill.call("hold", req, src_ids.tolist(), i, f"D{i}" if eager is True else None,
-                                            chunks, bool(eager), timeout_s=None), req=req)
+                offered = HOLDS[eager] == "offered"  # else the clock starts right after hold() returned
+                held[i] = dict(prefill.call("hold", req, src_ids.tolist(), i,
+                                            f"D{i}" if eager in (True, "named") else None, chunks, bool(eager),
+                                            offered, timeout_s=None), req=req)
                 # auto may take a way that reads the cache itself: offered at hold time, nothing packed
-                if eager and way not in ("read_unpack", "direct_slice", None) and \
+                if offered and way not in ("read_unpack", "direct_slice", None) and \
                         held[i]["packed"] < chunks * len(ranks):
                     raise AssertionError(f"eager {way}: {held[i]['packed']} of {chunks * len(ranks)} chunks "
                                          "packed at hold time")
                 end = time.monotonic() + 30
-                while eager and _offers(agent, req) < len(ranks) and time.monotonic() < end:
+                while offered and _offers(agent, req) < len(ranks) and time.monotonic() < end:
                     agent.progress()  # the decode has the offer before it fetches
 
             def staged(i=i, agent=agents[i], ndesc=ndescs[i]) -> None:
@@ -481,7 +524,8 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
                 samples[k].append(quantiles_ms(fn, 1, warmup=0)[1])
         for i, v in enumerate(variants):  # every eager fetch found its pack (the source counts hits)
             if v[3]:
-                setups[f"staged{i}"]()
+                setups[f"staged{i}"]()  # and at once: how they were served (the row's note)
+            if HOLDS[v[3]] == "offered":
                 want = (reps + 1) * len(ranks)
                 if held[i]["hits"] < reps or agents[i].stats["offers_taken"] != want:
                     raise AssertionError(f"eager: {agents[i].stats['offers_taken']} of {want} fetch parts took "
@@ -497,20 +541,28 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
                            else "direct")
             one = (("pack_place" if case == "p4d8" else "read_unpack") if used == "one-sided" else used)
             place, read_ru = one == "pack_place", one == "read_unpack"
-            parts = (0 if eager or read_ru else pack_q[1]) + floor + (0 if place else unpack_q[1])
+            hold_kind = HOLDS[eager]
+            ahead = hold_kind == "offered"  # the pack ran before the clock started
+            parts = (0 if ahead or read_ru else pack_q[1]) + floor + (0 if place else unpack_q[1])
             lazy = [j for j, w in enumerate(variants) if w == (mode, chunks, inflight, False, way, src_layout, cost)]
             vs_lazy = f"; lazy/this = {qs[f'staged{lazy[0]}'][1] / q[1]:.2f}x" if eager and lazy else ""
+            if hold_kind in ("connector", "named"):  # asked at once: what served the fetches
+                vs_lazy += (f"; of {reps + 1} fetches, {agents[i].stats['offers_taken'] // len(ranks)} took an offer, "
+                            f"{held[i]['pull_hits'] // len(ranks)} pulled a pack made ahead, "
+                            f"{(held[i]['hits'] - held[i]['pull_hits']) // len(ranks)} took an offer over by a pull "
+                            f"or read it (the source's count)")
             if one in ("direct", "direct_slice"):  # no pass to sum; the same reads without the protocol: the floor
                 same = packed_q if src_layout == "KV" else direct_q  # the raw reads of the same memory
                 how = (f"{'' if way else 'ran direct_slice; '}the same head-slice reads posted raw / this = "
                        f"{same[1] / q[1]:.2f}x")
             else:
                 how = (f"{'' if way else f'ran {one}; '}{q[1] / parts:.2f}x the sum of its parts "
-                       f"({'' if eager or read_ru else 'pack + '}one {'READ' if mode == 'pull' else 'WRITE'}"
+                       f"({'' if ahead or read_ru else 'pack + '}one {'READ' if mode == 'pull' else 'WRITE'}"
                        f"{'' if place else ' + unpack'})")
             staged_rows.append(dict(
                 common, method=_method(mode, chunks, inflight, eager, way, src_layout, cost), descriptors=ndescs[i][0],
-                **qfields("ms", q, 2), source=src_layout, role="auto" if way is None else "eager" if eager else "way",
+                **qfields("ms", q, 2), source=src_layout, hold=hold_kind,
+                role="eager" if ahead else "auto" if way is None else "way",
                 way="direct_slice" if one == "direct" else one,  # SPLIT heads only here: a slice, not DIRECT
                 note=(f"{how}; vLLM K||V direct/this = {packed_q[1] / q[1]:.2f}x; "
                       f"K/V-separate direct/this = {direct_q[1] / q[1]:.2f}x{vs_lazy}")))
@@ -627,9 +679,10 @@ def main() -> None:
     ap.add_argument("--ids", default="random", choices=["random", "runs"], help="block ids: a permutation or runs")
     ap.add_argument("--case", default="p4d8", choices=sorted(CASES), help="P->D geometry (see CASES)")
     ap.add_argument("--json", default=None, help="write the rows here as JSON (used by the sweep)")
+    ap.add_argument("--reps", type=int, default=None, help="timed rounds (default: 9, --quick: QUICK_REPS)")
     args = ap.parse_args()
     rows = run_e2e_bench(args.quick, args.layers, busy=args.busy, per_token=not args.no_per_token,
-                         transport=args.transport, ids=args.ids, case=args.case)
+                         transport=args.transport, ids=args.ids, case=args.case, reps=args.reps)
     if args.json:
         import json
 
