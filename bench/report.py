@@ -228,10 +228,10 @@ def auto_vs_best(rows: list[dict], cfg: tuple, hold: str | None = None) -> list[
     out = []
     for a in (r for r in sel if r["role"] == "auto" and r.get("hold", "lazy") == hold):
         same = [r for r in sel if r["source"] == a["source"]]
-        # the way auto ran, forced under the same hold, is the same work (its twin): auto is judged on
-        # the choice, against the other ways and the raw reads; the twin's gap is the host's noise, shown
+        # the way auto ran, forced under the same hold, is the same work (its twin): it stays in the best
+        # (the rule: every way kvtriton can take); the gap to it alone is shown, as the host's noise
         twins = [r for r in same if _twin(r, a)]
-        best = min((r for r in same if r is a or not _twin(r, a)), key=lambda r: r["ms"])
+        best = min(same, key=lambda r: r["ms"])
         # as the grid judges (bench/costgrid.py judge): slower beyond the noise only when auto's p20 is
         # above the best's p80; a shared 2-core host moves one way's median by tens of percent between runs
         noise = a is best or a.get("ms_p20", a["ms"]) <= best.get("ms_p80", best["ms"])
@@ -296,8 +296,8 @@ def _headline_e2e(rows: list[dict]) -> str:
         misses = sum(j["verdict"] == "miss" for _, j in judged)
         what = ("the connector's holds, decode asking at once: what a user of the vLLM connector gets"
                 if judged[0][1]["hold"] == "connector" else "lazy holds")
-        verdict = (f"auto ({what}) / best of the same memory (every other kvtriton way and the raw reads, same run; "
-                   "the way auto ran, forced under the same hold, is the same work: its gap is noise, shown): "
+        verdict = (f"auto ({what}) / best of the same memory (every kvtriton way and the raw reads, same run; "
+                   "the way auto ran, forced under the same hold, is the same work: its gap alone is shown too): "
                    f"worst {worst:.2f}, {misses} miss(es) beyond noise, "
                    f"{'met' if worst <= E2E_GOAL else 'NOT met'} (goal <= {E2E_GOAL:.2f}): {cells}. ")
         if judged[0][1]["hold"] == "connector":
