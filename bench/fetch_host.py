@@ -17,7 +17,12 @@ regions read from one prefill replica, as the vLLM connector does by default.
 * ``floor``: the same READs posted raw over lists prepared once (what NixlConnector posts per
   request: one READ per source rank, indices into per-block descriptor lists), the time in
   its own post and poll calls: no agent, no messages, no protocol. The ratio kvtriton / floor
-  is the agent's per-request overhead on the decode's thread, the engine's.
+  is the agent's per-request overhead on the decode's thread, the engine's;
+* ``floor+notif``: the same, each source rank's READ carrying a completion notice (the request's
+  id) as NixlConnector's READs do (its prefill frees the blocks on it): what any correct transfer
+  tells its source, a message the plain floor leaves out. A separate column; ``floor`` is as
+  before. (A READ that carries a notice leaves the endpoint waiting on the peer's next progress,
+  as a message does: the next request's READ completes at that progress, its polls timed.)
 
 A READ's completion here also waits for the source's UCX worker to progress once the decode has
 sent that source any message (NIXL completes a transfer with an endpoint flush, which then needs
@@ -159,13 +164,13 @@ class Floor:
     strided row per region, stream and slice: the blocks' ranges) and one READ per request of
     the indices its blocks name, as NixlConnector posts; no agent, no message."""
 
-    def __init__(self, case: Case):
+    def __init__(self, case: Case, name: str = "floor"):
         from kvtriton.plan import build_plan, direct_block_rows, slice_block_rows
         from kvtriton.transport.nixl import NixlTransport
 
-        self.case = case
-        self.a = NixlTransport(f"floor-d-{case.kind}")
-        self.b = [NixlTransport(f"floor-p{r}-{case.kind}") for r in range(P_TP)]
+        self.case, self.count = case, 0
+        self.a = NixlTransport(f"{name}-d-{case.kind}")
+        self.b = [NixlTransport(f"{name}-p{r}-{case.kind}") for r in range(P_TP)]
         self.a.register([t for r in case.dst for t in r.streams])
         dst_specs = [r.spec for r in case.dst]
         plan = build_plan(0, D_TP, dst_specs, P_TP, [r.spec for r in case.src[0]], modes="direct_slice",
@@ -190,17 +195,25 @@ class Floor:
                         dtype=np.int64)
         return np.stack([addr + offset, rows.tile, np.zeros_like(offset), stride, blocks], axis=1)
 
-    def fetch_ms(self) -> float:
+    def fetch_ms(self, notif: bool = False) -> float:
+        """One request's posts and polls; ``notif``: each source rank's last READ carries the
+        request's completion notice (the floor+notif column)."""
         from kvtriton.transport.nixl import XferStatus
 
         src, dst = self.case.ids()
+        self.count += 1
+        tag = f"floor-{self.case.kind}-{self.count}".encode()
         spent = 0.0
         t0 = _clock()
-        xfers = []
+        reads = []
         for b, rows, local, remote in self.sides:
             s_idx, d_idx, _, _ = rows.select(src, dst)
             if s_idx.size:
-                xfers.append((b, self.a.post("READ", local, d_idx, remote, s_idx)))
+                reads.append((b, local, d_idx, remote, s_idx))
+        xfers = []
+        for k, (b, local, d_idx, remote, s_idx) in enumerate(reads):
+            last = notif and not any(r[0] is b for r in reads[k + 1:])  # this source's last READ
+            xfers.append((b, self.a.post("READ", local, d_idx, remote, s_idx, tag if last else b"")))
         spent += _clock() - t0
         for b, x in xfers:
             while True:
@@ -211,6 +224,8 @@ class Floor:
                     break
                 b.poll_notifs()  # the peer's own progress (untimed), as its process would
             self.a.release(x)
+        for b in self.b:  # the sources take their notices in (their own processes when serving)
+            b.poll_notifs()
         return spent * 1e3
 
     def close(self) -> None:
@@ -239,29 +254,38 @@ def run_fetch_host(reps: int = 40, progress=None, floor: bool = True, stripe: in
     for i, kind in enumerate(CASES):
         case = Case(kind, seed=40 + i, stripe=stripe, sealed=sealed)
         raw_floor = Floor(case) if floor else None
+        # its own agents: a notice leaves their endpoints waiting on the peer, which the plain floor's must not see
+        notif_floor = Floor(case, "floor-n") if floor else None
         try:
             for _ in range(3):
                 case.fetch_ms()
                 if raw_floor is not None:
                     raw_floor.fetch_ms()
+                    notif_floor.fetch_ms(notif=True)
             case.fetch_ms(check=True)  # byte for byte, once (its time is not counted)
-            ours, raw = [], []
+            ours, raw, raw_notif = [], [], []
             for k in range(reps):  # alternating which goes first
                 if raw_floor is not None and k % 2:
                     raw.append(raw_floor.fetch_ms())
+                    raw_notif.append(notif_floor.fetch_ms(notif=True))
                 ours.append(case.fetch_ms())
                 if raw_floor is not None and not k % 2:
+                    raw_notif.append(notif_floor.fetch_ms(notif=True))
                     raw.append(raw_floor.fetch_ms())
             q_ours = quantiles_of(ours)
             row = dict(case=kind, p_tp=P_TP, d_tp=D_TP, blocks=BLOCKS_PER_REQUEST, descriptors=case.descriptors,
                        ways=case.ways, **qfields("kvtriton_ms", q_ours))
             if raw:
                 q_raw = quantiles_of(raw)
-                row.update(qfields("floor_ms", q_raw), ratio=round(q_ours[1] / q_raw[1], 2))
+                q_notif = quantiles_of(raw_notif)
+                row.update(qfields("floor_ms", q_raw), ratio=round(q_ours[1] / q_raw[1], 2),
+                           **qfields("floor_notif_ms", q_notif), ratio_notif=round(q_ours[1] / q_notif[1], 2))
             rows.append(row)
         finally:
             if raw_floor is not None:
                 raw_floor.close()
+            if notif_floor is not None:
+                notif_floor.close()
             case.close()
         if progress is not None:
             progress(kind)
@@ -285,7 +309,8 @@ def main() -> None:
         _clock = time.thread_time
     for r in run_fetch_host(args.reps, floor=not args.no_floor, stripe=args.replicate_stripe or None,
                             sealed=args.sealed):
-        floor = f", floor {r['floor_ms']:.3f} ms, ratio {r['ratio']:.2f}" if "floor_ms" in r else ""
+        floor = (f", floor {r['floor_ms']:.3f} ms, ratio {r['ratio']:.2f}; floor+notif {r['floor_notif_ms']:.3f} ms, "
+                 f"ratio {r['ratio_notif']:.2f}" if "floor_ms" in r else "")
         print(f"fetch_host {r['case']}: kvtriton {r['kvtriton_ms']:.3f} ms [{r['kvtriton_ms_p20']:.3f}-"
               f"{r['kvtriton_ms_p80']:.3f}]{floor}; {r['descriptors']} descriptors ({r['ways']})")
 

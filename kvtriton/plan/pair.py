@@ -84,7 +84,8 @@ class PairPlan:
     """
 
     __slots__ = ("plan", "src_rank", "src_specs", "dst_specs", "cost", "payload", "ways", "direct_rows",
-                 "slice_rows", "_groups", "_slice_cols", "_coalesce", "_counts", "_rows")
+                 "slice_rows", "_groups", "_slice_cols", "_coalesce", "_counts", "_rows",
+                 "_chosen")
 
     def __init__(self, plan: TransferPlan, src_rank: int, src_specs: Sequence[RegionSpec],
                  dst_specs: Sequence[RegionSpec], cost: CostModel | None = None):
@@ -118,6 +119,9 @@ class PairPlan:
             self._counts[Way.DIRECT_SLICE] = (int(whole.sum()), len(cols))
         # the zero-copy rows a part posts in one transfer, by the way its payload travels
         self._rows: dict[Way, BlockRows] = {Way.STAGED: self.direct_rows}
+        # the way chosen per (blocks, chunks, packed, each candidate way's descriptors): all the
+        # choice depends on for this pair (choose_way)
+        self._chosen: dict[tuple, Way] = {}
         if self.slice_rows is not None:
             self._rows[Way.DIRECT_SLICE] = BlockRows.concat(self.direct_rows, self.slice_rows)
 
@@ -148,8 +152,10 @@ class PairPlan:
         return tile_runs(self._payload(), specs, ids, way)
 
     # ------------------------------------------------------------------ the way
-    def way_descriptors(self, way: Way, src_ids: np.ndarray, dst_ids: np.ndarray, chunks: int = 1) -> int:
-        """:func:`~kvtriton.plan.way_descriptors` of the payload, over the pair's geometry."""
+    def way_descriptors(self, way: Way, src_ids: np.ndarray, dst_ids: np.ndarray, chunks: int = 1,
+                        runs: RunCounts | None = None) -> int:
+        """:func:`~kvtriton.plan.way_descriptors` of the payload, over the pair's geometry
+        (``runs``: the request's run counts, when the caller has them for several pairs)."""
         if way is Way.STAGED:
             return chunks
         counts = self._counts.get(way)
@@ -163,19 +169,40 @@ class PairPlan:
                 counts = (int(coal.sum()), int(coal.size))
             self._counts[way] = counts
         merging, segments = counts
-        src_ids = np.asarray(src_ids, dtype=np.int64)
+        if runs is None:
+            runs = RunCounts(src_ids, dst_ids)
         if way is Way.DIRECT_SLICE:  # one per (segment, block), or per run on both sides where slices merge
-            dst_ids = np.asarray(dst_ids, dtype=np.int64)
-            return merging * (pair_run_count(src_ids, dst_ids) if merging else 0) + (segments - merging) * src_ids.size
+            return merging * (runs.pairs if merging else 0) + (segments - merging) * runs.src.size
         # one-sided: one per (segment, run of the cache side's ids) where blocks lie back to back, a
         # chunk boundary splitting a run; else one per (segment, block)
-        ids = src_ids if way is Way.READ_UNPACK else np.asarray(dst_ids, dtype=np.int64)
-        return merging * ((run_count(ids) if merging else 0) + max(0, chunks - 1)) + (segments - merging) * ids.size
+        if way is Way.READ_UNPACK:
+            n, cache_runs = runs.src.size, (runs.src_runs if merging else 0)
+        else:
+            n, cache_runs = runs.dst.size, (runs.dst_runs if merging else 0)
+        return merging * (cache_runs + max(0, chunks - 1)) + (segments - merging) * n
 
-    def choose_way(self, src_ids: np.ndarray, dst_ids: np.ndarray, *, chunks: int = 1, packed: bool = False) -> Way:
-        """:func:`~kvtriton.plan.choose_way` of the payload by the pair's cost model."""
-        return cheapest_way(self._payload(), self.cost, int(np.asarray(dst_ids).size), chunks, packed,
-                            lambda way: self.way_descriptors(way, src_ids, dst_ids, chunks))
+    def choose_way(self, src_ids: np.ndarray, dst_ids: np.ndarray, *, chunks: int = 1, packed: bool = False,
+                   runs: RunCounts | None = None) -> Way:
+        """:func:`~kvtriton.plan.choose_way` of the payload by the pair's cost model (``runs``:
+        the request's run counts, found once for all its pairs). The choice is a function of
+        the request's blocks, chunks, ``packed`` and each candidate way's descriptor count only:
+        made once per such key (the cost model's arithmetic is not redone for every request)."""
+        read = self._payload()
+        if len(read.ways) == 1:
+            return read.ways[0]
+        if runs is None:
+            runs = RunCounts(src_ids, dst_ids)
+        n = int(np.asarray(dst_ids).size)
+        descs: dict[Way, int] = {way: self.way_descriptors(way, src_ids, dst_ids, chunks, runs) for way in read.ways
+                 if way is not Way.STAGED and not (packed and way.reads_source_cache)}
+        key = (n, chunks, packed, *descs.values())
+        way = self._chosen.get(key)
+        if way is None:
+            way = cheapest_way(read, self.cost, n, chunks, packed, descs.__getitem__)
+            if len(self._chosen) >= _MAX_CHOSEN:  # request shapes repeat; bound them anyway
+                self._chosen.clear()
+            self._chosen[key] = way
+        return way
 
     def _payload(self) -> Payload:
         if self.payload is None:
@@ -186,3 +213,40 @@ class PairPlan:
         if self._slice_cols is None:
             self._slice_cols = slice_columns(self._payload(), self.src_specs, self.dst_specs)
         return self._slice_cols
+
+
+class RunCounts:
+    """One request's run counts, each found once when first asked (numpy passes shared by every
+    pair the request reads from): runs of the source's ids, of the destination's, and of both
+    together (:func:`run_count`, :func:`pair_run_count`)."""
+
+    __slots__ = ("src", "dst", "_src_runs", "_dst_runs", "_pairs")
+
+    def __init__(self, src_ids: np.ndarray, dst_ids: np.ndarray):
+        self.src = np.asarray(src_ids, dtype=np.int64)
+        self.dst = np.asarray(dst_ids, dtype=np.int64)
+        self._src_runs: int | None = None
+        self._dst_runs: int | None = None
+        self._pairs: int | None = None
+
+    @property
+    def src_runs(self) -> int:
+        if self._src_runs is None:
+            self._src_runs = run_count(self.src)
+        return self._src_runs
+
+    @property
+    def dst_runs(self) -> int:
+        if self._dst_runs is None:
+            self._dst_runs = run_count(self.dst)
+        return self._dst_runs
+
+    @property
+    def pairs(self) -> int:
+        if self._pairs is None:
+            self._pairs = pair_run_count(self.src, self.dst)
+        return self._pairs
+
+
+#: (blocks, chunks, packed, descriptors) keys a pair remembers its chosen way for
+_MAX_CHOSEN = 1024

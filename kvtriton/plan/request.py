@@ -50,7 +50,7 @@ from .ids import (
     one_list,
     wire_group_sizes,
 )
-from .pair import PairPlan
+from .pair import PairPlan, RunCounts
 from .topology import replicate_sources, split_sources
 from .types import ChunkGeometry, Payload, TransferPlan, Way, ceil_div
 
@@ -433,8 +433,9 @@ class RequestPlan:
                        lambda read, g: read.chunk_geometry(g, _caps(chunk_bytes, read.src_rank)), pairs or {})
         if pairs is not None:
             staged = push or tokens is not None or plan.groups > 1
+            runs = RunCounts(src, dst)  # one request: its run counts found once for every pair
             object.__setattr__(rp, "ways", rp._choose(lambda r, p: Way.STAGED if staged else pairs[r].choose_way(
-                src, dst, chunks=p.chunks.count, packed=r in packed)))
+                src, dst, chunks=p.chunks.count, packed=r in packed, runs=runs)))
         return rp
 
     @classmethod
@@ -489,8 +490,9 @@ class RequestPlan:
                        lambda read, g: read.chunk_geometry(g, _caps(chunk_bytes, read.src_rank)),
                        pairs or {}, guessed=True)
         if pairs is not None:
+            runs = RunCounts(ids, guess)
             object.__setattr__(rp, "ways", rp._choose(
-                lambda r, p: pairs[r].choose_way(ids, guess, chunks=p.chunks.count)))
+                lambda r, p: pairs[r].choose_way(ids, guess, chunks=p.chunks.count, runs=runs)))
         return rp
 
     @classmethod

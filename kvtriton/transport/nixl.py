@@ -468,6 +468,8 @@ class NixlTransport:
             self._quiet(self._release_xfer, x)
             raise
         self.fences.posted(remote.agent)
+        if notif:  # a notification on a transfer leaves the endpoint as a message does (see fence.py)
+            self.fences.sent(remote.agent)
         return x
 
     def repost(self, x: Xfer, notif: bytes | None = None) -> XferStatus:
@@ -482,8 +484,11 @@ class NixlTransport:
         if x.status is XferStatus.PROC:
             raise ValueError("repost: transfer is still in progress")
         x.status = XferStatus.PROC
-        x.status = self._post(x, x._notif if notif is None else as_bytes(notif, "notif"))
+        notif = x._notif if notif is None else as_bytes(notif, "notif")
+        x.status = self._post(x, notif)
         self.fences.posted(x.remote)
+        if notif:
+            self.fences.sent(x.remote)
         return x.status
 
     def _post(self, x: Xfer, notif: bytes) -> XferStatus:

@@ -1,6 +1,8 @@
 """The transport's fences (``kvtriton.transport.fence``) alone, over a stand-in transport: which
 peers are fenced, when, how often, and what a forgotten peer leaves to retire."""
 
+import pytest
+
 from kvtriton.errors import TransportError
 from kvtriton.transport.fence import FENCE_BYTES, Fences
 from kvtriton.transport.handles import PreppedList, Xfer, XferStatus
@@ -123,3 +125,57 @@ def test_a_peers_fence_transfer_is_kept_until_forget_disarm_or_a_new_registratio
     f.flush()
     assert len(t.posts) == 4 and f.peers["c"].xfer is not None
     assert f.disarm() is not None and t.released[-1] is not kept["c"] and f.peers["c"].xfer is None
+
+
+@pytest.mark.nixl
+def test_a_notification_on_a_transfer_needs_a_fence_as_a_message_does():
+    """Over real NIXL (two agents in this process): a READ carrying a notification leaves the
+    endpoint waiting on the peer's next progress as a message does (the next READ stays in
+    flight until the peer progresses), so the transport marks the peer for a fence after a post or
+    repost with one, and not after a plain READ (which leaves the endpoint as it was)."""
+    import time
+
+    import numpy as np
+    import torch
+
+    from kvtriton.transport.nixl import NixlTransport
+
+    a, b = NixlTransport("fence-a"), NixlTransport("fence-b")
+    try:
+        ta, tb = torch.zeros(1 << 16, dtype=torch.uint8), torch.ones(1 << 16, dtype=torch.uint8)
+        a.register([ta])
+        b.register([tb])
+        peer = a.add_remote(b.metadata())
+        b.add_remote(a.metadata())
+        a.fences.add(peer, tb.data_ptr(), 0, "DRAM")
+        descs = lambda t: np.array([[t.data_ptr() + i * 4096, 4096, 0] for i in range(4)], dtype=np.int64)  # noqa: E731
+        local, remote = a.prep_local(descs(ta), "DRAM"), a.prep_remote(peer, descs(tb), "DRAM")
+        idx = np.arange(4)
+
+        def read(notif=b"", peer_progresses=True):
+            x = a.post("READ", local, idx, remote, idx, notif)
+            deadline = time.monotonic() + 0.2
+            while a.poll(x) is not XferStatus.DONE:
+                if peer_progresses or time.monotonic() > deadline:
+                    b.poll_notifs()
+            a.release(x)
+
+        for _ in range(3):  # wired up
+            read()
+        read(peer_progresses=False)
+        assert a.fences.state(peer)["unflushed"] is False
+        read(notif=b"landed")
+        assert a.fences.state(peer)["unflushed"] is True
+        x = a.post("READ", local, idx, remote, idx)
+        a.fences.peers[peer].unflushed = False
+        while a.poll(x) is not XferStatus.DONE:
+            b.poll_notifs()
+        a.repost(x, b"again")
+        assert a.fences.state(peer)["unflushed"] is True
+        while a.poll(x) is not XferStatus.DONE:
+            b.poll_notifs()
+        a.release(x)
+        assert bytes(ta[:4 * 4096].numpy()) == bytes(tb[:4 * 4096].numpy())
+    finally:
+        a.close()
+        b.close()

@@ -256,3 +256,40 @@ def test_compact_request_converts_lists_as_numpy_does():
         compact_request([1 << 70], [0], 8, 8)
     with pytest.raises(PlanError, match="source block id 9 at position 1"):
         compact_request([0, 9], [0, 1], 8, 8)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2), (2, 1)])
+def test_pair_choose_way_remembered_per_key_matches_the_choice_over_ids(layout, p_tp, d_tp):
+    """PairPlan.choose_way remembers its choice per (blocks, chunks, packed, descriptor counts)
+    and takes the request's run counts from one RunCounts shared by its pairs: it picks what
+    the free choose_way picks (geometry and runs found on every call) for random, run-heavy and
+    repeated ids, chunk counts, offered payloads and cost models favouring each way."""
+    from helpers.specs import gqa_specs
+
+    from kvtriton.plan import CostModel, Way, choose_way
+    from kvtriton.plan.pair import RunCounts
+    from kvtriton.plan.types import Layout
+
+    lay = Layout[layout]
+    dst, src = gqa_specs(3, 8, 64, 0, d_tp, 16, 64, lay), gqa_specs(3, 8, 64, 0, p_tp, 16, 64, lay)
+    plan = build_plan(0, d_tp, dst, p_tp, src)
+    rng = np.random.default_rng(11)
+    costs = [CostModel(), CostModel(desc_us=0.01), CostModel(desc_us=50.0),
+             CostModel(desc_us=2.3, pack_gbps=0.5, unpack_gbps=0.5), CostModel(desc_us=0.3, pass_us=400.0)]
+    seen: set[Way] = set()
+    for cost in costs:
+        pairs = [PairPlan(plan, read.src_rank, src, dst, cost) for read in plan.staged]
+        for n in (1, 2, 7, 40, 64):
+            for trial in range(8):
+                s = rng.permutation(64)[:n] if trial % 3 else np.arange(n) + rng.integers(0, 64 - n + 1)
+                t = rng.permutation(64)[:n] if trial % 2 else np.sort(rng.permutation(64)[:n])
+                runs = RunCounts(s, t)
+                for chunks in (1, 3):
+                    for packed in (False, True):
+                        for pair, read in zip(pairs, plan.staged):
+                            want = choose_way(read, src, dst, s, t, cost, chunks=chunks, packed=packed)
+                            assert pair.choose_way(s, t, chunks=chunks, packed=packed, runs=runs) is want
+                            assert pair.choose_way(s, t, chunks=chunks, packed=packed) is want
+                            seen.add(want)
+    assert len(seen) > 1  # the costs above make the choice differ
