@@ -6,9 +6,9 @@ over TCP, this host's only lane for messages (UCX's shared-memory lanes lack the
 handling NIXL asks for; the bytes themselves move one-sided over ``cma``). Measured here: a READ
 posted 10 ms after a notification to a source whose Python never calls into NIXL did not complete
 in 1 s (10 of 10); with the source's NIXL progress thread on, it completed in 0.14-0.3 ms
-(``bench/step_loads.py --steps``, ``docs/concurrency.md``). A Python progress thread in an engine
-process (the GIL, a core shared with the engine's workers) answers late, and every load posted
-meanwhile waits for it.
+(``bench/results/concurrency/concurrency.md``; ``bench/step_loads.py --steps``). A Python progress
+thread in an engine process (the GIL, a core shared with the engine's workers) answers late, and
+every load posted meanwhile waits for it.
 
 NIXL's thread polls the UCX worker's event fd with ``poll()`` and a timeout of ``pthrDelay``
 (rounded up to ms). Its Python API hard-codes ``pthrDelay = 0``: a zero timeout, a busy loop that
