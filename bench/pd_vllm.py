@@ -543,11 +543,12 @@ def main(argv=None) -> int:
         for r in results:
             print(r["summary"])
         return 0 if all(r["n"] and r["ok"] == r["n"] and r["recomputed"] == 0 and _loads_ok(r) for r in results) else 1
-    res = run(args.connector, args.prefill_tp, args.decode_tp, **kw, block_size=blocks[0])
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
-    print(res["summary"])
-    return 0 if res["ok"] == res["n"] and res["recomputed"] == 0 and _loads_ok(res) else 1
+    runs = [run(args.connector, args.prefill_tp, args.decode_tp, **kw, block_size=b) for b in blocks]
+    if args.json:  # one block size: its result, as before; several: the list
+        Path(args.json).write_text(json.dumps(runs[0] if len(runs) == 1 else runs, indent=1))
+    for res in runs:
+        print(res["summary"])
+    return 0 if all(r["ok"] == r["n"] and r["recomputed"] == 0 and _loads_ok(r) for r in runs) else 1
 
 
 def _loads_ok(res: dict) -> bool:

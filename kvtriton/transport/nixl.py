@@ -7,12 +7,12 @@ layers or blocks; the planner computes every descriptor.
 Behaviour of the installed NIXL (1.5.1, UCX 1.23, CPU, two processes on 127.0.0.1) that shapes
 this wrapper, measured (see ``shared/reference/nixl_api_and_costs.md``):
 
-* **Progress.** The agent runs without NIXL's progress thread by default, because that thread
-  spins a full core per agent. Then nothing moves unless somebody calls into the agent: **every
-  agent, the passive (target) side included, must call :meth:`NixlTransport.poll_notifs`
-  regularly** (every ~0.5 ms while a peer may be connecting or sending). A first transfer to a
-  peer stays ``PROC`` until that peer polls: with the target asleep for 1 s, it finished after
-  1,004 ms.
+* **Progress.** NIXL's progress thread runs by default, sleeping on UCX's events
+  (:mod:`.progress`: NIXL's own setting spins a core), so a peer's READ after our message
+  completes without our Python calling in. With it off (``progress_thread=False`` or
+  ``KVTRITON_NIXL_PROGRESS_THREAD=0``) nothing moves unless somebody calls into the agent:
+  **every agent, the passive side included, must call :meth:`NixlTransport.poll_notifs`
+  regularly**; a first transfer to a peer asleep for 1 s finished after 1,004 ms.
 * **Costs.** A post (``transfer()``) costs ~2.3 µs per descriptor on top of its bytes (one
   ``process_vm_readv`` per descriptor over UCX's ``cma``); building and preparing lists adds
   ~0.05 µs per descriptor. ``make_prepped_xfer`` merges descriptors that are adjacent on both
@@ -62,6 +62,7 @@ from .handles import (
     region_descs,
     xfer_array,
 )
+from .progress import PROGRESS_WAIT_US, make_agent, thread_wanted
 
 if TYPE_CHECKING:
     import torch
@@ -80,10 +81,10 @@ class NixlTransport:
     name
         Agent name; must be unique among the agents that talk to each other.
     progress_thread
-        Run NIXL's progress thread. Off by default: it spins a full core per agent (2.9 s of CPU
-        per 3 s idle), which halves throughput on a 2-core box and makes notification round trips
-        ~10x slower. **With it off the caller must call** :meth:`poll_notifs` **regularly on every
-        agent, the passive side included**; otherwise connections never complete.
+        Run NIXL's progress thread, waiting on UCX's events up to ``progress_wait_us`` between
+        wake-ups (:mod:`.progress`). ``None``: on unless ``KVTRITON_NIXL_PROGRESS_THREAD=0``. Off,
+        **the caller must call** :meth:`poll_notifs` **regularly on every agent, the passive side
+        included**; otherwise connections never complete. :attr:`progress_thread` says which.
     listen_port
         If given, start NIXL's metadata listener on this TCP port (cheap: ~4 ms of CPU per
         second). The listener switches NIXL to its STRICT thread-sync mode. Metadata can always be
@@ -102,14 +103,16 @@ class NixlTransport:
     ...     t.release(x)
     """
 
-    def __init__(self, name: str, *, progress_thread: bool = False, listen_port: int | None = None) -> None:
+    def __init__(self, name: str, *, progress_thread: bool | None = None, listen_port: int | None = None,
+                 progress_wait_us: int = PROGRESS_WAIT_US) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"agent name must be a non-empty str, got {name!r}")
         if listen_port is not None and not (0 < int(listen_port) < 65536):
             raise ValueError(f"listen_port must be in 1..65535, got {listen_port}")
         try:
+            from nixl import _api as nixl_api
             from nixl import _bindings as nixl_bindings
-            from nixl._api import nixl_agent, nixl_agent_config
+            from nixl._api import nixl_agent_config
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError(
                 "kvtriton's NIXL transport needs the 'nixl' package: pip install 'kvtriton[nixl]'"
@@ -125,13 +128,13 @@ class NixlTransport:
         self._disconnect_error: type[BaseException] = nixl_bindings.nixlRemoteDisconnectError
 
         conf = nixl_agent_config(
-            enable_prog_thread=progress_thread,
+            enable_prog_thread=thread_wanted(progress_thread),
             enable_listen_thread=listen_port is not None,
             listen_port=int(listen_port) if listen_port is not None else 0,
             backends=["UCX"],
         )
         try:
-            agent = nixl_agent(name, conf)
+            agent, self.progress_thread = make_agent(nixl_api, name, conf, progress_wait_us)
         except self._nixl_errors as e:
             raise TransportError(f"cannot create NIXL agent {name!r}: {_describe(e)}") from e
         if "UCX" not in agent.backends:

@@ -12,6 +12,13 @@ the step waited for it at once. ``WorkerSide.start_loads`` now issues a step's l
 
 Here the prefill's agent progresses only while the test pumps it, and is stopped for the step:
 every load must still finish (read from the prefill's offers, no pull), byte for byte.
+
+Loads of *later* steps (a steady arrival rate) go out after earlier loads' RunsDone/Done reached
+the prefill, so their READs wait for the prefill's UCX worker to progress whatever the batching:
+its agents run NIXL's progress thread, sleeping on UCX's events (:mod:`kvtriton.transport.progress`),
+which answers without the prefill's Python. Before it (progress from Python only) every load after
+the first step waited for the prefill's next Python progress: 28 of 32 loads 324-465 ms p50 with
+the prefill's agent progressing every 0.5 s (``bench/step_loads.py --steps 8 --no-nixl-thread``).
 """
 
 import threading
@@ -57,28 +64,51 @@ class Pump:
         self.thread.join(5)
 
 
+def _offered_and_paused(bed, pump, src):
+    """The handshake and the first READs wired up, every request of ``src`` held and its offer
+    received by the decode; then the prefill's agent stops progressing from Python."""
+    pump.on.set()
+    for i in range(3):  # the handshake, then UCX wires the first READs up with the prefill's help
+        bed.hold(f"w{i}", [i])
+        assert bed.load(f"w{i}", [i], [i], seconds=20.0) == (True, set())
+    for i, s in enumerate(src):
+        bed.hold(f"r{i}", [s])
+    deadline = time.monotonic() + 20.0
+    while not all(bed.decode.agent.has_offer("P", f"r{i}") for i in range(len(src))):
+        assert time.monotonic() < deadline, "the prefill's offers never arrived"
+        time.sleep(0.01)
+    time.sleep(0.2)  # the decode's fences after its last messages land
+    pump.pause()  # from here on the prefill never progresses from Python
+
+
+def _step(bed, src, ids):
+    """One decode step starting the loads ``ids`` (request i: prefill block src[i] -> decode block i)."""
+    loads = {}
+    for i in ids:
+        rs = RemoteSource("P", "127.0.0.1", bed.port, 1, f"r{i}", (src[i],), 4)
+        loads[f"d-r{i}"] = LoadSpec(f"d-r{i}", rs, (src[i],), (i,))
+    bed.decode.bind(StepMessages(loads=loads))
+    bed.decode.start_loads()
+    bed.decode.clear()
+    return set(loads)
+
+
+def _finish(bed, want, seconds):
+    done: set[str] = set()
+    deadline = time.monotonic() + seconds
+    while not want <= done and time.monotonic() < deadline:
+        done |= bed.decode.finished()[1]
+        time.sleep(0.005)
+    assert not bed.decode.load_errors()
+    return done
+
+
 def test_a_steps_loads_finish_while_the_prefill_does_not_progress(gen):
     bed = Bed(gen, p_extra={"consumer": "D", "progress_interval_s": 3600.0}, d_extra={"progress_interval_s": 0.0})
     pump = Pump(bed.prefill.agent)
     try:
-        pump.on.set()
-        for i in range(3):  # the handshake, then UCX wires the first READs up with the prefill's help
-            bed.hold(f"w{i}", [i])
-            assert bed.load(f"w{i}", [i], [i], seconds=20.0) == (True, set())
         src = [(5 * i + 1) % 16 for i in range(LOADS)]  # distinct prefill blocks, decode blocks 0..LOADS-1
-        for i, s in enumerate(src):
-            bed.hold(f"r{i}", [s])
-        deadline = time.monotonic() + 20.0
-        while not all(bed.decode.agent.has_offer("P", f"r{i}") for i in range(LOADS)):
-            assert time.monotonic() < deadline, "the prefill's offers never arrived"
-            time.sleep(0.01)
-        time.sleep(0.2)  # the decode's fences after its last messages land
-        pump.pause()  # from here on the prefill never progresses
-
-        loads = {}
-        for i, s in enumerate(src):
-            rs = RemoteSource("P", "127.0.0.1", bed.port, 1, f"r{i}", (s,), 4)
-            loads[f"d-r{i}"] = LoadSpec(f"d-r{i}", rs, (s,), (i,))
+        _offered_and_paused(bed, pump, src)
         fetch = bed.decode.agent.fetch
 
         def fetch_then_pause(*args, **kw):  # the engine thread is descheduled between two fetches
@@ -86,18 +116,32 @@ def test_a_steps_loads_finish_while_the_prefill_does_not_progress(gen):
             time.sleep(0.01)
 
         bed.decode.agent.fetch = fetch_then_pause
-        bed.decode.bind(StepMessages(loads=loads))
-        bed.decode.start_loads()
-        bed.decode.clear()
-        done: set[str] = set()
-        deadline = time.monotonic() + 3.0
-        while len(done) < LOADS and time.monotonic() < deadline:
-            done |= bed.decode.finished()[1]
-            time.sleep(0.005)
-        assert not bed.decode.load_errors()
-        assert done == set(loads), f"{LOADS - len(done)} of {LOADS} loads waited for the prefill's progress"
+        want = _step(bed, src, range(LOADS))
+        done = _finish(bed, want, 3.0)
+        assert done == want, f"{LOADS - len(done)} of {LOADS} loads waited for the prefill's progress"
         bed.assert_landed(src, list(range(LOADS)))
         pump.on.set()  # RunsDone and Done reach the prefill: every hold ends
+    finally:
+        pump.close()
+        bed.close()
+
+
+def test_loads_of_later_steps_finish_while_the_prefill_does_not_progress(gen):
+    """Three steps of four loads, each after the previous step's loads finished and their
+    RunsDone/Done went to the prefill, whose agent never progresses from Python meanwhile: every
+    load finishes within 1 s of its step, byte for byte."""
+    bed = Bed(gen, p_extra={"consumer": "D", "progress_interval_s": 3600.0}, d_extra={"progress_interval_s": 0.0})
+    pump = Pump(bed.prefill.agent)
+    try:
+        src = [(5 * i + 1) % 16 for i in range(LOADS)]
+        _offered_and_paused(bed, pump, src)
+        for k in range(0, LOADS, 4):
+            want = _step(bed, src, range(k, k + 4))
+            done = _finish(bed, want, 1.0)
+            assert want <= done, f"step {k // 4}: {len(want - done)} of 4 loads waited for the prefill's progress"
+            time.sleep(0.02)  # their RunsDone and Done are sent before the next step's READs
+        bed.assert_landed(src, list(range(LOADS)))
+        pump.on.set()
     finally:
         pump.close()
         bed.close()
