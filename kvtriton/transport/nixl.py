@@ -7,12 +7,10 @@ layers or blocks; the planner computes every descriptor.
 Behaviour of the installed NIXL (1.5.1, UCX 1.23, CPU, two processes on 127.0.0.1) that shapes
 this wrapper, measured (see ``shared/reference/nixl_api_and_costs.md``):
 
-* **Progress.** NIXL's progress thread runs by default, sleeping on UCX's events
-  (:mod:`.progress`: NIXL's own setting spins a core), so a peer's READ after our message
-  completes without our Python calling in. With it off (``progress_thread=False`` or
-  ``KVTRITON_NIXL_PROGRESS_THREAD=0``) nothing moves unless somebody calls into the agent:
-  **every agent, the passive side included, must call :meth:`NixlTransport.poll_notifs`
-  regularly**; a first transfer to a peer asleep for 1 s finished after 1,004 ms.
+* **Progress.** NIXL's progress thread runs by default, asleep on UCX's events (:mod:`.progress`),
+  so a peer's READ after our message completes without our Python. Off (``progress_thread=False``,
+  ``KVTRITON_NIXL_PROGRESS_THREAD=0``), **every agent, the passive side included, must call
+  :meth:`NixlTransport.poll_notifs` regularly**: a READ from a peer asleep 1 s took 1,004 ms.
 * **Costs.** A post (``transfer()``) costs ~2.3 µs per descriptor on top of its bytes (one
   ``process_vm_readv`` per descriptor over UCX's ``cma``); building and preparing lists adds
   ~0.05 µs per descriptor. ``make_prepped_xfer`` merges descriptors that are adjacent on both
