@@ -81,8 +81,7 @@ class NixlTransport:
     progress_thread
         Run NIXL's progress thread, waiting on UCX's events up to ``progress_wait_us`` between
         wake-ups (:mod:`.progress`). ``None``: on unless ``KVTRITON_NIXL_PROGRESS_THREAD=0``. Off,
-        **the caller must call** :meth:`poll_notifs` **regularly on every agent, the passive side
-        included**; otherwise connections never complete. :attr:`progress_thread` says which.
+        **call** :meth:`poll_notifs` **regularly on every agent**. :attr:`progress_thread` says which.
     listen_port
         If given, start NIXL's metadata listener on this TCP port (cheap: ~4 ms of CPU per
         second). The listener switches NIXL to its STRICT thread-sync mode. Metadata can always be
