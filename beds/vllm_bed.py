@@ -542,9 +542,8 @@ class _BedEngine:
 
 
 def _fork_workers() -> None:
-    """TP workers forked, as vLLM starts them on GPUs: its CPU platform forces spawn, and each
-    worker imported vLLM again (docs/operations.md, CI). No connector, agent or thread of ours
-    runs in this process yet when vLLM starts them."""
+    """TP workers forked, as vLLM does on GPUs (its CPU platform forces spawn: each worker imported
+    vLLM again). No connector, agent or thread of ours runs here yet when vLLM starts them."""
     import multiprocessing
 
     import vllm.v1.executor.multiproc_executor as executor
