@@ -5,7 +5,8 @@ defines its own ``model_dir``.
 
 Every vLLM engine these tests start forks its TP workers (``beds.vllm_bed.WORKER_START``): vLLM's
 CPU platform spawns them, and each imported vLLM again, ~20 s of a TP2 engine's start on two cores
-(docs/operations.md, CI); vLLM forks them on GPUs, and what the tests check runs after the start."""
+(docs/operations.md, CI); vLLM forks them on GPUs, and what the tests check runs after the start.
+``KVTRITON_BED_WORKER_START=spawn`` in the environment gives vLLM's own way back."""
 
 import os
 import random
