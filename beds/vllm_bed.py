@@ -18,11 +18,11 @@ blocks, requests, staging in use), ``transfer_stats``/``agent_stats`` (counters 
 ``load_times`` (per request: from ``start_load_kv`` to the load reported finished, and from
 submission to the scheduler learning it; the same hooks for any connector), ``step_times`` (each
 engine step since the last call: seconds, requests waiting for their KV, requests running; a
-``generate`` request with ``at_s`` is submitted that long after the call: an arrival rate),
-``call_times`` (per rank, seconds each ``start_load_kv``/``get_transfer_results`` call took), ``digest`` (per rank,
-per region, per global KV head: a SHA-256 of the first ``num_tokens`` tokens of the given blocks;
-with ``loaded``, of the copy a decode rank took of them when that request's load finished),
-``loaded_blocks`` (per rank: the local blocks each load wrote and its token count),
+``generate`` request with ``at_s`` is submitted that long after the call), ``call_times`` (per
+rank, seconds each ``start_load_kv``/``get_transfer_results`` call took), ``digest`` (per rank,
+region and global KV head: a SHA-256 of the first ``num_tokens`` tokens of the blocks; ``loaded``:
+of the copy a decode rank took when that load finished), ``loaded_blocks`` (per rank: the local
+blocks each load wrote and its token count),
 ``debug_state`` (each rank's ``TransferAgent.debug_state()``), ``metrics`` (the samples of this
 process's Prometheus registry, with ``log_stats``: vLLM's stat loggers on), ``exit``.
 
@@ -182,6 +182,8 @@ class EngineProcess:
             # first forward, minutes on a loaded 2-core host without a warm /tmp/torchinductor_*
             # cache (a fresh CI machine); eager runs the same few pointwise ops
             "TORCH_COMPILE_DISABLE": "1",
+            # no grace before SIGTERM at a TP>1 engine's shutdown: its workers never left in vLLM's 5 s
+            "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "0",
         })
         env_out.pop("TRITON_INTERPRET", None)
         env_out.update(env or {})
@@ -315,6 +317,9 @@ def _owns(rid: str, ext_id: str) -> bool:
     return rid == ext_id or rid.rsplit("-", 1)[0] == ext_id
 
 
+WORKER_START = "KVTRITON_BED_WORKER_START"  # "fork", or unset: vLLM's own way (spawn on CPU)
+
+
 class _BedEngine:
     """One vLLM engine in the child, answering the parent's JSON lines: ``{"op": ...}`` picks a
     handler from :attr:`commands`, whose dict is the answer (``exit`` ends the loop)."""
@@ -325,6 +330,8 @@ class _BedEngine:
 
         self.args = args
         self.kv_config = _kv_config(args)
+        if os.environ.get(WORKER_START) == "fork":
+            _fork_workers()
         options = {"dtype": "float32", **json.loads(args.engine_options)}
         llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True,
                   block_size=args.block_size, tensor_parallel_size=args.tp, max_model_len=args.max_model_len,
@@ -477,6 +484,21 @@ class _BedEngine:
             time.sleep(cmd.get("pause_s", 0.005))
         return {"ok": True, "requests": len(self.sched.requests)}
 
+    def _exit_now(self) -> None:
+        """Workers and connectors shut down as vLLM does (executor, then scheduler), then the
+        process ends without the interpreter's finalization: vLLM unfreezes its start-up objects
+        for the collector, and the collections kept a core busy 5-10 s per engine at exit."""
+        import logging
+
+        core = self.engine.engine_core.engine_core
+        try:
+            core.model_executor.shutdown()
+            core.scheduler.shutdown()
+        finally:
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(0)
+
     def state(self, cmd: dict) -> dict:
         return {"free_blocks": self.block_pool.get_num_free_blocks(), "total_blocks": self.total_blocks,
                 "requests": len(self.sched.requests), "staging_in_use": self.connector_rpc("staging_in_use")}
@@ -510,13 +532,23 @@ class _BedEngine:
                 op = cmd["op"]
                 if op == "exit":
                     _say({"ok": True})
-                    break
+                    self._exit_now()
                 handler = self.commands.get(op)
                 _say(handler(cmd) if handler is not None else {"error": f"unknown op {op!r}"})
             except Exception as e:  # noqa: BLE001 - report, keep serving
                 import traceback
                 traceback.print_exc()
                 _say({"error": f"{type(e).__name__}: {e}"})
+
+
+def _fork_workers() -> None:
+    """TP workers forked, as vLLM does on GPUs (its CPU platform forces spawn: each worker imported
+    vLLM again). No connector, agent or thread of ours runs here yet when vLLM starts them."""
+    import multiprocessing
+
+    import vllm.v1.executor.multiproc_executor as executor
+
+    executor.get_mp_context = lambda: multiprocessing.get_context("fork")
 
 
 def _samples(prefix: str) -> list[dict]:
