@@ -54,10 +54,15 @@ import time
 from pathlib import Path
 
 from beds import child_env
-from beds.vllm_bed import EngineProcess, TinyLlama, engine_cpus, free_port_range
+from beds.vllm_bed import WORKER_START, EngineProcess, TinyLlama, engine_cpus, free_port_range
 from beds.vllm_models import TinyDeepseek
 from bench.pd_vllm_load import BACKGROUND_PROMPT, cells_from, load_prompts, run_cells  # bench/pd_vllm_load.py
 from bench.report import fmt_ms, load_table, median_known, pd_vllm_table  # bench/report.py
+
+# both connectors' engines fork their TP workers, as vLLM does on GPUs (its CPU platform spawns them,
+# each importing vLLM again: ~16 s of a TP2 engine's start here; docs/operations.md); what is timed
+# starts after the engines are up. KVTRITON_BED_WORKER_START=spawn gives vLLM's own way back.
+os.environ.setdefault(WORKER_START, "fork")
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
