@@ -10,9 +10,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -65,21 +62,6 @@ def test_dp_ranks_get_their_own_engine_ids_and_port_ranges():
     assert (settings.port, engine) == (5718, "P_dp2")
     with pytest.raises(SettingsError, match="past 65535"):
         dp_settings(from_extra_config({"port": 65530}), "P", 4, dense)
-
-
-def test_dp_ranks_with_vllms_own_config_classes():
-    """vLLM's ``VllmConfig``/``ParallelConfig`` (TP2, DP2) with vLLM's own DP suffixing, and the
-    connector's scheduler side built on each: own engine id, own port range, and the params it
-    would return name them. In the vLLM test bed's interpreter (skipped without it)."""
-    from helpers.vllm_bed_python import ROOT, vllm_bed_python
-
-    py = vllm_bed_python()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([py, str(ROOT / "tests" / "helpers" / "vllm_dp_config.py"), "5710"], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == [["P_dp0", 5710, 5710], ["P_dp1", 5712, 5712]]
 
 
 def test_forget_idle_s_is_checked():
