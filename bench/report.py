@@ -141,17 +141,34 @@ def sections_summary(rows: list[dict]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- the headline
-HEADLINE = ("descriptors", "e2e", "cost model", "real engines", "GPU")  # the five lines, in order
+HEADLINE = ("descriptors", "e2e", "cost model", "real engines", "host time", "GPU")  # the six lines, in order
 
 
 def headline_lines(rows: list[dict], meta: dict) -> list[str]:
-    """The five lines summary.md starts with, one per :data:`HEADLINE` entry, each ``- **name**: ...``
+    """The six lines summary.md starts with, one per :data:`HEADLINE` entry, each ``- **name**: ...``
     (a section that did not run says so): what a reader should see first."""
-    by = {sec: [r for r in rows if r.get("section") == sec] for sec in ("descriptors", "e2e", "costmodel", "pd_vllm")}
+    by = {sec: [r for r in rows if r.get("section") == sec]
+          for sec in ("descriptors", "e2e", "costmodel", "pd_vllm", "planning", "fetch_host")}
     return [f"- **{name}**: {text}" for name, text in zip(HEADLINE, (
         _headline_descriptors(by["descriptors"]), _headline_e2e(by["e2e"]),
         _headline_grid(by["costmodel"]) + _grid_e2e_agreement(by["costmodel"], by["e2e"]),
-        _headline_engines(by["pd_vllm"]), _headline_gpu(meta)))]
+        _headline_engines(by["pd_vllm"]), _headline_host(by["planning"], by["fetch_host"]), _headline_gpu(meta)))]
+
+
+def _headline_host(planning: list[dict], fetch: list[dict]) -> str:
+    """Issue 36 point 3's two figures: planning per request for Llama-3-70B P4->D8 at 8k tokens
+    (goal <= 50 us) and a small zero-copy fetch's host time over the raw posts (goal <= 1.3)."""
+    parts = []
+    plan = [r for r in planning if r.get("preset") == "llama3-70b" and r.get("tokens") == 8192 and r.get("us")]
+    if plan:
+        parts.append("planning Llama-3-70B P4->D8 8k tokens " + ", ".join(f"{r['layout']} {r['us']:.0f} us"
+                                                                           for r in plan) + " (goal <= 50)")
+    done = [r for r in fetch if r.get("ratio")]
+    if done:
+        parts.append("small zero-copy fetch / raw posts " + ", ".join(
+            f"{r['case']} {r['ratio']:.2f}" + (f" ({r['ratio_notif']:.2f} with the completion notice)"
+                                               if r.get("ratio_notif") else "") for r in done) + " (goal <= 1.3)")
+    return "; ".join(parts) if parts else "not run"
 
 
 def _headline_descriptors(desc: list[dict]) -> str:

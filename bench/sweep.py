@@ -67,7 +67,7 @@ NixlConnector's count, no engines); ``pd_vllm --full`` runs the MLA kinds on eng
 
 Writes ``bench/results/sweep.csv`` in long form (one row per measured quantity: the row's
 parameters, ``metric``, ``unit``, and its ``p20``/``p50``/``p80``; counts have three equal
-quantiles), ``summary.md`` (a five-line headline first) and ``descriptors.png`` (all written by
+quantiles), ``summary.md`` (a six-line headline first) and ``descriptors.png`` (all written by
 bench/report.py). Reproduce: ``make sweep`` (or ``.venv/bin/python bench/sweep.py [--full]``).
 """
 

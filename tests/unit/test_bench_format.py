@@ -101,9 +101,9 @@ def test_summary_writes_one_table_per_section_that_ran(tmp_path):
     assert (tmp_path / "sweep.csv").read_text().startswith("section,")
 
 
-def test_summary_starts_with_a_five_line_headline(tmp_path):
-    """summary.md: the title, then five lines (descriptors, e2e ratio, grid verdict, real-engine
-    ratio, GPU or not) computed from the rows, before any table; a section that did not run says so."""
+def test_summary_starts_with_a_six_line_headline(tmp_path):
+    """summary.md: the title, then six lines (descriptors, e2e ratio, grid verdict, real-engine
+    ratio, host time, GPU or not) computed from the rows, before any table; a section that did not run says so."""
     from bench.report import HEADLINE, headline_lines, write_outputs
 
     base = "vLLM 0.33 direct 8 KiB K||V reads"
@@ -130,24 +130,29 @@ def test_summary_starts_with_a_five_line_headline(tmp_path):
             dict(section="pd_vllm", connector="nixl", prefill_tp=1, decode_tp=2, pd_size="scaled", request=0,
                  model_kind="llama hd128", kv_loaded_ms=20.0, descriptors=128, kv_bytes=1 << 20, summary="s"),
             dict(section="pd_vllm", connector="nixl", prefill_tp=2, decode_tp=1, pd_size="small", request=0,
-                 model_kind="deepseek", kv_loaded_ms=1.0, summary="s")]  # MLA: its own table rows, not here
+                 model_kind="deepseek", kv_loaded_ms=1.0, summary="s"),  # MLA: its own table rows, not here
+            dict(section="planning", preset="llama3-70b", layout="HND", tokens=8192, us=30.8),
+            dict(section="planning", preset="llama3-70b", layout="HND", tokens=1024, us=29.1),
+            dict(section="fetch_host", case="gqa", ratio=1.54, ratio_notif=1.41)]
     meta = dict(device="cpu (2 cores, x86_64)", torch="t", git_sha="g", timestamp="ts",
                 command="python bench/sweep.py", wall_s="281", section_s="descriptors 3 s", load_avg="1.0 2.0 3.0")
     head = headline_lines(rows, meta)
-    assert [h.split("**")[1] for h in head] == list(HEADLINE) and len(head) == 5
+    assert [h.split("**")[1] for h in head] == list(HEADLINE) and len(head) == 6
     assert "4x to 4,096x" in head[0] and "over 2 preset" in head[0]
     assert "shm idle random ids: pull 0.80" in head[1] and "P4->D8" in head[1]
     assert "worst 1.25, median 1.12 over 2 cells (small grid); 1 miss(es) beyond noise; NOT met" in head[2]
     assert "small model: P2->D1 0.50x; llama hd128 model: P1->D2 0.40x (8 KiB per NixlConnector READ)" in head[3]
     assert "deepseek" not in head[3]
-    assert head[4].startswith("- **GPU**: none")
+    assert head[4] == ("- **host time**: planning Llama-3-70B P4->D8 8k tokens HND 31 us (goal <= 50); small "
+                       "zero-copy fetch / raw posts gqa 1.54 (1.41 with the completion notice) (goal <= 1.3)")
+    assert head[5].startswith("- **GPU**: none")
     write_outputs(rows, tmp_path, meta)
     lines = (tmp_path / "summary.md").read_text().splitlines()
-    assert lines[0].startswith("# kvtriton sweep") and lines[1] == "" and lines[2:7] == head
-    assert "Took 281 s" in lines[8] and "load average at the end 1.0 2.0 3.0" in lines[8]
+    assert lines[0].startswith("# kvtriton sweep") and lines[1] == "" and lines[2:8] == head
+    assert "Took 281 s" in lines[9] and "load average at the end 1.0 2.0 3.0" in lines[9]
     empty = headline_lines([], dict(device="NVIDIA H200"))
     assert [h.split(": ", 1)[1] for h in empty[:3]] == ["not run"] * 3 and "not run" in empty[3]
-    assert empty[4] == "- **GPU**: NVIDIA H200"
+    assert empty[4] == "- **host time**: not run" and empty[5] == "- **GPU**: NVIDIA H200"
 def test_security_cost_rows_get_their_table():
     from bench.report import summary_lines
 
