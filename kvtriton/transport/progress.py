@@ -21,7 +21,7 @@ event-less work is progressed by the thread; the caller's own polls progress its
 ``nixl_agent`` exposes no way to pass ``pthrDelay``, so the agent is built with NIXL's config class
 swapped for a subclass that substitutes ours, under a lock, and restored at once. If a NIXL release
 stops setting ``pthrDelay`` there (the hook is never called), the spinning thread is not kept: the
-agent is rebuilt without it and the caller is told (``thread_on`` False), falling back to Python
+agent is rebuilt without it and the caller is told (make_agent's second value False), falling back to Python
 progress.
 """
 
