@@ -176,7 +176,8 @@ def test_only_the_lifeline_closing_counts():
 
 def test_a_queued_request_keeps_its_hold_past_the_lease_until_fetched():
     """Point 4 at the agent level: a request waiting in the decode engine's queue (``queued``)
-    keeps its hold (lease 0.5 s) for 2 s, then loads byte-exact; one not queued expires."""
+    keeps its hold (lease 1 s) for 3 s, then loads byte-exact; one not queued expires. (A 0.5 s
+    lease lost a renewal 0.1 s apart on a host loaded by two suites at once.)"""
     p, p_regs = la.make_agent("P", 5, "pull", timeout_s=30.0)
     d, d_regs = la.make_agent("D", 6, "pull", timeout_s=30.0, renew_interval_s=0.1)
     server = serve_metadata(p, None, "127.0.0.1", 0, io_timeout_s=5.0)
@@ -184,11 +185,11 @@ def test_a_queued_request_keeps_its_hold_past_the_lease_until_fetched():
         _meet(d, server.port)
         kv = la.kv_of(11, len(SRC))
         load_source(p_regs, 0, 1, kv, SRC)
-        p.hold("waits", SRC, lease_s=0.5, consumer="D")
-        p.hold("forgotten", [20, 21], lease_s=0.5, consumer="D")
+        p.hold("waits", SRC, lease_s=1.0, consumer="D")
+        p.hold("forgotten", [20, 21], lease_s=1.0, consumer="D")
         d.queued("waits", "P", max_wait_s=30.0)
         freed = []
-        end = time.monotonic() + 2.0
+        end = time.monotonic() + 3.0
         while time.monotonic() < end:
             p.progress()
             d.progress()
