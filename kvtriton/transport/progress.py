@@ -32,6 +32,8 @@ import os
 import threading
 from typing import Any
 
+from ..errors import TransportError
+
 __all__ = ["ENV", "PROGRESS_WAIT_US", "make_agent", "thread_wanted"]
 
 logger = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ def make_agent(api: Any, name: str, conf: Any, wait_us: int) -> tuple[Any, bool]
     if not conf.enable_pthread:
         return api.nixl_agent(name, conf), False
     if not isinstance(wait_us, int) or not 1_000 <= wait_us <= 10_000_000:
-        raise ValueError(f"progress wait must be an int of µs in 1,000..10,000,000, got {wait_us!r}")
+        raise TransportError(f"progress wait must be an int of µs in 1,000..10,000,000, got {wait_us!r}")
     bindings = api.nixlBind
     base = bindings.nixlAgentConfig
     applied: list[int] = []

@@ -142,7 +142,9 @@ def test_a_notification_on_a_transfer_needs_a_fence_as_a_message_does():
 
     a, b = NixlTransport("fence-a"), NixlTransport("fence-b")
     try:
-        ta, tb = torch.zeros(1 << 16, dtype=torch.uint8), torch.ones(1 << 16, dtype=torch.uint8)
+        gen = torch.Generator().manual_seed(7)  # fresh random bytes on both sides: a READ that moves none shows
+        ta, tb = (torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=gen) for _ in range(2))
+        want = bytes(tb[:4 * 4096].numpy())
         a.register([ta])
         b.register([tb])
         peer = a.add_remote(b.metadata())
@@ -175,7 +177,7 @@ def test_a_notification_on_a_transfer_needs_a_fence_as_a_message_does():
         while a.poll(x) is not XferStatus.DONE:
             b.poll_notifs()
         a.release(x)
-        assert bytes(ta[:4 * 4096].numpy()) == bytes(tb[:4 * 4096].numpy())
+        assert bytes(ta[:4 * 4096].numpy()) == want and bytes(tb[:4 * 4096].numpy()) == want
     finally:
         a.close()
         b.close()
