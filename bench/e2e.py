@@ -205,8 +205,8 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
 #   consumer unless the ``consumer`` setting is given), so **what a user gets**; the clock starts when
 #   the decode fetches right after the prefill's hold() returned: the pack is timed when it is not
 #   done by then (the pull takes it over once done), as when the decode asks at once;
-# * "named": as "connector" with the consumer named (the connector's ``consumer`` setting): a way that
-#   reads the source's cache is offered at hold time too (nothing to pack), same clock;
+# * "named": as "connector" with the consumer named (the connector's ``consumer`` setting), same clock
+#   (a way that reads the source's cache is offered from hold() itself under both: nothing to pack);
 # * True / "guess": named / guessed as above, but the clock starts once the decode holds the offer:
 #   the decode asks after the pack (the prefill finished some time before), never judged.
 HOLDS = {False: "lazy", "connector": "connector", "named": "named", True: "offered", "guess": "offered"}
@@ -227,10 +227,10 @@ WAYS_HND = [("pull", 1, 1, False, w, "HND") for w in ("staged", "pack_place", "d
 # vLLM's own layout on both sides (K||V one stream, head-major): the memory its direct reads read
 AUTO_KV = ("pull", 1, 1, False, None, "KV")
 # the hold names its consumer (a connector's `consumer` setting, a fixed P/D pairing): a way that
-# reads the source's cache is offered at hold time, so a load that finds the offer READs at once with
-# no round trip to the prefill first, as vLLM's reads do (eager_guess offers packs only: a cache read
-# offered to a guessed engine could not be withdrawn once another engine binds the hold,
-# kvtriton.agent.source.eager); clock after the offer (decode asks after the prefill) and at once
+# reads the source's cache is offered from hold() itself, so a load that finds the offer READs at
+# once with no round trip to the prefill first, as vLLM's reads do (the connector's unnamed holds are
+# offered so to the guessed engine too: kvtriton.agent.source.eager); clock after the offer (decode
+# asks after the prefill) and at once
 AUTO_KV_EAGER = ("pull", 1, 1, True, None, "KV")
 AUTO_KV_NAMED = ("pull", 1, 1, "named", None, "KV")
 WAYS_KV = [("pull", 1, 1, False, w, "KV") for w in ("staged", "pack_place", "direct_slice")] + \

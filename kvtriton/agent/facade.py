@@ -38,6 +38,7 @@ from .warmup import own_reads, peer_reads, warm
 __all__ = ["TransferAgent"]
 
 _DEFAULT_COST = CostModel()  # frozen: one instance serves every agent that keeps the default
+_EXPIRE_EVERY_S = 0.002  # deadlines, leases and lifelines are looked at most this often
 
 
 class TransferAgent:
@@ -147,7 +148,7 @@ class TransferAgent:
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._closed = False
+        self._closed, self._expire_at = False, 0.0
         self._stats = Stats()  # one counter per event (see .stats)
         self._warmed: set = set()  # (op, LaunchConfig) compiled by warmup()
         self._warm_peers = bool(warmup)
@@ -331,24 +332,22 @@ class TransferAgent:
         engine whose transfer this rank accepts (trust on first use: name it when known).
         Only the consumer's ranks may read it, report it done or renew it.
         Naming it also lets this rank pack the blocks for that engine's ranks ahead of their pull
-        (``eager_bytes``; it assumes the pull reads every held block in order, or a suffix of
-        whole chunks); without it, the blocks are packed for the only connected engine, if exactly
-        one is (``eager_guess``; the hold is not bound by that guess), or for ``pack_for`` when given
-        (a hint, as unbinding as the guess; an engine not connected: packed when asked).
+        (``eager_bytes``; it assumes the pull reads every held block in order, or a suffix of whole
+        chunks), or offer them from this call when a rank reads them from this cache; unnamed, for
+        the only connected engine if exactly one is (``eager_guess``; binding nothing), or for
+        ``pack_for`` (a hint, as unbinding; an engine not connected: served when asked).
         ``lease_s``: the hold is freed this long after it was placed or last renewed (a decode
         agent renews the holds of its outstanding fetches, see ``renew_interval_s``); transfers
         in progress keep it at most ``timeout_s`` longer.
         Raises :class:`~kvtriton.errors.RequestRejectedError` on ids outside ``[-1, num_blocks)``, a
         wrong group count or more than :data:`kvtriton.protocol.wire.MAX_REQUEST_BLOCKS` held blocks.
 
-        ``after`` (CUDA agents): when the blocks are final, i.e. the engine's cache writes are
-        done. A ``torch.cuda.Event`` (recorded by the engine after its last write), a
-        ``torch.cuda.Stream`` (an event is recorded on it now), or None: an event is recorded now
-        on the current stream of the agent's device, the right one when the engine writes its
-        cache on the stream current where it calls ``hold``. Packs of these blocks wait for it on
-        the device (the agent's stream waits, the host does not); DIRECT regions are offered to
-        a reader (pull) or written to a peer (push) only once it has completed. CPU agents: None
-        (anything else raises ``ValueError``)."""
+        ``after`` (CUDA agents): when the blocks are final (the engine's cache writes done): a
+        ``torch.cuda.Event`` recorded after its last write, a ``torch.cuda.Stream`` (an event is
+        recorded on it now), or None: an event recorded now on the agent device's current stream
+        (where the engine writes its cache when it calls ``hold`` there). Packs wait for it on the
+        device (the host does not); DIRECT regions are offered to a reader (pull) or written to a
+        peer (push) once it completed. CPU agents: None (anything else raises ``ValueError``)."""
         ids = self._source.held_lists(req_id, block_ids)  # checked: RequestRejectedError
         if not float(lease_s) > 0:
             raise ValueError(f"hold {req_id!r}: lease_s must be > 0, got {lease_s!r}")
@@ -405,18 +404,17 @@ class TransferAgent:
         ignored). Several KV cache groups: one list per group on each side, per-group lengths
         equal (:meth:`~kvtriton.plan.RequestPlan.for_fetch`). Raises at once on bad ids or an
         unknown engine (:class:`~kvtriton.errors.PlanError`, ``KeyError``); everything later is
-        reported by :meth:`results`. After a failed fetch the local blocks hold undefined bytes;
-        in push mode a WRITE the source had already posted may still land in them for up to
-        ``timeout_s`` (kvtriton's own staging slots are quarantined for that long).
+        reported by :meth:`results`. After a failed fetch the local blocks hold undefined bytes
+        (push: a WRITE already posted may land in them for up to ``timeout_s``).
 
-        ``after`` (CUDA agents; as in :meth:`hold`, default: an event on the current stream now):
-        when the engine is done with the local blocks' previous contents; unpacks wait for it on
-        the device, DIRECT regions (written by the NIC) do not: the engine must not use them."""
+        ``after`` (CUDA agents; as in :meth:`hold`): when the engine is done with the local blocks'
+        previous contents; unpacks wait for it on the device, DIRECT regions (NIC writes) do not."""
         if not isinstance(req_id, str) or not 0 < len(req_id) <= 512:
             raise ValueError(f"req_id must be a non-empty string of at most 512 characters, got {req_id!r:.80}")
         ready = ready_event(self.device, after)
         with self._lock, self._s.lanes.on_device():
             self._check_registered(f"fetch {req_id!r}")
+            self._handle_messages()  # an offer already here is taken: no pull's round trip
             self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s,
                                     num_tokens, ready)
 
@@ -528,6 +526,9 @@ class TransferAgent:
     # ------------------------------------------------------------------ across roles
     def _expire(self) -> None:
         now = time.monotonic()
+        if now < self._expire_at:  # deadlines are coarse: a progress() spinning on a READ skips this
+            return
+        self._expire_at = now + _EXPIRE_EVERY_S
         for peer, error in self._peers.expire(now):  # died (its lifeline closed) or went silent
             logger.warning("peer %s:%d (%s) dropped: %s", *peer.key, peer.agent, error)
             self._drop_peer(peer, error)  # its transfers fail, its staging returns

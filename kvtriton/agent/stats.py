@@ -110,7 +110,7 @@ class Stats:
     eager_offers: int = 0
     """Offers sent (packs made ahead, and read_unpack offers of the cache blocks)."""
     eager_guessed: int = 0
-    """Holds without a consumer packed for the only connected engine."""
+    """Holds without a consumer packed (or their cache blocks offered) for the only connected engine."""
     offers_taken: int = 0
     """Destination side: offers this rank READ without pulling."""
     pack_launches: int = 0

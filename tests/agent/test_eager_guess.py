@@ -16,8 +16,16 @@ from helpers.engines import MODELS, Engines  # the two-engine harness
 from kvtriton.agent import TransferAgent
 from kvtriton.errors import RequestRejectedError
 from kvtriton.protocol import wire
-from kvtriton.testing.oracle import check_destination, load_source, make_global_kv, make_rank_regions, snapshot
+from kvtriton.testing.oracle import (
+    RegionModel,
+    check_destination,
+    load_source,
+    make_global_kv,
+    make_rank_regions,
+    snapshot,
+)
 from kvtriton.testing.rogue import PACKING_MODEL
+from kvtriton.transport.progress import ENV
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.nixl
@@ -295,3 +303,80 @@ def test_a_prefix_pull_with_direct_runs_takes_the_offered_suffix_and_reads_the_r
     assert sum(d.stats["offers_taken"] for d in e.da) == 0
     e.settle(0.8)
     assert _free(e.agents, "D") and not p.debug_state()["serves"]
+
+
+MLA = [RegionModel.mla("mla", 24, torch.float16)]  # REPLICATE: DIRECT runs only, nothing to pack
+
+
+def _wait_offer(d, req: str, timeout_s: float = 5.0) -> None:
+    """Progress the decode alone until it holds the offer of ``req`` (bounded)."""
+    end = time.monotonic() + timeout_s
+    while not d.has_offer("P", req):
+        assert time.monotonic() < end, f"no offer of {req} reached the decode"
+        d.progress()
+
+
+def test_an_unnamed_cache_read_hold_is_offered_from_hold_itself_and_read_with_no_pull(made, monkeypatch):
+    # the plan reads the prefill's cache (DIRECT runs): hold() itself offers the blocks to the only
+    # engine connected (no progress() on the prefill before the decode has the offer: NIXL's thread
+    # moves it, as in serving), and the fetch READs them with no pull
+    monkeypatch.setenv(ENV, "1")
+    e = Engines(1, 1, models=MLA, p_blocks=64, d_blocks=48)
+    made.append(e)
+    p, d = e.pa[0], e.da[0]
+    src, dst = np.array([9, 3, 4, 5, 40, 41, 17, 2]), np.arange(8) + 10
+    kv = e.request(src)
+    p.hold("r", src)
+    assert p.stats["eager_offers"] == 1 and p.stats["eager_guessed"] == 1 and p.stats["eager_chunks"] == 0
+    _wait_offer(d, "r")
+    d.fetch("r", "P", src, dst)
+    res = e.drive(1)[0][0]
+    assert res.ok, res
+    check_destination(e.D[0], 0, 1, kv, dst, e.before[0])
+    e.settle(0.1)
+    assert d.stats["offers_taken"] == 1 and p.stats["eager_offer_reads"] == 1
+    assert p.stats["eager_offer_pulls"] == 0 and p.stats["eager_misses"] == 0
+    assert [(f.req_id, f.reason) for f in p.freed()] == [("r", "done")]
+
+
+@pytest.mark.parametrize("guessed_took_offer", [False, True])
+def test_a_withdrawn_guessed_cache_offer_keeps_the_blocks_for_timeout_s(made, guessed_took_offer, monkeypatch):
+    # the blocks were offered to D (the guess); E pulls first and binds the hold: D's offer is
+    # withdrawn, but D may be READing the cache already, so after E is done the hold's end is
+    # reported only timeout_s after the withdrawal (the engine would reuse the blocks under D's READ)
+    monkeypatch.setenv(ENV, "1")
+    e = Engines(1, 1, models=MLA, p_blocks=64, d_blocks=48, timeout_s=0.6)
+    made.append(e)
+    p, d = e.pa[0], e.da[0]
+    src = np.array([9, 3, 4, 5, 40, 41, 17, 2])
+    kv = e.request(src)
+    p.hold("r", src)
+    _wait_offer(d, "r")
+    x, x_regs = _other(e, made, "E", seed=5)
+    x_before = snapshot(x_regs)
+    d_dst, x_dst = np.arange(8) + 10, np.arange(8) + 30
+    if guessed_took_offer:  # D READs the offered blocks (no pull); E's pull reaches P first
+        d.fetch("r", "P", src, d_dst)
+        assert d.stats["offers_taken"] == 1
+    x.fetch("r", "P", src, x_dst)
+    withdrawn = time.monotonic()
+    got = _drive([p, x], 1)
+    assert got[0].ok, got
+    check_destination(x_regs, 0, 1, kv, x_dst, x_before)
+    _settle([p, x], 0.1)  # E's done reached P: the hold ended
+    st = p.debug_state()
+    assert "r" not in st["holds"] and not st["offered"] and p.stats["eager_misses"] >= 1
+    assert p.freed() == []  # D may still be reading: the blocks are not the engine's yet
+    if guessed_took_offer:  # D read them before or after the reject: exact, or failed naming its blocks
+        res = _drive([p, d, x], 1)[0]
+        if res.ok:
+            check_destination(e.D[0], 0, 1, kv, d_dst, e.before[0])
+        else:
+            assert isinstance(res.error, RequestRejectedError) and set(res.undefined_blocks) <= set(d_dst.tolist())
+    freed: list = []
+    end = time.monotonic() + 5.0
+    while not freed and time.monotonic() < end:
+        _settle([p, d, x], 0.05)
+        freed = p.freed()
+    assert [(f.req_id, f.reason) for f in freed] == [("r", "done")]
+    assert time.monotonic() - withdrawn >= 0.6

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.nixl
 def test_prefill_sleeps_and_wakes_and_the_decode_meets_it_again(gen):
     bed = Bed(gen)
     try:
-        bed.hold("r1", [3, 7])
+        bed.hold("r1", [3, 7, 8])  # the load reads a subset: not the cache read hold() offered, so it pulls
         assert bed.load("r1", [3, 7], [0, 5]) == (True, set())
         bed.assert_landed([3, 7], [0, 5])
         bed.prefill.bind(StepMessages(holds={"r2": (1, 2)}, confirms={"r2"}))  # kept for a decode
@@ -49,7 +49,7 @@ def test_decode_sleeps_with_a_load_in_flight(gen, monkeypatch):
     try:
         bed.hold("r0", [1])
         assert bed.load("r0", [1], [1]) == (True, set())  # met
-        bed.hold("r1", [3, 7])
+        bed.hold("r1", [3, 7, 8])  # the load reads a subset: not the cache read hold() offered, so it pulls
         from kvtriton.integrations.vllm.scheduler import LoadSpec, RemoteSource
 
         src = RemoteSource(bed.engine, "127.0.0.1", bed.port, 1, "r1", (3, 7), 4)

@@ -116,8 +116,8 @@ class Source:
         return self.eager.ready_chunks(req_id) + self.serves.offers.chunks(req_id)
 
     def busy(self) -> bool:
-        """Something is held or served."""
-        return bool(self.serves.by_key or self.holds.held)
+        """Something is held or served (or an ended hold is not reported freed yet)."""
+        return bool(self.serves.by_key or self.holds.held or self.holds.kept)
 
     def _end_hold(self, hold: Hold, reason: str, finished_engine: str | None = None) -> None:
         """Free a held request: its packs go, its transfers are dropped (see
@@ -264,6 +264,9 @@ class Source:
         reserve the next chunks), then pack every chunk reserved in this step in as few
         launches as their block ids allow (:mod:`.packing`: several decode ranks of one request,
         one launch) and announce or WRITE what that packed."""
+        eager = self.eager
+        if not (self.serves.by_key or eager.pending or eager.runs_offers or eager.unoffered or self.batch.jobs):
+            return  # nothing to move (a decode rank's every call: it holds and serves nothing)
         reserved: list[Serve] = []
         try:
             self.eager.advance()

@@ -22,9 +22,11 @@ host, the wake-up saved). When the plan also reads DIRECT runs from this rank, t
 sent only once the hold's event has completed and says so (``runs``): it is then their
 ``runs_ready`` too (the confirmation that this rank holds the blocks), and the offered
 transfer keeps them held until the reader's ``runs_done``, as a pulled one does. A rank whose
-plan sends a named consumer DIRECT runs only (whole blocks or head slices, no staged payload) has
-nothing to pack: it offers the cache blocks (no slots, once the hold's event completed), the
-offer confirming the runs, so the fetch READs them with no pull either. An offered pack is
+plan sends the consumer DIRECT runs only (whole blocks or head slices, no staged payload), or
+whose payload the consumer reads from our cache (read_unpack, direct_slice), has nothing to
+pack: it offers the cache blocks (no slots), from ``hold()`` itself when the hold's event has
+completed (else in the first ``progress()`` after), the offer confirming the runs, so a fetch
+made right after the hold READs them with no pull either. An offered pack is
 announced: it is no longer evicted, lives until acked or until the hold ends (then its slots are
 quarantined for ``timeout_s``, as after any ``ready``), and a pull of the same request from that
 rank takes it over or withdraws it (no quarantine then: that rank pulled, so it is not reading
@@ -45,12 +47,14 @@ the guess off). With a credential configured only authenticated engines are gues
 their authenticated ranks offered to): a pack offered is readable by its receiver. The guess
 binds nothing: the hold still binds to the first engine whose transfer this rank accepts (a
 pull, or the first ack or RunsDone of an offer, see :meth:`~.holds.Holds.bind`), and binding
-frees whatever was packed for another engine and withdraws its offers (quarantined for ``timeout_s``, as any withdrawn
-``ready``); an offer's acks from an engine the hold is no longer open to are refused (the
-transfer is gone). With two or more engines connected nothing is guessed: a guess between
-them could pin one engine's packs in staging the other needs, and naming the consumer is the
-way to pack for one of several; or ``hold(pack_for=...)`` names the engine instead of the guess
-(a router's word, the vLLM connector's ``decode_engine_id``: untrusted, so it binds nothing
+frees whatever was packed for another engine and withdraws its offers (quarantined for
+``timeout_s``, as any withdrawn ``ready``; a withdrawn offer of the cache blocks keeps the
+hold's blocks that long: its end is reported by ``freed()`` only then, :meth:`~.holds.Holds.end`);
+an offer's acks from an engine the hold is no longer open to are refused (the transfer is
+gone). With two or more engines connected nothing is guessed: a guess between them could pin
+one engine's packs in staging the other needs, and naming the consumer is the way to pack
+for one of several; or ``hold(pack_for=...)`` names the engine instead of the guess (a
+router's word, the vLLM connector's ``decode_engine_id``: untrusted, so it binds nothing
 either; an engine not connected means lazy). A guessed pack is bounded like a named one (the guessed
 engine's share, ``eager_bytes``), so an engine that is alone and never takes its offers pins
 at most that, and only until the hold binds elsewhere or ends.
@@ -182,7 +186,8 @@ class EagerPacks:
         self.budget_slots = settings.eager_bytes // pool.slot_bytes if settings.eager_bytes > 0 else 0
         self.slots = 0  # slots all eager packs keep (offered ones too, until their transfer ends)
         self.packs: OrderedDict[str, dict[int, Packed]] = OrderedDict()  # req -> dst rank -> Packed
-        self.pending: list[str] = []  # holds placed since the last progress()
+        # holds placed since the last progress(), with the ranks to pack them for
+        self.pending: list[tuple[Hold, list[tuple[Peer, RequestPlan, RequestPayload]]]] = []
         self.unoffered: list[tuple[str, int]] = []  # (req, dst rank) packed in full, not offered yet
         self.runs_offers: list[tuple[str, Peer, RequestPlan]] = []  # (req, peer, request): read_unpack, unoffered
 
@@ -192,11 +197,63 @@ class EagerPacks:
 
     # ------------------------------------------------------------------ placing
     def placed(self, hold: Hold) -> None:
-        """``hold`` was placed: pack it in the next ``progress()`` for its consumer (named, or
-        guessed then)."""
-        if (self.budget_slots and self.s.flow is Flow.PULL
+        """``hold`` was placed: decide, for each rank of its consumer (named, or guessed now),
+        whether that rank reads our cache (offered at once, or once the hold's event completed)
+        or a pack (packed in the next ``progress()``)."""
+        if not (self.budget_slots and self.s.flow is Flow.PULL
                 and (hold.consumer is not None or hold.pack_for is not None or self.s.eager_guess)):
-            self.pending.append(hold.req_id)
+            return
+        ids = hold.block_ids
+        engine = hold.consumer or (hold.pack_for if hold.pack_for is not None else self.guess())
+        if ids.size == 0 or engine is None:
+            return
+        to_pack: list[tuple[Peer, RequestPlan, RequestPayload]] = []
+        offered = self.stats.eager_offers
+        for peer in self.links.engine_peers(engine):
+            if hold.consumer is None and not self.links.trusted(peer):
+                continue  # a guess goes to authenticated ranks only (a named consumer was chosen)
+            try:
+                plan = self.plans.serving(peer.md)
+            except KVTritonError:
+                continue
+            if plan.maps_tokens:
+                continue  # token maps: the tiles depend on the decode's ids
+            # the chunks the destination derives: the smaller of both sides' chunk sizes
+            # the ways are guessed by the destination's own choice (its cost model, in the chunks it derives)
+            request = RequestPlan.for_hold(plan, ids, chunk_bytes=min(self.s.chunk_bytes, peer.md.staging.chunk_bytes),
+                                           pairs={self.s.rank: self.plans.serving_pair(peer.md)})
+            if plan.payload(self.s.rank) is None:
+                # DIRECT runs only (whole blocks or head slices): nothing to pack; offering the
+                # cache blocks confirms them as RunsReady would, so the fetch READs with no pull
+                if request.sends_runs(self.s.rank):
+                    self._offer_cache(hold, peer, request)
+                continue
+            try:
+                payload = request.payload(self.s.rank)
+            except StagingError:
+                continue
+            if payload is None:  # never: the plan has this rank's payload (above)
+                continue
+            if self._read_from_cache(request, payload, peer):  # nothing to pack: offer our cache blocks instead
+                self._offer_cache(hold, peer, request)
+            else:
+                to_pack.append((peer, request, payload))
+        if to_pack:
+            self.pending.append((hold, to_pack))  # counted as guessed once packed (_pack_hold)
+        elif hold.consumer is None and self.stats.eager_offers > offered:
+            self.stats.eager_guessed += 1
+
+    def _offer_cache(self, hold: Hold, peer: Peer, request: RequestPlan) -> None:
+        """Offer ``peer`` our cache blocks of ``hold`` now, from :meth:`TransferAgent.hold` (a
+        fetch that comes right after finds the offer: no pull's round trip), or once the hold's
+        event completed (the engine still writes them). A guessed engine may be offered too: if
+        another engine binds the hold, the offer is withdrawn and the hold's blocks are kept
+        ``timeout_s`` after that, as a withdrawn pack's slots are (:meth:`~.holds.Holds.keep_until`),
+        so a READ of the guess never sees reused blocks."""
+        if event_done(hold.ready):
+            self.offer_runs(hold, peer, request)
+        else:
+            self.runs_offers.append((hold.req_id, peer, request))
 
     def guess(self) -> str | None:
         """The engine a hold without a consumer is packed for: the only trusted peer engine
@@ -214,10 +271,10 @@ class EagerPacks:
 
     def advance(self) -> None:
         pending, self.pending = self.pending, []
-        for req in pending:
-            hold = self.holds.get(req)
-            if hold is not None and req not in self.packs and not self.serving(req):
-                self._pack_hold(hold)
+        for placed, to_pack in pending:
+            if self.holds.get(placed.req_id) is placed and placed.req_id not in self.packs \
+                    and not self.serving(placed.req_id):
+                self._pack_hold(placed, to_pack)
         self.batch.launch()  # before anything below looks at the packs' completions
         waiting_runs = []
         for req, peer, request in self.runs_offers:
@@ -245,44 +302,13 @@ class EagerPacks:
                 self._let_go(req, rank, LetGo.OFFERED)
         self.unoffered = waiting
 
-    def _pack_hold(self, hold: Hold) -> None:
-        ids = hold.block_ids
-        engine = hold.consumer or (hold.pack_for if hold.pack_for is not None else self.guess())
-        if ids.size == 0 or engine is None:
-            return
+    def _pack_hold(self, hold: Hold, to_pack: list[tuple[Peer, RequestPlan, RequestPayload]]) -> None:
+        """Pack ``hold`` for the ranks :meth:`placed` chose (each with its guessed request and
+        payload), within their engine's share and ``eager_bytes``."""
         out: dict[int, Packed] = {}  # listed below once one rank's pack reserved chunks
-        for peer in self.links.engine_peers(engine):
-            if hold.consumer is None and not self.links.trusted(peer):
-                continue  # a guess goes to authenticated ranks only (a named consumer was chosen)
-            try:
-                plan = self.plans.serving(peer.md)
-            except KVTritonError:
-                continue
-            if plan.maps_tokens:
-                continue  # token maps: the tiles depend on the decode's ids
-            # the chunks the destination derives: the smaller of both sides' chunk sizes
-            # the ways are guessed by the destination's own choice (its cost model, in the chunks it derives)
-            request = RequestPlan.for_hold(plan, ids, chunk_bytes=min(self.s.chunk_bytes, peer.md.staging.chunk_bytes),
-                                           pairs={self.s.rank: self.plans.serving_pair(peer.md)})
-            if plan.payload(self.s.rank) is None:
-                # DIRECT runs only (whole blocks or head slices): nothing to pack; offering the
-                # cache blocks confirms them as RunsReady would, so the fetch READs with no pull.
-                # Only to a named consumer, as below
-                if hold.consumer is not None and request.sends_runs(self.s.rank):
-                    self.runs_offers.append((hold.req_id, peer, request))
-                continue
-            try:
-                payload = request.payload(self.s.rank)
-            except StagingError:
-                continue
-            if payload is None:  # never: the plan has this rank's payload (above)
-                continue
-            if self._read_from_cache(request, payload, peer):  # nothing to pack: offer our cache blocks instead
-                # only to a named consumer: a guessed engine's offer could not be withdrawn from
-                # under a read once another engine binds the hold (its pull gets RunsReady instead)
-                if hold.consumer is not None:
-                    self.runs_offers.append((hold.req_id, peer, request))
-                continue
+        for peer, request, payload in to_pack:
+            if self.links.peers.get(peer.key) is not peer:
+                continue  # the peer went (or reconnected) since the hold was placed
             packed = Packed(peer, request, payload)
             chunks = payload.chunks
             for c in range(chunks.count):

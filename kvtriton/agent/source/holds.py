@@ -66,6 +66,7 @@ class Hold:
     ready: torch.cuda.Event | None = None  # after it the engine's blocks are final (None: they are)
     groups: tuple[np.ndarray, ...] = ()  # several KV cache groups: each group's held ids (block_ids: all)
     pack_for: str | None = None  # unbound: the engine to pack it ahead for instead of a guess (binds nothing)
+    keep: float = 0.0  # the blocks are not reported free before this (a withdrawn reader may still READ them)
 
 
 class Holds:
@@ -79,6 +80,7 @@ class Holds:
         self.on_bound = on_bound  # (req, engine): a hold was bound (what was packed for others goes)
         self.held: dict[str, Hold] = {}
         self.freed: list[FreedRequest] = []
+        self.kept: list[tuple[float, FreedRequest]] = []  # ended, reported once their blocks' keep passed
         self._done_ranks: dict[int, frozenset[int]] = {}  # consumer tp -> its ranks a hold waits for
 
     def __contains__(self, req_id: str) -> bool:
@@ -105,19 +107,32 @@ class Holds:
         return hold.consumer == engine
 
     def end(self, hold: Hold, reason: str) -> None:
-        """``hold`` is no longer held: reported by :meth:`take_freed` with ``reason``."""
+        """``hold`` is no longer held: reported by :meth:`take_freed` with ``reason``, once its
+        ``keep`` has passed (:meth:`keep_until`)."""
         self.held.pop(hold.req_id, None)
-        self.freed.append(FreedRequest(hold.req_id, reason))
+        freed = FreedRequest(hold.req_id, reason)
+        if hold.keep > time.monotonic():
+            self.kept.append((hold.keep, freed))
+        else:
+            self.freed.append(freed)
 
     def take_freed(self) -> list[FreedRequest]:
+        if self.kept:
+            now = time.monotonic()
+            self.freed += [f for until, f in self.kept if until <= now]
+            self.kept = [(until, f) for until, f in self.kept if until > now]
         out, self.freed = self.freed, []
         return out
 
     def keep_until(self, req_id: str, until: float) -> None:
-        """Keep ``req_id``'s blocks at least until ``until`` (a reader may still be reading them)."""
+        """Keep ``req_id``'s blocks at least until ``until``: a reader told to stop (a withdrawn
+        offer of the cache blocks, a dropped transfer reading them) may still be reading them.
+        The lease lasts that long, and a hold that ends sooner (its consumer done) is reported
+        freed only then."""
         hold = self.held.get(req_id)
         if hold is not None:
             hold.deadline = max(hold.deadline, until)
+            hold.keep = max(hold.keep, until)
 
     def _reads_from_me(self, peer: Peer, nblocks: int) -> bool:
         """Whether any rank of ``peer``'s engine reads from this rank for a request of
