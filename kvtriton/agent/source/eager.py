@@ -212,16 +212,17 @@ class EagerPacks:
         for peer in self.links.engine_peers(engine):
             if hold.consumer is None and not self.links.trusted(peer):
                 continue  # a guess goes to authenticated ranks only (a named consumer was chosen)
-            try:
+            try:  # a guess: whatever it cannot plan is served when asked (hold() itself never fails for it)
                 plan = self.plans.serving(peer.md)
+                if plan.maps_tokens:
+                    continue  # token maps: the tiles depend on the decode's ids
+                # the chunks the destination derives (the smaller of both sides' chunk sizes); the ways
+                # guessed by the destination's own choice (its cost model, in the chunks it derives)
+                request = RequestPlan.for_hold(plan, ids,
+                                               chunk_bytes=min(self.s.chunk_bytes, peer.md.staging.chunk_bytes),
+                                               pairs={self.s.rank: self.plans.serving_pair(peer.md)})
             except KVTritonError:
                 continue
-            if plan.maps_tokens:
-                continue  # token maps: the tiles depend on the decode's ids
-            # the chunks the destination derives: the smaller of both sides' chunk sizes
-            # the ways are guessed by the destination's own choice (its cost model, in the chunks it derives)
-            request = RequestPlan.for_hold(plan, ids, chunk_bytes=min(self.s.chunk_bytes, peer.md.staging.chunk_bytes),
-                                           pairs={self.s.rank: self.plans.serving_pair(peer.md)})
             if plan.payload(self.s.rank) is None:
                 # DIRECT runs only (whole blocks or head slices): nothing to pack; offering the
                 # cache blocks confirms them as RunsReady would, so the fetch READs with no pull
