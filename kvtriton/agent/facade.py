@@ -453,9 +453,8 @@ class TransferAgent:
     # ------------------------------------------------------------------ progress
     def progress(self, wait: bool = True) -> bool:
         """Do whatever can be done now without blocking: handle messages, pack, post, poll, unpack,
-        expire. Call it often (every engine step, or let :meth:`start` do it). ``wait=False``: return
-        at once (False) when another thread is progressing this agent (or in :meth:`batch`), e.g. an
-        engine step calling it inline while :meth:`start`'s thread runs. True when this call progressed."""
+        expire. Call it often (every engine step, or :meth:`start`). ``wait=False``: return at once
+        (False) when another thread progresses this agent (or in :meth:`batch`). True: it progressed."""
         if not self._lock.acquire(blocking=wait):
             return False
         try:
