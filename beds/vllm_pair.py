@@ -116,7 +116,10 @@ class EnginePair:
             raise AssertionError("nothing was scrambled")
         out = self.decode_requests(prompts, params, f"{tag}-d")
         if [o["tokens"] for o in out] == ref:
-            raise AssertionError("tokens did not change with the prefill's KV overwritten")
+            computed = [o.get("prompt_computed") for o in out]
+            raise AssertionError("tokens did not change with the prefill's KV overwritten (prompt tokens computed "
+                                 f"by the decode per request: {computed}; more than 1: its load failed and vLLM "
+                                 "recomputed, so this control saw no transfer)")
         self.settle(self.prefill)
 
     def transfer(self, prompts, ref=None, tag: str = "x") -> dict:

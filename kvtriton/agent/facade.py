@@ -191,8 +191,7 @@ class TransferAgent:
                 self.close()
                 raise
 
-    # ------------------------------------------------------------------ configuration
-    # read from the one Settings (public attributes of earlier releases, kept as they were)
+    # -------------------------------------------- configuration: read from the one Settings (as in earlier releases)
     engine_id = property(lambda self: self._s.engine_id, doc="This engine's id.")
     rank = property(lambda self: self._s.rank, doc="This rank.")
     tp = property(lambda self: self._s.tp, doc="The engine's TP size.")
@@ -359,9 +358,8 @@ class TransferAgent:
             self._source.hold(req_id, ids, float(lease_s), consumer, ready, pack_for)
 
     def packed_ahead(self, req_id: str) -> int:
-        """Chunks of held request ``req_id`` packed ahead of their pull whose pack has completed
-        (0: none, e.g. its consumer's ranks not connected yet (or, unnamed, not exactly one engine
-        connected), or beyond ``eager_bytes``)."""
+        """Chunks of held ``req_id`` packed ahead of their pull, pack completed (0: e.g. its consumer
+        not connected, unnamed and not the only engine connected, or beyond ``eager_bytes``)."""
         with self._lock, self._s.lanes.on_device():
             return self._source.packed_ahead(req_id)
 
@@ -395,16 +393,15 @@ class TransferAgent:
 
         Equal block sizes: position ``j`` of ``remote_block_ids`` lands in ``local_block_ids[j]``
         (whole blocks); -1 on either side skips the position (e.g. a prefix already cached).
-        Different block sizes (the plan's ``maps_tokens``): the ids are each engine's blocks of
-        one token sequence of ``num_tokens`` tokens (default: what both lists cover); remote
-        position ``j`` holds tokens ``[j*Bs, (j+1)*Bs)``, local position ``k`` tokens
-        ``[k*Bd, (k+1)*Bd)``; a local -1 skips that block's tokens, a remote -1 is allowed only
-        for tokens no wanted local block holds, and only tokens below ``num_tokens`` are written
-        (:func:`kvtriton.plan.request.compact_tokens`; with equal block sizes ``num_tokens`` is
-        ignored). Several KV cache groups: one list per group on each side, per-group lengths
-        equal (:meth:`~kvtriton.plan.RequestPlan.for_fetch`). Raises at once on bad ids or an
-        unknown engine (:class:`~kvtriton.errors.PlanError`, ``KeyError``); everything later is
-        reported by :meth:`results`. After a failed fetch the local blocks hold undefined bytes
+        Different block sizes (the plan's ``maps_tokens``): each engine's blocks of one sequence of
+        ``num_tokens`` tokens (default: what both lists cover): remote ``j`` holds tokens
+        ``[j*Bs, (j+1)*Bs)``, local ``k`` ``[k*Bd, (k+1)*Bd)``; a local -1 skips those, a remote -1
+        only tokens no wanted local block holds; tokens from ``num_tokens`` on are not written
+        (:func:`kvtriton.plan.request.compact_tokens`).
+        KV cache groups: one list per group on each side, per-group lengths equal
+        (:meth:`~kvtriton.plan.RequestPlan.for_fetch`). Raises at once on bad ids or an unknown
+        engine (:class:`~kvtriton.errors.PlanError`, ``KeyError``); the rest goes to
+        :meth:`results`. After a failed fetch the local blocks hold undefined bytes
         (push: a WRITE already posted may land in them for up to ``timeout_s``).
 
         ``after`` (CUDA agents; as in :meth:`hold`): when the engine is done with the local blocks'
@@ -414,7 +411,10 @@ class TransferAgent:
         ready = ready_event(self.device, after)
         with self._lock, self._s.lanes.on_device():
             self._check_registered(f"fetch {req_id!r}")
-            self._handle_messages()  # an offer already here is taken: no pull's round trip
+            try:  # an offer already here is taken (no pull's round trip); a failure is progress()'s
+                self._handle_messages()
+            except Exception as e:  # noqa: BLE001 - never this fetch's: it goes on without the offer
+                logger.warning("fetch %r: messages not taken in first: %s", req_id, e)
             self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s,
                                     num_tokens, ready)
 
@@ -433,8 +433,8 @@ class TransferAgent:
             self._destination.queued.add(req_id, remote_engine_id, float(max_wait_s), renew_s)
 
     def has_offer(self, remote_engine_id: str, req_id: str) -> bool:
-        """Whether some rank of ``remote_engine_id`` has offered ``req_id`` packed ahead (its
-        hold named this engine): a :meth:`fetch` of every held block then READs at once."""
+        """Whether a rank of ``remote_engine_id`` offered ``req_id`` (packed ahead, or its cache
+        blocks): a :meth:`fetch` of every held block then READs at once, no pull."""
         with self._lock, self._s.lanes.on_device():
             return self._destination.offers.has(remote_engine_id, req_id)
 
