@@ -208,7 +208,7 @@ class EagerPacks:
         if ids.size == 0 or engine is None:
             return
         to_pack: list[tuple[Peer, RequestPlan, RequestPayload]] = []
-        offered = self.stats.eager_offers
+        offered = False  # a cache offer went out (or waits for the hold's event)
         for peer in self.links.engine_peers(engine):
             if hold.consumer is None and not self.links.trusted(peer):
                 continue  # a guess goes to authenticated ranks only (a named consumer was chosen)
@@ -227,7 +227,7 @@ class EagerPacks:
                 # DIRECT runs only (whole blocks or head slices): nothing to pack; offering the
                 # cache blocks confirms them as RunsReady would, so the fetch READs with no pull
                 if request.sends_runs(self.s.rank):
-                    self._offer_cache(hold, peer, request)
+                    offered = self._offer_cache(hold, peer, request) or offered
                 continue
             try:
                 payload = request.payload(self.s.rank)
@@ -236,25 +236,25 @@ class EagerPacks:
             if payload is None:  # never: the plan has this rank's payload (above)
                 continue
             if self._read_from_cache(request, payload, peer):  # nothing to pack: offer our cache blocks instead
-                self._offer_cache(hold, peer, request)
+                offered = self._offer_cache(hold, peer, request) or offered
             else:
                 to_pack.append((peer, request, payload))
         if to_pack:
             self.pending.append((hold, to_pack))  # counted as guessed once packed (_pack_hold)
-        elif hold.consumer is None and self.stats.eager_offers > offered:
+        elif hold.consumer is None and offered:
             self.stats.eager_guessed += 1
 
-    def _offer_cache(self, hold: Hold, peer: Peer, request: RequestPlan) -> None:
+    def _offer_cache(self, hold: Hold, peer: Peer, request: RequestPlan) -> bool:
         """Offer ``peer`` our cache blocks of ``hold`` now, from :meth:`TransferAgent.hold` (a
         fetch that comes right after finds the offer: no pull's round trip), or once the hold's
         event completed (the engine still writes them). A guessed engine may be offered too: if
         another engine binds the hold, the offer is withdrawn and the hold's blocks are kept
         ``timeout_s`` after that, as a withdrawn pack's slots are (:meth:`~.holds.Holds.keep_until`),
-        so a READ of the guess never sees reused blocks."""
+        so a READ of the guess never sees reused blocks. Whether it went out or waits for the event."""
         if event_done(hold.ready):
-            self.offer_runs(hold, peer, request)
-        else:
-            self.runs_offers.append((hold.req_id, peer, request))
+            return self.offer_runs(hold, peer, request)
+        self.runs_offers.append((hold.req_id, peer, request))
+        return True
 
     def guess(self) -> str | None:
         """The engine a hold without a consumer is packed for: the only trusted peer engine
