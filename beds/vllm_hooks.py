@@ -5,6 +5,7 @@ bed's few documented capability patches)."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 __all__ = ["BedHooks", "MAX_KEPT_LOADS"]
@@ -54,6 +55,18 @@ class BedHooks:
         times = conn._bed_load_times = {}
         loads_seen = conn._bed_loads = {}
         calls = conn._bed_calls = {"start_load_kv": [], "get_transfer_results": []}  # seconds per call
+        # the interpreter's garbage collections in this worker (any thread: a collection stops them
+        # all), seconds each: a full one of an engine's heap can take a step's time in one call
+        calls["gc_pause"] = []
+        began = [0.0]
+
+        def on_gc(phase: str, info: dict) -> None:
+            if phase == "start":
+                began[0] = time.perf_counter()
+            else:
+                _bounded(calls["gc_pause"]).append(time.perf_counter() - began[0])
+
+        gc.callbacks.append(on_gc)
         start, results = conn.start_load_kv, conn.get_transfer_results
 
         def timed_start(forward_context, **kw):

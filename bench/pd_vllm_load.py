@@ -127,7 +127,8 @@ def _cell(prefill, decode, connector, prompts, ref, cell, tag, max_tokens, bg_to
                       f"{f(res.get('start_load_kv_ms_total'))} ms in all "
                       f"(slowest {f(res.get('start_load_kv_ms_max'))}), "
                       f"get_transfer_results {f(res.get('get_transfer_results_ms_total'))} ms "
-                      f"(slowest {f(res.get('get_transfer_results_ms_max'))})"
+                      f"(slowest {f(res.get('get_transfer_results_ms_max'))}), garbage collections of the "
+                      f"decode worker {f(res.get('gc_pause_ms_total'))} ms (longest {f(res.get('gc_pause_ms_max'))})"
                       + (f"; offers READ without a pull {eager['offers_taken']} (one per source rank and load), "
                          f"pulls {eager['eager_pull_hits'] + eager['eager_offer_pulls'] + eager['eager_misses']}"
                          if eager else ""))

@@ -410,9 +410,10 @@ def _headline_engines(rows: list[dict]) -> str:
     if not rows:
         return "not run (no vLLM test bed, or not asked)"
     out = []
-    for kind in dict.fromkeys(r.get("model_kind", "llama") for r in rows):
+    key_of = lambda r: (r.get("model_kind", "llama"), r.get("block_size"))  # noqa: E731
+    for kind, bs in dict.fromkeys(key_of(r) for r in rows):  # the default sweep: the small model at two blocks
         cells = []
-        sel = [r for r in rows if r.get("model_kind", "llama") == kind]
+        sel = [r for r in rows if key_of(r) == (kind, bs)]
         for p, d in dict.fromkeys((r["prefill_tp"], r["decode_tp"]) for r in sel):
             med = {}
             for c in ("kvtriton", "nixl"):
@@ -425,7 +426,7 @@ def _headline_engines(rows: list[dict]) -> str:
                     f"NixlConnector READ)") if nixl else ""
             cells.append(f"P{p}->D{d} {ratio}{size}")
         name = sel[0].get("pd_size", "") if kind == "llama" else kind
-        block = f" block {sel[0]['block_size']}" if sel[0].get("block_size") and kind == "llama" else ""
+        block = f" block {bs}" if bs and kind == "llama" else ""
         out.append((f"{name} model{block}: " if name else "") + ", ".join(cells) + _headline_load(sel))
     return "kvtriton / NixlConnector time to KV loaded, same engines and prompts: " + "; ".join(out)
 
@@ -685,7 +686,7 @@ def print_table(rows: list[dict]) -> None:
 def _pd_vllm_summary(rows: list[dict]) -> list[str]:
     lines = ["## Prefill/decode on real vLLM engines (bench/pd_vllm.py)", "",
              f"vLLM 0.32 CPU build, random-weight GQA Llama ({rows[0].get('model', '?')}, fp32, block "
-             f"{rows[0].get('block_size') or 32}), "
+             f"{' and '.join(str(b) for b in dict.fromkeys(r.get('block_size') or 32 for r in rows))}), "
              "8 decode tokens, each engine on its own core. KV loaded = the decode worker's start_load_kv seeing "
              "the load (first rank) to get_transfer_results reporting it (last rank), measured the same way for "
              "both connectors; KV ready = request submitted to the scheduler learning it; first decode token = "
@@ -693,13 +694,14 @@ def _pd_vllm_summary(rows: list[dict]) -> list[str]:
              "first use) is a warm-up, shown on its own. Descriptors = READs the decode ranks posted per request.",
              ""]
     results = []
-    key_of = lambda r: (r["connector"], r["prefill_tp"], r["decode_tp"], r.get("model_kind", "llama"))  # noqa: E731
+    key_of = lambda r: (r["connector"], r["prefill_tp"], r["decode_tp"], r.get("model_kind", "llama"),  # noqa: E731
+                        r.get("block_size"))
     for key in dict.fromkeys(key_of(r) for r in rows):
         sel = [r for r in rows if key_of(r) == key]
         load = [{**r, "ok": r["load_ok"], "n": r["load_n"], "recomputed": r["load_recomputed"]}
                 for r in sel if r.get("load_cell")]
         results.append({"connector": key[0], "prefill_tp": key[1], "decode_tp": key[2], "model_kind": key[3],
-                        "summary": sel[0]["summary"], "block_size": sel[0].get("block_size"), "load": load,
+                        "summary": sel[0]["summary"], "block_size": key[4], "load": load,
                         "rows": [r for r in sel if "ttft_ms" in r],
                         "ok": sum(bool(r.get("identical")) for r in sel), "n": sum("ttft_ms" in r for r in sel)})
     lines += pd_vllm_table(results)

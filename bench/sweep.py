@@ -42,8 +42,8 @@ Sections (all by default; ``--sections`` picks some):
   row on a fresh clone; run directly without it, the section says so and is left out. After the
   one-at-a-time requests, on the same engines, many requests of mixed lengths in flight
   (bench/pd_vllm_load.py): p50/p99 of time to KV loaded and TTFT, the decode's step time with
-  loads waiting. The default sweep: the small model at block 64 (vLLM 0.34's default), 8 and 32
-  in flight; ``--full`` adds blocks 16 and 64 with 8, 32 and 16 requests at 20 req/s.
+  loads waiting. The default sweep: the small model at blocks 16 and 64 (vLLM 0.34's default),
+  one engine pair per block, 8 and 32 in flight; ``--full`` adds 16 requests at 20 req/s.
 * ``pd_hybrid`` (``--full`` only): the hybrid matrix of issue 32 on real vLLM engines, each model
   kind (Gemma-3 sliding window, Nemotron-H Mamba2 with ``n_groups`` 2 and 1, Qwen3-Next GDN) at
   P1->D1, P2->D1, P1->D2 and P2->D3, kvtriton (tokens and every group's bytes checked) beside
@@ -382,8 +382,9 @@ PD_REALISTIC_KIND = "llama hd128"
 
 #: TP pairs of the pd_vllm section: the default sweep runs P2->D1 (the cell issue 21 is about)
 PD_PAIRS_SMALL = ((2, 1),)
-#: the default sweep's real-engine block: vLLM 0.34's default (64), what users run now
-PD_BLOCK_SMALL = 64
+#: the default sweep's real-engine blocks: 16 (vLLM 0.33 and before) and vLLM 0.34's default (64), what
+#: users run now; one engine pair each (~60 s a block on a quiet 2-core host)
+PD_BLOCKS_SMALL = (16, 64)
 #: many requests in flight on the same engines, after the one-at-a-time requests (bench/pd_vllm_load.py):
 #: the default sweep 8 and 32 at once (seconds on the small model: the engines' start-up is the cost);
 #: --full adds 16 requests at a steady 20 req/s, and runs the small model at blocks 16 and 64
@@ -406,9 +407,10 @@ def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
     pairs = PD_PAIRS_SMALL if quick else pd_vllm.PAIRS
     cfg = PD_SIZES[size]
     if quick:
-        cfg = {**cfg, "block_size": PD_BLOCK_SMALL, "load_cells": cells_from(**PD_LOAD_SMALL)}
+        cfg = {**cfg, "load_cells": cells_from(**PD_LOAD_SMALL)}
     if bar is not None:
-        bar.total(2 * len(pairs) + (0 if quick else 2 * len(pairs) + 4 + 2 * len(PD_LOAD_BLOCKS_FULL)))
+        bar.total(2 * len(pairs) * (len(PD_BLOCKS_SMALL) if quick else 1)
+                  + (0 if quick else 2 * len(pairs) + 4 + 2 * len(PD_LOAD_BLOCKS_FULL)))
 
     def say(*a):
         print(*a, flush=True)
@@ -417,7 +419,11 @@ def pd_vllm_rows(quick: bool, size: str = "scaled", bar=None) -> list[dict]:
             bar.step(line.split(";")[-1].strip())  # a (pair, connector) finished: its summary line
 
     # the larger models one run at a time: two runs' engines at once took 5.4 GB
-    results = pd_vllm.compare(pairs, **cfg, quiet=True, say=say, overlap=quick)
+    if quick:  # the small model at each block, one engine pair per block
+        results = [res for block in PD_BLOCKS_SMALL
+                   for res in pd_vllm.compare(pairs, **cfg, block_size=block, quiet=True, say=say, overlap=True)]
+    else:
+        results = pd_vllm.compare(pairs, **cfg, quiet=True, say=say, overlap=False)
     if not quick:  # --full: the realistic descriptor size, then a row per model kind
         for res in pd_vllm.compare(pairs, **PD_REALISTIC, quiet=True, say=say, overlap=False):
             results.append({**res, "model_kind": PD_REALISTIC_KIND})

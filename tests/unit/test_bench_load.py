@@ -70,3 +70,30 @@ def test_sweep_rows_reach_summary_and_headline():
     text = "\n".join(summary_lines(rows, meta))
     assert "| 2->1 | 64 | 8 in flight | kvtriton | 7/8 | 0 |" in text
     assert "| 2->1 | kvtriton | 1/1 |" in text  # the one-at-a-time table counts no load row
+
+
+def test_two_blocks_of_one_model_stay_apart_in_headline_and_tables():
+    """The default sweep runs the small model at blocks 16 and 64 (one engine pair each): each block
+    gets its own headline cell, one-at-a-time rows and load rows, its ratio from its own rows."""
+    from bench.report import headline_lines, summary_lines
+    from bench.sweep import load_row
+
+    rows = []
+    for block, ours in ((16, 3.0), (64, 1.0)):
+        for conn in ("kvtriton", "nixl"):
+            key = {"section": "pd_vllm", "connector": conn, "prefill_tp": 2, "decode_tp": 1, "pd_size": "small",
+                   "model_kind": "llama", "block_size": block, "model": "m"}
+            rows.append({**key, "request": 0, "ttft_ms": 3.0, "kv_loaded_ms": ours if conn == "kvtriton" else 4.0,
+                         "kv_ready_ms": 2.5, "identical": True, "prompt_computed": 1, "descriptors": 4,
+                         "kv_bytes": 100, "summary": f"{conn} {block}"})
+            rows.append(load_row(key, _cell(8, ours, 20.0, 10.0, 40.0) if conn == "kvtriton"
+                                 else _cell(8, 4.0, 10.0, 20.0, 20.0)))
+    head = next(x for x in headline_lines(rows, {}) if x.startswith("- **real engines**"))
+    b16, b64 = head.split("; small model block 64: ")
+    assert "small model block 16: P2->D1 0.75x" in b16 and "8 in flight KV loaded p50 0.75x" in b16
+    assert b64.startswith("P2->D1 0.25x") and "8 in flight KV loaded p50 0.25x" in b64
+    meta = {"command": "c", "device": "cpu", "timestamp": "t", "torch": "2", "git_sha": "g"}
+    text = "\n".join(summary_lines(rows, meta))
+    assert "block 16 and 64" in text
+    assert "| 2->1 block 16 | kvtriton | 1/1 | 3.0 |" in text and "| 2->1 block 64 | kvtriton | 1/1 | 1.0 |" in text
+    assert "| 2->1 | 16 | 8 in flight | kvtriton |" in text and "| 2->1 | 64 | 8 in flight | kvtriton |" in text
