@@ -175,13 +175,19 @@ def xfer_array(descs: object, what: str, *, allow_strided: bool) -> tuple[np.nda
 
 
 def indices(idx: object, count: int, what: str) -> np.ndarray:
+    """``idx`` as a 1-D int64 array of indices into a list of ``count`` descriptors, each checked in
+    ``[0, count)`` here: NIXL's own check sees them as 32-bit ints (an index of ``2**32 + k`` would
+    pass as ``k``). ``ValueError``, ``TypeError`` or ``IndexError`` saying what is wrong."""
     arr = np.asarray(idx)
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.size == 0:
         return arr.astype(np.int64)
-    # int64, what every caller of ours passes: no dtype-hierarchy walk (~1 us a list, twice a post)
-    if arr.dtype != np.int64 and not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype == np.int64:  # what every caller of ours passes: one reduction (a negative id reads as
+        # past 2**63 unsigned), no dtype-hierarchy walk; ~3 us less a post of two lists
+        if int(arr.view(np.uint64).max()) < count:
+            return np.ascontiguousarray(arr)
+    elif not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= count:

@@ -381,8 +381,12 @@ def test_single_agent_validation_and_loopback():
             t.post("READ", rem, [0], loc, [0])  # sides swapped
         with pytest.raises(ValueError):
             t.post("READ", loc, [0, 1], rem, [0])
-        with pytest.raises(IndexError):
+        with pytest.raises(IndexError, match=r"local_idx out of range: values in \[4, 4\] for a list of 4"):
             t.post("READ", loc, [4], rem, [0])
+        with pytest.raises(IndexError, match=r"remote_idx out of range: values in \[-1, 0\]"):
+            t.post("READ", loc, [0, 1], rem, [0, -1])
+        with pytest.raises(IndexError, match="remote_idx"):
+            t.post("READ", loc, [0], rem, np.array([1 << 40]))
         with pytest.raises(TypeError):
             t.post("READ", loc, [0.0], rem, [0])
         with pytest.raises(TransportError, match="add_remote"):
