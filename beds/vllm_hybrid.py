@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .vllm_bed import EngineProcess, close_all, engine_cpus, free_port_range, wait_all_ready
 from .vllm_models import HYBRID_KINDS
-from .vllm_pair import D_EXTRA, P_EXTRA, BytesMismatch, _merge
+from .vllm_pair import D_EXTRA, P_EXTRA, BytesMismatch, _merge, failed_loads, load_story
 
 __all__ = ["HybridPair", "BytesMismatch"]
 
@@ -83,13 +83,15 @@ class HybridPair:
     def transfer(self, prompts, ref, tag: str = "x") -> dict:
         """Prefill, decode, check: every group's bytes equal (:meth:`group_digests`), tokens equal
         ``ref``, at most ``1 + backoff`` prompt tokens computed by the decode."""
+        failed = failed_loads(self.decode)
         params = self.prefill_requests(prompts, f"{tag}-p")
         out = self.decode_requests(prompts, params, f"{tag}-d")
         got = [o["tokens"] for o in out]
         try:
             digests = self.group_digests(prompts, params, f"{tag}-d")
-        except BytesMismatch as e:
-            raise BytesMismatch(f"{e} [tokens {'identical to' if got == ref else 'differ from'} one engine]") from None
+        except BytesMismatch as e:  # a failed load is recomputed: tokens equal, the kept copy not the transfer's
+            raise BytesMismatch(f"{e} [tokens {'identical to' if got == ref else 'differ from'} one engine; "
+                                f"{load_story(out, failed_loads(self.decode) - failed)}]") from None
         if got != ref:  # the bytes were equal: the difference is the decode's own numerics
             raise AssertionError(f"decode tokens differ from one engine with every group's bytes equal "
                                  f"({digests['regions']} regions): {got} vs {ref}")

@@ -129,14 +129,16 @@ class EnginePair:
         (:meth:`region_digests`). Returns ``{"identical", "n", "prompt_computed", "digests",
         "descriptors", "bytes", "params", "ref"}``."""
         before = self.descriptors()
+        failed = failed_loads(self.decode)
         params = self.prefill_requests(prompts, f"{tag}-p")
         out = self.decode_requests(prompts, params, f"{tag}-d")
         try:
             digests = self.region_digests(prompts, params, f"{tag}-d")
-        except BytesMismatch as e:  # say whether the tokens showed it too
+        except BytesMismatch as e:  # say whether the tokens showed it too, and whether a load failed
             ref = self.reference(prompts, f"{tag}-ref") if ref is None else ref
             same = [o["tokens"] for o in out] == ref
-            raise BytesMismatch(f"{e} [tokens {'identical to' if same else 'differ from'} one engine]") from None
+            raise BytesMismatch(f"{e} [tokens {'identical to' if same else 'differ from'} one engine; "
+                                f"{load_story(out, failed_loads(self.decode) - failed)}]") from None
         after = self.descriptors()
         if ref is None:
             ref = self.reference(prompts, f"{tag}-ref")
@@ -204,6 +206,20 @@ class EnginePair:
 
     def close(self) -> None:
         close_all([self.prefill, self.decode])
+
+
+def failed_loads(engine: EngineProcess) -> int:
+    """Loads the engine's connector reported failed so far, every rank (kvtriton's ``failed``;
+    0 for NixlConnector): vLLM recomputes such a request, so its tokens can match while the
+    copy the bed kept of its load holds whatever the failed load left."""
+    return sum((s or {}).get("failed", 0) for s in engine.call("transfer_stats")["stats"] or ())
+
+
+def load_story(out, failed: int) -> str:
+    """What a byte mismatch's message adds: the prompt tokens each request's decode computed
+    (more than one: the load failed and vLLM recomputed) and the failed loads counted meanwhile."""
+    return (f"prompt tokens computed by the decode per request {[o.get('prompt_computed') for o in out]}, "
+            f"loads its connector reported failed meanwhile {failed}")
 
 
 def _merge(per_rank) -> dict:

@@ -64,6 +64,7 @@ from pathlib import Path
 import numpy as np
 
 from .plan import CostModel
+from .plan.cost import UNMEASURED
 
 __all__ = ["PROBE_BYTES", "PROBE_DESCRIPTORS", "PROBE_COUNTS", "transport_key", "cache_dir", "cache_path",
            "read_cache", "find_cached", "fit_desc_us", "fit_pass_us", "probe_id_sets", "measure", "load_or_measure"]
@@ -121,7 +122,7 @@ def read_cache(path: Path) -> CostModel | None:
     try:
         d = json.loads(path.read_text())
         if d.get("version") == CACHE_VERSION:
-            vals = {k: float(d[k]) for k in CostModel().as_dict()}
+            vals = {k: float(d[k] if k in d or k not in UNMEASURED else v) for k, v in CostModel().as_dict().items()}
             if all(np.isfinite(v) and v > 0 for v in vals.values()):
                 return CostModel(**vals, source=f"cached {path}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

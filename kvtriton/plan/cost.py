@@ -6,7 +6,11 @@ from dataclasses import dataclass, field
 
 from .types import Way
 
-__all__ = ["CostModel"]
+__all__ = ["CostModel", "UNMEASURED"]
+
+#: :class:`CostModel` numbers no probe measures (``kvtriton.costmodel``): a cached or a peer's model
+#: without them takes the default
+UNMEASURED = frozenset({"pull_us"})
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,13 @@ class CostModel:
     (the Llama with an MLA draft of issue 21, real engines). The per-descriptor choices of
     :meth:`prefers_direct` and :meth:`direct_slice_wins` leave it out: it only ever favours the
     zero-copy ways, which the per-request choice then takes.
+
+    ``pull_us`` is what a pull's round trip adds before any byte moves (our Pull, the source's
+    next progress, its answer), which a source's offer in hand saves: a destination holding an
+    offer of the source's cache blocks adds it to the ways that would pull instead
+    (:func:`~kvtriton.plan.cheapest_way`). Not measured (it is the source's progress cadence in
+    serving, ``progress_interval_s`` and its engine's GIL, not this host's copy speed): the default
+    is the agent's progress interval, a lower bound; :data:`UNMEASURED` names it.
     """
 
     desc_us: float = 2.3
@@ -43,6 +54,7 @@ class CostModel:
     write_gbps: float = 8.0
     pass_us: float = 75.0
     segment_us: float = 12.0
+    pull_us: float = 500.0
     source: str = field(default="default (CPU, calibrated by hand)", compare=False)
 
     def crossover_bytes(self) -> float:
@@ -113,4 +125,4 @@ class CostModel:
         """The numbers (``source`` aside), as keyword arguments of the constructor."""
         return dict(desc_us=self.desc_us, pack_gbps=self.pack_gbps, unpack_gbps=self.unpack_gbps,
                     read_gbps=self.read_gbps, write_gbps=self.write_gbps, pass_us=self.pass_us,
-                    segment_us=self.segment_us)
+                    segment_us=self.segment_us, pull_us=self.pull_us)

@@ -182,11 +182,12 @@ class PairPlan:
         return merging * (cache_runs + max(0, chunks - 1)) + (segments - merging) * n
 
     def choose_way(self, src_ids: np.ndarray, dst_ids: np.ndarray, *, chunks: int = 1, packed: bool = False,
-                   runs: RunCounts | None = None) -> Way:
+                   runs: RunCounts | None = None, cache_offered: bool = False) -> Way:
         """:func:`~kvtriton.plan.choose_way` of the payload by the pair's cost model (``runs``:
         the request's run counts, found once for all its pairs). The choice is a function of
-        the request's blocks, chunks, ``packed`` and each candidate way's descriptor count only:
-        made once per such key (the cost model's arithmetic is not redone for every request)."""
+        the request's blocks, chunks, ``packed``, ``cache_offered`` and each candidate way's
+        descriptor count only: made once per such key (the cost model's arithmetic is not redone
+        for every request)."""
         read = self._payload()
         if len(read.ways) == 1:
             return read.ways[0]
@@ -195,10 +196,10 @@ class PairPlan:
         n = int(np.asarray(dst_ids).size)
         descs: dict[Way, int] = {way: self.way_descriptors(way, src_ids, dst_ids, chunks, runs) for way in read.ways
                  if way is not Way.STAGED and not (packed and way.reads_source_cache)}
-        key = (n, chunks, packed, *descs.values())
+        key = (n, chunks, packed, cache_offered, *descs.values())
         way = self._chosen.get(key)
         if way is None:
-            way = cheapest_way(read, self.cost, n, chunks, packed, descs.__getitem__)
+            way = cheapest_way(read, self.cost, n, chunks, packed, descs.__getitem__, cache_offered=cache_offered)
             if len(self._chosen) >= _MAX_CHOSEN:  # request shapes repeat; bound them anyway
                 self._chosen.clear()
             self._chosen[key] = way

@@ -399,7 +399,7 @@ class RequestPlan:
                   src_num_blocks: int, dst_num_blocks: int,
                   chunk_bytes: int | Mapping[int, int], num_tokens: int | None = None,
                   pairs: Mapping[int, PairPlan] | None = None, packed: Collection[int] = (),
-                  push: bool = False) -> RequestPlan:
+                  cache_offers: Mapping[int, OfferTerms] | None = None, push: bool = False) -> RequestPlan:
         """The destination's request: ids checked and compacted (-1 on either side drops the
         position), or mapped token by token when the block sizes differ; each staged payload
         fitted to ``chunk_bytes`` (one cap, or one per source rank: the smaller of both sides'
@@ -409,7 +409,9 @@ class RequestPlan:
         With ``pairs`` (per source rank, its :class:`PairPlan`) each payload's way is chosen
         here, the one place it is (:attr:`ways`): STAGED for a ``push`` or a token map, else the
         pair's cost model's choice for these ids (:meth:`PairPlan.choose_way`; ``packed``: the
-        source ranks that offered their payload packed already).
+        source ranks that offered their payload packed already; ``cache_offers``: per source rank,
+        the terms of its offer of its cache blocks, which the ways reading them take with no pull
+        when they are this request's blocks, :meth:`OfferTerms.same_blocks`).
 
         Several KV cache groups (``plan.groups > 1``): the ids are one list per group
         (:func:`group_lists`; a flat list stands for every group), compacted per group
@@ -434,8 +436,9 @@ class RequestPlan:
         if pairs is not None:
             staged = push or tokens is not None or plan.groups > 1
             runs = RunCounts(src, dst)  # one request: its run counts found once for every pair
+            cached = {r for r, t in (cache_offers or {}).items() if t.same_blocks(rp.cache_offer_terms())}
             object.__setattr__(rp, "ways", rp._choose(lambda r, p: Way.STAGED if staged else pairs[r].choose_way(
-                src, dst, chunks=p.chunks.count, packed=r in packed, runs=runs)))
+                src, dst, chunks=p.chunks.count, packed=r in packed, runs=runs, cache_offered=r in cached)))
         return rp
 
     @classmethod

@@ -197,31 +197,37 @@ def way_descriptors(read: Payload, way: Way, src_specs: Sequence[RegionSpec], ds
 
 def choose_way(read: Payload, src_specs: Sequence[RegionSpec], dst_specs: Sequence[RegionSpec],
                src_ids: np.ndarray, dst_ids: np.ndarray, cost: CostModel, *, chunks: int = 1,
-               packed: bool = False) -> Way:
+               packed: bool = False, cache_offered: bool = False) -> Way:
     """The way this request's payload from ``read.src_rank`` travels: the cheapest of
     ``read.ways`` by ``cost`` for this request's descriptor counts (:func:`way_descriptors`;
     ties go to the earlier of STAGED, READ_UNPACK, PACK_PLACE, DIRECT_SLICE). ``chunks``: the
     staged chunks of the payload. ``packed``: the source has packed it already (an offer), so
-    the ways that read its cache instead would save nothing. The agents choose through
+    the ways that read its cache instead would save nothing. ``cache_offered``: the source offered
+    its cache blocks for this request, so the ways that read them start at once and the others
+    pay a pull's round trip first (``cost.pull_us``). The agents choose through
     :meth:`~kvtriton.plan.PairPlan.choose_way` (the same choice over geometry computed once
     per pair); this computes the geometry on every call."""
     return cheapest_way(read, cost, int(np.asarray(dst_ids).size), chunks, packed,
-                        lambda way: way_descriptors(read, way, src_specs, dst_specs, src_ids, dst_ids, chunks))
+                        lambda way: way_descriptors(read, way, src_specs, dst_specs, src_ids, dst_ids, chunks),
+                        cache_offered=cache_offered)
 
 
 def cheapest_way(read: Payload, cost: CostModel, num_blocks: int, chunks: int, packed: bool,
-                 descriptors: Callable[[Way], int]) -> Way:
+                 descriptors: Callable[[Way], int], *, cache_offered: bool = False) -> Way:
     """:func:`choose_way` given ``descriptors(way)``, what the request costs by each one-sided way."""
     ways = read.ways
     if len(ways) == 1:
         return ways[0]
     nbytes = read.payload_bytes(num_blocks)
     segments = len(read.segments)
-    best, best_us = Way.STAGED, cost.staged_us(nbytes, chunks, segments=segments)
+    # an offer of the source's cache in hand: a way reading it goes now, any other pulls first
+    pull = cost.pull_us if cache_offered and not packed else 0.0
+    best, best_us = Way.STAGED, cost.staged_us(nbytes, chunks, segments=segments) + pull
     for way in ways:
         if way is Way.STAGED or (packed and way.reads_source_cache):
             continue
         us = cost.way_us(way, nbytes, descriptors(way), segments=segments, chunks=chunks)
+        us += 0.0 if way.reads_source_cache else pull
         if us < best_us:
             best, best_us = way, us
     return best

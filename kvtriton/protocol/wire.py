@@ -112,7 +112,7 @@ class RankMetadata:
 
 
 _COST_MAX = 1e9  # us per descriptor or GB/s: far beyond any transport, still finite
-_COST_LATER = frozenset({"pass_us", "segment_us"})  # a pass's fixed cost: optional, older peers omit it
+_COST_LATER = frozenset({"pass_us", "segment_us", "pull_us"})  # models gained them later: older peers omit them
 
 
 def stream_span(spec: RegionSpec, stream: int) -> int:

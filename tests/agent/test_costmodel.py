@@ -203,10 +203,11 @@ def test_fit_pass_us_separates_the_call_from_its_segments():
 
 
 def test_metadata_from_an_older_peer_without_the_pass_cost_takes_the_default():
-    d = msgpack.unpackb(wire.encode_metadata(_metadata(CostModel(desc_us=1.5))), raw=False)
-    del d["cost"]["pass_us"], d["cost"]["segment_us"]
+    d = msgpack.unpackb(wire.encode_metadata(_metadata(CostModel(desc_us=1.5, pull_us=900.0))), raw=False)
+    assert wire.decode_metadata(msgpack.packb(d, use_bin_type=True)).cost.pull_us == 900.0
+    del d["cost"]["pass_us"], d["cost"]["segment_us"], d["cost"]["pull_us"]
     got = wire.decode_metadata(msgpack.packb(d, use_bin_type=True)).cost
-    assert got.desc_us == 1.5 and got.pass_us == CostModel().pass_us and got.segment_us == CostModel().segment_us
+    assert got == CostModel(desc_us=1.5)  # every field the peer did not send: the default
     d["cost"]["segment_us"] = -3.0  # sent, it is checked like every other field
     with pytest.raises(ProtocolError, match="cost.segment_us"):
         wire.decode_metadata(msgpack.packb(d, use_bin_type=True))
@@ -242,3 +243,18 @@ def test_the_repack_probe_moves_cold_blocks(monkeypatch):
         # the caches hold PROBE_SPAN x the payload: the blocks a call moves are a quarter of them
         assert seen[op][0][1] >= span * calls[0].size
     assert nbytes == costmodel.PROBE_BYTES
+
+
+def test_a_cached_model_without_the_unmeasured_numbers_is_read_with_their_defaults(tmp_path):
+    """``pull_us`` is not measured (``kvtriton.plan.cost.UNMEASURED``): a cache written before the
+    model had it is read, not measured over; a measured number missing still is."""
+    from kvtriton import costmodel
+
+    path = tmp_path / "m.json"
+    old = {k: v for k, v in CostModel(desc_us=1.7).as_dict().items() if k != "pull_us"}
+    path.write_text(json.dumps(dict(version=costmodel.CACHE_VERSION, **old)))
+    got = costmodel.read_cache(path)
+    assert got == CostModel(desc_us=1.7) and got.source.startswith("cached")
+    del old["segment_us"]
+    path.write_text(json.dumps(dict(version=costmodel.CACHE_VERSION, **old)))
+    assert costmodel.read_cache(path) is None

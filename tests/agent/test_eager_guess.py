@@ -380,3 +380,49 @@ def test_a_withdrawn_guessed_cache_offer_keeps_the_blocks_for_timeout_s(made, gu
         freed = p.freed()
     assert [(f.req_id, f.reason) for f in freed] == [("r", "done")]
     assert time.monotonic() - withdrawn >= 0.6
+
+
+#: a cost model near the pack_place / direct_slice crossover for GQA_4 at P1->D2 (block 4): which is
+#: cheaper turns on the destination's runs of ids, which the source's guess does not know
+NEAR = dict(desc_us=1.0, pass_us=20.0, segment_us=0.01, unpack_gbps=10.0)
+GQA_4 = [RegionModel.gqa("l0", 4, 16), RegionModel.gqa("l1", 4, 16)]
+
+
+@pytest.mark.parametrize("pull_us", [500.0, 1e-3])
+def test_a_fetch_takes_the_offered_cache_when_its_own_choice_is_dearer_by_less_than_a_pull(made, pull_us):
+    # the prefill's ids are scattered: guessing the decode's as its own, it offers its cache
+    # (direct_slice). The decode's ids run on, so pack_place (the source packs, we place it
+    # in runs) is cheaper by less than a pull: with the offer in hand the decode reads the
+    # cache now (no pull); with a pull priced at nothing (the control) it pulls for pack_place
+    from kvtriton.plan import CostModel, build_plan, choose_way
+
+    cost = CostModel(**NEAR, pull_us=pull_us)
+    e = Engines(1, 2, models=GQA_4, p_blocks=64, d_blocks=48, p_layout="HND", p_storage="separate",
+                cost=cost)
+    made.append(e)
+    p = e.pa[0]
+    src, dst = np.random.default_rng(0).permutation(64)[:8], np.arange(8) + 5
+    src_specs, dst_specs = [r.spec for r in e.P[0]], [r.spec for r in e.D[0]]
+    read = build_plan(0, 2, dst_specs, 1, src_specs).staged[0]
+    assert choose_way(read, src_specs, dst_specs, src, src, cost).value == "direct_slice"  # the source's guess
+    assert choose_way(read, src_specs, dst_specs, src, dst, cost).value == "pack_place"  # ours, alone
+    kv = e.request(src)
+    p.hold("r", src, consumer="D")
+    e.settle(0.1)
+    assert p.stats["eager_offers"] == 2 and p.stats["eager_chunks"] == 0  # the cache offered, nothing packed
+    for d in e.da:
+        assert d.has_offer("P", "r")
+        d.fetch("r", "P", src, dst)
+    got = e.drive(1)
+    assert all(v[0].ok for v in got.values()), got
+    for r in range(2):
+        check_destination(e.D[r], r, 2, kv, dst, e.before[r])
+    e.settle(0.2)
+    ways = {w for v in got.values() for w, _ in v[0].ways}
+    if pull_us > 1:  # the offer taken: the cache read at once, nothing asked of the prefill
+        assert ways == {"direct_slice"} and sum(d.stats["offers_taken"] for d in e.da) == 2
+        assert p.stats["eager_offer_pulls"] == 0 and p.stats["eager_misses"] == 0
+    else:  # the control: the decode's own choice, a pull the prefill answers by packing
+        assert ways == {"pack_place"} and sum(d.stats["offers_taken"] for d in e.da) == 0
+    assert [(f.req_id, f.reason) for f in p.freed()] == [("r", "done")]
+    assert _free(e.agents, "D")

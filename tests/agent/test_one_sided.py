@@ -242,8 +242,8 @@ def test_read_unpack_across_layouts_with_one_head_per_source():
 @pytest.mark.parametrize("forced", [True, False])
 def test_read_unpack_offer_skips_the_pull(forced, monkeypatch):
     """A hold naming its consumer is offered for read_unpack (no pack, no slots): the decode takes
-    the offer and READs at once, without a pull to the source process; a second fetch of
-    another request with no offer pulls as usual. Bytes exact either way."""
+    the offer and READs at once, in its fetch() call, without a pull to the source process; a
+    second fetch of another request with no offer pulls as usual. Bytes exact either way."""
     from kvtriton.protocol import wire
 
     pulls = []
@@ -270,6 +270,9 @@ def test_read_unpack_offer_skips_the_pull(forced, monkeypatch):
                 a.progress()
         for d in e.da:
             d.fetch("r", "P", src, dst)
+            # posted by fetch() itself, no progress() between (Part.start_offered): a step's READs go
+            # back to back, before the Done of a fetch finished in the step's next progress()
+            assert d.stats["one_sided_descriptors"] + d.stats["direct_descriptors"] > 0
         got = e.drive()  # the sources progress (UCX serves READs through them here) but get no pull
         for i, d in enumerate(e.da):
             assert got[i][0].ok, got[i][0].error

@@ -286,10 +286,55 @@ def test_pair_choose_way_remembered_per_key_matches_the_choice_over_ids(layout, 
                 t = rng.permutation(64)[:n] if trial % 2 else np.sort(rng.permutation(64)[:n])
                 runs = RunCounts(s, t)
                 for chunks in (1, 3):
-                    for packed in (False, True):
+                    for packed, cached in ((False, False), (True, False), (False, True)):
                         for pair, read in zip(pairs, plan.staged):
-                            want = choose_way(read, src, dst, s, t, cost, chunks=chunks, packed=packed)
-                            assert pair.choose_way(s, t, chunks=chunks, packed=packed, runs=runs) is want
-                            assert pair.choose_way(s, t, chunks=chunks, packed=packed) is want
+                            kw = dict(chunks=chunks, packed=packed, cache_offered=cached)
+                            want = choose_way(read, src, dst, s, t, cost, **kw)
+                            assert pair.choose_way(s, t, runs=runs, **kw) is want
+                            assert pair.choose_way(s, t, **kw) is want
                             seen.add(want)
     assert len(seen) > 1  # the costs above make the choice differ
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_an_offer_of_the_source_cache_saves_the_pull_the_other_ways_pay(layout):
+    """With the source's cache blocks offered, the ways reading them start at once and the others
+    pull first (``CostModel.pull_us``): the choice is the cheapest way with the pull added to the
+    ways not reading the cache. So it moves to a cache-reading way only where the way chosen
+    without the offer was cheaper by less than a pull (the near-crossover requests, where the
+    source's guess and ours part), and with a pull priced at nothing it never moves."""
+    from helpers.specs import gqa_specs
+
+    from kvtriton.plan import CostModel, choose_way
+    from kvtriton.plan.types import Layout
+    from kvtriton.plan.ways import way_descriptors
+
+    lay = Layout[layout]
+    dst, src = gqa_specs(2, 2, 64, 0, 1, 16, 128, lay), gqa_specs(2, 2, 64, 0, 2, 16, 128, lay)
+    plan = build_plan(0, 1, dst, 2, src)
+    read = plan.staged[0]
+    rng = np.random.default_rng(5)
+    moved = 0
+    for cost in (CostModel(), CostModel(desc_us=4.0), CostModel(pull_us=3000.0)):
+        free = CostModel(**{**cost.as_dict(), "pull_us": 1e-6})
+        for n in range(1, 129):
+            s, t = rng.permutation(128)[:n], rng.permutation(128)[:n]
+            alone = choose_way(read, src, dst, s, t, cost)
+            offered = choose_way(read, src, dst, s, t, cost, cache_offered=True)
+            assert choose_way(read, src, dst, s, t, free, cache_offered=True) is alone
+            nbytes, segments = read.payload_bytes(n), len(read.segments)
+
+            def base(way, s=s, t=t, nbytes=nbytes, segments=segments, cost=cost):
+                return cost.way_us(way, nbytes, way_descriptors(read, way, src, dst, s, t), segments=segments)
+
+            def us(way, cost=cost):
+                return base(way) + (0.0 if way.reads_source_cache else cost.pull_us)
+            assert us(offered) == min(us(w) for w in read.ways)
+            assert base(alone) == min(base(w) for w in read.ways)
+            if offered is not alone:  # it was dearer by less than the pull it saves
+                moved += 1
+                assert offered.reads_source_cache and not alone.reads_source_cache
+                assert 0 <= base(offered) - base(alone) <= cost.pull_us
+            # a packed offer in hand: the cache is not read, whatever was offered besides
+            assert not choose_way(read, src, dst, s, t, cost, packed=True, cache_offered=True).reads_source_cache
+    assert moved  # some requests near the crossover take the offered cache rather than pull

@@ -59,13 +59,15 @@ class Destination:
         caps = {s.src_rank: min(self.s.chunk_bytes, peers[s.src_rank].md.staging.chunk_bytes)
                 for s in plan.staged}  # a chunk fits both sides' staging
         # the way of each payload is chosen in the request's plan (an offer the source made means
-        # it is packed already)
+        # it is packed already, or that its cache blocks are ours to read with no pull)
         checked = (min(s.num_blocks for s in src_specs), min(s.num_blocks for s in self.s.specs))
         rp = RequestPlan.for_fetch(plan, remote_block_ids, local_block_ids,
                                    src_num_blocks=checked[0], dst_num_blocks=checked[1],
                                    chunk_bytes=caps, num_tokens=num_tokens,
                                    pairs={r: self.plans.reading_pair(p.md) for r, p in peers.items()},
                                    packed={r for r, p in peers.items() if self.offers.packed(p, req_id)},
+                                   cache_offers={r: t for r, p in peers.items()
+                                                 if (t := self.offers.cache_terms(p, req_id)) is not None},
                                    push=self.s.flow is Flow.PUSH)
         blocks = max(rp.src_ids.size, rp.num_tiles)  # num_tiles: the destination ids
         if blocks > wire.MAX_REQUEST_BLOCKS:
@@ -129,8 +131,7 @@ class Destination:
         for part in f.parts.values():
             peer = self.links.peers[(f.engine, part.src_rank)]
             if part.offered:  # nothing to ask: its acks (RunsDone) tell the source we took the offer
-                if part.lease is not None and part.lease.go:  # the source confirmed the blocks: READ the runs now
-                    part.read_runs(peer)
+                part.start_offered(peer)  # its READs now, before any message of this step (Part.start_offered)
                 continue
             chunk_blocks = part.payload.chunks.blocks_per_chunk if part.payload is not None else 0
             if ids is None:

@@ -39,6 +39,12 @@ class Offers:
         offer = self.by_peer.get(peer.key, {}).get(req)
         return offer is not None and bool(offer.slots)
 
+    def cache_terms(self, peer: Peer, req: str) -> OfferTerms | None:
+        """The terms of ``peer``'s offer of ``req``'s cache blocks (an offer without slots: read
+        them), None when it offered none."""
+        offer = self.by_peer.get(peer.key, {}).get(req)
+        return None if offer is None or offer.slots else _terms(offer)
+
     def withdraw(self, peer: Peer, xid: str) -> None:
         """``peer`` withdrew its offer ``xid`` (its hold ended, or we pulled instead)."""
         mine = self.by_peer.get(peer.key)

@@ -191,6 +191,16 @@ class Part:
         """Pull, at the source's RunsReady: READ what comes from its cache."""
         self.read_runs(peer)
 
+    def start_offered(self, peer: Peer) -> None:
+        """An offered part, in its fetch: READ at once what the offer lets us (the DIRECT runs
+        it confirmed, the chunks it announced, the cache blocks it holds for us), so a step's
+        fetches post all their READs back to back: left to the next ``progress()``, a READ
+        would follow the Done of a fetch finished there, and a READ posted after a message to
+        its source waits for that source's progress (:mod:`kvtriton.transport.fence`)."""
+        if self.lease is not None and self.lease.go:
+            self.read_runs(peer)
+        self._post(peer)
+
     def advance(self, peer: Peer) -> None:
         """Use what landed, post what can go, poll the DIRECT runs, release the source's cache
         (its RunsDone left for the caller: :meth:`send_runs_done`, or riding on the Done)."""
