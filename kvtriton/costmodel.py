@@ -122,7 +122,7 @@ def read_cache(path: Path) -> CostModel | None:
     try:
         d = json.loads(path.read_text())
         if d.get("version") == CACHE_VERSION:
-            vals = {k: float(d[k] if k in d or k not in UNMEASURED else v) for k, v in CostModel().as_dict().items()}
+            vals = {k: float(d.get(k, v) if k in UNMEASURED else d[k]) for k, v in CostModel().as_dict().items()}
             if all(np.isfinite(v) and v > 0 for v in vals.values()):
                 return CostModel(**vals, source=f"cached {path}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
