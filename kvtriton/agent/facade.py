@@ -9,6 +9,7 @@ source's (:mod:`.source`) or the destination's (:mod:`.destination`), over :mod:
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -373,9 +374,15 @@ class TransferAgent:
             return self._source.release(req_id)
 
     def freed(self) -> list[FreedRequest]:
-        """Held requests whose blocks may be reused now (drained on each call)."""
-        with self._lock, self._s.lanes.on_device():
-            return self._source.take_freed()
+        """Held requests whose blocks may be reused now (drained on each call). Never waits for
+        the agent's lock (:mod:`.reports`): while another thread holds it, a hold whose blocks a
+        withdrawn reader might still READ is reported by a later call."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._source.release_kept(time.monotonic())
+            finally:
+                self._lock.release()
+        return self._source.take_freed()
 
     # ------------------------------------------------------------------ decode side
     def fetch(
@@ -446,9 +453,9 @@ class TransferAgent:
             return self._destination.abort(req_id)
 
     def results(self) -> list[RequestResult]:
-        """Finished fetches since the last call: ``ok`` or a typed ``error``."""
-        with self._lock, self._s.lanes.on_device():
-            return self._destination.take_results()
+        """Finished fetches since the last call: ``ok`` or a typed ``error``. Never waits for the
+        agent's lock (:mod:`.reports`): an engine's step is not held up by a progress call."""
+        return self._destination.take_results()
 
     # ------------------------------------------------------------------ progress
     def progress(self, wait: bool = True) -> bool:
@@ -559,6 +566,8 @@ class TransferAgent:
             self._s.lanes.synchronize()  # no pack or unpack still reads or writes the memory
             self._links.settle(self._s.timeout_s)
             self._registration.deregister()
+            # a hold kept for a reader that may still READ its blocks: none can, deregistered
+            self._source.release_kept(math.inf)
 
     def restore(self) -> None:
         """Register the same regions again after :meth:`unregister` (vLLM keeps their addresses), with metadata

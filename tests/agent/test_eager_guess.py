@@ -426,3 +426,37 @@ def test_a_fetch_takes_the_offered_cache_when_its_own_choice_is_dearer_by_less_t
         assert ways == {"pack_place"} and sum(d.stats["offers_taken"] for d in e.da) == 0
     assert [(f.req_id, f.reason) for f in p.freed()] == [("r", "done")]
     assert _free(e.agents, "D")
+
+
+@pytest.mark.parametrize("consumer", [None, "D"])
+def test_a_hold_released_while_its_offered_cache_may_be_read_is_freed_only_after_timeout_s(made, consumer,
+                                                                                          monkeypatch):
+    # the decode took the offer of the prefill's cache blocks and READs them: nothing tells the
+    # prefill until its Done. The prefill's engine releases the request meanwhile (an abort): its
+    # blocks must not be reported free before timeout_s, or the engine reuses them under the READ
+    # (its keep was set after the hold had ended, so it kept nothing: freed at once)
+    monkeypatch.setenv(ENV, "1")
+    e = Engines(1, 1, models=MLA, p_blocks=64, d_blocks=48, timeout_s=0.6)
+    made.append(e)
+    p, d = e.pa[0], e.da[0]
+    src, dst = np.array([9, 3, 4, 5, 40, 41, 17, 2]), np.arange(8) + 10
+    kv = e.request(src)
+    p.hold("r", src, consumer=consumer)
+    _wait_offer(d, "r")
+    d.fetch("r", "P", src, dst)
+    assert d.stats["offers_taken"] == 1
+    released = time.monotonic()
+    assert p.release("r")
+    assert p.freed() == []  # the decode may be reading the blocks: not the engine's yet
+    res = _drive([d], 1)[0]  # the READ landed: exact, or failed naming its blocks
+    if res.ok:
+        check_destination(e.D[0], 0, 1, kv, dst, e.before[0])
+    else:
+        assert isinstance(res.error, RequestRejectedError) and set(res.undefined_blocks) <= set(dst.tolist())
+    freed: list = []
+    end = time.monotonic() + 5.0
+    while not freed and time.monotonic() < end:
+        _settle([p, d], 0.05)
+        freed = p.freed()
+    assert [(f.req_id, f.reason) for f in freed] == [("r", "released")]
+    assert time.monotonic() - released >= 0.6

@@ -12,6 +12,7 @@ import numpy as np
 from ...errors import KVTritonError, ProtocolError, TransferTimeoutError
 from ...protocol import wire
 from ..links import Links, Peer
+from ..reports import Reports
 from .fetch import Fetch
 from .parts import Part
 
@@ -47,7 +48,7 @@ class Fetches:
         self.name, self.rank, self.tp, self.links = name, rank, tp, links
         self.by_req: dict[str, Fetch] = {}
         self.parts: dict[str, Part] = {}  # by transfer id
-        self.results: list[RequestResult] = []
+        self.results: Reports[RequestResult] = Reports()  # taken without the agent's lock (.reports)
         self._xid = itertools.count()
 
     def __len__(self) -> int:
@@ -87,8 +88,8 @@ class Fetches:
         return None
 
     def take_results(self) -> list[RequestResult]:
-        out, self.results = self.results, []
-        return out
+        """The results recorded and not taken yet; needs no lock (:mod:`..reports`)."""
+        return self.results.take()
 
     # ------------------------------------------------------------------ ending
     def maybe_finish(self, f: Fetch) -> None:
@@ -108,7 +109,7 @@ class Fetches:
             part = f.parts.get(peer.md.rank)
             riding = part.runs_done_riding() if part is not None else ""
             self.links.send(peer, wire.Done(f.req_id, self.rank, self.tp, riding), quiet=True)
-        self.results.append(RequestResult(f.req_id, True, None, time.monotonic() - f.started,
+        self.results.add(RequestResult(f.req_id, True, None, time.monotonic() - f.started,
                                           f.descriptors, f.nbytes, post_seconds=f.post_s, ways=_ways(f)))
 
     def fail(self, f: Fetch, error: KVTritonError) -> None:
@@ -121,7 +122,7 @@ class Fetches:
             if peer is not None:
                 self.links.send(peer, wire.Abort(part.xid), quiet=True)
             part.release()
-        self.results.append(RequestResult(f.req_id, False, error, time.monotonic() - f.started,
+        self.results.add(RequestResult(f.req_id, False, error, time.monotonic() - f.started,
                                           f.descriptors, f.nbytes, _undefined_blocks(f), f.post_s, _ways(f)))
 
     def expire(self, now: float) -> None:

@@ -109,7 +109,12 @@ class Source:
         return True
 
     def take_freed(self) -> list[FreedRequest]:
+        """Freed holds not taken yet; needs no lock (those whose keep passed are reported by
+        :meth:`release_kept`, under it)."""
         return self.holds.take_freed()
+
+    def release_kept(self, now: float) -> None:
+        self.holds.release_kept(now)
 
     def packed_ahead(self, req_id: str) -> int:
         """Chunks of ``req_id`` packed ahead whose pack has completed (offered ones included)."""
@@ -121,10 +126,12 @@ class Source:
 
     def _end_hold(self, hold: Hold, reason: str, finished_engine: str | None = None) -> None:
         """Free a held request: its packs go, its transfers are dropped (see
-        :meth:`~.serves.Serves.drop_request`)."""
-        self.holds.end(hold, reason)
+        :meth:`~.serves.Serves.drop_request`), then the hold ends: last, so a dropped reader of
+        its blocks that may still be READing them keeps them first (:meth:`~.holds.Holds.keep_until`,
+        a no-op once the hold is gone) and they are reported free only ``timeout_s`` later."""
         self.eager.release(hold.req_id)
         self.serves.drop_request(hold.req_id, reason, finished_engine)
+        self.holds.end(hold, reason)
 
     def on_done(self, peer: Peer, m: wire.Done) -> None:
         hold = self.holds.on_done(peer, m)
@@ -277,6 +284,7 @@ class Source:
 
     def expire(self, now: float) -> None:
         self.serves.expire(now)
+        self.holds.release_kept(now)
         # after: a transfer dropped above no longer keeps its hold
         for hold in self.holds.expired(now, self.serves.pulled_or_pushed()):
             self.stats.leases_expired += 1

@@ -35,6 +35,7 @@ from ...plan import done_ranks
 from ...protocol import wire
 from ..links import Links, Peer
 from ..plan_book import PlanBook
+from ..reports import Reports
 from ..stats import Stats
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class Holds:
         self.links, self.plans, self.stats = links, plans, stats
         self.on_bound = on_bound  # (req, engine): a hold was bound (what was packed for others goes)
         self.held: dict[str, Hold] = {}
-        self.freed: list[FreedRequest] = []
+        self.freed: Reports[FreedRequest] = Reports()  # taken without the agent's lock (..reports)
         self.kept: list[tuple[float, FreedRequest]] = []  # ended, reported once their blocks' keep passed
         self._done_ranks: dict[int, frozenset[int]] = {}  # consumer tp -> its ranks a hold waits for
 
@@ -114,15 +115,19 @@ class Holds:
         if hold.keep > time.monotonic():
             self.kept.append((hold.keep, freed))
         else:
-            self.freed.append(freed)
+            self.freed.add(freed)
+
+    def release_kept(self, now: float) -> None:
+        """Report the ended holds whose keep has passed (under the agent's lock)."""
+        if self.kept:
+            for until, f in self.kept:
+                if until <= now:
+                    self.freed.add(f)
+            self.kept = [(until, f) for until, f in self.kept if until > now]
 
     def take_freed(self) -> list[FreedRequest]:
-        if self.kept:
-            now = time.monotonic()
-            self.freed += [f for until, f in self.kept if until <= now]
-            self.kept = [(until, f) for until, f in self.kept if until > now]
-        out, self.freed = self.freed, []
-        return out
+        """The freed holds reported and not taken yet; needs no lock (:mod:`..reports`)."""
+        return self.freed.take()
 
     def keep_until(self, req_id: str, until: float) -> None:
         """Keep ``req_id``'s blocks at least until ``until``: a reader told to stop (a withdrawn
