@@ -67,6 +67,7 @@ class BedHooks:
                 _bounded(calls["gc_pause"]).append(time.perf_counter() - began[0])
 
         gc.callbacks.append(on_gc)
+        BedHooks._time_lock_waits(conn, calls)
         start, results = conn.start_load_kv, conn.get_transfer_results
 
         def timed_start(forward_context, **kw):
@@ -99,6 +100,31 @@ class BedHooks:
             return out
 
         conn.start_load_kv, conn.get_transfer_results = timed_start, timed_results
+
+    @staticmethod
+    def _time_lock_waits(conn, calls: dict) -> None:
+        """kvtriton: the engine thread's waits for its agent's lock in ``start_load_kv`` (the
+        step's fetches run under ``agent.batch()``; the agent's progress thread may hold it),
+        seconds each, as ``calls["agent_lock_wait"]``: which part of a slow call was waiting
+        for that thread rather than working. The instance's ``batch`` is shadowed, nothing
+        else; NixlConnector has no such lock (nothing recorded)."""
+        agent = getattr(getattr(conn, "_worker", None), "agent", None)
+        if agent is None:
+            return
+        waits = calls["agent_lock_wait"] = []
+        lock = agent.batch()
+
+        class _TimedBatch:
+            def __enter__(self):
+                t0 = time.perf_counter()
+                lock.acquire()
+                _bounded(waits).append(time.perf_counter() - t0)
+                return lock
+
+            def __exit__(self, *exc):
+                lock.release()
+
+        agent.batch = _TimedBatch
 
     @staticmethod
     def _keep_loaded(conn, rid: str, block_ids) -> None:

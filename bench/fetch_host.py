@@ -23,13 +23,18 @@ regions read from one prefill replica, as the vLLM connector does by default.
   tells its source, a message the plain floor leaves out. A separate column; ``floor`` is as
   before. (A READ that carries a notice leaves the endpoint waiting on the peer's next progress,
   as a message does: the next request's READ completes at that progress, its polls timed.)
+* ``floor+done``: the raw READs, then what kvtriton's protocol itself sends once they landed,
+  posted raw too: a Done message to every source rank (``send_notif``) and a fence (one 64-byte
+  READ re-posted to each source rank READ from, :mod:`kvtriton.transport.fence`, which keeps the
+  next request's READs from waiting on the peer). kvtriton / floor+done is the agent's Python
+  alone: its plan, parts, rows and bookkeeping.
 
 A READ's completion here also waits for the source's UCX worker to progress once the decode has
 sent that source any message (NIXL completes a transfer with an endpoint flush, which then needs
 the peer's answer): the prefill's progress cadence bounds it in serving (its agent's thread,
 ``progress_interval_s``; NixlConnector's prefill spins NIXL's own progress thread instead).
 
-Requests alternate between the two, so load on a shared host hits both alike. Run alone:
+Requests alternate between kvtriton and the floors, so load on a shared host hits both alike. Run alone:
 ``python bench/fetch_host.py [--reps 40]``; an older kvtriton (a checkout on ``PYTHONPATH``)
 with ``--no-floor``.
 """
@@ -166,20 +171,27 @@ class Floor:
 
     def __init__(self, case: Case, name: str = "floor"):
         from kvtriton.plan import build_plan, direct_block_rows, slice_block_rows
+        from kvtriton.transport.fence import FENCE_BYTES
         from kvtriton.transport.nixl import NixlTransport
 
         self.case, self.count = case, 0
         self.a = NixlTransport(f"{name}-d-{case.kind}")
         self.b = [NixlTransport(f"{name}-p{r}-{case.kind}") for r in range(P_TP)]
-        self.a.register([t for r in case.dst for t in r.streams])
+        self.fence_buf = torch.zeros(FENCE_BYTES, dtype=torch.uint8)  # what fences READ into (floor+done)
+        self.a.register([t for r in case.dst for t in r.streams] + [self.fence_buf])
+        fence_local = self.a.prep_local(np.array([[self.fence_buf.data_ptr(), FENCE_BYTES, 0]]), "DRAM")
+        self.names: dict[object, str] = {}  # source transport -> its agent name, what messages go to
+        self.fences: dict[object, list] = {}  # source transport -> [local list, remote list, its fence READ]
         dst_specs = [r.spec for r in case.dst]
         plan = build_plan(0, D_TP, dst_specs, P_TP, [r.spec for r in case.src[0]], modes="direct_slice",
                           replicate_stripe=case.stripe)
         self.sides = []
         for r, b in enumerate(self.b):
             b.register([t for reg in case.src[r] for t in reg.streams])
-            peer = self.a.add_remote(b.metadata())
+            peer = self.names[b] = self.a.add_remote(b.metadata())
             b.add_remote(self.a.metadata())
+            at = np.array([[case.src[r][0].streams[0].data_ptr(), FENCE_BYTES, 0]])  # its first stream's start
+            self.fences[b] = [fence_local, self.a.prep_remote(peer, at, "DRAM"), None]
             src_specs = [x.spec for x in case.src[r]]
             rows = [direct_block_rows(plan, src_specs, dst_specs, r)]
             if plan.staged:  # a payload read as head slices (forced above: every region of the plan is zero-copy)
@@ -195,9 +207,11 @@ class Floor:
                         dtype=np.int64)
         return np.stack([addr + offset, rows.tile, np.zeros_like(offset), stride, blocks], axis=1)
 
-    def fetch_ms(self, notif: bool = False) -> float:
+    def fetch_ms(self, notif: bool = False, done: bool = False) -> float:
         """One request's posts and polls; ``notif``: each source rank's last READ carries the
-        request's completion notice (the floor+notif column)."""
+        request's completion notice (the floor+notif column); ``done``: once they landed, a Done
+        to every source rank and a fence to each one READ from (the floor+done column)."""
+        from kvtriton.protocol import wire
         from kvtriton.transport.nixl import XferStatus
 
         src, dst = self.case.ids()
@@ -218,17 +232,42 @@ class Floor:
         for b, x in xfers:
             while True:
                 t1 = _clock()
-                done = self.a.poll(x) is XferStatus.DONE
+                landed = self.a.poll(x) is XferStatus.DONE
                 spent += _clock() - t1
-                if done:
+                if landed:
                     break
                 b.poll_notifs()  # the peer's own progress (untimed), as its process would
             self.a.release(x)
+        if done:
+            t2 = _clock()
+            msg = wire.Done(tag.decode(), 0, D_TP).encode()
+            for b in self.b:  # every rank of the source engine, as Fetches.finish tells them
+                self.a.send_notif(self.names[b], msg)
+            for b in dict.fromkeys(b for b, _ in xfers):  # each rank READ from, once
+                fence = self.fences[b]
+                if fence[2] is None:
+                    fence[2] = self.a.post("READ", fence[0], [0], fence[1], [0])
+                else:
+                    self.a.repost(fence[2])
+            spent += _clock() - t2
         for b in self.b:  # the sources take their notices in (their own processes when serving)
             b.poll_notifs()
+        if done:  # the fences land in the background (untimed), before the next request
+            for b, fence in self.fences.items():
+                deadline = time.monotonic() + 5
+                while fence[2] is not None and self.a.poll(fence[2]) is not XferStatus.DONE:
+                    b.poll_notifs()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("fetch_host: a floor's fence did not land in 5 s")
+            for _ in range(8):  # both sides' UCX workers progress between requests, as Case's agents do
+                for t in (self.a, *self.b):
+                    t.poll_notifs()
         return spent * 1e3
 
     def close(self) -> None:
+        for fence in self.fences.values():
+            if fence[2] is not None:
+                self.a.release(fence[2])
         for t in (self.a, *self.b):
             t.close()
 
@@ -256,20 +295,24 @@ def run_fetch_host(reps: int = 40, progress=None, floor: bool = True, stripe: in
         raw_floor = Floor(case) if floor else None
         # its own agents: a notice leaves their endpoints waiting on the peer, which the plain floor's must not see
         notif_floor = Floor(case, "floor-n") if floor else None
+        done_floor = Floor(case, "floor-d") if floor else None
         try:
             for _ in range(3):
                 case.fetch_ms()
                 if raw_floor is not None:
                     raw_floor.fetch_ms()
                     notif_floor.fetch_ms(notif=True)
+                    done_floor.fetch_ms(done=True)
             case.fetch_ms(check=True)  # byte for byte, once (its time is not counted)
-            ours, raw, raw_notif = [], [], []
+            ours, raw, raw_notif, raw_done = [], [], [], []
             for k in range(reps):  # alternating which goes first
                 if raw_floor is not None and k % 2:
                     raw.append(raw_floor.fetch_ms())
                     raw_notif.append(notif_floor.fetch_ms(notif=True))
+                    raw_done.append(done_floor.fetch_ms(done=True))
                 ours.append(case.fetch_ms())
                 if raw_floor is not None and not k % 2:
+                    raw_done.append(done_floor.fetch_ms(done=True))
                     raw_notif.append(notif_floor.fetch_ms(notif=True))
                     raw.append(raw_floor.fetch_ms())
             q_ours = quantiles_of(ours)
@@ -278,14 +321,18 @@ def run_fetch_host(reps: int = 40, progress=None, floor: bool = True, stripe: in
             if raw:
                 q_raw = quantiles_of(raw)
                 q_notif = quantiles_of(raw_notif)
+                q_done = quantiles_of(raw_done)
                 row.update(qfields("floor_ms", q_raw), ratio=round(q_ours[1] / q_raw[1], 2),
-                           **qfields("floor_notif_ms", q_notif), ratio_notif=round(q_ours[1] / q_notif[1], 2))
+                           **qfields("floor_notif_ms", q_notif), ratio_notif=round(q_ours[1] / q_notif[1], 2),
+                           **qfields("floor_done_ms", q_done), ratio_done=round(q_ours[1] / q_done[1], 2))
             rows.append(row)
         finally:
             if raw_floor is not None:
                 raw_floor.close()
             if notif_floor is not None:
                 notif_floor.close()
+            if done_floor is not None:
+                done_floor.close()
             case.close()
         if progress is not None:
             progress(kind)
@@ -310,7 +357,8 @@ def main() -> None:
     for r in run_fetch_host(args.reps, floor=not args.no_floor, stripe=args.replicate_stripe or None,
                             sealed=args.sealed):
         floor = (f", floor {r['floor_ms']:.3f} ms, ratio {r['ratio']:.2f}; floor+notif {r['floor_notif_ms']:.3f} ms, "
-                 f"ratio {r['ratio_notif']:.2f}" if "floor_ms" in r else "")
+                 f"ratio {r['ratio_notif']:.2f}; floor+done {r['floor_done_ms']:.3f} ms, ratio {r['ratio_done']:.2f}"
+                 if "floor_ms" in r else "")
         print(f"fetch_host {r['case']}: kvtriton {r['kvtriton_ms']:.3f} ms [{r['kvtriton_ms_p20']:.3f}-"
               f"{r['kvtriton_ms_p80']:.3f}]{floor}; {r['descriptors']} descriptors ({r['ways']})")
 

@@ -129,6 +129,9 @@ def _cell(prefill, decode, connector, prompts, ref, cell, tag, max_tokens, bg_to
                       f"get_transfer_results {f(res.get('get_transfer_results_ms_total'))} ms "
                       f"(slowest {f(res.get('get_transfer_results_ms_max'))}), garbage collections of the "
                       f"decode worker {f(res.get('gc_pause_ms_total'))} ms (longest {f(res.get('gc_pause_ms_max'))})"
+                      + (f", waits for the agent's lock in start_load_kv {f(res.get('agent_lock_wait_ms_total'))} "
+                         f"ms (longest {f(res.get('agent_lock_wait_ms_max'))})"
+                         if "agent_lock_wait_ms_total" in res else "")
                       + (f"; offers READ without a pull {eager['offers_taken']} (one per source rank and load), "
                          f"pulls {eager['eager_pull_hits'] + eager['eager_offer_pulls'] + eager['eager_misses']}"
                          if eager else ""))

@@ -166,7 +166,9 @@ def _headline_host(planning: list[dict], fetch: list[dict]) -> str:
     done = [r for r in fetch if r.get("ratio")]
     if done:
         parts.append("small zero-copy fetch / raw posts " + ", ".join(
-            f"{r['case']} {r['ratio']:.2f}" + (f" ({r['ratio_notif']:.2f} with the completion notice)"
+            f"{r['case']} {r['ratio']:.2f}" + (f" ({r['ratio_notif']:.2f} with the completion notice"
+                                               + (f", {r['ratio_done']:.2f} with our Done and fence posted raw"
+                                                  if r.get("ratio_done") else "") + ")"
                                                if r.get("ratio_notif") else "") for r in done) + " (goal <= 1.3)")
     return "; ".join(parts) if parts else "not run"
 
