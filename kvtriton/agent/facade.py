@@ -365,23 +365,16 @@ class TransferAgent:
             return self._source.packed_ahead(req_id)
 
     def release(self, req_id: str) -> bool:
-        """Drop a hold before its consumers are done (the engine aborted the request, or needs
-        the blocks back). Transfers reading it are told (their fetch fails with
-        :class:`~kvtriton.errors.RequestRejectedError` at once, not at a timeout) and the staging
-        slots they may still read are quarantined; :meth:`freed` reports it as ``"released"``.
-        Returns False when ``req_id`` is not held (never held, or already freed)."""
+        """Drop a hold before its consumers are done (the engine aborted the request, or needs the
+        blocks back). Transfers reading it are told (their fetch fails at once, RequestRejectedError);
+        staging slots and cache blocks they may still READ are kept ``timeout_s``, then :meth:`freed`
+        reports it as ``"released"``. False when ``req_id`` is not held (never held, or already freed)."""
         with self._lock, self._s.lanes.on_device():
             return self._source.release(req_id)
 
     def freed(self) -> list[FreedRequest]:
-        """Held requests whose blocks may be reused now (drained on each call). Never waits for
-        the agent's lock (:mod:`.reports`): while another thread holds it, a hold whose blocks a
-        withdrawn reader might still READ is reported by a later call."""
-        if self._lock.acquire(blocking=False):
-            try:
-                self._source.release_kept(time.monotonic())
-            finally:
-                self._lock.release()
+        """Held requests whose blocks may be reused now (drained on each call; a kept hold once
+        :meth:`progress` saw its keep pass). Never waits for the agent's lock (:mod:`.reports`)."""
         return self._source.take_freed()
 
     # ------------------------------------------------------------------ decode side
@@ -453,8 +446,7 @@ class TransferAgent:
             return self._destination.abort(req_id)
 
     def results(self) -> list[RequestResult]:
-        """Finished fetches since the last call: ``ok`` or a typed ``error``. Never waits for the
-        agent's lock (:mod:`.reports`): an engine's step is not held up by a progress call."""
+        """Finished fetches since the last call: ``ok`` or a typed ``error`` (takes no lock: :mod:`.reports`)."""
         return self._destination.take_results()
 
     # ------------------------------------------------------------------ progress
@@ -566,8 +558,7 @@ class TransferAgent:
             self._s.lanes.synchronize()  # no pack or unpack still reads or writes the memory
             self._links.settle(self._s.timeout_s)
             self._registration.deregister()
-            # a hold kept for a reader that may still READ its blocks: none can, deregistered
-            self._source.release_kept(math.inf)
+            self._source.release_kept(math.inf)  # kept holds: no reader can reach their blocks now
 
     def restore(self) -> None:
         """Register the same regions again after :meth:`unregister` (vLLM keeps their addresses), with metadata

@@ -109,8 +109,8 @@ class Source:
         return True
 
     def take_freed(self) -> list[FreedRequest]:
-        """Freed holds not taken yet; needs no lock (those whose keep passed are reported by
-        :meth:`release_kept`, under it)."""
+        """Freed holds not taken yet; needs no lock (a kept one is reported by :meth:`expire`,
+        under it, once its keep passed)."""
         return self.holds.take_freed()
 
     def release_kept(self, now: float) -> None:
