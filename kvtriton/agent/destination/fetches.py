@@ -110,7 +110,7 @@ class Fetches:
             riding = part.runs_done_riding() if part is not None else ""
             self.links.send(peer, wire.Done(f.req_id, self.rank, self.tp, riding), quiet=True)
         self.results.add(RequestResult(f.req_id, True, None, time.monotonic() - f.started,
-                                          f.descriptors, f.nbytes, post_seconds=f.post_s, ways=_ways(f)))
+                                       f.descriptors, f.nbytes, post_seconds=f.post_s, ways=_ways(f)))
 
     def fail(self, f: Fetch, error: KVTritonError) -> None:
         if f.error is not None:
@@ -123,7 +123,7 @@ class Fetches:
                 self.links.send(peer, wire.Abort(part.xid), quiet=True)
             part.release()
         self.results.add(RequestResult(f.req_id, False, error, time.monotonic() - f.started,
-                                          f.descriptors, f.nbytes, _undefined_blocks(f), f.post_s, _ways(f)))
+                                       f.descriptors, f.nbytes, _undefined_blocks(f), f.post_s, _ways(f)))
 
     def expire(self, now: float) -> None:
         for f in list(self.by_req.values()):

@@ -114,6 +114,7 @@ class Source:
         return self.holds.take_freed()
 
     def release_kept(self, now: float) -> None:
+        """Report the ended holds whose keep passed by ``now`` (under the agent's lock)."""
         self.holds.release_kept(now)
 
     def packed_ahead(self, req_id: str) -> int:
