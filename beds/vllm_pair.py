@@ -109,17 +109,27 @@ class EnginePair:
         """Overwrite the prefill's blocks after its requests finished, before the decode loads
         them: the decode's tokens must change (the KV really travels). Run it before the decode
         first meets the prefill, or with a prefill that packs nothing ahead (``eager_guess``
-        false, no ``consumer``), so nothing was packed at hold time."""
-        params = self.prefill_requests(prompts, f"{tag}-p")
-        blocks = sorted({b for p in params for b in p["remote_block_ids"]})
-        if not all(self.prefill.call("scramble", block_ids=blocks)["scrambled"]):
-            raise AssertionError("nothing was scrambled")
-        out = self.decode_requests(prompts, params, f"{tag}-d")
-        if [o["tokens"] for o in out] == ref:
+        false, no ``consumer``), so nothing was packed at hold time.
+
+        Once more, on fresh requests, when every load of the first round failed and vLLM recomputed:
+        this 2-core host has starved one engine's processes for 30-76 s at a time (each agent logs
+        "did not run for ..."; the kernel logs workqueue lockups), past the decode's handshake and
+        ``timeout_s``. A recomputed load is the connector's failure path working, not a transfer; a
+        second round that moves nothing fails the control."""
+        for attempt in (1, 2):
+            params = self.prefill_requests(prompts, f"{tag}{attempt}-p")
+            blocks = sorted({b for p in params for b in p["remote_block_ids"]})
+            if not all(self.prefill.call("scramble", block_ids=blocks)["scrambled"]):
+                raise AssertionError("nothing was scrambled")
+            out = self.decode_requests(prompts, params, f"{tag}{attempt}-d")
             computed = [o.get("prompt_computed") for o in out]
-            raise AssertionError("tokens did not change with the prefill's KV overwritten (prompt tokens computed "
-                                 f"by the decode per request: {computed}; more than 1: its load failed and vLLM "
-                                 "recomputed, so this control saw no transfer)")
+            if [o["tokens"] for o in out] != ref:
+                break
+            if attempt == 2 or computed != [len(p) for p in prompts]:
+                raise AssertionError("tokens did not change with the prefill's KV overwritten (prompt tokens "
+                                     f"computed by the decode per request: {computed}; more than 1: its load failed "
+                                     "and vLLM recomputed, so this control saw no transfer)")
+            print(f"negative control: every load failed and was recomputed ({computed}); once more")
         self.settle(self.prefill)
 
     def transfer(self, prompts, ref=None, tag: str = "x") -> dict:

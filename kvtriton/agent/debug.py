@@ -61,6 +61,8 @@ Schema (top level)::
     warmed                [{"op": "pack" | "unpack", "config": LaunchConfig as a dict}]: kernel
                            specialisations compiled by warmup, sorted
     inbox                 {"senders", "messages"}: received messages not handled yet
+    stalls                {"count", "seconds"}: gaps in the progress thread's calls (this process
+                           did not run) and their total; each moved every deadline (.stalls)
 """
 
 from __future__ import annotations
@@ -162,4 +164,5 @@ def _snapshot(agent) -> dict[str, Any]:
         "warmed": [{"op": op, "config": cfg._asdict()} for op, cfg in sorted(agent._warmed)],
         "inbox": {"senders": len(agent._inbox.queues),
                   "messages": sum(len(q) for q in agent._inbox.queues.values())},
+        "stalls": {"count": agent._stalls.count, "seconds": agent._stalls.seconds},
     }

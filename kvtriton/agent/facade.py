@@ -33,6 +33,7 @@ from .plan_book import PlanBook
 from .registration import Registration
 from .settings import make_settings
 from .source import FreedRequest, Source
+from .stalls import Stalls
 from .stats import Stats
 from .warmup import own_reads, peer_reads, warm
 
@@ -93,12 +94,10 @@ class TransferAgent:
     register:      ``"all"`` (default) registers cache and staging with NIXL; ``"staging"`` only
                    the staging pool (no cache address in the metadata, every region STAGED).
     integrity:     digest each staged chunk after its pack, check it before unpack (a mismatch:
-                   :class:`~kvtriton.errors.IntegrityError`; every region STAGED). Both options:
-                   equal on both engines, ``PlanError`` with forced DIRECT/one-sided modes
-                   (docs/security.md, :mod:`kvtriton.agent.integrity`).
-    warmup:        compile the kernel specialisations this rank will launch ahead of its first
-                   request: those of a peer with this rank's own geometry now, each new peer's
-                   in :meth:`add_remote` (see :meth:`warmup`). Default False.
+                   :class:`~kvtriton.errors.IntegrityError`; every region STAGED). Both options: equal on both engines,
+                   ``PlanError`` with forced DIRECT/one-sided modes (docs/security.md, :mod:`kvtriton.agent.integrity`).
+    warmup:        compile the kernels this rank will launch before its first request: a peer of its own
+                   geometry's now, each new peer's in :meth:`add_remote` (:meth:`warmup`). Default False.
 
     On CUDA the agent queues its packs and unpacks on a stream of its own, on the regions' device,
     with that device current in every call; :meth:`hold` orders them after the engine's cache writes.
@@ -149,7 +148,7 @@ class TransferAgent:
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._closed, self._expire_at = False, 0.0
+        self._closed, self._expire_at, self._stalls = False, 0.0, Stalls(f"{engine_id}:{rank}")
         self._stats = Stats()  # one counter per event (see .stats)
         self._warmed: set = set()  # (op, LaunchConfig) compiled by warmup()
         self._warm_peers = bool(warmup)
@@ -426,9 +425,8 @@ class TransferAgent:
 
     def queued(self, req_id: str, remote_engine_id: str, max_wait_s: float = 600.0,
                renew_s: float | None = None) -> None:
-        """The engine queued ``req_id``, to be fetched from ``remote_engine_id``: its holds there are renewed
-        every ``renew_s`` (None: ``renew_interval_s``) until its :meth:`fetch`, :meth:`abort` or
-        ``max_wait_s`` (:mod:`.destination.queued`)."""
+        """``req_id`` is queued by the engine to fetch from ``remote_engine_id``: its holds there are renewed every
+        ``renew_s`` (None: ``renew_interval_s``) until :meth:`fetch`, :meth:`abort` or ``max_wait_s`` (.destination)."""
         with self._lock:
             self._destination.queued.add(req_id, remote_engine_id, float(max_wait_s), renew_s)
 
@@ -439,9 +437,9 @@ class TransferAgent:
             return self._destination.offers.has(remote_engine_id, req_id)
 
     def abort(self, req_id: str) -> bool:
-        """Cancel a fetch in flight: its source ranks are told, staging it holds is reclaimed (a slot a
-        peer may still WRITE into is quarantined first), :meth:`results` reports it with
-        :class:`~kvtriton.errors.RequestAbortedError`; its blocks hold undefined bytes. False: none in flight."""
+        """Cancel a fetch in flight: its source ranks are told, staging it holds is reclaimed (a slot a peer may still
+        WRITE into is quarantined first), :meth:`results` reports it with :class:`~kvtriton.errors.RequestAbortedError`;
+        its blocks hold undefined bytes. False: none in flight."""
         with self._lock, self._s.lanes.on_device():
             return self._destination.abort(req_id)
 
@@ -460,6 +458,7 @@ class TransferAgent:
             with self._s.lanes.on_device():
                 if self._closed:
                     return True
+                self._stalls.check(time.monotonic(), self._peers, self._destination, self._source)  # see .stalls
                 self._handle_messages()
                 self._source.advance()
                 self._destination.advance()
@@ -474,6 +473,7 @@ class TransferAgent:
         """Run :meth:`progress` on a background thread until :meth:`close`."""
         if self._thread is not None:
             return
+        self._stalls.watch(interval_s)  # progress() runs every interval_s from now: a far longer gap is a stall
 
         def loop():
             if self._s.lanes.cuda:  # UCX and Triton calls from this thread need our device's context

@@ -391,6 +391,13 @@ class PeerTable:
             return False
         return self.lifelines.watch((md.engine, md.rank), md.agent, conn)
 
+    def shift(self, seconds: float) -> None:
+        """Every peer heard from ``seconds`` later (this process stalled: :mod:`.stalls`): only
+        silence we watched counts."""
+        for peer in self.links.peers.values():
+            peer.heard += seconds
+            peer.pinged += seconds
+
     def on_ping(self, peer: Peer, m: wire.Ping) -> None:
         self.links.send(peer, wire.Pong(m.nonce), quiet=True)
 

@@ -351,7 +351,7 @@ def test_debug_state_is_plain_json_with_the_documented_keys(engines):
     e.settle(0.1)  # both packed ahead and offered to both decode ranks (the second by eager_guess)
     e.da[0].fetch("r", "P", src, dst)
     keys = {"engine", "rank", "tp", "flow", "settings", "peers", "holds", "serves", "serve_counts", "offered", "eager",
-            "staging", "plans", "reading", "fetches", "parts", "parts_by_way", "offers", "warmed", "inbox"}
+            "staging", "plans", "reading", "fetches", "parts", "parts_by_way", "offers", "warmed", "inbox", "stalls"}
     p, d = e.pa[0].debug_state(), e.da[0].debug_state()
     for state in (p, d, e.da[1].debug_state()):
         assert set(state) == keys and json.loads(json.dumps(state)) == state

@@ -227,6 +227,9 @@ class Destination:
     def expire(self, now: float) -> None:
         self.fetches.expire(now)
 
+    def shift(self, seconds: float) -> None:
+        self.fetches.shift(seconds)
+
     def peer_lost(self, peer: Peer, error: KVTritonError) -> None:
         self.offers.peer_lost(peer)
         self.fetches.peer_lost(peer, error)

@@ -133,6 +133,11 @@ class Fetches:
                     f"fetch {f.req_id!r} from {f.engine!r} made no progress for {f.timeout_s} s; waiting on "
                     f"source ranks {waiting}"))
 
+    def shift(self, seconds: float) -> None:
+        """Every silence deadline later by ``seconds`` (this process stalled: :mod:`..stalls`)."""
+        for f in self.by_req.values():
+            f.deadline += seconds
+
     def peer_lost(self, peer: Peer, error: KVTritonError) -> None:
         for f in list(self.by_req.values()):
             if f.engine == peer.md.engine and peer.md.rank in f.parts:

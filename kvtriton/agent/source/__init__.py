@@ -291,6 +291,10 @@ class Source:
             self.stats.leases_expired += 1
             self._end_hold(hold, "lease_expired")
 
+    def shift(self, seconds: float) -> None:
+        self.serves.shift(seconds)
+        self.holds.shift(seconds)
+
     def peer_lost(self, peer: Peer) -> None:
         self.eager.peer_lost(peer)
         self.serves.peer_lost(peer)

@@ -125,6 +125,14 @@ class Holds:
                     self.freed.add(f)
             self.kept = [(until, f) for until, f in self.kept if until > now]
 
+    def shift(self, seconds: float) -> None:
+        """Every lease and keep later by ``seconds`` (this process stalled: :mod:`..stalls`)."""
+        for hold in self.held.values():
+            hold.deadline += seconds
+            if hold.keep:  # 0.0: none
+                hold.keep += seconds
+        self.kept = [(until + seconds, f) for until, f in self.kept]
+
     def take_freed(self) -> list[FreedRequest]:
         """The freed holds reported and not taken yet; needs no lock (:mod:`..reports`)."""
         return self.freed.take()

@@ -240,6 +240,13 @@ class Serves:
                 logger.warning("transfer %s: peer %s went silent; staging reclaimed", serve.xid, serve.peer.agent)
                 self.drop(serve, notify="no progress from the destination before the deadline")
 
+    def shift(self, seconds: float) -> None:
+        """Every silence deadline later by ``seconds`` (this process stalled: :mod:`..stalls`)."""
+        for serve in self.by_key.values():
+            serve.deadline += seconds
+        for engine in self.engine_progress:
+            self.engine_progress[engine] += seconds
+
     def peer_lost(self, peer: Peer) -> None:
         for serve in [s for s in self.by_key.values() if s.peer is peer]:
             self.drop(serve)
