@@ -112,7 +112,7 @@ class EnginePair:
         false, no ``consumer``), so nothing was packed at hold time.
 
         Once more, on fresh requests, when every load of the first round failed and vLLM recomputed:
-        this 2-core host has starved one engine's processes for 30-76 s at a time (each agent logs
+        this 2-core host has starved one engine's processes for 12-77 s at a time (each agent logs
         "did not run for ..."; the kernel logs workqueue lockups), past the decode's handshake and
         ``timeout_s``. A recomputed load is the connector's failure path working, not a transfer; a
         second round that moves nothing fails the control."""

@@ -7,34 +7,15 @@ thread holds each agent's lock while the results and the freed hold are asked fo
 back at once, and the bytes the fetch moved are checked against the oracle.
 """
 
-import threading
 import time
 
 import numpy as np
 import pytest
+from helpers.lock_holder import LockHolder
 
 from kvtriton.testing.oracle import check_destination
 
 pytestmark = pytest.mark.nixl
-
-
-class _LockHolder:
-    """Another thread holding ``agent``'s lock until :meth:`release` (as a descheduled progress thread would)."""
-
-    def __init__(self, agent):
-        self._got, self._go = threading.Event(), threading.Event()
-        self._t = threading.Thread(target=self._run, args=(agent,), daemon=True)
-        self._t.start()
-        assert self._got.wait(5)
-
-    def _run(self, agent):
-        with agent.batch():  # the agent's lock
-            self._got.set()
-            self._go.wait(30)
-
-    def release(self):
-        self._go.set()
-        self._t.join(5)
 
 
 def _progress_until(agents, done, timeout_s=20.0):
@@ -53,7 +34,7 @@ def test_results_and_freed_are_taken_while_another_thread_holds_the_lock(engines
     p.hold("r", src)
     d.fetch("r", "P", src, dst)
     _progress_until(e.agents, lambda: not d.debug_state()["fetches"])  # finished, not taken yet
-    holder = _LockHolder(d)
+    holder = LockHolder(d)
     try:
         t0 = time.monotonic()
         got = d.results()
@@ -65,7 +46,7 @@ def test_results_and_freed_are_taken_while_another_thread_holds_the_lock(engines
     check_destination(e.D[0], 0, 1, kv, dst, e.before[0])
 
     _progress_until(e.agents, lambda: "r" not in p.debug_state()["holds"])  # the Done ended the hold
-    holder = _LockHolder(p)
+    holder = LockHolder(p)
     try:
         t0 = time.monotonic()
         freed = p.freed()

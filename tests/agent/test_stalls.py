@@ -10,37 +10,17 @@ fetch still completes and its bytes are checked. A source frozen alone still fai
 ``timeout_s``: the destination watched that silence.
 """
 
-import threading
 import time
 
 import numpy as np
 import pytest
+from helpers.lock_holder import LockHolder
 
 from kvtriton.errors import TransferTimeoutError
 from kvtriton.testing.oracle import check_destination
 
 pytestmark = pytest.mark.nixl
 TIMEOUT_S = 1.0
-
-
-class _Frozen:
-    """Another thread holding ``agent``'s lock until :meth:`thaw`: its progress thread cannot run."""
-
-    def __init__(self, agent):
-        self._got, self._go = threading.Event(), threading.Event()
-        self._t = threading.Thread(target=self._run, args=(agent,), daemon=True)
-        self._t.start()
-        if not self._got.wait(5):
-            raise RuntimeError("could not take the agent's lock")
-
-    def _run(self, agent):
-        with agent.batch():  # the agent's lock
-            self._got.set()
-            self._go.wait(30)
-
-    def thaw(self):
-        self._go.set()
-        self._t.join(5)
 
 
 def _results(agent, timeout_s=20.0):
@@ -61,13 +41,13 @@ def test_a_host_frozen_longer_than_timeout_s_fails_no_fetch(engines):
     p.hold("r", src)
     p.start()
     d.start()
-    source = _Frozen(p)  # the source stops before it sees the pull
+    source = LockHolder(p)  # the source stops before it sees the pull
     d.fetch("r", "P", src, dst)
-    destination = _Frozen(d)  # then the destination: the whole host is frozen
+    destination = LockHolder(d)  # then the destination: the whole host is frozen
     time.sleep(2.5 * TIMEOUT_S)
-    destination.thaw()  # the destination runs first: nothing from the source yet
+    destination.release()  # the destination runs first: nothing from the source yet
     time.sleep(0.3)
-    source.thaw()
+    source.release()
     got = _results(d)
     assert [(r.req_id, r.ok) for r in got] == [("r", True)], got
     check_destination(e.D[0], 0, 1, kv, dst, e.before[0])
@@ -83,14 +63,14 @@ def test_a_source_frozen_alone_still_fails_the_fetch_at_timeout_s(engines):
     p.hold("r", src)
     p.start()
     d.start()
-    source = _Frozen(p)
+    source = LockHolder(p)
     try:
         t0 = time.monotonic()
         d.fetch("r", "P", src, dst)
         got = _results(d, timeout_s=10 * TIMEOUT_S)
         waited = time.monotonic() - t0
     finally:
-        source.thaw()
+        source.release()
     assert [r.req_id for r in got] == ["r"] and not got[0].ok, got
     assert isinstance(got[0].error, TransferTimeoutError), got[0].error
     assert waited < 3 * TIMEOUT_S, waited
