@@ -49,14 +49,26 @@ class UnexpectedFrame(ProtocolError):
         self.kind, self.length = kind, length
 
 
+def _left(deadline: float) -> float:
+    """Seconds to wait on the socket before ``deadline``; 0 once it passed: then the call takes
+    only what is there now, without waiting (see :func:`recv_exact`)."""
+    return max(deadline - time.monotonic(), 0.0)
+
+
 def recv_exact(sock: Stream, n: int, deadline: float) -> bytes:
+    """``n`` bytes by ``deadline``. Past the deadline, bytes already buffered are still taken
+    (without waiting): a deadline judges the peer's slowness, and after this process was frozen
+    (a starved host: docs/operations.md, "Host notes") the peer's frame may have been sitting
+    here all along. Only a read that would have to wait fails. What is taken stays bounded by
+    ``n`` (the caller's cap)."""
     buf = bytearray()
     while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("deadline passed")
+        left = _left(deadline)
         sock.settimeout(left)
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        try:
+            chunk = sock.recv(min(n - len(buf), 1 << 20))
+        except (TimeoutError, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise TimeoutError("deadline passed") from None
         if not chunk:
             raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
         buf += chunk
@@ -87,19 +99,21 @@ def frame(kind: int, payload: bytes) -> bytes:
 
 
 def write_frame(sock: Stream, kind: int, payload: bytes, deadline: float) -> bytes:
-    """Send one frame; returns its bytes (for the transcript)."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("deadline passed")
-    sock.settimeout(left)
+    """Send one frame; returns its bytes (for the transcript). Past ``deadline`` it is still
+    sent if the socket takes it without waiting (a handshake frame fits its send buffer)."""
+    sock.settimeout(_left(deadline))
     data = frame(kind, payload)
-    sock.sendall(data)
+    try:
+        sock.sendall(data)
+    except (TimeoutError, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+        raise TimeoutError("deadline passed") from None
     return data
 
 
 def tls_handshake(sock: ssl.SSLSocket, deadline: float) -> None:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("deadline passed")
-    sock.settimeout(left)
-    sock.do_handshake()
+    """TLS's handshake by ``deadline`` (past it, only as far as it goes without waiting)."""
+    sock.settimeout(_left(deadline))
+    try:
+        sock.do_handshake()
+    except (TimeoutError, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+        raise TimeoutError("deadline passed") from None

@@ -52,6 +52,7 @@ def test_params_outside_allowed_peers_are_refused_before_any_connection(bed_fact
         done, errors = bed.load("r1", [3, 7], [0, 5], port=rogue.port)
         assert done and errors == {0, 5}
         assert rogue.connections == 0 and bed.decode.stats["refused_peer"] == 1
+        assert bed.decode.stats["failed"] == 1 and bed.decode.stats["loads"] == 0  # a refusal is a failed load
         # and the scheduler side computes such a request locally in the first place
         sched = SchedulerSide(engine_id="D", host="127.0.0.1", port=1, tp_size=1, block_size=BS,
                               allowed_peers=PeerAllowlist(["127.0.0.1:1"]))
@@ -107,6 +108,7 @@ def test_a_forged_first_request_does_not_poison_later_loads(bed_factory, secret_
         bed.hold("r1", [3, 4])
         done, errors = bed.load("r1", [3, 4], [0, 1], port=rogue.port)  # the real engine id, a rogue address
         assert done and errors == {0, 1}
+        assert bed.decode.stats["failed"] == 1  # a meeting that failed fails its load, counted as such
         assert rogue.connections == 1 and b"agent" not in rogue.received  # only our HELLO: no metadata
         # frame header + nonce, then the fixed credential-mismatch notice (header + text)
         assert len(rogue.received) == 8 + 2 + 32 + 10 + len(b"credential mismatch: the server's proof does not "
@@ -118,6 +120,7 @@ def test_a_forged_first_request_does_not_poison_later_loads(bed_factory, secret_
             bed.hold(f"h{i}", remote)
         assert bed.load("r1" if not i else f"h{i}", remote, local) == (True, set())
         bed.assert_landed(remote, local)
+    assert (bed.decode.stats["loads"], bed.decode.stats["failed"]) == (3, 1)
 
 
 def test_silent_addresses_do_not_delay_an_honest_first_handshake(bed_factory):

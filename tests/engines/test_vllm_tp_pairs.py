@@ -55,7 +55,7 @@ def prompts():
 def test_kvtriton_moves_pairs_vllm_refuses(models, tmp_path, prompts, name, options, p_tp, d_tp):
     model = models(name, options)
     # not every decode rank reads every prefill rank here, yet every hold must end at its last
-    # reader's done (issue 19), never by the lease (P_EXTRA's 90 s)
+    # reader's done (issue 19), never by the lease (P_EXTRA's 180 s)
     pair = EnginePair(VLLM_PY, model, tmp_path, p_tp, d_tp)
     try:
         ref = pair.reference(prompts, "ref")

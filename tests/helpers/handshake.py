@@ -32,6 +32,20 @@ def recv_all(sock: socket.socket, seconds: float = 3.0) -> bytes:
     return bytes(out)
 
 
+def frames_of(data: bytes) -> list[tuple[int, bytes]]:
+    """``data`` read as whole handshake frames: (kind, payload) each; a ValueError for bytes that
+    are not frames of this version, or a frame cut short."""
+    out, at = [], 0
+    while at < len(data):
+        if len(data) - at < HEADER.size:
+            raise ValueError(f"{len(data) - at} trailing bytes, not a frame header: {data[at:]!r}")
+        magic, version, kind, length = HEADER.unpack_from(data, at)
+        if magic != b"KVTH" or version != VERSION or at + HEADER.size + length > len(data):
+            raise ValueError(f"not a whole frame of version {VERSION} at byte {at}: {data[at:at + 64]!r}")
+        out.append((kind, data[at + HEADER.size:at + HEADER.size + length]))
+        at += HEADER.size + length
+    return out
+
 
 class RogueListener:
     """A listener without the secret: records every byte it receives, answers a HELLO with a
@@ -62,7 +76,7 @@ class RogueListener:
                     self.received += conn.recv(HEADER.size + NONCE_BYTES, socket.MSG_WAITALL)
                     conn.sendall(HEADER.pack(b"KVTH", VERSION, CHALLENGE, NONCE_BYTES + PROOF_BYTES)
                                  + secrets.token_bytes(NONCE_BYTES + PROOF_BYTES))
-                    self.received += recv_all(conn, 1.0)
+                    self.received += recv_all(conn, 5.0)
                 except OSError:
                     pass
 

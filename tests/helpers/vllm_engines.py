@@ -13,10 +13,11 @@ LENGTHS = (37, 100, 333, 650)  # not multiples of the block size; up to 21 block
 MAX_TOKENS = 8
 
 
-P_EXTRA = {"lease_s": 60.0, "handshake_timeout_s": 20.0}
+# the bed's timeouts (beds/vllm_pair.py: a host that starves an engine for up to ~90 s)
+P_EXTRA = {"lease_s": 180.0, "handshake_timeout_s": 60.0}
 
 
-D_EXTRA = {"timeout_s": 8.0, "handshake_timeout_s": 20.0, "handshake_attempts": 2}
+D_EXTRA = {"timeout_s": 120.0, "handshake_timeout_s": 60.0, "handshake_attempts": 3}
 
 
 class Pair:
@@ -57,7 +58,7 @@ class Pair:
         assert all(p and p["do_remote_prefill"] and p["tp_size"] == self.p_tp for p in params), params
         return params
 
-    def decode_requests(self, prompts, params, tag, timeout_s=120):
+    def decode_requests(self, prompts, params, tag, timeout_s=400):
         return self.decode.call("generate", timeout_s=timeout_s + 30, requests=[
             {"id": f"{tag}{i}", "prompt": p, "max_tokens": MAX_TOKENS, "kv_transfer_params": kp}
             for i, (p, kp) in enumerate(zip(prompts, params))], seconds=timeout_s)["outputs"]

@@ -97,3 +97,25 @@ def test_a_client_refuses_an_oversized_challenge_from_its_header():
         assert time.monotonic() - t0 < 1.0
     finally:
         lsock.close()
+
+
+def test_a_passed_deadline_still_takes_a_frame_already_buffered():
+    """A process frozen past its deadline (a starved host) wakes to find the peer's frame waiting:
+    the deadline judges the peer, so a buffered frame is read, and a frame still to come is not
+    waited for (TimeoutError at once). Writing past the deadline goes as far as the socket takes
+    without waiting."""
+    from kvtriton.protocol.frames import read_frame, write_frame
+
+    a, b = socket.socketpair()
+    with a, b:
+        past = time.monotonic() - 10.0
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        assert write_frame(b, HELLO, nonce, past) == HEADER.pack(b"KVTH", VERSION, HELLO, NONCE_BYTES) + nonce
+        assert read_frame(a, past, {HELLO: NONCE_BYTES}) == (HELLO, nonce)
+        b.sendall(HEADER.pack(b"KVTH", VERSION, HELLO, NONCE_BYTES) + nonce[:5])  # a frame cut short
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            read_frame(a, past, {HELLO: NONCE_BYTES})
+        with pytest.raises(TimeoutError):  # nothing there at all
+            read_frame(a, past, {HELLO: NONCE_BYTES})
+        assert time.monotonic() - t0 < 1.0

@@ -175,9 +175,11 @@ class WorkerStats:
 
 
 def count_result(counts: dict[str, int], r: RequestResult) -> None:
-    """A load's result in the worker's plain counters: loads or failed, descriptors, bytes, and
-    its source ranks' payloads by the way they travelled (``payloads_<way>``)."""
-    counts["loads" if r.ok else "failed"] += 1
+    """A load's result in the worker's plain counters: loads (a failed one is counted with every
+    other failed load, the refused and unmet ones too, where it ends), descriptors, bytes, and its
+    source ranks' payloads by the way they travelled (``payloads_<way>``)."""
+    if r.ok:
+        counts["loads"] += 1
     counts["descriptors"] += r.descriptors
     counts["bytes"] += r.bytes
     for way, n in r.ways:

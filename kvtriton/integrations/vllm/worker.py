@@ -101,8 +101,9 @@ class WorkerSide:
         self._confirmed: set[str] = set()  # holds the scheduler kept blocks for (delay_free)
         self._freed: set[str] = set()  # holds the agent freed, not yet reported
         self._msgs: StepMessages | None = None
-        #: loads this rank finished well, the descriptors they posted, the bytes they moved, and the
-        #: loads refused before any connection (Meetings.refusal)
+        #: loads this rank finished well, the descriptors they posted, the bytes they moved, the loads
+        #: that failed (each way: fetch, meeting, refusal), and those refused before any connection
+        #: (Meetings.refusal)
         self.stats = {"loads": 0, "descriptors": 0, "bytes": 0, "failed": 0, "refused_peer": 0}
         self.window = WorkerStats()  # what vLLM's stats path takes each step (take_stats)
         self._applied = self._started = False
@@ -302,6 +303,7 @@ class WorkerSide:
             self.window.failed(error)
         with self._lock:
             if error is not None:
+                self.stats["failed"] += 1  # every failed load: a fetch's, a refused peer's, a failed meeting's
                 logger.warning("load of %s from %s failed, %s: %s", load.req_id, load.source.engine_id,
                                self._fate(load), error)
                 if load.report:
