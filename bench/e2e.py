@@ -47,6 +47,9 @@ Plus the staged path's parts timed alone: pack (in the prefill process), the one
 transfer, unpack (in the decode process). Every method's result is checked byte for byte once.
 Block ids (``--ids``): ``random`` (a permutation: no runs, the per-block worst case) or ``runs``
 (consecutive ids on both sides, as a fresh allocation gives; every method reads the same ids).
+Both processes run their agents without NIXL's progress thread (``KVTRITON_NIXL_PROGRESS_THREAD=0``
+unless set): with one per agent, identical variants on different agent pairs of one run differed by
+up to 1.85x; one pair per process (serving) runs the same either way (docs/results.md).
 Run alone: ``python bench/e2e.py [--layers N] [--ids runs]``.
 """
 
@@ -295,6 +298,15 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
 
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from kvtriton.transport.progress import ENV as NIXL_THREAD_ENV
+
+    # No NIXL progress thread in either process (the prefill child inherits this): each process holds
+    # one agent per variant (~28), and with a thread each, identical work on two agent pairs of one run
+    # differed by up to 1.85x, disjoint p20-p80, a different pair slow each run: auto / best then judged
+    # which pair was slow. One pair per process (serving) ran the same median with or without it. The
+    # prefill's loop progresses its agents between its calls, so its flush answers stay prompt.
+    # (docs/results.md, "The e2e's agent pairs")
+    os.environ.setdefault(NIXL_THREAD_ENV, "0")
     from kvtriton import Region
     from kvtriton.agent import TransferAgent
     from kvtriton.ops import unpack
