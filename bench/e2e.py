@@ -305,7 +305,8 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
     # differed by up to 1.85x, disjoint p20-p80, a different pair slow each run: auto / best then judged
     # which pair was slow. One pair per process (serving) ran the same median with or without it. The
     # prefill's loop progresses its agents between its calls, so its flush answers stay prompt.
-    # (docs/results.md, "The e2e's agent pairs")
+    # (docs/results.md, "The e2e's agent pairs"); this process's own setting comes back at the end
+    thread_env = os.environ.get(NIXL_THREAD_ENV)
     os.environ.setdefault(NIXL_THREAD_ENV, "0")
     from kvtriton import Region
     from kvtriton.agent import TransferAgent
@@ -610,6 +611,8 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
             a.close()
         if raw is not None:
             raw.close()
+        if thread_env is None:
+            os.environ.pop(NIXL_THREAD_ENV, None)
         prefill.close()
     return rows
 
