@@ -222,7 +222,12 @@ def test_read_round_trip(pair):
     t.release(x)
     t.release(x)  # idempotent
 
-    notifs = pair.peer.request(cmd="notifs", pump=pair.pump)["notifs"]
+    # the notification follows the data and reaches the peer at its next progress: wait for it (a
+    # stalled host delays it past one look, and a late one would land in the next test's)
+    deadline = time.monotonic() + REPLY_S
+    notifs: dict = {}
+    while not notifs.get(t.name) and time.monotonic() < deadline:
+        notifs = pair.peer.request(cmd="notifs", pump=pair.pump)["notifs"]
     assert notifs == {t.name: [b"read-1".hex()]}
 
 
