@@ -34,8 +34,14 @@ sent that source any message (NIXL completes a transfer with an endpoint flush, 
 the peer's answer): the prefill's progress cadence bounds it in serving (its agent's thread,
 ``progress_interval_s``; NixlConnector's prefill spins NIXL's own progress thread instead).
 
+``--cold``: before each timed request (kvtriton's and every floor's), an untimed copy of
+:data:`COLD_BYTES` through this thread evicts the caches, as the large READ before a fetch (the
+e2e's rows) or the engine's forward pass between steps (serving) does. Every call after it runs
+slower until its code and data are back in cache, the floor's posts as well as the agent's Python;
+``bench/fetch_phases.py --cold`` splits kvtriton's side by phase.
+
 Requests alternate between kvtriton and the floors, so load on a shared host hits both alike. Run alone:
-``python bench/fetch_host.py [--reps 40]``; an older kvtriton (a checkout on ``PYTHONPATH``)
+``python bench/fetch_host.py [--reps 40] [--cold]``; an older kvtriton (a checkout on ``PYTHONPATH``)
 with ``--no-floor``.
 """
 
@@ -59,6 +65,16 @@ P_TP, D_TP = 2, 1
 #: what the decode's calls are timed by: wall time, or (``--cpu``) the thread's CPU time, which a
 #: host shared with other work inflates far less (the ratio of both sides alike)
 _clock = time.perf_counter
+#: ``--cold``: bytes copied (untimed) before each timed request: twice this host's L2 and half its L3
+#: and more (a 16 MiB READ is what precedes a fetch in the e2e's block-64 rows)
+COLD_BYTES = 32 << 20
+_cold: list[np.ndarray] = []  # (source, destination) of the copy, when --cold
+
+
+def _evict() -> None:
+    """The untimed copy before a timed request (``--cold``); nothing otherwise."""
+    if _cold:
+        np.copyto(_cold[1], _cold[0])
 
 
 def _models(kind: str):
@@ -130,6 +146,7 @@ class Case:
         # the decode rank's own time: its fetch() and every progress() and results() call until the
         # result; the prefill ranks (their own processes when serving) progress between its polls,
         # untimed, as promptly as the floor's peers do
+        _evict()
         spent, start = 0.0, time.perf_counter()
         t0 = _clock()
         self.d.fetch(req, f"P-{self.kind}", src, dst)
@@ -218,6 +235,7 @@ class Floor:
         self.count += 1
         tag = f"floor-{self.case.kind}-{self.count}".encode()
         spent = 0.0
+        _evict()
         t0 = _clock()
         reads = []
         for b, rows, local, remote in self.sides:
@@ -283,12 +301,14 @@ def _pair_keys():
 
 
 def run_fetch_host(reps: int = 40, progress=None, floor: bool = True, stripe: int | None = 1,
-                   sealed: bool = False) -> list[dict]:
+                   sealed: bool = False, cold: bool = False) -> list[dict]:
     """One row per model kind: the decode's host time in kvtriton's fetch() to its result and in
     the raw floor's posts and polls, ms (p20/p50/p80); ``stripe``: see :class:`Case`.
     ``floor=False``: kvtriton's rows only (the floor is built with planner functions an older
-    kvtriton lacks: how a checkout of one is timed against this one)."""
+    kvtriton lacks: how a checkout of one is timed against this one). ``cold``: the caches
+    evicted before each timed request (see the module docstring)."""
     torch.set_num_threads(1)
+    _cold[:] = [np.ones(COLD_BYTES, dtype=np.uint8), np.zeros(COLD_BYTES, dtype=np.uint8)] if cold else []
     rows = []
     for i, kind in enumerate(CASES):
         case = Case(kind, seed=40 + i, stripe=stripe, sealed=sealed)
@@ -317,7 +337,7 @@ def run_fetch_host(reps: int = 40, progress=None, floor: bool = True, stripe: in
                     raw.append(raw_floor.fetch_ms())
             q_ours = quantiles_of(ours)
             row = dict(case=kind, p_tp=P_TP, d_tp=D_TP, blocks=BLOCKS_PER_REQUEST, descriptors=case.descriptors,
-                       ways=case.ways, **qfields("kvtriton_ms", q_ours))
+                       ways=case.ways, caches="cold" if cold else "warm", **qfields("kvtriton_ms", q_ours))
             if raw:
                 q_raw = quantiles_of(raw)
                 q_notif = quantiles_of(raw_notif)
@@ -350,17 +370,20 @@ def main() -> None:
                     help="control messages sealed under pair keys, as after a meeting with the shared secret")
     ap.add_argument("--cpu", action="store_true",
                     help="time the decode's calls (and the floor's) by the thread's CPU time, not wall time")
+    ap.add_argument("--cold", action="store_true",
+                    help="evict the caches (an untimed 32 MiB copy) before each timed request, as a large READ does")
     args = ap.parse_args()
     if args.cpu:
         global _clock
         _clock = time.thread_time
     for r in run_fetch_host(args.reps, floor=not args.no_floor, stripe=args.replicate_stripe or None,
-                            sealed=args.sealed):
+                            sealed=args.sealed, cold=args.cold):
         floor = (f", floor {r['floor_ms']:.3f} ms, ratio {r['ratio']:.2f}; floor+notif {r['floor_notif_ms']:.3f} ms, "
                  f"ratio {r['ratio_notif']:.2f}; floor+done {r['floor_done_ms']:.3f} ms, ratio {r['ratio_done']:.2f}"
                  if "floor_ms" in r else "")
-        print(f"fetch_host {r['case']}: kvtriton {r['kvtriton_ms']:.3f} ms [{r['kvtriton_ms_p20']:.3f}-"
-              f"{r['kvtriton_ms_p80']:.3f}]{floor}; {r['descriptors']} descriptors ({r['ways']})")
+        print(f"fetch_host {r['case']} ({r['caches']} caches): kvtriton {r['kvtriton_ms']:.3f} ms "
+              f"[{r['kvtriton_ms_p20']:.3f}-{r['kvtriton_ms_p80']:.3f}]{floor}; {r['descriptors']} descriptors "
+              f"({r['ways']})")
 
 
 if __name__ == "__main__":

@@ -163,13 +163,17 @@ def _headline_host(planning: list[dict], fetch: list[dict]) -> str:
     if plan:
         parts.append("planning Llama-3-70B P4->D8 8k tokens " + ", ".join(f"{r['layout']} {r['us']:.0f} us"
                                                                            for r in plan) + " (goal <= 50)")
-    done = [r for r in fetch if r.get("ratio")]
+    done = [r for r in fetch if r.get("ratio") and r.get("caches", "warm") == "warm"]
     if done:
         parts.append("small zero-copy fetch / raw posts " + ", ".join(
             f"{r['case']} {r['ratio']:.2f}" + (f" ({r['ratio_notif']:.2f} with the completion notice"
                                                + (f", {r['ratio_done']:.2f} with our Done and fence posted raw"
                                                   if r.get("ratio_done") else "") + ")"
                                                if r.get("ratio_notif") else "") for r in done) + " (goal <= 1.3)")
+    cold = [r for r in fetch if r.get("ratio") and r.get("caches") == "cold"]
+    if cold:
+        parts.append("the same with the caches evicted before each fetch (as after a large READ or a forward "
+                     "pass): " + ", ".join(f"{r['case']} {r['ratio']:.2f} ({r['kvtriton_ms']:.2f} ms)" for r in cold))
     return "; ".join(parts) if parts else "not run"
 
 

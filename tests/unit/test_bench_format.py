@@ -134,7 +134,9 @@ def test_summary_starts_with_a_six_line_headline(tmp_path):
             dict(section="planning", preset="llama3-70b", layout="HND", tokens=8192, us=30.8),
             dict(section="planning", preset="llama3-70b", layout="HND", tokens=1024, us=29.1),
             dict(section="fetch_host", case="gqa", ratio=1.54, ratio_notif=1.41, ratio_done=1.12),
-            dict(section="fetch_host", case="mla", ratio=1.6, ratio_notif=1.3)]  # an older row: no floor+done
+            dict(section="fetch_host", case="mla", ratio=1.6, ratio_notif=1.3),  # an older row: no floor+done
+            dict(section="fetch_host", case="gqa", caches="cold", ratio=1.9, ratio_notif=1.5, ratio_done=1.4,
+                 kvtriton_ms=1.637)]  # after a 32 MiB copy: its own clause, not judged
     meta = dict(device="cpu (2 cores, x86_64)", torch="t", git_sha="g", timestamp="ts",
                 command="python bench/sweep.py", wall_s="281", section_s="descriptors 3 s", load_avg="1.0 2.0 3.0")
     head = headline_lines(rows, meta)
@@ -146,7 +148,9 @@ def test_summary_starts_with_a_six_line_headline(tmp_path):
     assert "deepseek" not in head[3]
     assert head[4] == ("- **host time**: planning Llama-3-70B P4->D8 8k tokens HND 31 us (goal <= 50); small "
                        "zero-copy fetch / raw posts gqa 1.54 (1.41 with the completion notice, 1.12 with our Done "
-                       "and fence posted raw), mla 1.60 (1.30 with the completion notice) (goal <= 1.3)")
+                       "and fence posted raw), mla 1.60 (1.30 with the completion notice) (goal <= 1.3); the "
+                       "same with the caches evicted before each fetch (as after a large READ or a forward pass): "
+                       "gqa 1.90 (1.64 ms)")
     assert head[5].startswith("- **GPU**: none")
     write_outputs(rows, tmp_path, meta)
     lines = (tmp_path / "summary.md").read_text().splitlines()
