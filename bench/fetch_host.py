@@ -65,8 +65,8 @@ P_TP, D_TP = 2, 1
 #: what the decode's calls are timed by: wall time, or (``--cpu``) the thread's CPU time, which a
 #: host shared with other work inflates far less (the ratio of both sides alike)
 _clock = time.perf_counter
-#: ``--cold``: bytes copied (untimed) before each timed request: twice this host's L2 and half its L3
-#: and more (a 16 MiB READ is what precedes a fetch in the e2e's block-64 rows)
+#: ``--cold``: bytes copied (untimed) before each timed request: this host's whole L3 (32 MiB) and 32x
+#: a core's L2 (a 16 MiB READ is what precedes a fetch in the e2e's block-64 rows)
 COLD_BYTES = 32 << 20
 _cold: list[np.ndarray] = []  # (source, destination) of the copy, when --cold
 
@@ -309,6 +309,13 @@ def run_fetch_host(reps: int = 40, progress=None, floor: bool = True, stripe: in
     evicted before each timed request (see the module docstring)."""
     torch.set_num_threads(1)
     _cold[:] = [np.ones(COLD_BYTES, dtype=np.uint8), np.zeros(COLD_BYTES, dtype=np.uint8)] if cold else []
+    try:
+        return _rows(reps, progress, floor, stripe, sealed, cold)
+    finally:
+        _cold.clear()  # the copy's 64 MiB are not kept past the run
+
+
+def _rows(reps: int, progress, floor: bool, stripe: int | None, sealed: bool, cold: bool) -> list[dict]:
     rows = []
     for i, kind in enumerate(CASES):
         case = Case(kind, seed=40 + i, stripe=stripe, sealed=sealed)
