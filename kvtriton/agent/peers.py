@@ -61,7 +61,8 @@ the facade's drop path fails their transfers and forgets them).
   lifeline of the agent in the table counts: one of a replaced agent changes nothing.
 * **Parting.** A rank that forgets an idle engine (:meth:`PeerTable.part`, the vLLM connector's
   ``forget_idle_s``) drops its ranks and closes their lifelines; they drop it in turn. Both
-  sides mark the pin *parted* (a closed lifeline looks the same as a death), and the same agent
+  sides mark the pin *parted* (a closed lifeline looks the same as a death; so does a peer
+  dropped for silence, which may be a live one past a stall of its host), and the same agent
   met again later with a registration no older than its last one, authenticated (or with no
   credential configured), is taken back: a replaced agent stays refused (``former``), and a
   dead agent's replay reaches no live process.
@@ -111,8 +112,9 @@ class _Pin:
     #: that same agent's next claim (a restore after it was dropped must be newer than this)
     registered: int = 0
     former: deque[str] = field(default_factory=lambda: deque(maxlen=_FORMER_AGENTS))
-    #: the pair parted while both lived, or so it looked: its lifeline closed, or this rank forgot
-    #: the engine (idle, :meth:`PeerTable.part`); the same agent may come back (:meth:`PeerTable.admit`)
+    #: the pair parted while both lived, or so it looked: its lifeline closed, it went silent past
+    #: the expiry, or this rank forgot the engine (idle, :meth:`PeerTable.part`); the same agent may
+    #: come back (:meth:`PeerTable.admit`)
     parted: bool = False
 
 
@@ -256,7 +258,7 @@ class PeerTable:
 
     def _back(self, md: wire.RankMetadata, pin: _Pin, authenticated: bool) -> bool:
         """Whether the agent that held ``pin`` comes back after the pair parted (its lifeline
-        closed, or this rank forgot its idle engine): a live agent that was forgotten, not a
+        closed, it was dropped for silence, or this rank forgot its idle engine): a live agent that was forgotten, not a
         replaced one (those are in ``former``); a dead agent's replay reaches nobody. Its
         registration no older than the last one here, met authenticated (or no credential)."""
         return pin.parted and md.generation >= pin.registered and (authenticated or not self.s.require_authenticated)
@@ -431,6 +433,9 @@ class PeerTable:
             elif silent > ping_after and now - peer.pinged > ping_after and self.probe(peer) is None:
                 gone.append(peer)
         self.stats.peers_expired += len(gone)
+        for peer in gone:  # dead, or alive past a stall: like a closed lifeline, it may meet us again (see _back)
+            if peer.key in self.pins:
+                self.pins[peer.key].parted = True
         self.lifelines.prune(lambda key, agent: self.links.by_agent.get(agent) == key)
         return out + [(p, PeerDisconnectedError(f"peer {p.md.engine}:{p.md.rank} stopped answering (silent past "
                                                 f"{self.expiry_s} s, or unreachable)")) for p in gone]

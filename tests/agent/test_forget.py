@@ -76,3 +76,29 @@ def test_under_the_credential_a_parted_agent_comes_back_authenticated_only(agent
     p.add_remote(d.metadata(), authenticated=True)
     assert _peers(p) == {"D:0"}
     _exact(p, d, "c", 12)
+
+
+@pytest.mark.parametrize("credential", [False, True])
+def test_a_live_peer_dropped_for_silence_is_met_again(agents, credential):
+    """A host stall longer than ``peer_expiry_s`` (CI saw engine processes not run for 66-192 s)
+    drops a live decode rank for silence; when it meets the prefill again it is taken back, as a
+    parted one is (authenticated only, under the credential). Before: refused for good as "held it
+    before and left it", so every later load of the pair failed and was recomputed."""
+    kw = {"require_authenticated_peers": True} if credential else {}
+    p = agents("P", 6, peer_expiry_s=1.0, **kw)
+    d = agents("D", 7, flow="pull")
+    p.add_remote(d.metadata(), authenticated=credential)
+    d.add_remote(p.metadata())
+    _exact(p, d, "s1", 13)
+    deadline = time.monotonic() + 20
+    while "D:0" in _peers(p):  # the decode stalls: only the prefill runs, its pings unanswered
+        assert time.monotonic() < deadline, "the prefill never dropped the silent decode"
+        p.progress()
+        time.sleep(0.05)
+    if credential:
+        with pytest.raises(PeerRefusedError):
+            p.add_remote(d.metadata())  # unauthenticated: refused under the credential
+        assert _peers(p) == set()
+    p.add_remote(d.metadata(), authenticated=credential)  # the same live agent, met again
+    assert _peers(p) == {"D:0"}
+    _exact(p, d, "s2", 14)
