@@ -71,6 +71,11 @@ COLD_BYTES = 32 << 20
 _cold: list[np.ndarray] = []  # (source, destination) of the copy, when --cold
 
 
+def arm_cold(cold: bool) -> None:
+    """Hold the copy's buffers (``cold``) or none; :func:`_evict` copies through them."""
+    _cold[:] = [np.ones(COLD_BYTES, dtype=np.uint8), np.zeros(COLD_BYTES, dtype=np.uint8)] if cold else []
+
+
 def _evict() -> None:
     """The untimed copy before a timed request (``--cold``); nothing otherwise."""
     if _cold:
@@ -308,7 +313,7 @@ def run_fetch_host(reps: int = 40, progress=None, floor: bool = True, stripe: in
     kvtriton lacks: how a checkout of one is timed against this one). ``cold``: the caches
     evicted before each timed request (see the module docstring)."""
     torch.set_num_threads(1)
-    _cold[:] = [np.ones(COLD_BYTES, dtype=np.uint8), np.zeros(COLD_BYTES, dtype=np.uint8)] if cold else []
+    arm_cold(cold)
     try:
         return _rows(reps, progress, floor, stripe, sealed, cold)
     finally:

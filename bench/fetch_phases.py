@@ -108,8 +108,7 @@ def install(stamps: Stamps):
 def run_phases(kind: str = "gqa", reps: int = 200, cold: bool = False) -> list[tuple[str, float, float]]:
     """(phase, median us, p80 us) of one request of ``kind``, phases in the order they end."""
     torch.set_num_threads(1)
-    fetch_host._cold[:] = ([np.ones(fetch_host.COLD_BYTES, dtype=np.uint8),
-                            np.zeros(fetch_host.COLD_BYTES, dtype=np.uint8)] if cold else [])
+    fetch_host.arm_cold(cold)
     case = fetch_host.Case(kind, seed=11)
     uninstall = None
     try:
@@ -128,7 +127,7 @@ def run_phases(kind: str = "gqa", reps: int = 200, cold: bool = False) -> list[t
         if uninstall is not None:
             uninstall()
         case.close()
-        fetch_host._cold.clear()
+        fetch_host.arm_cold(False)
     seen = ["start"] + [p for p, *_ in STAMPS]
     rows = [r for r in rows if len(r) == len(seen)]  # every boundary passed (a poll before the READ landed: one fewer)
     if not rows:
