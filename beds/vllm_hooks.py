@@ -25,10 +25,11 @@ class BedHooks:
     @staticmethod
     def transfer_stats(conn) -> dict | None:
         """Loads finished by this rank so far: count, descriptors posted, bytes (kvtriton: and its
-        agent's eager-pack counters, ``eager_*`` and ``offers_taken``)."""
+        agent's eager-pack counters, ``eager_*`` and ``offers_taken``, and ``deferred_fetches``)."""
         worker = getattr(conn, "_worker", None)
         if worker is not None:  # kvtriton
-            eager = {k: v for k, v in worker.agent.stats.items() if k.startswith("eager") or k == "offers_taken"}
+            eager = {k: v for k, v in worker.agent.stats.items()
+                     if k.startswith("eager") or k in ("offers_taken", "deferred_fetches")}
             return {**worker.stats, **eager}
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl import stats
 
@@ -106,23 +107,27 @@ class BedHooks:
         """kvtriton: the engine thread's waits for its agent's lock in ``start_load_kv`` (the
         step's fetches run under ``agent.batch()``; the agent's progress thread may hold it),
         seconds each, as ``calls["agent_lock_wait"]``: which part of a slow call was waiting
-        for that thread rather than working. The instance's ``batch`` is shadowed, nothing
-        else; NixlConnector has no such lock (nothing recorded)."""
+        for that thread rather than working (the worker asks ``batch(wait=False)``, which never
+        waits: its fetches are deferred instead, counted as ``deferred_fetches``). The instance's
+        ``batch`` is shadowed, nothing else; NixlConnector has no such lock (nothing recorded)."""
         agent = getattr(getattr(conn, "_worker", None), "agent", None)
         if agent is None:
             return
         waits = calls["agent_lock_wait"] = []
-        lock = agent.batch()
+        batch = agent.batch  # the agent's own (the worker asks with wait=False: never waiting, it defers)
 
         class _TimedBatch:
+            def __init__(self, wait: bool = True):
+                self._cm = batch(wait)
+
             def __enter__(self):
                 t0 = time.perf_counter()
-                lock.acquire()
+                got = self._cm.__enter__()
                 _bounded(waits).append(time.perf_counter() - t0)
-                return lock
+                return got
 
             def __exit__(self, *exc):
-                lock.release()
+                return self._cm.__exit__(*exc)
 
         agent.batch = _TimedBatch
 

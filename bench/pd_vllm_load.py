@@ -133,13 +133,14 @@ def _cell(prefill, decode, connector, prompts, ref, cell, tag, max_tokens, bg_to
                          f"ms (longest {f(res.get('agent_lock_wait_ms_max'))})"
                          if "agent_lock_wait_ms_total" in res else "")
                       + (f"; offers READ without a pull {eager['offers_taken']} (one per source rank and load), "
-                         f"pulls {eager['eager_pull_hits'] + eager['eager_offer_pulls'] + eager['eager_misses']}"
+                         f"pulls {eager['eager_pull_hits'] + eager['eager_offer_pulls'] + eager['eager_misses']}, "
+                         f"fetches deferred to the agent's thread {eager.get('deferred_fetches', 0)}"
                          if eager else ""))
     return res
 
 
-_EAGER = {"decode": ("offers_taken",), "prefill": ("eager_offers", "eager_offer_reads", "eager_offer_pulls",
-                                                   "eager_pull_hits", "eager_misses")}
+_EAGER = {"decode": ("offers_taken", "deferred_fetches"),
+          "prefill": ("eager_offers", "eager_offer_reads", "eager_offer_pulls", "eager_pull_hits", "eager_misses")}
 
 
 def _eager(prefill, decode, connector: str) -> dict:

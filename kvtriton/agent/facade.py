@@ -14,9 +14,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
-
-import torch
 
 from ..errors import KVTritonError, PeerDisconnectedError, ProtocolError, TransportError, UnregisteredError
 from ..plan import CostModel, ModesArg, TransferPlan
@@ -25,11 +24,13 @@ from ..protocol.auth import PairKeys
 from ..regions import Region
 from . import debug
 from .destination import Destination, RequestResult
+from .destination.deferred import DeferredFetch, held_if_free
 from .device import ready_event
 from .inbox import Inbox
 from .links import Links, Peer, logger
 from .peers import MAX_PEER_BLOCKS, MAX_PEER_ENGINES, MAX_PEER_SLOTS, MAX_PEERS, Admission, PeerTable
 from .plan_book import PlanBook
+from .progress_thread import ProgressThread
 from .registration import Registration
 from .settings import make_settings
 from .source import FreedRequest, Source
@@ -146,8 +147,8 @@ class TransferAgent:
                 transport = NixlTransport(f"{engine_id}:{rank}:{uuid.uuid4().hex[:8]}")
         self.transport = transport
         self._lock = threading.RLock()
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._thread = ProgressThread(f"kvtriton-{engine_id}:{rank}", self.progress,
+                                      settings.device if settings.lanes.cuda else None)
         self._closed, self._expire_at, self._stalls = False, 0.0, Stalls(f"{engine_id}:{rank}")
         self._stats = Stats()  # one counter per event (see .stats)
         self._warmed: set = set()  # (op, LaunchConfig) compiled by warmup()
@@ -258,7 +259,7 @@ class TransferAgent:
                 old = self._links.peers[(md.engine, md.rank)]  # a live agent holds it: is it still there?
                 heard, nonce = old.heard, peers.probe(old)
             if nonce is not None:  # outside the lock: the answer comes through progress()
-                nonce = peers.await_answer(old, nonce, self._lock, self.progress if self._thread is None else None)
+                nonce = peers.await_answer(old, nonce, self._lock, None if self._thread.running else self.progress)
             with self._lock, self._s.lanes.on_device():
                 def drop(p: Peer) -> None:
                     self._drop_peer(p, PeerDisconnectedError(f"peer {p.md.engine}:{p.md.rank} was replaced by "
@@ -387,6 +388,7 @@ class TransferAgent:
         *,
         num_tokens: int | None = None,
         after=None,
+        wait: bool = True,
     ) -> None:
         """Start reading a request's KV from ``remote_engine_id`` into ``local_block_ids``.
 
@@ -404,24 +406,36 @@ class TransferAgent:
         (push: a WRITE already posted may land in them for up to ``timeout_s``).
 
         ``after`` (CUDA agents; as in :meth:`hold`): when the engine is done with the local blocks'
-        previous contents; unpacks wait for it on the device, DIRECT regions (NIC writes) do not."""
+        previous contents; unpacks wait for it on the device, DIRECT regions (NIC writes) do not.
+
+        ``wait=False`` (the engine's thread): while another thread holds the agent, defer the fetch to the
+        next holder, who starts it first (:mod:`.destination.deferred`); its errors come through :meth:`results`."""
         if not isinstance(req_id, str) or not 0 < len(req_id) <= 512:
             raise ValueError(f"req_id must be a non-empty string of at most 512 characters, got {req_id!r:.80}")
         ready = ready_event(self.device, after)
-        with self._lock, self._s.lanes.on_device():
-            self._check_registered(f"fetch {req_id!r}")
-            try:  # an offer already here is taken (no pull's round trip); a failure is progress()'s
-                self._handle_messages()
-            except Exception as e:  # noqa: BLE001 - never this fetch's: it goes on without the offer
-                logger.warning("fetch %r: messages not taken in first: %s", req_id, e)
-            self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s,
-                                    num_tokens, ready)
+        if not self._lock.acquire(blocking=wait):
+            self._destination.defer(DeferredFetch.of(req_id, remote_engine_id, remote_block_ids, local_block_ids,
+                                                     timeout_s, num_tokens, ready))
+            return
+        try:
+            with self._s.lanes.on_device():
+                self._check_registered(f"fetch {req_id!r}")
+                try:  # an offer already here is taken (no pull's round trip); a failure is progress()'s
+                    self._handle_messages()
+                except Exception as e:  # noqa: BLE001 - never this fetch's: it goes on without the offer
+                    logger.warning("fetch %r: messages not taken in first: %s", req_id, e)
+                self._destination.start_deferred(self._check_registered)  # asked before this one: first
+                self._destination.fetch(req_id, remote_engine_id, remote_block_ids, local_block_ids, timeout_s,
+                                        num_tokens, ready)
+        finally:
+            self._lock.release()
 
-    def batch(self) -> threading.RLock:
+    def batch(self, wait: bool = True) -> AbstractContextManager:
         """``with agent.batch():`` no :meth:`progress` (its thread's included) until the block ends, so a step's
         fetches post their READs back to back: a load finishing in between messages its source, and a READ posted
-        after a message completes only at that source's next progress (UCX flush, :mod:`kvtriton.transport.fence`)."""
-        return self._lock
+        after a message completes only at that source's next progress (UCX flush, :mod:`kvtriton.transport.fence`).
+        ``wait=False``: never wait; while another thread holds the agent, ``fetch(wait=False)`` defers."""
+        return self._lock if wait else held_if_free(self._lock)
 
     def queued(self, req_id: str, remote_engine_id: str, max_wait_s: float = 600.0,
                renew_s: float | None = None) -> None:
@@ -460,6 +474,7 @@ class TransferAgent:
                     return True
                 self._stalls.check(time.monotonic(), self._peers, self._destination, self._source)  # see .stalls
                 self._handle_messages()
+                self._destination.start_deferred(self._check_registered)  # before any Done of this call
                 self._source.advance()
                 self._destination.advance()
                 self.transport.fences.flush()
@@ -471,27 +486,15 @@ class TransferAgent:
 
     def start(self, interval_s: float = 0.0005) -> None:
         """Run :meth:`progress` on a background thread until :meth:`close`."""
-        if self._thread is not None:
-            return
-        self._stalls.watch(interval_s)  # progress() runs every interval_s from now: a far longer gap is a stall
-
-        def loop():
-            if self._s.lanes.cuda:  # UCX and Triton calls from this thread need our device's context
-                torch.cuda.set_device(self.device)
-            while not self._stop.is_set():
-                try:
-                    self.progress()
-                except Exception:  # keep serving; the error is per request where it matters
-                    logger.exception("kvtriton progress thread")
-                self._stop.wait(interval_s)
-
-        self._thread = threading.Thread(target=loop, name=f"kvtriton-{self.engine_id}:{self.rank}", daemon=True)
-        self._thread.start()
+        if not self._thread.running:
+            self._stalls.watch(interval_s)  # progress() runs every interval_s from now: a far longer gap is a stall
+            self._thread.start(interval_s)
 
     def idle(self) -> bool:
         """True when nothing is in flight or held."""
         with self._lock, self._s.lanes.on_device():
-            return not (self._destination.fetches or self._source.busy() or self._links.zombies or self._inbox)
+            return not (self._destination.fetches or self._destination.deferred or self._source.busy()
+                        or self._links.zombies or self._inbox)
 
     def _handle_messages(self) -> None:
         self._inbox.add(self.transport.poll_notifs())
@@ -578,10 +581,7 @@ class TransferAgent:
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
         """Stop the progress thread, release every NIXL handle and registration. Idempotent."""
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join(timeout=5)
-            self._thread = None
+        self._thread.stop()
         with self._lock, self._s.lanes.on_device():
             if self._closed:
                 return

@@ -113,6 +113,9 @@ class Stats:
     """Holds without a consumer packed (or their cache blocks offered) for the only connected engine."""
     offers_taken: int = 0
     """Destination side: offers this rank READ without pulling."""
+    deferred_fetches: int = 0
+    """Destination side: ``fetch(wait=False)`` calls deferred while another thread held the agent
+    (:mod:`.destination.deferred`)."""
     pack_launches: int = 0
     """Pack launches of this rank as a source."""
     packed_chunks: int = 0

@@ -145,3 +145,31 @@ def test_loads_of_later_steps_finish_while_the_prefill_does_not_progress(gen):
     finally:
         pump.close()
         bed.close()
+
+
+def test_a_steps_loads_never_wait_for_the_agents_own_thread(gen):
+    """While another thread holds the decode agent (its progress thread descheduled inside
+    ``progress()``, say), a step's loads return at once: ``start_loads`` defers them
+    (``TransferAgent.fetch(wait=False)``), the next holder starts them, and they land byte for byte.
+    Before, ``start_loads`` waited for that thread (9-37 ms in loaded real-engine cells)."""
+    from helpers.lock_holder import LockHolder
+
+    bed = Bed(gen, p_extra={"consumer": "D"}, d_extra={"progress_interval_s": 0.001})
+    try:
+        bed.hold("w0", [0])
+        assert bed.load("w0", [0], [0], seconds=20.0) == (True, set())  # met, the first READs wired up
+        src = [3, 7, 9]
+        for i, s in enumerate(src):
+            bed.hold(f"r{i}", [s])
+        holder = LockHolder(bed.decode.agent)
+        try:
+            t0 = time.monotonic()
+            want = _step(bed, src, range(len(src)))
+            assert time.monotonic() - t0 < 1.0, "start_loads waited for the agent's lock"
+            assert bed.decode.agent.stats["deferred_fetches"] == len(src)
+        finally:
+            holder.release()
+        assert _finish(bed, want, 10.0) == want
+        bed.assert_landed(src, list(range(len(src))))
+    finally:
+        bed.close()

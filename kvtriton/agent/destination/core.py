@@ -7,13 +7,23 @@ source rank's part is one class per way (:mod:`.parts`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-from ...errors import KVTritonError, PlanError, ProtocolError, RequestAbortedError, RequestRejectedError, StagingError
+from ...errors import (
+    KVTritonError,
+    PeerDisconnectedError,
+    PlanError,
+    ProtocolError,
+    RequestAbortedError,
+    RequestRejectedError,
+    StagingError,
+)
 from ...plan import RequestPlan, Way
 from ...plan.ids import IdsArg
 from ...protocol import wire
 from ..links import Flow, Links, Peer, Settings
 from ..plan_book import PlanBook
+from .deferred import Deferred, DeferredFetch, local_blocks
 from .fetch import Fetch
 from .fetches import Fetches, RequestResult
 from .offers import Offers
@@ -42,6 +52,7 @@ class Destination:
         self.fetches = Fetches(settings.name, settings.rank, settings.tp, links)
         self.offers = Offers(links)
         self.queued = Queued(settings.rank, settings.renew_s, links)  # waiting in the engine's queue: renewed
+        self.deferred = Deferred()  # asked while another thread held the agent (.deferred)
 
     # ------------------------------------------------------------------ requests
     def fetch(self, req_id: str, engine: str, remote_block_ids: IdsArg, local_block_ids: IdsArg,
@@ -92,6 +103,31 @@ class Destination:
             self._start(f)
         except KVTritonError as e:
             self.fetches.fail(f, e)
+
+    @property
+    def _num_blocks(self) -> int:
+        return min(s.num_blocks for s in self.s.specs)
+
+    def defer(self, d: DeferredFetch) -> None:
+        """Keep a fetch asked while another thread held the agent (:meth:`start_deferred` starts it)."""
+        self.deferred.add(d)
+        self.links.stats.deferred_fetches += 1
+
+    def start_deferred(self, check: Callable[[str], None]) -> None:
+        """Start every deferred fetch, oldest first (``check(what)``: the agent's own refusals,
+        e.g. unregistered memory); what :meth:`fetch` would raise becomes the fetch's failed
+        result, every local block undefined (:mod:`.deferred`)."""
+        while (d := self.deferred.take()) is not None:
+            try:
+                check(f"fetch {d.req_id!r}")
+                self.fetch(d.req_id, d.engine, d.remote_block_ids, d.local_block_ids, d.timeout_s, d.num_tokens,
+                           d.ready)
+            except (KVTritonError, KeyError, TypeError, ValueError) as e:
+                if isinstance(e, KeyError):  # the engine, or some of its ranks, not (or no longer) met
+                    e = PeerDisconnectedError(f"fetch {d.req_id!r}: {e.args[0] if e.args else e}")
+                elif not isinstance(e, KVTritonError):
+                    e = PlanError(f"fetch {d.req_id!r}: {type(e).__name__}: {e}")
+                self.fetches.refused(d.req_id, e, local_blocks(d.local_block_ids, self._num_blocks))
 
     def _part(self, f: Fetch, peer: Peer, src_rank: int) -> Part:
         """``src_rank``'s part of ``f``: the class of the way its payload travels (chosen in the
@@ -148,6 +184,11 @@ class Destination:
 
     def abort(self, req_id: str) -> bool:
         self.queued.drop(req_id)
+        d = self.deferred.drop(req_id)
+        if d is not None:  # never started: nothing posted, every local block as it was (undefined to the caller)
+            self.fetches.refused(req_id, RequestAbortedError(f"fetch {req_id!r} from {d.engine!r} was aborted"),
+                                 local_blocks(d.local_block_ids, self._num_blocks))
+            return True
         f = self.fetches.by_req.get(req_id)
         if f is None:
             return False
@@ -236,3 +277,5 @@ class Destination:
 
     def fail_all(self, error: KVTritonError) -> None:
         self.fetches.fail_all(error)
+        while (d := self.deferred.take()) is not None:
+            self.fetches.refused(d.req_id, error, local_blocks(d.local_block_ids, self._num_blocks))

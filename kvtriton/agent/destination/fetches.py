@@ -125,6 +125,10 @@ class Fetches:
         self.results.add(RequestResult(f.req_id, False, error, time.monotonic() - f.started,
                                        f.descriptors, f.nbytes, _undefined_blocks(f), f.post_s, _ways(f)))
 
+    def refused(self, req_id: str, error: KVTritonError, undefined: tuple[int, ...]) -> None:
+        """The result of a fetch that failed before it started (a deferred one: :mod:`.deferred`)."""
+        self.results.add(RequestResult(req_id, False, error, undefined_blocks=undefined))
+
     def expire(self, now: float) -> None:
         for f in list(self.by_req.values()):
             if now > f.deadline:

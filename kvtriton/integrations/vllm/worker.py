@@ -123,9 +123,11 @@ class WorkerSide:
             self._cancel(rid)
         for source in msgs.queued.values():
             self._renew_queued(source)
-        with self.agent.batch():  # the step's READs posted back to back (why: TransferAgent.batch)
+        # the step's READs posted back to back (why: TransferAgent.batch); never waiting for the agent's
+        # own thread: while it holds the agent, the loads are deferred to it (kvtriton.agent.destination.deferred)
+        with self.agent.batch(wait=False):
             for load in msgs.loads.values():
-                self._load(load)
+                self._load(load, wait=False)
         if msgs.loads:  # post what can be posted now, on this thread (see finished)
             self.agent.progress(wait=False)
 
@@ -224,7 +226,7 @@ class WorkerSide:
         self._msgs = None
 
     # ------------------------------------------------------------------ loads
-    def _load(self, load: LoadSpec) -> None:
+    def _load(self, load: LoadSpec, wait: bool = True) -> None:
         engine = load.source.engine
         refused = self.meetings.refusal(engine)
         if refused is not None:  # computed locally
@@ -232,7 +234,7 @@ class WorkerSide:
                 self.stats["refused_peer"] += 1
             self._finish_load(load, refused)
         elif self.meetings.join(engine, load.req_id, load) is not None:  # else it waits for the meeting
-            self._fetch(load)
+            self._fetch(load, wait=wait)
 
     def _renew_queued(self, source: RemoteSource) -> None:
         """A request waits in the engine's queue: the agent renews its holds on ``source``'s
@@ -247,7 +249,9 @@ class WorkerSide:
             # parked under a tuple: never a vLLM request id (loads parked under those, cancels unpark them)
             self.meetings.join(engine, ("queued", source.request_id), None)
 
-    def _fetch(self, load: LoadSpec, again: bool = False) -> None:
+    def _fetch(self, load: LoadSpec, again: bool = False, wait: bool = True) -> None:
+        """Fetch ``load``; ``wait=False`` (the engine's thread): deferred while the agent's thread holds
+        the agent, its errors then in the agent's results (an engine not met any more: met on the next load)."""
         with self._lock:
             duplicate = load.source.request_id in self._by_remote
             if not duplicate:
@@ -259,7 +263,7 @@ class WorkerSide:
             return
         try:
             self.agent.fetch(load.source.request_id, load.source.engine_id, load.remote_block_ids,
-                             load.local_block_ids, num_tokens=load.num_tokens)
+                             load.local_block_ids, num_tokens=load.num_tokens, wait=wait)
         except KeyError as e:  # met, but its ranks were dropped since (died, restarted): meet it again
             with self._lock:
                 self._by_remote.pop(load.source.request_id, None)
