@@ -122,11 +122,13 @@ class Destination:
                 check(f"fetch {d.req_id!r}")
                 self.fetch(d.req_id, d.engine, d.remote_block_ids, d.local_block_ids, d.timeout_s, d.num_tokens,
                            d.ready)
-            except (KVTritonError, KeyError, TypeError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - every deferred fetch gets its result, whatever stopped it
                 if isinstance(e, KeyError):  # the engine, or some of its ranks, not (or no longer) met
                     e = PeerDisconnectedError(f"fetch {d.req_id!r}: {e.args[0] if e.args else e}")
-                elif not isinstance(e, KVTritonError):
+                elif isinstance(e, (TypeError, ValueError)) and not isinstance(e, KVTritonError):  # ids numpy refused
                     e = PlanError(f"fetch {d.req_id!r}: {type(e).__name__}: {e}")
+                elif not isinstance(e, KVTritonError):
+                    e = KVTritonError(f"fetch {d.req_id!r} could not start: {type(e).__name__}: {e}")
                 self.fetches.refused(d.req_id, e, local_blocks(d.local_block_ids, self._num_blocks))
 
     def _part(self, f: Fetch, peer: Peer, src_rank: int) -> Part:
