@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 __all__ = ["DeferredFetch", "Deferred", "held_if_free", "local_blocks"]
 
@@ -98,8 +99,8 @@ def local_blocks(ids: Any, num_blocks: int) -> tuple[int, ...]:
 
 
 def _copy(ids: Any) -> Any:
-    if isinstance(ids, np.ndarray):
-        return ids.copy()
+    if isinstance(ids, (np.ndarray, torch.Tensor)):
+        return ids.copy() if isinstance(ids, np.ndarray) else ids.clone()
     if isinstance(ids, (list, tuple)):
         if ids and isinstance(ids[0], (list, tuple, np.ndarray)):  # one list per KV cache group
             return [_copy(g) for g in ids]
