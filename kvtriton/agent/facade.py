@@ -408,8 +408,8 @@ class TransferAgent:
         ``after`` (CUDA agents; as in :meth:`hold`): when the engine is done with the local blocks'
         previous contents; unpacks wait for it on the device, DIRECT regions (NIC writes) do not.
 
-        ``wait=False`` (the engine's thread): while another thread holds the agent, defer the fetch to the
-        next holder, who starts it first (:mod:`.destination.deferred`); its errors come through :meth:`results`."""
+        ``wait=False`` (the engine's thread): while another thread holds the agent, defer the fetch to the next
+        holder (:mod:`.destination.deferred`); an engine not met raises at once, other errors: :meth:`results`."""
         if not isinstance(req_id, str) or not 0 < len(req_id) <= 512:
             raise ValueError(f"req_id must be a non-empty string of at most 512 characters, got {req_id!r:.80}")
         ready = ready_event(self.device, after)

@@ -89,19 +89,46 @@ def test_deferred_fetches_are_started_together_by_the_next_progress(engines):
 def test_a_deferred_fetch_that_fails_reports_why_with_every_local_block_undefined(engines):
     e = engines(1, 1)
     d = e.da[0]
-    _asked_while_held(d, ("bad", "P", [0, 1, 2], [5, 48, -1]),  # 48: past the decode's 48 blocks
-                      ("ghost", "Q", [1], [2]))  # an engine never met
-    got = _by_req(e.drive(2))
-    bad, ghost = got["bad"], got["ghost"]
+    _asked_while_held(d, ("bad", "P", [0, 1, 2], [5, 48, -1]))  # 48: past the decode's 48 blocks
+    bad = _by_req(e.drive(1))["bad"]
     assert not bad.ok and isinstance(bad.error, PlanError), bad
     assert "out of range" in str(bad.error)
     assert bad.undefined_blocks == (5,)  # the ids the decode has: 48 is none of its blocks, -1 skips
-    assert not ghost.ok and isinstance(ghost.error, PeerDisconnectedError) and "'Q'" in str(ghost.error), ghost
-    assert ghost.undefined_blocks == (2,)
+    _asked_while_held(d, ("lost", "P", [1], [2]))
+    d.forget("P")  # the prefill's ranks dropped (their lifeline closed, say) after the fetch was kept
+    lost = _by_req(e.drive(1))["lost"]
+    assert not lost.ok and isinstance(lost.error, PeerDisconnectedError) and "'P'" in str(lost.error), lost
+    assert lost.undefined_blocks == (2,)
     for was, now in zip(e.before[0], snapshot(e.D[0])):  # nothing was written
         assert all(torch.equal(x, y) for x, y in zip(was, now))
-    with pytest.raises(PlanError, match="out of range"):  # asked with the lock free: raised at once, as ever
-        d.fetch("bad2", "P", [0], [48], wait=False)
+
+
+def test_bad_ids_asked_with_the_agent_free_raise_at_once_as_ever(engines):
+    d = engines(1, 1).da[0]
+    with pytest.raises(PlanError, match="out of range"):
+        d.fetch("bad", "P", [0], [48], wait=False)
+    assert d.stats["deferred_fetches"] == 0 and d.results() == []
+
+
+def test_an_engine_not_met_raises_at_once_even_while_another_thread_holds_the_agent(engines):
+    """So its caller meets it again for the same request (the vLLM worker does, on this KeyError)."""
+    e = engines(1, 1)
+    d = e.da[0]
+    holder = LockHolder(d)
+    try:
+        with pytest.raises(KeyError, match="'Q'"):  # never added
+            d.fetch("ghost", "Q", [1], [2], wait=False)
+        assert d.stats["deferred_fetches"] == 0 and d.results() == []
+    finally:
+        holder.release()
+    d.forget("P")  # its ranks dropped: met no more
+    holder = LockHolder(d)
+    try:
+        with pytest.raises(KeyError, match="no metadata yet for ranks"):
+            d.fetch("gone", "P", [1], [2], wait=False)
+        assert d.stats["deferred_fetches"] == 0
+    finally:
+        holder.release()
 
 
 def test_a_deferred_fetch_aborted_before_it_started_posts_nothing(engines):

@@ -173,3 +173,38 @@ def test_a_steps_loads_never_wait_for_the_agents_own_thread(gen):
         bed.assert_landed(src, list(range(len(src))))
     finally:
         bed.close()
+
+
+def test_a_restarted_engine_is_met_again_for_the_load_that_finds_it_gone_while_the_agent_is_held(gen):
+    """The decode dropped a prefill that restarted; the next load comes while another thread holds
+    the decode agent. Its fetch is not deferred blindly: the engine not met raises at once
+    (``Destination.met``, read without the lock), the worker meets the new agent for this very load,
+    and it lands byte for byte (deferred, it would have failed as a lost peer and been recomputed)."""
+    from helpers.lock_holder import LockHolder
+
+    bed = Bed(gen, d_extra={"progress_interval_s": 0.001})
+    try:
+        bed.hold("r1", [1, 2])
+        assert bed.load("r1", [1, 2], [3, 4], seconds=20.0) == (True, set())
+        old = bed.prefill.agent.transport.name
+        bed.restart_prefill()  # same engine id and address, a new agent with new data
+        deadline = time.monotonic() + 10.0
+        while any(p["agent"] == old for p in bed.decode.agent.debug_state()["peers"].values()):
+            assert time.monotonic() < deadline, "the decode never dropped the old prefill"
+            time.sleep(0.01)
+        bed.hold("r2", [5, 6])
+        holder = LockHolder(bed.decode.agent)
+        try:
+            rs = RemoteSource("P", "127.0.0.1", bed.port, 1, "r2", (5, 6), 4)
+            bed.decode.bind(StepMessages(loads={"d-r2": LoadSpec("d-r2", rs, (5, 6), (7, 8))}))
+            t0 = time.monotonic()
+            bed.decode.start_loads()
+            bed.decode.clear()
+            assert time.monotonic() - t0 < 1.0
+            assert bed.decode.agent.stats["deferred_fetches"] == 0
+        finally:
+            holder.release()
+        assert _finish(bed, {"d-r2"}, 10.0) == {"d-r2"}
+        bed.assert_landed([5, 6], [7, 8])
+    finally:
+        bed.close()

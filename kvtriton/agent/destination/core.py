@@ -18,7 +18,7 @@ from ...errors import (
     RequestRejectedError,
     StagingError,
 )
-from ...plan import RequestPlan, Way
+from ...plan import RequestPlan, TransferPlan, Way
 from ...plan.ids import IdsArg
 from ...protocol import wire
 from ..links import Flow, Links, Peer, Settings
@@ -61,10 +61,7 @@ class Destination:
         if req_id in self.fetches:
             raise RequestRejectedError(f"fetch {req_id!r} is already in flight")
         self.queued.drop(req_id)  # from now on its fetch renews its holds
-        plan = self.plans.read_by(engine)  # KeyError / PlanError as before
-        missing = [r for r in plan.source_ranks if (engine, r) not in self.links.peers]
-        if missing:
-            raise KeyError(f"engine {engine!r}: no metadata yet for ranks {missing}")
+        plan = self.met(engine)
         peers = {r: self.links.peers[(engine, r)] for r in plan.source_ranks}
         src_specs = self.links.engine_peers(engine)[0].md.regions
         caps = {s.src_rank: min(self.s.chunk_bytes, peers[s.src_rank].md.staging.chunk_bytes)
@@ -104,12 +101,25 @@ class Destination:
         except KVTritonError as e:
             self.fetches.fail(f, e)
 
+    def met(self, engine: str) -> TransferPlan:
+        """The plan this rank reads ``engine`` by, every source rank of it met: ``KeyError`` (a rank
+        not met, or the engine never added) or ``PlanError`` otherwise. Reads dictionaries only, so
+        a fetch about to be deferred asks it without the agent's lock: a caller meets an engine again
+        on this ``KeyError`` (a rank dropped after the fetch was kept fails it as a lost peer)."""
+        plan = self.plans.read_by(engine)
+        missing = [r for r in plan.source_ranks if (engine, r) not in self.links.peers]
+        if missing:
+            raise KeyError(f"engine {engine!r}: no metadata yet for ranks {missing}")
+        return plan
+
     @property
     def _num_blocks(self) -> int:
         return min(s.num_blocks for s in self.s.specs)
 
     def defer(self, d: DeferredFetch) -> None:
-        """Keep a fetch asked while another thread held the agent (:meth:`start_deferred` starts it)."""
+        """Keep a fetch asked while another thread held the agent (:meth:`start_deferred` starts it);
+        an engine not met raises ``KeyError`` (or ``PlanError``) at once, as :meth:`fetch` does."""
+        self.met(d.engine)
         self.deferred.add(d)
         self.links.stats.deferred_fetches += 1
 

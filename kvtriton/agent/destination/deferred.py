@@ -6,8 +6,10 @@ thread can be descheduled there, and an engine waiting for the lock stalled its 
 long (9-13 ms in the sweep's real-engine cells, 37 ms with two busy neighbours). With
 ``fetch(..., wait=False)`` such a fetch is kept here instead, in order, its id lists copied (the
 caller may reuse its own), and the next ``progress()`` (any thread's) or ``fetch()`` that holds
-the lock starts every kept fetch first, back to back, before any Done of that call. A kept
-fetch's errors (bad ids, an unknown engine) then come through
+the lock starts every kept fetch first, back to back, before any Done of that call. An engine
+(or one of its ranks) not met still raises ``KeyError`` at once, so a caller meets it again for
+the same request (:meth:`.core.Destination.met`, read without the lock); a kept fetch's other
+errors (bad ids, a rank dropped since) come through
 :meth:`~kvtriton.agent.TransferAgent.results`, with every local block undefined.
 """
 

@@ -250,8 +250,8 @@ class WorkerSide:
             self.meetings.join(engine, ("queued", source.request_id), None)
 
     def _fetch(self, load: LoadSpec, again: bool = False, wait: bool = True) -> None:
-        """Fetch ``load``; ``wait=False`` (the engine's thread): deferred while the agent's thread holds
-        the agent, its errors then in the agent's results (an engine not met any more: met on the next load)."""
+        """Fetch ``load``; ``wait=False`` (the engine's thread): deferred while the agent's thread holds the
+        agent (an engine not met still raises KeyError at once: met again below; other errors in its results)."""
         with self._lock:
             duplicate = load.source.request_id in self._by_remote
             if not duplicate:
