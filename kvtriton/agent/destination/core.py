@@ -68,7 +68,7 @@ class Destination:
                 for s in plan.staged}  # a chunk fits both sides' staging
         # the way of each payload is chosen in the request's plan (an offer the source made means
         # it is packed already, or that its cache blocks are ours to read with no pull)
-        checked = (min(s.num_blocks for s in src_specs), min(s.num_blocks for s in self.s.specs))
+        checked = (min(s.num_blocks for s in src_specs), self._num_blocks)
         rp = RequestPlan.for_fetch(plan, remote_block_ids, local_block_ids,
                                    src_num_blocks=checked[0], dst_num_blocks=checked[1],
                                    chunk_bytes=caps, num_tokens=num_tokens,
@@ -114,6 +114,7 @@ class Destination:
 
     @property
     def _num_blocks(self) -> int:
+        """The fewest blocks of any of this rank's regions: every local id must be below."""
         return min(s.num_blocks for s in self.s.specs)
 
     def defer(self, d: DeferredFetch) -> None:

@@ -59,11 +59,8 @@ class Deferred:
         self._q.append(d)
 
     def take(self) -> DeferredFetch | None:
-        """The oldest, or None."""
-        try:
-            return self._q.popleft()
-        except IndexError:
-            return None
+        """The oldest, or None (asked on every progress(): no exception when empty)."""
+        return self._q.popleft() if self._q else None
 
     def drop(self, req_id: str) -> DeferredFetch | None:
         """Remove the deferred fetch of ``req_id`` (aborted before it started), or None."""
