@@ -4,13 +4,15 @@
 progressed untimed between the decode's polls), each request timed at the boundaries of the
 agent's own calls by wrapping them from outside (no stamp in the library): the offer taken in,
 the request planned (``RequestPlan.for_fetch``), its parts made, its READs prepared and posted,
-``fetch()`` returned, then in the ``progress()`` that finishes it the Done encoded and sent to
-each source rank, the fence posted and the result reported. Medians per phase over ``--reps``
+``fetch()`` returned, the ``progress()`` that finishes it and the result reported; then, in the
+decode's next ``progress()``, the Done encoded and sent to each source rank and the fence posted
+(``Fetches.finish`` leaves them there: the result does not wait for them). Medians per phase over ``--reps``
 requests, with the caches warm and after an untimed 32 MiB copy (``--cold``: what a large READ
 or an engine's forward pass leaves before the next fetch, see :mod:`bench.fetch_host`).
 
-The phases add up to kvtriton's row of ``fetch_host``; the floor's posts are that row's
-``floor``. Each wrapper costs ~1 us, counted in the phase it closes. Run alone:
+The phases to the result add up to kvtriton's row of ``fetch_host``, all of them to its
+``kvtriton_all``; the floor's posts are that row's ``floor``. Each wrapper costs ~1 us, counted
+in the phase it closes. Run alone:
 ``python bench/fetch_phases.py [--kind gqa] [--reps 200] [--cold]``.
 """
 
@@ -43,13 +45,19 @@ STAMPS = (
     ("all posted", "end", "kvtriton.agent.destination.core", "Destination._start"),
     ("fetch returned", "end", "kvtriton.agent.facade", "TransferAgent.fetch"),
     ("finish begun", "start", "kvtriton.agent.destination.fetches", "Fetches.finish"),
-    ("Done encoded", "end", "kvtriton.protocol.wire", "Message.encode"),
-    ("Done sent", "end", "kvtriton.transport.nixl", "NixlTransport.send_notif"),
     ("finished", "end", "kvtriton.agent.destination.fetches", "Fetches.finish"),
-    ("fence posted", "end", "kvtriton.transport.fence", "Fences.flush"),
     ("result taken", "end", "kvtriton.agent.facade", "TransferAgent.results"),
 )
-_ORDER = {p: i for i, (p, *_) in enumerate(STAMPS)}
+#: the boundary where the decode's next ``progress()`` begins (stamped by wrapping that agent's own
+#: call: the prefill ranks progress in between, untimed), then that call's phases: the Dones of the
+#: finished fetch and the fence (``Fetches.finish`` leaves them to it); the second Done falls in "fence posted"
+NEXT = "next progress()"
+AFTER = (
+    ("Done encoded", "end", "kvtriton.protocol.wire", "Message.encode"),
+    ("Done sent", "end", "kvtriton.transport.nixl", "NixlTransport.send_notif"),
+    ("fence posted", "end", "kvtriton.transport.fence", "Fences.flush"),
+)
+_ORDER = {p: i for i, p in enumerate([p for p, *_ in STAMPS] + [NEXT] + [p for p, *_ in AFTER])}
 
 
 class Stamps:
@@ -85,7 +93,7 @@ def install(stamps: Stamps):
     import importlib
 
     sites = []
-    for phase, where, module, path in STAMPS:
+    for phase, where, module, path in STAMPS + AFTER:
         owner = importlib.import_module(module)
         *outer, name = path.split(".")
         for part in outer:
@@ -116,8 +124,9 @@ def run_phases(kind: str = "gqa", reps: int = 200, cold: bool = False) -> list[t
             case.fetch_ms()
         stamps = Stamps()
         uninstall = install(stamps)
-        fetch = case.d.fetch
+        fetch, progress = case.d.fetch, case.d.progress
         case.d.fetch = lambda *a, **kw: (stamps.begin(), fetch(*a, **kw))[1]  # the request's clock starts here
+        case.d.progress = lambda *a, **kw: (stamps.mark(NEXT), progress(*a, **kw))[1]
         rows = []
         for _ in range(reps):
             case.fetch_ms()
@@ -128,13 +137,14 @@ def run_phases(kind: str = "gqa", reps: int = 200, cold: bool = False) -> list[t
             uninstall()
         case.close()
         fetch_host.arm_cold(False)
-    seen = ["start"] + [p for p, *_ in STAMPS]
+    seen = ["start", *_ORDER]
     rows = [r for r in rows if len(r) == len(seen)]  # every boundary passed (a poll before the READ landed: one fewer)
     if not rows:
         raise RuntimeError("fetch_phases: no request passed every boundary")
     times = np.array([[r[p] for p in seen] for r in rows])
     steps = np.diff(times, axis=1) * 1e6
-    return [(p, float(np.median(steps[:, i])), float(np.percentile(steps[:, i], 80))) for i, p in enumerate(seen[1:])]
+    return [(p, float(np.median(steps[:, i])), float(np.percentile(steps[:, i], 80))) for i, p in enumerate(seen[1:])
+            if p != NEXT]  # the prefill ranks' progress in between: not the decode's
 
 
 def main() -> None:
@@ -145,8 +155,12 @@ def main() -> None:
     args = ap.parse_args()
     phases = run_phases(args.kind, args.reps, args.cold)
     print(f"fetch_phases {args.kind} ({'cold' if args.cold else 'warm'} caches), us since the previous boundary:")
-    for phase, med, p80 in phases:
+    to_result = len(STAMPS)
+    for i, (phase, med, p80) in enumerate(phases):
+        if i == to_result:
+            print(f"  {'to the result':<16} {sum(m for _, m, _ in phases[:i]):8.1f}\n  then in the next progress():")
         print(f"  {phase:<16} {med:8.1f}  (p80 {p80:.1f})")
+    print(f"  {'after the result':<16} {sum(m for _, m, _ in phases[to_result:]):8.1f}")
     print(f"  {'total':<16} {sum(m for _, m, _ in phases):8.1f}")
 
 

@@ -493,7 +493,7 @@ class TransferAgent:
     def idle(self) -> bool:
         """True when nothing is in flight or held."""
         with self._lock, self._s.lanes.on_device():
-            return not (self._destination.fetches or self._destination.deferred or self._source.busy()
+            return not (self._destination.busy() or self._source.busy()
                         or self._links.zombies or self._inbox)
 
     def _handle_messages(self) -> None:

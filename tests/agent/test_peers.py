@@ -311,6 +311,7 @@ def test_an_unauthenticated_engine_never_binds_an_unbound_hold(made):
     got = _drive([p, d, r], d)
     assert got[0].ok, got
     check_destination(d_regs, 0, 1, kv, dst, d_before)
+    d.progress()  # its Done goes in the progress after the result (Fetches.finish)
     p.progress()
     assert [(f.req_id, f.reason) for f in p.freed()] == [("u", "done")]
 

@@ -133,8 +133,10 @@ def test_summary_starts_with_a_six_line_headline(tmp_path):
                  model_kind="deepseek", kv_loaded_ms=1.0, summary="s"),  # MLA: its own table rows, not here
             dict(section="planning", preset="llama3-70b", layout="HND", tokens=8192, us=30.8),
             dict(section="planning", preset="llama3-70b", layout="HND", tokens=1024, us=29.1),
-            dict(section="fetch_host", case="gqa", ratio=1.54, ratio_notif=1.41, ratio_done=1.12),
-            dict(section="fetch_host", case="mla", ratio=1.6, ratio_notif=1.3),  # an older row: no floor+done
+            dict(section="fetch_host", case="gqa", ratio=1.54, ratio_notif=1.41, ratio_done=1.12),  # an older row
+            dict(section="fetch_host", case="mla", ratio=1.6, ratio_notif=1.3),  # older still: no floor+done
+            # now: its Dones and fence after the result, their ratio to the floor+done with them
+            dict(section="fetch_host", case="both", ratio=1.4, ratio_notif=1.2, ratio_done=1.1, ratio_all_done=1.3),
             dict(section="fetch_host", case="gqa", caches="cold", ratio=1.9, ratio_notif=1.5, ratio_done=1.4,
                  kvtriton_ms=1.637)]  # after a 32 MiB copy: its own clause, not judged
     meta = dict(device="cpu (2 cores, x86_64)", torch="t", git_sha="g", timestamp="ts",
@@ -147,8 +149,10 @@ def test_summary_starts_with_a_six_line_headline(tmp_path):
     assert "small model: P2->D1 0.50x; llama hd128 model: P1->D2 0.40x (8 KiB per NixlConnector READ)" in head[3]
     assert "deepseek" not in head[3]
     assert head[4] == ("- **host time**: planning Llama-3-70B P4->D8 8k tokens HND 31 us (goal <= 50); small "
-                       "zero-copy fetch / raw posts gqa 1.54 (1.41 with the completion notice, 1.12 with our Done "
-                       "and fence posted raw), mla 1.60 (1.30 with the completion notice) (goal <= 1.3); the "
+                       "zero-copy fetch to its result / raw posts gqa 1.54 (1.41 with the completion notice, 1.12 "
+                       "with our Dones and fence, here and posted raw), mla 1.60 (1.30 with the completion notice), "
+                       "both 1.40 (1.20 with the completion notice, 1.30 with our Dones and fence, here and posted "
+                       "raw) (goal <= 1.3); the "
                        "same with the caches evicted before each fetch (as after a large READ or a forward pass): "
                        "gqa 1.90 (1.64 ms)")
     assert head[5].startswith("- **GPU**: none")

@@ -49,8 +49,8 @@ class Destination:
 
     def __init__(self, settings: Settings, links: Links, plans: PlanBook):
         self.s, self.links, self.plans = settings, links, plans
-        self.fetches = Fetches(settings.name, settings.rank, settings.tp, links)
         self.offers = Offers(links)
+        self.fetches = Fetches(settings.name, settings.rank, settings.tp, links, self.offers)
         self.queued = Queued(settings.rank, settings.renew_s, links)  # waiting in the engine's queue: renewed
         self.deferred = Deferred()  # asked while another thread held the agent (.deferred)
 
@@ -60,6 +60,7 @@ class Destination:
         """Start reading ``req_id`` from ``engine`` (see :meth:`TransferAgent.fetch`)."""
         if req_id in self.fetches:
             raise RequestRejectedError(f"fetch {req_id!r} is already in flight")
+        self.fetches.send_dones(req_id)  # fetched again: the last fetch's Done goes first
         self.queued.drop(req_id)  # from now on its fetch renews its holds
         plan = self.met(engine)
         peers = {r: self.links.peers[(engine, r)] for r in plan.source_ranks}
@@ -249,8 +250,14 @@ class Destination:
             self.fetches.fail(part.fetch, error)
 
     # ------------------------------------------------------------------ progress
+    def busy(self) -> bool:
+        """Fetches in flight or deferred, or Dones not sent yet."""
+        return bool(self.fetches or self.deferred or self.fetches.dones)
+
     def advance(self) -> None:
-        """Renew the holds of fetches still outstanding, move every part along, finish or fail."""
+        """Send the Dones of fetches finished before this call (:meth:`Fetches.finish`), renew the holds
+        of fetches still outstanding, move every part along, finish or fail."""
+        self.fetches.send_dones()
         now = time.monotonic()
         self.queued.advance(now)
         for f in list(self.fetches.by_req.values()):
@@ -289,6 +296,7 @@ class Destination:
         self.fetches.peer_lost(peer, error)
 
     def fail_all(self, error: KVTritonError) -> None:
+        self.fetches.send_dones()  # the fetches that finished well: their sources may free the blocks
         self.fetches.fail_all(error)
         while (d := self.deferred.take()) is not None:
             self.fetches.refused(d.req_id, error, local_blocks(d.local_block_ids, self._num_blocks))

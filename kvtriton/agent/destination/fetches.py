@@ -14,6 +14,7 @@ from ...protocol import wire
 from ..links import Links, Peer
 from ..reports import Reports
 from .fetch import Fetch
+from .offers import Offers
 from .parts import Part
 
 
@@ -44,11 +45,15 @@ class Fetches:
     """The fetches in flight (by request), their parts (by transfer id) and the results not
     taken yet. Ending a fetch (finish or fail) tells its sources and records its result."""
 
-    def __init__(self, name: str, rank: int, tp: int, links: Links):
-        self.name, self.rank, self.tp, self.links = name, rank, tp, links
+    def __init__(self, name: str, rank: int, tp: int, links: Links, offers: Offers):
+        self.name, self.rank, self.tp, self.links, self.offers = name, rank, tp, links, offers
         self.by_req: dict[str, Fetch] = {}
         self.parts: dict[str, Part] = {}  # by transfer id
         self.results: Reports[RequestResult] = Reports()  # taken without the agent's lock (.reports)
+        #: the Done of each finished fetch to each rank of its source engine, sent by :meth:`send_dones`
+        #: in the next ``progress()``: a fetch's result is reported when its bytes landed, not after
+        #: its messages (why: :meth:`finish`)
+        self.dones: list[tuple[Peer, wire.Done]] = []
         self._xid = itertools.count()
 
     def __len__(self) -> int:
@@ -102,15 +107,31 @@ class Fetches:
             self.parts.pop(part.xid, None)
 
     def finish(self, f: Fetch) -> None:
+        """``f`` landed: its result now, its Dones queued for :meth:`send_dones`. Every rank of the
+        source engine learns this consumer is done (skipped replicas too); a part's RunsDone not
+        sent yet rides on its rank's Done (one notification, not two). Why not at once: the Dones
+        and the fence they call for (:mod:`kvtriton.transport.fence`) are a third of a small fetch's
+        host time here, and the engine waits for the result, not for them; the source frees the
+        blocks one ``progress()`` later."""
         self._forget(f)
-        # every rank of the source engine learns this consumer is done (skipped replicas too); a
-        # part's RunsDone not sent yet rides on its rank's Done (one notification, not two)
+        self.offers.drop(f.engine, f.req_id)  # made from the hold our Done ends: never READ again
+        self.results.add(RequestResult(f.req_id, True, None, time.monotonic() - f.started,
+                                       f.descriptors, f.nbytes, post_seconds=f.post_s, ways=_ways(f)))
         for peer in self.links.engine_peers(f.engine):
             part = f.parts.get(peer.md.rank)
             riding = part.runs_done_riding() if part is not None else ""
-            self.links.send(peer, wire.Done(f.req_id, self.rank, self.tp, riding), quiet=True)
-        self.results.add(RequestResult(f.req_id, True, None, time.monotonic() - f.started,
-                                       f.descriptors, f.nbytes, post_seconds=f.post_s, ways=_ways(f)))
+            self.dones.append((peer, wire.Done(f.req_id, self.rank, self.tp, riding)))
+
+    def send_dones(self, req_id: str | None = None) -> None:
+        """Send the queued Dones (``req_id``: only when one of them is that request's, e.g. before it
+        is fetched again: its Done must reach the source before the new fetch's messages). A peer
+        dropped or met again since gets none: its holds ended with it."""
+        if not self.dones or (req_id is not None and all(m.req != req_id for _, m in self.dones)):
+            return
+        dones, self.dones = self.dones, []
+        for peer, msg in dones:
+            if self.links.peers.get(peer.key) is peer:
+                self.links.send(peer, msg, quiet=True)
 
     def fail(self, f: Fetch, error: KVTritonError) -> None:
         if f.error is not None:

@@ -52,6 +52,13 @@ class Offers:
             for req in [r for r, o in mine.items() if o.xid == xid]:
                 del mine[req]
 
+    def drop(self, engine: str, req: str) -> None:
+        """Forget every offer of ``req`` from ``engine``'s ranks: its fetch finished, so our Done ends
+        the hold they were made from (a fetch of ``req`` again must pull, and be refused)."""
+        for (eng, _), offers in self.by_peer.items():
+            if eng == engine:
+                offers.pop(req, None)
+
     def peer_lost(self, peer: Peer) -> None:
         self.by_peer.pop(peer.key, None)
 
