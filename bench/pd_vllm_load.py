@@ -30,8 +30,13 @@ BASELINE_STEPS = 24
 
 
 def cells_from(concurrency=(), rate: float = 0.0, rate_count: int = 16) -> list[dict]:
-    """The cells to run: one per ``concurrency`` entry (``{"in_flight": n}``), and a rate cell."""
-    cells = [{"in_flight": int(n)} for n in concurrency if int(n) > 0]
+    """The cells to run: one per ``concurrency`` entry (``{"in_flight": n}``; a count given again is
+    another run of that cell, ``"repeat": k``, its own row), and a rate cell."""
+    cells: list[dict] = []
+    for n in concurrency:
+        if int(n) > 0:
+            k = sum(1 for c in cells if c["in_flight"] == int(n))
+            cells.append({"in_flight": int(n), **({"repeat": k} if k else {})})
     if rate > 0:
         cells.append({"rate": float(rate), "in_flight": int(rate_count)})
     return cells
@@ -64,7 +69,8 @@ def run_cells(prefill, decode, connector: str, prompts, ref, cells, *, max_token
 
 
 def _name(cell: dict) -> str:
-    return f"{cell['in_flight']} at {cell['rate']:g}/s" if "rate" in cell else f"{cell['in_flight']} in flight"
+    name = f"{cell['in_flight']} at {cell['rate']:g}/s" if "rate" in cell else f"{cell['in_flight']} in flight"
+    return name + (f" (run {cell['repeat'] + 1})" if cell.get("repeat") else "")
 
 
 def _cell(prefill, decode, connector, prompts, ref, cell, tag, max_tokens, bg_tokens) -> dict:
@@ -102,7 +108,8 @@ def _cell(prefill, decode, connector, prompts, ref, cell, tag, max_tokens, bg_to
                      "kv_ready_ms": None if t.get("scheduler_s") is None else 1e3 * t["scheduler_s"],
                      "identical": o["tokens"] == ref[i], "prompt_computed": o["prompt_computed"]})
     loading = [s[0] for s in steps if s[1] > 0]
-    res = {"connector": connector, "in_flight": n, "rate": cell.get("rate"), "rows": rows,
+    res = {"connector": connector, "in_flight": n, "rate": cell.get("rate"), "repeat": cell.get("repeat", 0),
+           "rows": rows,
            "ok": sum(r["identical"] for r in rows), "n": n,
            "recomputed": sum(max(0, r["prompt_computed"] - 1) for r in rows),
            "steps_loading": len(loading), "step_base_ms": _ms(statistics.median(base)) if base else None,

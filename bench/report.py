@@ -917,15 +917,16 @@ def load_table(results: list[dict]) -> list[str]:
     for r in results:
         for c in r.get("load") or ():
             cells[(r["prefill_tp"], r["decode_tp"], r.get("block_size"), c["in_flight"], c.get("rate"),
-                   r["connector"])] = c  # a result's cells, or the sweep's load rows (ok/n renamed back)
-    for (p, d, bs, n, rate, conn), c in cells.items():
-        theirs = cells.get((p, d, bs, n, rate, "nixl")) if conn == "kvtriton" else None
+                   c.get("repeat") or 0, r["connector"])] = c  # a result's cells, or the sweep's load rows
+    for (p, d, bs, n, rate, again, conn), c in cells.items():
+        theirs = cells.get((p, d, bs, n, rate, again, "nixl")) if conn == "kvtriton" else None
 
         def ratio(k, c=c, theirs=theirs):
             a, b = c.get(k), (theirs or {}).get(k)
             return f"{a / b:.2f}" if a and b else ""
         both = lambda k, c=c: f"{fmt_ms(c.get(k + '_p50'))} / {fmt_ms(c.get(k + '_p99'))}"  # noqa: E731
         cell = f"{n} in flight" if rate is None else f"{n} at {rate:g} req/s"
+        cell += f" (run {again + 1})" if again else ""
         kv = f"{ratio('kv_loaded_ms_p50')} / {ratio('kv_loaded_ms_p99')}" if theirs else ""
         tt = f"{ratio('ttft_ms_p50')} / {ratio('ttft_ms_p99')}" if theirs else ""
         lines.append(f"| {p}->{d} | {bs} | {cell} | {conn} | {c['ok']}/{c['n']} | {c['recomputed']} | "

@@ -20,6 +20,9 @@ def test_cells_and_mixed_prompts():
     from bench.pd_vllm_load import cells_from, load_prompts
 
     assert cells_from((8, 32)) == [{"in_flight": 8}, {"in_flight": 32}]
+    # a count given again is another run of it, its own row (else the table kept the last run only and
+    # set it against the other connector's other run)
+    assert cells_from((8, 8, 32)) == [{"in_flight": 8}, {"in_flight": 8, "repeat": 1}, {"in_flight": 32}]
     assert cells_from((), rate=20, rate_count=16) == [{"rate": 20.0, "in_flight": 16}]
     prompts = load_prompts(random.Random(1), 8, 333, 64, 512)
     lengths = [len(p) for p in prompts]
@@ -49,6 +52,13 @@ def test_load_table_ratios():
     assert "| 2->1 | 64 | 8 in flight |" in ours
     theirs = next(x for x in lines if "| nixl |" in x)
     assert theirs.endswith("|  |  |")
+    # two runs of one cell: each its own row, each against the other connector's same run
+    results[0]["load"].append({**_cell(8, 30.0, 30.0, 30.0, 30.0), "repeat": 1})
+    results[1]["load"].append({**_cell(8, 15.0, 15.0, 15.0, 15.0), "repeat": 1})
+    lines = load_table(results)
+    ours = [x for x in lines if "| kvtriton |" in x]
+    assert len(ours) == 2 and "| 0.50 / 2.00 |" in ours[0] and "| 8 in flight (run 2) |" in ours[1]
+    assert "| 2.00 / 2.00 | 2.00 / 2.00 |" in ours[1]
 
 
 def test_sweep_rows_reach_summary_and_headline():
