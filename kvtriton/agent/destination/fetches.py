@@ -43,7 +43,8 @@ class RequestResult:
 
 class Fetches:
     """The fetches in flight (by request), their parts (by transfer id) and the results not
-    taken yet. Ending a fetch (finish or fail) tells its sources and records its result."""
+    taken yet. Ending a fetch records its result and tells its sources (a finish: in the next
+    ``progress()``, :meth:`finish`)."""
 
     def __init__(self, name: str, rank: int, tp: int, links: Links, offers: Offers):
         self.name, self.rank, self.tp, self.links, self.offers = name, rank, tp, links, offers

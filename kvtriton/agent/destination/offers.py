@@ -8,6 +8,7 @@ from ...protocol import wire
 from ..links import Links, Peer
 
 MAX_OFFERS_PER_PEER = 1024  # offers kept per source rank (the oldest goes first)
+MAX_FINISHED = 4096  # requests remembered as fetched (their later offers ignored), the oldest forgotten first
 
 
 def _terms(offer: wire.Offer) -> OfferTerms:
@@ -21,9 +22,13 @@ class Offers:
     def __init__(self, links: Links):
         self.links = links
         self.by_peer: dict[tuple[str, int], dict[str, wire.Offer]] = {}  # source rank -> req -> its offer
+        self.finished: dict[tuple[str, str], None] = {}  # (engine, req) fetched here: see drop
 
     def keep(self, peer: Peer, m: wire.Offer) -> None:
-        """Keep ``peer``'s offer ``m`` (a newer offer of the same request replaces it)."""
+        """Keep ``peer``'s offer ``m`` (a newer offer of the same request replaces it); one of a request
+        fetched here already is ignored (:meth:`drop`)."""
+        if (peer.md.engine, m.req) in self.finished:
+            return
         mine = self.by_peer.setdefault(peer.key, {})
         mine.pop(m.req, None)
         if len(mine) >= MAX_OFFERS_PER_PEER:
@@ -53,11 +58,16 @@ class Offers:
                 del mine[req]
 
     def drop(self, engine: str, req: str) -> None:
-        """Forget every offer of ``req`` from ``engine``'s ranks: its fetch finished, so our Done ends
-        the hold they were made from (a fetch of ``req`` again must pull, and be refused)."""
+        """Forget every offer of ``req`` from ``engine``'s ranks, and ignore any that comes later: its
+        fetch finished, so our Done ends the hold they were made from (a fetch of ``req`` again must
+        pull, and be refused; one offer taken would READ blocks the source may be reusing). The last
+        :data:`MAX_FINISHED` requests are remembered: an offer still on its way arrives well before."""
         for (eng, _), offers in self.by_peer.items():
             if eng == engine:
                 offers.pop(req, None)
+        self.finished[(engine, req)] = None
+        if len(self.finished) > MAX_FINISHED:
+            del self.finished[next(iter(self.finished))]
 
     def peer_lost(self, peer: Peer) -> None:
         self.by_peer.pop(peer.key, None)
