@@ -109,7 +109,7 @@ class EnginePair:
         return state
 
     # ------------------------------------------------------------------ the oracles together
-    def negative_control(self, prompts, ref, tag: str = "neg") -> None:
+    def negative_control(self, prompts, ref, tag: str = "neg") -> int:
         """Overwrite the prefill's blocks after its requests finished, before the decode loads
         them: the decode's tokens must change (the KV really travels). Run it before the decode
         first meets the prefill, or with a prefill that packs nothing ahead (``eager_guess``
@@ -119,7 +119,9 @@ class EnginePair:
         this 2-core host has starved one engine's processes for 12-77 s at a time (each agent logs
         "did not run for ..."; the kernel logs workqueue lockups), past the decode's handshake and
         ``timeout_s``. A recomputed load is the connector's failure path working, not a transfer; a
-        second round that moves nothing fails the control."""
+        second round that moves nothing fails the control. Returns how many requests of a first
+        round failed that way (0 or ``len(prompts)``): the prefill keeps their holds to the lease."""
+        failed = 0
         for attempt in (1, 2):
             params = self.prefill_requests(prompts, f"{tag}{attempt}-p")
             blocks = sorted({b for p in params for b in p["remote_block_ids"]})
@@ -134,7 +136,9 @@ class EnginePair:
                                      f"computed by the decode per request: {computed}; more than 1: its load failed "
                                      "and vLLM recomputed, so this control saw no transfer)")
             print(f"negative control: every load failed and was recomputed ({computed}); once more")
+            failed = len(prompts)
         self.settle(self.prefill)
+        return failed
 
     def transfer(self, prompts, ref=None, tag: str = "x") -> dict:
         """Prefill, decode, then check: tokens equal ``ref`` (None: the decode computes the

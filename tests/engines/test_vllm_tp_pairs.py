@@ -59,7 +59,7 @@ def test_kvtriton_moves_pairs_vllm_refuses(models, tmp_path, prompts, name, opti
     pair = EnginePair(VLLM_PY, model, tmp_path, p_tp, d_tp)
     try:
         ref = pair.reference(prompts, "ref")
-        pair.negative_control(prompts, ref)
+        left = pair.negative_control(prompts, ref)  # a failed first round's holds end by their lease
         res = pair.transfer(prompts, ref)
         heads = res["digests"]["heads"]
         expired = [s["leases_expired"] for s in pair.prefill.call("agent_stats")["stats"]]
@@ -67,7 +67,9 @@ def test_kvtriton_moves_pairs_vllm_refuses(models, tmp_path, prompts, name, opti
               f"{res['prompt_computed']}, regions byte-equal {res['digests']['regions']} ({heads} heads), "
               f"descriptors {res['descriptors']}, holds ended by lease {expired}")
         assert all(n == options["kv_heads"] for n in heads.values()), heads  # every global head checked
-        assert expired == [0] * p_tp, expired
+        # the holds of a control round whose loads all failed (this host starved an engine past its
+        # timeouts) end by the lease, maybe before this count: never more than those per rank
+        assert all(n <= left for n in expired) if left else expired == [0] * p_tp, (expired, left)
     finally:
         pair.close()
 
