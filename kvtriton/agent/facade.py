@@ -491,7 +491,7 @@ class TransferAgent:
             self._thread.start(interval_s)
 
     def idle(self) -> bool:
-        """True when nothing is in flight or held."""
+        """True when nothing is in flight, held, or left to send (a finished fetch's Dones)."""
         with self._lock, self._s.lanes.on_device():
             return not (self._destination.busy() or self._source.busy()
                         or self._links.zombies or self._inbox)

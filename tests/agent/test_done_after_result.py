@@ -91,3 +91,24 @@ def test_a_request_fetched_again_after_its_result_is_refused(engines, progressed
     assert len(got) == 1 and not got[0].ok and isinstance(got[0].error, RequestRejectedError), got
     assert got[0].undefined_blocks == tuple(dst.tolist())
     assert _freed(p, 1.0) == ["r"]
+
+
+def test_a_fetch_with_nothing_to_read_queues_no_done(engines):
+    # every local block skipped (a full prefix hit): the result needs no progress(), so a caller may never
+    # call it; its Done is handed to the transport with the fetch (nothing to hurry), not queued for a
+    # progress that may never come (fetches like it would queue Dones without bound)
+    e = engines(1, 1)
+    p, d = e.pa[0], e.da[0]
+    src = np.array([7, 8])
+    kv = e.request(src)
+    p.hold("r", src, lease_s=60, consumer="D")  # bound to D: its done alone ends the hold (no pull binds it)
+    d.fetch("r", "P", src, np.array([-1, -1]))
+    got = d.results()
+    assert len(got) == 1 and got[0].ok and got[0].bytes == 0, got
+    assert d.idle()  # nothing queued (without the send at the fetch: its Done)
+    deadline = time.monotonic() + 5  # and it ends the hold (UCX sends once the decode's worker progresses)
+    while "r" in p.debug_state()["holds"]:
+        assert time.monotonic() < deadline, "the hold did not end: no Done came"
+        d.progress()
+        p.progress()
+    check_destination(e.D[0], 0, 1, kv, np.array([-1, -1]), e.before[0])  # not a byte written

@@ -87,8 +87,9 @@ class Destination:
         f = Fetch(req_id, engine, now, timeout, now + timeout, rp, renew_at=now + self.s.renew_s, ready=ready,
                   checked=checked)
         self.fetches.add(f)
-        if rp.num_tiles == 0:
-            self.fetches.finish(f)
+        if rp.num_tiles == 0:  # nothing to read (a full prefix hit): no READ to hurry, so its Dones go now, not
+            self.fetches.finish(f)  # queued for a progress() this result never needs (a caller that never calls
+            self.fetches.send_dones()  # it would queue them without bound)
             return
         for src_rank in rp.source_ranks:
             try:
