@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import PlanError
+from ..ops.launch import resolve_impl
 from ..plan import CostModel, ModesArg, check_compatible, parse_modes
 from ..regions import Region
 from ..spec import RegionSpec
@@ -84,7 +85,8 @@ def make_settings(*, engine_id: str, rank: int, tp: int, regions: Sequence[Regio
                   integrity: bool = False) -> Settings:
     """Check :class:`~kvtriton.agent.TransferAgent`'s arguments (same names) and make its
     settings: the staging pool, the chunk size, the device and its stream. Raises ``ValueError``
-    on bad arguments, :class:`~kvtriton.errors.PlanError` on modes a push cannot do, the
+    on bad arguments, :class:`~kvtriton.errors.LaunchError` on an ``impl`` that is not one or
+    cannot run on the regions' device, :class:`~kvtriton.errors.PlanError` on modes a push cannot do, the
     validation gate's errors on a geometry that does not fit ``tp``."""
     flow = flow_of(flow, mode)
     modes_arg, modes = modes, restricted_modes(modes, register, integrity)
@@ -98,6 +100,9 @@ def make_settings(*, engine_id: str, rank: int, tp: int, regions: Sequence[Regio
     if len(devices) != 1:
         raise ValueError(f"all regions must be on one device, got {sorted(map(str, devices))}")
     device = devices.pop()
+    # a name that is not an implementation, or one that cannot run here, fails now; and "auto" is decided
+    # now: it imports Triton's kernels (~20 ms in a busy engine), which the first repack paid before
+    resolve_impl(impl, device)
     regions, specs = tuple(regions), tuple(r.spec for r in regions)
     # validate our own geometry against our own TP once (a bad shard fails here, not later)
     check_compatible(specs, tp, specs, tp)

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import KVTritonError
 from ..ops import LaunchConfig, launch_config_for, pack, unpack
-from ..ops.launch import _resolve_impl
+from ..ops.launch import resolve_impl
 from ..plan import Payload
 from .links import Peer
 from .plan_book import PlanBook
@@ -60,7 +60,7 @@ def peer_reads(book: PlanBook, peers: Iterable[Peer]) -> list[tuple[str, Payload
 def warm(s: Settings, reads: Iterable[tuple[str, Payload]], done: set) -> list[tuple[str, LaunchConfig]]:
     """Launch each ``(op, LaunchConfig)`` of ``reads`` (``("pack" | "unpack", staged read)``
     pairs) not in ``done`` yet, add it there, wait for the launches; returns the new ones."""
-    if _resolve_impl(s.impl, s.device) == "torch":
+    if resolve_impl(s.impl, s.device) == "torch":
         return []
     staging = s.pool.tensor
     new: list[tuple[str, LaunchConfig]] = []

@@ -28,6 +28,7 @@ Every check runs before anything is launched or written, and no check synchronis
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Sequence
@@ -60,15 +61,22 @@ def _kernel(op: str):
     return kernel
 
 
+@functools.cache
 def _interpreting() -> bool:
     """True when the kernels were decorated under ``TRITON_INTERPRET=1`` (Triton decides at
-    decoration time, so the environment variable alone is not enough)."""
+    decoration time, so the environment variable alone is not enough). Asked once per process:
+    the first answer imports Triton and decorates the kernels (~20 ms inside a busy engine), which
+    :func:`resolve_impl` at an agent's construction pays, not its first repack."""
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(_kernel("pack"), InterpretedFunction)
 
 
-def _resolve_impl(impl: str, device: torch.device) -> str:
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """What ``impl`` (``"auto"``, ``"triton"`` or ``"torch"``; ``KVTRITON_IMPL`` overrides it) runs
+    on ``device``'s tensors: ``"triton"`` or ``"torch"``; :class:`LaunchError` when it is not a
+    known implementation or cannot run there (``"triton"`` on CPU tensors without the Triton
+    interpreter, or on CUDA tensors with it)."""
     env = os.environ.get("KVTRITON_IMPL", "").strip().lower()
     if env and env not in _IMPLS:
         raise LaunchError(f"KVTRITON_IMPL={env!r} is not a known implementation: expected one of {_IMPLS}")
@@ -216,7 +224,7 @@ def _impl_for(op: str, chk: Checked, impl: str, device: torch.device) -> str:
     """The implementation that runs this request: the kernels do not regroup tokens of a
     dim-major row part (no CUDA attention backend stores one), so a token-mapped request that
     touches one runs the torch path under ``"auto"`` and is refused under ``"triton"``."""
-    which = _resolve_impl(impl, device)
+    which = resolve_impl(impl, device)
     if which == "triton" and chk.tiles is not None and chk.static.dim_major:
         env = os.environ.get("KVTRITON_IMPL", "").strip().lower()
         if (env or impl) == "auto":

@@ -350,19 +350,19 @@ def test_triton_on_cpu_needs_the_interpreter(calls, op, monkeypatch):
 def test_resolve_impl_table(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.setattr(ops_launch, "_interpreting", lambda: True)
-    assert ops_launch._resolve_impl("auto", cpu) == "triton"
-    assert ops_launch._resolve_impl("torch", cpu) == "torch"
-    assert ops_launch._resolve_impl("auto", cuda) == "torch"  # interpreted kernels cannot touch device memory
+    assert ops_launch.resolve_impl("auto", cpu) == "triton"
+    assert ops_launch.resolve_impl("torch", cpu) == "torch"
+    assert ops_launch.resolve_impl("auto", cuda) == "torch"  # interpreted kernels cannot touch device memory
     with pytest.raises(LaunchError, match="decorated under TRITON_INTERPRET=1"):
-        ops_launch._resolve_impl("triton", cuda)
+        ops_launch.resolve_impl("triton", cuda)
     monkeypatch.setattr(ops_launch, "_interpreting", lambda: False)
-    assert ops_launch._resolve_impl("auto", cpu) == "torch"
-    assert ops_launch._resolve_impl("auto", cuda) == "triton"
-    assert ops_launch._resolve_impl("triton", cuda) == "triton"
+    assert ops_launch.resolve_impl("auto", cpu) == "torch"
+    assert ops_launch.resolve_impl("auto", cuda) == "triton"
+    assert ops_launch.resolve_impl("triton", cuda) == "triton"
     monkeypatch.setenv("KVTRITON_IMPL", "torch")
-    assert ops_launch._resolve_impl("triton", cuda) == "torch"  # the environment overrides the keyword
+    assert ops_launch.resolve_impl("triton", cuda) == "torch"  # the environment overrides the keyword
     monkeypatch.setenv("KVTRITON_IMPL", " Triton ")
-    assert ops_launch._resolve_impl("torch", cuda) == "triton"
+    assert ops_launch.resolve_impl("torch", cuda) == "triton"
 
 
 @pytest.mark.parametrize("env,impl,want", [("torch", "triton", "torch"), ("triton", "torch", "triton"),
