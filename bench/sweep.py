@@ -390,10 +390,14 @@ PD_PAIRS_SMALL = ((2, 1),)
 #: users run now; one engine pair each (~60 s a block on a quiet 2-core host)
 PD_BLOCKS_SMALL = (16, 64)
 #: many requests in flight on the same engines, after the one-at-a-time requests (bench/pd_vllm_load.py):
-#: the default sweep 8 and 32 at once (seconds on the small model: the engines' start-up is the cost);
-#: --full adds 16 requests at a steady 20 req/s, and runs the small model at blocks 16 and 64
-PD_LOAD_SMALL = dict(concurrency=(8, 32))
-PD_LOAD_FULL = dict(concurrency=(8, 32), rate=20.0, rate_count=16)
+#: the default sweep 8 and 32 at once, three runs of each, alternated (seconds on the small model: the
+#: engines' start-up is the cost); the headline takes each connector's median run of a cell, as one
+#: run was a lottery on this host (one 0.5 s stall of either connector's READs decided a cell: 81x,
+#: 0.01x); the table shows every run. --full adds 16 requests at a steady 20 req/s, and runs the
+#: small model at blocks 16 and 64
+PD_LOAD_RUNS = 3
+PD_LOAD_SMALL = dict(concurrency=(8, 32) * PD_LOAD_RUNS)
+PD_LOAD_FULL = dict(concurrency=(8, 32) * PD_LOAD_RUNS, rate=20.0, rate_count=16)
 PD_LOAD_BLOCKS_FULL = (16, 64)
 
 
@@ -467,7 +471,7 @@ def load_row(key: dict, cell: dict) -> dict:
     figures = {k: v for k, v in cell.items() if k.endswith(("_p50", "_p99")) or k.startswith("step")}
     return {**key, "load_cell": f"{cell['in_flight']} in flight" if cell.get("rate") is None
             else f"{cell['in_flight']} at {cell['rate']:g} req/s",
-            "in_flight": cell["in_flight"], "rate": cell.get("rate"),
+            "in_flight": cell["in_flight"], "rate": cell.get("rate"), "repeat": cell.get("repeat") or 0,
             "load_ok": cell["ok"], "load_n": cell["n"], "load_recomputed": cell["recomputed"], **figures,
             "summary": cell["summary"]}
 

@@ -107,3 +107,32 @@ def test_two_blocks_of_one_model_stay_apart_in_headline_and_tables():
     assert "block 16 and 64" in text
     assert "| 2->1 block 16 | kvtriton | 1/1 | 3.0 |" in text and "| 2->1 block 64 | kvtriton | 1/1 | 1.0 |" in text
     assert "| 2->1 | 16 | 8 in flight | kvtriton |" in text and "| 2->1 | 64 | 8 in flight | kvtriton |" in text
+
+
+def test_headline_takes_each_connectors_median_run_of_a_cell():
+    """The sweep runs each load cell three times: the headline sets each connector's median run of each
+    figure against the other's (one stall decided a single run: 81x), the table keeps every run."""
+    from bench.pd_vllm_load import cells_from
+    from bench.report import headline_lines, summary_lines
+    from bench.sweep import PD_LOAD_SMALL, load_row
+
+    cells = cells_from(**PD_LOAD_SMALL)
+    assert [c["in_flight"] for c in cells] == [8, 32, 8, 32, 8, 32]  # alternated
+    assert [c.get("repeat", 0) for c in cells if c["in_flight"] == 8] == [0, 1, 2]
+    rows = []
+    runs = {"kvtriton": (5.0, 530.0, 6.0), "nixl": (10.0, 12.0, 8.0)}  # ours stalled once
+    for conn, kvs in runs.items():
+        key = {"section": "pd_vllm", "connector": conn, "prefill_tp": 2, "decode_tp": 1, "pd_size": "small",
+               "model_kind": "llama", "block_size": 16, "model": "m"}
+        rows.append({**key, "request": 0, "ttft_ms": 3.0, "kv_loaded_ms": 2.0, "kv_ready_ms": 2.5,
+                     "identical": True, "prompt_computed": 1, "descriptors": 4, "kv_bytes": 100, "summary": "x"})
+        for k, kv in enumerate(kvs):
+            rows.append(load_row(key, {**_cell(8, kv, kv, 2 * kv, 2 * kv), **({"repeat": k} if k else {})}))
+    head = next(x for x in headline_lines(rows, {}) if x.startswith("- **real engines**"))
+    # medians 6.0 against 10.0 (not the last run's 6/8, nor the stall's 530/12)
+    assert "8 in flight, median of 3 runs, KV loaded p50 0.60x p99 0.60x, TTFT p50 0.60x p99 0.60x " \
+           "(24/24 identical)" in head
+    meta = {"command": "c", "device": "cpu", "timestamp": "t", "torch": "2", "git_sha": "g"}
+    text = "\n".join(summary_lines(rows, meta))
+    assert "| 2->1 | 16 | 8 in flight (run 2) | kvtriton | 8/8 | 0 | 530.0 / 530.0 |" in text
+    assert "| 2->1 | 16 | 8 in flight (run 3) | nixl |" in text
