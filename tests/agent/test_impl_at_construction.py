@@ -19,6 +19,8 @@ from kvtriton.agent import TransferAgent
 from kvtriton.errors import LaunchError
 from kvtriton.regions import Region
 
+pytestmark = pytest.mark.nixl  # the second test's agent is a real one
+
 
 def _regions() -> list[Region]:
     k = torch.randn(8, 16, 2, 64, generator=torch.Generator().manual_seed(0))
