@@ -2,9 +2,9 @@
 
 Why: ``impl="auto"`` (the connectors' default) asks whether Triton's kernels were decorated under
 the interpreter, and the first answer imports Triton and decorates them. Asked by the first
-repack, that import ran inside the engine's first load that travelled a repacking way: 16-20 ms
+repack, that import ran inside the engine's first load that travelled a repacking way: 16-22 ms
 in vLLM's decode worker (``bench/pd_vllm.py``'s first 8-in-flight cell, every load of that step
-waiting on it, where its repeats took 5-9 ms). A name that is no implementation fails at
+waiting on it, where its repeats took 7-16 ms). A name that is no implementation fails at
 construction too, with a typed error, before any NIXL agent exists.
 """
 
