@@ -66,10 +66,16 @@ def _interpreting() -> bool:
     """True when the kernels were decorated under ``TRITON_INTERPRET=1`` (Triton decides at
     decoration time, so the environment variable alone is not enough). Asked once per process:
     the first answer imports Triton and decorates the kernels (~20 ms inside a busy engine), which
-    :func:`resolve_impl` at an agent's construction pays, not its first repack."""
-    from triton.runtime.interpreter import InterpretedFunction
+    :func:`resolve_impl` at an agent's construction pays, not its first repack. False when Triton
+    cannot be imported: nothing is interpreted then, and an agent that repacks on the torch path
+    (``"auto"`` on CPU) or never repacks (zero-copy regions only) needs no Triton, as before this
+    was asked at construction; a Triton launch still raises the ImportError when it is tried."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(_kernel("pack"), InterpretedFunction)
+        return isinstance(_kernel("pack"), InterpretedFunction)
+    except ImportError:
+        return False
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:

@@ -52,3 +52,26 @@ def test_auto_imports_the_kernels_when_the_agent_is_made():
     out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["False", "True"], out.stdout
+
+
+_NO_TRITON = """
+import sys, torch
+sys.modules["triton"] = None  # Triton cannot be imported
+from kvtriton.agent import TransferAgent
+from kvtriton.ops.launch import resolve_impl
+from kvtriton.regions import Region
+k = torch.randn(8, 16, 2, 64)
+a = TransferAgent("E", 0, 1, [Region.attention("layer0", k, k.clone(), block_size=16, layout="NHD", total_heads=2)],
+                  staging_bytes=1 << 20)
+a.close()
+print(resolve_impl("auto", torch.device("cpu")))
+"""
+
+
+def test_an_agent_that_repacks_on_the_torch_path_needs_no_triton():
+    """Deciding at construction must not make Triton a condition of constructing: ``"auto"`` on CPU
+    runs the torch path, which never needed it (a zero-copy-only agent never repacks at all)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KVTRITON_IMPL")}
+    out = subprocess.run([sys.executable, "-c", _NO_TRITON], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "torch", out.stdout
