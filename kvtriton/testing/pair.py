@@ -25,7 +25,7 @@ Example::
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -129,6 +129,38 @@ class EnginePair:
         while time.monotonic() < end:
             for a in self.agents:
                 a.progress()
+
+    def settle_until(self, done: Callable[[], bool], what: Callable[[], str], timeout_s: float = 10.0) -> None:
+        """Progress every agent until ``done()`` holds (checked first after a short settle, so
+        messages already sent are delivered); fails (AssertionError with ``what()``, the state
+        waited on) after ``timeout_s``. A test waits for the state it means, not for a fixed
+        time a loaded host may not keep."""
+        deadline = time.monotonic() + timeout_s
+        self.settle(0.05)
+        while not done():
+            assert time.monotonic() < deadline, f"not within {timeout_s} s: {what()}"
+            self.settle(0.01)
+
+    def offers_held(self, *req_ids: str) -> int:
+        """How many offers of ``req_ids`` the decode ranks hold (one per offering prefill rank each)."""
+        return sum(req in by_req for d in self.da for by_req in d.debug_state()["offers"].values() for req in req_ids)
+
+    def settle_offers(self, *req_ids: str, timeout_s: float = 10.0) -> None:
+        """Progress until every offer the prefill ranks sent (``stats.eager_offers``: ``req_ids``
+        are every request held) is held by a decode rank."""
+        def sent() -> list[int]:
+            return [p.stats["eager_offers"] for p in self.pa]
+
+        self.settle_until(lambda: self.offers_held(*req_ids) >= sum(sent()),
+                          lambda: f"offers of {req_ids} held {self.offers_held(*req_ids)}, sent {sent()}", timeout_s)
+
+    def settle_done(self, timeout_s: float = 10.0) -> None:
+        """Progress until no prefill rank holds a request and every agent's staging is back: every
+        consumer's done (and what it counts) has arrived. :meth:`freed` reports are left unread."""
+        self.settle_until(lambda: not any(p.debug_state()["holds"] for p in self.pa)
+                          and all(a.pool.free_slots == a.pool.num_slots for a in self.agents),
+                          lambda: f"holds {[sorted(p.debug_state()['holds']) for p in self.pa]}, free slots "
+                                  f"{[(a.pool.free_slots, a.pool.num_slots) for a in self.agents]}", timeout_s)
 
     def settle_freed(self, holds: int, timeout_s: float = 10.0) -> list:
         """Progress until ``holds`` holds are freed and every staging slot is back; returns the

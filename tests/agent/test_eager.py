@@ -47,14 +47,14 @@ def test_a_pull_is_answered_from_the_eager_pack_byte_exact(engines, p_tp, d_tp, 
         pool_state = p.debug_state()["staging"]
         assert pool_state["eager_slots"] <= pool_state["eager_budget_slots"]
     if offer_seen:
-        e.settle(0.1)
+        e.settle_offers("r")
     for d in e.da:
         d.fetch("r", "P", src, dst)
     got = e.drive(1)
     assert all(v[0].ok for v in got.values()), got
     for r in range(d_tp):
         check_destination(e.D[r], r, d_tp, kv, dst, e.before[r])
-    e.settle(0.2)
+    e.settle_done()
     hits = sum(p.stats["eager_hits"] for p in e.pa)
     assert hits == sum(len(p.debug_state()["plans"]) for p in e.pa) and hits >= max(p_tp, d_tp)
     assert sum(p.stats["eager_misses"] for p in e.pa) == 0

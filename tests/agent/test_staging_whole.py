@@ -81,8 +81,8 @@ def test_staging_is_whole_right_after_every_hold_is_done(flow, eager, prefix, of
         for req, src, _, _ in reqs:
             for p in e.pa:
                 p.hold(req, src, consumer="D" if eager == "named" else None)
-        if offer_seen:
-            e.settle(0.1)  # packs made and offered before the fetches
+        if offer_seen:  # packs made and offered before the fetches
+            e.settle_offers(*(req for req, *_ in reqs))
         elif eager != "off":
             # packs made and offered, the decode fetching before it read the offers: the prefill's
             # progress alone (NIXL's progress thread delivers a pull sent at once before the prefill
