@@ -256,7 +256,7 @@ def test_chunked_pulls_batch_each_step_byte_exact(engines):
     assert (p.stats["pack_launches"], p.stats["packed_chunks"]) == (2, 8)  # chunks 0 and 1 of all four
     _all_exact(e, kv, dst)
     assert p.stats["packed_chunks"] == 24 and p.stats["pack_launches"] < 24
-    e.settle(0.2)
+    e.settle_done()  # every staging slot back (the asserted state, not a fixed wait)
     assert all(a.pool.free_slots == a.pool.num_slots for a in e.agents)
 
 
@@ -317,7 +317,7 @@ def test_an_eager_pack_refused_for_one_rank_leaves_the_others_and_goes_lazily(en
     for d in e.da:
         d.fetch("r", "P", src, dst)
     _all_exact(e, kv, dst)
-    e.settle(0.2)
+    e.settle_done()
     assert p.stats["eager_hits"] == 3 and p.stats["packed_chunks"] == 4  # rank 2 packed lazily
     assert p.pool.free_slots == p.pool.num_slots and p.debug_state()["staging"]["eager_slots"] == 0
 

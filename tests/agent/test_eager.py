@@ -133,7 +133,7 @@ def test_holds_beyond_the_eager_budget_are_served_lazily(engines):
     assert all(r.ok for r in got), got
     for i in range(3):
         check_destination(e.D[0], 0, 1, kvs[i], dsts[i])
-    e.settle(0.2)
+    e.settle_done()
     assert p.stats["eager_hits"] == 1 and p.stats["eager_misses"] == 0
     assert _all_free(e)
 
@@ -171,7 +171,7 @@ def test_a_pull_needing_staging_evicts_eager_packs_of_other_holds(engines):
     assert res.ok, res
     check_destination(e.D[0], 0, 1, kv_a, np.arange(20, 28))
     check_destination(e.D[0], 0, 1, kv_b, np.arange(40, 44))
-    e.settle(0.2)
+    e.settle_done()
     assert _all_free(e)
 
 
