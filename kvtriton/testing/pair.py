@@ -165,7 +165,8 @@ class EnginePair:
     def settle_freed(self, holds: int, timeout_s: float = 10.0) -> list:
         """Progress until ``holds`` holds are freed and every staging slot is back; returns the
         freed requests (``FreedRequest``) of every prefill rank."""
-        freed, deadline = [], time.monotonic() + timeout_s
+        freed: list = []
+        deadline = time.monotonic() + timeout_s
         while len(freed) < holds or any(a.pool.free_slots != a.pool.num_slots for a in self.agents):
             assert time.monotonic() < deadline, f"freed {freed}; staging {[a.pool.free_slots for a in self.pa]}"
             for a in self.agents:
