@@ -183,13 +183,24 @@ def _prefill(conn, layers: int, num_blocks: int, variants: list[dict], reps: int
                 pack(regions[r, "NHD"], read.segments, read.segment_offsets(ids.size), ids, staging, impl="torch")
         return quantiles_ms(pack_all, reps)
 
+    def settle(variant) -> bool:  # its last request's Done taken in by each rank, before the next method
+        group = agents[variant]
+
+        def waiting() -> bool:  # a hold decode rank 0 (the only one fetching here) is not done with yet
+            return any(not h["done_from"] for a in group for h in a.debug_state()["holds"].values())
+        end = time.monotonic() + 10
+        while waiting() and time.monotonic() < end:
+            for a in group:
+                a.progress()
+        return not waiting()
+
     def step() -> None:
         for a in every:
             a.progress()
         raw.poll_notifs()  # the passive side of the raw READs must be driven too
 
-    child = AgentChild(conn, every, {"add_remote": add_remote, "hold": hold, "time_pack": time_pack}, step=step,
-                       idle_wait_s=0.0005)
+    child = AgentChild(conn, every, {"add_remote": add_remote, "hold": hold, "time_pack": time_pack, "settle": settle},
+                       step=step, idle_wait_s=0.0005)
     child.ready(dict(agent_md=[[a.metadata() for a in group] for group in agents], raw_md=raw.metadata(),
                      raw_name=raw.name,
                      nhd={r: [[t.data_ptr() for t in kv] for kv in nhd[r]] for r in ranks},
@@ -490,6 +501,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
                       host="busy" if busy else "idle", bytes=payload, ids=ids, block=BLOCK)
         ndescs = [[0] for _ in variants]
         setups, held = {}, {}  # untimed: the hold (and for eager its pack) before each timed fetch
+        tails = {}  # untimed: what each fetch sends and frees after its result, before the next method
         for i, (mode, chunks, inflight, eager, way, src_layout, cost) in enumerate(variants):
 
             def hold(i=i, eager=eager, chunks=chunks, way=way, agent=agents[i]) -> None:
@@ -520,21 +532,34 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
                         ndesc[0] = res[0].descriptors
                         return
 
+            def tail(i=i, agent=agents[i]) -> None:
+                agent.progress()  # its Dones and fence: the connector's thread sends them right after the result
+                if not prefill.call("settle", i, timeout_s=None):  # and the prefill takes them in
+                    raise AssertionError(f"e2e: variant {i}'s Dones were not taken in within 10 s")
+
             clear()
             hold()
             staged()
             (check_joint if src_layout == "KV" else check)(_method(mode, chunks, inflight, eager, way, src_layout,
                                                                    cost))
+            tail()
             timed[f"staged{i}"] = staged
             setups[f"staged{i}"] = hold
+            tails[f"staged{i}"] = tail
 
-        # interleaved rounds: a burst of load on this shared machine hits every method alike
+        # interleaved rounds: a burst of load on this shared machine hits every method alike. Each kvtriton
+        # fetch's end (its Dones and fence, the prefill taking them in) runs untimed right after it, as the
+        # connector's thread sends them after the result: left to the next round, it ran inside the same
+        # variant's next fetch and, in the prefill, beside the next method's, and two identical variants
+        # differed by up to 1.22x by their place in the round (docs/results.md)
         samples: dict[str, list[float]] = {k: [] for k in timed}
         for _ in range(reps):
             for k, fn in timed.items():
                 if k in setups:
                     setups[k]()
                 samples[k].append(quantiles_ms(fn, 1, warmup=0)[1])
+                if k in tails:
+                    tails[k]()
         for i, v in enumerate(variants):  # every eager fetch found its pack (the source counts hits)
             if v[3]:
                 setups[f"staged{i}"]()  # and at once: how they were served (the row's note)
