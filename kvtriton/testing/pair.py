@@ -130,13 +130,14 @@ class EnginePair:
             for a in self.agents:
                 a.progress()
 
-    def settle_until(self, done: Callable[[], bool], what: Callable[[], str], timeout_s: float = 10.0) -> None:
-        """Progress every agent until ``done()`` holds (checked first after a short settle, so
-        messages already sent are delivered); fails (AssertionError with ``what()``, the state
-        waited on) after ``timeout_s``. A test waits for the state it means, not for a fixed
-        time a loaded host may not keep."""
+    def settle_until(self, done: Callable[[], bool], what: Callable[[], str], timeout_s: float = 10.0,
+                     first_s: float = 0.05) -> None:
+        """Progress every agent until ``done()`` holds (checked first after ``first_s`` of
+        progress, so what is under way gets sent); fails (AssertionError with ``what()``, the
+        state waited on) after ``timeout_s``. A test waits for the state it means, not for a
+        fixed time a loaded host may not keep."""
         deadline = time.monotonic() + timeout_s
-        self.settle(0.05)
+        self.settle(first_s)
         while not done():
             assert time.monotonic() < deadline, f"not within {timeout_s} s: {what()}"
             self.settle(0.01)
@@ -147,12 +148,14 @@ class EnginePair:
 
     def settle_offers(self, *req_ids: str, timeout_s: float = 10.0) -> None:
         """Progress until every offer the prefill ranks sent (``stats.eager_offers``: ``req_ids``
-        are every request held) is held by a decode rank."""
+        are every request held) is held by a decode rank. An offer goes once its pack is done:
+        0.1 s of progress first (what the tests waited in all before), then until they arrive."""
         def sent() -> list[int]:
             return [p.stats["eager_offers"] for p in self.pa]
 
         self.settle_until(lambda: self.offers_held(*req_ids) >= sum(sent()),
-                          lambda: f"offers of {req_ids} held {self.offers_held(*req_ids)}, sent {sent()}", timeout_s)
+                          lambda: f"offers of {req_ids} held {self.offers_held(*req_ids)}, sent {sent()}", timeout_s,
+                          first_s=0.1)
 
     def settle_done(self, timeout_s: float = 10.0) -> None:
         """Progress until no prefill rank holds a request and every agent's staging is back: every
