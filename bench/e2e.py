@@ -271,6 +271,11 @@ VARIANTS_BY_CASE = {"p4d8": VARIANTS,
 #: timed rounds of a quick run (the sweep's): rounds interleave every method, so a burst of load on a
 #: shared host hits them alike; fewer rounds leave a median one burst away from the next method's
 QUICK_REPS = 9  # 5 before issue 36 point 1: ~10 s more per configuration (of ~60) on a 2-core host
+#: a run with a busy neighbour times this many times an idle run's rounds: there one fetch takes ~10 ms or ~18 ms
+#: (whether the neighbour shares its core for a time slice), flipping from one fetch to the next, so a
+#: median of 9 lands in either mode: identical work differed by up to 1.24x between two such medians;
+#: with 27 rounds the same pairs agreed within 3% (docs/results.md); ~15 s more on a 2-core host
+BUSY_ROUNDS = 3
 #: how each source layout is named in a method (KV: vLLM's joint K||V cache on both sides)
 SOURCE_LABEL = {"NHD": "", "HND": ", HND source", "KV": ", vLLM K||V layout"}
 
@@ -327,7 +332,7 @@ def run_e2e_bench(quick: bool = False, layers: int | None = None, tokens: int = 
     from kvtriton.transport.nixl import NixlTransport
 
     layers = layers or (4 if quick else 16)
-    reps = reps or (QUICK_REPS if quick else 9)
+    reps = reps or (QUICK_REPS if quick else 9) * (BUSY_ROUNDS if busy else 1)
     n = tokens // BLOCK
     num_blocks = n + 8
     p_tp, d_tp, ranks, src_heads, dst_heads = _geometry(case)
@@ -719,7 +724,8 @@ def main() -> None:
     ap.add_argument("--ids", default="random", choices=["random", "runs"], help="block ids: a permutation or runs")
     ap.add_argument("--case", default="p4d8", choices=sorted(CASES), help="P->D geometry (see CASES)")
     ap.add_argument("--json", default=None, help="write the rows here as JSON (used by the sweep)")
-    ap.add_argument("--reps", type=int, default=None, help="timed rounds (default: 9, --quick: QUICK_REPS)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timed rounds (default: 9, --quick: QUICK_REPS; BUSY_ROUNDS times that with --busy)")
     args = ap.parse_args()
     rows = run_e2e_bench(args.quick, args.layers, busy=args.busy, per_token=not args.no_per_token,
                          transport=args.transport, ids=args.ids, case=args.case, reps=args.reps)

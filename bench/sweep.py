@@ -286,7 +286,7 @@ SECTIONS = {
 #: agent processes (~80 s on a loaded 2-core host), more than the default sweep's 5 minutes can hold
 FULL_ONLY = {"faults", "pd_hybrid"}
 
-BUDGET_S = {"descriptors": 5, "kernels": 25, "e2e": 45, "costmodel": 50, "planning": 5, "fetch_host": 10,
+BUDGET_S = {"descriptors": 5, "kernels": 20, "e2e": 60, "costmodel": 40, "planning": 5, "fetch_host": 10,
             "rogue": 20, "security_cost": 15, "pd_vllm": 125}
 #: peak memory every bench must stay under (issue 21: the quick grid once peaked at 10 GB)
 MEMORY_GOAL_GB = 4.0
