@@ -398,7 +398,7 @@ class TransferAgent:
         ``num_tokens`` tokens (default: what both lists cover): remote ``j`` holds tokens
         ``[j*Bs, (j+1)*Bs)``, local ``k`` ``[k*Bd, (k+1)*Bd)``; a local -1 skips those, a remote -1
         only tokens no wanted local block holds; tokens from ``num_tokens`` on are not written
-        (:func:`kvtriton.plan.request.compact_tokens`).
+        (:func:`kvtriton.plan.tokens.compact_tokens`).
         KV cache groups: one list per group on each side, per-group lengths equal
         (:meth:`~kvtriton.plan.RequestPlan.for_fetch`). Raises at once on bad ids or an unknown
         engine (:class:`~kvtriton.errors.PlanError`, ``KeyError``); the rest goes to

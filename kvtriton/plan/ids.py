@@ -111,12 +111,23 @@ def _as_int64(ids: Sequence[int] | np.ndarray, copy: bool) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64).reshape(-1)
 
 
+#: a request of at most this many positions is checked on a Python list (``tolist`` and builtins): a
+#: small fetch runs with its caches cold (a READ, or the engine's step, came before it), where each
+#: numpy call costs a few microseconds, and these checks were a tenth of its host time
+#: (bench/fetch_phases.py); above it numpy's passes are the cheaper
+SMALL_REQUEST = 64
+
+
 def _lowest(ids: np.ndarray, num_blocks: int, name: str) -> int:
     """The lowest of ``ids`` (0 when empty), each checked in ``[-1, num_blocks)``: two reductions, no mask."""
     if not ids.size:
         return 0
-    lo = int(ids.min())
-    if lo < -1 or int(ids.max()) >= num_blocks:
+    if ids.size <= SMALL_REQUEST:
+        vals = ids.tolist()
+        lo, hi = min(vals), max(vals)
+    else:
+        lo, hi = int(ids.min()), int(ids.max())
+    if lo < -1 or hi >= num_blocks:
         bad = (ids < -1) | (ids >= num_blocks)
         j = int(np.argmax(bad))
         raise PlanError(
@@ -137,7 +148,10 @@ def check_distinct(dst: np.ndarray, num_blocks: int | None = None) -> None:
     O(ids + num_blocks) without sorting (a 128k-token request: ~10 us instead of ~400 us)."""
     if dst.size < 2:
         return
-    if num_blocks is not None and num_blocks <= _BITMAP_SPAN * dst.size + 4096:
+    if dst.size <= SMALL_REQUEST:
+        if len(set(dst.tolist())) == dst.size:
+            return
+    elif num_blocks is not None and num_blocks <= _BITMAP_SPAN * dst.size + 4096:
         seen = np.zeros(num_blocks, dtype=np.bool_)
         seen[dst] = True
         if int(np.count_nonzero(seen)) == dst.size:

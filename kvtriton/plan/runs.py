@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..spec import RegionSpec
+from .ids import SMALL_REQUEST
 from .types import ChunkGeometry, Payload, TransferPlan, Way
 
 __all__ = ["Runs", "BlockRows", "DirectGroup", "id_runs", "pair_runs", "run_count", "pair_run_count",
@@ -57,6 +58,9 @@ def run_count(ids: np.ndarray) -> int:
     n = ids.size
     if n < 2:
         return int(n)
+    if n <= SMALL_REQUEST:  # a small request's ids as a list: see kvtriton.plan.ids.SMALL_REQUEST
+        v = ids.tolist()
+        return sum(b - a != 1 for a, b in zip(v, v[1:])) + 1
     return int(np.count_nonzero(ids[1:] - ids[:-1] != 1)) + 1
 
 
@@ -70,6 +74,9 @@ def pair_run_count(src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
     n = src_ids.size
     if n < 2:
         return int(n)
+    if n <= SMALL_REQUEST:
+        s, d = src_ids.tolist(), dst_ids.tolist()
+        return sum(s[i + 1] - s[i] != 1 or d[i + 1] - d[i] != 1 for i in range(n - 1)) + 1
     return int(np.count_nonzero((src_ids[1:] - src_ids[:-1] != 1) | (dst_ids[1:] - dst_ids[:-1] != 1))) + 1
 
 

@@ -138,17 +138,23 @@ def test_direct_runs_repeat_one_group_for_many_layers():
     assert runs.region.tolist() == sorted(runs.region.tolist())
 
 
-@pytest.mark.parametrize("num_blocks", [16, 1 << 20])  # bitmap path, then the sorted path
-def test_distinct_check_both_paths(num_blocks):
-    ids = np.arange(8) * (num_blocks // 8)
-    s, d = compact_request(np.arange(8), ids, 8, num_blocks)
+# a small request's list (ids.SMALL_REQUEST), then the bitmap, then the sort
+@pytest.mark.parametrize("n,num_blocks", [(8, 16), (100, 128), (100, 1 << 20)])
+def test_distinct_and_range_checks_every_path(n, num_blocks):
+    ids = np.arange(n) * (num_blocks // n)
+    s, d = compact_request(np.arange(n), ids, n, num_blocks)
     assert d.tolist() == ids.tolist()
     bad = ids.copy()
     bad[5] = bad[2]
     with pytest.raises(PlanError, match=rf"repeat: \[{bad[2]}\]"):
-        compact_request(np.arange(8), bad, 8, num_blocks)
+        compact_request(np.arange(n), bad, n, num_blocks)
     with pytest.raises(PlanError, match="repeat"):
-        compact_tokens(np.arange(8), bad, 8, num_blocks, 16, 16)
+        compact_tokens(np.arange(n), bad, n, num_blocks, 16, 16)
+    for v, what in ((num_blocks, "destination block id"), (-2, "destination block id")):
+        far = ids.copy()
+        far[n - 1] = v
+        with pytest.raises(PlanError, match=rf"{what} {v} at position {n - 1} is out of range"):
+            compact_request(np.arange(n), far, n, num_blocks)
 
 
 def test_compact_request_returns_copies_and_rejects_before_anything():

@@ -38,6 +38,7 @@ from .parts import (
     StagedPart,
 )
 from .queued import Queued
+from .reading import MAX_ENGINES, EngineReads
 
 _PULL_PARTS: dict[Way, type[Part]] = {Way.STAGED: StagedPart, Way.READ_UNPACK: ReadUnpackPart,
                                        Way.PACK_PLACE: PackPlacePart, Way.DIRECT_SLICE: DirectPart}
@@ -53,6 +54,7 @@ class Destination:
         self.fetches = Fetches(settings.name, settings.rank, settings.tp, links, self.offers)
         self.queued = Queued(settings.rank, settings.renew_s, links)  # waiting in the engine's queue: renewed
         self.deferred = Deferred()  # asked while another thread held the agent (.deferred)
+        self._reads: dict[str, EngineReads] = {}  # by source engine: what its fetches read by (.reading)
 
     # ------------------------------------------------------------------ requests
     def fetch(self, req_id: str, engine: str, remote_block_ids: IdsArg, local_block_ids: IdsArg,
@@ -62,21 +64,15 @@ class Destination:
             raise RequestRejectedError(f"fetch {req_id!r} is already in flight")
         self.fetches.send_dones(req_id)  # fetched again: the last fetch's Done goes first
         self.queued.drop(req_id)  # from now on its fetch renews its holds
-        plan = self.met(engine)
-        peers = {r: self.links.peers[(engine, r)] for r in plan.source_ranks}
-        src_specs = self.links.engine_peers(engine)[0].md.regions
-        caps = {s.src_rank: min(self.s.chunk_bytes, peers[s.src_rank].md.staging.chunk_bytes)
-                for s in plan.staged}  # a chunk fits both sides' staging
+        reads = self.reads(engine)
+        checked = reads.checked
         # the way of each payload is chosen in the request's plan (an offer the source made means
         # it is packed already, or that its cache blocks are ours to read with no pull)
-        checked = (min(s.num_blocks for s in src_specs), self._num_blocks)
-        rp = RequestPlan.for_fetch(plan, remote_block_ids, local_block_ids,
+        packed, cache_offers = self.offers.of_request(reads.peers, req_id)
+        rp = RequestPlan.for_fetch(reads.plan, remote_block_ids, local_block_ids,
                                    src_num_blocks=checked[0], dst_num_blocks=checked[1],
-                                   chunk_bytes=caps, num_tokens=num_tokens,
-                                   pairs={r: self.plans.reading_pair(p.md) for r, p in peers.items()},
-                                   packed={r for r, p in peers.items() if self.offers.packed(p, req_id)},
-                                   cache_offers={r: t for r, p in peers.items()
-                                                 if (t := self.offers.cache_terms(p, req_id)) is not None},
+                                   chunk_bytes=reads.caps, num_tokens=num_tokens, pairs=reads.pairs,
+                                   fitted=reads.fitted, packed=packed, cache_offers=cache_offers,
                                    push=self.s.flow is Flow.PUSH)
         blocks = max(rp.src_ids.size, rp.num_tiles)  # num_tiles: the destination ids
         if blocks > wire.MAX_REQUEST_BLOCKS:
@@ -102,6 +98,22 @@ class Destination:
             self._start(f)
         except KVTritonError as e:
             self.fetches.fail(f, e)
+
+    def reads(self, engine: str) -> EngineReads:
+        """What every fetch from ``engine`` reads by (:class:`~.reading.EngineReads`), gathered
+        again when its plan or a source rank's peer changed; ``KeyError`` or ``PlanError`` as
+        :meth:`met`."""
+        got = self._reads.get(engine)
+        if got is not None and got.current(self.plans.read_by(engine), self.links.peers):
+            return got
+        plan = self.met(engine)
+        peers = {r: self.links.peers[(engine, r)] for r in plan.source_ranks}
+        got = EngineReads.gather(engine, plan, peers, {r: self.plans.reading_pair(p.md) for r, p in peers.items()},
+                                 self.s.chunk_bytes, self._num_blocks)
+        if len(self._reads) >= MAX_ENGINES:  # engines met and gone: the oldest goes (made again if asked)
+            self._reads.pop(next(iter(self._reads)))
+        self._reads[engine] = got
+        return got
 
     def met(self, engine: str) -> TransferPlan:
         """The plan this rank reads ``engine`` by, every source rank of it met: ``KeyError`` (a rank
@@ -163,14 +175,14 @@ class Destination:
         direct = rp.sends_runs(src_rank)
         rows = rp.pairs[src_rank].rows(way if pull else Way.STAGED)
         runs = RunsTransfer(rows, direct) if direct or (cls is DirectPart and payload is not None) else None
-        xid = self.fetches.new_xid(f.req_id, src_rank)
         taken = self.fetches.parts.__contains__
         if way.reads_source_cache and pull or (cls is DirectPart and pull and runs is not None):  # they read the cache
             offer = self.offers.take_cache(peer, f.req_id, rp, taken)
         else:
             offer = self.offers.take_packed(peer, f.req_id, rp, src_rank, taken)
         lease = CacheLease() if pull and runs is not None else None
-        part = cls(self.s, self.links, offer.xid if offer else xid, f, src_rank, payload, runs, lease)
+        xid = offer.xid if offer else self.fetches.new_xid(f.req_id, src_rank)  # an offered part: the source's id
+        part = cls(self.s, self.links, xid, f, src_rank, payload, runs, lease)
         if offer is not None:
             part.take_offer(offer)
         return part
@@ -293,6 +305,7 @@ class Destination:
         self.fetches.shift(seconds)
 
     def peer_lost(self, peer: Peer, error: KVTritonError) -> None:
+        self._reads.pop(peer.md.engine, None)
         self.offers.peer_lost(peer)
         self.fetches.peer_lost(peer, error)
 

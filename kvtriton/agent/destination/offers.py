@@ -39,16 +39,21 @@ class Offers:
         """Whether some rank of ``engine`` offered ``req``."""
         return any(req in offers for (eng, _), offers in self.by_peer.items() if eng == engine)
 
-    def packed(self, peer: Peer, req: str) -> bool:
-        """Whether ``peer`` offered ``req`` packed (with slots; one without is read_unpack)."""
-        offer = self.by_peer.get(peer.key, {}).get(req)
-        return offer is not None and bool(offer.slots)
-
-    def cache_terms(self, peer: Peer, req: str) -> OfferTerms | None:
-        """The terms of ``peer``'s offer of ``req``'s cache blocks (an offer without slots: read
-        them), None when it offered none."""
-        offer = self.by_peer.get(peer.key, {}).get(req)
-        return None if offer is None or offer.slots else _terms(offer)
+    def of_request(self, peers: dict[int, Peer], req: str) -> tuple[set[int], dict[int, OfferTerms]]:
+        """Of ``peers`` (by source rank), those that offered ``req`` packed (with slots), and the terms
+        of those that offered its cache blocks (no slots: read_unpack or a cache read): one look per rank."""
+        packed: set[int] = set()
+        cache: dict[int, OfferTerms] = {}
+        by_peer = self.by_peer
+        for r, peer in peers.items():
+            mine = by_peer.get(peer.key)
+            offer = mine.get(req) if mine else None
+            if offer is not None:
+                if offer.slots:
+                    packed.add(r)
+                else:
+                    cache[r] = _terms(offer)
+        return packed, cache
 
     def withdraw(self, peer: Peer, xid: str) -> None:
         """``peer`` withdrew its offer ``xid`` (its hold ended, or we pulled instead)."""
