@@ -114,8 +114,9 @@ def _as_int64(ids: Sequence[int] | np.ndarray, copy: bool) -> np.ndarray:
 #: a request of at most this many positions is checked on a Python list (``tolist`` and builtins): a
 #: small fetch runs with its caches cold (a READ, or the engine's step, came before it), where each
 #: numpy call costs a few microseconds, and these checks were a tenth of its host time
-#: (bench/fetch_phases.py); above it numpy's passes are the cheaper
-SMALL_REQUEST = 64
+#: (bench/fetch_phases.py); above it numpy's passes are the cheaper (in a hot loop the two cost the
+#: same at ~32 ids; at 64 the list path made bench/planning.py's 1k-token request 2.6 us slower)
+SMALL_REQUEST = 32
 
 
 def _lowest(ids: np.ndarray, num_blocks: int, name: str) -> int:

@@ -141,6 +141,9 @@ def test_direct_runs_repeat_one_group_for_many_layers():
 # a small request's list (ids.SMALL_REQUEST), then the bitmap, then the sort
 @pytest.mark.parametrize("n,num_blocks", [(8, 16), (100, 128), (100, 1 << 20)])
 def test_distinct_and_range_checks_every_path(n, num_blocks):
+    from kvtriton.plan.ids import SMALL_REQUEST
+
+    assert 8 <= SMALL_REQUEST < 100  # the paths named above are the ones these sizes take
     ids = np.arange(n) * (num_blocks // n)
     s, d = compact_request(np.arange(n), ids, n, num_blocks)
     assert d.tolist() == ids.tolist()
