@@ -248,9 +248,9 @@ class MetadataServer:
                 sel.unregister(conn)
             except (KeyError, ValueError):
                 pass
-        conn.close()
-        if count:
+        if count:  # counted before it closes, as a served connection's outcome is
             self.stats["turned_away"] += 1
+        conn.close()
 
     def _dispatch(self, pending, ready) -> None:
         ready.sort(key=buffered, reverse=True)  # a whole frame waiting before a trickle
@@ -275,7 +275,7 @@ class MetadataServer:
     def _serve(self, conn: Served, accepted: float) -> None:
         first, deadline = accepted + self._first_timeout, accepted + self._io_timeout
         cred, src, kept = self._credential, conn.src, False
-        try:
+        try:  # the outcome is counted before the socket closes: a client that saw its end sees it counted
             try:
                 ctx = cred.server_context() if cred is not None else None
                 if ctx is not None:
@@ -286,26 +286,27 @@ class MetadataServer:
                 else:
                     served = self._serve_plain(conn, src, first, deadline)
                 kept = served is not None and self._keep(conn, served, deadline)  # then the lifeline's owner has it
-            finally:
-                with self._lock:  # given back before it is closed: an eviction never touches a closed socket
-                    self._workers.give_back(conn)
-                if not kept:
-                    conn.sock.close()
-        except _Refused as e:
-            self.stats["unauthenticated"] += 1
-            if e.mismatch:
-                self.stats["mismatch"] += 1
-                logger.warning("handshake from %s on port %d: credential mismatch: %s", src, self.port, e.mismatch)
-            else:
-                logger.info("handshake from %s on port %d: did not prove the credential", src, self.port)
-        except ssl.SSLError as e:
-            self.stats["unauthenticated"] += 1
-            logger.info("handshake from %s on port %d: TLS refused: %s", src, self.port, e)
-        except (OSError, ConnectionError, KVTritonError, struct.error) as e:
-            if not conn.evicted:
-                self.stats["failed"] += 1
-            logger.info("handshake connection from %s on port %d failed%s: %s", src, self.port,
-                        " (evicted: the slowest while every worker was taken)" if conn.evicted else "", e)
+            except _Refused as e:
+                self.stats["unauthenticated"] += 1
+                if e.mismatch:
+                    self.stats["mismatch"] += 1
+                    logger.warning("handshake from %s on port %d: credential mismatch: %s", src, self.port,
+                                   e.mismatch)
+                else:
+                    logger.info("handshake from %s on port %d: did not prove the credential", src, self.port)
+            except ssl.SSLError as e:
+                self.stats["unauthenticated"] += 1
+                logger.info("handshake from %s on port %d: TLS refused: %s", src, self.port, e)
+            except (OSError, ConnectionError, KVTritonError, struct.error) as e:
+                if not conn.evicted:
+                    self.stats["failed"] += 1
+                logger.info("handshake connection from %s on port %d failed%s: %s", src, self.port,
+                            " (evicted: the slowest while every worker was taken)" if conn.evicted else "", e)
+        finally:
+            with self._lock:  # given back before it is closed: an eviction never touches a closed socket
+                self._workers.give_back(conn)
+            if not kept:
+                conn.sock.close()
 
     def _keep(self, conn: Served, served: Meeting, deadline: float) -> bool:
         """After a served meeting: whether the caller asked to keep the connection and
