@@ -145,8 +145,9 @@ _BITMAP_SPAN = 64
 def check_distinct(dst: np.ndarray, num_blocks: int | None = None) -> None:
     """:class:`PlanError` naming repeated ids of ``dst`` (ids in ``[0, num_blocks)``, checked).
 
-    With ``num_blocks`` given and not much larger than the ids, a bitmap counts distinct ids in
-    O(ids + num_blocks) without sorting (a 128k-token request: ~10 us instead of ~400 us)."""
+    At most :data:`SMALL_REQUEST` ids: a set of their list. Else, with ``num_blocks`` given and not
+    much larger than the ids, a bitmap counts distinct ids in O(ids + num_blocks) without sorting
+    (a 128k-token request: ~10 us instead of ~400 us); else a sort."""
     if dst.size < 2:
         return
     if dst.size <= SMALL_REQUEST:
